@@ -1,0 +1,120 @@
+"""Process-actor base: constructor in the parent (picklable), ``on_start`` in the child, a thin loop.
+
+Lifecycle of one actor process (spawn start method):
+    parent: Actor(layout, index)  -> pickled into the child
+    child:  _child_main -> on_start() (heavy imports, shm attach, model load)
+            -> actor table status READY -> loop: run_once(); heartbeat  (until the stop event is set)
+            -> on_stop() -> status STOPPED
+The heartbeat (count, CLOCK_MONOTONIC ns, loop iterations) is written to the shm actor table on every
+loop iteration, idle ones included, so the heartbeat monitor can tell a hung actor from an idle one.
+Modelled on pykka's actor hooks; the loop itself stays thin and delegates to plain synchronous code.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.config import EngineConfig
+
+log = logging.getLogger("pdserve.actors")
+
+# Actor indices in the actor table; also the ``owner`` value written into request rows.
+PREFILL_INDEX = 0
+DECODE_INDEX = 1
+API_INDEX = 2
+MONITOR_INDEX = 3
+ACTOR_NAMES = ("prefill0", "decode0", "api", "monitor")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the supervisor reads from the model's metadata to size the KV pools (no weights loaded)."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    context_length: int
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Names of every shared segment of one engine, plus its config: all an actor needs to attach."""
+
+    engine_id: str
+    config: EngineConfig
+    model_path: str
+    served_model_name: str
+    shape: ModelShape
+    max_model_len: int
+    kv_blocks_per_pool: int
+    segments: dict[str, str] = field(default_factory=dict)
+
+    def segment(self, what: str) -> str:
+        return self.segments[what]
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies, so no actor outlives the supervisor."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the loop's parent-pid check still ends us
+        pass
+
+
+class Actor:
+    """Base class. Subclasses implement ``on_start``, ``run_once(timeout_s)`` and optionally ``on_stop``."""
+
+    role = "actor"
+    idle_wait_s = 0.05  # longest a loop iteration blocks waiting for messages when there is no work
+
+    def __init__(self, layout: EngineLayout, index: int):
+        self.layout = layout
+        self.config = layout.config
+        self.index = index
+        self.name = ACTOR_NAMES[index]
+
+    # ---- hooks ------------------------------------------------------------------------------------
+    def on_start(self) -> None:
+        """Runs in the child before READY: attach shm, load the model. Raise to fail start-up."""
+
+    def run_once(self) -> None:
+        """One loop iteration; must return within about ``idle_wait_s`` when there is nothing to do."""
+        raise NotImplementedError
+
+    def on_stop(self) -> None:
+        """Runs in the child after the loop ends; answer or fail what is still queued."""
+
+    # ---- child process entry ----------------------------------------------------------------------
+    def child_main(self, stop_event: Any) -> None:
+        _die_with_parent()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the supervisor, which stops us
+        signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
+        logging.basicConfig(level=self.config.log_level.upper(),
+                            format=f"%(asctime)s {self.name} %(levelname)s %(message)s")
+        from ipc.actor_table import ActorStatus, ActorTable
+
+        self.actors = ActorTable.attach(self.layout.segment("actors"))
+        self.actors.set(self.index, pid=os.getpid(), status=ActorStatus.STARTING,
+                        started_ns=time.monotonic_ns())
+        parent = os.getppid()
+        self.on_start()
+        self.actors.set(self.index, status=ActorStatus.READY)
+        self.actors.beat(self.index)
+        log.info("%s ready (pid %d)", self.name, os.getpid())
+        try:
+            while not stop_event.is_set() and os.getppid() == parent:
+                self.run_once()
+                self.actors.beat(self.index)
+        finally:
+            self.actors.set(self.index, status=ActorStatus.STOPPING)
+            try:
+                self.on_stop()
+            finally:
+                self.actors.set(self.index, status=ActorStatus.STOPPED)

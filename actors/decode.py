@@ -1,0 +1,234 @@
+"""DecodeActor: owns one device; pulls prompts' KV from the prefill pool and decodes with continuous batching.
+
+Per request: KVReady arrives (row BOOTSTRAP) -> reserve blocks for prompt + max_tokens -> TRANSFERRING
+(pull through the KVTransport) -> DONE: TransferDone to prefill, row DECODE_WAITING -> admitted into the
+running batch (DECODING) between steps -> one token per step -> FINISHED (EOS, stop token, max_tokens).
+Requests join and leave the batch between steps. A row that turns final elsewhere (client abort, stop
+string seen by the API, monitor timeout) is noticed on the next iteration and its blocks freed once.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.base import DECODE_INDEX, Actor
+from actors.messages import KVReady, RequestError, TokenBatch, TransferDone, from_wire, to_wire
+from actors.prefill import sampling_params
+
+log = logging.getLogger("pdserve.decode")
+
+
+@dataclass
+class DecodeEntry:
+    """A request held by the decode actor."""
+
+    ready: KVReady
+    blocks: list[int] = field(default_factory=list)
+    position: int = 0          # position of ``last_token``, whose KV is not in the pool yet
+    last_token: int = 0
+    output_tokens: int = 0
+    params: Any = None
+    generator: Any = None
+    transfer_handle: int | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.ready.slot, self.ready.generation)
+
+
+class DecodeActor(Actor):
+    role = "decode"
+
+    def __init__(self, layout, index: int = DECODE_INDEX):
+        super().__init__(layout, index)
+
+    def on_start(self) -> None:
+        from gpu.model import LlamaModel
+        from gpu.sampling import Sampler
+        from ipc.kv_pool import KVPool
+        from ipc.kv_transport import make_transport
+        from ipc.shm_queue import ShmQueue
+        from ipc.state_table import RequestState, StateTable
+
+        self.S = RequestState
+        self.model = LlamaModel.from_path(self.layout.model_path or None, device=self.config.device,
+                                          progress=False)
+        self.eos_ids = set(self.model.config.eos_token_ids)
+        self.pool = KVPool.attach(self.layout.segment("kv_decode"))
+        self.pool.reset()
+        self.kv = self.pool.tensor()
+        self.transport = make_transport(self.config.kv_transport, self.pool)
+        self.transport.open_peer(self.layout.segment("kv_prefill"))
+        self.inbox = ShmQueue.attach(self.layout.segment("q_decode"))
+        self.to_prefill = ShmQueue.attach(self.layout.segment("q_prefill"))
+        self.to_api = ShmQueue.attach(self.layout.segment("q_api"))
+        self.table = StateTable.attach(self.layout.segment("state"))
+        self.sampler = Sampler()
+        self.bootstrapping: list[DecodeEntry] = []
+        self.transferring: list[DecodeEntry] = []
+        self.waiting: list[DecodeEntry] = []
+        self.running: list[DecodeEntry] = []
+        self._publish_pool()
+
+    def _publish_pool(self) -> None:
+        self.actors.set(self.index, kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free)
+
+    def _busy(self) -> bool:
+        return bool(self.bootstrapping or self.transferring or self.waiting or self.running)
+
+    # ---- loop ---------------------------------------------------------------------------------------
+    def run_once(self) -> None:
+        timeout_s = 0.0 if self._busy() else self.idle_wait_s
+        for frame in self.inbox.get_many(64, timeout_s):
+            message = from_wire(frame)
+            if isinstance(message, KVReady):
+                self.bootstrapping.append(DecodeEntry(ready=message))
+            else:
+                log.warning("decode: unexpected message %r dropped", message)
+        self.reap_final()
+        self.bootstrap()
+        self.poll_transfers()
+        items: list[list[Any]] = []
+        self.admit(items)
+        self.step(items)
+        if items:
+            self.to_api.put(to_wire(TokenBatch(items)))
+
+    def _is_live(self, entry: DecodeEntry) -> bool:
+        row = self.table.read(*entry.key)
+        return row is not None and not self.S(row["state"]).is_final
+
+    def _release(self, entry: DecodeEntry) -> None:
+        if entry.transfer_handle is not None:
+            self.transport.release(entry.transfer_handle)
+            entry.transfer_handle = None
+        if entry.blocks:
+            self.pool.free(entry.blocks, entry.ready.slot)
+            entry.blocks = []
+            self.table.update(*entry.key, decode_blocks=0)
+            self._publish_pool()
+
+    def reap_final(self) -> None:
+        for name in ("bootstrapping", "transferring", "waiting", "running"):
+            entries = getattr(self, name)
+            keep = []
+            for entry in entries:
+                if self._is_live(entry):
+                    keep.append(entry)
+                else:
+                    self._release(entry)
+            setattr(self, name, keep)
+
+    def bootstrap(self) -> None:
+        """Reserve blocks for prompt + max_tokens, in arrival order, and start pulling the KV."""
+        from pdserve.errors import OutOfKVBlocksError
+
+        while self.bootstrapping:
+            entry = self.bootstrapping[0]
+            ready = entry.ready
+            needed = math.ceil((ready.num_tokens + ready.sampling.max_tokens) / self.pool.block_tokens)
+            try:
+                entry.blocks = self.pool.allocate(needed, ready.slot)
+            except OutOfKVBlocksError:
+                return  # stays in BOOTSTRAP until running requests finish
+            self.bootstrapping.pop(0)
+            if not self.table.transition(ready.slot, ready.generation, self.S.TRANSFERRING, owner=self.index):
+                self._release(entry)
+                continue
+            row = self.table.read(*entry.key)
+            self.table.update(*entry.key, decode_blocks=len(entry.blocks),
+                              n_transfers=int(row["n_transfers"]) + 1 if row else 1)
+            self._publish_pool()
+            src = list(ready.src_block_ids)
+            entry.transfer_handle = self.transport.start_copy(src, entry.blocks[:len(src)],
+                                                              num_tokens=ready.num_tokens)
+            self.transferring.append(entry)
+
+    def poll_transfers(self) -> None:
+        from ipc.kv_transport import TransferStatus
+
+        keep = []
+        for entry in self.transferring:
+            status = self.transport.poll(entry.transfer_handle)
+            if status == TransferStatus.IN_PROGRESS:
+                keep.append(entry)
+                continue
+            self.transport.release(entry.transfer_handle)
+            entry.transfer_handle = None
+            slot, generation = entry.key
+            if status == TransferStatus.DONE:
+                self.to_prefill.put(to_wire(TransferDone(slot, generation)))
+                if self.table.transition(slot, generation, self.S.DECODE_WAITING, owner=self.index):
+                    self.waiting.append(entry)
+                else:
+                    self._release(entry)
+            else:
+                log.error("KV transfer failed for slot %d", slot)
+                if self.table.transition(slot, generation, self.S.FAILED, owner=self.index):
+                    self.to_api.put(to_wire(RequestError(slot, generation, 503, "engine_error",
+                                                         "KV transfer from the prefill actor failed; retry")))
+                self._release(entry)
+        self.transferring = keep
+
+    def _finish_reason(self, entry: DecodeEntry, token: int) -> str | None:
+        params = entry.params
+        if not params.ignore_eos and token in self.eos_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if entry.output_tokens >= params.max_tokens:
+            return "length"
+        return None
+
+    def _emit(self, entry: DecodeEntry, token: int, items: list[list[Any]]) -> bool:
+        """Record one generated token; returns True if the request finished (and was released)."""
+        entry.output_tokens += 1
+        entry.last_token = token
+        reason = self._finish_reason(entry, token)
+        slot, generation = entry.key
+        if reason is not None:
+            if not self.table.transition(slot, generation, self.S.FINISHED, owner=self.index):
+                self._release(entry)
+                return True
+            self.table.update(slot, generation, output_tokens=entry.output_tokens)
+            self._release(entry)
+        else:
+            self.table.update(slot, generation, output_tokens=entry.output_tokens)
+        items.append([slot, generation, token, reason])
+        return reason is not None
+
+    def admit(self, items: list[list[Any]]) -> None:
+        """Move waiting requests into the running batch (between steps) and emit their first token."""
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            entry = self.waiting.pop(0)
+            ready = entry.ready
+            if not self.table.transition(ready.slot, ready.generation, self.S.DECODING, owner=self.index):
+                self._release(entry)
+                continue
+            entry.params = sampling_params(ready.sampling)
+            if entry.params.seed is not None:
+                entry.generator = self.sampler.make_generator(entry.params.seed + 1)
+            entry.position = ready.num_tokens
+            if not self._emit(entry, ready.first_token, items):
+                self.running.append(entry)
+
+    def step(self, items: list[list[Any]]) -> None:
+        """One batched decode step over every running request."""
+        if not self.running:
+            return
+        batch = self.running
+        logits = self.model.decode(self.kv, [e.last_token for e in batch], [e.position for e in batch],
+                                   [e.blocks for e in batch])
+        tokens = self.sampler.sample(logits, [e.params for e in batch], [e.generator for e in batch])
+        keep = []
+        for entry, token in zip(batch, tokens):
+            entry.position += 1
+            if not self._emit(entry, int(token), items):
+                keep.append(entry)
+        self.running = keep
+
+    def on_stop(self) -> None:
+        for entry in self.bootstrapping + self.transferring + self.waiting + self.running:
+            self._release(entry)

@@ -1,0 +1,119 @@
+"""Messages between actors: small frozen dataclasses, grouped by recipient, carrying ids and numbers only.
+
+On the wire a message is an orjson-encoded list ``[kind, field1, field2, ...]`` (positional, so frames
+stay small). Every message about a request carries ``(slot, generation)`` of its state-table row: a
+message whose generation no longer matches the row is stale and is counted and dropped by the receiver.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Per-request sampling settings sent with the request (see gpu.sampling.SamplingParams)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+
+# ---- to the prefill actor ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrefillRequest:
+    """API -> prefill: a new admitted request; its row is QUEUED."""
+
+    kind: ClassVar[str] = "prefill_request"
+    slot: int
+    generation: int
+    prompt_ids: list[int]
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class TransferDone:
+    """Decode -> prefill: decode holds a full copy of the request's KV; prefill may free its blocks."""
+
+    kind: ClassVar[str] = "transfer_done"
+    slot: int
+    generation: int
+
+
+# ---- to the decode actor ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVReady:
+    """Prefill -> decode (bootstrap): the prompt's KV sits in prefill's pool at ``src_block_ids``.
+
+    Decode reserves blocks for ``num_tokens + sampling.max_tokens`` tokens, pulls the blocks through
+    its KVTransport, answers TransferDone, then emits ``first_token`` (sampled by prefill) and decodes.
+    """
+
+    kind: ClassVar[str] = "kv_ready"
+    slot: int
+    generation: int
+    src_block_ids: list[int]
+    num_tokens: int
+    first_token: int
+    sampling: Sampling
+
+
+# ---- to the API -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenBatch:
+    """Decode -> API: new tokens of several requests from one decode step.
+
+    ``items`` rows are ``[slot, generation, token_id, finish_reason or None]``.
+    """
+
+    kind: ClassVar[str] = "token_batch"
+    items: list[list[Any]]
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """Any actor or the monitor -> API: the request ended in an error the client must be told."""
+
+    kind: ClassVar[str] = "request_error"
+    slot: int
+    generation: int
+    http_status: int
+    error_type: str
+    message: str
+
+
+_ALL = (PrefillRequest, TransferDone, KVReady, TokenBatch, RequestError)
+_BY_KIND = {cls.kind: cls for cls in _ALL}
+
+
+def to_wire(message: Any) -> list[Any]:
+    """Encode a message dataclass as ``[kind, *fields]`` (nested Sampling becomes a list)."""
+    out: list[Any] = [message.kind]
+    for f in dataclasses.fields(message):
+        value = getattr(message, f.name)
+        if isinstance(value, Sampling):
+            value = list(dataclasses.astuple(value))
+        out.append(value)
+    return out
+
+
+def from_wire(frame: list[Any]) -> Any:
+    """Decode ``[kind, *fields]``. Raises ValueError for an unknown kind or a wrong field count."""
+    if not isinstance(frame, list) or not frame or frame[0] not in _BY_KIND:
+        raise ValueError(f"unknown message frame: {str(frame)[:80]}")
+    cls = _BY_KIND[frame[0]]
+    fields = dataclasses.fields(cls)
+    if len(frame) - 1 != len(fields):
+        raise ValueError(f"{cls.__name__} needs {len(fields)} fields, got {len(frame) - 1}")
+    values = {}
+    for f, value in zip(fields, frame[1:]):
+        if f.name == "sampling":
+            value = Sampling(*value[:-1], tuple(value[-1]))
+        values[f.name] = value
+    return cls(**values)

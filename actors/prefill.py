@@ -1,0 +1,125 @@
+"""PrefillActor: owns one device; computes prompts' KV into its pool and hands it to the decode actor.
+
+Per request: QUEUED -(blocks allocated, forward run)-> PREFILLING -> BOOTSTRAP (KVReady sent; the request
+is now in the *prefill inflight queue*, its blocks held here) -> decode pulls the blocks -> TransferDone
+-> blocks freed here. Whenever a request's row turns final (timeout, abort, failure) the actor frees what
+it holds for it on its next loop iteration, with or without traffic: cleanup never waits for new requests.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import math
+
+from actors.base import PREFILL_INDEX, Actor
+from actors.messages import KVReady, PrefillRequest, TransferDone, from_wire, to_wire
+
+log = logging.getLogger("pdserve.prefill")
+
+
+def sampling_params(sampling):
+    """Convert a wire Sampling into gpu.sampling.SamplingParams."""
+    from gpu.sampling import SamplingParams
+
+    return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                          min_p=sampling.min_p, seed=sampling.seed, max_tokens=sampling.max_tokens,
+                          stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos)
+
+
+class PrefillActor(Actor):
+    role = "prefill"
+
+    def __init__(self, layout, index: int = PREFILL_INDEX):
+        super().__init__(layout, index)
+
+    def on_start(self) -> None:
+        from gpu.model import LlamaModel
+        from gpu.sampling import Sampler
+        from ipc.kv_pool import KVPool
+        from ipc.shm_queue import ShmQueue
+        from ipc.state_table import RequestState, StateTable
+
+        self.S = RequestState
+        self.model = LlamaModel.from_path(self.layout.model_path or None, device=self.config.device,
+                                          progress=False)
+        self.pool = KVPool.attach(self.layout.segment("kv_prefill"))
+        self.pool.reset()  # a restarted actor starts from an empty pool; its old requests were failed
+        self.kv = self.pool.tensor()
+        self.inbox = ShmQueue.attach(self.layout.segment("q_prefill"))
+        self.to_decode = ShmQueue.attach(self.layout.segment("q_decode"))
+        self.table = StateTable.attach(self.layout.segment("state"))
+        self.sampler = Sampler()
+        self.waiting: collections.deque[PrefillRequest] = collections.deque()
+        self.inflight: dict[tuple[int, int], list[int]] = {}  # (slot, generation) -> our block ids
+        self._publish_pool()
+
+    def _publish_pool(self) -> None:
+        self.actors.set(self.index, kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free)
+
+    # ---- loop ---------------------------------------------------------------------------------------
+    def run_once(self) -> None:
+        timeout_s = 0.0 if self.waiting else self.idle_wait_s
+        for frame in self.inbox.get_many(64, timeout_s):
+            self.handle(from_wire(frame))
+        self.reap_final()
+        if self.waiting:
+            self.prefill_next()
+
+    def handle(self, message) -> None:
+        if isinstance(message, PrefillRequest):
+            self.waiting.append(message)
+        elif isinstance(message, TransferDone):
+            self._free_inflight((message.slot, message.generation))
+        else:
+            log.warning("prefill: unexpected message %r dropped", message)
+
+    def _is_live(self, slot: int, generation: int) -> bool:
+        row = self.table.read(slot, generation)
+        return row is not None and not self.S(row["state"]).is_final
+
+    def _free_inflight(self, key: tuple[int, int]) -> None:
+        blocks = self.inflight.pop(key, None)
+        if blocks is None:  # late or duplicate completion for a request already cleaned up
+            return
+        self.pool.free(blocks, key[0])
+        self.table.update(key[0], key[1], prefill_blocks=0)
+        self._publish_pool()
+
+    def reap_final(self) -> None:
+        """Drop waiting requests and free the blocks of inflight requests whose rows turned final."""
+        if self.waiting:
+            self.waiting = collections.deque(r for r in self.waiting if self._is_live(r.slot, r.generation))
+        for key in [k for k in self.inflight if not self._is_live(*k)]:
+            self._free_inflight(key)
+
+    def prefill_next(self) -> None:
+        from pdserve.errors import OutOfKVBlocksError
+
+        request = self.waiting[0]
+        needed = math.ceil(len(request.prompt_ids) / self.pool.block_tokens)
+        try:
+            blocks = self.pool.allocate(needed, request.slot)
+        except OutOfKVBlocksError:
+            return  # stays QUEUED until inflight requests free blocks
+        self.waiting.popleft()
+        key = (request.slot, request.generation)
+        if not self.table.transition(request.slot, request.generation, self.S.PREFILLING, owner=self.index):
+            self.pool.free(blocks, request.slot)
+            return
+        self.inflight[key] = blocks
+        self.table.update(request.slot, request.generation, prefill_blocks=len(blocks))
+        self._publish_pool()
+        logits = self.model.prefill(self.kv, request.prompt_ids, blocks)
+        params = sampling_params(request.sampling)
+        generator = self.sampler.make_generator(params.seed) if params.seed is not None else None
+        first_token = self.sampler.sample(logits[None, :], [params], [generator])[0]
+        if not self.table.transition(request.slot, request.generation, self.S.BOOTSTRAP, owner=self.index):
+            self._free_inflight(key)
+            return
+        self.to_decode.put(to_wire(KVReady(request.slot, request.generation, blocks, len(request.prompt_ids),
+                                           int(first_token), request.sampling)))
+
+    def on_stop(self) -> None:
+        for key in list(self.inflight):
+            self._free_inflight(key)
+

@@ -1,0 +1,224 @@
+"""Supervisor: creates every shared segment, spawns the actors, waits for their readiness, watches their
+process sentinels, and on exit stops them and unlinks every segment it created.
+
+Modelled on Hypercorn's ``run.py``: spawn context, one shutdown event, readiness acknowledgements (the
+actor table's READY status), waits on process sentinels, reports exit codes.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+from actors.base import (ACTOR_NAMES, API_INDEX, DECODE_INDEX, PREFILL_INDEX, EngineLayout, ModelShape)
+from pdserve.config import LoadedConfig
+from pdserve.errors import ConfigError, PdserveError
+
+log = logging.getLogger("pdserve.supervisor")
+
+STOP_JOIN_TIMEOUT_S = 5.0
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
+    """Read the model's metadata (no weights) and size the pools, queues and tables.
+
+    Raises:
+        ConfigError: max_model_len larger than the model's context or the KV pool.
+        ModelLoadError: the model cannot be read.
+    """
+    import dataclasses
+
+    from gpu.loader import read_config
+    from ipc.naming import segment_name
+
+    config = loaded.config
+    model_path = config.model or ""
+    model_config = read_config(model_path or None)
+    shape = ModelShape(model_config.name, model_config.num_layers, model_config.num_kv_heads,
+                       model_config.head_dim, model_config.max_position_embeddings)
+    blocks = config.kv_pool_tokens // config.kv_block_tokens
+    if blocks < 1:
+        raise ConfigError(f"config field kv_pool_tokens={config.kv_pool_tokens}: must hold at least one block "
+                          f"of kv_block_tokens={config.kv_block_tokens}", param="kv_pool_tokens")
+    pool_tokens = blocks * config.kv_block_tokens
+    limit = min(shape.context_length, pool_tokens)
+    max_model_len = config.max_model_len or limit
+    if max_model_len > limit:
+        raise ConfigError(f"config field max_model_len={max_model_len}: must be <= {limit} (the model's context "
+                          f"{shape.context_length} and the KV pool's {pool_tokens} tokens)", param="max_model_len")
+    if config.port == 0:
+        config = dataclasses.replace(config, port=free_port(config.host))
+    names = ("state", "actors", "q_prefill", "q_decode", "q_api", "kv_prefill", "kv_decode")
+    return EngineLayout(engine_id=engine_id, config=config, model_path=model_path,
+                        served_model_name=config.served_model_name or shape.name, shape=shape,
+                        max_model_len=max_model_len, kv_blocks_per_pool=blocks,
+                        segments={n: segment_name(engine_id, n) for n in names})
+
+
+class Supervisor:
+    """Owns the engine's segments and processes. ``start()``, then ``run()`` until ``request_stop()``."""
+
+    def __init__(self, loaded: LoadedConfig, engine_id: str | None = None):
+        from ipc.naming import new_engine_id
+
+        self.loaded = loaded
+        self.engine_id = engine_id or new_engine_id()
+        self.layout: EngineLayout | None = None
+        self.ctx = multiprocessing.get_context("spawn")
+        self.stop_event = self.ctx.Event()
+        self.shutdown = threading.Event()
+        self.processes: dict[int, Any] = {}
+        self.actor_objects: dict[int, Any] = {}
+        self._owned: list[Any] = []
+
+    # ---- segments -----------------------------------------------------------------------------------
+    def _create_segments(self) -> None:
+        import torch
+
+        from ipc.actor_table import ActorTable
+        from ipc.kv_pool import KVPool
+        from ipc.shm_queue import ShmQueue
+        from ipc.state_table import StateTable
+
+        lay, cfg = self.layout, self.layout.config
+        self.state = StateTable.create(lay.segment("state"), num_rows=cfg.max_queued_requests * 2 + 16)
+        self.actors = ActorTable.create(lay.segment("actors"), num_actors=len(ACTOR_NAMES))
+        for index, name in enumerate(ACTOR_NAMES):
+            self.actors.set(index, name=name, device=cfg.device if index in (PREFILL_INDEX, DECODE_INDEX) else "")
+        self._owned += [self.state, self.actors]
+        for q in ("q_prefill", "q_decode", "q_api"):
+            self._owned.append(ShmQueue.create(lay.segment(q), num_slots=cfg.queue_slots,
+                                               slot_bytes=cfg.queue_slot_bytes))
+        for pool in ("kv_prefill", "kv_decode"):
+            self._owned.append(KVPool.create(lay.segment(pool), num_layers=lay.shape.num_layers,
+                                             num_blocks=lay.kv_blocks_per_pool, block_tokens=cfg.kv_block_tokens,
+                                             num_kv_heads=lay.shape.num_kv_heads, head_dim=lay.shape.head_dim,
+                                             dtype=torch.float32))
+
+    def _unlink_segments(self) -> None:
+        from ipc.naming import unlink_all
+
+        for segment in reversed(self._owned):
+            try:
+                segment.close()
+                segment.unlink()
+            except Exception:  # noqa: BLE001 - best effort; unlink_all below sweeps what is left
+                log.exception("unlinking %r failed", segment)
+        self._owned.clear()
+        unlink_all(self.engine_id)
+
+    # ---- processes ----------------------------------------------------------------------------------
+    def _actor(self, index: int):
+        from actors.decode import DecodeActor
+        from actors.prefill import PrefillActor
+        from api.server import ApiActor
+
+        return {PREFILL_INDEX: PrefillActor, DECODE_INDEX: DecodeActor, API_INDEX: ApiActor}[index](self.layout, index)
+
+    def _spawn(self, index: int) -> None:
+        actor = self._actor(index)
+        process = self.ctx.Process(target=actor.child_main, args=(self.stop_event,),
+                                   name=f"pdserve-{self.engine_id}-{ACTOR_NAMES[index]}", daemon=False)
+        process.start()
+        self.processes[index] = process
+        self.actor_objects[index] = actor
+
+    def _wait_ready(self, indices: list[int]) -> None:
+        from ipc.actor_table import ActorStatus
+
+        deadline = time.monotonic() + self.layout.config.actor_ready_timeout_s
+        pending = set(indices)
+        while pending:
+            for index in list(pending):
+                if int(self.actors.rows()[index]["status"]) == ActorStatus.READY:
+                    pending.discard(index)
+                elif not self.processes[index].is_alive():
+                    raise PdserveError(f"actor {ACTOR_NAMES[index]} exited during start-up with code "
+                                       f"{self.processes[index].exitcode}; see its log above")
+            if not pending:
+                return
+            if time.monotonic() > deadline or self.shutdown.is_set():
+                raise PdserveError(f"actors {[ACTOR_NAMES[i] for i in pending]} not ready within "
+                                   f"actor_ready_timeout_s={self.layout.config.actor_ready_timeout_s}")
+            multiprocessing.connection.wait([self.processes[i].sentinel for i in pending], timeout=0.05)
+
+    def start(self) -> EngineLayout:
+        """Create segments, spawn and await every actor. On failure everything is torn down and re-raised."""
+        self.layout = plan_layout(self.loaded, self.engine_id)
+        try:
+            self._create_segments()
+            for index in (PREFILL_INDEX, DECODE_INDEX):
+                self._spawn(index)
+            self._wait_ready([PREFILL_INDEX, DECODE_INDEX])
+            self._spawn(API_INDEX)
+            self._wait_ready([API_INDEX])
+        except BaseException:
+            self.stop()
+            raise
+        return self.layout
+
+    def request_stop(self) -> None:
+        self.shutdown.set()
+
+    def run(self) -> int:
+        """Watch the actors until a stop is requested; returns the exit status (0 clean, 1 an actor died)."""
+        status = 0
+        while not self.shutdown.is_set():
+            sentinels = {p.sentinel: i for i, p in self.processes.items()}
+            ready = multiprocessing.connection.wait(list(sentinels), timeout=0.2)
+            for sentinel in ready:
+                index = sentinels[sentinel]
+                log.error("actor %s exited with code %s; stopping the engine", ACTOR_NAMES[index],
+                          self.processes[index].exitcode)
+                status = 1
+                self.shutdown.set()
+        return status
+
+    def stop(self) -> None:
+        """Stop every actor (event, then SIGTERM, then SIGKILL), join them, unlink every segment."""
+        self.stop_event.set()
+        deadline = time.monotonic() + STOP_JOIN_TIMEOUT_S
+        for process in self.processes.values():
+            process.join(timeout=max(deadline - time.monotonic(), 0.1))
+        for process in self.processes.values():
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=2)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=2)
+        for index, process in self.processes.items():
+            log.info("actor %s exited with code %s", ACTOR_NAMES[index], process.exitcode)
+        self._unlink_segments()
+
+
+def serve(loaded: LoadedConfig) -> int:
+    """Run the engine in the foreground until SIGTERM or SIGINT; returns the process exit status."""
+    supervisor = Supervisor(loaded)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: supervisor.request_stop())
+    try:
+        layout = supervisor.start()
+    except PdserveError as exc:
+        log.error("start-up failed: %s", exc)
+        return 1
+    cfg = layout.config
+    print(f"pdserve engine {layout.engine_id} serving '{layout.served_model_name}' on "
+          f"http://{cfg.host}:{cfg.port} (HTTP/1.1 and h2c)", flush=True)
+    try:
+        return supervisor.run()
+    finally:
+        supervisor.stop()
+
+

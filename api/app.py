@@ -1,0 +1,220 @@
+"""Starlette app: OpenAI-compatible routes, /health and /metrics.
+
+Routes: POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models, GET /health,
+GET /metrics. Errors are OpenAI error JSON with the right status; nothing raises out of a handler.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from api.engine_client import EngineClient, RequestHandle
+from api.protocol import GenerationRequest, RequestParser, chunk, error_body, full_response, usage
+from pdserve.errors import InvalidRequestError, PdserveError
+
+log = logging.getLogger("pdserve.api")
+
+
+class JSONResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+def error_response(error: PdserveError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if error.http_status in (429, 503) else None
+    return JSONResponse(error_body(error), status_code=error.http_status, headers=headers)
+
+
+class StopStringMatcher:
+    """Holds back streamed text that could be the start of a stop string; the stop text is never returned."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Return (text safe to emit, matched)."""
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        cut = max(len(self.pending) - self.hold, 0)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+async def generate_text(client: EngineClient, tokenizer, handle: RequestHandle) -> AsyncIterator[tuple[str, str | None]]:
+    """Yield ``(text_delta, finish_reason)`` for a request; the last item has a finish reason.
+
+    Raises:
+        PdserveError: the engine or the monitor reported an error, or the deadline passed.
+    """
+    from gpu.tokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tokenizer)
+    stops = StopStringMatcher(handle.request.stop)
+    handle.completion_tokens = 0
+    while True:
+        event = await client.next_event(handle)
+        if event[0] == "error":
+            raise event[1]
+        _, token, reason = event
+        handle.completion_tokens += 1
+        if handle.first_token_ns == 0:
+            handle.first_token_ns = time.monotonic_ns()
+        text = detok.push(token)
+        if reason is not None:
+            text += detok.flush()
+        out, matched = stops.push(text)
+        if matched:
+            client.stop_generation(handle)
+            yield out, "stop"
+            return
+        if reason is not None:
+            yield out + stops.flush(), reason
+            return
+        if out:
+            yield out, None
+
+
+def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -> Starlette:
+    served = parser.served_model_name
+
+    async def read_json(request: Request) -> Any:
+        body = await request.body()
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+
+    async def run_request(request: Request, kind: str) -> Response:
+        try:
+            body = await read_json(request)
+            gen: GenerationRequest = parser.chat(body) if kind == "chat" else parser.completion(body)
+            handle = client.submit(gen)
+        except PdserveError as exc:
+            return error_response(exc)
+        metrics.on_admitted()
+        if gen.stream:
+            return StreamingResponse(stream_events(handle), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await complete(request, handle)
+
+    async def complete(request: Request, handle: RequestHandle) -> Response:
+        async def collect() -> tuple[str, str | None]:
+            parts, reason = [], None
+            async for text, reason in generate_text(client, tokenizer, handle):
+                parts.append(text)
+            return "".join(parts), reason
+
+        async def wait_disconnect() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        work = asyncio.ensure_future(collect())
+        watch = asyncio.ensure_future(wait_disconnect())
+        aborted = True
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:
+                metrics.on_finished(handle, "abort")
+                return Response(status_code=499)
+            try:
+                text, reason = work.result()
+            except PdserveError as exc:
+                metrics.on_finished(handle, "error")
+                return error_response(exc)
+            aborted = False
+            metrics.on_finished(handle, reason)
+            return JSONResponse(full_response(handle.request, text, reason, handle.completion_tokens))
+        finally:
+            for task in (work, watch):
+                task.cancel()
+            client.finish(handle, aborted=aborted)
+
+    async def stream_events(handle: RequestHandle) -> AsyncIterator[bytes]:
+        req = handle.request
+        aborted = True
+        first = True
+        try:
+            try:
+                async for text, reason in generate_text(client, tokenizer, handle):
+                    if text or reason is not None or first:
+                        yield b"data: " + orjson.dumps(chunk(req, text, reason, first=first)) + b"\n\n"
+                        first = False
+                aborted = False
+                metrics.on_finished(handle, reason)
+                if req.include_usage:
+                    body = chunk(req, None, None, usage_body=usage(len(req.prompt_ids), handle.completion_tokens))
+                    yield b"data: " + orjson.dumps(body) + b"\n\n"
+            except PdserveError as exc:
+                aborted = False
+                metrics.on_finished(handle, "error")
+                yield b"data: " + orjson.dumps(error_body(exc)) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            if aborted:
+                metrics.on_finished(handle, "abort")
+            client.finish(handle, aborted=aborted)
+
+    async def chat_completions(request: Request) -> Response:
+        return await run_request(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await run_request(request, "completion")
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": served, "object": "model", "created": 0,
+                                                         "owned_by": "pdserve",
+                                                         "max_model_len": parser.max_model_len}]})
+
+    async def health(request: Request) -> Response:
+        report = metrics.health()
+        return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
+
+    async def metrics_route(request: Request) -> Response:
+        data, content_type = metrics.render()
+        return Response(data, media_type=content_type)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return JSONResponse(error_body(f"no route {request.method} {request.url.path}", "not_found_error"),
+                            status_code=404)
+
+    async def method_not_allowed(request: Request, exc: Exception) -> Response:
+        return JSONResponse(error_body(f"method {request.method} not allowed on {request.url.path}"),
+                            status_code=405)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        return JSONResponse(error_body("internal error; see the server log", "internal_error"), status_code=500)
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: method_not_allowed,
+                                                        500: server_error})

@@ -1,0 +1,162 @@
+"""The API process's view of the engine: admits requests into the state table and the prefill queue,
+and routes token and error messages back to the waiting HTTP handlers.
+
+One receiver thread blocks on the API's shm inbox (with a timeout, so it also notices shutdown) and hands
+each message to the asyncio loop with ``call_soon_threadsafe``. The state table is the arbiter of every
+request's fate: an abort here is a transition to ABORTED; the actors see it and free their KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.base import API_INDEX, EngineLayout
+from actors.messages import PrefillRequest, RequestError, TokenBatch, from_wire, to_wire
+from api.protocol import GenerationRequest
+from pdserve.errors import EngineOverloadedError, PdserveError, QueueFullError, StateTableFullError
+
+log = logging.getLogger("pdserve.api")
+
+
+@dataclass
+class RequestHandle:
+    """One admitted request: its row, and the asyncio queue its events arrive on.
+
+    Events: ``("token", token_id, finish_reason|None)`` or ``("error", PdserveError)``.
+    """
+
+    request: GenerationRequest
+    slot: int
+    generation: int
+    deadline_s: float              # time.monotonic() after which the handler stops waiting
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    admitted_ns: int = field(default_factory=time.monotonic_ns)
+    first_token_ns: int = 0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.slot, self.generation)
+
+
+class EngineClient:
+    def __init__(self, layout: EngineLayout):
+        self.layout = layout
+        self.config = layout.config
+        self.handles: dict[tuple[int, int], RequestHandle] = {}
+        self.stale_messages = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        from ipc.actor_table import ActorTable
+        from ipc.shm_queue import ShmQueue
+        from ipc.state_table import RequestState, StateTable
+
+        self.S = RequestState
+        self.loop = loop
+        self.table = StateTable.attach(self.layout.segment("state"))
+        self.actors = ActorTable.attach(self.layout.segment("actors"))
+        self.to_prefill = ShmQueue.attach(self.layout.segment("q_prefill"))
+        self.inbox = ShmQueue.attach(self.layout.segment("q_api"))
+        self._thread = threading.Thread(target=self._receive, name="engine-inbox", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    # ---- receiving ------------------------------------------------------------------------------------
+    def _receive(self) -> None:
+        while not self._stop.is_set():
+            try:
+                frames = self.inbox.get_many(256, 0.1)
+            except PdserveError:
+                log.exception("api inbox failed")
+                return
+            for frame in frames:
+                self.loop.call_soon_threadsafe(self._dispatch, from_wire(frame))
+
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, TokenBatch):
+            for slot, generation, token, reason in message.items:
+                handle = self.handles.get((slot, generation))
+                if handle is None:
+                    self.stale_messages += 1
+                    continue
+                handle.events.put_nowait(("token", token, reason))
+        elif isinstance(message, RequestError):
+            handle = self.handles.get((message.slot, message.generation))
+            if handle is None:
+                self.stale_messages += 1
+                return
+            error = PdserveError(message.message)
+            error.http_status, error.error_type = message.http_status, message.error_type
+            handle.events.put_nowait(("error", error))
+
+    # ---- admission and completion -------------------------------------------------------------------
+    def num_active(self) -> int:
+        """Requests this API process is waiting on (compared with the table's count by tools/inspect)."""
+        return len(self.handles)
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Allocate the request's row (QUEUED) and send it to the prefill actor.
+
+        Raises:
+            EngineOverloadedError: too many requests in flight, the table is full, or the prefill queue
+                stayed full (the caller answers 503 with Retry-After).
+        """
+        if len(self.handles) >= self.config.max_queued_requests:
+            raise EngineOverloadedError(f"{len(self.handles)} requests in flight (max_queued_requests); retry")
+        now_ns = time.monotonic_ns()
+        deadline_ns = now_ns + int(self.config.request_timeout_s * 1e9)
+        try:
+            slot, generation = self.table.allocate(request.request_id, prompt_tokens=len(request.prompt_ids),
+                                                   deadline_ns=deadline_ns)
+        except StateTableFullError as exc:
+            raise EngineOverloadedError(f"request table full: {exc.message}") from None
+        self.table.update(slot, generation, owner=API_INDEX)
+        handle = RequestHandle(request, slot, generation, deadline_s=time.monotonic() + self.config.request_timeout_s)
+        self.handles[handle.key] = handle
+        try:
+            self.to_prefill.put(to_wire(PrefillRequest(slot, generation, request.prompt_ids, request.sampling)),
+                                timeout_s=1.0)
+        except QueueFullError:
+            self.finish(handle, aborted=True)
+            raise EngineOverloadedError("the prefill queue is full; retry") from None
+        return handle
+
+    def stop_generation(self, handle: RequestHandle) -> None:
+        """A stop string matched: the request is done; the decode actor frees its blocks."""
+        self.table.transition(handle.slot, handle.generation, self.S.FINISHED, owner=API_INDEX)
+
+    def finish(self, handle: RequestHandle, *, aborted: bool = False) -> None:
+        """The client has its answer (or is gone): abort the row if still live, then release it."""
+        if self.handles.pop(handle.key, None) is None:
+            return
+        if aborted:
+            self.table.transition(handle.slot, handle.generation, self.S.ABORTED, owner=API_INDEX)
+        row = self.table.read(handle.slot, handle.generation)
+        if row is not None and not self.S(row["state"]).is_final:
+            self.table.transition(handle.slot, handle.generation, self.S.ABORTED, owner=API_INDEX)
+        self.table.release(handle.slot, handle.generation)
+
+    async def next_event(self, handle: RequestHandle) -> tuple:
+        """Wait for the request's next event, never past its deadline.
+
+        Raises:
+            PdserveError (504): the deadline passed with no event (the monitor should have fired first).
+        """
+        remaining = handle.deadline_s - time.monotonic()
+        try:
+            return await asyncio.wait_for(handle.events.get(), timeout=max(remaining, 0.0) + 1.0)
+        except asyncio.TimeoutError:
+            from pdserve.errors import RequestTimeoutError
+
+            raise RequestTimeoutError(f"request {handle.request.request_id} passed request_timeout_s="
+                                      f"{self.config.request_timeout_s}") from None

