@@ -54,6 +54,12 @@ class EngineLayout:
     max_model_len: int
     kv_blocks_per_pool: int
     segments: dict[str, str] = field(default_factory=dict)
+    config_sources: dict[str, str] = field(default_factory=dict)
+
+    def effective_config(self) -> dict[str, dict[str, Any]]:
+        """``{field: {"value": v, "source": "default"|"env"|"flag"}}`` for /health and tools/inspect."""
+        values = self.config.to_dict()
+        return {k: {"value": v, "source": self.config_sources.get(k, "default")} for k, v in values.items()}
 
     def segment(self, what: str) -> str:
         return self.segments[what]
@@ -99,8 +105,10 @@ class Actor:
         logging.basicConfig(level=self.config.log_level.upper(),
                             format=f"%(asctime)s {self.name} %(levelname)s %(message)s")
         from ipc.actor_table import ActorStatus, ActorTable
+        from ipc.engine_status import EngineStatus
 
         self.actors = ActorTable.attach(self.layout.segment("actors"))
+        self.status = EngineStatus.attach(self.layout.segment("status"))
         self.actors.set(self.index, pid=os.getpid(), status=ActorStatus.STARTING,
                         started_ns=time.monotonic_ns())
         parent = os.getppid()

@@ -1,8 +1,9 @@
 """DecodeActor: owns one device; pulls prompts' KV from the prefill pool and decodes with continuous batching.
 
 Per request: KVReady arrives (row BOOTSTRAP) -> reserve blocks for prompt + max_tokens -> TRANSFERRING
-(pull through the KVTransport) -> DONE: TransferDone to prefill, row DECODE_WAITING -> admitted into the
-running batch (DECODING) between steps -> one token per step -> FINISHED (EOS, stop token, max_tokens).
+(pull through the KVTransport) -> DONE: TransferDone to prefill, which frees its blocks and moves the row
+to DECODE_WAITING (the request leaves the prefill inflight queue only then) -> admitted into the running
+batch (DECODING) between steps -> one token per step -> FINISHED (EOS, stop token, max_tokens).
 Requests join and leave the batch between steps. A row that turns final elsewhere (client abort, stop
 string seen by the API, monitor timeout) is noticed on the next iteration and its blocks freed once.
 """
@@ -10,12 +11,15 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from actors.base import DECODE_INDEX, Actor
 from actors.messages import KVReady, RequestError, TokenBatch, TransferDone, from_wire, to_wire
-from actors.prefill import sampling_params
+from actors.prefill import apply_actor_faults, sampling_params
+from pdserve.faults import FaultPlan
+from ipc.state_table import LIVE_STATES
 
 log = logging.getLogger("pdserve.decode")
 
@@ -32,6 +36,7 @@ class DecodeEntry:
     params: Any = None
     generator: Any = None
     transfer_handle: int | None = None
+    stuck_status: int | None = None   # fault injection: the status the transport is made to report
 
     @property
     def key(self) -> tuple[int, int]:
@@ -66,8 +71,11 @@ class DecodeActor(Actor):
         self.to_api = ShmQueue.attach(self.layout.segment("q_api"))
         self.table = StateTable.attach(self.layout.segment("state"))
         self.sampler = Sampler()
+        self.faults = FaultPlan(self.config.faults, self.name)
         self.bootstrapping: list[DecodeEntry] = []
         self.transferring: list[DecodeEntry] = []
+        self.handed_off: list[DecodeEntry] = []      # TransferDone sent; waiting for DECODE_WAITING
+        self.delayed_done: list[tuple[float, DecodeEntry]] = []  # fault: TransferDone sent later
         self.waiting: list[DecodeEntry] = []
         self.running: list[DecodeEntry] = []
         self._publish_pool()
@@ -75,30 +83,54 @@ class DecodeActor(Actor):
     def _publish_pool(self) -> None:
         self.actors.set(self.index, kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free)
 
-    def _busy(self) -> bool:
-        return bool(self.bootstrapping or self.transferring or self.waiting or self.running)
+    def _wait_s(self) -> float:
+        """How long to block on the inbox: not at all with a batch to run, briefly while transfers are
+        pending, else the idle wait. Never 0 without work, so a stuck transfer does not spin a core."""
+        if self.running or (self.waiting and len(self.running) < self.config.max_num_seqs):
+            return 0.0
+        if self.transferring or self.handed_off or self.delayed_done:
+            return 0.005
+        return self.idle_wait_s
 
     # ---- loop ---------------------------------------------------------------------------------------
     def run_once(self) -> None:
-        timeout_s = 0.0 if self._busy() else self.idle_wait_s
-        for frame in self.inbox.get_many(64, timeout_s):
+        for frame in self.inbox.get_many(64, self._wait_s()):
             message = from_wire(frame)
             if isinstance(message, KVReady):
-                self.bootstrapping.append(DecodeEntry(ready=message))
+                self.receive(message)
             else:
                 log.warning("decode: unexpected message %r dropped", message)
         self.reap_final()
         self.bootstrap()
         self.poll_transfers()
+        self.send_delayed_done()
+        self.collect_handed_off()
         items: list[list[Any]] = []
         self.admit(items)
         self.step(items)
         if items:
             self.to_api.put(to_wire(TokenBatch(items)))
+        self.status.set_own_gauges(self.index, running=len(self.running),
+                                   decode_transfer=len(self.transferring) + len(self.handed_off)
+                                   + len(self.delayed_done))
+
+    def receive(self, ready: KVReady) -> None:
+        rid = ready.request_id
+        apply_actor_faults(self.faults, self.name, rid)
+        if self.faults.fires("bootstrap_silent", rid):
+            log.warning("fault bootstrap_silent: ignoring KVReady for slot %d", ready.slot)
+            return
+        if self.faults.fires("decode_reject", rid):
+            log.warning("fault decode_reject: dropping slot %d", ready.slot)
+            if self.table.transition(ready.slot, ready.generation, self.S.FAILED, owner=self.index):
+                self.to_api.put(to_wire(RequestError(ready.slot, ready.generation, 503, "engine_error",
+                                                     "the decode actor dropped the request; retry it")))
+            return
+        self.bootstrapping.append(DecodeEntry(ready=ready))
 
     def _is_live(self, entry: DecodeEntry) -> bool:
         row = self.table.read(*entry.key)
-        return row is not None and not self.S(row["state"]).is_final
+        return row is not None and int(row["state"]) in LIVE_STATES
 
     def _release(self, entry: DecodeEntry) -> None:
         if entry.transfer_handle is not None:
@@ -111,7 +143,9 @@ class DecodeActor(Actor):
             self._publish_pool()
 
     def reap_final(self) -> None:
-        for name in ("bootstrapping", "transferring", "waiting", "running"):
+        if self.delayed_done:
+            self.delayed_done = [(t, e) for t, e in self.delayed_done if self._is_live(e) or self._release(e)]
+        for name in ("bootstrapping", "transferring", "handed_off", "waiting", "running"):
             entries = getattr(self, name)
             keep = []
             for entry in entries:
@@ -123,6 +157,7 @@ class DecodeActor(Actor):
 
     def bootstrap(self) -> None:
         """Reserve blocks for prompt + max_tokens, in arrival order, and start pulling the KV."""
+        from ipc.kv_transport import TransferStatus
         from pdserve.errors import OutOfKVBlocksError
 
         while self.bootstrapping:
@@ -144,6 +179,10 @@ class DecodeActor(Actor):
             src = list(ready.src_block_ids)
             entry.transfer_handle = self.transport.start_copy(src, entry.blocks[:len(src)],
                                                               num_tokens=ready.num_tokens)
+            if self.faults.fires("transfer_stuck", ready.request_id):
+                entry.stuck_status = int(TransferStatus.IN_PROGRESS)
+            elif self.faults.fires("transfer_unknown_status", ready.request_id):
+                entry.stuck_status = 7  # a value TransferStatus does not define
             self.transferring.append(entry)
 
     def poll_transfers(self) -> None:
@@ -152,6 +191,8 @@ class DecodeActor(Actor):
         keep = []
         for entry in self.transferring:
             status = self.transport.poll(entry.transfer_handle)
+            if entry.stuck_status is not None:
+                status = entry.stuck_status
             if status == TransferStatus.IN_PROGRESS:
                 keep.append(entry)
                 continue
@@ -159,18 +200,49 @@ class DecodeActor(Actor):
             entry.transfer_handle = None
             slot, generation = entry.key
             if status == TransferStatus.DONE:
-                self.to_prefill.put(to_wire(TransferDone(slot, generation)))
-                if self.table.transition(slot, generation, self.S.DECODE_WAITING, owner=self.index):
-                    self.waiting.append(entry)
-                else:
-                    self._release(entry)
-            else:
-                log.error("KV transfer failed for slot %d", slot)
-                if self.table.transition(slot, generation, self.S.FAILED, owner=self.index):
-                    self.to_api.put(to_wire(RequestError(slot, generation, 503, "engine_error",
-                                                         "KV transfer from the prefill actor failed; retry")))
-                self._release(entry)
+                self.complete_transfer(entry)
+                continue
+            known = status in TransferStatus.__members__.values()
+            reason = "failed" if known else f"reported the unknown status {status!r}"
+            log.error("KV transfer for slot %d %s", slot, reason)
+            if self.table.transition(slot, generation, self.S.FAILED, owner=self.index):
+                self.to_api.put(to_wire(RequestError(slot, generation, 503, "engine_error",
+                                                     f"KV transfer (stage transfer) {reason}; retry the request")))
+            self._release(entry)
         self.transferring = keep
+
+    def complete_transfer(self, entry: DecodeEntry) -> None:
+        """Tell prefill the KV is here; the row moves on when prefill has freed its blocks."""
+        self.handed_off.append(entry)
+        if self.faults.fires("drop_transfer_done", entry.ready.request_id):
+            log.warning("fault drop_transfer_done: TransferDone for slot %d dropped", entry.ready.slot)
+            return
+        fault = self.faults.fires("delay_transfer_done", entry.ready.request_id)
+        if fault is not None:
+            self.handed_off.remove(entry)
+            self.delayed_done.append((time.monotonic() + fault.number("seconds"), entry))
+            return
+        self.to_prefill.put(to_wire(TransferDone(*entry.key)))
+
+    def send_delayed_done(self) -> None:
+        now = time.monotonic()
+        due = [(t, e) for t, e in self.delayed_done if t <= now]
+        if due:
+            self.delayed_done = [(t, e) for t, e in self.delayed_done if t > now]
+            for _, entry in due:
+                self.handed_off.append(entry)
+                self.to_prefill.put(to_wire(TransferDone(*entry.key)))
+
+    def collect_handed_off(self) -> None:
+        """Requests whose row prefill moved to DECODE_WAITING join the admission queue."""
+        keep = []
+        for entry in self.handed_off:
+            row = self.table.read(*entry.key)
+            if row is not None and int(row["state"]) == self.S.DECODE_WAITING:
+                self.waiting.append(entry)
+            else:
+                keep.append(entry)
+        self.handed_off = keep
 
     def _finish_reason(self, entry: DecodeEntry, token: int) -> str | None:
         params = entry.params
@@ -230,5 +302,6 @@ class DecodeActor(Actor):
         self.running = keep
 
     def on_stop(self) -> None:
-        for entry in self.bootstrapping + self.transferring + self.waiting + self.running:
+        delayed = [e for _, e in self.delayed_done]
+        for entry in self.bootstrapping + self.transferring + self.handed_off + delayed + self.waiting + self.running:
             self._release(entry)

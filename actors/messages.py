@@ -33,6 +33,7 @@ class PrefillRequest:
     kind: ClassVar[str] = "prefill_request"
     slot: int
     generation: int
+    request_id: str
     prompt_ids: list[int]
     sampling: Sampling
 
@@ -58,6 +59,7 @@ class KVReady:
     kind: ClassVar[str] = "kv_ready"
     slot: int
     generation: int
+    request_id: str
     src_block_ids: list[int]
     num_tokens: int
     first_token: int

@@ -1,8 +1,9 @@
 """PrefillActor: owns one device; computes prompts' KV into its pool and hands it to the decode actor.
 
 Per request: QUEUED -(blocks allocated, forward run)-> PREFILLING -> BOOTSTRAP (KVReady sent; the request
-is now in the *prefill inflight queue*, its blocks held here) -> decode pulls the blocks -> TransferDone
--> blocks freed here. Whenever a request's row turns final (timeout, abort, failure) the actor frees what
+is now in the *prefill inflight queue*, its blocks held here) -> decode reserves room and pulls the blocks
+(TRANSFERRING) -> TransferDone -> blocks freed here, row DECODE_WAITING: the request leaves the inflight
+queue only when that completion message arrives. Whenever a request's row turns final (timeout, abort, failure) the actor frees what
 it holds for it on its next loop iteration, with or without traffic: cleanup never waits for new requests.
 """
 from __future__ import annotations
@@ -10,11 +11,27 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
+import time
 
 from actors.base import PREFILL_INDEX, Actor
 from actors.messages import KVReady, PrefillRequest, TransferDone, from_wire, to_wire
+from pdserve.faults import FaultPlan
+from ipc.state_table import LIVE_STATES
 
 log = logging.getLogger("pdserve.prefill")
+
+
+def apply_actor_faults(faults, actor_name: str, request_id: str) -> None:
+    """Injected actor faults, checked when an actor takes a request: ``stall`` blocks the loop (a hang the
+    monitor must detect), ``crash`` ends the process abruptly (a dead actor the supervisor restarts)."""
+    stall = faults.fires("stall", request_id)
+    if stall is not None:
+        log.warning("fault stall: %s blocks for %.1f s", actor_name, stall.number("seconds"))
+        time.sleep(stall.number("seconds"))
+    if faults.fires("crash", request_id):
+        log.warning("fault crash: %s exits now", actor_name)
+        os._exit(70)
 
 
 def sampling_params(sampling):
@@ -49,6 +66,8 @@ class PrefillActor(Actor):
         self.to_decode = ShmQueue.attach(self.layout.segment("q_decode"))
         self.table = StateTable.attach(self.layout.segment("state"))
         self.sampler = Sampler()
+        self.faults = FaultPlan(self.config.faults, self.name)
+        self.blocked = False  # the head request waits for free blocks: do not spin on it
         self.waiting: collections.deque[PrefillRequest] = collections.deque()
         self.inflight: dict[tuple[int, int], list[int]] = {}  # (slot, generation) -> our block ids
         self._publish_pool()
@@ -58,24 +77,34 @@ class PrefillActor(Actor):
 
     # ---- loop ---------------------------------------------------------------------------------------
     def run_once(self) -> None:
-        timeout_s = 0.0 if self.waiting else self.idle_wait_s
+        timeout_s = 0.0 if self.waiting and not self.blocked else self.idle_wait_s
         for frame in self.inbox.get_many(64, timeout_s):
             self.handle(from_wire(frame))
         self.reap_final()
         if self.waiting:
             self.prefill_next()
+        self.status.set_own_gauges(self.index, queued=len(self.waiting), prefill_inflight=len(self.inflight))
 
     def handle(self, message) -> None:
         if isinstance(message, PrefillRequest):
             self.waiting.append(message)
         elif isinstance(message, TransferDone):
-            self._free_inflight((message.slot, message.generation))
+            self.transfer_done(message)
         else:
             log.warning("prefill: unexpected message %r dropped", message)
 
+    def transfer_done(self, message: TransferDone) -> None:
+        """Decode holds the KV: free our blocks; the request leaves the inflight queue (DECODE_WAITING)."""
+        key = (message.slot, message.generation)
+        if key not in self.inflight:
+            self.status.count_late_message(self.index)  # for a request already timed out or aborted
+            return
+        self._free_inflight(key)
+        self.table.transition(message.slot, message.generation, self.S.DECODE_WAITING)
+
     def _is_live(self, slot: int, generation: int) -> bool:
         row = self.table.read(slot, generation)
-        return row is not None and not self.S(row["state"]).is_final
+        return row is not None and int(row["state"]) in LIVE_STATES
 
     def _free_inflight(self, key: tuple[int, int]) -> None:
         blocks = self.inflight.pop(key, None)
@@ -100,7 +129,9 @@ class PrefillActor(Actor):
         try:
             blocks = self.pool.allocate(needed, request.slot)
         except OutOfKVBlocksError:
-            return  # stays QUEUED until inflight requests free blocks
+            self.blocked = True  # stays QUEUED until inflight requests free blocks
+            return
+        self.blocked = False
         self.waiting.popleft()
         key = (request.slot, request.generation)
         if not self.table.transition(request.slot, request.generation, self.S.PREFILLING, owner=self.index):
@@ -109,6 +140,7 @@ class PrefillActor(Actor):
         self.inflight[key] = blocks
         self.table.update(request.slot, request.generation, prefill_blocks=len(blocks))
         self._publish_pool()
+        apply_actor_faults(self.faults, self.name, request.request_id)
         logits = self.model.prefill(self.kv, request.prompt_ids, blocks)
         params = sampling_params(request.sampling)
         generator = self.sampler.make_generator(params.seed) if params.seed is not None else None
@@ -116,7 +148,8 @@ class PrefillActor(Actor):
         if not self.table.transition(request.slot, request.generation, self.S.BOOTSTRAP, owner=self.index):
             self._free_inflight(key)
             return
-        self.to_decode.put(to_wire(KVReady(request.slot, request.generation, blocks, len(request.prompt_ids),
+        self.to_decode.put(to_wire(KVReady(request.slot, request.generation, request.request_id, blocks,
+                                           len(request.prompt_ids),
                                            int(first_token), request.sampling)))
 
     def on_stop(self) -> None:

@@ -9,19 +9,22 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import socket
 import threading
 import time
 from typing import Any
 
-from actors.base import (ACTOR_NAMES, API_INDEX, DECODE_INDEX, PREFILL_INDEX, EngineLayout, ModelShape)
+from actors.base import (ACTOR_NAMES, API_INDEX, DECODE_INDEX, MONITOR_INDEX, PREFILL_INDEX, EngineLayout,
+                         ModelShape)
 from pdserve.config import LoadedConfig
 from pdserve.errors import ConfigError, PdserveError
 
 log = logging.getLogger("pdserve.supervisor")
 
 STOP_JOIN_TIMEOUT_S = 5.0
+RESTART_MIN_INTERVAL_S = 1.0   # an actor that keeps dying is restarted at most this often
 
 
 def free_port(host: str) -> int:
@@ -39,12 +42,12 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     """
     import dataclasses
 
-    from gpu.loader import read_config
+    from gpu.loader import load_config as read_model_config
     from ipc.naming import segment_name
 
     config = loaded.config
     model_path = config.model or ""
-    model_config = read_config(model_path or None)
+    model_config = read_model_config(model_path or None)
     shape = ModelShape(model_config.name, model_config.num_layers, model_config.num_kv_heads,
                        model_config.head_dim, model_config.max_position_embeddings)
     blocks = config.kv_pool_tokens // config.kv_block_tokens
@@ -59,11 +62,12 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
                           f"{shape.context_length} and the KV pool's {pool_tokens} tokens)", param="max_model_len")
     if config.port == 0:
         config = dataclasses.replace(config, port=free_port(config.host))
-    names = ("state", "actors", "q_prefill", "q_decode", "q_api", "kv_prefill", "kv_decode")
+    names = ("state", "actors", "status", "q_prefill", "q_decode", "q_api", "kv_prefill", "kv_decode")
     return EngineLayout(engine_id=engine_id, config=config, model_path=model_path,
                         served_model_name=config.served_model_name or shape.name, shape=shape,
                         max_model_len=max_model_len, kv_blocks_per_pool=blocks,
-                        segments={n: segment_name(engine_id, n) for n in names})
+                        segments={n: segment_name(engine_id, n) for n in names},
+                        config_sources=dict(loaded.sources))
 
 
 class Supervisor:
@@ -79,7 +83,7 @@ class Supervisor:
         self.stop_event = self.ctx.Event()
         self.shutdown = threading.Event()
         self.processes: dict[int, Any] = {}
-        self.actor_objects: dict[int, Any] = {}
+        self.started_at: dict[int, float] = {}
         self._owned: list[Any] = []
 
     # ---- segments -----------------------------------------------------------------------------------
@@ -87,7 +91,9 @@ class Supervisor:
         import torch
 
         from ipc.actor_table import ActorTable
+        from ipc.engine_status import EngineStatus
         from ipc.kv_pool import KVPool
+        from ipc.manifest import write_manifest
         from ipc.shm_queue import ShmQueue
         from ipc.state_table import StateTable
 
@@ -96,7 +102,8 @@ class Supervisor:
         self.actors = ActorTable.create(lay.segment("actors"), num_actors=len(ACTOR_NAMES))
         for index, name in enumerate(ACTOR_NAMES):
             self.actors.set(index, name=name, device=cfg.device if index in (PREFILL_INDEX, DECODE_INDEX) else "")
-        self._owned += [self.state, self.actors]
+        self.status = EngineStatus.create(lay.segment("status"))
+        self._owned += [self.state, self.actors, self.status]
         for q in ("q_prefill", "q_decode", "q_api"):
             self._owned.append(ShmQueue.create(lay.segment(q), num_slots=cfg.queue_slots,
                                                slot_bytes=cfg.queue_slot_bytes))
@@ -105,6 +112,12 @@ class Supervisor:
                                              num_blocks=lay.kv_blocks_per_pool, block_tokens=cfg.kv_block_tokens,
                                              num_kv_heads=lay.shape.num_kv_heads, head_dim=lay.shape.head_dim,
                                              dtype=torch.float32))
+        write_manifest(self.engine_id, {
+            "engine_id": self.engine_id, "pid": os.getpid(), "created_unix_s": time.time(),
+            "model": lay.model_path or "(embedded default)", "served_model_name": lay.served_model_name,
+            "max_model_len": lay.max_model_len, "kv_blocks_per_pool": lay.kv_blocks_per_pool,
+            "url": f"http://{cfg.host}:{cfg.port}", "segments": lay.segments, "actors": list(ACTOR_NAMES),
+            "config": lay.effective_config()})
 
     def _unlink_segments(self) -> None:
         from ipc.naming import unlink_all
@@ -121,10 +134,13 @@ class Supervisor:
     # ---- processes ----------------------------------------------------------------------------------
     def _actor(self, index: int):
         from actors.decode import DecodeActor
+        from actors.monitor import HeartbeatMonitor
         from actors.prefill import PrefillActor
         from api.server import ApiActor
 
-        return {PREFILL_INDEX: PrefillActor, DECODE_INDEX: DecodeActor, API_INDEX: ApiActor}[index](self.layout, index)
+        classes = {PREFILL_INDEX: PrefillActor, DECODE_INDEX: DecodeActor, API_INDEX: ApiActor,
+                   MONITOR_INDEX: HeartbeatMonitor}
+        return classes[index](self.layout, index)
 
     def _spawn(self, index: int) -> None:
         actor = self._actor(index)
@@ -132,7 +148,7 @@ class Supervisor:
                                    name=f"pdserve-{self.engine_id}-{ACTOR_NAMES[index]}", daemon=False)
         process.start()
         self.processes[index] = process
-        self.actor_objects[index] = actor
+        self.started_at[index] = time.monotonic()
 
     def _wait_ready(self, indices: list[int]) -> None:
         from ipc.actor_table import ActorStatus
@@ -158,9 +174,9 @@ class Supervisor:
         self.layout = plan_layout(self.loaded, self.engine_id)
         try:
             self._create_segments()
-            for index in (PREFILL_INDEX, DECODE_INDEX):
+            for index in (MONITOR_INDEX, PREFILL_INDEX, DECODE_INDEX):
                 self._spawn(index)
-            self._wait_ready([PREFILL_INDEX, DECODE_INDEX])
+            self._wait_ready([MONITOR_INDEX, PREFILL_INDEX, DECODE_INDEX])
             self._spawn(API_INDEX)
             self._wait_ready([API_INDEX])
         except BaseException:
@@ -172,18 +188,69 @@ class Supervisor:
         self.shutdown.set()
 
     def run(self) -> int:
-        """Watch the actors until a stop is requested; returns the exit status (0 clean, 1 an actor died)."""
-        status = 0
+        """Watch the actors until a stop is requested, restarting dead ones and killing hung ones (the
+        monitor says which); then drain. Returns the exit status (0 after a clean stop)."""
+        from ipc.engine_status import ActorHealth
+
         while not self.shutdown.is_set():
             sentinels = {p.sentinel: i for i, p in self.processes.items()}
-            ready = multiprocessing.connection.wait(list(sentinels), timeout=0.2)
-            for sentinel in ready:
+            for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=0.2):
                 index = sentinels[sentinel]
-                log.error("actor %s exited with code %s; stopping the engine", ACTOR_NAMES[index],
+                log.error("actor %s is dead (exit code %s); restarting it", ACTOR_NAMES[index],
                           self.processes[index].exitcode)
-                status = 1
-                self.shutdown.set()
-        return status
+                self._restart(index)
+            for index, process in list(self.processes.items()):
+                if int(self.status.rec["actor_health"][index]) == ActorHealth.HUNG and process.is_alive() \
+                        and time.monotonic() - self.started_at[index] > self.layout.config.actor_hang_timeout_s:
+                    log.error("actor %s (pid %d) is hung; killing it to restart it", ACTOR_NAMES[index],
+                              process.pid)
+                    process.kill()
+        self.drain()
+        return 0
+
+    def _restart(self, index: int) -> None:
+        from ipc.actor_table import ActorStatus
+
+        process = self.processes[index]
+        process.join(timeout=1)
+        wait_s = self.started_at[index] + RESTART_MIN_INTERVAL_S - time.monotonic()
+        if wait_s > 0 and self.shutdown.wait(wait_s):
+            return
+        self.status.rec["actor_restarts"][index] += 1
+        self.actors.set(index, status=ActorStatus.RESTARTING, pid=0)
+        self._spawn(index)
+
+    def drain(self) -> None:
+        """Stop admission, let live requests finish for drain_timeout_s, then abort the rest with a clear
+        error (answered by the API) before the actors stop."""
+        from actors.messages import RequestError, to_wire
+        from ipc.shm_queue import ShmQueue
+        from ipc.state_table import RequestState
+
+        self.status.rec["draining"] = 1
+        deadline = time.monotonic() + self.layout.config.drain_timeout_s
+        while self.state.live_slots() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        live = self.state.live_slots()
+        if not live:
+            return
+        to_api = ShmQueue.attach(self.layout.segment("q_api"))
+        try:
+            for slot in live:
+                row = self.state.row(slot)
+                if self.state.transition(slot, int(row["generation"]), RequestState.ABORTED):
+                    try:
+                        to_api.put(to_wire(RequestError(slot, int(row["generation"]), 503, "engine_error",
+                                                        "the engine is shutting down; retry on another replica")),
+                                   timeout_s=0)
+                    except PdserveError:
+                        pass
+            answered = time.monotonic() + 1.0
+            while self.state.count_by_state() and time.monotonic() < answered and any(
+                    self.state.row(s)["state"] == RequestState.ABORTED for s in live):
+                time.sleep(0.05)
+        finally:
+            to_api.close()
 
     def stop(self) -> None:
         """Stop every actor (event, then SIGTERM, then SIGKILL), join them, unlink every segment."""

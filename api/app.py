@@ -109,7 +109,8 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
     async def run_request(request: Request, kind: str) -> Response:
         try:
             body = await read_json(request)
-            gen: GenerationRequest = parser.chat(body) if kind == "chat" else parser.completion(body)
+            rid = request.headers.get("x-request-id")
+            gen: GenerationRequest = parser.chat(body, rid) if kind == "chat" else parser.completion(body, rid)
             handle = client.submit(gen)
         except PdserveError as exc:
             return error_response(exc)

@@ -18,6 +18,7 @@ from actors.base import API_INDEX, EngineLayout
 from actors.messages import PrefillRequest, RequestError, TokenBatch, from_wire, to_wire
 from api.protocol import GenerationRequest
 from pdserve.errors import EngineOverloadedError, PdserveError, QueueFullError, StateTableFullError
+from ipc.state_table import LIVE_STATES
 
 log = logging.getLogger("pdserve.api")
 
@@ -54,6 +55,7 @@ class EngineClient:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         from ipc.actor_table import ActorTable
+        from ipc.engine_status import EngineStatus
         from ipc.shm_queue import ShmQueue
         from ipc.state_table import RequestState, StateTable
 
@@ -61,6 +63,7 @@ class EngineClient:
         self.loop = loop
         self.table = StateTable.attach(self.layout.segment("state"))
         self.actors = ActorTable.attach(self.layout.segment("actors"))
+        self.status = EngineStatus.attach(self.layout.segment("status"))
         self.to_prefill = ShmQueue.attach(self.layout.segment("q_prefill"))
         self.inbox = ShmQueue.attach(self.layout.segment("q_api"))
         self._thread = threading.Thread(target=self._receive, name="engine-inbox", daemon=True)
@@ -111,6 +114,8 @@ class EngineClient:
             EngineOverloadedError: too many requests in flight, the table is full, or the prefill queue
                 stayed full (the caller answers 503 with Retry-After).
         """
+        if self.status.rec["draining"]:
+            raise EngineOverloadedError("the engine is shutting down (draining); retry on another replica")
         if len(self.handles) >= self.config.max_queued_requests:
             raise EngineOverloadedError(f"{len(self.handles)} requests in flight (max_queued_requests); retry")
         now_ns = time.monotonic_ns()
@@ -124,7 +129,8 @@ class EngineClient:
         handle = RequestHandle(request, slot, generation, deadline_s=time.monotonic() + self.config.request_timeout_s)
         self.handles[handle.key] = handle
         try:
-            self.to_prefill.put(to_wire(PrefillRequest(slot, generation, request.prompt_ids, request.sampling)),
+            self.to_prefill.put(to_wire(PrefillRequest(slot, generation, request.request_id, request.prompt_ids,
+                                                           request.sampling)),
                                 timeout_s=1.0)
         except QueueFullError:
             self.finish(handle, aborted=True)
@@ -142,7 +148,7 @@ class EngineClient:
         if aborted:
             self.table.transition(handle.slot, handle.generation, self.S.ABORTED, owner=API_INDEX)
         row = self.table.read(handle.slot, handle.generation)
-        if row is not None and not self.S(row["state"]).is_final:
+        if row is not None and int(row["state"]) in LIVE_STATES:
             self.table.transition(handle.slot, handle.generation, self.S.ABORTED, owner=API_INDEX)
         self.table.release(handle.slot, handle.generation)
 

@@ -1,8 +1,10 @@
-"""Prometheus metrics and /health, computed from the shm state and actor tables at scrape time.
+"""Prometheus metrics and /health, computed from the shm state, actor and status records at scrape time.
 
 Gauges are never kept as counters that could drift: each scrape counts the rows of the state table
-by state, so the instant the engine goes idle every queue gauge reads 0. Latency histograms and request
-counters are recorded by the API process, which sees each request's first token and its end.
+by state, so the instant the engine goes idle every queue gauge reads 0. Watchdog and actor-health
+metrics come from the monitor's shm status record, so they stay true even if the API is the only
+process left. Latency histograms and request counters are recorded by the API process, which sees each
+request's first token and its end.
 
 Queue gauges (SGLang's names with our prefix):
   pdserve_num_queue_reqs                    rows in QUEUED (waiting for the prefill actor)
@@ -20,6 +22,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from actors.base import API_INDEX
+from actors.watchdog import GAUGE_STATES, STAGE_NAME
+from ipc.engine_status import GAUGES, ActorHealth
+
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -27,14 +33,20 @@ def queue_gauges(counts: dict) -> dict[str, int]:
     """Map ``{RequestState: rows}`` onto the queue gauges (see the module docstring)."""
     from ipc.state_table import RequestState as S
 
-    c = {s: int(counts.get(s, 0)) for s in S}
+    def total(states):
+        return sum(int(counts.get(s, 0)) for s in states)
+
     return {
-        "num_queue_reqs": c[S.QUEUED],
-        "num_running_reqs": c[S.PREFILLING] + c[S.DECODING],
-        "num_prefill_inflight_queue_reqs": c[S.BOOTSTRAP] + c[S.TRANSFERRING],
-        "num_decode_transfer_queue_reqs": c[S.TRANSFERRING],
-        "num_decode_waiting_reqs": c[S.DECODE_WAITING],
+        "num_queue_reqs": total(GAUGE_STATES["queued"]),
+        "num_running_reqs": total(GAUGE_STATES["running"]),
+        "num_prefill_inflight_queue_reqs": total(GAUGE_STATES["prefill_inflight"]),
+        "num_decode_transfer_queue_reqs": total(GAUGE_STATES["decode_transfer"]),
+        "num_decode_waiting_reqs": total((S.DECODE_WAITING,)),
     }
+
+
+def _gauge(name: str, doc: str, value: float | None = None, labels: list[str] | None = None):
+    return GaugeMetricFamily(name, doc, value=value, labels=labels)
 
 
 class _SharedStateCollector:
@@ -42,40 +54,75 @@ class _SharedStateCollector:
         self.owner = owner
 
     def collect(self):
-        table, actors = self.owner.client.table, self.owner.client.actors
-        for name, value in queue_gauges(table.count_by_state()).items():
-            yield GaugeMetricFamily(f"pdserve_{name}", name.replace("_", " "), value=value)
-        rows = actors.rows()
+        client = self.owner.client
+        for name, value in queue_gauges(client.table.count_by_state()).items():
+            yield _gauge(f"pdserve_{name}", name.replace("_", " "), value)
+        rows = client.actors.rows()
         total = sum(int(r["kv_blocks_total"]) for r in rows)
         free = sum(int(r["kv_blocks_free"]) for r in rows)
-        yield GaugeMetricFamily("pdserve_kv_cache_usage_ratio", "fraction of KV blocks in use, all pools",
-                                value=(total - free) / total if total else 0.0)
-        free_family = GaugeMetricFamily("pdserve_kv_blocks_free", "free KV blocks per actor pool", labels=["actor"])
-        age = GaugeMetricFamily("pdserve_actor_heartbeat_age_seconds", "time since each actor's last loop",
-                                labels=["actor"])
+        yield _gauge("pdserve_kv_cache_usage_ratio", "fraction of KV blocks in use, all pools",
+                     (total - free) / total if total else 0.0)
+        free_family = _gauge("pdserve_kv_blocks_free", "free KV blocks per actor pool", labels=["actor"])
+        age = _gauge("pdserve_actor_heartbeat_age_seconds", "time since each actor's last loop iteration",
+                     labels=["actor"])
+        health = _gauge("pdserve_actor_up", "1 = actor ok; 0 = dead, hung or starting", labels=["actor", "state"])
+        status = client.status.snapshot()
+        restarts = CounterMetricFamily("pdserve_actor_restarts", "actor restarts by the supervisor",
+                                       labels=["actor"])
         now = time.monotonic_ns()
         for r in rows:
-            name = r["name"].decode() if isinstance(r["name"], bytes) else str(r["name"])
+            name, index = r["name"], r["index"]
             if not name:
                 continue
             if int(r["kv_blocks_total"]):
                 free_family.add_metric([name], int(r["kv_blocks_free"]))
             if int(r["heartbeat_ns"]):
                 age.add_metric([name], (now - int(r["heartbeat_ns"])) / 1e9)
-        yield free_family
-        yield age
+            state = ActorHealth(status["actor_health"][index]).name.lower() if index != API_INDEX else "ok"
+            health.add_metric([name, state], 1.0 if state == "ok" else 0.0)
+            restarts.add_metric([name], status["actor_restarts"][index])
+        yield from (free_family, age, health, restarts)
+        ticks = CounterMetricFamily("pdserve_watchdog_ticks", "heartbeat monitor ticks")
+        ticks.add_metric([], status["watchdog_ticks"])
+        yield ticks
+        yield _gauge("pdserve_watchdog_last_tick_timestamp_seconds", "unix time of the monitor's last tick",
+                     status["watchdog_last_tick_s"])
+        yield _gauge("pdserve_watchdog_tick_cpu_seconds", "CPU time of the monitor's last tick",
+                     status["watchdog_tick_cpu_ns"] / 1e9)
+        timeouts = CounterMetricFamily("pdserve_request_timeouts", "requests timed out by the watchdog",
+                                       labels=["stage"])
+        failures = CounterMetricFamily("pdserve_request_actor_failures",
+                                       "requests failed because their actor was dead or hung", labels=["stage"])
+        for state, stage in STAGE_NAME.items():
+            timeouts.add_metric([stage], status["timeouts"][int(state)])
+            failures.add_metric([stage], status["actor_failures"][int(state)])
+        yield from (timeouts, failures)
+        stuck = _gauge("pdserve_stuck_gauge", "1 = gauge > 0 while nothing left its stage for stuck_gauge_s",
+                       labels=["gauge"])
+        mismatch = _gauge("pdserve_gauge_mismatch", "1 = an actor's own count disagrees with the state table",
+                          labels=["gauge"])
+        for i, gauge in enumerate(GAUGES):
+            stuck.add_metric([gauge], status["stuck"][i])
+            mismatch.add_metric([gauge], status["mismatch"][i])
+        yield from (stuck, mismatch)
+        late = CounterMetricFamily("pdserve_late_messages", "messages for final or stale requests, dropped")
+        late.add_metric([], sum(status["late_messages"]) + client.stale_messages)
+        yield late
         handoffs = CounterMetricFamily("pdserve_kv_handoffs", "requests whose KV passed prefill -> decode "
-                                       "(counted by the API at completion)")
+                                       "(counted by the API when the request ends)")
         handoffs.add_metric([], self.owner.handoffs)
         yield handoffs
+        yield _gauge("pdserve_api_active_requests", "requests the API process is waiting on",
+                     client.num_active())
 
 
 class EngineMetrics:
     """Per-API-process registry: histograms and counters, plus the scrape-time shared-state collector."""
 
-    def __init__(self, client, served_model_name: str):
+    def __init__(self, client, served_model_name: str, effective_config: dict[str, Any] | None = None):
         self.client = client
         self.handoffs = 0
+        self.effective_config = effective_config or {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_requests", "finished requests by finish reason", ["finish_reason"],
@@ -109,17 +156,28 @@ class EngineMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def health(self) -> dict[str, Any]:
+        """200-worthy only when every actor is up and the engine is not draining; else the reasons."""
         from ipc.actor_table import ActorStatus
 
-        actors = {}
-        problems = []
+        status = self.client.status.snapshot()
+        actors, problems = {}, []
         for r in self.client.actors.rows():
-            name = r["name"].decode() if isinstance(r["name"], bytes) else str(r["name"])
-            if not name or name == "api":
+            name, index = r["name"], r["index"]
+            if not name or index == API_INDEX:
                 continue
-            status = ActorStatus(int(r["status"])).name.lower()
-            actors[name] = status
-            if status != "ready":
-                problems.append(f"{name} is {status}")
+            health = ActorHealth(status["actor_health"][index])
+            ready = r["status"] == ActorStatus.READY
+            state = health.name.lower() if health in (ActorHealth.DEAD, ActorHealth.HUNG) else (
+                "ok" if ready else getattr(r["status"], "name", str(r["status"])).lower())
+            actors[name] = state
+            if state != "ok":
+                problems.append(f"actor {name} is {state}")
+        if status["draining"]:
+            problems.append("the engine is draining (shutting down)")
+        tick_age_s = (time.monotonic_ns() - status["watchdog_last_tick_ns"]) / 1e9 \
+            if status["watchdog_last_tick_ns"] else None
         return {"status": "ok" if not problems else "unavailable", "problems": problems, "actors": actors,
-                "model": self.served_model_name, "active_requests": self.client.num_active()}
+                "model": self.served_model_name, "active_requests": self.client.num_active(),
+                "watchdog": {"ticks": status["watchdog_ticks"], "last_tick_age_s": tick_age_s},
+                "config": self.effective_config}
+

@@ -15,6 +15,21 @@ from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
+MAX_REQUEST_ID_CHARS = 40  # the state table's request_id field
+
+
+def check_request_id(value: str | None, default: str) -> str:
+    """The client's ``X-Request-Id`` (printable ASCII, at most 40 chars) or ``default``.
+
+    Raises:
+        InvalidRequestError: the header is empty, too long or not printable ASCII.
+    """
+    if value is None:
+        return default
+    if not value or len(value) > MAX_REQUEST_ID_CHARS or not (value.isascii() and value.isprintable()):
+        raise InvalidRequestError(f"X-Request-Id must be 1-{MAX_REQUEST_ID_CHARS} printable ASCII characters",
+                                  param="X-Request-Id")
+    return value
 
 
 @dataclass(frozen=True)
@@ -174,7 +189,7 @@ class RequestParser:
             raise InvalidRequestError("'stream_options' must be an object", param="stream_options")
         return model, stream, bool(options.get("include_usage", False))
 
-    def chat(self, body: Any) -> GenerationRequest:
+    def chat(self, body: Any, request_id: str | None = None) -> GenerationRequest:
         model, stream, include_usage = self._common(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -182,10 +197,10 @@ class RequestParser:
         conversation = [dict(zip(("role", "content"), _message_text(m, i))) for i, m in enumerate(messages)]
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
         prompt_ids = self.tokenizer.encode(text)
-        return GenerationRequest("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", model, prompt_ids,
+        return GenerationRequest("chat", check_request_id(request_id, f"chatcmpl-{uuid.uuid4().hex[:24]}"), model, prompt_ids,
                                  self._sampling(body, len(prompt_ids)), _stop_strings(body), stream, include_usage)
 
-    def completion(self, body: Any) -> GenerationRequest:
+    def completion(self, body: Any, request_id: str | None = None) -> GenerationRequest:
         model, stream, include_usage = self._common(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -201,7 +216,7 @@ class RequestParser:
         else:
             raise InvalidRequestError("'prompt' must be a non-empty string, a list with one string, or a "
                                       "non-empty list of token ids", param="prompt")
-        return GenerationRequest("completion", f"cmpl-{uuid.uuid4().hex[:24]}", model, prompt_ids,
+        return GenerationRequest("completion", check_request_id(request_id, f"cmpl-{uuid.uuid4().hex[:24]}"), model, prompt_ids,
                                  self._sampling(body, len(prompt_ids)), _stop_strings(body), stream, include_usage)
 
 

@@ -50,7 +50,7 @@ class ApiActor(Actor):
         client.start(asyncio.get_running_loop())
         parser = RequestParser(tokenizer, self.layout.served_model_name, self.layout.max_model_len,
                                self.config.default_max_tokens)
-        metrics = EngineMetrics(client, self.layout.served_model_name)
+        metrics = EngineMetrics(client, self.layout.served_model_name, self.layout.effective_config())
         app = build_app(client, tokenizer, parser, metrics)
 
         hconfig = Config()

@@ -170,4 +170,7 @@ def load_config(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] |
         _validate_value(f, value)
         values[f.name] = value
         sources[f.name] = source
+    from pdserve.faults import parse_faults
+
+    parse_faults(values["faults"])  # an unknown fault is a start-up error, never silently ignored
     return LoadedConfig(EngineConfig(**values), sources)

@@ -1,0 +1,175 @@
+"""HeartbeatMonitor: its own process on its own timer (``monitor_tick_s``), never driven by request traffic.
+
+Each tick it reads the shm state table and the actor table and:
+1. times out every live request past a deadline (actors/watchdog.py): TIMED_OUT(stage) in the table,
+   a 504 RequestError to the API, ``timeouts[stage] += 1``, one log line. The actors see the final row on
+   their next loop iteration and free the request's KV blocks, each its own side, exactly once;
+2. classifies each actor as ok / hung / dead and fails the requests a dead or hung actor holds (503,
+   retryable); the supervisor restarts the actor (killing a hung one first);
+3. tracks stuck queue gauges and cross-checks the actors' own counts against the table;
+4. releases final rows nobody released (the API died before answering).
+It blocks on nothing but its timer: every put is non-blocking and every lock wait is bounded, so it
+keeps ticking while every other actor is stopped, hung or dead.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from actors.base import ACTOR_NAMES, API_INDEX, DECODE_INDEX, MONITOR_INDEX, PREFILL_INDEX, Actor
+from actors.messages import RequestError, to_wire
+from ipc.state_table import FINAL_STATES, LIVE_STATES
+
+log = logging.getLogger("pdserve.monitor")
+
+FINAL_ROW_RECLAIM_S = 30.0
+MISMATCH_TICKS = 3  # a disagreement must persist this many ticks (counts race by a loop iteration)
+
+
+class HeartbeatMonitor(Actor):
+    role = "monitor"
+
+    def __init__(self, layout, index: int = MONITOR_INDEX):
+        super().__init__(layout, index)
+
+    def on_start(self) -> None:
+        from actors.watchdog import StuckGaugeTracker, stage_limits_ns
+        from ipc.shm_queue import ShmQueue
+        from ipc.state_table import RequestState, StateTable
+
+        self.S = RequestState
+        self.table = StateTable.attach(self.layout.segment("state"))
+        self.to_api = ShmQueue.attach(self.layout.segment("q_api"))
+        self.limits_ns = stage_limits_ns(self.config)
+        self.gauges = StuckGaugeTracker(self.config.stuck_gauge_s)
+        self.tick_ns = int(self.config.monitor_tick_s * 1e9)
+        self.next_tick_ns = time.monotonic_ns()
+        self.mismatch_ticks = [0] * 8
+        self.held_states = {
+            PREFILL_INDEX: {self.S.QUEUED, self.S.PREFILLING, self.S.BOOTSTRAP, self.S.TRANSFERRING},
+            DECODE_INDEX: {self.S.BOOTSTRAP, self.S.TRANSFERRING, self.S.DECODE_WAITING, self.S.DECODING},
+            API_INDEX: set(LIVE_STATES),
+        }
+
+    def run_once(self) -> None:
+        delay_ns = self.next_tick_ns - time.monotonic_ns()
+        if delay_ns > 0:
+            time.sleep(delay_ns / 1e9)  # the monitor's own timer; nothing else wakes it
+        self.next_tick_ns = max(self.next_tick_ns + self.tick_ns, time.monotonic_ns())
+        cpu_start = time.thread_time_ns()
+        try:
+            self.tick()
+        except Exception:  # noqa: BLE001 - the watchdog must survive its own bugs and keep ticking
+            log.exception("watchdog tick failed")
+        rec = self.status.rec
+        rec["watchdog_tick_cpu_ns"] = time.thread_time_ns() - cpu_start
+        rec["watchdog_ticks"] += 1
+        rec["watchdog_last_tick_ns"] = time.monotonic_ns()
+        rec["watchdog_last_tick_s"] = time.time()
+
+    # ---- one tick -----------------------------------------------------------------------------------
+    def tick(self) -> None:
+        from actors.watchdog import find_expired
+
+        now_ns = time.monotonic_ns()
+        rows = self.table.snapshot()
+        self.check_actors(rows, now_ns)
+        for expired in find_expired(rows, now_ns, self.config, self.limits_ns):
+            self.expire(expired)
+        rows = self.table.snapshot()
+        self.check_gauges(rows, now_ns)
+        self.reclaim_final_rows(rows, now_ns)
+
+    def _notify(self, slot: int, generation: int, status: int, error_type: str, message: str) -> None:
+        try:
+            self.to_api.put(to_wire(RequestError(slot, generation, status, error_type, message)), timeout_s=0)
+        except Exception as exc:  # noqa: BLE001 - API inbox full or gone: the API's own deadline answers
+            log.warning("could not notify the API about slot %d: %s", slot, exc)
+
+    def expire(self, expired) -> None:
+        final = self.S.FAILED if expired.reason == "bad_timestamp" else self.S.TIMED_OUT
+        if not self.table.transition(expired.slot, expired.generation, final, owner=self.index):
+            return  # it finished (or was aborted) since the snapshot: it was not stuck
+        rec = self.status.rec
+        if expired.reason == "bad_timestamp":
+            rec["bad_timestamps"] += 1
+            self._notify(expired.slot, expired.generation, 500, "internal_error", expired.message())
+        else:
+            rec["timeouts"][int(expired.stage)] += 1
+            self._notify(expired.slot, expired.generation, 504, "timeout_error", expired.message())
+        owner = ACTOR_NAMES[expired.owner] if 0 <= expired.owner < len(ACTOR_NAMES) else "none"
+        log.warning("timeout: request=%s stage=%s age_s=%.3f owner=%s reason=%s", expired.request_id,
+                    expired.stage.name.lower(), expired.age_s, owner, expired.reason)
+
+    def check_actors(self, rows: np.ndarray, now_ns: int) -> None:
+        from actors.watchdog import classify_actor
+        from ipc._shm import pid_alive
+        from ipc.actor_table import ActorStatus
+        from ipc.engine_status import ActorHealth
+
+        actor_rows = self.actors.rows()
+        rec = self.status.rec
+        for index in (PREFILL_INDEX, DECODE_INDEX, API_INDEX):
+            row = actor_rows[index]
+            pid = int(row["pid"])
+            health = classify_actor(pid, pid > 0 and pid_alive(pid), int(row["status"]) == ActorStatus.READY,
+                                    int(row["heartbeat_ns"]), now_ns, self.config.actor_hang_timeout_s)
+            if health != int(rec["actor_health"][index]):
+                level = logging.INFO if health in (ActorHealth.OK, ActorHealth.UNKNOWN) else logging.ERROR
+                log.log(level, "actor %s (pid %d) is %s", ACTOR_NAMES[index], pid, health.name.lower())
+            rec["actor_health"][index] = health
+            if health in (ActorHealth.DEAD, ActorHealth.HUNG):
+                age_s = (now_ns - int(row["heartbeat_ns"])) / 1e9
+                why = ("dead (its process exited)" if health == ActorHealth.DEAD
+                       else f"hung (no heartbeat for {age_s:.1f} s)")
+                self.fail_held(rows, index, f"actor {ACTOR_NAMES[index]} is {why}; the request was dropped, "
+                                            "retry it")
+
+    def fail_held(self, rows: np.ndarray, index: int, message: str) -> None:
+        held = np.flatnonzero(np.isin(rows["state"], [int(s) for s in self.held_states[index]]))
+        for slot in held:
+            generation = int(rows["generation"][slot])
+            if self.table.transition(int(slot), generation, self.S.FAILED, owner=self.index):
+                self.status.rec["actor_failures"][int(rows["state"][slot])] += 1
+                self._notify(int(slot), generation, 503, "engine_error", message)
+
+    def check_gauges(self, rows: np.ndarray, now_ns: int) -> None:
+        from ipc.engine_status import GAUGES
+
+        rec = self.status.rec
+        tracked = self.gauges.update(rows, now_ns)
+        for i, name in enumerate(GAUGES):
+            g = tracked[name]
+            if g.stuck and not rec["stuck"][i]:
+                oldest = self.gauges.oldest(rows, name)
+                rid = rows["request_id"][oldest[0]].decode(errors="replace") if oldest else "?"
+                age = (now_ns - oldest[1]) / 1e9 if oldest else 0.0
+                log.error("stuck gauge %s=%d: nothing left the stage for %.1f s; oldest request %s (%.1f s)",
+                          name, len(g.members), (now_ns - g.moved_ns) / 1e9, rid, age)
+            rec["stuck"][i] = int(g.stuck)
+            rec["gauge_value"][i] = len(g.members)
+            rec["gauge_nonzero_since_ns"][i] = g.nonzero_since_ns
+            rec["gauge_moved_ns"][i] = g.moved_ns
+        own = self.status.own_gauges()
+        for i, name in enumerate(GAUGES):
+            if own[i] < 0:
+                continue
+            if own[i] != len(tracked[name].members):
+                self.mismatch_ticks[i] += 1
+            else:
+                self.mismatch_ticks[i] = 0
+            flag = self.mismatch_ticks[i] >= MISMATCH_TICKS
+            if flag and not rec["mismatch"][i]:
+                log.error("gauge mismatch %s: actors count %d, the state table %d (the table wins)", name,
+                          own[i], len(tracked[name].members))
+            rec["mismatch"][i] = int(flag)
+
+    def reclaim_final_rows(self, rows: np.ndarray, now_ns: int) -> None:
+        final = np.flatnonzero(np.isin(rows["state"], [int(s) for s in FINAL_STATES]))
+        limit_ns = int(FINAL_ROW_RECLAIM_S * 1e9)
+        for slot in final:
+            if now_ns - int(rows["state_since_ns"][slot]) > limit_ns:
+                if self.table.release(int(slot), int(rows["generation"][slot])):
+                    self.status.rec["rows_reclaimed"] += 1

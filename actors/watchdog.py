@@ -1,0 +1,170 @@
+"""The watchdog's decisions, as plain synchronous code over snapshots (no I/O, no clocks of its own).
+
+``find_expired`` says which live rows passed a deadline; ``StuckGaugeTracker`` says which queue gauges are
+stuck; ``classify_actor`` tells a dead actor from a hung one. The HeartbeatMonitor actor (actors/monitor.py)
+calls these every tick with ``time.monotonic_ns()`` and acts on the answers.
+
+Deadlines (each non-final state has one; all in seconds, from the config):
+    QUEUED          queue_timeout_s           since the row entered the state
+    PREFILLING      prefill_timeout_s         since the row entered the state
+    BOOTSTRAP       bootstrap_timeout_s       since the row entered the state
+    TRANSFERRING    inflight_timeout_s        since the row entered the state (hard: a lease renewal by the
+                                              decode side may never extend it)
+    DECODE_WAITING  decode_waiting_timeout_s  since the row entered the state
+    DECODING        decode_stall_timeout_s    since the later of entering the state and the last token
+    any state       request_timeout_s         the row's absolute ``deadline_ns``
+A zero or future ``state_since_ns`` is a bug; such a row is expired at once and counted, never "fresh".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ipc.engine_status import GAUGES, ActorHealth
+from ipc.state_table import RequestState as S
+
+STAGE_TIMEOUT_FIELD = {
+    S.QUEUED: "queue_timeout_s",
+    S.PREFILLING: "prefill_timeout_s",
+    S.BOOTSTRAP: "bootstrap_timeout_s",
+    S.TRANSFERRING: "inflight_timeout_s",
+    S.DECODE_WAITING: "decode_waiting_timeout_s",
+    S.DECODING: "decode_stall_timeout_s",
+}
+LIVE_STATES = tuple(STAGE_TIMEOUT_FIELD)
+STAGE_NAME = {S.QUEUED: "queued", S.PREFILLING: "prefill", S.BOOTSTRAP: "bootstrap",
+              S.TRANSFERRING: "transfer", S.DECODE_WAITING: "decode_waiting", S.DECODING: "decode"}
+GAUGE_STATES = {
+    "running": (S.PREFILLING, S.DECODING),
+    "queued": (S.QUEUED,),
+    "prefill_inflight": (S.BOOTSTRAP, S.TRANSFERRING),
+    "decode_transfer": (S.TRANSFERRING,),
+}
+
+
+@dataclass(frozen=True)
+class Expired:
+    """A live row past a deadline. ``age_s`` is the time spent in ``stage`` (seconds)."""
+
+    slot: int
+    generation: int
+    stage: S
+    age_s: float
+    limit_s: float
+    reason: str          # "stage_deadline", "request_deadline" or "bad_timestamp"
+    owner: int
+    request_id: str
+
+    def message(self) -> str:
+        name = STAGE_NAME[self.stage]
+        if self.reason == "bad_timestamp":
+            return (f"request {self.request_id} failed in stage {name}: its state timestamp is zero or in the "
+                    f"future (an engine bug, reported by the watchdog)")
+        what = "request_timeout_s" if self.reason == "request_deadline" else STAGE_TIMEOUT_FIELD[self.stage]
+        return (f"request {self.request_id} timed out in stage {name} after {self.age_s:.2f} s "
+                f"({what}={self.limit_s:g})")
+
+
+def stage_limits_ns(config) -> np.ndarray:
+    """Per-state deadline in ns, indexed by RequestState value (0 for states without one)."""
+    limits = np.zeros(max(int(s) for s in S) + 1, dtype=np.int64)
+    for state, name in STAGE_TIMEOUT_FIELD.items():
+        limits[int(state)] = int(getattr(config, name) * 1e9)
+    return limits
+
+
+def find_expired(rows: np.ndarray, now_ns: int, config, limits_ns: np.ndarray | None = None) -> list[Expired]:
+    """Live rows of a state-table snapshot that passed a deadline (vectorized over all rows).
+
+    Args:
+        rows: structured array with the state table's ROW_DTYPE (a snapshot copy).
+        now_ns: CLOCK_MONOTONIC now, in ns.
+        config: EngineConfig (the *_timeout_s fields).
+    """
+    limits_ns = stage_limits_ns(config) if limits_ns is None else limits_ns
+    state = rows["state"].astype(np.int64)
+    live = np.isin(state, [int(s) for s in LIVE_STATES])
+    if not live.any():
+        return []
+    since = rows["state_since_ns"].astype(np.int64)
+    progress = np.where(state == int(S.DECODING), np.maximum(since, rows["last_progress_ns"]), since)
+    limit = limits_ns[state]
+    bad = live & ((since <= 0) | (since > now_ns))
+    stage_late = live & ~bad & (now_ns - progress > limit)
+    deadline = rows["deadline_ns"].astype(np.int64)
+    request_late = live & ~bad & ~stage_late & (deadline > 0) & (now_ns > deadline)
+    out = []
+    for slot in np.flatnonzero(bad | stage_late | request_late):
+        row = rows[slot]
+        st = S(int(row["state"]))
+        if bad[slot]:
+            reason, age, lim = "bad_timestamp", 0.0, 0.0
+        elif stage_late[slot]:
+            reason, age, lim = "stage_deadline", (now_ns - int(progress[slot])) / 1e9, limit[slot] / 1e9
+        else:
+            reason = "request_deadline"
+            age, lim = (now_ns - int(row["created_ns"])) / 1e9, config.request_timeout_s
+        rid = row["request_id"]
+        out.append(Expired(int(slot), int(row["generation"]), st, age, lim, reason, int(row["owner"]),
+                           rid.decode(errors="replace") if isinstance(rid, bytes) else str(rid)))
+    return out
+
+
+@dataclass
+class GaugeState:
+    members: dict[tuple[int, int], int] = field(default_factory=dict)  # (slot, generation) -> progress marker
+    nonzero_since_ns: int = 0
+    moved_ns: int = 0
+    stuck: bool = False
+
+
+class StuckGaugeTracker:
+    """Flags a queue gauge that stays > 0 while nothing leaves its stage for ``stuck_gauge_s``.
+
+    "Leaving" = a request in the stage at the previous tick is no longer in it, or (running gauge) it
+    produced a token. A gauge that drops to 0 clears its flag at once.
+    """
+
+    def __init__(self, stuck_gauge_s: float):
+        self.stuck_ns = int(stuck_gauge_s * 1e9)
+        self.gauges = {g: GaugeState() for g in GAUGES}
+
+    def update(self, rows: np.ndarray, now_ns: int) -> dict[str, GaugeState]:
+        state = rows["state"]
+        for gauge, states in GAUGE_STATES.items():
+            g = self.gauges[gauge]
+            idx = np.flatnonzero(np.isin(state, [int(s) for s in states]))
+            members = {(int(i), int(rows["generation"][i])): int(rows["output_tokens"][i]) for i in idx}
+            if not members:
+                g.members, g.nonzero_since_ns, g.moved_ns, g.stuck = {}, 0, now_ns, False
+                continue
+            if g.nonzero_since_ns == 0:
+                g.nonzero_since_ns = now_ns
+                g.moved_ns = now_ns
+            left = any(key not in members or members[key] != marker for key, marker in g.members.items())
+            if left:
+                g.moved_ns = now_ns
+            g.members = members
+            g.stuck = now_ns - g.moved_ns >= self.stuck_ns
+        return self.gauges
+
+    def oldest(self, rows: np.ndarray, gauge: str) -> tuple[int, float] | None:
+        """(slot, state_since_ns) of the oldest request in a gauge's stage, or None."""
+        members = self.gauges[gauge].members
+        if not members:
+            return None
+        slot = min(members, key=lambda k: int(rows["state_since_ns"][k[0]]))[0]
+        return slot, int(rows["state_since_ns"][slot])
+
+
+def classify_actor(pid: int, alive: bool, status_ready: bool, heartbeat_ns: int, now_ns: int,
+                   hang_timeout_s: float) -> ActorHealth:
+    """DEAD = its process is gone (or a zombie); HUNG = alive and READY but no heartbeat for the timeout."""
+    if pid <= 0:
+        return ActorHealth.UNKNOWN
+    if not alive:
+        return ActorHealth.DEAD
+    if status_ready and heartbeat_ns > 0 and now_ns - heartbeat_ns > hang_timeout_s * 1e9:
+        return ActorHealth.HUNG
+    return ActorHealth.OK

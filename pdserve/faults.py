@@ -1,0 +1,122 @@
+"""Fault injection: off by default, on only through the ``faults`` config field (``PDSERVE_FAULTS``).
+
+Spec: faults separated by ``;``, each ``name`` or ``name:key=value,key=value``. Unknown names or keys are a
+ConfigError at start-up. Every fault takes ``count=N`` (apply to the next N eligible events; default all),
+``fraction=P`` (apply to each eligible event with probability P, seeded by ``seed=S``; default 1) and
+``match=PREFIX`` (only requests whose id starts with PREFIX; clients set the id with the ``X-Request-Id``
+header, so a test or an operator can aim a fault at one request).
+
+| fault | where | effect |
+|---|---|---|
+| ``drop_transfer_done`` | decode | the TransferDone message is never sent: the request stays in the prefill inflight queue (TRANSFERRING) |
+| ``delay_transfer_done:seconds=S`` | decode | TransferDone is sent S seconds late |
+| ``transfer_stuck`` | decode | the transport reports IN_PROGRESS forever for the request |
+| ``transfer_unknown_status`` | decode | the transport reports a status value the code does not know |
+| ``decode_reject`` | decode | decode drops the request at bootstrap and reports a retryable failure |
+| ``bootstrap_silent`` | decode | decode never reserves blocks nor answers for the request (stays BOOTSTRAP) |
+| ``stall:actor=NAME,seconds=S`` | that actor | its loop blocks S seconds (a hang), once per eligible request |
+| ``crash:actor=NAME`` | that actor | the process exits abruptly (os._exit) when it takes an eligible request |
+
+Example: ``PDSERVE_FAULTS="drop_transfer_done:count=1;stall:actor=decode0,seconds=20,count=1"``.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from pdserve.errors import ConfigError
+
+FAULT_KEYS = {
+    "drop_transfer_done": set(),
+    "delay_transfer_done": {"seconds"},
+    "transfer_stuck": set(),
+    "transfer_unknown_status": set(),
+    "decode_reject": set(),
+    "bootstrap_silent": set(),
+    "stall": {"actor", "seconds"},
+    "crash": {"actor"},
+}
+COMMON_KEYS = {"count", "fraction", "seed", "match"}
+ACTOR_NAMES = ("prefill0", "decode0")
+
+
+@dataclass
+class Fault:
+    name: str
+    params: dict[str, str] = field(default_factory=dict)
+    remaining: int | None = None
+    fraction: float = 1.0
+    rng: random.Random = field(default_factory=random.Random)
+
+    def fires(self, request_id: str = "") -> bool:
+        """Consume one eligible event; True if the fault applies to it."""
+        if not request_id.startswith(self.params.get("match", "")):
+            return False
+        if self.remaining is not None and self.remaining <= 0:
+            return False
+        if self.fraction < 1.0 and self.rng.random() >= self.fraction:
+            return False
+        if self.remaining is not None:
+            self.remaining -= 1
+        return True
+
+    def number(self, key: str) -> float:
+        return float(self.params[key])
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    """Parse and validate a fault spec (see the module docstring).
+
+    Raises:
+        ConfigError: unknown fault or key, a missing required key, or a value of the wrong type.
+    """
+    faults = []
+    for part in filter(None, (p.strip() for p in (spec or "").split(";"))):
+        name, _, rest = part.partition(":")
+        name = name.strip()
+        if name not in FAULT_KEYS:
+            raise ConfigError(f"config field faults: unknown fault {name!r}; known: {', '.join(FAULT_KEYS)}",
+                              param="faults")
+        params: dict[str, str] = {}
+        for item in filter(None, (i.strip() for i in rest.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq or key not in FAULT_KEYS[name] | COMMON_KEYS:
+                raise ConfigError(f"config field faults: {name} takes "
+                                  f"{sorted(FAULT_KEYS[name] | COMMON_KEYS)}, not {item!r}", param="faults")
+            params[key] = value
+        missing = FAULT_KEYS[name] - params.keys()
+        if missing:
+            raise ConfigError(f"config field faults: {name} needs {sorted(missing)}", param="faults")
+        if "actor" in params and params["actor"] not in ACTOR_NAMES:
+            raise ConfigError(f"config field faults: {name} actor must be one of {ACTOR_NAMES}", param="faults")
+        try:
+            fault = Fault(name, params,
+                          remaining=int(params["count"]) if "count" in params else None,
+                          fraction=float(params.get("fraction", 1.0)),
+                          rng=random.Random(int(params.get("seed", 0))))
+            if "seconds" in params:
+                fault.number("seconds")
+        except ValueError as exc:
+            raise ConfigError(f"config field faults: bad number in {part!r}: {exc}", param="faults") from None
+        if not 0.0 <= fault.fraction <= 1.0:
+            raise ConfigError(f"config field faults: fraction must be in [0, 1] in {part!r}", param="faults")
+        faults.append(fault)
+    return faults
+
+
+class FaultPlan:
+    """The faults that apply in one actor process. ``fires(name)`` is False for every name when none are set."""
+
+    def __init__(self, spec: str, actor_name: str):
+        self.faults = [f for f in parse_faults(spec)
+                       if f.params.get("actor", actor_name) == actor_name]
+
+    def fires(self, name: str, request_id: str = "") -> Fault | None:
+        """The fault ``name`` if it applies to this event (consuming one count), else None."""
+        for fault in self.faults:
+            if fault.name == name and fault.fires(request_id):
+                return fault
+        return None
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)

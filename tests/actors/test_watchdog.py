@@ -1,0 +1,95 @@
+"""The watchdog's decisions over state-table snapshots: deadlines per stage, bad timestamps, stuck gauges,
+dead versus hung actors. Plain synchronous code: no processes needed."""
+from __future__ import annotations
+
+import numpy as np
+
+from actors.watchdog import StuckGaugeTracker, classify_actor, find_expired
+from ipc.engine_status import ActorHealth
+from ipc.state_table import ROW_DTYPE, RequestState as S
+from pdserve.config import load_config
+
+S_NS = 1_000_000_000
+CONFIG = load_config(None, {"PDSERVE_INFLIGHT_TIMEOUT_S": "2", "PDSERVE_DECODE_STALL_TIMEOUT_S": "5",
+                            "PDSERVE_REQUEST_TIMEOUT_S": "100"}).config
+
+
+def rows(*specs) -> np.ndarray:
+    table = np.zeros(len(specs) + 2, dtype=ROW_DTYPE)
+    for slot, (state, since_s, extra) in enumerate(specs):
+        table[slot]["state"] = int(state)
+        table[slot]["state_since_ns"] = int(since_s * S_NS)
+        table[slot]["created_ns"] = int(since_s * S_NS)
+        table[slot]["generation"] = 7
+        table[slot]["request_id"] = f"req-{slot}".encode()
+        for key, value in extra.items():
+            table[slot][key] = value
+    return table
+
+
+def test_a_transfer_past_inflight_timeout_expires_naming_the_stage():
+    table = rows((S.TRANSFERRING, 10.0, {}), (S.TRANSFERRING, 11.5, {}))
+    expired = find_expired(table, int(12.1 * S_NS), CONFIG)
+    assert [(e.slot, e.stage, e.reason) for e in expired] == [(0, S.TRANSFERRING, "stage_deadline")]
+    assert "stage transfer" in expired[0].message() and "inflight_timeout_s=2" in expired[0].message()
+    assert abs(expired[0].age_s - 2.1) < 1e-6
+
+
+def test_final_and_free_rows_never_expire():
+    table = rows((S.FINISHED, 1.0, {}), (S.TIMED_OUT, 1.0, {}), (S.FREE, 0.0, {}))
+    assert find_expired(table, 1000 * S_NS, CONFIG) == []
+
+
+def test_decoding_deadline_counts_from_the_last_token():
+    table = rows((S.DECODING, 10.0, {"last_progress_ns": 14 * S_NS}))
+    assert find_expired(table, int(18 * S_NS), CONFIG) == []
+    assert [e.reason for e in find_expired(table, int(19.5 * S_NS), CONFIG)] == ["stage_deadline"]
+
+
+def test_zero_or_future_timestamps_are_reported_never_fresh():
+    table = rows((S.QUEUED, 0.0, {}), (S.PREFILLING, 50.0, {}))
+    expired = find_expired(table, 20 * S_NS, CONFIG)
+    assert [(e.slot, e.reason) for e in expired] == [(0, "bad_timestamp"), (1, "bad_timestamp")]
+
+
+def test_the_request_deadline_applies_in_every_stage():
+    table = rows((S.QUEUED, 10.0, {"deadline_ns": 11 * S_NS}))
+    assert [e.reason for e in find_expired(table, 12 * S_NS, CONFIG)] == ["request_deadline"]
+
+
+def test_vectorized_scan_of_ten_thousand_rows_finds_exactly_the_expired_ones():
+    table = np.zeros(10_000, dtype=ROW_DTYPE)
+    table["state"] = int(S.DECODING)
+    table["state_since_ns"] = 100 * S_NS
+    table["last_progress_ns"] = 100 * S_NS
+    table["state"][::1000] = int(S.TRANSFERRING)
+    table["state_since_ns"][::1000] = 95 * S_NS
+    assert len(find_expired(table, 101 * S_NS, CONFIG)) == 10
+
+
+def test_a_gauge_is_stuck_only_while_nothing_leaves_its_stage():
+    tracker = StuckGaugeTracker(stuck_gauge_s=3)
+    table = rows((S.TRANSFERRING, 1.0, {}))
+    assert not tracker.update(table, 1 * S_NS)["prefill_inflight"].stuck
+    assert not tracker.update(table, 3 * S_NS)["prefill_inflight"].stuck
+    assert tracker.update(table, 4 * S_NS)["prefill_inflight"].stuck
+    assert tracker.oldest(table, "prefill_inflight") == (0, 1 * S_NS)
+    moved = rows((S.DECODE_WAITING, 4.0, {}), (S.TRANSFERRING, 4.0, {}))
+    assert not tracker.update(moved, 5 * S_NS)["prefill_inflight"].stuck  # slot 0 left the stage
+    assert not tracker.update(rows(), 6 * S_NS)["prefill_inflight"].stuck
+
+
+def test_running_gauge_is_not_stuck_while_tokens_flow():
+    tracker = StuckGaugeTracker(stuck_gauge_s=1)
+    for t in range(1, 6):
+        table = rows((S.DECODING, 0.5, {"output_tokens": t}))
+        assert not tracker.update(table, t * S_NS)["running"].stuck
+
+
+def test_dead_versus_hung_actors():
+    now = 100 * S_NS
+    assert classify_actor(123, False, True, now, now, 5) == ActorHealth.DEAD
+    assert classify_actor(123, True, True, now - 6 * S_NS, now, 5) == ActorHealth.HUNG
+    assert classify_actor(123, True, False, now - 60 * S_NS, now, 5) == ActorHealth.OK  # still loading
+    assert classify_actor(123, True, True, now - 1 * S_NS, now, 5) == ActorHealth.OK
+    assert classify_actor(0, False, False, 0, now, 5) == ActorHealth.UNKNOWN

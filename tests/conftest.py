@@ -1,0 +1,210 @@
+"""Shared test helpers: a real `pdserve serve` subprocess on a free port, polled (never slept) until ready."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, message: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value or the deadline passes (then AssertionError)."""
+    deadline = time.monotonic() + timeout_s
+    last_error = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 - retried until the deadline
+            last_error = exc
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {message} (last error: {last_error!r})")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shm_segments(engine_id: str) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if engine_id in n)
+
+
+def descendants(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+@dataclass
+class EngineProcess:
+    """A running `pdserve serve` subprocess."""
+
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    engine_id: str = ""
+    child_pids: list[int] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM, wait, SIGKILL as a last resort; then sweep the engine's segments. Returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+
+def start_engine(tmp_dir: Path, *args: str, env: dict | None = None, ready_timeout_s: float = 180.0) -> EngineProcess:
+    import httpx
+
+    port = free_port()
+    log_path = tmp_dir / f"engine-{port}.log"
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    full_env.update(env or {})
+    log_file = open(log_path, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), *args],
+                            cwd=ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT)
+    engine = EngineProcess(proc, port, log_path)
+
+    def ready():
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine exited with {proc.returncode}:\n{engine.log_text()[-3000:]}")
+        match = re.search(r"pdserve engine (\w+) serving", engine.log_text())
+        if not match:
+            return False
+        engine.engine_id = match.group(1)
+        return httpx.get(engine.base_url + "/health", timeout=2).status_code == 200
+
+    try:
+        wait_until(ready, ready_timeout_s, 0.2, "the engine to answer /health")
+    except BaseException:
+        engine.stop()
+        raise
+    engine.child_pids = descendants(proc.pid)
+    return engine
+
+
+def cleanup_engine(engine: EngineProcess) -> None:
+    """Stop the engine and, whatever happened, kill leftovers and unlink its segments."""
+    import psutil
+
+    engine.stop()
+    for pid in engine.child_pids:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.NoSuchProcess:
+            pass
+    if engine.engine_id:
+        from ipc.naming import unlink_all
+
+        unlink_all(engine.engine_id)
+
+
+@pytest.fixture
+def engine_factory(tmp_path):
+    """Start engines with custom flags/env inside one test; every one is stopped and swept afterwards."""
+    started: list[EngineProcess] = []
+
+    def factory(*args: str, env: dict | None = None) -> EngineProcess:
+        engine = start_engine(tmp_path, *args, env=env)
+        started.append(engine)
+        return engine
+
+    yield factory
+    for engine in started:
+        cleanup_engine(engine)
+
+
+class EngineProbe:
+    """Read-only view of a running engine's shm tables (what tools/inspect reads), for assertions."""
+
+    def __init__(self, engine_id: str):
+        from ipc.actor_table import ActorTable
+        from ipc.engine_status import EngineStatus
+        from ipc.naming import segment_name
+        from ipc.state_table import StateTable
+
+        self.state = StateTable.attach(segment_name(engine_id, "state"), readonly=True)
+        self.actors = ActorTable.attach(segment_name(engine_id, "actors"), readonly=True)
+        self.status = EngineStatus.attach(segment_name(engine_id, "status"), readonly=True)
+
+    def close(self) -> None:
+        for segment in (self.state, self.actors, self.status):
+            segment.close()
+
+    def actor(self, name: str) -> dict:
+        return next(r for r in self.actors.rows() if r["name"] == name)
+
+    def pid(self, name: str) -> int:
+        return int(self.actor(name)["pid"])
+
+    def live_rows(self) -> list[dict]:
+        return [self.state.row(slot) for slot in self.state.live_slots()]
+
+    def rows_with_id(self, request_id: str) -> list[dict]:
+        return [self.state.row(slot) for slot, _ in self.state.find(request_id)]
+
+    def free_blocks(self) -> dict[str, tuple[int, int]]:
+        return {r["name"]: (int(r["kv_blocks_free"]), int(r["kv_blocks_total"])) for r in self.actors.rows()
+                if int(r["kv_blocks_total"])}
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """/metrics as {name or name{k=v,...}: value}, parsed with prometheus-client's text parser."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {}
+    for family in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            key = sample.name
+            if sample.labels:
+                key += "{" + ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())) + "}"
+            values[key] = sample.value
+    return values
+
+
+QUEUE_GAUGES = ("pdserve_num_running_reqs", "pdserve_num_queue_reqs", "pdserve_num_prefill_inflight_queue_reqs",
+                "pdserve_num_decode_transfer_queue_reqs")
+
+
+def assert_recovered(engine: EngineProcess, probe: EngineProbe, timeout_s: float = 10.0) -> None:
+    """The after-every-scenario rule: queue gauges 0, every pool's blocks free, no live row, /health 200,
+    and one ordinary request succeeds."""
+    import httpx
+
+    def settled():
+        metrics = scrape(engine.base_url)
+        return (all(metrics[g] == 0 for g in QUEUE_GAUGES) and not probe.live_rows()
+                and all(free == total for free, total in probe.free_blocks().values())
+                and httpx.get(engine.base_url + "/health", timeout=5).status_code == 200)
+
+    wait_until(settled, timeout_s, 0.1, "gauges 0, KV blocks free, no live row, /health 200")
+    response = httpx.post(engine.base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3},
+                          timeout=60)
+    assert response.status_code == 200, response.text

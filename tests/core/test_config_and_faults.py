@@ -1,0 +1,66 @@
+"""Config: defaults < env < flags, validation names the field, unknown PDSERVE_* suggests the nearest name.
+Faults: parsed and validated at start-up; counts, fractions and request-id prefixes select events."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import load_config
+from pdserve.errors import ConfigError
+from pdserve.faults import FaultPlan, parse_faults
+
+
+def test_flags_beat_env_beat_defaults_and_sources_are_recorded():
+    loaded = load_config({"inflight_timeout_s": "3"}, {"PDSERVE_INFLIGHT_TIMEOUT_S": "2", "PDSERVE_PORT": "9001"})
+    assert loaded.config.inflight_timeout_s == 3.0 and loaded.sources["inflight_timeout_s"] == "flag"
+    assert loaded.config.port == 9001 and loaded.sources["port"] == "env"
+    assert loaded.config.monitor_tick_s == 0.5 and loaded.sources["monitor_tick_s"] == "default"
+
+
+def test_a_typo_in_an_env_var_is_an_error_that_suggests_the_right_name():
+    with pytest.raises(ConfigError, match="did you mean PDSERVE_INFLIGHT_TIMEOUT_S"):
+        load_config(None, {"PDSERVE_INFLIGHT_TIMOUT_S": "2"})
+
+
+@pytest.mark.parametrize("field,value,rule", [("monitor_tick_s", "0", "> 0"), ("inflight_timeout_s", "-1", "> 0"),
+                                              ("port", "70000", "0..65535"), ("device", "tpu", "one of")])
+def test_out_of_range_values_name_the_field_value_and_rule(field, value, rule):
+    with pytest.raises(ConfigError) as info:
+        load_config({field: value}, {})
+    assert field in str(info.value) and value in str(info.value) and rule in str(info.value)
+
+
+def test_non_numeric_value_is_a_config_error():
+    with pytest.raises(ConfigError, match="not a valid float"):
+        load_config(None, {"PDSERVE_MONITOR_TICK_S": "fast"})
+
+
+def test_config_is_frozen():
+    config = load_config(None, {}).config
+    with pytest.raises(Exception):
+        config.port = 1
+
+
+@pytest.mark.parametrize("spec,message", [("explode", "unknown fault"), ("stall:seconds=1", "needs"),
+                                          ("drop_transfer_done:colour=red", "takes"),
+                                          ("crash:actor=gpu7", "actor must be"),
+                                          ("drop_transfer_done:fraction=2", "fraction"),
+                                          ("delay_transfer_done:seconds=soon", "bad number")])
+def test_bad_fault_specs_are_rejected_at_start_up(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, {"PDSERVE_FAULTS": spec})
+
+
+def test_fault_count_match_and_actor_select_events():
+    plan = FaultPlan("drop_transfer_done:count=1,match=s1-;stall:actor=decode0,seconds=1", "decode0")
+    assert plan.fires("drop_transfer_done", "other") is None
+    assert plan.fires("drop_transfer_done", "s1-a") is not None
+    assert plan.fires("drop_transfer_done", "s1-b") is None  # count used up
+    assert plan.fires("stall", "x").number("seconds") == 1.0
+    assert not FaultPlan("stall:actor=decode0,seconds=1", "prefill0")
+    assert not FaultPlan("", "prefill0")
+
+
+def test_fault_fraction_is_reproducible_with_a_seed():
+    runs = [[f.fires() for f in parse_faults("decode_reject:fraction=0.3,seed=5") for _ in range(50)]
+            for _ in range(2)]
+    assert runs[0] == runs[1] and 0 < sum(runs[0]) < 50

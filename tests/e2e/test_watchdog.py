@@ -1,0 +1,221 @@
+"""Failure scenarios S1-S5 and S8-S10 (../shared/scenarios.md) against one real engine with faults aimed at
+single requests through X-Request-Id prefixes. Tests that restart actors run last in the module."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import (QUEUE_GAUGES, EngineProbe, assert_recovered, cleanup_engine, scrape, start_engine,
+                            wait_until)
+
+TICK_S = 0.5
+INFLIGHT_TIMEOUT_S = 2.0
+BOOTSTRAP_TIMEOUT_S = 4.0   # above the hang timeout: a hung decode is reported as hung, not as a bootstrap timeout
+HANG_TIMEOUT_S = 2.5
+HTTP_SLACK_S = 0.75   # client-side overhead on a loaded 2-core machine
+FAULTS = ";".join([
+    "drop_transfer_done:match=drop-",
+    "transfer_stuck:match=stuck-",
+    "transfer_unknown_status:match=unknown-",
+    "bootstrap_silent:match=silent-",
+    "decode_reject:match=reject-",
+    "stall:actor=decode0,seconds=120,match=hang-",
+    "stall:actor=prefill0,seconds=120,match=hold-",
+])
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    eng = start_engine(tmp_path_factory.mktemp("watchdog"), "--kv-pool-tokens", "1024",
+                       env={"PDSERVE_FAULTS": FAULTS, "PDSERVE_INFLIGHT_TIMEOUT_S": str(INFLIGHT_TIMEOUT_S),
+                            "PDSERVE_BOOTSTRAP_TIMEOUT_S": str(BOOTSTRAP_TIMEOUT_S),
+                            "PDSERVE_MONITOR_TICK_S": str(TICK_S),
+                            "PDSERVE_ACTOR_HANG_TIMEOUT_S": str(HANG_TIMEOUT_S),
+                            "PDSERVE_QUEUE_TIMEOUT_S": "5", "PDSERVE_DECODE_WAITING_TIMEOUT_S": "5"})
+    yield eng
+    cleanup_engine(eng)
+
+
+@pytest.fixture(scope="module")
+def probe(engine):
+    p = EngineProbe(engine.engine_id)
+    yield p
+    p.close()
+
+
+def complete(engine, request_id: str, prompt: str = "Tell me a story about a robot.", max_tokens: int = 8,
+             **extra) -> tuple[httpx.Response, float]:
+    start = time.monotonic()
+    response = httpx.post(engine.base_url + "/v1/completions", headers={"X-Request-Id": request_id},
+                          json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}, timeout=120)
+    return response, time.monotonic() - start
+
+
+def test_idle_dropped_transfer_completion_fails_within_timeout_plus_one_tick(engine, probe):
+    """The outage, precisely: one completion dropped, no other traffic at all."""
+    ticks_before = scrape(engine.base_url)["pdserve_watchdog_ticks_total"]
+    response, elapsed = complete(engine, "drop-idle-1")
+    assert response.status_code == 504, response.text
+    error = response.json()["error"]
+    assert error["type"] == "timeout_error" and "stage transfer" in error["message"]
+    assert INFLIGHT_TIMEOUT_S <= elapsed <= INFLIGHT_TIMEOUT_S + TICK_S + HTTP_SLACK_S, elapsed
+    metrics = scrape(engine.base_url)
+    assert metrics["pdserve_num_prefill_inflight_queue_reqs"] == 0
+    assert metrics["pdserve_request_timeouts_total{stage=transfer}"] >= 1
+    assert metrics["pdserve_watchdog_ticks_total"] - ticks_before >= elapsed / TICK_S - 2
+    wait_until(lambda: all(f == t for f, t in probe.free_blocks().values()), 2, message="blocks freed")
+    assert_recovered(engine, probe)
+
+
+@pytest.mark.parametrize("prefix", ["stuck-", "unknown-"], ids=["in_progress_forever", "unknown_status"])
+def test_s1_never_final_transfer_errors_naming_the_stage_and_prefill_does_not_spin(engine, probe, prefix):
+    prefill = psutil.Process(probe.pid("prefill0"))
+    cpu_before = sum(prefill.cpu_times()[:2])
+    response, elapsed = complete(engine, prefix + "s1")
+    cpu_used = sum(prefill.cpu_times()[:2]) - cpu_before
+    assert response.status_code in (503, 504), response.text
+    assert "transfer" in response.json()["error"]["message"]
+    assert elapsed <= INFLIGHT_TIMEOUT_S + TICK_S + HTTP_SLACK_S
+    assert cpu_used < 0.5 * max(elapsed, 1.0), f"prefill used {cpu_used:.2f} s CPU in {elapsed:.2f} s"
+    assert_recovered(engine, probe)
+
+
+def test_s2_decode_never_registers_fails_at_the_bootstrap_deadline(engine, probe):
+    from ipc.kv_transport import TRANSPORTS
+
+    assert list(TRANSPORTS) == ["cpu-shm"], "run this scenario against every transport the engine has"
+    response, elapsed = complete(engine, "silent-s2")
+    assert response.status_code == 504, response.text
+    assert "stage bootstrap" in response.json()["error"]["message"]
+    assert BOOTSTRAP_TIMEOUT_S <= elapsed <= BOOTSTRAP_TIMEOUT_S + TICK_S + HTTP_SLACK_S
+    assert_recovered(engine, probe)
+
+
+def test_s3_full_pool_then_silence_all_abort_then_a_probe_succeeds(engine, probe):
+    free, total = probe.free_blocks()["prefill0"]
+    prompt = "word " * 120  # ~ 121 tokens = 8 blocks of 16
+    n = total // 8
+
+    async def fill():
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def one(i):
+                start = time.monotonic()
+                r = await client.post(engine.base_url + "/v1/completions", headers={"X-Request-Id": f"stuck-s3-{i}"},
+                                      json={"prompt": prompt, "max_tokens": 4})
+                return r.status_code, time.monotonic() - start
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+    results = asyncio.run(fill())
+    assert all(code in (503, 504) for code, _ in results), results
+    # requests queued behind the full pools start their own stage clock later; none waits for new traffic
+    assert max(t for _, t in results) <= 2 * (INFLIGHT_TIMEOUT_S + BOOTSTRAP_TIMEOUT_S) + 2 * TICK_S + 2
+    assert_recovered(engine, probe)
+
+
+def test_s4_one_dropped_completion_while_others_are_served(engine, probe):
+    beats_before = {r["name"]: r["heartbeat_count"] for r in probe.actors.rows() if r["name"]}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            stuck = client.post(engine.base_url + "/v1/completions", headers={"X-Request-Id": "drop-s4"},
+                                json={"prompt": "Stuck one", "max_tokens": 4})
+            others = [client.post(engine.base_url + "/v1/completions", json={"prompt": f"Count to {i}:", "max_tokens": 6})
+                      for i in range(6)]
+            return await asyncio.gather(stuck, *others)
+
+    start = time.monotonic()
+    stuck, *others = asyncio.run(run())
+    assert all(r.status_code == 200 for r in others)
+    assert stuck.status_code == 504 and "stage transfer" in stuck.json()["error"]["message"]
+    assert time.monotonic() - start >= INFLIGHT_TIMEOUT_S
+    beats_after = {r["name"]: r["heartbeat_count"] for r in probe.actors.rows() if r["name"]}
+    assert all(beats_after[name] > count for name, count in beats_before.items()), (beats_before, beats_after)
+    assert_recovered(engine, probe)
+
+
+def test_s5_busy_to_idle_gauges_read_zero_within_two_seconds(engine, probe):
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def one(i):
+                async with client.stream("POST", engine.base_url + "/v1/completions",
+                                         json={"prompt": f"Story number {i}:", "max_tokens": 100, "stream": True}) as r:
+                    async for _ in r.aiter_lines():
+                        return  # first chunk seen: leave, closing the connection
+            await asyncio.gather(*(one(i) for i in range(8)))
+
+    asyncio.run(run())
+    aborted_at = time.monotonic()
+
+    def idle():
+        m = scrape(engine.base_url)
+        return all(m[g] == 0 for g in QUEUE_GAUGES) and m["pdserve_kv_cache_usage_ratio"] == 0
+    wait_until(idle, 2.0, 0.05, "gauges 0 and KV usage back to baseline")
+    assert time.monotonic() - aborted_at <= 2.0
+    assert_recovered(engine, probe)
+
+
+def test_s8_decode_leg_failure_is_a_fast_retryable_error_and_prefill_frees(engine, probe):
+    response, elapsed = complete(engine, "reject-s8")
+    assert response.status_code == 503, response.text
+    assert response.headers.get("retry-after")
+    assert "retry" in response.json()["error"]["message"]
+    assert elapsed < 1.5
+    assert_recovered(engine, probe)
+
+
+def test_s9_hung_actor_fails_its_request_and_is_restarted(engine, probe):
+    pid_before = probe.pid("decode0")
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            task = asyncio.ensure_future(client.post(engine.base_url + "/v1/completions",
+                                                     headers={"X-Request-Id": "hang-s9"},
+                                                     json={"prompt": "Hi", "max_tokens": 4}))
+            await asyncio.to_thread(wait_until, lambda: any(r["request_id"] == "hang-s9" and r["state"] >= 3
+                                                            for r in probe.live_rows()), 30)
+            os.kill(pid_before, signal.SIGSTOP)  # and stopped for good measure: no heartbeat at all
+            start = time.monotonic()
+            response = await task
+            return response, time.monotonic() - start
+
+    response, elapsed = asyncio.run(run())
+    assert response.status_code == 503, response.text
+    assert "hung" in response.json()["error"]["message"]
+    assert elapsed <= HANG_TIMEOUT_S + TICK_S + HTTP_SLACK_S + 0.5
+    wait_until(lambda: probe.pid("decode0") not in (0, pid_before), 10, message="decode restarted")
+    assert not psutil.pid_exists(pid_before) or psutil.Process(pid_before).status() == psutil.STATUS_ZOMBIE
+    assert_recovered(engine, probe, timeout_s=120)
+
+
+def test_s9_s10_dead_actor_holding_kv_blocks_is_cleaned_up_and_restarted(engine, probe):
+    pid_before = probe.pid("prefill0")
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            task = asyncio.ensure_future(client.post(engine.base_url + "/v1/completions",
+                                                     headers={"X-Request-Id": "hold-s10"},
+                                                     json={"prompt": "Hi " * 50, "max_tokens": 4}))
+            await asyncio.to_thread(wait_until, lambda: any(r["request_id"] == "hold-s10" and r["prefill_blocks"] > 0
+                                                            for r in probe.live_rows()), 30)
+            os.kill(pid_before, signal.SIGKILL)
+            start = time.monotonic()
+            response = await task
+            return response, time.monotonic() - start
+
+    response, elapsed = asyncio.run(run())
+    assert response.status_code == 503 and "dead" in response.json()["error"]["message"], response.text
+    assert elapsed <= TICK_S + HTTP_SLACK_S + 1.0
+    # while the actor restarts, /metrics and /health answer (health says why it is unavailable)
+    health = httpx.get(engine.base_url + "/health", timeout=5)
+    assert health.status_code in (200, 503)
+    assert httpx.get(engine.base_url + "/metrics", timeout=5).status_code == 200
+    assert not probe.live_rows()
+    wait_until(lambda: probe.pid("prefill0") not in (0, pid_before), 10, message="prefill restarted")
+    assert_recovered(engine, probe, timeout_s=120)
+    assert scrape(engine.base_url)["pdserve_actor_restarts_total{actor=prefill0}"] >= 1
