@@ -245,9 +245,9 @@ class Supervisor:
                                    timeout_s=0)
                     except PdserveError:
                         pass
-            answered = time.monotonic() + 1.0
-            while self.state.count_by_state() and time.monotonic() < answered and any(
-                    self.state.row(s)["state"] == RequestState.ABORTED for s in live):
+            answered = time.monotonic() + 1.0  # give the API a moment to answer those clients
+            while time.monotonic() < answered and any(
+                    int(self.state.row(slot)["state"]) == RequestState.ABORTED for slot in live):
                 time.sleep(0.05)
         finally:
             to_api.close()

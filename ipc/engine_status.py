@@ -33,7 +33,7 @@ import enum
 
 import numpy as np
 
-from ipc._shm import attach_segment, close_mapping, create_segment, unlink_segment_quiet
+from ipc._shm import attach_segment, close_mapping, create_segment, shm_array, unlink_segment_quiet
 
 GAUGES = ("running", "queued", "prefill_inflight", "decode_transfer")
 GAUGE_METRIC = {"running": "pdserve_num_running_reqs", "queued": "pdserve_num_queue_reqs",
@@ -77,7 +77,7 @@ class EngineStatus:
         self.name = name
         self._mm = mm
         self._owner = owner
-        self.rec = np.ndarray((1,), dtype=STATUS_DTYPE, buffer=mm)[0]
+        self.rec = shm_array(mm, STATUS_DTYPE, 1)[0]
 
     @classmethod
     def create(cls, name: str) -> "EngineStatus":

@@ -68,6 +68,14 @@ class QueueFullError(PdserveError):
     """A shared-memory queue stayed full past the put timeout (the consumer is slow, hung or dead)."""
 
 
+class ShmLockTimeoutError(PdserveError):
+    """A shared-memory lock stayed held past its timeout by a process that is still alive (stopped or hung).
+
+    The message names the lock, the holder pid and whether it is alive; the usual fix is to restart (or
+    SIGCONT) that process. A holder that died is taken over automatically and never raises this.
+    """
+
+
 class QueueClosedError(PdserveError):
     """The queue's segment is gone (the engine is shutting down)."""
 

@@ -1,0 +1,196 @@
+"""The KV handoff interface (prefill pool -> decode pool) and its CPU shared-memory implementation.
+
+The decode actor pulls: it owns a ``KVTransport`` built over its own pool (the destination), opens the
+prefill actor's pool once as the source (``open_peer``), and for each request copies the prefill blocks into
+the blocks it reserved. Block ids and the token count travel in messages; the data never does.
+
+Implementations: ``cpu-shm`` (here; every test runs on it). ``cuda-ipc`` and cross-node ones register with
+``register_transport`` from their own packages, so the deadlines and the lifecycle above them stay the same.
+"""
+from __future__ import annotations
+
+import abc
+import enum
+import itertools
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ipc.kv_pool import KVPool
+
+
+class TransferStatus(enum.IntEnum):
+    IN_PROGRESS = 0
+    DONE = 1
+    FAILED = 2
+
+
+class KVTransport(abc.ABC):
+    """Moves whole KV blocks from a peer's pool (src: the prefill actor's) into the local pool (dst: the
+    decode actor's, whose process runs the transport: the decode side pulls).
+
+    Every method is non-blocking except where an implementation documents otherwise; the caller polls and
+    enforces its own deadline (a transfer that stays IN_PROGRESS is the caller's timeout, not ours).
+    """
+
+    @abc.abstractmethod
+    def open_peer(self, peer_pool_name: str) -> None:
+        """Attach the source (prefill) pool ``peer_pool_name``; called once, the peer stays attached until
+        ``close``. Raises FileNotFoundError if it does not exist, ValueError if its geometry (layers,
+        block_tokens, kv heads, head_dim, dtype) differs from the local pool's."""
+
+    @abc.abstractmethod
+    def start_copy(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], *,
+                   num_tokens: int) -> int:
+        """Start copying src block ``src_block_ids[i]`` (peer pool) into dst block ``dst_block_ids[i]`` (local
+        pool), all layers, K and V; ``num_tokens`` (<= blocks * block_tokens) is the valid token count.
+        Returns a transfer handle for ``poll``/``release``. Raises ValueError for mismatched lengths, ids out
+        of range, repeated dst ids or a bad ``num_tokens``; RuntimeError if ``open_peer`` was not called."""
+
+    @abc.abstractmethod
+    def poll(self, handle: int) -> TransferStatus:
+        """Status of transfer ``handle``. Raises KeyError for a handle never issued or already released."""
+
+    @abc.abstractmethod
+    def release(self, handle: int) -> None:
+        """Forget transfer ``handle`` (idempotent: releasing an unknown/released handle does nothing)."""
+
+    @property
+    @abc.abstractmethod
+    def bytes_moved_total(self) -> int:
+        """Bytes copied by completed transfers since construction."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Detach the peer and drop every handle (idempotent)."""
+
+    def error(self, handle: int) -> str | None:
+        """Why transfer ``handle`` FAILED, if known."""
+        return None
+
+
+class CpuShmTransport(KVTransport):
+    """KV handoff between two POSIX shm pools on one host: a synchronous vectorized copy.
+
+    ``start_copy`` copies before it returns (its handle polls DONE, or FAILED if the copy raised) with one
+    vectorized index operation, ``dst[:, :, dst_ids] = src[:, :, src_ids]`` over all layers and K/V at once,
+    run on numpy views of the two mappings (torch's CPU index_select/index_copy_ measured 5-50x slower here).
+    Large transfers are cut into chunks of about ``chunk_bytes`` of blocks (one index op per chunk, never a
+    Python loop per block) so the gathered temporary stays in cache: that measured 3-4x faster than one giant
+    gather on this host. The copy is bytewise, so every pool dtype (bf16 included) is exact.
+    """
+
+    kind = "cpu-shm"
+
+    def __init__(self, local_pool: KVPool, *, chunk_bytes: int = 4 << 20):
+        if local_pool.readonly:
+            raise ValueError(f"the local (destination) pool {local_pool.name!r} must be attached writable")
+        self.local = local_pool
+        self.peer: KVPool | None = None
+        self.chunk_bytes = max(1, int(chunk_bytes))
+        self._dst = local_pool.array()  # carrier dtype view (uint16 for bf16): bytewise copy
+        self._src: np.ndarray | None = None
+        self._handles: dict[int, TransferStatus] = {}
+        self._errors: dict[int, str] = {}
+        self._ids = itertools.count(1)
+        self._bytes_total = 0
+
+    def open_peer(self, peer_pool_name: str) -> None:
+        if self.peer is not None:
+            if self.peer.name == peer_pool_name:
+                return
+            raise ValueError(f"transport already attached to peer {self.peer.name!r}; close() it first")
+        peer = KVPool.attach(peer_pool_name, readonly=True)
+        mine, theirs = self.local, peer
+        fields = ("num_layers", "block_tokens", "num_kv_heads", "head_dim", "dtype")
+        diff = [f"{f}: local {getattr(mine, f)} vs peer {getattr(theirs, f)}" for f in fields
+                if getattr(mine, f) != getattr(theirs, f)]
+        if diff:
+            peer.close()
+            raise ValueError(f"KV pool {peer_pool_name!r} cannot feed {mine.name!r}: " + "; ".join(diff))
+        self.peer = peer
+        self._src = peer.array()
+
+    def start_copy(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], *,
+                   num_tokens: int) -> int:
+        if self._src is None:
+            raise RuntimeError("CpuShmTransport.start_copy before open_peer()")
+        src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
+        dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+        if src.size != dst.size:
+            raise ValueError(f"start_copy: {src.size} src blocks but {dst.size} dst blocks")
+        bt = self.local.block_tokens
+        if not 0 <= num_tokens <= src.size * bt:
+            raise ValueError(f"start_copy: num_tokens={num_tokens} does not fit {src.size} blocks "
+                             f"of {bt} tokens")
+        if src.size:
+            if src.min() < 0 or src.max() >= self.peer.num_blocks:
+                raise ValueError(f"start_copy: src block id outside the peer pool of {self.peer.num_blocks}")
+            if dst.min() < 0 or dst.max() >= self.local.num_blocks:
+                raise ValueError(f"start_copy: dst block id outside the local pool of "
+                                 f"{self.local.num_blocks}")
+            if np.unique(dst).size != dst.size:
+                raise ValueError("start_copy: a dst block id is listed twice")
+        handle = next(self._ids)
+        try:
+            per_chunk = max(1, self.chunk_bytes // max(1, self.local.block_bytes))
+            s_arr, d_arr = self._src, self._dst
+            for i in range(0, src.size, per_chunk):  # chunks of blocks, one index op each
+                d_arr[:, :, dst[i:i + per_chunk]] = s_arr[:, :, src[i:i + per_chunk]]
+        except Exception as exc:  # a vanished/short mapping, MemoryError...
+            self._handles[handle] = TransferStatus.FAILED
+            self._errors[handle] = f"{type(exc).__name__}: {exc}"
+            return handle
+        self._bytes_total += int(src.size) * self.local.block_bytes
+        self._handles[handle] = TransferStatus.DONE
+        return handle
+
+    def poll(self, handle: int) -> TransferStatus:
+        try:
+            return self._handles[handle]
+        except KeyError:
+            raise KeyError(f"unknown KV transfer handle {handle!r} (never issued, or released)") from None
+
+    def release(self, handle: int) -> None:
+        self._handles.pop(handle, None)
+        self._errors.pop(handle, None)
+
+    def error(self, handle: int) -> str | None:
+        return self._errors.get(handle)
+
+    @property
+    def bytes_moved_total(self) -> int:
+        return self._bytes_total
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._errors.clear()
+        self._src = None
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
+
+
+_TRANSPORTS: dict[str, Callable[[KVPool], KVTransport]] = {"cpu-shm": CpuShmTransport}
+
+
+def register_transport(kind: str, factory: Callable[[KVPool], KVTransport]) -> None:
+    """Make ``make_transport(kind, pool)`` call ``factory(pool)`` (e.g. "cuda-ipc" from ``gpu/``).
+    Raises ValueError if ``kind`` is already registered to another factory."""
+    if _TRANSPORTS.get(kind, factory) is not factory:
+        raise ValueError(f"KV transport kind {kind!r} is already registered")
+    _TRANSPORTS[kind] = factory
+
+
+def known_transports() -> list[str]:
+    return sorted(_TRANSPORTS)
+
+
+def make_transport(kind: str, local_pool: KVPool) -> KVTransport:
+    """A transport of ``kind`` whose destination is ``local_pool``. Raises ValueError naming the known kinds
+    for an unknown one."""
+    try:
+        factory = _TRANSPORTS[kind]
+    except KeyError:
+        raise ValueError(f"unknown KV transport {kind!r}; known: {', '.join(known_transports())}") from None
+    return factory(local_pool)

@@ -1,0 +1,243 @@
+from __future__ import annotations
+
+import os
+import pickle
+import stat
+import time
+
+import pytest
+
+import ipc_children as kids
+from ipc import naming
+from ipc.shm_queue import QueueLockTimeoutError, ShmQueue
+from pdserve.errors import MessageTooLargeError, QueueClosedError, QueueFullError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def queue(name):
+    q = ShmQueue.create(name("q"), num_slots=8, slot_bytes=256)
+    try:
+        yield q
+    finally:
+        q.close()
+        q.unlink()
+
+
+def test_messages_round_trip_unchanged(queue):
+    msgs = [{"slot": 3, "gen": 7, "ids": [1, 2, 3]}, [1, "two", None, True], "text é", 42, 1.5, {}]
+    for m in msgs:
+        queue.put(m)
+    assert [queue.get(timeout_s=1) for _ in msgs] == msgs
+    queue.put_bytes(b"\x00raw\xff")
+    assert queue.get_bytes(timeout_s=1) == b"\x00raw\xff"
+
+
+def test_messages_come_out_in_fifo_order_across_wraparound(queue):
+    for round_ in range(5):  # 5 x 7 messages through 8 slots: wraps several times
+        for i in range(7):
+            queue.put(round_ * 100 + i)
+        assert [queue.get(0) for _ in range(7)] == [round_ * 100 + i for i in range(7)]
+    assert queue.qsize() == 0
+
+
+def test_put_on_a_full_queue_raises_queue_full_within_the_timeout(queue):
+    for i in range(queue.num_slots):
+        queue.put(i, timeout_s=0)
+    assert queue.qsize() == queue.num_slots
+    t0 = time.monotonic()
+    with pytest.raises(QueueFullError, match="stayed full"):
+        queue.put("one too many", timeout_s=0.2)
+    assert 0.15 <= time.monotonic() - t0 < 1.0
+    assert queue.get(0) == 0  # a slot frees up: put works again
+    queue.put("fits now", timeout_s=0)
+
+
+def test_get_on_an_empty_queue_returns_none_after_about_the_timeout(queue):
+    t0 = time.monotonic()
+    assert queue.get(timeout_s=0.2) is None
+    assert 0.15 <= time.monotonic() - t0 < 1.0
+    t0 = time.monotonic()
+    assert queue.get(timeout_s=0) is None
+    assert queue.get_bytes(0) is None
+    assert queue.get_many(10, timeout_s=0) == []
+    assert time.monotonic() - t0 < 0.1
+
+
+def test_a_message_larger_than_a_slot_raises_message_too_large(queue):
+    assert queue.max_message_bytes == 252
+    queue.put_bytes(b"x" * 252)
+    with pytest.raises(MessageTooLargeError, match="slot_bytes"):
+        queue.put_bytes(b"x" * 253)
+    with pytest.raises(MessageTooLargeError):
+        queue.put("y" * 300)
+    assert queue.qsize() == 1
+
+
+def test_get_many_waits_for_the_first_then_drains_without_waiting(queue):
+    for i in range(5):
+        queue.put(i)
+    t0 = time.monotonic()
+    assert queue.get_many(3, timeout_s=5) == [0, 1, 2]
+    assert queue.get_many(10, timeout_s=5) == [3, 4]
+    assert time.monotonic() - t0 < 0.5
+    with pytest.raises(ValueError):
+        queue.get_many(0, timeout_s=0)
+
+
+def test_unserializable_objects_raise_type_error(queue):
+    with pytest.raises(TypeError):
+        queue.put(object())
+    assert queue.qsize() == 0
+
+
+def test_attach_reads_geometry_from_the_header(queue):
+    other = ShmQueue.attach(queue.name)
+    try:
+        assert (other.num_slots, other.slot_bytes, other.is_owner) == (8, 256, False)
+        queue.put({"a": 1})
+        assert other.get(1) == {"a": 1}
+        with pytest.raises(PermissionError):
+            other.unlink()
+    finally:
+        other.close()
+
+
+def test_two_producer_processes_and_one_consumer_lose_and_duplicate_nothing(name, ctx):
+    q = ShmQueue.create(name("q2p"), num_slots=64, slot_bytes=128)
+    start = ctx.Event()
+    per = 5000
+    procs = [ctx.Process(target=kids.q_producer, args=(q.name, p, per, start)) for p in (0, 1)]
+    try:
+        for p in procs:
+            p.start()
+        start.set()
+        got = []
+        deadline = time.monotonic() + 20
+        while len(got) < 2 * per and time.monotonic() < deadline:
+            got.extend(q.get_many(64, timeout_s=1.0))
+        assert kids.join_all(procs) == [0, 0]
+        assert q.get(timeout_s=0) is None
+        assert len(got) == 2 * per
+        for p in (0, 1):
+            assert [m["i"] for m in got if m["p"] == p] == list(range(per))  # complete, unique, in order
+    finally:
+        kids.join_all(procs, 5)
+        q.close()
+        q.unlink()
+
+
+def test_a_spawned_child_attaches_to_queues_pickled_by_name(queue, name, ctx):
+    back = ShmQueue.create(name("back"), num_slots=4, slot_bytes=256)
+    try:
+        assert pickle.loads(pickle.dumps(queue)).name == queue.name
+        assert pickle.dumps(queue).count(b"pdserve") == 1 and len(pickle.dumps(queue)) < 200
+        p = ctx.Process(target=kids.q_echo, args=(queue, back))
+        p.start()
+        queue.put({"hello": [1, 2]})
+        reply = back.get(timeout_s=15)
+        assert kids.join_all([p]) == [0]
+        assert reply["echo"] == {"hello": [1, 2]}
+        assert reply["pid"] == p.pid and reply["owner"] is False
+    finally:
+        back.close()
+        back.unlink()
+
+
+def test_a_waiting_consumer_uses_almost_no_cpu(queue, ctx):
+    results = ctx.Queue()
+    p = ctx.Process(target=kids.q_idle_cpu, args=(queue.name, 0.5, results))
+    p.start()
+    try:
+        got, cpu_s, wall_s = results.get(timeout=15)
+    finally:
+        assert kids.join_all([p]) == [0]
+    assert got is None and wall_s >= 0.45
+    assert cpu_s < 0.05, f"idle get() burned {cpu_s:.3f} s of CPU in {wall_s:.2f} s"
+
+
+def test_segments_are_private_and_unlink_removes_every_entry(name, engine_id):
+    q = ShmQueue.create(name("u"), num_slots=2, slot_bytes=64)
+    entries = naming.list_engine_segments(engine_id)
+    assert len(entries) == 6 and sum(e.startswith("sem.") for e in entries) == 5
+    for e in entries:
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{e}").st_mode) == 0o600
+    q.unlink()
+    q.unlink()  # idempotent
+    assert naming.list_engine_segments(engine_id) == []
+    q.put("still usable until closed")  # attached processes keep the nameless objects
+    assert q.get(0) == "still usable until closed"
+    q.close()
+    q.close()  # idempotent
+    with pytest.raises(QueueClosedError):
+        q.put(1)
+    with pytest.raises(QueueClosedError):
+        ShmQueue.attach(q.name)
+    dup = ShmQueue.create(name("dup"), num_slots=2, slot_bytes=64)
+    try:
+        with pytest.raises(FileExistsError):
+            ShmQueue.create(name("dup"))
+        dup.put("the first owner's queue is untouched")
+        assert dup.get(0) == "the first owner's queue is untouched"
+    finally:
+        dup.close()
+        dup.unlink()
+
+
+def test_a_producer_killed_inside_put_does_not_wedge_the_queue(name, ctx):
+    q = ShmQueue.create(name("dp"), num_slots=4, slot_bytes=64, lock_timeout_s=0.2)
+    try:
+        p = ctx.Process(target=kids.q_die_in_put, args=(q.name,))
+        p.start()
+        assert kids.join_all([p]) == [0]
+        assert q._plock.holder_pid() == p.pid
+        q.put("after the crash", timeout_s=2)  # takes the dead producer's mutex over after 0.2 s
+        assert q._plock.holder_pid() == 0
+        assert q.get(0) == "after the crash"
+        for i in range(4):  # the dead producer's slot was given back: full capacity again
+            q.put(i, timeout_s=0)
+        with pytest.raises(QueueFullError):
+            q.put("x", timeout_s=0)
+        assert [q.get(0) for _ in range(4)] == [0, 1, 2, 3]
+    finally:
+        q.close()
+        q.unlink()
+
+
+def test_a_consumer_killed_inside_get_leaves_its_message_to_the_next_consumer(name, ctx):
+    q = ShmQueue.create(name("dc"), num_slots=4, slot_bytes=64, lock_timeout_s=0.2)
+    try:
+        q.put("survives")
+        p = ctx.Process(target=kids.q_die_in_get, args=(q.name,))
+        p.start()
+        assert kids.join_all([p]) == [0]
+        assert q.get(timeout_s=2) == "survives"
+        q.put("next")
+        assert q.get(timeout_s=1) == "next"
+    finally:
+        q.close()
+        q.unlink()
+
+
+def test_a_live_process_holding_the_mutex_gets_a_clear_error_not_a_hang(name, ctx):
+    q = ShmQueue.create(name("lh"), num_slots=4, slot_bytes=64, lock_timeout_s=0.2)
+    holding, release = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=kids.q_hold_producer_lock, args=(q.name, holding, release))
+    try:
+        p.start()
+        assert holding.wait(15)
+        t0 = time.monotonic()
+        with pytest.raises(QueueLockTimeoutError, match=f"pid {p.pid}, which is alive") as info:
+            q.put("blocked", timeout_s=5)
+        assert isinstance(info.value, QueueFullError)
+        assert time.monotonic() - t0 < 1.0
+        release.set()
+        assert kids.join_all([p]) == [0]
+        q.put("free again", timeout_s=1)
+        assert q.get(0) == "free again"
+    finally:
+        release.set()
+        kids.join_all([p], 5)
+        q.close()
+        q.unlink()
