@@ -57,6 +57,9 @@ class DecodeActor(Actor):
         from ipc.shm_queue import ShmQueue
         from ipc.state_table import RequestState, StateTable
 
+        import torch
+
+        torch.set_num_threads(self.config.torch_threads)
         self.S = RequestState
         self.model = LlamaModel.from_path(self.layout.model_path or None, device=self.config.device,
                                           progress=False)

@@ -25,7 +25,7 @@ from ipc.state_table import FINAL_STATES, LIVE_STATES
 log = logging.getLogger("pdserve.monitor")
 
 FINAL_ROW_RECLAIM_S = 30.0
-MISMATCH_TICKS = 3  # a disagreement must persist this many ticks (counts race by a loop iteration)
+MISMATCH_MIN_S = 5.0  # a disagreement must persist this long (counts race by a loop iteration or a message)
 
 
 class HeartbeatMonitor(Actor):
@@ -46,7 +46,7 @@ class HeartbeatMonitor(Actor):
         self.gauges = StuckGaugeTracker(self.config.stuck_gauge_s)
         self.tick_ns = int(self.config.monitor_tick_s * 1e9)
         self.next_tick_ns = time.monotonic_ns()
-        self.mismatch_ticks = [0] * 8
+        self.mismatch_since_ns = [0] * 8
         self.held_states = {
             PREFILL_INDEX: {self.S.QUEUED, self.S.PREFILLING, self.S.BOOTSTRAP, self.S.TRANSFERRING},
             DECODE_INDEX: {self.S.BOOTSTRAP, self.S.TRANSFERRING, self.S.DECODE_WAITING, self.S.DECODING},
@@ -156,11 +156,11 @@ class HeartbeatMonitor(Actor):
         for i, name in enumerate(GAUGES):
             if own[i] < 0:
                 continue
-            if own[i] != len(tracked[name].members):
-                self.mismatch_ticks[i] += 1
-            else:
-                self.mismatch_ticks[i] = 0
-            flag = self.mismatch_ticks[i] >= MISMATCH_TICKS
+            if own[i] == len(tracked[name].members):
+                self.mismatch_since_ns[i] = 0
+            elif not self.mismatch_since_ns[i]:
+                self.mismatch_since_ns[i] = now_ns
+            flag = bool(self.mismatch_since_ns[i]) and now_ns - self.mismatch_since_ns[i] >= MISMATCH_MIN_S * 1e9
             if flag and not rec["mismatch"][i]:
                 log.error("gauge mismatch %s: actors count %d, the state table %d (the table wins)", name,
                           own[i], len(tracked[name].members))

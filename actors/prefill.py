@@ -56,6 +56,9 @@ class PrefillActor(Actor):
         from ipc.shm_queue import ShmQueue
         from ipc.state_table import RequestState, StateTable
 
+        import torch
+
+        torch.set_num_threads(self.config.torch_threads)
         self.S = RequestState
         self.model = LlamaModel.from_path(self.layout.model_path or None, device=self.config.device,
                                           progress=False)
@@ -83,7 +86,8 @@ class PrefillActor(Actor):
         self.reap_final()
         if self.waiting:
             self.prefill_next()
-        self.status.set_own_gauges(self.index, queued=len(self.waiting), prefill_inflight=len(self.inflight))
+        self.status.set_own_gauges(self.index, queued=len(self.waiting), prefill_inflight=len(self.inflight),
+                                   running=0)
 
     def handle(self, message) -> None:
         if isinstance(message, PrefillRequest):
@@ -141,7 +145,9 @@ class PrefillActor(Actor):
         self.table.update(request.slot, request.generation, prefill_blocks=len(blocks))
         self._publish_pool()
         apply_actor_faults(self.faults, self.name, request.request_id)
+        self.status.set_own_gauges(self.index, running=1)
         logits = self.model.prefill(self.kv, request.prompt_ids, blocks)
+        self.status.set_own_gauges(self.index, running=0)
         params = sampling_params(request.sampling)
         generator = self.sampler.make_generator(params.seed) if params.seed is not None else None
         first_token = self.sampler.sample(logits[None, :], [params], [generator])[0]

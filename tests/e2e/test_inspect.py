@@ -1,0 +1,88 @@
+"""tools/inspect against the shared fault engine: a pinned transfer shows up with its stage and a growing age
+and exit status 1; once the monitor aborts it the request is gone and the status is 0; it answers while the
+API process is SIGSTOPped; it never writes to the engine."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import orjson
+
+from tests.conftest import ROOT, wait_until
+from tools import inspect
+
+
+def run_inspect(capsys, *args: str) -> tuple[int, dict]:
+    code = inspect.main([*args, "--json"])
+    return code, orjson.loads(capsys.readouterr().out)
+
+
+def test_a_pinned_transfer_is_shown_growing_then_gone_after_the_monitor_aborts_it(fault_engine, capsys):
+    eid = fault_engine.engine_id
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(httpx.post, fault_engine.base_url + "/v1/completions",
+                             json={"prompt": "pinned", "max_tokens": 4}, headers={"X-Request-Id": "stuck-inspect"},
+                             timeout=60)
+        seen = []
+
+        def pinned_and_stuck():
+            code, snap = run_inspect(capsys, eid)
+            rows = [r for r in snap["requests"] if r["request_id"] == "stuck-inspect"]
+            if rows:
+                seen.append(rows[0]["age_in_stage_s"] if rows[0]["stage"] == "transfer" else None)
+            return code == 1 and rows and rows[0]["stage"] == "transfer" and snap["gauges"]
+        wait_until(pinned_and_stuck, 30, 0.05, "inspect to show the pinned request as stuck")
+        ages = [a for a in seen if a is not None]
+        assert len(ages) >= 2 and ages == sorted(ages) and ages[-1] > ages[0], seen
+        response = future.result(timeout=60)
+    assert response.status_code == 504
+
+    def gone_and_healthy():
+        code, snap = run_inspect(capsys, eid)
+        return code == 0 and not [r for r in snap["requests"] if r["request_id"] == "stuck-inspect"]
+    wait_until(gone_and_healthy, 10, 0.1, "inspect to show the request gone and exit 0")
+    code, snap = run_inspect(capsys, eid)
+    assert snap["watchdog"]["timeouts_by_stage"]["transfer"] >= 1
+    assert {a["name"] for a in snap["actors"]} == {"prefill0", "decode0", "api", "monitor"}
+    assert snap["config"]["inflight_timeout_s"] == {"value": 2.0, "source": "env"}
+    assert snap["active_requests"]["agree"]
+
+
+def test_inspect_answers_while_the_api_process_is_stopped(fault_engine, fault_probe):
+    api_pid = fault_probe.pid("api")
+    os.kill(api_pid, signal.SIGSTOP)
+    try:
+        result = subprocess.run([sys.executable, "-m", "tools.inspect", fault_engine.engine_id, "--json"],
+                                cwd=ROOT, capture_output=True, timeout=30)
+    finally:
+        os.kill(api_pid, signal.SIGCONT)
+    assert result.returncode in (0, 1), result.stderr.decode()
+    snap = orjson.loads(result.stdout)
+    assert snap["engine_id"] == fault_engine.engine_id
+    assert any(a["name"] == "api" for a in snap["actors"])
+    wait_until(lambda: httpx.get(fault_engine.base_url + "/health", timeout=5).status_code == 200, 20,
+               message="the API to answer again")
+
+
+def test_inspect_lists_engines_and_says_when_there_is_none(fault_engine, capsys):
+    assert inspect.main(["--list"]) == 0
+    assert fault_engine.engine_id in capsys.readouterr().out.split()
+    assert inspect.main(["ffffffff", "--json"]) == 2
+
+
+def test_inspect_never_writes_to_the_engine(fault_engine):
+    """Every segment inspect maps is read-only: a write through its view faults instead of changing state."""
+    import pytest
+
+    view = inspect.EngineView(fault_engine.engine_id)
+    try:
+        with pytest.raises(PermissionError):
+            view.state.update(0, 0, output_tokens=1)
+        with pytest.raises(ValueError, match="read-only"):
+            view.status.rec["watchdog_ticks"] = 0
+    finally:
+        view.close()

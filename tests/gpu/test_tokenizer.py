@@ -1,0 +1,197 @@
+"""Our GGUF tokenizer against Hugging Face's tokenizer built from the same GGUF file."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gpu.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.errors import InvalidRequestError, ModelLoadError
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces,\ttabs\nand\n\nnewlines  ",
+    "Café naïve résumé façade Ünïcödé",
+    "日本語のテキストです。中文也可以。한국어도 돼요.",
+    "Emoji 😀🎉 family 👩‍👩‍👧 flag 🇫🇷!",
+    "In 2024, 12345 people paid $3.50 for 1,000,000 items (x=1;y=22;z=333).",
+    "def f(x):\n    return x**2  # square\n\nprint(f(3))\n",
+    "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
+    "Ελληνικά русский текст עברית العربية",
+    "don't they'll I'm you're we've",
+    "<|endoftext|><jupyter_code>import os<file_sep>",
+]
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_gives_the_same_ids_as_hf(tok, hf_tok, text):
+    assert tok.encode(text) == hf_tok.encode(text, add_special_tokens=False)
+    assert tok.encode(text, add_special_tokens=True) == hf_tok.encode(text, add_special_tokens=True)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_gives_the_same_text_as_hf(tok, hf_tok, text):
+    ids = hf_tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False) == hf_tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+
+
+def test_whitespace_before_digits_is_split_like_llama_cpp_smollm(tok):
+    # tokenizer.ggml.pre = "smollm": llama.cpp isolates each \p{N} before GPT-2's regex, like SmolLM2's own
+    # tokenizer.json (Digits + ByteLevel). transformers' GGUF converter ignores "smollm" and gives
+    # ["x", "Ġ", "Ġ", "1"] here; we follow the tokenizer the model was trained with.
+    assert [tok.id_to_token(i) for i in tok.encode("x  1")] == ["x", "ĠĠ", "1"]
+    assert [tok.id_to_token(i) for i in tok.encode("v 12")] == ["v", "Ġ", "1", "2"]
+
+
+def test_control_tokens_written_in_text_become_their_ids(tok):
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2
+    assert tok.decode(ids) == "user\nhi"
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+
+
+def test_properties_come_from_the_gguf_metadata(tok):
+    assert tok.bos_token_id == 1
+    assert tok.eos_token_ids == (2,)
+    assert tok.vocab_size == 49152
+    assert tok.name
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+
+
+def test_chat_template_renders_like_hf(tok, hf_tok):
+    ours = tok.apply_chat_template(FRANCE, add_generation_prompt=True)
+    assert ours == hf_tok.apply_chat_template(FRANCE, tokenize=False, add_generation_prompt=True)
+    assert ours.endswith("<|im_start|>assistant\n")
+    multi = [{"role": "system", "content": "Be brief."}, *FRANCE, {"role": "assistant", "content": "Paris."},
+             {"role": "user", "content": "And of Italy?"}]
+    for gen in (True, False):
+        assert tok.apply_chat_template(multi, add_generation_prompt=gen) == hf_tok.apply_chat_template(
+            multi, tokenize=False, add_generation_prompt=gen)
+    assert tok.encode(ours) == hf_tok.apply_chat_template(FRANCE, tokenize=True, add_generation_prompt=True,
+                                                          return_dict=False)
+
+
+STRICT_TEMPLATE = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+                   "{{ bos_token }}{{ messages[0]['content'] }}")
+
+
+def test_chat_template_raise_exception_becomes_invalid_request(tok):
+    strict = Tokenizer(tok.backend, name="t", bos_token_id=1, eos_token_ids=(2,), vocab_size=tok.vocab_size,
+                       chat_template=STRICT_TEMPLATE,
+                       template_vars={"bos_token": "<|im_start|>"})
+    assert strict.apply_chat_template([{"role": "user", "content": "x"}]) == "<|im_start|>x"
+    with pytest.raises(InvalidRequestError, match="user first"):
+        strict.apply_chat_template([{"role": "system", "content": "x"}])
+
+
+def test_a_model_without_chat_template_refuses_chat(tok):
+    bare = Tokenizer(tok.backend, name="bare", bos_token_id=None, eos_token_ids=(), chat_template=None,
+                     vocab_size=tok.vocab_size)
+    with pytest.raises(InvalidRequestError):
+        bare.apply_chat_template(FRANCE)
+
+
+def test_decode_rejects_ids_outside_the_vocabulary(tok):
+    with pytest.raises(InvalidRequestError):
+        tok.decode([5, tok.vocab_size])
+
+
+def test_loading_a_missing_path_names_it(tmp_path):
+    with pytest.raises(ModelLoadError, match="nope"):
+        Tokenizer.load(tmp_path / "nope.gguf")
+    with pytest.raises(ModelLoadError, match="tokenizer.json"):
+        Tokenizer.load(tmp_path)
+
+
+def test_tokenizer_loads_from_gguf_quickly_and_without_torch(gguf_path):
+    code = (
+        "import sys, time\n"
+        "t = time.perf_counter()\n"
+        "from gpu.tokenizer import Tokenizer\n"
+        f"tk = Tokenizer.load({str(gguf_path)!r})\n"
+        "assert tk.encode('hello') == [28120], tk.encode('hello')\n"
+        "assert 'torch' not in sys.modules\n"
+        "print(time.perf_counter() - t)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) < 5.0  # ~0.5 s here; GGUFReader alone takes ~4 s on the same file
+
+
+# -- incremental detokenization ------------------------------------------------------------------------
+
+STREAM_TEXTS = [
+    "Emoji 😀🎉👩‍👩‍👧🇫🇷 then text.",
+    "日本語のテキスト、中文文本和한국어。",
+    "Mixed: café 😀 東京 ok",
+]
+
+
+@pytest.mark.parametrize("text", STREAM_TEXTS)
+def test_streaming_never_emits_half_a_character(tok, text):
+    ids = tok.encode(text)
+    # The point of the test: some tokens of these texts decode to an incomplete UTF-8 sequence alone.
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    detok = IncrementalDetokenizer(tok)
+    chunks = [detok.push(i) for i in ids]
+    chunks.append(detok.flush())
+    assert "".join(chunks) == tok.decode(ids) == text
+    assert not any("\ufffd" in c for c in chunks)
+    assert "" in chunks[:-1]  # some character was held back until its last byte arrived
+
+
+def test_streaming_skips_special_tokens_and_matches_decode(tok):
+    ids = tok.encode("<|im_start|>assistant\nBonjour 😀<|im_end|>")
+    detok = IncrementalDetokenizer(tok)
+    text = "".join(detok.push(i) for i in ids) + detok.flush()
+    assert text == tok.decode(ids) == "assistant\nBonjour 😀"
+    keep = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    text = "".join(keep.push(i) for i in ids) + keep.flush()
+    assert text == tok.decode(ids, skip_special_tokens=False)
+
+
+def test_flush_releases_an_incomplete_character_at_the_end(tok):
+    ids = tok.encode("ok 😀")
+    cut = ids[:-1]  # the emoji's last byte(s) never arrive
+    detok = IncrementalDetokenizer(tok)
+    streamed = "".join(detok.push(i) for i in cut)
+    assert "\ufffd" not in streamed
+    assert streamed + detok.flush() == tok.decode(cut)
+    assert detok.flush() == ""
+
+
+def test_a_gguf_that_asks_for_bos_gets_it_and_keeps_user_defined_tokens_whole(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from gpu.tokenizer import bytes_to_unicode
+
+    byte_chars = list(bytes_to_unicode().values())
+    tokens = ["<s>", "</s>", "<think>", *byte_chars, "he", "Ġhe"]
+    types = [3, 3, 4] + [1] * (len(byte_chars) + 2)
+    path = tmp_path / "tok.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(["h e", "Ġ he"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_add_bos_token(True)
+    w.add_chat_template("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    t = Tokenizer.load(path)
+    he, space_he = tokens.index("he"), tokens.index("Ġhe")
+    assert t.encode("he he") == [he, space_he]
+    assert t.encode("he he", add_special_tokens=True) == [0, he, space_he]
+    assert t.encode("<think>he") == [2, he]
+    assert t.decode([0, 2, he, 1]) == "<think>he"  # control tokens skipped, user-defined kept
+    assert t.bos_token_id == 0 and t.eos_token_ids == (1,)
+    assert t.apply_chat_template([{"role": "user", "content": "x"}]) == "<s>x</s>"
