@@ -21,8 +21,40 @@ import numpy as np
 from actors.base import ACTOR_NAMES, API_INDEX, DECODE_INDEX, MONITOR_INDEX, PREFILL_INDEX, Actor
 from actors.messages import RequestError, to_wire
 from ipc.state_table import FINAL_STATES, LIVE_STATES
+from ipc.state_table import RequestState as S
 
 log = logging.getLogger("pdserve.monitor")
+
+# The states in which an actor holds a request in its own memory (a message it consumed, KV blocks, a batch
+# slot): if the actor dies or hangs, these requests cannot progress and are failed at once.
+HELD_STATES = {
+    PREFILL_INDEX: frozenset({S.QUEUED, S.PREFILLING, S.BOOTSTRAP, S.TRANSFERRING}),
+    DECODE_INDEX: frozenset({S.BOOTSTRAP, S.TRANSFERRING, S.DECODE_WAITING, S.DECODING}),
+    API_INDEX: LIVE_STATES,
+}
+
+
+def fail_requests_held_by(table, status, to_api, index: int, message: str, *, by: int,
+                          rows: np.ndarray | None = None) -> int:
+    """Fail (503, retryable) every live request that actor ``index`` holds; returns how many.
+
+    Used by the monitor for dead or hung actors and by the supervisor the moment it sees an actor's process
+    exit (before restarting it, so a fast restart cannot hide the death from the monitor's next tick). Every
+    put is non-blocking: the caller never waits on the API.
+    """
+    rows = table.snapshot() if rows is None else rows
+    failed = 0
+    for slot in np.flatnonzero(np.isin(rows["state"], [int(s) for s in HELD_STATES[index]])):
+        slot, generation = int(slot), int(rows["generation"][slot])
+        stage = int(rows["state"][slot])
+        if table.transition(slot, generation, S.FAILED, owner=by):
+            failed += 1
+            status.rec["actor_failures"][stage] += 1
+            try:
+                to_api.put(to_wire(RequestError(slot, generation, 503, "engine_error", message)), timeout_s=0)
+            except Exception as exc:  # noqa: BLE001 - API inbox full or gone: the API's own deadline answers
+                log.warning("could not notify the API about slot %d: %s", slot, exc)
+    return failed
 
 FINAL_ROW_RECLAIM_S = 30.0
 MISMATCH_MIN_S = 5.0  # a disagreement must persist this long (counts race by a loop iteration or a message)
@@ -47,11 +79,6 @@ class HeartbeatMonitor(Actor):
         self.tick_ns = int(self.config.monitor_tick_s * 1e9)
         self.next_tick_ns = time.monotonic_ns()
         self.mismatch_since_ns = [0] * 8
-        self.held_states = {
-            PREFILL_INDEX: {self.S.QUEUED, self.S.PREFILLING, self.S.BOOTSTRAP, self.S.TRANSFERRING},
-            DECODE_INDEX: {self.S.BOOTSTRAP, self.S.TRANSFERRING, self.S.DECODE_WAITING, self.S.DECODING},
-            API_INDEX: set(LIVE_STATES),
-        }
 
     def run_once(self) -> None:
         delay_ns = self.next_tick_ns - time.monotonic_ns()
@@ -128,12 +155,7 @@ class HeartbeatMonitor(Actor):
                                             "retry it")
 
     def fail_held(self, rows: np.ndarray, index: int, message: str) -> None:
-        held = np.flatnonzero(np.isin(rows["state"], [int(s) for s in self.held_states[index]]))
-        for slot in held:
-            generation = int(rows["generation"][slot])
-            if self.table.transition(int(slot), generation, self.S.FAILED, owner=self.index):
-                self.status.rec["actor_failures"][int(rows["state"][slot])] += 1
-                self._notify(int(slot), generation, 503, "engine_error", message)
+        fail_requests_held_by(self.table, self.status, self.to_api, index, message, by=self.index, rows=rows)
 
     def check_gauges(self, rows: np.ndarray, now_ns: int) -> None:
         from ipc.engine_status import GAUGES

@@ -84,6 +84,7 @@ class Supervisor:
         self.shutdown = threading.Event()
         self.processes: dict[int, Any] = {}
         self.started_at: dict[int, float] = {}
+        self.queues: dict[str, Any] = {}
         self._owned: list[Any] = []
 
     # ---- segments -----------------------------------------------------------------------------------
@@ -105,8 +106,8 @@ class Supervisor:
         self.status = EngineStatus.create(lay.segment("status"))
         self._owned += [self.state, self.actors, self.status]
         for q in ("q_prefill", "q_decode", "q_api"):
-            self._owned.append(ShmQueue.create(lay.segment(q), num_slots=cfg.queue_slots,
-                                               slot_bytes=cfg.queue_slot_bytes))
+            self.queues[q] = ShmQueue.create(lay.segment(q), num_slots=cfg.queue_slots, slot_bytes=cfg.queue_slot_bytes)
+            self._owned.append(self.queues[q])
         for pool in ("kv_prefill", "kv_decode"):
             self._owned.append(KVPool.create(lay.segment(pool), num_layers=lay.shape.num_layers,
                                              num_blocks=lay.kv_blocks_per_pool, block_tokens=cfg.kv_block_tokens,
@@ -209,10 +210,18 @@ class Supervisor:
         return 0
 
     def _restart(self, index: int) -> None:
+        from actors.monitor import fail_requests_held_by
         from ipc.actor_table import ActorStatus
 
         process = self.processes[index]
         process.join(timeout=1)
+        if index != MONITOR_INDEX:
+            failed = fail_requests_held_by(
+                self.state, self.status, self.queues["q_api"], index,
+                f"actor {ACTOR_NAMES[index]} is dead (its process exited with code {process.exitcode}); "
+                "the request was dropped, retry it", by=-1)
+            if failed:
+                log.error("failed %d requests held by the dead actor %s", failed, ACTOR_NAMES[index])
         wait_s = self.started_at[index] + RESTART_MIN_INTERVAL_S - time.monotonic()
         if wait_s > 0 and self.shutdown.wait(wait_s):
             return
@@ -224,7 +233,6 @@ class Supervisor:
         """Stop admission, let live requests finish for drain_timeout_s, then abort the rest with a clear
         error (answered by the API) before the actors stop."""
         from actors.messages import RequestError, to_wire
-        from ipc.shm_queue import ShmQueue
         from ipc.state_table import RequestState
 
         self.status.rec["draining"] = 1
@@ -234,23 +242,19 @@ class Supervisor:
         live = self.state.live_slots()
         if not live:
             return
-        to_api = ShmQueue.attach(self.layout.segment("q_api"))
-        try:
-            for slot in live:
-                row = self.state.row(slot)
-                if self.state.transition(slot, int(row["generation"]), RequestState.ABORTED):
-                    try:
-                        to_api.put(to_wire(RequestError(slot, int(row["generation"]), 503, "engine_error",
-                                                        "the engine is shutting down; retry on another replica")),
-                                   timeout_s=0)
-                    except PdserveError:
-                        pass
-            answered = time.monotonic() + 1.0  # give the API a moment to answer those clients
-            while time.monotonic() < answered and any(
-                    int(self.state.row(slot)["state"]) == RequestState.ABORTED for slot in live):
-                time.sleep(0.05)
-        finally:
-            to_api.close()
+        for slot in live:
+            row = self.state.row(slot)
+            if self.state.transition(slot, int(row["generation"]), RequestState.ABORTED):
+                try:
+                    self.queues["q_api"].put(to_wire(RequestError(
+                        slot, int(row["generation"]), 503, "engine_error",
+                        "the engine is shutting down; retry on another replica")), timeout_s=0)
+                except PdserveError:
+                    pass
+        answered = time.monotonic() + 1.0  # give the API a moment to answer those clients
+        while time.monotonic() < answered and any(
+                int(self.state.row(slot)["state"]) == RequestState.ABORTED for slot in live):
+            time.sleep(0.05)
 
     def stop(self) -> None:
         """Stop every actor (event, then SIGTERM, then SIGKILL), join them, unlink every segment."""

@@ -66,6 +66,7 @@ class ApiActor(Actor):
             self.actors.set(self.index, status=ActorStatus.READY)
             while not stop_event.is_set() and not stopping.is_set():
                 self.actors.beat(self.index)
+                client.status.rec["api_active_requests"] = client.num_active()
                 try:
                     await asyncio.wait_for(stopping.wait(), timeout=0.1)
                 except asyncio.TimeoutError:

@@ -24,6 +24,7 @@ Layout (one record of ``STATUS_DTYPE``, little-endian, fields in this order)::
     actor_health          u1[8]       monitor     per actor index: 0 unknown, 1 ok, 2 hung, 3 dead
     actor_restarts        u4[8]       supervisor  per actor index: restarts so far
     late_messages         u8[8]       each actor  per actor index: messages for final/stale requests dropped
+    api_active_requests   i4          api         requests the API process is waiting on (its own view)
     own_gauges            i4[8,4]     each actor  per actor index, per gauge (GAUGES order): the actor's own
                                                   count, -1 = the actor keeps none (cross-checked by the monitor)
 """
@@ -66,6 +67,7 @@ STATUS_DTYPE = np.dtype([
     ("actor_health", "u1", (8,)),
     ("actor_restarts", "<u4", (8,)),
     ("late_messages", "<u8", (8,)),
+    ("api_active_requests", "<i4"),
     ("own_gauges", "<i4", (8, 4)),
 ])
 
