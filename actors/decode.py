@@ -37,6 +37,8 @@ class DecodeEntry:
     generator: Any = None
     transfer_handle: int | None = None
     stuck_status: int | None = None   # fault injection: the status the transport is made to report
+    transfer_start_ns: int = 0
+    timings: dict | None = None       # stage timings, sent with the first token
 
     @property
     def key(self) -> tuple[int, int]:
@@ -69,6 +71,7 @@ class DecodeActor(Actor):
         self.kv = self.pool.tensor()
         self.transport = make_transport(self.config.kv_transport, self.pool)
         self.transport.open_peer(self.layout.segment("kv_prefill"))
+        self.block_bytes = self.kv[:, :, 0].numel() * self.kv.element_size()  # K and V, all layers
         self.inbox = ShmQueue.attach(self.layout.segment("q_decode"))
         self.to_prefill = ShmQueue.attach(self.layout.segment("q_prefill"))
         self.to_api = ShmQueue.attach(self.layout.segment("q_api"))
@@ -180,6 +183,7 @@ class DecodeActor(Actor):
                               n_transfers=int(row["n_transfers"]) + 1 if row else 1)
             self._publish_pool()
             src = list(ready.src_block_ids)
+            entry.transfer_start_ns = time.monotonic_ns()
             entry.transfer_handle = self.transport.start_copy(src, entry.blocks[:len(src)],
                                                               num_tokens=ready.num_tokens)
             if self.faults.fires("transfer_stuck", ready.request_id):
@@ -203,6 +207,9 @@ class DecodeActor(Actor):
             entry.transfer_handle = None
             slot, generation = entry.key
             if status == TransferStatus.DONE:
+                entry.timings = {"queue_s": entry.ready.queue_s, "prefill_s": entry.ready.prefill_s,
+                                 "transfer_s": (time.monotonic_ns() - entry.transfer_start_ns) / 1e9,
+                                 "transfer_bytes": len(entry.ready.src_block_ids) * self.block_bytes}
                 self.complete_transfer(entry)
                 continue
             known = status in TransferStatus.__members__.values()
@@ -269,9 +276,12 @@ class DecodeActor(Actor):
                 return True
             self.table.update(slot, generation, output_tokens=entry.output_tokens)
             self._release(entry)
-        else:
-            self.table.update(slot, generation, output_tokens=entry.output_tokens)
-        items.append([slot, generation, token, reason])
+        else:  # a token is progress: it renews the decode-stall deadline
+            self.table.update(slot, generation, output_tokens=entry.output_tokens, last_progress_ns=time.monotonic_ns())
+        item = [slot, generation, token, reason]
+        if entry.output_tokens == 1 and entry.timings is not None:
+            item.append(entry.timings)
+        items.append(item)
         return reason is not None
 
     def admit(self, items: list[list[Any]]) -> None:

@@ -64,6 +64,8 @@ class KVReady:
     num_tokens: int
     first_token: int
     sampling: Sampling
+    queue_s: float = 0.0      # admission to prefill start
+    prefill_s: float = 0.0    # the prompt's forward pass
 
 
 # ---- to the API -------------------------------------------------------------------------------------
@@ -71,7 +73,8 @@ class KVReady:
 class TokenBatch:
     """Decode -> API: new tokens of several requests from one decode step.
 
-    ``items`` rows are ``[slot, generation, token_id, finish_reason or None]``.
+    ``items`` rows are ``[slot, generation, token_id, finish_reason or None]``; a request's first token adds
+    a fifth element, its stage timings ``{"queue_s", "prefill_s", "transfer_s", "transfer_bytes"}``.
     """
 
     kind: ClassVar[str] = "token_batch"

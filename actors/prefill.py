@@ -146,8 +146,12 @@ class PrefillActor(Actor):
         self._publish_pool()
         apply_actor_faults(self.faults, self.name, request.request_id)
         self.status.set_own_gauges(self.index, running=1)
+        start_ns = time.monotonic_ns()
         logits = self.model.prefill(self.kv, request.prompt_ids, blocks)
+        prefill_s = (time.monotonic_ns() - start_ns) / 1e9
         self.status.set_own_gauges(self.index, running=0)
+        row = self.table.read(request.slot, request.generation)
+        queue_s = (start_ns - int(row["created_ns"])) / 1e9 if row else 0.0
         params = sampling_params(request.sampling)
         generator = self.sampler.make_generator(params.seed) if params.seed is not None else None
         first_token = self.sampler.sample(logits[None, :], [params], [generator])[0]
@@ -155,8 +159,8 @@ class PrefillActor(Actor):
             self._free_inflight(key)
             return
         self.to_decode.put(to_wire(KVReady(request.slot, request.generation, request.request_id, blocks,
-                                           len(request.prompt_ids),
-                                           int(first_token), request.sampling)))
+                                           len(request.prompt_ids), int(first_token), request.sampling,
+                                           queue_s, prefill_s)))
 
     def on_stop(self) -> None:
         for key in list(self.inflight):

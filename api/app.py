@@ -62,7 +62,8 @@ class StopStringMatcher:
         return out
 
 
-async def generate_text(client: EngineClient, tokenizer, handle: RequestHandle) -> AsyncIterator[tuple[str, str | None]]:
+async def generate_text(client: EngineClient, tokenizer, handle: RequestHandle,
+                        metrics=None) -> AsyncIterator[tuple[str, str | None]]:
     """Yield ``(text_delta, finish_reason)`` for a request; the last item has a finish reason.
 
     Raises:
@@ -73,14 +74,19 @@ async def generate_text(client: EngineClient, tokenizer, handle: RequestHandle) 
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopStringMatcher(handle.request.stop)
     handle.completion_tokens = 0
+    last_ns = 0
     while True:
         event = await client.next_event(handle)
         if event[0] == "error":
             raise event[1]
         _, token, reason = event
         handle.completion_tokens += 1
+        now_ns = time.monotonic_ns()
         if handle.first_token_ns == 0:
-            handle.first_token_ns = time.monotonic_ns()
+            handle.first_token_ns = now_ns
+        elif metrics is not None:
+            metrics.on_token((now_ns - last_ns) / 1e9)
+        last_ns = now_ns
         text = detok.push(token)
         if reason is not None:
             text += detok.flush()
@@ -123,7 +129,7 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
     async def complete(request: Request, handle: RequestHandle) -> Response:
         async def collect() -> tuple[str, str | None]:
             parts, reason = [], None
-            async for text, reason in generate_text(client, tokenizer, handle):
+            async for text, reason in generate_text(client, tokenizer, handle, metrics):
                 parts.append(text)
             return "".join(parts), reason
 
@@ -139,12 +145,12 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
             if work not in done:
-                metrics.on_finished(handle, "abort")
+                metrics.on_finished(handle, "abort", 499)
                 return Response(status_code=499)
             try:
                 text, reason = work.result()
             except PdserveError as exc:
-                metrics.on_finished(handle, "error")
+                metrics.on_finished(handle, "error", exc.http_status)
                 return error_response(exc)
             aborted = False
             metrics.on_finished(handle, reason)
@@ -160,7 +166,7 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
         first = True
         try:
             try:
-                async for text, reason in generate_text(client, tokenizer, handle):
+                async for text, reason in generate_text(client, tokenizer, handle, metrics):
                     if text or reason is not None or first:
                         yield b"data: " + orjson.dumps(chunk(req, text, reason, first=first)) + b"\n\n"
                         first = False
@@ -171,12 +177,12 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
                     yield b"data: " + orjson.dumps(body) + b"\n\n"
             except PdserveError as exc:
                 aborted = False
-                metrics.on_finished(handle, "error")
+                metrics.on_finished(handle, "error", exc.http_status)
                 yield b"data: " + orjson.dumps(error_body(exc)) + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
             if aborted:
-                metrics.on_finished(handle, "abort")
+                metrics.on_finished(handle, "abort", 499)
             client.finish(handle, aborted=aborted)
 
     async def chat_completions(request: Request) -> Response:

@@ -37,6 +37,8 @@ class RequestHandle:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     admitted_ns: int = field(default_factory=time.monotonic_ns)
     first_token_ns: int = 0
+    completion_tokens: int = 0
+    timings: dict | None = None   # queue_s, prefill_s, transfer_s, transfer_bytes (from the decode actor)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -87,12 +89,14 @@ class EngineClient:
 
     def _dispatch(self, message: Any) -> None:
         if isinstance(message, TokenBatch):
-            for slot, generation, token, reason in message.items:
-                handle = self.handles.get((slot, generation))
+            for item in message.items:
+                handle = self.handles.get((item[0], item[1]))
                 if handle is None:
                     self.stale_messages += 1
                     continue
-                handle.events.put_nowait(("token", token, reason))
+                if len(item) > 4:
+                    handle.timings = item[4]
+                handle.events.put_nowait(("token", item[2], item[3]))
         elif isinstance(message, RequestError):
             handle = self.handles.get((message.slot, message.generation))
             if handle is None:

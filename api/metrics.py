@@ -125,8 +125,8 @@ class EngineMetrics:
         self.effective_config = effective_config or {}
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("pdserve_requests", "finished requests by finish reason", ["finish_reason"],
-                                registry=r)
+        self.requests = Counter("pdserve_requests", "ended requests by finish reason (stop, length, abort, "
+                                "error) and HTTP status", ["finish_reason", "status"], registry=r)
         self.admitted = Counter("pdserve_requests_admitted", "requests admitted to the engine", registry=r)
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "admission to first token",
                               buckets=LATENCY_BUCKETS_S, registry=r)
@@ -134,14 +134,30 @@ class EngineMetrics:
                              buckets=LATENCY_BUCKETS_S, registry=r)
         self.tpot = Histogram("pdserve_time_per_output_token_seconds", "mean time between output tokens",
                               buckets=LATENCY_BUCKETS_S, registry=r)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "time between two output tokens",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.queue_time = Histogram("pdserve_queue_time_seconds", "admission to prefill start",
+                                    buckets=LATENCY_BUCKETS_S, registry=r)
+        self.prefill_time = Histogram("pdserve_prefill_time_seconds", "prompt forward pass",
+                                      buckets=LATENCY_BUCKETS_S, registry=r)
+        self.transfer_time = Histogram("pdserve_kv_transfer_seconds", "KV handoff prefill -> decode",
+                                       buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
+                                       registry=r)
+        self.transfer_size = Histogram("pdserve_kv_transfer_size_bytes", "KV bytes moved per request",
+                                       buckets=tuple(2.0 ** k for k in range(16, 32, 2)), registry=r)
+        self.transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved prefill -> decode", registry=r)
         r.register(_SharedStateCollector(self))
         self.served_model_name = served_model_name
 
     def on_admitted(self) -> None:
         self.admitted.inc()
 
-    def on_finished(self, handle, reason: str | None) -> None:
-        self.requests.labels(reason or "unknown").inc()
+    def on_token(self, gap_s: float) -> None:
+        self.itl.observe(gap_s)
+
+    def on_finished(self, handle, reason: str | None, status: int = 200) -> None:
+        """Count the request; latency histograms only for requests that completed (stop or length)."""
+        self.requests.labels(reason or "unknown", str(status)).inc()
         row = self.client.table.read(handle.slot, handle.generation)
         if row is not None and int(row["n_transfers"]) > 0:
             self.handoffs += 1
@@ -151,6 +167,13 @@ class EngineMetrics:
             self.e2e.observe((now - handle.admitted_ns) / 1e9)
             if handle.completion_tokens > 1:
                 self.tpot.observe((now - handle.first_token_ns) / 1e9 / (handle.completion_tokens - 1))
+            timings = handle.timings or {}
+            if timings:
+                self.queue_time.observe(timings["queue_s"])
+                self.prefill_time.observe(timings["prefill_s"])
+                self.transfer_time.observe(timings["transfer_s"])
+                self.transfer_size.observe(timings["transfer_bytes"])
+                self.transfer_bytes.inc(timings["transfer_bytes"])
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
