@@ -111,8 +111,12 @@ class EngineClient:
         """Requests this API process is waiting on (compared with the table's count by tools/inspect)."""
         return len(self.handles)
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
+    def submit(self, request: GenerationRequest, timeout_s: float | None = None) -> RequestHandle:
         """Allocate the request's row (QUEUED) and send it to the prefill actor.
+
+        ``timeout_s`` (default: ``request.timeout_s``, then ``config.request_timeout_s``) is the whole
+        request's deadline, written into the row where the monitor enforces it; it is capped at
+        ``config.request_timeout_s`` so a client cannot hold a row longer than the server allows.
 
         Raises:
             EngineOverloadedError: too many requests in flight, the table is full, or the prefill queue
@@ -122,15 +126,19 @@ class EngineClient:
             raise EngineOverloadedError("the engine is shutting down (draining); retry on another replica")
         if len(self.handles) >= self.config.max_queued_requests:
             raise EngineOverloadedError(f"{len(self.handles)} requests in flight (max_queued_requests); retry")
+        if timeout_s is None:
+            timeout_s = getattr(request, "timeout_s", None)
+        timeout_s = self.config.request_timeout_s if timeout_s is None else min(float(timeout_s),
+                                                                                 self.config.request_timeout_s)
         now_ns = time.monotonic_ns()
-        deadline_ns = now_ns + int(self.config.request_timeout_s * 1e9)
+        deadline_ns = now_ns + int(timeout_s * 1e9)
         try:
             slot, generation = self.table.allocate(request.request_id, prompt_tokens=len(request.prompt_ids),
                                                    deadline_ns=deadline_ns)
         except StateTableFullError as exc:
             raise EngineOverloadedError(f"request table full: {exc.message}") from None
         self.table.update(slot, generation, owner=API_INDEX)
-        handle = RequestHandle(request, slot, generation, deadline_s=time.monotonic() + self.config.request_timeout_s)
+        handle = RequestHandle(request, slot, generation, deadline_s=time.monotonic() + timeout_s)
         self.handles[handle.key] = handle
         try:
             self.to_prefill.put(to_wire(PrefillRequest(slot, generation, request.request_id, request.prompt_ids,
@@ -168,5 +176,7 @@ class EngineClient:
         except asyncio.TimeoutError:
             from pdserve.errors import RequestTimeoutError
 
-            raise RequestTimeoutError(f"request {handle.request.request_id} passed request_timeout_s="
-                                      f"{self.config.request_timeout_s}") from None
+            limit = handle.request.timeout_s or self.config.request_timeout_s
+            raise RequestTimeoutError(f"request {handle.request.request_id} passed its deadline of "
+                                      f"{min(limit, self.config.request_timeout_s)} s (request_timeout_s or the "
+                                      "request's 'timeout')") from None

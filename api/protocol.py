@@ -14,8 +14,21 @@ from actors.messages import Sampling
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
 MAX_SEED = 2**63 - 1
 MAX_REQUEST_ID_CHARS = 40  # the state table's request_id field
+MAX_TIMEOUT_S = 86400.0
+
+# Top-level fields each route understands. Anything else is a 400 naming the field (as OpenAI answers
+# "Unrecognized request argument"): a typo such as ``max_token`` must not be silently ignored.
+_COMMON_FIELDS = frozenset({
+    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+    "stop", "n", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "user",
+    "timeout", "ignore_eos", "logit_bias", "best_of", "store", "metadata", "service_tier",
+})
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
+                                "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 
 
 def check_request_id(value: str | None, default: str) -> str:
@@ -44,6 +57,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    timeout_s: float | None = None   # per-request deadline (the body's ``timeout``); None = server default
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -88,7 +102,110 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidRequestError(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}",
                                   param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise InvalidRequestError(f"each 'stop' string has at most {MAX_STOP_CHARS} characters", param="stop")
     return tuple(stop)
+
+
+def _unsupported(name: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"'{name}' is not supported by this engine yet ({why}); "
+                               "remove it or send its neutral value", param=name, code="unsupported_parameter")
+
+
+def _check_neutral_number(body: dict, name: str, neutral: float, low: float, high: float, why: str) -> None:
+    """A number we validate but cannot honour: only ``neutral`` (or null) is accepted."""
+    value = _number(body, name, neutral, low, high)
+    if value != neutral:
+        raise _unsupported(name, why)
+
+
+def _check_unsupported_fields(body: dict, kind: str) -> None:
+    """Fields the engine cannot honour: the neutral value passes, anything else is a 400 naming the field."""
+    allowed = CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS
+    for name in body:
+        if name not in allowed:
+            raise InvalidRequestError(f"unrecognized request argument '{name}' for this route", param=name,
+                                      code="unknown_parameter")
+    logprobs = body.get("logprobs")
+    if kind == "chat":
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise InvalidRequestError("'logprobs' must be a boolean", param="logprobs")
+        if logprobs:
+            raise _unsupported("logprobs", "the decode actor does not return log-probabilities")
+        top = _integer(body, "top_logprobs", 0, 0, 20)
+        if top:
+            raise _unsupported("top_logprobs", "the decode actor does not return log-probabilities")
+    else:
+        if logprobs is not None and logprobs is not False:
+            if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 5:
+                raise InvalidRequestError("'logprobs' must be an integer between 0 and 5", param="logprobs")
+            raise _unsupported("logprobs", "the decode actor does not return log-probabilities")
+        echo = body.get("echo")
+        if echo is not None and not isinstance(echo, bool):
+            raise InvalidRequestError("'echo' must be a boolean", param="echo")
+        if echo:
+            raise _unsupported("echo", "the prompt is not returned with the completion")
+        suffix = body.get("suffix")
+        if suffix is not None and not isinstance(suffix, str):
+            raise InvalidRequestError("'suffix' must be a string", param="suffix")
+        if suffix:
+            raise _unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
+    _check_neutral_number(body, "presence_penalty", 0.0, -2.0, 2.0, "penalties are not applied by the sampler")
+    _check_neutral_number(body, "frequency_penalty", 0.0, -2.0, 2.0, "penalties are not applied by the sampler")
+    _check_neutral_number(body, "repetition_penalty", 1.0, 0.01, 10.0, "penalties are not applied by the sampler")
+    best_of = _integer(body, "best_of", 1, 1, 128)
+    if best_of != 1:
+        raise _unsupported("best_of", "only one sequence is generated per request")
+    logit_bias = body.get("logit_bias")
+    if logit_bias is not None and not isinstance(logit_bias, dict):
+        raise InvalidRequestError("'logit_bias' must be an object", param="logit_bias")
+    if logit_bias:
+        raise _unsupported("logit_bias", "the sampler does not bias logits")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidRequestError("'user' must be a string", param="user")
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise InvalidRequestError("'metadata' must be an object", param="metadata")
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise InvalidRequestError("'store' must be a boolean", param="store")
+    if store:
+        raise _unsupported("store", "completions are not stored")
+    tier = body.get("service_tier")
+    if tier is not None and tier not in ("auto", "default"):
+        raise InvalidRequestError("'service_tier' must be 'auto' or 'default'", param="service_tier")
+    if kind == "chat":
+        response_format = body.get("response_format")
+        if response_format is not None:
+            if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+                raise InvalidRequestError("'response_format' must be an object with a 'type'",
+                                          param="response_format")
+            if response_format["type"] != "text":
+                raise _unsupported("response_format", "structured output is not implemented")
+        for name in ("tools", "functions"):
+            value = body.get(name)
+            if value is not None and not isinstance(value, list):
+                raise InvalidRequestError(f"'{name}' must be a list", param=name)
+            if value:
+                raise _unsupported(name, "tool calling is not implemented")
+        for name in ("tool_choice", "function_call"):
+            value = body.get(name)
+            if value is not None and value != "none":
+                raise _unsupported(name, "tool calling is not implemented")
+        parallel = body.get("parallel_tool_calls")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise InvalidRequestError("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+
+
+def _timeout(body: dict) -> float | None:
+    value = body.get("timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
+        raise InvalidRequestError(f"'timeout' must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]",
+                                  param="timeout")
+    return float(value)
 
 
 def _message_text(message: Any, index: int) -> tuple[str, str]:
@@ -121,6 +238,10 @@ class RequestParser:
         served_model_name: the only model name accepted in ``model``.
         max_model_len: longest prompt + output (tokens) the engine's KV pools can hold.
         default_max_tokens: used when the body gives neither max_tokens nor max_completion_tokens.
+
+    A text prompt longer than ``max_token_chars * max_model_len`` characters cannot fit whatever its
+    tokenization (one token covers at most ``max_token_chars`` characters), so it is rejected before the
+    tokenizer runs: a 1 MB prompt costs microseconds, not a second of the event loop.
     """
 
     def __init__(self, tokenizer, served_model_name: str, max_model_len: int, default_max_tokens: int):
@@ -128,6 +249,7 @@ class RequestParser:
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
+        self.max_token_chars = _max_token_chars(tokenizer)
 
     def _model(self, body: dict) -> str:
         model = body.get("model", self.served_model_name)
@@ -140,24 +262,40 @@ class RequestParser:
                                      f"'{self.served_model_name}'", param="model", code="model_not_found")
         return model
 
+    def _too_long(self, prompt_len: int, unit: str = "tokens") -> InvalidRequestError:
+        return InvalidRequestError(
+            f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+            f"{prompt_len} {unit}, which leaves no room for output", param="prompt",
+            code="context_length_exceeded")
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        if len(text) > self.max_token_chars * self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(text)} characters, more than that many tokens can hold", param=param,
+                code="context_length_exceeded")
+        try:
+            return self.tokenizer.encode(text)
+        except (TypeError, ValueError) as exc:   # e.g. a lone surrogate that slipped past the JSON parser
+            raise InvalidRequestError(f"'{param}' cannot be tokenized: {exc}", param=param) from None
+
     def _sampling(self, body: dict, prompt_len: int) -> Sampling:
         if prompt_len == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         room = self.max_model_len - prompt_len
         if room <= 0:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{prompt_len} tokens, which leaves no room for output", param="prompt",
-                code="context_length_exceeded")
+            raise self._too_long(prompt_len)
         max_tokens = _integer(body, "max_completion_tokens", None, 1, 2**31 - 1)
+        legacy = _integer(body, "max_tokens", None, 1, 2**31 - 1)
+        param = "max_completion_tokens" if max_tokens is not None else "max_tokens"
         if max_tokens is None:
-            max_tokens = _integer(body, "max_tokens", None, 1, 2**31 - 1)
+            max_tokens = legacy
         if max_tokens is None:
             max_tokens = min(self.default_max_tokens, room)
         if prompt_len + max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
-                f"({prompt_len}) plus max_tokens ({max_tokens}) exceeds it", param="max_tokens",
+                f"({prompt_len}) plus {param} ({max_tokens}) exceeds it", param=param,
                 code="context_length_exceeded")
         temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
         top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
@@ -168,56 +306,104 @@ class RequestParser:
             raise InvalidRequestError("'top_k' must be -1 (off) or >= 1", param="top_k")
         min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
         seed = _integer(body, "seed", None, -MAX_SEED, MAX_SEED)
-        n = _integer(body, "n", 1, 1, 1)
-        del n  # n > 1 needs shared-prefill children (not built yet): rejected above with a clear 400
+        n = _integer(body, "n", 1, 1, 128)
+        if n != 1:
+            # children sharing one prefill are not built yet: say so rather than run one and drop the rest
+            raise _unsupported("n", f"n={n} asks for {n} choices; only n=1 is served")
         ignore_eos = body.get("ignore_eos", False)
+        if ignore_eos is None:
+            ignore_eos = False
         if not isinstance(ignore_eos, bool):
             raise InvalidRequestError("'ignore_eos' must be a boolean", param="ignore_eos")
         return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                         seed=None if seed is None else seed % (2**63), max_tokens=max_tokens,
                         ignore_eos=ignore_eos)
 
-    def _common(self, body: Any) -> tuple[str, bool, bool]:
+    def _common(self, body: Any, kind: str) -> tuple[str, bool, bool]:
         if not isinstance(body, dict):
             raise InvalidRequestError("the request body must be a JSON object")
         model = self._model(body)
         stream = body.get("stream", False)
+        if stream is None:
+            stream = False
         if not isinstance(stream, bool):
             raise InvalidRequestError("'stream' must be a boolean", param="stream")
-        options = body.get("stream_options") or {}
+        options = body.get("stream_options")
+        if options is None:
+            options = {}
         if not isinstance(options, dict):
             raise InvalidRequestError("'stream_options' must be an object", param="stream_options")
-        return model, stream, bool(options.get("include_usage", False))
+        if options and not stream:
+            raise InvalidRequestError("'stream_options' is only allowed when 'stream' is true",
+                                      param="stream_options")
+        for name in options:
+            if name not in ("include_usage", "continuous_usage_stats"):
+                raise InvalidRequestError(f"unrecognized stream_options field '{name}'", param="stream_options")
+        include_usage = options.get("include_usage", False)
+        if include_usage is None:
+            include_usage = False
+        if not isinstance(include_usage, bool):
+            raise InvalidRequestError("'stream_options.include_usage' must be a boolean", param="stream_options")
+        if options.get("continuous_usage_stats"):
+            raise _unsupported("stream_options", "continuous_usage_stats is not implemented")
+        _check_unsupported_fields(body, kind)
+        return model, stream, include_usage
 
     def chat(self, body: Any, request_id: str | None = None) -> GenerationRequest:
-        model, stream, include_usage = self._common(body)
+        """Validate a /v1/chat/completions body. Raises InvalidRequestError (400) or ModelNotFoundError (404)."""
+        model, stream, include_usage = self._common(body, "chat")
+        rid = check_request_id(request_id, f"chatcmpl-{uuid.uuid4().hex[:24]}")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("'messages' must be a non-empty list", param="messages")
         conversation = [dict(zip(("role", "content"), _message_text(m, i))) for i, m in enumerate(messages)]
+        chars = sum(len(m["content"]) for m in conversation)
+        if chars > self.max_token_chars * self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the messages have "
+                f"{chars} characters, more than that many tokens can hold", param="messages",
+                code="context_length_exceeded")
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-        prompt_ids = self.tokenizer.encode(text)
-        return GenerationRequest("chat", check_request_id(request_id, f"chatcmpl-{uuid.uuid4().hex[:24]}"), model, prompt_ids,
-                                 self._sampling(body, len(prompt_ids)), _stop_strings(body), stream, include_usage)
+        prompt_ids = self._encode(text, "messages")
+        return GenerationRequest("chat", rid, model, prompt_ids, self._sampling(body, len(prompt_ids)),
+                                 _stop_strings(body), stream, include_usage, _timeout(body))
 
     def completion(self, body: Any, request_id: str | None = None) -> GenerationRequest:
-        model, stream, include_usage = self._common(body)
+        """Validate a /v1/completions body. Raises InvalidRequestError (400) or ModelNotFoundError (404)."""
+        model, stream, include_usage = self._common(body, "completion")
+        rid = check_request_id(request_id, f"cmpl-{uuid.uuid4().hex[:24]}")
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]   # a batch of one prompt
         if isinstance(prompt, str):
-            prompt_ids = self.tokenizer.encode(prompt)
+            if not prompt:
+                raise InvalidRequestError("'prompt' is empty", param="prompt")
+            prompt_ids = self._encode(prompt, "prompt")
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
             if not all(0 <= t < self.tokenizer.vocab_size for t in prompt):
                 raise InvalidRequestError(f"token ids in 'prompt' must be in [0, {self.tokenizer.vocab_size})",
                                           param="prompt")
             prompt_ids = list(prompt)
+        elif isinstance(prompt, list) and len(prompt) > 1:
+            raise _unsupported("prompt", "a batch of several prompts needs one request per prompt")
         else:
             raise InvalidRequestError("'prompt' must be a non-empty string, a list with one string, or a "
                                       "non-empty list of token ids", param="prompt")
-        return GenerationRequest("completion", check_request_id(request_id, f"cmpl-{uuid.uuid4().hex[:24]}"), model, prompt_ids,
-                                 self._sampling(body, len(prompt_ids)), _stop_strings(body), stream, include_usage)
+        return GenerationRequest("completion", rid, model, prompt_ids, self._sampling(body, len(prompt_ids)),
+                                 _stop_strings(body), stream, include_usage, _timeout(body))
+
+
+def _max_token_chars(tokenizer) -> int:
+    """The most characters one token can stand for (byte-level BPE: one vocabulary character = one byte).
+
+    Used as a sound bound: ``tokens >= chars / max_token_chars``. Falls back to a generous 64.
+    """
+    try:
+        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+        return max(64, max(len(t) for t in vocab))
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary view: keep the generous bound
+        return 64
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -1,5 +1,6 @@
 """ApiActor: the HTTP process. Hypercorn serves the Starlette app over HTTP/1.1 and cleartext HTTP/2
-(h2c with prior knowledge, and the HTTP/1.1 Upgrade) on one port.
+(h2c with prior knowledge, and the HTTP/1.1 Upgrade) on one port; with ``ssl_certfile``/``ssl_keyfile``,
+HTTP/2 over TLS (ALPN h2) and HTTP/1.1 over TLS instead.
 
 The process beats its heartbeat from the asyncio loop, so a wedged event loop shows up as a hung API.
 """
@@ -57,7 +58,16 @@ class ApiActor(Actor):
         hconfig.bind = [f"{self.config.host}:{self.config.port}"]
         hconfig.accesslog = None
         hconfig.graceful_timeout = 1.0
-        hconfig.keep_alive_timeout = 5.0
+        # Idle connections close after keep_alive_timeout_s (HTTP/1.1: close; HTTP/2: GOAWAY); a request that
+        # has started is never cut by it. getattr: works with configs that predate these fields.
+        hconfig.keep_alive_timeout = float(getattr(self.config, "keep_alive_timeout_s", 5.0) or 5.0)
+        certfile = getattr(self.config, "ssl_certfile", "") or ""
+        keyfile = getattr(self.config, "ssl_keyfile", "") or ""
+        if certfile or keyfile:
+            if not (certfile and keyfile):
+                raise ValueError("ssl_certfile and ssl_keyfile must be given together")
+            hconfig.certfile, hconfig.keyfile = certfile, keyfile
+            hconfig.alpn_protocols = ["h2", "http/1.1"]   # HTTP/2 over TLS, HTTP/1.1 for clients without h2
         loop = asyncio.get_running_loop()
         stopping = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stopping.set)

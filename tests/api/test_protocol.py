@@ -1,0 +1,150 @@
+"""RequestParser with the real tokenizer: every parameter validated, unsupported values named, never ignored."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from api.protocol import MAX_STOP_STRINGS, RequestParser
+from pdserve.errors import InvalidRequestError, ModelNotFoundError
+
+MODEL = "test-model"
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def parser():
+    from gpu.tokenizer import Tokenizer
+
+    return RequestParser(Tokenizer.load(None), MODEL, MAX_LEN, default_max_tokens=16)
+
+
+def chat_body(**extra):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def completion_body(**extra):
+    return {"model": MODEL, "prompt": "hello", **extra}
+
+
+def rejected(call, body, param):
+    with pytest.raises(InvalidRequestError) as info:
+        call(body)
+    assert info.value.param == param, info.value.message
+    assert info.value.http_status == 400
+    return info.value
+
+
+def test_a_plain_chat_and_completion_parse_with_defaults(parser):
+    chat = parser.chat(chat_body())
+    assert chat.kind == "chat" and chat.prompt_ids and chat.sampling.max_tokens == 16
+    assert chat.request_id.startswith("chatcmpl-") and chat.timeout_s is None
+    comp = parser.completion(completion_body(max_tokens=3, temperature=0, top_p=0.5, top_k=5, min_p=0.1,
+                                             seed=-3, stop=["x", "y"], user="u", timeout=2.5))
+    assert comp.sampling.max_tokens == 3 and comp.sampling.top_k == 5 and comp.sampling.seed == (-3) % 2**63
+    assert comp.stop == ("x", "y") and comp.timeout_s == 2.5
+
+
+@pytest.mark.parametrize("name,value", [
+    ("logprobs", False), ("logprobs", None), ("top_logprobs", 0), ("presence_penalty", 0),
+    ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("n", 1), ("user", "alice"), ("logit_bias", {}),
+    ("response_format", {"type": "text"}), ("tools", []), ("tool_choice", "none"), ("store", False),
+    ("max_completion_tokens", 4), ("stream_options", None),
+])
+def test_neutral_values_of_unsupported_chat_parameters_are_accepted(parser, name, value):
+    parser.chat(chat_body(**{name: value}))
+
+
+@pytest.mark.parametrize("name,value", [
+    ("logprobs", True), ("top_logprobs", 3), ("presence_penalty", 0.5), ("frequency_penalty", -1),
+    ("repetition_penalty", 1.2), ("n", 2), ("n", 64), ("logit_bias", {"1": 5}),
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
+])
+def test_values_the_engine_cannot_honour_are_a_400_naming_the_parameter(parser, name, value):
+    error = rejected(parser.chat, chat_body(**{name: value}), name)
+    assert error.code == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("name,value", [("echo", True), ("logprobs", 1), ("logprobs", 0), ("suffix", "end"),
+                                        ("best_of", 2)])
+def test_completion_only_parameters_we_cannot_honour_are_named(parser, name, value):
+    rejected(parser.completion, completion_body(**{name: value}), name)
+
+
+def test_echo_false_and_best_of_one_are_accepted(parser):
+    parser.completion(completion_body(echo=False, best_of=1, suffix=None, logprobs=None))
+
+
+@pytest.mark.parametrize("name,value", [
+    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 2**31), ("max_tokens", "5"), ("max_tokens", 1.5),
+    ("max_tokens", True), ("temperature", -0.1), ("temperature", 2.5), ("temperature", "hot"), ("top_p", 0),
+    ("top_p", 1.01), ("top_k", 0), ("top_k", -2), ("min_p", 1.5), ("seed", "x"), ("seed", 2**64),
+    ("n", 0), ("n", 200), ("stop", ""), ("stop", [""]), ("stop", [1]), ("stop", ["s"] * 50),
+    ("stop", "x" * 5000), ("stream", "yes"), ("stream_options", []), ("user", 5), ("timeout", 0),
+    ("timeout", -1), ("timeout", "1"), ("ignore_eos", "no"), ("max_token", 5), ("max_completion_tokens", 0),
+])
+def test_invalid_values_are_a_400_naming_the_parameter(parser, name, value):
+    rejected(parser.chat, chat_body(**{name: value}), name)
+
+
+def test_stream_options_without_stream_is_rejected_and_with_stream_sets_usage(parser):
+    rejected(parser.chat, chat_body(stream_options={"include_usage": True}), "stream_options")
+    assert parser.chat(chat_body(stream=True, stream_options={"include_usage": True})).include_usage
+
+
+def test_unknown_model_is_a_404_with_code_model_not_found(parser):
+    with pytest.raises(ModelNotFoundError) as info:
+        parser.chat(chat_body(model="gpt-4"))
+    assert info.value.http_status == 404 and info.value.code == "model_not_found" and info.value.param == "model"
+
+
+@pytest.mark.parametrize("messages", [None, [], "hi", [{"role": "user"}], [{"role": "tool", "content": "x"}],
+                                      [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+                                      [5]])
+def test_bad_message_lists_are_rejected(parser, messages):
+    rejected(parser.chat, chat_body(messages=messages), "messages")
+
+
+def test_content_as_text_parts_equals_content_as_string(parser):
+    parts = [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]
+    a = parser.chat(chat_body(messages=[{"role": "user", "content": parts}]))
+    b = parser.chat(chat_body(messages=[{"role": "user", "content": "hello"}]))
+    assert a.prompt_ids == b.prompt_ids
+
+
+def test_one_empty_message_is_still_a_valid_chat_prompt(parser):
+    assert parser.chat(chat_body(messages=[{"role": "user", "content": ""}])).prompt_ids
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]], ["a", "b"], [-1], [10**9], [True], None, 5, {"a": 1}])
+def test_empty_or_malformed_prompts_are_rejected(parser, prompt):
+    rejected(parser.completion, completion_body(prompt=prompt), "prompt")
+
+
+def test_prompt_fitting_exactly_with_one_output_token_passes_and_one_more_fails(parser):
+    ok = parser.completion(completion_body(prompt=[42] * (MAX_LEN - 1), max_tokens=1))
+    assert len(ok.prompt_ids) == MAX_LEN - 1
+    assert rejected(parser.completion, completion_body(prompt=[42] * MAX_LEN), "prompt").code == \
+        "context_length_exceeded"
+    assert rejected(parser.completion, completion_body(prompt=[42] * (MAX_LEN - 1), max_tokens=2),
+                    "max_tokens").code == "context_length_exceeded"
+    assert rejected(parser.chat, chat_body(max_completion_tokens=MAX_LEN), "max_completion_tokens").code == \
+        "context_length_exceeded"
+
+
+def test_a_one_megabyte_prompt_is_rejected_without_tokenizing_it(parser):
+    start = time.monotonic()
+    error = rejected(parser.completion, completion_body(prompt="a" * (1 << 20)), "prompt")
+    assert error.code == "context_length_exceeded"
+    assert time.monotonic() - start < 0.1
+    rejected(parser.chat, chat_body(messages=[{"role": "user", "content": "b" * (1 << 20)}]), "messages")
+
+
+def test_a_single_string_or_token_list_in_a_list_is_one_prompt(parser):
+    assert parser.completion(completion_body(prompt=["hello"])).prompt_ids == \
+        parser.completion(completion_body(prompt="hello")).prompt_ids
+    assert parser.completion(completion_body(prompt=[[1, 2, 3]])).prompt_ids == [1, 2, 3]
+
+
+def test_stop_list_limit_is_a_named_constant(parser):
+    assert parser.chat(chat_body(stop=["s"] * MAX_STOP_STRINGS)).stop == ("s",) * MAX_STOP_STRINGS
