@@ -106,7 +106,8 @@ def test_dataset_takes_first_user_turn_and_reply_length_or_all_turns_in_multi_tu
     lines = [json.dumps({"conversations": [{"from": "human", "value": "1 2 3"}, {"from": "gpt", "value": "4 5 6 7 8"},
                                            {"from": "human", "value": "9"}, {"from": "gpt", "value": "10"}]}),
              "",
-             json.dumps({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "11 12"}]})]
+             json.dumps({"messages": [{"role": "system", "content": "be brief"},
+                                      {"role": "user", "content": "11 12"}]})]
     single = bs.load_dataset(lines, 2, random.Random(0), tokenizer=FakeTokenizer(), shuffle=False, min_output_len=1)
     assert [(t.text, t.prompt_len, t.output_len) for s in single for t in s.turns] == [
         ("1 2 3", 3, 5), ("11 12", 2, 128)]
