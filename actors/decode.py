@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.base import DECODE_INDEX, Actor
-from actors.messages import KVReady, RequestError, TokenBatch, TransferDone, from_wire, to_wire
+from actors.messages import KVReady, RequestError, TokenBatch, TransferDone, parse_frames, to_wire
 from actors.prefill import apply_actor_faults, sampling_params
 from pdserve.faults import FaultPlan
 from ipc.state_table import LIVE_STATES
@@ -100,8 +100,7 @@ class DecodeActor(Actor):
 
     # ---- loop ---------------------------------------------------------------------------------------
     def run_once(self) -> None:
-        for frame in self.inbox.get_many(64, self._wait_s()):
-            message = from_wire(frame)
+        for message in parse_frames(self.inbox.get_many(64, self._wait_s()), log):
             if isinstance(message, KVReady):
                 self.receive(message)
             else:

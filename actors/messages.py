@@ -122,3 +122,14 @@ def from_wire(frame: list[Any]) -> Any:
             value = Sampling(*value[:-1], tuple(value[-1]))
         values[f.name] = value
     return cls(**values)
+
+
+def parse_frames(frames: list[Any], log) -> list[Any]:
+    """Decode a batch of frames; a malformed one is logged and dropped, never fatal to the receiving actor."""
+    out = []
+    for frame in frames:
+        try:
+            out.append(from_wire(frame))
+        except (ValueError, TypeError) as exc:
+            log.error("dropped a malformed message: %s", exc)
+    return out

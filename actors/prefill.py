@@ -15,7 +15,7 @@ import os
 import time
 
 from actors.base import PREFILL_INDEX, Actor
-from actors.messages import KVReady, PrefillRequest, TransferDone, from_wire, to_wire
+from actors.messages import KVReady, PrefillRequest, TransferDone, parse_frames, to_wire
 from pdserve.faults import FaultPlan
 from ipc.state_table import LIVE_STATES
 
@@ -81,8 +81,8 @@ class PrefillActor(Actor):
     # ---- loop ---------------------------------------------------------------------------------------
     def run_once(self) -> None:
         timeout_s = 0.0 if self.waiting and not self.blocked else self.idle_wait_s
-        for frame in self.inbox.get_many(64, timeout_s):
-            self.handle(from_wire(frame))
+        for message in parse_frames(self.inbox.get_many(64, timeout_s), log):
+            self.handle(message)
         self.reap_final()
         if self.waiting:
             self.prefill_next()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.base import API_INDEX, EngineLayout
-from actors.messages import PrefillRequest, RequestError, TokenBatch, from_wire, to_wire
+from actors.messages import PrefillRequest, RequestError, TokenBatch, parse_frames, to_wire
 from api.protocol import GenerationRequest
 from pdserve.errors import EngineOverloadedError, PdserveError, QueueFullError, StateTableFullError
 from ipc.state_table import LIVE_STATES
@@ -84,8 +84,8 @@ class EngineClient:
             except PdserveError:
                 log.exception("api inbox failed")
                 return
-            for frame in frames:
-                self.loop.call_soon_threadsafe(self._dispatch, from_wire(frame))
+            for message in parse_frames(frames, log):
+                self.loop.call_soon_threadsafe(self._dispatch, message)
 
     def _dispatch(self, message: Any) -> None:
         if isinstance(message, TokenBatch):

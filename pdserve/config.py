@@ -46,6 +46,11 @@ class EngineConfig:
     served_model_name: str = _setting("", "name listed by /v1/models; empty = the model's own name")
     host: str = _setting("127.0.0.1", "address the HTTP server binds")
     port: int = _setting(8000, "TCP port of the HTTP server (0 = pick a free one)", _port, "0..65535")
+    keep_alive_timeout_s: float = _setting(5.0, "idle HTTP connections are closed after this (HTTP/1.1 close, "
+                                           "HTTP/2 GOAWAY)", _positive, "> 0")
+    ssl_certfile: str = _setting("", "TLS certificate (PEM); with ssl_keyfile serves HTTP/2 (ALPN h2) and "
+                                     "HTTP/1.1 over TLS")
+    ssl_keyfile: str = _setting("", "TLS private key (PEM)")
     device: str = _setting("cpu", "device of both actors", choices=("cpu", "cuda"))
     torch_threads: int = _setting(1, "torch intra-op threads per actor (prefill and decode run in parallel)",
                                   _positive, "> 0")

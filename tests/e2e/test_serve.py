@@ -25,7 +25,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    eng = start_engine(tmp_path_factory.mktemp("engine"), "--kv-pool-tokens", "4096")
+    eng = start_engine(tmp_path_factory.mktemp("engine"), "--kv-pool-tokens", "4096", "--drain-timeout-s", "2")
     yield eng
     cleanup_engine(eng)
 
@@ -134,11 +134,35 @@ def test_every_request_passed_the_inflight_queue_and_gauges_return_to_zero(engin
     wait_until(lambda: scrape(engine.base_url)["pdserve_kv_cache_usage_ratio"] == 0, 5, message="KV blocks freed")
 
 
-def test_sigterm_leaves_no_child_process_and_no_shm_segment(engine):
+def test_sigterm_drains_then_leaves_no_child_process_and_no_shm_segment(engine):
+    """SIGTERM: admission stops (503), a running request gets drain_timeout_s to finish and is then aborted
+    with a clear error; afterwards no child process and no /dev/shm segment is left."""
+    import concurrent.futures
+    import signal
+
     import psutil
 
     assert engine.child_pids, "the supervisor should have actor children"
     assert shm_segments(engine.engine_id), "the engine should have shm segments while running"
+    probe = EngineProbe(engine.engine_id)
+
+    def long_stream():
+        with httpx.stream("POST", engine.base_url + "/v1/completions", timeout=60,
+                          json={"prompt": "Count slowly:", "max_tokens": 2000, "ignore_eos": True,
+                                "stream": True}) as response:
+            return response.status_code, "".join(response.iter_text())
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(long_stream)
+        wait_until(lambda: any(r["state"] == 6 for r in probe.live_rows()), 60, message="a request decoding")
+        probe.close()
+        engine.proc.send_signal(signal.SIGTERM)
+        refused = wait_until(lambda: (lambda r: r if r.status_code == 503 else None)(
+            httpx.post(engine.base_url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)),
+            10, message="admission to stop")
+        assert "shutting down" in refused.json()["error"]["message"] and refused.headers["retry-after"]
+        status, body = running.result(timeout=60)
+    assert status == 200 and "shutting down" in body and body.rstrip().endswith("data: [DONE]")
     code = engine.stop()
     assert code == 0, engine.log_text()[-2000:]
     wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
