@@ -96,7 +96,9 @@ async def generate_text(client: EngineClient, tokenizer, handle: RequestHandle,
         last_ns = now_ns
         text = detok.push(token)
         if reason is not None:
-            text += detok.flush()
+            # held-back bytes at the end (the output was cut inside a multi-byte character, e.g. at max_tokens)
+            # decode to U+FFFD; they are not a character, so they are dropped rather than sent broken (S12)
+            text += detok.flush().rstrip("\ufffd")
         out, matched = stops.push(text)
         if matched:
             client.stop_generation(handle)
