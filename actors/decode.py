@@ -148,8 +148,13 @@ class DecodeActor(Actor):
             self._publish_pool()
 
     def reap_final(self) -> None:
-        if self.delayed_done:
-            self.delayed_done = [(t, e) for t, e in self.delayed_done if self._is_live(e) or self._release(e)]
+        keep_delayed = []
+        for due_s, entry in self.delayed_done:
+            if self._is_live(entry):
+                keep_delayed.append((due_s, entry))
+            else:
+                self._release(entry)
+        self.delayed_done = keep_delayed
         for name in ("bootstrapping", "transferring", "handed_off", "waiting", "running"):
             entries = getattr(self, name)
             keep = []
