@@ -222,9 +222,11 @@ def test_s9_s10_dead_actor_holding_kv_blocks_is_cleaned_up_and_restarted(engine,
     response, elapsed = asyncio.run(run())
     assert response.status_code == 503 and "dead" in response.json()["error"]["message"], response.text
     assert elapsed <= TICK_S + HTTP_SLACK_S + 1.0
-    # while the actor restarts, /metrics and /health answer (health says why it is unavailable)
-    health = httpx.get(engine.base_url + "/health", timeout=5)
-    assert health.status_code in (200, 503)
+    # while the actor restarts (it reloads the model), /health answers 503 naming it; /metrics answers too
+    def unavailable_naming_prefill():
+        health = httpx.get(engine.base_url + "/health", timeout=5)
+        return health.status_code == 503 and any("prefill0" in p for p in health.json()["problems"])
+    wait_until(unavailable_naming_prefill, 5, 0.05, "/health 503 naming prefill0")
     assert httpx.get(engine.base_url + "/metrics", timeout=5).status_code == 200
     assert not probe.live_rows()
     wait_until(lambda: probe.pid("prefill0") not in (0, pid_before), 10, message="prefill restarted")
