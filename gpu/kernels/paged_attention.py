@@ -44,11 +44,12 @@ def plan_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_tokens:
                 target_ctas: int | None) -> tuple[int, int]:
     """FlashDecoding split plan: ``(splits, tokens_per_split)``.
 
-    The first kernel runs ``num_seqs * num_kv_heads * splits`` CTAs. ``splits`` is the smallest count that
-    reaches ``target_ctas`` (1 when ``target_ctas`` is None/0 or already reached without splitting), capped so
-    that every split holds at least one tile; ``tokens_per_split`` is a multiple of ``tile_tokens`` and
-    ``splits * tokens_per_split >= max_seq_len`` (a shorter sequence leaves its last splits empty, which
-    the combine step ignores). Raises ValueError for a non-positive size.
+    The first kernel runs ``num_seqs * num_kv_heads * splits`` CTAs. ``splits`` starts as the smallest count
+    that reaches ``target_ctas`` (1 when ``target_ctas`` is None/0 or already reached without splitting),
+    capped at one tile per split; ``tokens_per_split`` is then rounded up to whole tiles, which can leave
+    slightly fewer splits, never an empty one for the longest sequence: ``(splits - 1) * tokens_per_split <
+    max_seq_len <= splits * tokens_per_split`` (a shorter sequence leaves its last splits empty, which the
+    combine step ignores). Raises ValueError for a non-positive size.
     """
     if num_seqs < 1 or num_kv_heads < 1 or max_seq_len < 1 or tile_tokens < 1:
         raise ValueError(f"plan_splits: sizes must be >= 1 (num_seqs={num_seqs}, num_kv_heads={num_kv_heads}, "

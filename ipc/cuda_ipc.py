@@ -1,0 +1,483 @@
+"""The ``cuda-ipc`` KV transport: decode pulls KV blocks out of the prefill actor's GPU pool through CUDA IPC.
+
+How the pieces fit (design.md, "One process-actor per device"):
+
+* Each actor keeps its KV cache in a device tensor of exactly its ``KVPool``'s shape and dtype
+  (``[num_layers, 2, num_blocks, block_tokens, num_kv_heads, head_dim]``). The ``KVPool`` shm segment stays
+  the KV *table*: block owners and generations (the allocator), the epoch, the geometry; its data section is
+  unused on this path.
+* The prefill actor exports its device pool ONCE at start-up (:meth:`CudaIpcExport.publish`): torch's CUDA
+  IPC reduction of the tensor (``torch.multiprocessing.reductions.reduce_tensor``: ``cudaIpcGetMemHandle`` of
+  the allocation plus offsets and torch's producer ref-counter) and the IPC handle of an interprocess CUDA
+  event go, pickled, into a small shm segment named ``<pool name>.cuda`` (layout below).
+* The decode actor's transport opens it ONCE (``open_peer``: ``rebuild_cuda_tensor`` ->
+  ``cudaIpcOpenMemHandle``), then every ``start_copy`` is one batched launch on a side stream: the
+  gather/scatter kernel of ``gpu/kernels/kv_copy.py`` (all layers, K and V, every block of the request), or
+  ``index_select`` + ``index_copy_`` when numba is unavailable. Block ids and token counts travel in the
+  messages and the KV table, as with ``cpu-shm``; the data never leaves the GPU.
+* Ordering. Prefill -> decode: prefill records the shared event after writing a request's KV
+  (:meth:`CudaIpcExport.record_written`, before it sends ``KVReady``) and the copy stream waits on that event
+  before reading, so decode never reads blocks prefill has not finished writing. (Prefill's first-token
+  sampling also synchronises its stream; the event keeps the guarantee if that ever changes.) Decode ->
+  prefill: each copy records a local event, and ``poll`` reports DONE only once that event has completed;
+  decode sends ``TransferDone`` (after which prefill frees the blocks) only after DONE, so prefill never
+  frees blocks decode is still reading.
+* Two GPUs: a cross-device copy gathers on the prefill GPU, copies peer-to-peer (``Tensor.to``, which uses
+  P2P when ``torch.cuda.can_device_access_peer``), and scatters on the decode GPU: three launches, still no
+  loop over blocks.
+* Restart: a restarted prefill actor resets its pool (the KV table's epoch goes up) and publishes again;
+  ``start_copy`` notices the epoch change and reopens the export before copying (a transfer that finds the
+  pool not yet re-exported FAILS with the reason; the supervisor has already failed the old requests).
+
+Export segment ``<pool name>.cuda`` (``EXPORT_HEADER``, little endian)::
+
+    offset  size  field
+    0       4     magic         b"PDCX"
+    4       4     version       u4 = 1
+    8       8     seq           u8  seqlock: odd while the exporter writes, +2 per publish
+    16      8     pool_epoch    u8  the KVPool epoch the export belongs to
+    24      4     pid           i4  exporter pid
+    28      4     device        i4  exporter's CUDA device index
+    32      8     payload_len   u8
+    64      ...   payload       pickle: {"tensor": (rebuild_fn, args), "event": bytes | None, "shape", "dtype"}
+
+The exporting actor creates (or reuses, after a restart) and rewrites it; ``CudaIpcExport.close(unlink=True)``
+or the supervisor's ``naming.unlink_all`` removes it (its name carries the engine id).
+"""
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import pickle
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import posix_ipc
+import torch
+
+from ipc.kv_pool import KVPool
+from ipc.kv_transport import KVTransport, TransferStatus, register_transport
+
+MAGIC = b"PDCX"
+VERSION = 1
+EXPORT_HEADER = struct.Struct("<4sIQQiiQ")
+OFF_SEQ = 8
+U8 = struct.Struct("<Q")
+PAYLOAD_OFFSET = 64
+EXPORT_BYTES = 64 * 1024
+EXPORT_SUFFIX = ".cuda"
+
+
+def export_name(pool_name: str) -> str:
+    """POSIX name of the export segment of KV pool ``pool_name`` (same engine prefix: swept with it)."""
+    return pool_name + EXPORT_SUFFIX
+
+
+# ------------------------------------------------------------------------------------------------ segment I/O
+
+
+@dataclass(frozen=True)
+class ExportRecord:
+    """One consistent read of an export segment."""
+
+    seq: int
+    pool_epoch: int
+    pid: int
+    device: int
+    payload: bytes
+
+
+def open_export_segment(name: str, *, create: bool) -> mmap.mmap:
+    """Map the export segment ``name`` (``EXPORT_BYTES``), creating it (mode 0600) if ``create`` and absent.
+    Raises FileNotFoundError if it does not exist and ``create`` is False."""
+    flags = posix_ipc.O_CREAT if create else 0
+    try:
+        shm = posix_ipc.SharedMemory(name, flags, mode=0o600, size=EXPORT_BYTES if create else 0)
+    except posix_ipc.ExistentialError as exc:
+        raise FileNotFoundError(f"CUDA IPC export {name!r} does not exist: the prefill actor has not published "
+                                f"its device KV pool (is it running on a GPU with kv_transport cuda-ipc?)") from exc
+    try:
+        if shm.size < EXPORT_BYTES:
+            if not create:
+                raise ValueError(f"segment {name!r} is {shm.size} bytes, not a CUDA IPC export")
+            os.ftruncate(shm.fd, EXPORT_BYTES)
+        return mmap.mmap(shm.fd, EXPORT_BYTES)
+    finally:
+        shm.close_fd()
+
+
+def write_export(mm: mmap.mmap, payload: bytes, *, pool_epoch: int, pid: int, device: int) -> int:
+    """Publish ``payload`` under the seqlock (seq odd while writing); returns the new (even) seq.
+    One writer only (the exporting actor). Raises ValueError if the payload does not fit."""
+    if len(payload) > EXPORT_BYTES - PAYLOAD_OFFSET:
+        raise ValueError(f"CUDA IPC export payload of {len(payload)} bytes exceeds "
+                         f"{EXPORT_BYTES - PAYLOAD_OFFSET}")
+    seq = U8.unpack_from(mm, OFF_SEQ)[0] if mm[0:4] == MAGIC else 0
+    seq += 1 if seq % 2 == 0 else 0  # odd: readers retry
+    EXPORT_HEADER.pack_into(mm, 0, MAGIC, VERSION, seq, pool_epoch, pid, device, len(payload))
+    mm[PAYLOAD_OFFSET:PAYLOAD_OFFSET + len(payload)] = payload
+    U8.pack_into(mm, OFF_SEQ, seq + 1)  # even: stable (x86 stores are not reordered with earlier stores)
+    return seq + 1
+
+
+def read_export(mm: mmap.mmap, *, timeout_s: float = 2.0) -> ExportRecord:
+    """A consistent snapshot of an export segment: retried (polling until ``timeout_s``) while a publish is
+    in progress. Raises ValueError for a segment that is not an export, TimeoutError if the writer seems to
+    have died mid-publish (seq stays odd)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        magic, version, seq, epoch, pid, device, n = EXPORT_HEADER.unpack_from(mm, 0)
+        if magic != MAGIC and seq == 0:
+            raise ValueError("segment is not an initialised CUDA IPC export")
+        if seq % 2 == 0:
+            if version != VERSION:
+                raise ValueError(f"CUDA IPC export of layout version {version}; this build reads {VERSION}")
+            if n > EXPORT_BYTES - PAYLOAD_OFFSET:
+                raise ValueError(f"CUDA IPC export claims a payload of {n} bytes")
+            payload = bytes(mm[PAYLOAD_OFFSET:PAYLOAD_OFFSET + n])
+            if U8.unpack_from(mm, OFF_SEQ)[0] == seq:
+                return ExportRecord(seq, epoch, pid, device, payload)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"CUDA IPC export stayed mid-publish (seq {seq}) for {timeout_s}s: its writer "
+                               f"(pid {pid}) probably died while publishing")
+        time.sleep(0.001)
+
+
+# ------------------------------------------------------------------------------------------------ device pools
+
+_DEVICE_POOLS: dict[str, torch.Tensor] = {}
+_LOCAL_EXPORTS: dict[str, tuple[torch.Tensor, Any]] = {}  # export name -> (tensor, event), this process
+
+
+def allocate_device_pool(pool: KVPool, device: str | torch.device) -> torch.Tensor:
+    """A zeroed device tensor of ``pool``'s shape and dtype, registered for ``pool.name`` so that
+    ``make_transport("cuda-ipc", pool)`` finds it. Zeroed, not empty: masked-out padding reads of the torch
+    attention path must read finite values."""
+    kv = torch.zeros(pool.shape, dtype=pool.dtype, device=device)
+    register_device_pool(pool.name, kv)
+    return kv
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on a CUDA device (one seam, so the CPU tests can run the transport logic)."""
+    return t.is_cuda
+
+
+def register_device_pool(pool_name: str, kv: torch.Tensor) -> None:
+    """Declare ``kv`` (a CUDA tensor) as the device data of KV pool ``pool_name`` in this process."""
+    if not _on_gpu(kv):
+        raise ValueError(f"the device KV pool of {pool_name!r} must be a CUDA tensor; got one on {kv.device}")
+    _DEVICE_POOLS[pool_name] = kv
+
+
+def device_pool(pool_name: str) -> torch.Tensor | None:
+    """The device tensor registered for ``pool_name`` in this process, if any."""
+    return _DEVICE_POOLS.get(pool_name)
+
+
+def check_device_pool(pool: KVPool, kv: torch.Tensor, what: str) -> None:
+    """Raise ValueError unless ``kv`` is a contiguous CUDA tensor of ``pool``'s shape and dtype."""
+    if tuple(kv.shape) != tuple(pool.shape) or kv.dtype != pool.dtype:
+        raise ValueError(f"{what}: device tensor {list(kv.shape)} {kv.dtype} does not match KV pool "
+                         f"{pool.name!r} {list(pool.shape)} {pool.dtype}")
+    if not _on_gpu(kv) or not kv.is_contiguous():
+        raise ValueError(f"{what}: the device KV pool must be a contiguous CUDA tensor")
+
+
+class CudaIpcExport:
+    """The prefill side: publishes its device KV pool once, and records the 'KV written' event.
+
+    Use: ``export = CudaIpcExport.publish(pool, kv)`` in ``on_start``; ``export.record_written()`` after each
+    prefill forward, before sending ``KVReady``; ``export.close()`` at stop. Keep ``kv`` alive while the
+    export exists (CUDA IPC importers map its memory; torch's producer ref-counter holds it on free).
+    """
+
+    def __init__(self, name: str, mm: mmap.mmap, kv: torch.Tensor, event, seq: int):
+        self.name = name
+        self._mm = mm
+        self.kv = kv
+        self.event = event
+        self.seq = seq
+
+    @classmethod
+    def publish(cls, pool: KVPool, kv: torch.Tensor) -> "CudaIpcExport":
+        """Export ``kv`` (the device data of ``pool``) through CUDA IPC into segment ``<pool.name>.cuda``,
+        created if absent, rewritten if a previous incarnation left it. Raises ValueError for a tensor that
+        does not match the pool."""
+        from torch.multiprocessing.reductions import reduce_tensor  # noqa: PLC0415
+
+        check_device_pool(pool, kv, "CudaIpcExport.publish")
+        device = kv.device.index if kv.device.index is not None else torch.cuda.current_device()
+        with torch.cuda.device(device):
+            event = torch.cuda.Event(interprocess=True)  # interprocess events cannot time
+            event.record(torch.cuda.current_stream(device))
+            handle = event.ipc_handle()
+        payload = pickle.dumps({"tensor": reduce_tensor(kv), "event": handle, "shape": tuple(kv.shape),
+                                "dtype": str(kv.dtype)}, protocol=pickle.HIGHEST_PROTOCOL)
+        name = export_name(pool.name)
+        mm = open_export_segment(name, create=True)
+        seq = write_export(mm, payload, pool_epoch=pool.epoch, pid=os.getpid(), device=device)
+        _LOCAL_EXPORTS[name] = (kv, event)
+        return cls(name, mm, kv, event, seq)
+
+    def record_written(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Mark 'every KV write enqueued so far on ``stream`` (default: the current one) is ordered before
+        any copy that starts after this call'. Call after a prefill forward, before sending KVReady."""
+        self.event.record(stream if stream is not None else torch.cuda.current_stream(self.kv.device))
+
+    def close(self, *, unlink: bool = False) -> None:
+        """Stop exporting in this process (idempotent); ``unlink`` also removes the segment."""
+        _LOCAL_EXPORTS.pop(self.name, None)
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        if unlink:
+            try:
+                posix_ipc.unlink_shared_memory(self.name)
+            except posix_ipc.ExistentialError:
+                pass
+
+
+# ------------------------------------------------------------------------------------------------ transport
+
+
+def validate_copy(src_block_ids: Sequence[int], dst_block_ids: Sequence[int], num_tokens: int, *,
+                  block_tokens: int, src_blocks: int, dst_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``start_copy`` argument rules of ``KVTransport`` (the same messages as ``CpuShmTransport``):
+    returns the ids as int64 arrays. Raises ValueError for mismatched lengths, a bad ``num_tokens``, ids out
+    of range, or a repeated destination id."""
+    src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+    if src.size != dst.size:
+        raise ValueError(f"start_copy: {src.size} src blocks but {dst.size} dst blocks")
+    if not 0 <= num_tokens <= src.size * block_tokens:
+        raise ValueError(f"start_copy: num_tokens={num_tokens} does not fit {src.size} blocks "
+                         f"of {block_tokens} tokens")
+    if src.size:
+        if src.min() < 0 or src.max() >= src_blocks:
+            raise ValueError(f"start_copy: src block id outside the peer pool of {src_blocks}")
+        if dst.min() < 0 or dst.max() >= dst_blocks:
+            raise ValueError(f"start_copy: dst block id outside the local pool of {dst_blocks}")
+        if np.unique(dst).size != dst.size:
+            raise ValueError("start_copy: a dst block id is listed twice")
+    return src, dst
+
+
+@dataclass
+class _Pending:
+    done: Any  # torch.cuda.Event recorded after the copy
+    nbytes: int
+    keep: tuple = field(default=())  # tensors the copy reads: alive until it completed
+
+
+class CudaIpcTransport(KVTransport):
+    """KV handoff between two GPU pools through CUDA IPC (module docstring). Runs in the decode actor.
+
+    Args:
+        local_pool: the decode actor's KV table (attached writable: it owns the allocator).
+        device_kv: its device data; default: the tensor registered for ``local_pool.name``
+            (:func:`allocate_device_pool` / :func:`register_device_pool`).
+        copy_backend: ``"numba"`` (the one-launch gather/scatter kernel), ``"torch"`` (index_select +
+            index_copy_: two launches and a temporary), or ``"auto"`` (numba when it can run here).
+
+    ``start_copy`` enqueues and returns (the copy runs on a side stream, overlapping the decode step);
+    ``poll`` is non-blocking (``cudaEventQuery``). Raises RuntimeError at construction without CUDA.
+    """
+
+    kind = "cuda-ipc"
+
+    def __init__(self, local_pool: KVPool, *, device_kv: torch.Tensor | None = None, copy_backend: str = "auto"):
+        if not torch.cuda.is_available():
+            raise RuntimeError("KV transport cuda-ipc needs a CUDA device and torch built with CUDA; on CPU use "
+                               "kv_transport cpu-shm")
+        if local_pool.readonly:
+            raise ValueError(f"the local (destination) pool {local_pool.name!r} must be attached writable")
+        kv = device_kv if device_kv is not None else device_pool(local_pool.name)
+        if kv is None:
+            raise RuntimeError(f"no device tensor for KV pool {local_pool.name!r} in this process: call "
+                               f"ipc.cuda_ipc.allocate_device_pool(pool, device) before make_transport")
+        check_device_pool(local_pool, kv, "CudaIpcTransport")
+        if copy_backend not in ("auto", "numba", "torch"):
+            raise ValueError(f"copy_backend {copy_backend!r}: use auto, numba or torch")
+        if copy_backend == "auto":
+            from gpu.kernels import cuda_device_available  # noqa: PLC0415
+
+            copy_backend = "numba" if cuda_device_available() else "torch"
+        self.copy_backend = copy_backend
+        self.local = local_pool
+        self.peer: KVPool | None = None
+        self._dst = kv
+        self._src: torch.Tensor | None = None
+        self._src_event = None
+        self._export_mm: mmap.mmap | None = None
+        self._export_epoch = -1
+        self._stream = torch.cuda.Stream(kv.device)
+        self._src_stream = None  # a stream on the peer's device when it is another GPU
+        self._handles: dict[int, TransferStatus] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._orphans: list[_Pending] = []  # released while in flight: kept until their event completes
+        self._errors: dict[int, str] = {}
+        self._ids = itertools.count(1)
+        self._bytes_total = 0
+
+    # -- peer -------------------------------------------------------------------------------------------
+
+    def open_peer(self, peer_pool_name: str) -> None:
+        if self.peer is not None:
+            if self.peer.name == peer_pool_name:
+                return
+            raise ValueError(f"transport already attached to peer {self.peer.name!r}; close() it first")
+        peer = KVPool.attach(peer_pool_name, readonly=True)
+        fields = ("num_layers", "block_tokens", "num_kv_heads", "head_dim", "dtype")
+        diff = [f"{f}: local {getattr(self.local, f)} vs peer {getattr(peer, f)}" for f in fields
+                if getattr(self.local, f) != getattr(peer, f)]
+        if diff:
+            peer.close()
+            raise ValueError(f"KV pool {peer_pool_name!r} cannot feed {self.local.name!r}: " + "; ".join(diff))
+        try:
+            self.peer = peer
+            self._open_export()
+        except BaseException:
+            self.peer = None
+            peer.close()
+            raise
+
+    def _open_export(self) -> None:
+        """(Re)map the peer's exported device pool and event."""
+        assert self.peer is not None
+        name = export_name(self.peer.name)
+        if self._export_mm is None:
+            self._export_mm = open_export_segment(name, create=False)
+        record = read_export(self._export_mm)
+        if record.pool_epoch != self.peer.epoch:
+            # A restarted prefill resets its pool before publishing; a stale mapping (old segment unlinked
+            # and re-created) must be dropped and the name opened again.
+            self._export_mm.close()
+            self._export_mm = open_export_segment(name, create=False)
+            record = read_export(self._export_mm)
+            if record.pool_epoch != self.peer.epoch:
+                raise RuntimeError(f"the prefill pool {self.peer.name!r} is at epoch {self.peer.epoch} but its "
+                                   f"CUDA IPC export is of epoch {record.pool_epoch}: the restarted prefill "
+                                   f"actor has not published yet")
+        meta = pickle.loads(record.payload)
+        if record.pid == os.getpid() and name in _LOCAL_EXPORTS:
+            src, event = _LOCAL_EXPORTS[name]  # CUDA cannot open an IPC handle in the process that made it
+        else:
+            rebuild, args = meta["tensor"]
+            src = rebuild(*args)
+            event = torch.cuda.Event.from_ipc_handle(src.device, meta["event"]) if meta["event"] else None
+        check_device_pool(self.peer, src, "CudaIpcTransport.open_peer (exported tensor)")
+        self._src, self._src_event, self._export_epoch = src, event, record.pool_epoch
+        if src.device != self._dst.device and self._src_stream is None:
+            self._src_stream = torch.cuda.Stream(src.device)
+
+    # -- copies -----------------------------------------------------------------------------------------
+
+    def start_copy(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], *,
+                   num_tokens: int) -> int:
+        if self.peer is None or self._src is None:
+            raise RuntimeError("CudaIpcTransport.start_copy before open_peer()")
+        src, dst = validate_copy(src_block_ids, dst_block_ids, num_tokens, block_tokens=self.local.block_tokens,
+                                 src_blocks=self.peer.num_blocks, dst_blocks=self.local.num_blocks)
+        handle = next(self._ids)
+        try:
+            if self.peer.epoch != self._export_epoch:
+                self._open_export()
+            keep = self._enqueue(src, dst) if src.size else ()
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        except Exception as exc:  # noqa: BLE001 - a failed launch/IPC open is this transfer's failure
+            self._handles[handle] = TransferStatus.FAILED
+            self._errors[handle] = f"{type(exc).__name__}: {exc}"
+            return handle
+        self._handles[handle] = TransferStatus.IN_PROGRESS
+        self._pending[handle] = _Pending(done, int(src.size) * self.local.block_bytes, keep)
+        return handle
+
+    def _enqueue(self, src: np.ndarray, dst: np.ndarray) -> tuple:
+        """Enqueue the copy on the side stream (after the prefill's 'written' event); returns what must stay
+        alive until it completes."""
+        dst_dev = self._dst.device
+        s_host = torch.from_numpy(src)
+        d_host = torch.from_numpy(dst)
+        if self._src.device == dst_dev:
+            with torch.cuda.device(dst_dev), torch.cuda.stream(self._stream):
+                if self._src_event is not None:
+                    self._stream.wait_event(self._src_event)
+                sid = s_host.to(dst_dev, non_blocking=True)
+                did = d_host.to(dst_dev, non_blocking=True)
+                if self.copy_backend == "numba":
+                    from gpu.kernels import copy_blocks  # noqa: PLC0415
+
+                    copy_blocks(self._src, self._dst, sid, did)
+                else:
+                    self._dst.index_copy_(2, did, self._src.index_select(2, sid))
+                return (sid, did)
+        # two GPUs: gather on the source GPU, copy peer-to-peer, scatter on the destination GPU
+        src_dev = self._src.device
+        with torch.cuda.stream(self._src_stream), torch.cuda.stream(self._stream):
+            if self._src_event is not None:
+                self._src_stream.wait_event(self._src_event)
+            with torch.cuda.device(src_dev):
+                sid = s_host.to(src_dev, non_blocking=True)
+                staging = self._src.index_select(2, sid)  # [L, 2, n, bt, Hkv, D] on the source GPU
+            staged = staging.to(dst_dev, non_blocking=True)  # syncs both current streams (torch's P2P copy)
+            with torch.cuda.device(dst_dev):
+                did = d_host.to(dst_dev, non_blocking=True)
+                self._dst.index_copy_(2, did, staged)
+        return (sid, staging, staged, did)
+
+    def poll(self, handle: int) -> TransferStatus:
+        try:
+            status = self._handles[handle]
+        except KeyError:
+            raise KeyError(f"unknown KV transfer handle {handle!r} (never issued, or released)") from None
+        if status is TransferStatus.IN_PROGRESS:
+            pending = self._pending[handle]
+            if pending.done.query():
+                del self._pending[handle]
+                self._bytes_total += pending.nbytes
+                status = self._handles[handle] = TransferStatus.DONE
+        return status
+
+    def release(self, handle: int) -> None:
+        """Forget ``handle``. Releasing a transfer still in flight keeps its buffers until it completes (the
+        stream still runs it); the blocks it writes must not be reused before (decode frees them only after
+        DONE or when the request is final, and then reallocates on the same stream order)."""
+        pending = self._pending.pop(handle, None)
+        if pending is not None and not pending.done.query():
+            self._orphans.append(pending)
+        self._handles.pop(handle, None)
+        self._errors.pop(handle, None)
+        self._orphans = [p for p in self._orphans if not p.done.query()]
+
+    def error(self, handle: int) -> str | None:
+        return self._errors.get(handle)
+
+    @property
+    def bytes_moved_total(self) -> int:
+        return self._bytes_total
+
+    def close(self) -> None:
+        """Wait for copies in flight (so no kernel reads a peer mapping we drop), then detach (idempotent)."""
+        if self._pending or self._orphans:
+            self._stream.synchronize()
+        self._pending.clear()
+        self._orphans = []
+        self._handles.clear()
+        self._errors.clear()
+        self._src = None
+        self._src_event = None
+        if self._export_mm is not None:
+            self._export_mm.close()
+            self._export_mm = None
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
+
+
+register_transport("cuda-ipc", CudaIpcTransport)
