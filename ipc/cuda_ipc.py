@@ -39,7 +39,8 @@ Export segment ``<pool name>.cuda`` (``EXPORT_HEADER``, little endian)::
     24      4     pid           i4  exporter pid
     28      4     device        i4  exporter's CUDA device index
     32      8     payload_len   u8
-    64      ...   payload       pickle: {"tensor": (rebuild_fn, args), "event": bytes | None, "shape", "dtype"}
+    64      ...   payload       pickle: {"tensor": (rebuild_fn, args), "event": bytes | None,
+                                         "shape": tuple, "dtype": str}
 
 The exporting actor creates (or reuses, after a restart) and rewrites it; ``CudaIpcExport.close(unlink=True)``
 or the supervisor's ``naming.unlink_all`` removes it (its name carries the engine id).
@@ -98,8 +99,9 @@ def open_export_segment(name: str, *, create: bool) -> mmap.mmap:
     try:
         shm = posix_ipc.SharedMemory(name, flags, mode=0o600, size=EXPORT_BYTES if create else 0)
     except posix_ipc.ExistentialError as exc:
-        raise FileNotFoundError(f"CUDA IPC export {name!r} does not exist: the prefill actor has not published "
-                                f"its device KV pool (is it running on a GPU with kv_transport cuda-ipc?)") from exc
+        raise FileNotFoundError(f"CUDA IPC export {name!r} does not exist: the prefill actor has not "
+                                f"published its device KV pool (is it running on a GPU with kv_transport "
+                                f"cuda-ipc?)") from exc
     try:
         if shm.size < EXPORT_BYTES:
             if not create:
@@ -147,7 +149,7 @@ def read_export(mm: mmap.mmap, *, timeout_s: float = 2.0) -> ExportRecord:
         time.sleep(0.001)
 
 
-# ------------------------------------------------------------------------------------------------ device pools
+# ----------------------------------------------------------------------------------------------- device pools
 
 _DEVICE_POOLS: dict[str, torch.Tensor] = {}
 _LOCAL_EXPORTS: dict[str, tuple[torch.Tensor, Any]] = {}  # export name -> (tensor, event), this process
@@ -242,7 +244,7 @@ class CudaIpcExport:
                 pass
 
 
-# ------------------------------------------------------------------------------------------------ transport
+# -------------------------------------------------------------------------------------------------- transport
 
 
 def validate_copy(src_block_ids: Sequence[int], dst_block_ids: Sequence[int], num_tokens: int, *,
@@ -290,10 +292,11 @@ class CudaIpcTransport(KVTransport):
 
     kind = "cuda-ipc"
 
-    def __init__(self, local_pool: KVPool, *, device_kv: torch.Tensor | None = None, copy_backend: str = "auto"):
+    def __init__(self, local_pool: KVPool, *, device_kv: torch.Tensor | None = None,
+                 copy_backend: str = "auto"):
         if not torch.cuda.is_available():
-            raise RuntimeError("KV transport cuda-ipc needs a CUDA device and torch built with CUDA; on CPU use "
-                               "kv_transport cpu-shm")
+            raise RuntimeError("KV transport cuda-ipc needs a CUDA device and torch built with CUDA; on CPU "
+                               "use kv_transport cpu-shm")
         if local_pool.readonly:
             raise ValueError(f"the local (destination) pool {local_pool.name!r} must be attached writable")
         kv = device_kv if device_kv is not None else device_pool(local_pool.name)
@@ -337,7 +340,8 @@ class CudaIpcTransport(KVTransport):
                 if getattr(self.local, f) != getattr(peer, f)]
         if diff:
             peer.close()
-            raise ValueError(f"KV pool {peer_pool_name!r} cannot feed {self.local.name!r}: " + "; ".join(diff))
+            raise ValueError(f"KV pool {peer_pool_name!r} cannot feed {self.local.name!r}: "
+                             + "; ".join(diff))
         try:
             self.peer = peer
             self._open_export()
@@ -360,9 +364,9 @@ class CudaIpcTransport(KVTransport):
             self._export_mm = open_export_segment(name, create=False)
             record = read_export(self._export_mm)
             if record.pool_epoch != self.peer.epoch:
-                raise RuntimeError(f"the prefill pool {self.peer.name!r} is at epoch {self.peer.epoch} but its "
-                                   f"CUDA IPC export is of epoch {record.pool_epoch}: the restarted prefill "
-                                   f"actor has not published yet")
+                raise RuntimeError(f"the prefill pool {self.peer.name!r} is at epoch {self.peer.epoch} but "
+                                   f"its CUDA IPC export is of epoch {record.pool_epoch}: the restarted "
+                                   f"prefill actor has not published yet")
         meta = pickle.loads(record.payload)
         if record.pid == os.getpid() and name in _LOCAL_EXPORTS:
             src, event = _LOCAL_EXPORTS[name]  # CUDA cannot open an IPC handle in the process that made it
@@ -381,8 +385,9 @@ class CudaIpcTransport(KVTransport):
                    num_tokens: int) -> int:
         if self.peer is None or self._src is None:
             raise RuntimeError("CudaIpcTransport.start_copy before open_peer()")
-        src, dst = validate_copy(src_block_ids, dst_block_ids, num_tokens, block_tokens=self.local.block_tokens,
-                                 src_blocks=self.peer.num_blocks, dst_blocks=self.local.num_blocks)
+        src, dst = validate_copy(src_block_ids, dst_block_ids, num_tokens,
+                                 block_tokens=self.local.block_tokens, src_blocks=self.peer.num_blocks,
+                                 dst_blocks=self.local.num_blocks)
         handle = next(self._ids)
         try:
             if self.peer.epoch != self._export_epoch:

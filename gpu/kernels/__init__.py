@@ -1,20 +1,18 @@
-"""numba.cuda kernels for the GPU hot paths, their torch references, and thin host wrappers over torch tensors.
+"""numba.cuda kernels for the GPU hot paths, their torch references, and thin host wrappers over torch
+tensors.
 
-=====================  =============================================================  ===========================
-kernel                 what                                                           torch reference / baseline
-=====================  =============================================================  ===========================
-paged_attention_decode one query token per sequence over its paged K/V: shared-memory  paged_attention_decode_ref,
-                       tiles, online softmax, GQA, FlashDecoding split (target_ctas)  paged_attention_decode_torch
-copy_blocks /          every layer, K and V, of a list of KV blocks in one launch      copy_blocks_ref
-gather_blocks /        (the KV transport's copy; bytewise, any dtype)
-scatter_blocks
-tiled_linear           y = x @ W.T, shared-memory tiles + register micro-tiles,         linear_ref / torch.matmul
-                       split-K (target_ctas)
-=====================  =============================================================  ===========================
+- ``paged_attention_decode``: one query token per sequence over its paged K/V; shared-memory tiles, online
+  softmax, GQA, FlashDecoding split over ``target_ctas`` CTAs. References: ``paged_attention_decode_ref``
+  (exact, float64), ``paged_attention_decode_torch`` (``LlamaModel.decode``'s gather + SDPA),
+  ``dense_attention_decode_torch`` (SDPA over contiguous K/V).
+- ``copy_blocks`` / ``gather_blocks`` / ``scatter_blocks``: every layer, K and V, of a list of KV blocks in
+  one launch (the KV transport's copy; bytewise, any dtype). Reference: ``copy_blocks_ref``.
+- ``tiled_linear``: ``y = x @ W.T`` with shared-memory tiles, register micro-tiles and split-K
+  (``target_ctas``). Reference: ``linear_ref`` / ``torch.matmul``.
 
-Wrappers take torch tensors: CUDA tensors on a GPU (zero copy through ``__cuda_array_interface__``, launched on
-torch's current stream), CPU tensors under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1`` set before numba is
-imported; tiny sizes only). Importing this package does not import numba; the first kernel call does.
+Wrappers take torch tensors: CUDA tensors on a GPU (zero copy through ``__cuda_array_interface__``, launched
+on torch's current stream), CPU tensors under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1`` set before numba
+is imported; tiny sizes only). Importing this package does not import numba; the first kernel call does.
 ``TargetCtasTuner`` (autotune.py) picks ``target_ctas`` per GPU and shape and caches it.
 """
 from ._runtime import cuda_device_available, kernels_available, simulator
@@ -27,7 +25,7 @@ from .reference import (copy_blocks_ref, dense_attention_decode_torch, linear_re
 
 __all__ = [
     "TargetCtasTuner", "copy_blocks", "copy_blocks_ref", "cuda_device_available", "default_target_ctas",
-    "dense_attention_decode_torch", "gather_blocks", "kernels_available", "linear_ref", "paged_attention_decode",
-    "paged_attention_decode_ref", "paged_attention_decode_torch", "plan_split_k", "plan_splits",
-    "scatter_blocks", "simulator", "tiled_linear",
+    "dense_attention_decode_torch", "gather_blocks", "kernels_available", "linear_ref",
+    "paged_attention_decode", "paged_attention_decode_ref", "paged_attention_decode_torch", "plan_split_k",
+    "plan_splits", "scatter_blocks", "simulator", "tiled_linear",
 ]

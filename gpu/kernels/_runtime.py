@@ -82,7 +82,8 @@ def as_kernel_array(t: torch.Tensor):
 
 
 def launch_stream(t: torch.Tensor):
-    """The stream to launch on: torch's current stream of ``t``'s device (0, the default, in the simulator)."""
+    """The stream to launch on: torch's current stream of ``t``'s device (0, the default, in the
+    simulator)."""
     if simulator() or not t.is_cuda:
         return 0
     return _cuda().external_stream(torch.cuda.current_stream(t.device).cuda_stream)
@@ -105,4 +106,3 @@ def multiprocessor_count(device: torch.device | int | None = None) -> int:
     if simulator() or not torch.cuda.is_available():
         return 4
     return int(torch.cuda.get_device_properties(device if device is not None else 0).multi_processor_count)
-

@@ -73,8 +73,10 @@ class TargetCtasTuner:
 
     def __init__(self, cache_path: str | os.PathLike | None = None, *, device_name: str | None = None,
                  timer: Timer | None = None):
-        self.path = default_cache_path() if cache_path is None else (pathlib.Path(cache_path) if cache_path
-                                                                    else None)
+        if cache_path is None:
+            self.path: pathlib.Path | None = default_cache_path()
+        else:
+            self.path = pathlib.Path(cache_path) if cache_path else None
         if device_name is None:
             device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         self.device_name = device_name

@@ -50,17 +50,18 @@ def _copy_kernel(NT: int):
 
 
 def rows_view(pool: torch.Tensor) -> torch.Tensor:
-    """``pool`` ``[L, 2, NB, bt, Hkv, D]`` (or a staging ``[L, 2, n, bt, Hkv, D]``) as ``[L * 2, NB, E]`` in the
-    widest integer carrier whose size divides one row's bytes (int64 for any even head_dim in fp16/bf16).
+    """``pool`` ``[L, 2, NB, bt, Hkv, D]`` (or a staging ``[L, 2, n, bt, Hkv, D]``) as ``[L * 2, NB, E]`` in
+    the widest integer carrier whose size divides one row's bytes (int64 for any even head_dim in fp16/bf16).
     Raises ValueError if the block and token dims cannot be merged without a copy."""
     if pool.dim() != 6 or pool.shape[1] != 2:
-        raise ValueError(f"a KV pool is [num_layers, 2, num_blocks, block_tokens, Hkv, D]; got {list(pool.shape)}")
+        raise ValueError(f"a KV pool is [num_layers, 2, num_blocks, block_tokens, Hkv, D]; "
+                         f"got {list(pool.shape)}")
     L, _, NB = pool.shape[:3]
     try:
         rows = pool.view(L * 2, NB, -1)
     except RuntimeError:
-        raise ValueError(f"KV pool with strides {pool.stride()} cannot be viewed as [L*2, blocks, E] without a "
-                         f"copy; use a contiguous pool") from None
+        raise ValueError(f"KV pool with strides {pool.stride()} cannot be viewed as [L*2, blocks, E] "
+                         f"without a copy; use a contiguous pool") from None
     row_bytes = rows.shape[2] * rows.element_size()
     for carrier in _CARRIERS:
         size = torch.empty((), dtype=carrier).element_size()
@@ -96,7 +97,8 @@ def _launch(src_rows: torch.Tensor, dst_rows: torch.Tensor, sids: torch.Tensor, 
     z = 1 if not target_ctas else max(1, min(max_z, -(-int(target_ctas) // (n * LK))))
     A = rt.as_kernel_array
     with rt.on_device_of(dst_rows):
-        _copy_kernel(NT)[(n, LK, z), NT, rt.launch_stream(dst_rows)](A(src_rows), A(dst_rows), A(sids), A(dids))
+        _copy_kernel(NT)[(n, LK, z), NT, rt.launch_stream(dst_rows)](
+            A(src_rows), A(dst_rows), A(sids), A(dids))
 
 
 def _check_pair(src: torch.Tensor, dst: torch.Tensor, what: str) -> None:
@@ -115,7 +117,8 @@ def copy_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, src_ids: Sequenc
 
     Args:
         src_pool, dst_pool: ``[num_layers, 2, num_blocks, block_tokens, Hkv, D]``, same dtype and geometry
-            except num_blocks, same device (for two devices use :func:`gather_blocks` / :func:`scatter_blocks`).
+            except num_blocks, same device (for two devices use :func:`gather_blocks` /
+            :func:`scatter_blocks`).
         src_ids, dst_ids: equal-length block ids (host sequences are checked; CUDA tensors are trusted).
         threads: threads per CTA (default 256; 32 in the simulator).
         target_ctas: spread each row over more CTAs when there are fewer than this many (block, row) pairs.

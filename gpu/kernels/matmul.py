@@ -1,5 +1,5 @@
-"""A shared-memory tiled matmul in numba.cuda for one projection, ``y = x @ W.T`` (``F.linear``, no bias), with
-split-K: the kernel the benchmark holds against cuBLAS (``torch.matmul``) to see what a hand tile buys.
+"""A shared-memory tiled matmul in numba.cuda for one projection, ``y = x @ W.T`` (``F.linear``, no bias),
+with split-K: the kernel the benchmark holds against cuBLAS (``torch.matmul``) to see what a hand tile buys.
 
 Algorithm: the classic two-level tiling of CUTLASS's / Volkov's SGEMM (see also Simon Boehm's "How to Optimize
 a CUDA Matmul Kernel"): a CTA owns a ``BM x BN`` tile of ``y``; for each ``BK`` slice of the reduction dim it
@@ -28,7 +28,8 @@ DEVICE_TILES = (32, 64, 16, 4, 4)  # BM, BN, BK, TM, TN: 128 threads, 6.3 KiB sh
 SIM_TILES = (8, 8, 4, 2, 2)  # 16 threads: simulator-sized
 
 
-def plan_split_k(M: int, N: int, K: int, bm: int, bn: int, bk: int, target_ctas: int | None) -> tuple[int, int]:
+def plan_split_k(M: int, N: int, K: int, bm: int, bn: int, bk: int,
+                 target_ctas: int | None) -> tuple[int, int]:
     """``(splits, k_per_split)``: the fewest K chunks that bring ``ceil(M/bm) * ceil(N/bn) * splits`` up to
     ``target_ctas`` (1 if None/0 or already there), each a multiple of ``bk``, none empty."""
     if min(M, N, K, bm, bn, bk) < 1:

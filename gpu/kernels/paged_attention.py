@@ -52,8 +52,9 @@ def plan_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_tokens:
     combine step ignores). Raises ValueError for a non-positive size.
     """
     if num_seqs < 1 or num_kv_heads < 1 or max_seq_len < 1 or tile_tokens < 1:
-        raise ValueError(f"plan_splits: sizes must be >= 1 (num_seqs={num_seqs}, num_kv_heads={num_kv_heads}, "
-                         f"max_seq_len={max_seq_len}, tile_tokens={tile_tokens})")
+        raise ValueError(f"plan_splits: sizes must be >= 1 (num_seqs={num_seqs}, "
+                         f"num_kv_heads={num_kv_heads}, max_seq_len={max_seq_len}, "
+                         f"tile_tokens={tile_tokens})")
     base = num_seqs * num_kv_heads
     splits = 1 if not target_ctas or target_ctas <= base else -(-int(target_ctas) // base)
     tiles = -(-max_seq_len // tile_tokens)
@@ -277,8 +278,8 @@ def paged_attention_decode(q: torch.Tensor, kv: torch.Tensor, block_tables: torc
     num_blocks, bt, Hkv = kv.shape[1], kv.shape[2], kv.shape[3]
     G = H // Hkv
     if q.device != kv.device or block_tables.device != kv.device or seq_lens.device != kv.device:
-        raise ValueError(f"q ({q.device}), kv ({kv.device}), block_tables ({block_tables.device}) and seq_lens "
-                         f"({seq_lens.device}) must be on one device")
+        raise ValueError(f"q ({q.device}), kv ({kv.device}), block_tables ({block_tables.device}) and "
+                         f"seq_lens ({seq_lens.device}) must be on one device")
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     if not kv.is_cuda:  # cheap host-side checks (a bad id on a device would be an illegal address)

@@ -40,12 +40,18 @@ def wait_until(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def finished(xfer, handle, timeout_s: float = 30.0) -> TransferStatus:
+    """The status of ``handle`` once it left IN_PROGRESS (polled until the deadline)."""
+    return wait_until(lambda: xfer.poll(handle) != TransferStatus.IN_PROGRESS and xfer.poll(handle),
+                      timeout_s, "the KV copy")
+
+
 def pool_data(seed: int, shape, dtype) -> torch.Tensor:
     """The deterministic content a producer fills its pool with (recomputable by the consumer)."""
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-# ---------------------------------------------------------------------------------------------- CPU: pure logic
+# -------------------------------------------------------------------------------------------- CPU: pure logic
 
 def test_importing_the_module_registers_the_cuda_ipc_kind():
     assert "cuda-ipc" in known_transports()
@@ -134,7 +140,7 @@ def test_a_reader_does_not_accept_a_half_written_export(engine_id):
         mm.close()
 
 
-# ---------------------------------------------------------------------------------------------- CPU: the transport
+# ----------------------------------------------------------------------------------------- CPU: the transport
 # logic (handles, polling, release of in-flight copies, restart) over CPU tensors, with torch.cuda's streams
 # and events replaced by stand-ins. The real IPC/stream semantics are the GPU tests' business, below.
 
@@ -202,7 +208,8 @@ def test_the_transport_logic_over_stand_in_streams(engine_id, fake_cuda):
         kv.copy_(pool_data(3, src_pool.shape, torch.float32))
         export = CudaIpcExport.publish(src_pool, kv)
         assert read_export(open_export_segment(export.name, create=False)).pool_epoch == src_pool.epoch
-        xfer = CudaIpcTransport(dst_pool, device_kv=allocate_device_pool(dst_pool, "cpu"), copy_backend="torch")
+        xfer = CudaIpcTransport(dst_pool, device_kv=allocate_device_pool(dst_pool, "cpu"),
+                                copy_backend="torch")
         with pytest.raises(RuntimeError, match="before open_peer"):
             xfer.start_copy([0], [0], num_tokens=1)
         xfer.open_peer(src_pool.name)
@@ -219,7 +226,8 @@ def test_the_transport_logic_over_stand_in_streams(engine_id, fake_cuda):
 
         FakeEvent.complete = False  # a copy still running on the device
         h2 = xfer.start_copy([0], [0], num_tokens=4)
-        assert xfer.poll(h2) == TransferStatus.IN_PROGRESS and xfer.bytes_moved_total == 2 * dst_pool.block_bytes
+        assert xfer.poll(h2) == TransferStatus.IN_PROGRESS
+        assert xfer.bytes_moved_total == 2 * dst_pool.block_bytes  # counted once DONE
         xfer.release(h2)  # released in flight: kept until done, handle forgotten
         assert len(xfer._orphans) == 1
         with pytest.raises(KeyError):
@@ -303,8 +311,7 @@ def test_decode_pulls_scattered_blocks_from_a_prefill_gpu_pool_in_another_proces
         xfer.open_peer(src_pool.name)
         src_ids, dst_ids = [13, 2, 7, 0, 9], [5, 11, 0, 15, 3]
         h = xfer.start_copy(src_ids, dst_ids, num_tokens=18)
-        assert wait_until(lambda: xfer.poll(h) != TransferStatus.IN_PROGRESS, 30, "the copy") \
-            == TransferStatus.DONE, xfer.error(h)
+        assert finished(xfer, h) == TransferStatus.DONE, xfer.error(h)
         want = pool_data(11, dst_pool.shape, dtype)
         got = xfer._dst.cpu()
         for s, d in zip(src_ids, dst_ids):
@@ -316,8 +323,7 @@ def test_decode_pulls_scattered_blocks_from_a_prefill_gpu_pool_in_another_proces
         go.set()
         wait_until(lambda: not ready.is_set(), 30, "the producer to record its write")
         h2 = xfer.start_copy([3], [1], num_tokens=4)
-        assert wait_until(lambda: xfer.poll(h2) != TransferStatus.IN_PROGRESS, 30, "the copy") \
-            == TransferStatus.DONE
+        assert finished(xfer, h2) == TransferStatus.DONE
         assert torch.equal(xfer._dst[:, :, 1].cpu(), pool_data(99, want[:, :, 3].shape, dtype))
         xfer.release(h)
         xfer.release(h2)
@@ -349,7 +355,7 @@ def test_a_pool_exported_and_opened_in_one_process_needs_no_ipc_open(engine_id):
         xfer = make_transport("cuda-ipc", dst_pool)
         xfer.open_peer(src_pool.name)
         h = xfer.start_copy([4, 8], [0, 1], num_tokens=5)
-        assert wait_until(lambda: xfer.poll(h) != TransferStatus.IN_PROGRESS, 30, "copy") == TransferStatus.DONE
+        assert finished(xfer, h) == TransferStatus.DONE
         assert torch.equal(xfer._dst[:, :, [0, 1]], kv[:, :, [4, 8]])
         # a "restart": the pool is reset (epoch + 1) and re-exported; the next copy reopens the export
         src_pool.reset()
@@ -358,7 +364,7 @@ def test_a_pool_exported_and_opened_in_one_process_needs_no_ipc_open(engine_id):
         export.close()
         export = CudaIpcExport.publish(src_pool, kv2)
         h = xfer.start_copy([2], [2], num_tokens=1)
-        assert wait_until(lambda: xfer.poll(h) != TransferStatus.IN_PROGRESS, 30, "copy") == TransferStatus.DONE
+        assert finished(xfer, h) == TransferStatus.DONE
         assert float(xfer._dst[:, :, 2].min()) == 7.0
         xfer.close()
         export.close(unlink=True)

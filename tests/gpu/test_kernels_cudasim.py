@@ -83,7 +83,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     assert err <= tol, f"max abs error {err:.3g} > {tol:.3g}"
 
 
-# ---------------------------------------------------------------------------------------------- attention
+# -------------------------------------------------------------------------------------------------- attention
 
 def test_paged_attention_matches_the_reference_for_gqa_and_ragged_lengths(dev):
     q, kv, tables, lens = _decode_case(dev)
@@ -153,7 +153,7 @@ def test_paged_attention_rejects_a_block_id_outside_the_pool(dev):
         paged_attention_decode(q, kv, tables, torch.tensor([0, 3], dtype=torch.int32), threads=16)
 
 
-# ---------------------------------------------------------------------------------------------- KV copy
+# ---------------------------------------------------------------------------------------------------- KV copy
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_copy_blocks_moves_scattered_blocks_of_every_layer_and_nothing_else(dev, dtype):
@@ -187,7 +187,7 @@ def test_copy_blocks_rejects_a_repeated_destination_and_ids_outside_the_pools(de
     assert float(dst.abs().sum()) == 0.0
 
 
-# ---------------------------------------------------------------------------------------------- matmul
+# ----------------------------------------------------------------------------------------------------- matmul
 
 @pytest.mark.parametrize("target_ctas", [None, 100])
 def test_tiled_linear_matches_torch_on_ragged_shapes_with_and_without_split_k(dev, target_ctas):
@@ -205,7 +205,7 @@ def test_tiled_linear_reads_bf16_and_accumulates_in_fp32(dev):
     _close(y, linear_ref(x, w), 1e-4)
 
 
-# ---------------------------------------------------------------------------------------------- real sizes (GPU)
+# ------------------------------------------------------------------------------------------- real sizes (GPU)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
@@ -239,7 +239,7 @@ def test_kv_copy_and_matmul_at_llama_3_2_1b_sizes_on_the_gpu():
         _close(y, linear_ref(x, w), 5e-2)  # |y| ~ 45: 5e-2 is ~1e-3 relative (fp32 sums in another order)
 
 
-# ---------------------------------------------------------------------------------------------- pure logic (CPU)
+# ------------------------------------------------------------------------------------------- pure logic (CPU)
 
 def test_split_plans_reach_the_target_without_empty_trailing_splits():
     assert plan_splits(64, 8, 4096, 32, None) == (1, 4096)
@@ -330,7 +330,7 @@ def test_kernels_compile_to_ptx_for_hopper_where_a_cuda_compiler_is_installed():
                      cc=(9, 0))
 
 
-# ---------------------------------------------------------------------------------------------- the driver
+# ------------------------------------------------------------------------------------------------- the driver
 
 @pytest.mark.timeout(280)
 def test_every_kernel_passes_under_the_cuda_simulator():
@@ -348,3 +348,11 @@ def test_every_kernel_passes_under_the_cuda_simulator():
     assert proc.returncode == 0, f"simulated kernel tests failed (rc {proc.returncode}, {took:.0f}s):\n{tail}"
     assert " passed" in proc.stdout and "failed" not in proc.stdout.splitlines()[-1], tail
     print(proc.stdout.splitlines()[-1], f"({took:.0f}s)")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what the benchmark says without a device")
+def test_the_gpu_benchmark_says_plainly_that_there_is_no_cuda_device():
+    proc = subprocess.run([sys.executable, "tools/bench_gpu.py", "--quick"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "no CUDA device" in proc.stderr and "nothing was measured" in proc.stderr
