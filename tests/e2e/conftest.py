@@ -21,6 +21,7 @@ FAULTS = ";".join([
     "decode_reject:match=reject-",
     "stall:actor=decode0,seconds=120,match=hang-",
     "stall:actor=prefill0,seconds=120,match=hold-",
+    "stall:actor=prefill0,seconds=1.5,match=slowp-",
 ])
 
 
