@@ -56,6 +56,7 @@ def fail_requests_held_by(table, status, to_api, index: int, message: str, *, by
                 log.warning("could not notify the API about slot %d: %s", slot, exc)
     return failed
 
+
 FINAL_ROW_RECLAIM_S = 30.0
 MISMATCH_MIN_S = 5.0  # a disagreement must persist this long (counts race by a loop iteration or a message)
 

@@ -3,8 +3,9 @@
 Per request: QUEUED -(blocks allocated, forward run)-> PREFILLING -> BOOTSTRAP (KVReady sent; the request
 is now in the *prefill inflight queue*, its blocks held here) -> decode reserves room and pulls the blocks
 (TRANSFERRING) -> TransferDone -> blocks freed here, row DECODE_WAITING: the request leaves the inflight
-queue only when that completion message arrives. Whenever a request's row turns final (timeout, abort, failure) the actor frees what
-it holds for it on its next loop iteration, with or without traffic: cleanup never waits for new requests.
+queue only when that completion message arrives. Whenever a request's row turns final (timeout, abort,
+failure) the actor frees what it holds for it on its next loop iteration, with or without traffic: cleanup
+never waits for new requests.
 """
 from __future__ import annotations
 
@@ -165,4 +166,3 @@ class PrefillActor(Actor):
     def on_stop(self) -> None:
         for key in list(self.inflight):
             self._free_inflight(key)
-

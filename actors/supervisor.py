@@ -291,5 +291,3 @@ def serve(loaded: LoadedConfig) -> int:
         return supervisor.run()
     finally:
         supervisor.stop()
-
-

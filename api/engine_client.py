@@ -128,8 +128,8 @@ class EngineClient:
             raise EngineOverloadedError(f"{len(self.handles)} requests in flight (max_queued_requests); retry")
         if timeout_s is None:
             timeout_s = getattr(request, "timeout_s", None)
-        timeout_s = self.config.request_timeout_s if timeout_s is None else min(float(timeout_s),
-                                                                                 self.config.request_timeout_s)
+        limit_s = self.config.request_timeout_s
+        timeout_s = limit_s if timeout_s is None else min(float(timeout_s), limit_s)
         now_ns = time.monotonic_ns()
         deadline_ns = now_ns + int(timeout_s * 1e9)
         try:
@@ -141,9 +141,8 @@ class EngineClient:
         handle = RequestHandle(request, slot, generation, deadline_s=time.monotonic() + timeout_s)
         self.handles[handle.key] = handle
         try:
-            self.to_prefill.put(to_wire(PrefillRequest(slot, generation, request.request_id, request.prompt_ids,
-                                                           request.sampling)),
-                                timeout_s=1.0)
+            message = PrefillRequest(slot, generation, request.request_id, request.prompt_ids, request.sampling)
+            self.to_prefill.put(to_wire(message), timeout_s=1.0)
         except QueueFullError:
             self.finish(handle, aborted=True)
             raise EngineOverloadedError("the prefill queue is full; retry") from None

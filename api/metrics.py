@@ -203,4 +203,3 @@ class EngineMetrics:
                 "model": self.served_model_name, "active_requests": self.client.num_active(),
                 "watchdog": {"ticks": status["watchdog_ticks"], "last_tick_age_s": tick_age_s},
                 "config": self.effective_config}
-

@@ -8,7 +8,7 @@ header, so a test or an operator can aim a fault at one request).
 
 | fault | where | effect |
 |---|---|---|
-| ``drop_transfer_done`` | decode | the TransferDone message is never sent: the request stays in the prefill inflight queue (TRANSFERRING) |
+| ``drop_transfer_done`` | decode | TransferDone is never sent: the request stays in the prefill inflight queue |
 | ``delay_transfer_done:seconds=S`` | decode | TransferDone is sent S seconds late |
 | ``transfer_stuck`` | decode | the transport reports IN_PROGRESS forever for the request |
 | ``transfer_unknown_status`` | decode | the transport reports a status value the code does not know |

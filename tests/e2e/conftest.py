@@ -43,5 +43,3 @@ def fault_probe(fault_engine):
     p = EngineProbe(fault_engine.engine_id)
     yield p
     p.close()
-
-
