@@ -31,15 +31,9 @@ HERE = pathlib.Path(__file__).resolve()
 ROOT = HERE.parents[2]
 
 
-def _gpu_ready() -> bool:
-    if SIM or not torch.cuda.is_available():
-        return False
-    from gpu.kernels import cuda_device_available
-
-    return cuda_device_available()
-
-
-GPU = _gpu_ready()
+# With a GPU the kernels must run on it: if numba cannot reach a device torch sees, the tests fail (loudly)
+# rather than skip.
+GPU = not SIM and torch.cuda.is_available()
 DEVICES = [
     pytest.param("cudasim", marks=pytest.mark.skipif(
         not SIM, reason="simulated in the NUMBA_ENABLE_CUDASIM=1 child of "
@@ -237,6 +231,16 @@ def test_kv_copy_and_matmul_at_llama_3_2_1b_sizes_on_the_gpu():
     for target in (None, 264):
         y = tiled_linear(x, w, target_ctas=target, out_dtype=torch.float32)
         _close(y, linear_ref(x, w), 5e-2)  # |y| ~ 45: 5e-2 is ~1e-3 relative (fp32 sums in another order)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+def test_numba_reaches_the_cuda_device_torch_sees():
+    from gpu.kernels import cuda_device_available, kernels_available
+
+    assert cuda_device_available() and kernels_available(), (
+        "numba.cuda.is_available() is False: is numba-cuda installed and matching the driver? "
+        "(python -c 'from numba import cuda; cuda.detect()')")
 
 
 # ------------------------------------------------------------------------------------------- pure logic (CPU)
