@@ -33,18 +33,18 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _TOOLS]
 if os.path.dirname(_TOOLS) not in sys.path:
     sys.path.insert(0, os.path.dirname(_TOOLS))
 
-import argparse
-import datetime
-import json
-import math
-import platform
-import shutil
-import statistics
-import time
-import traceback
-from pathlib import Path
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-import torch
+import torch  # noqa: E402
 
 SECTIONS = ("ipc", "attention", "matmul", "engine")
 
