@@ -281,9 +281,11 @@ def fuzz_strategies():
 
     scalar = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=False),
                        st.text(max_size=12))
-    junk = st.recursive(scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6),
-                                                                                           inner, max_size=3),
-                        max_leaves=8)
+
+    def containers(inner):
+        return st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+
+    junk = st.recursive(scalar, containers, max_leaves=8)
     text = st.text(min_size=1, max_size=30)
     sampling = {"temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 100),
                 "min_p": st.floats(0, 1), "stop": st.one_of(text, st.lists(text, min_size=1, max_size=4)),
@@ -425,7 +427,8 @@ def read_http1_response(sock: socket.socket) -> bytes:
         assert more, f"the server closed the connection before answering: {data!r}"
         data += more
     head, _, rest = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
     while len(rest) < length:
         more = sock.recv(65536)
         assert more, "the server closed the connection in the middle of a response"
@@ -598,8 +601,9 @@ def sampler_has_make_generator() -> bool:
 
 
 @pytest.mark.skipif(not sampler_has_make_generator(),
-                    reason="engine bug: actors/prefill.py:156 and actors/decode.py:297 call self.sampler.make_generator,"
-                           " a module function of gpu/sampling.py, so any request with 'seed' kills prefill0")
+                    reason="engine bug: actors/prefill.py:156 and actors/decode.py:297 call "
+                           "self.sampler.make_generator, a module function of gpu/sampling.py, so any request "
+                           "with 'seed' kills prefill0")
 def test_a_seeded_request_is_answered_and_reproducible(engine, http, probe):
     try:
         body = comp(prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=1234)
