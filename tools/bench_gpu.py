@@ -19,7 +19,8 @@ Sections (``--sections``, default all):
 
 Timings are CUDA-event medians after warm-up, unless a column says wall clock. Run from the repository root:
 ``python tools/bench_gpu.py [--quick] [--out docs/performance-gpu.md] [--json out.json]``. Without a CUDA
-device it prints why and exits with status 2.
+device it prints why and exits with status 2. ``--smoke`` runs every section but ``ipc`` at toy sizes on CPU
+under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``): a test of this script, not a measurement.
 """
 from __future__ import annotations
 
@@ -42,17 +43,48 @@ import shutil  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 SECTIONS = ("ipc", "attention", "matmul", "engine")
+ATTN_SHAPES = {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128)}  # heads, kv heads, head_dim
+
+
+@dataclass
+class Plan:
+    """Sizes of one run: the real one on a GPU, or the toy one of ``--smoke`` (CPU, CUDA simulator)."""
+
+    device: str = "cuda"
+    attn_shapes: dict = field(default_factory=lambda: dict(ATTN_SHAPES))
+    attn_batches: tuple = (1, 16, 64)
+    attn_contexts: tuple = (512, 4096)
+    block_tokens: int = 16
+    mm_k_n: tuple = (2048, 3072)  # Llama-3.2-1B fused QKV projection
+    mm_rows: tuple = (1, 64, 4096)
+    engine_small: bool = False
+    prompt_len: int = 512
+    engine_batches: tuple = (1, 16)
+    waves: tuple = (0, 1, 2, 4, 8)  # target_ctas candidates, in multiples of the SM count
+
+
+SMOKE = Plan(device="cpu", attn_shapes={"toy GQA": (4, 2, 8)}, attn_batches=(1, 2), attn_contexts=(10,),
+             block_tokens=4, mm_k_n=(16, 24), mm_rows=(1, 5), engine_small=True, prompt_len=8,
+             engine_batches=(1, 2), waves=(0, 1))
 
 
 # ---------------------------------------------------------------------------------------------- helpers
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def cuda_ms(fn, *, warmup: int, iters: int) -> float:
-    """Median milliseconds of ``fn()`` between CUDA events on the current stream."""
+    """Median milliseconds of ``fn()`` between CUDA events on the current stream (wall clock on CPU)."""
+    if not torch.cuda.is_available():
+        return wall_ms(fn, warmup=warmup, iters=iters)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -70,12 +102,12 @@ def cuda_ms(fn, *, warmup: int, iters: int) -> float:
 def wall_ms(fn, *, warmup: int, iters: int) -> float:
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -99,9 +131,9 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def copy_bandwidth_gbs(nbytes: int = 1 << 30, *, iters: int = 10) -> float:
+def copy_bandwidth_gbs(nbytes: int = 1 << 30, *, iters: int = 10, device: str = "cuda") -> float:
     """HBM traffic GB/s of a device-to-device copy (read + write counted: 2 * bytes / time)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     ms = cuda_ms(lambda: b.copy_(a), warmup=3, iters=iters)
     a = b = None  # free before the next allocation
@@ -109,7 +141,11 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30, *, iters: int = 10) -> float:
 
 
 def header(args, argv) -> str:
-    props = torch.cuda.get_device_properties(0)
+    if args.plan.device == "cpu":
+        props = type("CPU", (), {"name": "CPU smoke run (CUDA simulator; not a measurement)",
+                                 "multi_processor_count": 0, "total_memory": 0})
+    else:
+        props = torch.cuda.get_device_properties(0)
     try:
         import numba  # noqa: PLC0415
 
@@ -234,7 +270,7 @@ def bench_ipc(args) -> tuple[str, list[dict]]:
                     x.release(h)
                 row[f"IPC {x.copy_backend} GB/s"] = nbytes / (statistics.median(dev_ms) / 1e3) / 1e9
                 row[f"latency {x.copy_backend} ms"] = statistics.median(lat_ms)
-            a_buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            a_buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
             b_buf = torch.empty_like(a_buf)
             d2d_ms = cuda_ms(lambda: b_buf.copy_(a_buf), warmup=args.warmup, iters=args.iters)
             a_buf = b_buf = None
@@ -262,30 +298,29 @@ def bench_ipc(args) -> tuple[str, list[dict]]:
 
 # ---------------------------------------------------------------------------------------------- attention
 
-ATTN_SHAPES = {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128)}
-
-
 def bench_attention(args, tuner) -> tuple[str, list[dict]]:
     from gpu.kernels import (dense_attention_decode_torch, paged_attention_decode,  # noqa: PLC0415
                              paged_attention_decode_torch)
     from gpu.kernels._runtime import multiprocessor_count  # noqa: PLC0415
 
+    plan = args.plan
+    dev = plan.device
     sm = multiprocessor_count()
-    candidates = [0, sm, 2 * sm, 4 * sm, 8 * sm]
-    bt = 16
+    candidates = [w * sm for w in plan.waves]
+    bt = plan.block_tokens
     rows = []
-    for name, (H, Hkv, D) in ATTN_SHAPES.items():
-        for B in (1, 16, 64):
-            for S in (512, 4096):
-                g = torch.Generator(device="cuda").manual_seed(0)
-                nbs = S // bt
+    for name, (H, Hkv, D) in plan.attn_shapes.items():
+        for B in plan.attn_batches:
+            for S in plan.attn_contexts:
+                g = torch.Generator(device=dev).manual_seed(0)
+                nbs = -(-S // bt)
                 NB = B * nbs + 1
-                kv = torch.randn(2, NB, bt, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
-                perm = torch.randperm(NB, device="cuda", generator=g)[:B * nbs]
+                kv = torch.randn(2, NB, bt, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
+                perm = torch.randperm(NB, device=dev, generator=g)[:B * nbs]
                 tables = perm.view(B, nbs).to(torch.int32)
-                lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
-                q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-                k_dense = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
+                lens = torch.full((B,), S, dtype=torch.int32, device=dev)
+                q = torch.randn(B, H, D, device=dev, dtype=torch.bfloat16, generator=g)
+                k_dense = torch.randn(B, Hkv, S, D, device=dev, dtype=torch.bfloat16, generator=g)
                 v_dense = torch.randn_like(k_dense)
 
                 def numba_run(t, q=q, kv=kv, tables=tables, lens=lens, S=S):
@@ -323,20 +358,22 @@ def bench_matmul(args, tuner) -> tuple[str, list[dict]]:
     from gpu.kernels import tiled_linear  # noqa: PLC0415
     from gpu.kernels._runtime import multiprocessor_count  # noqa: PLC0415
 
+    plan = args.plan
+    dev = plan.device
     sm = multiprocessor_count()
-    K, N = 2048, 3072
+    K, N = plan.mm_k_n
     rows = []
     prev_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 against fp32, not TF32 tensor cores
     try:
         for dtype in (torch.float32, torch.bfloat16):
-            for M in (1, 64, 4096):
-                g = torch.Generator(device="cuda").manual_seed(1)
-                x = torch.randn(M, K, device="cuda", dtype=dtype, generator=g)
-                w = torch.randn(N, K, device="cuda", dtype=dtype, generator=g)
+            for M in plan.mm_rows:
+                g = torch.Generator(device=dev).manual_seed(1)
+                x = torch.randn(M, K, device=dev, dtype=dtype, generator=g)
+                w = torch.randn(N, K, device=dev, dtype=dtype, generator=g)
                 best = tuner.best("tiled_linear", f"m{M}_k{K}_n{N}_{str(dtype)[6:]}",
                                   lambda t, x=x, w=w: tiled_linear(x, w, target_ctas=t),
-                                  [0, sm, 2 * sm, 4 * sm])
+                                  [w_ * sm for w_ in plan.waves if w_ <= 4])
                 it = dict(warmup=args.warmup, iters=args.iters)
                 t_numba = cuda_ms(lambda: tiled_linear(x, w, target_ctas=best), **it)
                 t_torch = cuda_ms(lambda: torch.matmul(x, w.T), **it)
@@ -350,9 +387,9 @@ def bench_matmul(args, tuner) -> tuple[str, list[dict]]:
                              "rel err": err})
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
-    note = (f"y = x @ W.T, K = {K}, N = {N} (Llama-3.2-1B fused QKV). The numba kernel uses CUDA cores only "
-            "(numba exposes no mma/wgmma), fp32 accumulation; cuBLAS uses tensor cores for bf16. TF32 is off "
-            "for the fp32 rows. rel err = max |numba - fp32 reference| / max |reference|.")
+    note = (f"y = x @ W.T, K = {K}, N = {N} (Llama-3.2-1B fused QKV at full size). The numba kernel uses "
+            "CUDA cores only (numba exposes no mma/wgmma), fp32 accumulation; cuBLAS uses tensor cores for "
+            "bf16. TF32 is off for the fp32 rows. rel err = max |numba - fp32 reference| / max |reference|.")
     cols = ["dtype", "M", "numba TFLOP/s", "target_ctas", "torch.matmul TFLOP/s", "numba / torch", "numba ms",
             "torch ms", "rel err"]
     return table("Tiled matmul vs cuBLAS", cols, rows, note), rows
@@ -360,9 +397,14 @@ def bench_matmul(args, tuner) -> tuple[str, list[dict]]:
 
 # ---------------------------------------------------------------------------------------------- engine
 
-def llama_1b_config():
+def llama_1b_config(small: bool = False):
     from gpu.loader import ModelConfig  # noqa: PLC0415
 
+    if small:  # --smoke
+        return ModelConfig(name="toy", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                           intermediate_size=64, vocab_size=100, rope_theta=10000.0, rms_norm_eps=1e-5,
+                           max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1,
+                           eos_token_ids=(2,))
     return ModelConfig(name="llama-3.2-1b-shape (random weights)", num_layers=16, hidden_size=2048,
                        num_heads=32, num_kv_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
                        rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
@@ -394,11 +436,14 @@ def random_weights(c, dtype, device) -> dict[str, torch.Tensor]:
 def bench_engine(args, hbm_gbs: float) -> tuple[str, list[dict]]:
     from gpu.model import LlamaModel, kv_bytes_per_token, kv_pool_shape  # noqa: PLC0415
 
+    plan = args.plan
+    dev = plan.device
     dtype = torch.bfloat16
-    c = llama_1b_config()
-    weights = random_weights(c, dtype, "cuda")
-    model = LlamaModel(c, weights, device="cuda")
-    prompt_len, steps, bt = 512, (32 if args.quick else 128), 16
+    c = llama_1b_config(plan.engine_small)
+    weights = random_weights(c, dtype, dev)
+    model = LlamaModel(c, weights, device=dev)
+    prompt_len, bt = plan.prompt_len, plan.block_tokens
+    steps = 3 if plan.engine_small else (32 if args.quick else 128)
     blocks_per_seq = -(-(prompt_len + steps + 1) // bt)
     rows = []
     weight_bytes = sum(t.numel() * t.element_size() for k, t in weights.items()
@@ -406,17 +451,17 @@ def bench_engine(args, hbm_gbs: float) -> tuple[str, list[dict]]:
     # per step every weight matrix is read once (the tied embedding as the LM head), plus the KV read
     kv_tok = kv_bytes_per_token(c, dtype)
     g = torch.Generator().manual_seed(3)
-    for B in (1, 16):
-        pool = torch.zeros(kv_pool_shape(c, B * blocks_per_seq, bt), dtype=dtype, device="cuda")
+    for B in plan.engine_batches:
+        pool = torch.zeros(kv_pool_shape(c, B * blocks_per_seq, bt), dtype=dtype, device=dev)
         tables = [list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)) for b in range(B)]
         prompts = [torch.randint(0, c.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(B)]
         model.prefill(pool, prompts[0], tables[0])  # warm-up (kernels, allocator)
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         first = [int(model.prefill(pool, prompts[b], tables[b]).argmax()) for b in range(B)]
         ttft_ms = (time.perf_counter() - t0) * 1e3 / B
         tokens, pos = first, [prompt_len] * B
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(steps):
             logits = model.decode(pool, tokens, pos, tables)
@@ -427,7 +472,7 @@ def bench_engine(args, hbm_gbs: float) -> tuple[str, list[dict]]:
         ctx_mean = prompt_len + steps / 2
         step_bytes = weight_bytes + B * ctx_mean * kv_tok
         bound_tps = B * hbm_gbs * 1e9 / step_bytes
-        rows.append({"impl": "pdserve LlamaModel (torch attention)", "batch": B, "TTFT ms (512 tok)": ttft_ms,
+        rows.append({"impl": "pdserve LlamaModel (torch attention)", "batch": B, "TTFT ms": ttft_ms,
                      "decode tok/s": tps, "ms / step": dt * 1e3 / steps, "HBM bound tok/s": bound_tps,
                      "% of bound": 100 * tps / bound_tps})
         del pool
@@ -441,15 +486,15 @@ def bench_engine(args, hbm_gbs: float) -> tuple[str, list[dict]]:
                                        head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
                                        rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=True,
                                        bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids))
-        with torch.device("cuda"):
+        with torch.device(dev):
             hf = transformers.LlamaForCausalLM(cfg).to(dtype)
         missing, unexpected = hf.load_state_dict(weights, strict=False)
         if [m for m in missing if "lm_head" not in m and "rotary" not in m] or unexpected:
             raise RuntimeError(f"HF weights mismatch: missing {missing[:4]}, unexpected {unexpected[:4]}")
         hf.eval()
-        for B in (1, 16):
+        for B in plan.engine_batches:
             ids = torch.tensor([torch.randint(0, c.vocab_size, (prompt_len,), generator=g).tolist()
-                                for _ in range(B)], device="cuda")
+                                for _ in range(B)], device=dev)
             kw = dict(do_sample=False, pad_token_id=0)
 
             def gen(n, ids=ids, kw=kw):
@@ -463,18 +508,18 @@ def bench_engine(args, hbm_gbs: float) -> tuple[str, list[dict]]:
             step_bytes = weight_bytes + B * (prompt_len + steps / 2) * kv_tok
             bound_tps = B * hbm_gbs * 1e9 / step_bytes
             rows.append({"impl": f"HF transformers {transformers.__version__} generate", "batch": B,
-                         "TTFT ms (512 tok)": t1, "decode tok/s": tps, "ms / step": (tn - t1) / steps,
+                         "TTFT ms": t1, "decode tok/s": tps, "ms / step": (tn - t1) / steps,
                          "HBM bound tok/s": bound_tps, "% of bound": 100 * tps / bound_tps})
         hf = None  # noqa: F841
     except Exception as exc:  # noqa: BLE001 - the rest of the table is still worth printing
         rows.append({"impl": f"HF generate: {type(exc).__name__}: {str(exc)[:120]}"})
     note = (f"Random-weight Llama-3.2-1B shape ({weight_bytes / 1e9:.2f} GB of bf16 weights read per step, "
-            f"tied embedding as LM head), prompt 512 tokens, {steps} greedy decode steps, host-side argmax "
-            f"every step. Model level (the actors' GPU device wiring is not in yet). HBM bound = "
+            f"tied embedding as LM head), prompt {prompt_len} tokens, {steps} greedy decode steps, host-side "
+            f"argmax every step. Model level (the actors' GPU device wiring is not in yet). HBM bound = "
             f"{hbm_gbs:,.0f} GB/s (this run's device copy, read + write) / (weight bytes + batch x mean "
             "context x KV bytes per token). "
             "TTFT: prefill + first-token argmax, wall clock, per sequence.")
-    cols = ["impl", "batch", "TTFT ms (512 tok)", "decode tok/s", "ms / step", "HBM bound tok/s",
+    cols = ["impl", "batch", "TTFT ms", "decode tok/s", "ms / step", "HBM bound tok/s",
             "% of bound"]
     return table("Decode throughput, Llama-3.2-1B shape", cols, rows, note), rows
 
@@ -488,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--out", help="also write the markdown here")
     ap.add_argument("--json", help="also write every row as JSON here")
+    ap.add_argument("--smoke", action="store_true",
+                    help="toy sizes on CPU under NUMBA_ENABLE_CUDASIM=1 (tests this script; measures "
+                         "nothing)")
     ap.add_argument("--tune-cache", help="target_ctas autotune cache (default: a fresh one next to --json, "
                                          "else the user cache)")
     args = ap.parse_args(argv)
@@ -495,20 +543,33 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         ap.error(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
-    if not torch.cuda.is_available():
+    args.plan = Plan()
+    if args.smoke:
+        from gpu.kernels import simulator  # noqa: PLC0415
+
+        if not simulator():
+            ap.error("--smoke runs the kernels in the CUDA simulator: set NUMBA_ENABLE_CUDASIM=1")
+        args.plan = SMOKE
+        sections = [s for s in sections if s != "ipc"]  # CUDA IPC has no simulator
+    elif not torch.cuda.is_available():
         print(f"tools/bench_gpu.py: no CUDA device (torch {torch.__version__} reports "
               f"torch.cuda.is_available() == False): nothing was measured. Run it on a machine with an "
               f"NVIDIA GPU, e.g. through tools/gpu_device_check.sh (docs/gpu.md).", file=sys.stderr)
         return 2
-    args.warmup, args.iters = (2, 5) if args.quick else (3, 20)
+    args.warmup, args.iters = (0, 1) if args.smoke else (2, 5) if args.quick else (3, 20)
     from gpu.kernels import TargetCtasTuner  # noqa: PLC0415
 
     tune_cache = args.tune_cache or (str(Path(args.json).with_suffix(".autotune.json")) if args.json
                                      else None)
-    tuner = TargetCtasTuner(tune_cache)
+
+    def tune_timer(fn) -> float:
+        return cuda_ms(fn, warmup=min(1, args.warmup), iters=max(1, args.iters // 2)) / 1e3
+
+    tuner = TargetCtasTuner("" if args.smoke else tune_cache, device_name="cpu-sim" if args.smoke else None,
+                            timer=tune_timer)
     parts = [header(args, argv)]
     results: dict[str, object] = {"argv": argv}
-    hbm = copy_bandwidth_gbs()
+    hbm = copy_bandwidth_gbs(1 << 20 if args.smoke else 1 << 30, device=args.plan.device)
     parts.append(f"Device-to-device copy: {hbm:,.0f} GB/s of HBM traffic (read + write, 1 GiB).\n")
     results["hbm_copy_gbs"] = hbm
     print(parts[0] + parts[1], flush=True)

@@ -360,3 +360,21 @@ def test_the_gpu_benchmark_says_plainly_that_there_is_no_cuda_device():
                           text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "no CUDA device" in proc.stderr and "nothing was measured" in proc.stderr
+
+
+@pytest.mark.timeout(200)
+def test_the_gpu_benchmark_runs_every_simulable_section_at_toy_sizes(tmp_path):
+    """``--smoke``: the benchmark's code paths (all but CUDA IPC) on CPU under the simulator, so a GPU run
+    does not discover a typo in them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "NUMBA_"))}
+    env["NUMBA_ENABLE_CUDASIM"] = "1"
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "tools/bench_gpu.py", "--smoke", "--json", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "FAILED" not in proc.stdout, proc.stdout[-4000:]
+    rows = json.loads(out.read_text())
+    for section in ("attention", "matmul", "engine"):
+        assert rows[section] and not any("error" in r for r in rows[section]), rows[section]
+    assert all(r["max abs err"] < 0.05 for r in rows["attention"])
+    assert all(r["rel err"] < 0.01 for r in rows["matmul"])
