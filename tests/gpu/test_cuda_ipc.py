@@ -281,10 +281,11 @@ def producer(pool_name: str, seed: int, dtype, ready, go, done, late_seed) -> No
     torch.cuda.synchronize()
     ready.set()
     if go.wait(60):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the write on this stream
-        kv[:, :, 3] = pool_data(late_seed, kv[:, :, 3].shape, dtype).cuda()
+        late = pool_data(late_seed, kv[:, :, 3].shape, dtype).cuda()  # uploaded (synchronously) first
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the write, on this stream
+        kv[:, :, 3].copy_(late)  # a device-side write: still queued when the consumer is told
         export.record_written()
-        ready.clear()  # tells the consumer: KVReady would be sent now
+        ready.clear()  # tells the consumer: KVReady would be sent now (the write has not run yet)
     done.wait(60)
     export.close()
     pool.close()
