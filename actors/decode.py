@@ -298,7 +298,9 @@ class DecodeActor(Actor):
                 continue
             entry.params = sampling_params(ready.sampling)
             if entry.params.seed is not None:
-                entry.generator = self.sampler.make_generator(entry.params.seed + 1)
+                from gpu.sampling import make_generator
+
+                entry.generator = make_generator((entry.params.seed + 1) % 2**63)  # prefill used `seed`
             entry.position = ready.num_tokens
             if not self._emit(entry, ready.first_token, items):
                 self.running.append(entry)

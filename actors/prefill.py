@@ -154,7 +154,9 @@ class PrefillActor(Actor):
         row = self.table.read(request.slot, request.generation)
         queue_s = (start_ns - int(row["created_ns"])) / 1e9 if row else 0.0
         params = sampling_params(request.sampling)
-        generator = self.sampler.make_generator(params.seed) if params.seed is not None else None
+        from gpu.sampling import make_generator
+
+        generator = make_generator(params.seed)
         first_token = self.sampler.sample(logits[None, :], [params], [generator])[0]
         if not self.table.transition(request.slot, request.generation, self.S.BOOTSTRAP, owner=self.index):
             self._free_inflight(key)

@@ -285,8 +285,9 @@ def serve(loaded: LoadedConfig) -> int:
         log.error("start-up failed: %s", exc)
         return 1
     cfg = layout.config
-    print(f"pdserve engine {layout.engine_id} serving '{layout.served_model_name}' on "
-          f"http://{cfg.host}:{cfg.port} (HTTP/1.1 and h2c)", flush=True)
+    where = (f"https://{cfg.host}:{cfg.port} (HTTP/2 via ALPN and HTTP/1.1 over TLS)" if cfg.ssl_certfile
+             else f"http://{cfg.host}:{cfg.port} (HTTP/1.1 and h2c)")
+    print(f"pdserve engine {layout.engine_id} serving '{layout.served_model_name}' on {where}", flush=True)
     try:
         return supervisor.run()
     finally:
