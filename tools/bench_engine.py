@@ -12,8 +12,10 @@ What it measures (medians of interleaved repetitions, so load from neighbours hi
   streaming pdserve request vs one ``model.generate`` call; and TTFT at this low load vs HF's prefill forward.
 - **16 concurrent**: aggregate output tokens/s of 16 concurrent pdserve requests vs one batched, left-padded
   ``generate`` over the same 16 prompts (HF's own batching as its baseline).
-- **in-process** (``--in-process``, on by default): pdserve's ``gpu.model.LlamaModel`` driven directly at batch
-  1 and 16, which separates the model code's speed from the serving path's overhead.
+- **in-process** (on unless ``--no-in-process``): pdserve's ``gpu.model.LlamaModel`` driven directly at batch
+  1 and 16, which separates the model code's speed from the serving path's overhead; and the **matmul floor**:
+  only the step's matrix products on the same weights (``F.linear`` per projection), the best this eager-torch
+  design could do.
 - **ceiling**: a torch fp32 matrix-vector product over a matrix as large as the model's weights (same torch
   thread count as the decode actor) gives the streaming bandwidth B; decode at 1 request reads every weight once
   per token, so ``B / weight_bytes`` tokens/s is the memory-bandwidth ceiling printed next to the figures.
@@ -160,6 +162,7 @@ def pdserve_run(base_url: str, prompts: list[list[int]], n: int) -> dict[str, An
 
 
 def load_hf(path: Path):
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF de-quantization progress bar
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -242,6 +245,25 @@ def gemv_bandwidth(weight_bytes: int, reps: int = 5, threads: int = 0) -> float:
     del w
     torch.set_num_threads(before)
     return rows * cols * 4 / statistics.median(times)
+
+
+def matmul_floor_s(model, batch: int, reps: int = 3) -> float:
+    """Seconds per decode step of only the step's matrix products (every layer's QKV, O, gate-up and down
+    projections and the LM head, on ``model``'s own weights) for ``batch`` tokens: what a step costs in bare
+    torch before attention, norms, RoPE, sampling and Python. The floor for this eager-torch design."""
+    import torch.nn.functional as F
+
+    ws = [w for layer in model.layers for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)]
+    ws.append(model.lm_head)
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in ws}
+    times = []
+    with torch.inference_mode():
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            for w in ws:
+                F.linear(xs[w.shape[1]], w)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 # --------------------------------------------------------------------------- profile
@@ -328,7 +350,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n = args.output_len
     prompts = [tok.encode(p) for p in (PROMPTS * (args.concurrency // len(PROMPTS) + 1))[:args.concurrency]]
     one = [prompts[0]]
-    print(f"# bench_engine {time.strftime('%Y-%m-%d %H:%M:%S')} host {os.uname().nodename}, {os.cpu_count()} CPUs, "
+    print(f"# bench_engine {time.strftime('%Y-%m-%d %H:%M:%S')} host {os.uname().nodename}, "
+          f"{os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.2f}; model {path.name} (fp32); {n} output tokens per request; "
           f"prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens; HF/in-process torch threads "
           f"{threads}; torch {torch.__version__}", flush=True)
@@ -353,10 +376,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hf_run(hf, one, 4, pad)
         if ours is not None:
             ours_run(ours, one, 4)
-        runs: dict[str, list[dict]] = {k: [] for k in ("pd1", "hf1", "pdN", "hfN", "us1", "usN", "hfpre", "bw")}
+        keys = ("pd1", "hf1", "pdN", "hfN", "us1", "usN", "hfpre", "bw", "mm1", "mmN")
+        runs: dict[str, list[dict]] = {k: [] for k in keys}
         for rep in range(args.reps):
             runs["bw"].append({"bytes_s": gemv_bandwidth(weight_bytes),
                                "all_bytes_s": gemv_bandwidth(weight_bytes, threads=os.cpu_count() or 1)})
+            if ours is not None:
+                runs["mm1"].append({"s": matmul_floor_s(ours, 1)})
+                runs["mmN"].append({"s": matmul_floor_s(ours, args.concurrency)})
             runs["pd1"].append(pdserve_run(args.base_url, one, n))
             runs["hf1"].append(hf_run(hf, one, n, pad))
             runs["hfpre"].append({"s": hf_prefill_s(hf, one[0])})
@@ -388,6 +415,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "inproc_prefill_s": med("us1", "prefill_s"), "pdserve_1_decode_tok_s": med("pd1", "decode_tok_s"),
         "inproc_1_decode_tok_s": med("us1", "decode_tok_s"),
         "hf_1_decode_tok_s": (n - 1) / (med("hf1", "wall_s") - med("hfpre", "s")),
+        "matmul_floor_1_tok_s": 1 / med("mm1", "s"), "matmul_floor_N_tok_s": args.concurrency / med("mmN", "s"),
         "concurrency": args.concurrency, "output_len": n,
         "same_greedy_text_as_hf": same,
     }
@@ -414,7 +442,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         ("1 request   HF generate", "hf_1_tok_s", "hf_1_decode_tok_s")):
         lines.append(f"{label:34} {res[a]:>8.1f} {res[a] / res['hf_1_tok_s']:>6.2f}x {res[d]:>18.1f} "
                      f"{res[d] / res['hf_1_decode_tok_s']:>6.2f}x {res[d] / ceiling:>10.2f}x")
+    lines.append(f"{'1 request   matmuls only (floor)':34} {'':>8} {'':>7} {res['matmul_floor_1_tok_s']:>18.1f} "
+                 f"{res['matmul_floor_1_tok_s'] / res['hf_1_decode_tok_s']:>6.2f}x "
+                 f"{res['matmul_floor_1_tok_s'] / ceiling:>10.2f}x")
     lines += [
+        f"{f'{N} concurrent matmuls only (floor)':34} {res['matmul_floor_N_tok_s']:>8.1f} "
+        f"{res['matmul_floor_N_tok_s'] / res['hf_N_tok_s']:>6.2f}x",
         f"{f'{N} concurrent pdserve (HTTP)':34} {res['pdserve_N_tok_s']:>8.1f} "
         f"{res['pdserve_N_tok_s'] / res['hf_N_tok_s']:>6.2f}x",
         f"{f'{N} concurrent pdserve model in-proc':34} {res['inproc_N_tok_s']:>8.1f} "
