@@ -148,7 +148,11 @@ class PrefillActor(Actor):
         apply_actor_faults(self.faults, self.name, request.request_id)
         self.status.set_own_gauges(self.index, running=1)
         start_ns = time.monotonic_ns()
-        logits = self.model.prefill(self.kv, request.prompt_ids, blocks)
+        logits = self._chunked_prefill(request, blocks)
+        if logits is None:  # aborted (or timed out) between two chunks: stop working on it now
+            self.status.set_own_gauges(self.index, running=0)
+            self._free_inflight(key)
+            return
         prefill_s = (time.monotonic_ns() - start_ns) / 1e9
         self.status.set_own_gauges(self.index, running=0)
         row = self.table.read(request.slot, request.generation)
@@ -164,6 +168,18 @@ class PrefillActor(Actor):
         self.to_decode.put(to_wire(KVReady(request.slot, request.generation, request.request_id, blocks,
                                            len(request.prompt_ids), int(first_token), request.sampling,
                                            queue_s, prefill_s)))
+
+    def _chunked_prefill(self, request: PrefillRequest, blocks: list[int]):
+        """Run the prompt in chunks of ``prefill_chunk_tokens``; between chunks beat the heartbeat and stop early
+        (return None) if the request's row turned final. Returns the last position's logits ``[vocab]``."""
+        ids, chunk = request.prompt_ids, self.config.prefill_chunk_tokens
+        logits = None
+        for start in range(0, len(ids), chunk):
+            if start and not self._is_live(request.slot, request.generation):
+                return None
+            logits = self.model.prefill(self.kv, ids[start:start + chunk], blocks, start_pos=start)
+            self.actors.beat(self.index, iterations_delta=0)
+        return logits
 
     def on_stop(self) -> None:
         for key in list(self.inflight):

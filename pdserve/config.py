@@ -60,6 +60,9 @@ class EngineConfig:
     kv_pool_tokens: int = _setting(8192, "tokens each actor's KV pool holds", _positive, "> 0")
     max_model_len: int = _setting(0, "longest prompt + output in tokens; 0 = min(model context, pool)",
                                   _non_negative, ">= 0")
+    prefill_chunk_tokens: int = _setting(128, "prompt tokens per prefill forward pass; between chunks the prefill "
+                                         "actor beats its heartbeat and drops requests aborted meanwhile",
+                                         _positive, "> 0")
     max_num_seqs: int = _setting(32, "most requests in the decode batch", _positive, "> 0")
     max_queued_requests: int = _setting(256, "admitted but unfinished requests before 503", _positive, "> 0")
     default_max_tokens: int = _setting(256, "max_tokens when the request gives none", _positive, "> 0")

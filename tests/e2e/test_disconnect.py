@@ -145,3 +145,49 @@ def test_client_gone_at_any_stage_aborts_and_frees_both_sides(fault_engine, faul
     # blocks free on both sides (a stalled prefill frees once its stall ends)
     wait_until(lambda: all(f == t for f, t in fault_probe.free_blocks().values()), 5, 0.05, "KV blocks freed")
     assert_recovered(fault_engine, fault_probe)
+
+
+def _ttft(base_url: str, prompt: str) -> float:
+    start = time.monotonic()
+    with httpx.stream("POST", base_url + "/v1/completions", timeout=60,
+                      json={"prompt": prompt, "max_tokens": 2, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                return time.monotonic() - start
+    raise AssertionError("no token streamed")
+
+
+def test_s6_cancel_32_long_prompts_before_first_token_then_a_short_one_is_fast(fault_engine, fault_probe):
+    import statistics
+
+    from tests.conftest import QUEUE_GAUGES, scrape
+
+    base = fault_engine.base_url
+    baseline_s = statistics.median(_ttft(base, "Hi there") for _ in range(3))
+    aborted_before = sum(v for k, v in scrape(base).items() if k.startswith("pdserve_requests_total{finish_reason=abort"))
+    long_prompt = "The history of the world, told slowly: " + "and then, " * 100
+
+    async def send_and_leave():
+        clients = [httpx.AsyncClient(timeout=60) for _ in range(32)]
+        try:
+            tasks = [asyncio.ensure_future(c.post(base + "/v1/completions", headers={"X-Request-Id": f"s6-{i}"},
+                                                  json={"prompt": long_prompt, "max_tokens": 32, "stream": True}))
+                     for i, c in enumerate(clients)]
+            await asyncio.to_thread(wait_until, lambda: all(fault_probe.rows_with_id(f"s6-{i}") for i in range(32)),
+                                    30, 0.01, "all 32 requests admitted")
+            for task in tasks:
+                task.cancel()  # before any first token: each connection closes
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    asyncio.run(send_and_leave())
+    after_s = _ttft(base, "Hi there")
+    assert after_s <= 3 * baseline_s + 1.0, (baseline_s, after_s)  # at most one long prefill finishes first
+
+    def settled():
+        m = scrape(base)
+        aborted = sum(v for k, v in m.items() if k.startswith("pdserve_requests_total{finish_reason=abort"))
+        return aborted - aborted_before == 32 and all(m[g] == 0 for g in QUEUE_GAUGES)
+    wait_until(settled, 5, 0.05, "32 aborts counted and queues 0")
+    assert_recovered(fault_engine, fault_probe)
