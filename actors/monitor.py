@@ -170,23 +170,23 @@ class HeartbeatMonitor(Actor):
                 rid = rows["request_id"][oldest[0]].decode(errors="replace") if oldest else "?"
                 age = (now_ns - oldest[1]) / 1e9 if oldest else 0.0
                 log.error("stuck gauge %s=%d: nothing left the stage for %.1f s; oldest request %s (%.1f s)",
-                          name, len(g.members), (now_ns - g.moved_ns) / 1e9, rid, age)
+                          name, g.value, (now_ns - g.moved_ns) / 1e9, rid, age)
             rec["stuck"][i] = int(g.stuck)
-            rec["gauge_value"][i] = len(g.members)
+            rec["gauge_value"][i] = g.value
             rec["gauge_nonzero_since_ns"][i] = g.nonzero_since_ns
             rec["gauge_moved_ns"][i] = g.moved_ns
         own = self.status.own_gauges()
         for i, name in enumerate(GAUGES):
             if own[i] < 0:
                 continue
-            if own[i] == len(tracked[name].members):
+            if own[i] == tracked[name].value:
                 self.mismatch_since_ns[i] = 0
             elif not self.mismatch_since_ns[i]:
                 self.mismatch_since_ns[i] = now_ns
             flag = bool(self.mismatch_since_ns[i]) and now_ns - self.mismatch_since_ns[i] >= MISMATCH_MIN_S * 1e9
             if flag and not rec["mismatch"][i]:
                 log.error("gauge mismatch %s: actors count %d, the state table %d (the table wins)", name,
-                          own[i], len(tracked[name].members))
+                          own[i], tracked[name].value)
             rec["mismatch"][i] = int(flag)
 
     def reclaim_final_rows(self, rows: np.ndarray, now_ns: int) -> None:

@@ -113,17 +113,27 @@ def find_expired(rows: np.ndarray, now_ns: int, config, limits_ns: np.ndarray | 
 
 @dataclass
 class GaugeState:
-    members: dict[tuple[int, int], int] = field(default_factory=dict)  # (slot, generation) -> progress marker
+    """One gauge's members at the last tick, as parallel numpy arrays sorted by key.
+
+    ``keys`` = slot << 32 | generation (int64), ``markers`` = output_tokens (progress within the stage).
+    """
+
+    keys: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    markers: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     nonzero_since_ns: int = 0
     moved_ns: int = 0
     stuck: bool = False
+
+    @property
+    def value(self) -> int:
+        return int(self.keys.size)
 
 
 class StuckGaugeTracker:
     """Flags a queue gauge that stays > 0 while nothing leaves its stage for ``stuck_gauge_s``.
 
     "Leaving" = a request in the stage at the previous tick is no longer in it, or (running gauge) it
-    produced a token. A gauge that drops to 0 clears its flag at once.
+    produced a token. A gauge that drops to 0 clears its flag at once. Vectorized: no Python loop over rows.
     """
 
     def __init__(self, stuck_gauge_s: float):
@@ -132,29 +142,32 @@ class StuckGaugeTracker:
 
     def update(self, rows: np.ndarray, now_ns: int) -> dict[str, GaugeState]:
         state = rows["state"]
+        all_keys = (np.arange(len(rows), dtype=np.int64) << 32) | rows["generation"].astype(np.int64)
         for gauge, states in GAUGE_STATES.items():
             g = self.gauges[gauge]
             idx = np.flatnonzero(np.isin(state, [int(s) for s in states]))
-            members = {(int(i), int(rows["generation"][i])): int(rows["output_tokens"][i]) for i in idx}
-            if not members:
-                g.members, g.nonzero_since_ns, g.moved_ns, g.stuck = {}, 0, now_ns, False
+            keys, markers = all_keys[idx], rows["output_tokens"][idx].astype(np.int64)  # keys ascend with idx
+            if keys.size == 0:
+                g.keys, g.markers, g.nonzero_since_ns, g.moved_ns, g.stuck = keys, markers, 0, now_ns, False
                 continue
             if g.nonzero_since_ns == 0:
-                g.nonzero_since_ns = now_ns
-                g.moved_ns = now_ns
-            left = any(key not in members or members[key] != marker for key, marker in g.members.items())
-            if left:
-                g.moved_ns = now_ns
-            g.members = members
+                g.nonzero_since_ns = g.moved_ns = now_ns
+            if g.keys.size:
+                pos = np.minimum(np.searchsorted(keys, g.keys), keys.size - 1)
+                found = keys[pos] == g.keys
+                if not found.all() or (markers[pos[found]] != g.markers[found]).any():
+                    g.moved_ns = now_ns
+            g.keys, g.markers = keys, markers
             g.stuck = now_ns - g.moved_ns >= self.stuck_ns
         return self.gauges
 
-    def oldest(self, rows: np.ndarray, gauge: str) -> tuple[int, float] | None:
+    def oldest(self, rows: np.ndarray, gauge: str) -> tuple[int, int] | None:
         """(slot, state_since_ns) of the oldest request in a gauge's stage, or None."""
-        members = self.gauges[gauge].members
-        if not members:
+        keys = self.gauges[gauge].keys
+        if keys.size == 0:
             return None
-        slot = min(members, key=lambda k: int(rows["state_since_ns"][k[0]]))[0]
+        slots = (keys >> 32).astype(np.int64)
+        slot = int(slots[np.argmin(rows["state_since_ns"][slots])])
         return slot, int(rows["state_since_ns"][slot])
 
 
