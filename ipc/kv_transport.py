@@ -69,6 +69,16 @@ class KVTransport(abc.ABC):
         return None
 
 
+def _contiguous_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
+    """Split parallel block-id lists into runs where both advance by one: ``[(src0, dst0, length)]``."""
+    if src.size == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [src.size])))
+    return [(int(src[i]), int(dst[i]), int(n)) for i, n in zip(starts, lengths)]
+
+
 class CpuShmTransport(KVTransport):
     """KV handoff between two POSIX shm pools on one host: a synchronous vectorized copy.
 
@@ -133,10 +143,15 @@ class CpuShmTransport(KVTransport):
                 raise ValueError("start_copy: a dst block id is listed twice")
         handle = next(self._ids)
         try:
-            per_chunk = max(1, self.chunk_bytes // max(1, self.local.block_bytes))
             s_arr, d_arr = self._src, self._dst
-            for i in range(0, src.size, per_chunk):  # chunks of blocks, one index op each
-                d_arr[:, :, dst[i:i + per_chunk]] = s_arr[:, :, src[i:i + per_chunk]]
+            runs = _contiguous_runs(src, dst)
+            if len(runs) * 4 <= src.size:  # mostly consecutive ids: slice copies, no gathered temporary
+                for s0, d0, n in runs:
+                    d_arr[:, :, d0:d0 + n] = s_arr[:, :, s0:s0 + n]
+            else:
+                per_chunk = max(1, self.chunk_bytes // max(1, self.local.block_bytes))
+                for i in range(0, src.size, per_chunk):  # chunks of blocks, one index op each
+                    d_arr[:, :, dst[i:i + per_chunk]] = s_arr[:, :, src[i:i + per_chunk]]
         except Exception as exc:  # a vanished/short mapping, MemoryError...
             self._handles[handle] = TransferStatus.FAILED
             self._errors[handle] = f"{type(exc).__name__}: {exc}"

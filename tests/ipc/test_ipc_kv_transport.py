@@ -93,3 +93,24 @@ def test_bad_copies_are_refused_before_touching_data(name):
         for p in (src, dst, odd):
             p.close()
             p.unlink()
+
+
+def test_runs_of_consecutive_blocks_are_copied_exactly_by_slices(name):
+    src = KVPool.create(name("s"), **GEOMETRY)
+    dst = KVPool.create(name("d"), **GEOMETRY)
+    try:
+        src.tensor().copy_(torch.randn(src.shape))
+        xfer = CpuShmTransport(dst)
+        xfer.open_peer(src.name)
+        src_ids = [0, 1, 2, 3, 4, 5, 9, 10, 11, 12]   # two runs on the source side
+        dst_ids = [6, 7, 8, 9, 10, 11, 0, 1, 2, 3]    # and on the destination side
+        h = xfer.start_copy(src_ids, dst_ids, num_tokens=len(src_ids) * GEOMETRY["block_tokens"])
+        assert xfer.poll(h) == TransferStatus.DONE
+        assert torch.equal(dst.tensor()[:, :, dst_ids], src.tensor()[:, :, src_ids])
+        untouched = [b for b in range(GEOMETRY["num_blocks"]) if b not in dst_ids]
+        assert not dst.tensor()[:, :, untouched].any()
+        xfer.close()
+    finally:
+        for p in (src, dst):
+            p.close()
+            p.unlink()
