@@ -3,8 +3,8 @@
 
 The simulator must be switched on before numba is first imported, and it then holds for the whole process, so
 the simulated runs happen in a child pytest (``test_every_kernel_passes_under_the_cuda_simulator`` runs this
-file with ``NUMBA_ENABLE_CUDASIM=1 -k cudasim``); the rest of the session never sees the simulator. In the
-parent, the ``cudasim`` variants are skipped (they ran in the child) and the ``cuda`` variants run only with a
+file with ``NUMBA_ENABLE_CUDASIM=1 -k simulated``); the rest of the session never sees the simulator. In the
+parent, the ``simulated`` variants are skipped (they ran in the child) and the ``cuda`` variants run only with a
 CUDA device. The simulator runs every GPU thread as a Python thread, so the simulated sizes are tiny: 2-3
 sequences, head_dim 8/16, blocks of 4 tokens, 16-32 threads per CTA.
 """
@@ -35,7 +35,7 @@ ROOT = HERE.parents[2]
 # rather than skip.
 GPU = not SIM and torch.cuda.is_available()
 DEVICES = [
-    pytest.param("cudasim", marks=pytest.mark.skipif(
+    pytest.param("simulated", marks=pytest.mark.skipif(
         not SIM, reason="simulated in the NUMBA_ENABLE_CUDASIM=1 child of "
                         "test_every_kernel_passes_under_the_cuda_simulator")),
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs a CUDA device")]),
@@ -45,7 +45,7 @@ DEVICES = [
 @pytest.fixture(params=DEVICES)
 def dev(request) -> str:
     """The torch device the kernels' tensors live on: CPU under the simulator, else the GPU."""
-    return "cpu" if request.param == "cudasim" else "cuda"
+    return "cpu" if request.param == "simulated" else "cuda"
 
 
 def _rand(*shape, seed: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
@@ -344,7 +344,7 @@ def test_every_kernel_passes_under_the_cuda_simulator():
     env["NUMBA_ENABLE_CUDASIM"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cudasim",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "simulated",
                            "-o", "addopts=", str(HERE)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=260)
     took = time.monotonic() - start
