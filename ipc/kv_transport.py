@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import importlib
 import itertools
 from typing import Callable, Sequence
 
@@ -197,13 +198,19 @@ def register_transport(kind: str, factory: Callable[[KVPool], KVTransport]) -> N
     _TRANSPORTS[kind] = factory
 
 
+# Transports that live in their own module (heavy imports, device-only) and register on import.
+_PLUGIN_MODULES = {"cuda-ipc": "ipc.cuda_ipc"}
+
+
 def known_transports() -> list[str]:
-    return sorted(_TRANSPORTS)
+    return sorted(set(_TRANSPORTS) | set(_PLUGIN_MODULES))
 
 
 def make_transport(kind: str, local_pool: KVPool) -> KVTransport:
     """A transport of ``kind`` whose destination is ``local_pool``. Raises ValueError naming the known kinds
     for an unknown one."""
+    if kind not in _TRANSPORTS and kind in _PLUGIN_MODULES:
+        importlib.import_module(_PLUGIN_MODULES[kind])
     try:
         factory = _TRANSPORTS[kind]
     except KeyError:
