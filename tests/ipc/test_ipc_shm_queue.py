@@ -154,7 +154,8 @@ def test_a_waiting_consumer_uses_almost_no_cpu(queue, ctx):
     finally:
         assert kids.join_all([p]) == [0]
     assert got is None and wall_s >= 0.45
-    assert cpu_s < 0.05, f"idle get() burned {cpu_s:.3f} s of CPU in {wall_s:.2f} s"
+    # a spinning wait would burn ~wall_s; a blocked one a few ms (scheduler noise on a shared machine aside)
+    assert cpu_s < 0.2 * wall_s, f"idle get() burned {cpu_s:.3f} s of CPU in {wall_s:.2f} s"
 
 
 def test_segments_are_private_and_unlink_removes_every_entry(name, engine_id):
