@@ -18,8 +18,10 @@ from tests.conftest import EngineProbe, assert_recovered, cleanup_engine, shm_se
 REQUESTS = 300
 CONCURRENCY = 16
 REQUEST_TIMEOUT_S = 20.0
-FAULTS = ("drop_transfer_done:fraction=0.04,seed=1;delay_transfer_done:seconds=1,fraction=0.1,seed=2;"
-          "transfer_stuck:fraction=0.03,seed=3;decode_reject:fraction=0.03,seed=4")
+# aimed at the soak's own requests (ids "soak-N"), so the probe request after the soak is fault-free
+FAULTS = ("drop_transfer_done:fraction=0.04,seed=1,match=soak-;"
+          "delay_transfer_done:seconds=1,fraction=0.1,seed=2,match=soak-;"
+          "transfer_stuck:fraction=0.03,seed=3,match=soak-;decode_reject:fraction=0.03,seed=4,match=soak-")
 
 
 def test_soak_every_request_gets_a_final_answer_and_nothing_leaks(tmp_path):
@@ -63,7 +65,8 @@ async def _drive(engine, probe) -> list[str]:
             disconnect_after_s = rng.uniform(0.05, 1.0) if rng.random() < 0.1 else None
             start = time.monotonic()
             try:
-                request = client.post(engine.base_url + "/v1/completions", json=body)
+                request = client.post(engine.base_url + "/v1/completions", json=body,
+                                      headers={"X-Request-Id": f"soak-{i}"})
                 if disconnect_after_s is not None:
                     try:
                         await asyncio.wait_for(request, disconnect_after_s)
