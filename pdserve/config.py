@@ -85,7 +85,7 @@ class EngineConfig:
                                            _positive, "> 0")
     stuck_gauge_s: float = _setting(30.0, "a gauge > 0 with nothing leaving its stage this long is stuck",
                                     _positive, "> 0")
-    faults: str = _setting("", "fault injection spec (see docs/faults.md); empty = none")
+    faults: str = _setting("", "fault injection spec (see pdserve/faults.py); empty = none")
     drain_timeout_s: float = _setting(10.0, "on SIGTERM, how long running requests may finish", _non_negative,
                                       ">= 0")
     actor_ready_timeout_s: float = _setting(300.0, "how long an actor may take to load and report ready",
