@@ -197,6 +197,7 @@ class Supervisor:
             sentinels = {p.sentinel: i for i, p in self.processes.items()}
             for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=0.2):
                 index = sentinels[sentinel]
+                self.processes[index].join(timeout=1)  # reap it, so its exit code is known
                 log.error("actor %s is dead (exit code %s); restarting it", ACTOR_NAMES[index],
                           self.processes[index].exitcode)
                 self._restart(index)
@@ -226,7 +227,10 @@ class Supervisor:
         if wait_s > 0 and self.shutdown.wait(wait_s):
             return
         self.status.rec["actor_restarts"][index] += 1
-        self.actors.set(index, status=ActorStatus.RESTARTING, pid=0)
+        # the new process resets its pool and counts nothing yet: do not keep showing the dead one's figures
+        row = self.actors.row(index)
+        self.actors.set(index, status=ActorStatus.RESTARTING, pid=0, kv_blocks_free=int(row["kv_blocks_total"]))
+        self.status.rec["own_gauges"][index] = -1
         self._spawn(index)
 
     def drain(self) -> None:

@@ -181,3 +181,23 @@ def classify_actor(pid: int, alive: bool, status_ready: bool, heartbeat_ns: int,
     if status_ready and heartbeat_ns > 0 and now_ns - heartbeat_ns > hang_timeout_s * 1e9:
         return ActorHealth.HUNG
     return ActorHealth.OK
+
+
+def actor_state(row: dict, health: int, now_ns: int, monitor_tick_s: float) -> str:
+    """One word for an actor, the same in /health, /metrics and tools/inspect: "ok", "dead", "hung", or its
+    lifecycle status while not serving ("starting", "restarting", "stopping", ...).
+
+    ``row`` is an ActorTable row dict, ``health`` the monitor's ActorHealth for it. The monitor does not judge
+    itself: its own heartbeat age (more than 3 ticks + 1 s) says whether it is hung.
+    """
+    from ipc.actor_table import ActorStatus
+
+    status = row["status"]
+    status_word = getattr(status, "name", str(status)).lower()
+    if row["name"] == "monitor":
+        hb_ns = int(row["heartbeat_ns"])
+        if row["pid"] and (not hb_ns or (now_ns - hb_ns) / 1e9 > 3 * monitor_tick_s + 1):
+            return "hung"
+    elif health in (ActorHealth.DEAD, ActorHealth.HUNG):
+        return ActorHealth(health).name.lower()
+    return "ok" if status == ActorStatus.READY else status_word

@@ -23,8 +23,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from actors.base import API_INDEX
-from actors.watchdog import GAUGE_STATES, STAGE_NAME
-from ipc.engine_status import GAUGES, ActorHealth
+from actors.watchdog import GAUGE_STATES, STAGE_NAME, actor_state
+from ipc.engine_status import GAUGES
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -78,7 +78,7 @@ class _SharedStateCollector:
                 free_family.add_metric([name], int(r["kv_blocks_free"]))
             if int(r["heartbeat_ns"]):
                 age.add_metric([name], (now - int(r["heartbeat_ns"])) / 1e9)
-            state = ActorHealth(status["actor_health"][index]).name.lower() if index != API_INDEX else "ok"
+            state = actor_state(r, status["actor_health"][index], now, client.config.monitor_tick_s)
             health.add_metric([name, state], 1.0 if state == "ok" else 0.0)
             restarts.add_metric([name], status["actor_restarts"][index])
         yield from (free_family, age, health, restarts)
@@ -180,18 +180,14 @@ class EngineMetrics:
 
     def health(self) -> dict[str, Any]:
         """200-worthy only when every actor is up and the engine is not draining; else the reasons."""
-        from ipc.actor_table import ActorStatus
-
         status = self.client.status.snapshot()
+        now_ns = time.monotonic_ns()
         actors, problems = {}, []
         for r in self.client.actors.rows():
             name, index = r["name"], r["index"]
             if not name or index == API_INDEX:
                 continue
-            health = ActorHealth(status["actor_health"][index])
-            ready = r["status"] == ActorStatus.READY
-            state = health.name.lower() if health in (ActorHealth.DEAD, ActorHealth.HUNG) else (
-                "ok" if ready else getattr(r["status"], "name", str(r["status"])).lower())
+            state = actor_state(r, status["actor_health"][index], now_ns, self.client.config.monitor_tick_s)
             actors[name] = state
             if state != "ok":
                 problems.append(f"actor {name} is {state}")

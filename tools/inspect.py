@@ -13,7 +13,7 @@ JSON snapshot schema (``--json``; version 1; times in seconds, ``null`` = unknow
 
     {"schema": 1, "engine_id": str, "url": str, "taken_unix_s": float, "healthy": bool, "problems": [str],
      "config": {field: {"value": any, "source": "default"|"env"|"flag"}},
-     "actors": [{"name", "pid", "device", "status", "health": "ok"|"hung"|"dead"|"unknown",
+     "actors": [{"name", "pid", "device", "status", "health": "ok"|"hung"|"dead"|"starting"|"restarting"|...,
                  "heartbeat_age_s", "loop_iterations_per_s", "restarts", "kv_blocks_free", "kv_blocks_total"}],
      "gauges": [{"name", "metric", "value", "nonzero_for_s", "since_last_move_s", "stuck", "mismatch",
                  "actors_count"}],
@@ -67,8 +67,8 @@ class EngineView:
 def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, first_iterations: dict,
                    now_ns: int) -> dict[str, Any]:
     """Assemble the JSON snapshot from raw reads (plain code; see the module docstring for the schema)."""
-    from actors.watchdog import GAUGE_STATES, STAGE_NAME, STAGE_TIMEOUT_FIELD
-    from ipc.engine_status import GAUGE_METRIC, GAUGES, ActorHealth
+    from actors.watchdog import GAUGE_STATES, STAGE_NAME, STAGE_TIMEOUT_FIELD, actor_state
+    from ipc.engine_status import GAUGE_METRIC, GAUGES
     from ipc.state_table import LIVE_STATES, RequestState
 
     config = manifest["config"]
@@ -79,11 +79,8 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
         if not r["name"]:
             continue
         index = r["index"]
-        health = ActorHealth(status["actor_health"][index]).name.lower() if index < 8 else "unknown"
         hb_ns = int(r["heartbeat_ns"])
-        if r["name"] == "monitor":  # the monitor does not judge itself: its heartbeat age does
-            stale = not hb_ns or (now_ns - hb_ns) / 1e9 > 3 * float(config["monitor_tick_s"]["value"]) + 1
-            health = "hung" if stale and r["pid"] else "ok"
+        health = actor_state(r, status["actor_health"][index], now_ns, float(config["monitor_tick_s"]["value"]))
         prev_iter, prev_t = first_iterations.get(index, (r["loop_iterations"], time.monotonic()))
         elapsed = max(time.monotonic() - prev_t, 1e-6)
         actors.append({
@@ -94,7 +91,7 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
             "restarts": int(status["actor_restarts"][index]) if index < 8 else 0,
             "kv_blocks_free": int(r["kv_blocks_free"]), "kv_blocks_total": int(r["kv_blocks_total"]),
         })
-        if health in ("hung", "dead"):
+        if health != "ok":
             problems.append(f"actor {r['name']} is {health}")
     state = rows["state"]
     own = _own_gauges(status)
