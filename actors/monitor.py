@@ -13,6 +13,7 @@ keeps ticking while every other actor is stopped, hung or dead.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -104,8 +105,12 @@ class HeartbeatMonitor(Actor):
         now_ns = time.monotonic_ns()
         rows = self.table.snapshot()
         self.check_actors(rows, now_ns)
-        for expired in find_expired(rows, now_ns, self.config, self.limits_ns):
-            self.expire(expired)
+        candidates = find_expired(rows, now_ns, self.config, self.limits_ns)
+        if candidates:  # the snapshot is consistent per field only: decide again on rows read consistently
+            slots = [c.slot for c in candidates]
+            again = find_expired(self.table.consistent_rows(slots), now_ns, self.config, self.limits_ns)
+            for confirmed in again:
+                self.expire(dataclasses.replace(confirmed, slot=slots[confirmed.slot]))
         rows = self.table.snapshot()
         self.check_gauges(rows, now_ns)
         self.reclaim_final_rows(rows, now_ns)
@@ -190,9 +195,14 @@ class HeartbeatMonitor(Actor):
             rec["mismatch"][i] = int(flag)
 
     def reclaim_final_rows(self, rows: np.ndarray, now_ns: int) -> None:
-        final = np.flatnonzero(np.isin(rows["state"], [int(s) for s in FINAL_STATES]))
+        """Release rows final for FINAL_ROW_RECLAIM_S that nobody released (their API process died)."""
         limit_ns = int(FINAL_ROW_RECLAIM_S * 1e9)
-        for slot in final:
-            if now_ns - int(rows["state_since_ns"][slot]) > limit_ns:
-                if self.table.release(int(slot), int(rows["generation"][slot])):
+        final_states = [int(s) for s in FINAL_STATES]
+        old = np.flatnonzero(np.isin(rows["state"], final_states) & (now_ns - rows["state_since_ns"] > limit_ns))
+        if not old.size:
+            return
+        fresh = self.table.consistent_rows(old.tolist())  # the snapshot may mix a row's old and new fields
+        for slot, row in zip(old.tolist(), fresh):
+            if int(row["state"]) in final_states and now_ns - int(row["state_since_ns"]) > limit_ns:
+                if self.table.release(slot, int(row["generation"])):
                     self.status.rec["rows_reclaimed"] += 1

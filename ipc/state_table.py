@@ -482,6 +482,15 @@ class StateTable:
                 return rec
         return rec if rec is not None else self._rows[slot].copy()  # a writer died mid-row: best effort
 
+    def consistent_rows(self, slots) -> np.ndarray:
+        """Rows ``slots`` (a sequence of slot numbers), each read consistently through its seqlock, as a
+        structured array of ROW_DTYPE. ``snapshot()`` is consistent per field only: a row being written can
+        show its new state with its old timestamp; re-read a row this way before acting on it."""
+        out = np.zeros(len(slots), dtype=ROW_DTYPE)
+        for i, slot in enumerate(slots):
+            out[i] = self._consistent_row(self._check_slot(int(slot)))
+        return out
+
     def row(self, slot: int) -> dict:
         """A consistent snapshot of row ``slot`` as a dict (states as RequestState, request_id as str, plus
         ``slot``). Raises IndexError for a slot outside the table."""

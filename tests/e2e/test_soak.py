@@ -33,9 +33,11 @@ def test_soak_every_request_gets_a_final_answer_and_nothing_leaks(tmp_path):
     child_pids = list(engine.child_pids)
     try:
         outcomes = asyncio.run(_drive(engine, probe))
+        bad = [o for o in outcomes if isinstance(o, tuple)]
+        outcomes = [o[0] if isinstance(o, tuple) else o for o in outcomes]
         kinds = {k: sum(1 for o in outcomes if o == k) for k in set(outcomes)}
         assert len(outcomes) == REQUESTS
-        assert "hang" not in kinds and "bad" not in kinds, kinds
+        assert "hang" not in kinds and "bad" not in kinds, (kinds, bad[:3])
         assert kinds.get("ok", 0) > REQUESTS // 2, kinds
         assert_recovered(engine, probe, timeout_s=120)
         child_pids += [probe.pid(name) for name in ("prefill0", "decode0", "api", "monitor")]
@@ -89,11 +91,11 @@ async def _drive(engine, probe) -> list[str]:
                     event = orjson.loads(last[6:])
                     outcomes.append("error" if "error" in event else "ok")
                 else:
-                    outcomes.append("ok" if response.json()["choices"] else "bad")
+                    outcomes.append("ok" if response.json()["choices"] else ("bad", 200, text[:300]))
             elif response.status_code in (503, 504) and response.json()["error"]["message"]:
                 outcomes.append("error")
             else:
-                outcomes.append("bad")
+                outcomes.append(("bad", response.status_code, response.text[:300]))
 
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S + 10) as client:
         await asyncio.gather(*(one(i, client) for i in range(REQUESTS)))

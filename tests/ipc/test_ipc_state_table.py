@@ -275,3 +275,12 @@ def test_unlink_removes_the_table_and_its_lock(name, engine_id):
     assert naming.list_engine_segments(engine_id) == []
     with pytest.raises(FileNotFoundError):
         StateTable.attach(t.name)
+
+
+def test_consistent_rows_returns_whole_rows_for_the_slots_asked(table):
+    slot, gen = table.allocate("req-consistent", prompt_tokens=3)
+    assert table.transition(slot, gen, RequestState.PREFILLING, owner=0)
+    rows = table.consistent_rows([slot])
+    assert rows.shape == (1,) and int(rows[0]["state"]) == RequestState.PREFILLING
+    assert int(rows[0]["generation"]) == gen and rows[0]["state_since_ns"] > 0
+    assert rows[0]["request_id"] == b"req-consistent"
