@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.base import DECODE_INDEX, Actor
-from actors.messages import KVReady, RequestError, TokenBatch, TransferDone, parse_frames, to_wire
-from actors.prefill import apply_actor_faults, sampling_params
+from actors.messages import KVReady, PrefillRequest, RequestError, TokenBatch, TransferDone, parse_frames, to_wire
+from actors.prefill import apply_actor_faults, chunked_prefill, sampling_params
 from pdserve.faults import FaultPlan
 from ipc.state_table import LIVE_STATES
 
@@ -70,7 +70,8 @@ class DecodeActor(Actor):
         self.pool.reset()
         self.kv = self.pool.tensor()
         self.transport = make_transport(self.config.kv_transport, self.pool)
-        self.transport.open_peer(self.layout.segment("kv_prefill"))
+        if not self.config.colocated:  # colocated: this actor prefills into its own pool, nothing to pull
+            self.transport.open_peer(self.layout.segment("kv_prefill"))
         self.block_bytes = self.kv[:, :, 0].numel() * self.kv.element_size()  # K and V, all layers
         self.inbox = ShmQueue.attach(self.layout.segment("q_decode"))
         self.to_prefill = ShmQueue.attach(self.layout.segment("q_prefill"))
@@ -78,6 +79,8 @@ class DecodeActor(Actor):
         self.table = StateTable.attach(self.layout.segment("state"))
         self.sampler = Sampler()
         self.faults = FaultPlan(self.config.faults, self.name)
+        self.prefill_waiting: list[PrefillRequest] = []   # colocated mode only
+        self.prefill_blocked = False
         self.bootstrapping: list[DecodeEntry] = []
         self.transferring: list[DecodeEntry] = []
         self.handed_off: list[DecodeEntry] = []      # TransferDone sent; waiting for DECODE_WAITING
@@ -94,6 +97,8 @@ class DecodeActor(Actor):
         pending, else the idle wait. Never 0 without work, so a stuck transfer does not spin a core."""
         if self.running or (self.waiting and len(self.running) < self.config.max_num_seqs):
             return 0.0
+        if self.prefill_waiting and not self.prefill_blocked:
+            return 0.0
         if self.transferring or self.handed_off or self.delayed_done:
             return 0.005
         return self.idle_wait_s
@@ -103,9 +108,13 @@ class DecodeActor(Actor):
         for message in parse_frames(self.inbox.get_many(64, self._wait_s()), log):
             if isinstance(message, KVReady):
                 self.receive(message)
+            elif isinstance(message, PrefillRequest) and self.config.colocated:
+                self.prefill_waiting.append(message)
             else:
                 log.warning("decode: unexpected message %r dropped", message)
         self.reap_final()
+        if self.prefill_waiting:
+            self.prefill_here()
         self.bootstrap()
         self.poll_transfers()
         self.send_delayed_done()
@@ -147,7 +156,56 @@ class DecodeActor(Actor):
             self.table.update(*entry.key, decode_blocks=0)
             self._publish_pool()
 
+    def prefill_here(self) -> None:
+        """Colocated mode: prefill the oldest queued request straight into this actor's pool; the request then
+        passes BOOTSTRAP, TRANSFERRING and DECODE_WAITING at once (there is no handoff) and waits for a batch slot."""
+        from gpu.sampling import make_generator
+        from pdserve.errors import OutOfKVBlocksError
+
+        request = self.prefill_waiting[0]
+        slot, generation = request.slot, request.generation
+        needed = math.ceil((len(request.prompt_ids) + request.sampling.max_tokens) / self.pool.block_tokens)
+        try:
+            blocks = self.pool.allocate(needed, slot)
+        except OutOfKVBlocksError:
+            self.prefill_blocked = True  # waits for running requests to finish
+            return
+        self.prefill_blocked = False
+        self.prefill_waiting.pop(0)
+        entry = DecodeEntry(ready=None, blocks=blocks)
+        if not self.table.transition(slot, generation, self.S.PREFILLING, owner=self.index):
+            self.pool.free(blocks, slot)
+            return
+        self.table.update(slot, generation, decode_blocks=len(blocks))
+        self._publish_pool()
+        start_ns = time.monotonic_ns()
+        logits = chunked_prefill(self.model, self.kv, request.prompt_ids, blocks, self.config.prefill_chunk_tokens,
+                                 lambda: self.table.read(slot, generation) is not None
+                                 and int(self.table.read(slot, generation)["state"]) in LIVE_STATES,
+                                 lambda: self.actors.beat(self.index, iterations_delta=0))
+        prefill_s = (time.monotonic_ns() - start_ns) / 1e9
+        row = self.table.read(slot, generation)
+        if logits is None or row is None:
+            self.pool.free(blocks, slot)
+            self._publish_pool()
+            return
+        params = sampling_params(request.sampling)
+        first_token = self.sampler.sample(logits[None, :], [params], [make_generator(params.seed)])[0]
+        queue_s = (start_ns - int(row["created_ns"])) / 1e9
+        entry.ready = KVReady(slot, generation, request.request_id, [], len(request.prompt_ids), int(first_token),
+                              request.sampling, queue_s, prefill_s)
+        entry.timings = {"queue_s": queue_s, "prefill_s": prefill_s, "transfer_s": 0.0, "transfer_bytes": 0}
+        for state in (self.S.BOOTSTRAP, self.S.TRANSFERRING, self.S.DECODE_WAITING):
+            if not self.table.transition(slot, generation, state, owner=self.index):
+                self._release(entry)
+                return
+        self.waiting.append(entry)
+
     def reap_final(self) -> None:
+        if self.prefill_waiting:
+            self.prefill_waiting = [r for r in self.prefill_waiting
+                                    if (row := self.table.read(r.slot, r.generation)) is not None
+                                    and int(row["state"]) in LIVE_STATES]
         keep_delayed = []
         for due_s, entry in self.delayed_done:
             if self._is_live(entry):

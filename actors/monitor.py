@@ -35,7 +35,7 @@ HELD_STATES = {
 }
 
 
-def fail_requests_held_by(table, status, to_api, index: int, message: str, *, by: int,
+def fail_requests_held_by(table, status, to_api, index: int, colocated: bool, message: str, *, by: int,
                           rows: np.ndarray | None = None) -> int:
     """Fail (503, retryable) every live request that actor ``index`` holds; returns how many.
 
@@ -45,7 +45,8 @@ def fail_requests_held_by(table, status, to_api, index: int, message: str, *, by
     """
     rows = table.snapshot() if rows is None else rows
     failed = 0
-    for slot in np.flatnonzero(np.isin(rows["state"], [int(s) for s in HELD_STATES[index]])):
+    held = HELD_STATES[index] | (HELD_STATES[PREFILL_INDEX] if colocated and index == DECODE_INDEX else frozenset())
+    for slot in np.flatnonzero(np.isin(rows["state"], [int(s) for s in held])):
         slot, generation = int(slot), int(rows["generation"][slot])
         stage = int(rows["state"][slot])
         if table.transition(slot, generation, S.FAILED, owner=by):
@@ -161,7 +162,8 @@ class HeartbeatMonitor(Actor):
                                             "retry it")
 
     def fail_held(self, rows: np.ndarray, index: int, message: str) -> None:
-        fail_requests_held_by(self.table, self.status, self.to_api, index, message, by=self.index, rows=rows)
+        fail_requests_held_by(self.table, self.status, self.to_api, index, self.config.colocated, message,
+                              by=self.index, rows=rows)
 
     def check_gauges(self, rows: np.ndarray, now_ns: int) -> None:
         from ipc.engine_status import GAUGES

@@ -23,6 +23,19 @@ from ipc.state_table import LIVE_STATES
 log = logging.getLogger("pdserve.prefill")
 
 
+def chunked_prefill(model, kv, ids: list[int], blocks: list[int], chunk_tokens: int, is_live, beat):
+    """Run a prompt through ``model.prefill`` in chunks of ``chunk_tokens``, writing its KV at ``blocks``;
+    between chunks call ``beat()`` and stop early (return None) once ``is_live()`` is False (aborted or timed
+    out meanwhile). Returns the last position's logits ``[vocab]``."""
+    logits = None
+    for start in range(0, len(ids), chunk_tokens):
+        if start and not is_live():
+            return None
+        logits = model.prefill(kv, ids[start:start + chunk_tokens], blocks, start_pos=start)
+        beat()
+    return logits
+
+
 def apply_actor_faults(faults, actor_name: str, request_id: str) -> None:
     """Injected actor faults, checked when an actor takes a request: ``stall`` blocks the loop (a hang the
     monitor must detect), ``crash`` ends the process abruptly (a dead actor the supervisor restarts)."""
@@ -172,14 +185,9 @@ class PrefillActor(Actor):
     def _chunked_prefill(self, request: PrefillRequest, blocks: list[int]):
         """Run the prompt in chunks of ``prefill_chunk_tokens``; between chunks beat the heartbeat and stop early
         (return None) if the request's row turned final. Returns the last position's logits ``[vocab]``."""
-        ids, chunk = request.prompt_ids, self.config.prefill_chunk_tokens
-        logits = None
-        for start in range(0, len(ids), chunk):
-            if start and not self._is_live(request.slot, request.generation):
-                return None
-            logits = self.model.prefill(self.kv, ids[start:start + chunk], blocks, start_pos=start)
-            self.actors.beat(self.index, iterations_delta=0)
-        return logits
+        return chunked_prefill(self.model, self.kv, request.prompt_ids, blocks, self.config.prefill_chunk_tokens,
+                               lambda: self._is_live(request.slot, request.generation),
+                               lambda: self.actors.beat(self.index, iterations_delta=0))
 
     def on_stop(self) -> None:
         for key in list(self.inflight):

@@ -102,13 +102,15 @@ class Supervisor:
         self.state = StateTable.create(lay.segment("state"), num_rows=cfg.max_queued_requests * 2 + 16)
         self.actors = ActorTable.create(lay.segment("actors"), num_actors=len(ACTOR_NAMES))
         for index, name in enumerate(ACTOR_NAMES):
+            if cfg.colocated and index == PREFILL_INDEX:
+                continue  # no prefill actor: its row stays empty (skipped by /health, /metrics, inspect)
             self.actors.set(index, name=name, device=cfg.device if index in (PREFILL_INDEX, DECODE_INDEX) else "")
         self.status = EngineStatus.create(lay.segment("status"))
         self._owned += [self.state, self.actors, self.status]
         for q in ("q_prefill", "q_decode", "q_api"):
             self.queues[q] = ShmQueue.create(lay.segment(q), num_slots=cfg.queue_slots, slot_bytes=cfg.queue_slot_bytes)
             self._owned.append(self.queues[q])
-        for pool in ("kv_prefill", "kv_decode"):
+        for pool in ("kv_decode",) if cfg.colocated else ("kv_prefill", "kv_decode"):
             self._owned.append(KVPool.create(lay.segment(pool), num_layers=lay.shape.num_layers,
                                              num_blocks=lay.kv_blocks_per_pool, block_tokens=cfg.kv_block_tokens,
                                              num_kv_heads=lay.shape.num_kv_heads, head_dim=lay.shape.head_dim,
@@ -175,9 +177,11 @@ class Supervisor:
         self.layout = plan_layout(self.loaded, self.engine_id)
         try:
             self._create_segments()
-            for index in (MONITOR_INDEX, PREFILL_INDEX, DECODE_INDEX):
+            engine_actors = [MONITOR_INDEX, DECODE_INDEX] if self.layout.config.colocated else \
+                [MONITOR_INDEX, PREFILL_INDEX, DECODE_INDEX]
+            for index in engine_actors:
                 self._spawn(index)
-            self._wait_ready([MONITOR_INDEX, PREFILL_INDEX, DECODE_INDEX])
+            self._wait_ready(engine_actors)
             self._spawn(API_INDEX)
             self._wait_ready([API_INDEX])
         except BaseException:
@@ -218,7 +222,7 @@ class Supervisor:
         process.join(timeout=1)
         if index != MONITOR_INDEX:
             failed = fail_requests_held_by(
-                self.state, self.status, self.queues["q_api"], index,
+                self.state, self.status, self.queues["q_api"], index, self.layout.config.colocated,
                 f"actor {ACTOR_NAMES[index]} is dead (its process exited with code {process.exitcode}); "
                 "the request was dropped, retry it", by=-1)
             if failed:

@@ -66,7 +66,8 @@ class EngineClient:
         self.table = StateTable.attach(self.layout.segment("state"))
         self.actors = ActorTable.attach(self.layout.segment("actors"))
         self.status = EngineStatus.attach(self.layout.segment("status"))
-        self.to_prefill = ShmQueue.attach(self.layout.segment("q_prefill"))
+        # colocated mode: the decode actor takes new requests itself
+        self.to_prefill = ShmQueue.attach(self.layout.segment("q_decode" if self.config.colocated else "q_prefill"))
         self.inbox = ShmQueue.attach(self.layout.segment("q_api"))
         self._thread = threading.Thread(target=self._receive, name="engine-inbox", daemon=True)
         self._thread.start()

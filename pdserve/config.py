@@ -52,6 +52,8 @@ class EngineConfig:
                                      "HTTP/1.1 over TLS")
     ssl_keyfile: str = _setting("", "TLS private key (PEM)")
     device: str = _setting("cpu", "device of both actors", choices=("cpu", "cuda"))
+    colocated: bool = _setting(False, "one decode actor also prefills (no prefill actor, no KV handoff); for "
+                                      "comparing with disaggregation")
     torch_threads: int = _setting(1, "torch intra-op threads per actor (prefill and decode run in parallel)",
                                   _positive, "> 0")
     kv_transport: str = _setting("cpu-shm", "KV handoff transport", choices=("cpu-shm",))

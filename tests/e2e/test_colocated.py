@@ -1,0 +1,46 @@
+"""Colocated mode (`--colocated true`): the decode actor prefills itself, no prefill actor, no KV handoff. It
+serves the same greedy text as the disaggregated engine and leaves the same clean state behind."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.conftest import EngineProbe, assert_recovered, cleanup_engine, scrape, start_engine
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time", "Le fromage préféré"]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    eng = start_engine(tmp_path_factory.mktemp("colocated"), "--colocated", "true", "--kv-pool-tokens", "2048")
+    yield eng
+    cleanup_engine(eng)
+
+
+def test_colocated_engine_answers_without_a_prefill_actor_or_a_handoff(engine):
+    probe = EngineProbe(engine.engine_id)
+    try:
+        health = httpx.get(engine.base_url + "/health", timeout=10).json()
+        assert health["status"] == "ok" and "prefill0" not in health["actors"]
+        answer = httpx.post(engine.base_url + "/v1/chat/completions", timeout=120,
+                            json={"messages": FRANCE, "temperature": 0, "max_tokens": 32}).json()
+        assert answer["choices"][0]["message"]["content"].startswith("The capital of France is Paris.")
+        body = {"temperature": 0, "max_tokens": 12}
+        alone = [httpx.post(engine.base_url + "/v1/completions", json={**body, "prompt": p}, timeout=120)
+                 .json()["choices"][0]["text"] for p in PROMPTS]
+
+        async def together():
+            async with httpx.AsyncClient(timeout=120) as client:
+                responses = await asyncio.gather(*(client.post(engine.base_url + "/v1/completions",
+                                                               json={**body, "prompt": p}) for p in PROMPTS))
+                return [r.json()["choices"][0]["text"] for r in responses]
+        assert asyncio.run(together()) == alone
+        metrics = scrape(engine.base_url)
+        assert metrics["pdserve_kv_handoffs_total"] == 0
+        assert metrics["pdserve_requests_admitted_total"] == 1 + 2 * len(PROMPTS)
+        assert_recovered(engine, probe)
+    finally:
+        probe.close()
