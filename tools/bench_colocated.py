@@ -11,62 +11,10 @@ costs 5% more time to first token.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import re
-import signal
-import socket
-import subprocess
 import sys
 import time
 
-import httpx
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def engine(*flags: str):
-    """A `pdserve serve` subprocess on a free port; yields its base URL; SIGTERM and sweep on exit."""
-    from ipc.naming import unlink_all
-
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-    log_path = f"/tmp/bench_colocated_{port}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), *flags],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    engine_id = None
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine exited ({proc.returncode}); see {log_path}")
-            match = re.search(r"pdserve engine (\w+) serving", open(log_path, errors="replace").read())
-            if match:
-                engine_id = match.group(1)
-                try:
-                    if httpx.get(base + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.2)
-        else:
-            raise RuntimeError(f"engine not ready in 300 s; see {log_path}")
-        yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        if engine_id:
-            unlink_all(engine_id)
+from tools.engine_process import engine
 
 
 def measure(base: str, args, concurrency: int) -> dict:
@@ -86,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = {}
     for mode, flags in (("disaggregated", ()), ("colocated", ("--colocated", "true"))):
-        with engine("--kv-pool-tokens", "4096", *flags) as base:
-            results[mode] = {c: measure(base, args, c) for c in (1, 16)}
+        with engine("--kv-pool-tokens", "4096", *flags) as running:
+            results[mode] = {c: measure(running.base_url, args, c) for c in (1, 16)}
     print(f"\n# disaggregated vs colocated, {time.strftime('%Y-%m-%d %H:%M:%S')}, input {args.input_len} "
           f"tokens, output {args.output_len}, greedy with ignore_eos")
     print(f"{'load':<22}{'TTFT p50 ms (dis / col)':>28}{'ratio':>8}{'output tok/s (dis / col)':>28}{'ratio':>8}")

@@ -11,22 +11,13 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import os
-import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 import httpx
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tools.engine_process import engine
 
 
 def _wait(predicate, timeout_s: float, interval_s: float = 0.01):
@@ -46,65 +37,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--monitor-tick-s", type=float, default=0.5)
     args = parser.parse_args(argv)
 
-    from ipc.naming import segment_name, unlink_all
+    from ipc.naming import segment_name
     from ipc.state_table import RequestState, StateTable
 
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-    env.update(PDSERVE_FAULTS="drop_transfer_done:match=drop-",
-               PDSERVE_INFLIGHT_TIMEOUT_S=str(args.inflight_timeout_s),
-               PDSERVE_MONITOR_TICK_S=str(args.monitor_tick_s))
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    engine_id = None
-    try:
-        for line in proc.stdout:
-            match = re.search(r"pdserve engine (\w+) serving", line)
-            if match:
-                engine_id = match.group(1)
-                break
-        if engine_id is None:
-            print("the engine did not start", file=sys.stderr)
-            return 1
-        # drain the engine's log so its pipe never fills
-        concurrent.futures.ThreadPoolExecutor(1).submit(lambda: [None for _ in proc.stdout])
-        base = f"http://127.0.0.1:{port}"
-        _wait(lambda: httpx.get(base + "/health", timeout=2).status_code == 200, 120, 0.2)
-        table = StateTable.attach(segment_name(engine_id, "state"), readonly=True)
+    env = {"PDSERVE_FAULTS": "drop_transfer_done:match=drop-",
+           "PDSERVE_INFLIGHT_TIMEOUT_S": str(args.inflight_timeout_s),
+           "PDSERVE_MONITOR_TICK_S": str(args.monitor_tick_s)}
+    with engine(env=env) as running:
+        base = running.base_url
+        table = StateTable.attach(segment_name(running.engine_id, "state"), readonly=True)
         latencies, past_deadline = [], []
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            for i in range(args.runs):
-                rid = f"drop-{i}"
-                future = pool.submit(httpx.post, base + "/v1/completions", json={"prompt": "ping", "max_tokens": 2},
-                                     headers={"X-Request-Id": rid}, timeout=60)
-
-                def entered():
-                    for slot, _ in table.find(rid):
-                        row = table.row(slot)
-                        if row["state"] == RequestState.TRANSFERRING:
-                            return row["state_since_ns"]
-                    return None
-                since_ns = _wait(entered, 30, 0.002)
-                response = future.result(timeout=60)
-                latency = (time.monotonic_ns() - since_ns) / 1e9
-                assert response.status_code == 504, response.text
-                latencies.append(latency)
-                past_deadline.append(latency - args.inflight_timeout_s)
-        table.close()
-        print(f"runs={args.runs} inflight_timeout_s={args.inflight_timeout_s} monitor_tick_s={args.monitor_tick_s}")
-        print(f"fault (row entered TRANSFERRING) -> client 504: median {statistics.median(latencies):.3f} s, "
-              f"max {max(latencies):.3f} s")
-        print(f"past the deadline: median {statistics.median(past_deadline):.3f} s, max {max(past_deadline):.3f} s "
-              f"(bound: one tick = {args.monitor_tick_s} s plus HTTP delivery)")
-        return 0
-    finally:
-        proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        if engine_id:
-            unlink_all(engine_id)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                for i in range(args.runs):
+                    rid = f"drop-{i}"
+                    future = pool.submit(httpx.post, base + "/v1/completions", timeout=60,
+                                         json={"prompt": "ping", "max_tokens": 2}, headers={"X-Request-Id": rid})
+
+                    def entered():
+                        for slot, _ in table.find(rid):
+                            row = table.row(slot)
+                            if row["state"] == RequestState.TRANSFERRING:
+                                return row["state_since_ns"]
+                        return None
+                    since_ns = _wait(entered, 30, 0.002)
+                    response = future.result(timeout=60)
+                    latency = (time.monotonic_ns() - since_ns) / 1e9
+                    if response.status_code != 504:
+                        print(f"unexpected answer {response.status_code}: {response.text}", file=sys.stderr)
+                        return 1
+                    latencies.append(latency)
+                    past_deadline.append(latency - args.inflight_timeout_s)
+        finally:
+            table.close()
+    print(f"runs={args.runs} inflight_timeout_s={args.inflight_timeout_s} monitor_tick_s={args.monitor_tick_s}")
+    print(f"fault (row entered TRANSFERRING) -> client 504: median {statistics.median(latencies):.3f} s, "
+          f"max {max(latencies):.3f} s")
+    print(f"past the deadline: median {statistics.median(past_deadline):.3f} s, max {max(past_deadline):.3f} s "
+          f"(bound: one tick = {args.monitor_tick_s} s plus HTTP delivery)")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,74 @@
+"""Start a `pdserve serve` subprocess for a tool: free port, readiness by /health, SIGTERM and a segment sweep
+on exit. Used by tools/bench_detection.py and tools/bench_colocated.py (tests use tests/conftest.py)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+
+@dataclass
+class RunningEngine:
+    base_url: str
+    engine_id: str
+    log_path: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def engine(*flags: str, env: dict[str, str] | None = None, ready_timeout_s: float = 300.0):
+    """A `pdserve serve` subprocess on a free port with ``flags`` and extra ``env`` (PDSERVE_* from the caller's
+    environment are dropped); yields a RunningEngine once /health is 200; SIGTERM and sweep on exit.
+
+    Raises:
+        RuntimeError: the engine exited or was not ready within ``ready_timeout_s`` (the message names its log).
+    """
+    from ipc.naming import unlink_all
+
+    port = _free_port()
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    full_env.update(env or {})
+    log_path = f"/tmp/pdserve_tool_engine_{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), *flags],
+                                env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    engine_id = None
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine exited ({proc.returncode}); see {log_path}")
+            match = re.search(r"pdserve engine (\w+) serving", open(log_path, errors="replace").read())
+            if match:
+                engine_id = match.group(1)
+                try:
+                    if httpx.get(base + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.2)
+        else:
+            raise RuntimeError(f"engine not ready in {ready_timeout_s} s; see {log_path}")
+        yield RunningEngine(base, engine_id, log_path)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if engine_id:
+            unlink_all(engine_id)
