@@ -142,9 +142,12 @@ class DecodeActor(Actor):
             return
         self.bootstrapping.append(DecodeEntry(ready=ready))
 
-    def _is_live(self, entry: DecodeEntry) -> bool:
-        row = self.table.read(*entry.key)
+    def _row_live(self, slot: int, generation: int) -> bool:
+        row = self.table.read(slot, generation)
         return row is not None and int(row["state"]) in LIVE_STATES
+
+    def _is_live(self, entry: DecodeEntry) -> bool:
+        return self._row_live(*entry.key)
 
     def _release(self, entry: DecodeEntry) -> None:
         if entry.transfer_handle is not None:
@@ -180,8 +183,7 @@ class DecodeActor(Actor):
         self._publish_pool()
         start_ns = time.monotonic_ns()
         logits = chunked_prefill(self.model, self.kv, request.prompt_ids, blocks, self.config.prefill_chunk_tokens,
-                                 lambda: self.table.read(slot, generation) is not None
-                                 and int(self.table.read(slot, generation)["state"]) in LIVE_STATES,
+                                 lambda: self._row_live(slot, generation),
                                  lambda: self.actors.beat(self.index, iterations_delta=0))
         prefill_s = (time.monotonic_ns() - start_ns) / 1e9
         row = self.table.read(slot, generation)
@@ -203,9 +205,7 @@ class DecodeActor(Actor):
 
     def reap_final(self) -> None:
         if self.prefill_waiting:
-            self.prefill_waiting = [r for r in self.prefill_waiting
-                                    if (row := self.table.read(r.slot, r.generation)) is not None
-                                    and int(row["state"]) in LIVE_STATES]
+            self.prefill_waiting = [r for r in self.prefill_waiting if self._row_live(r.slot, r.generation)]
         keep_delayed = []
         for due_s, entry in self.delayed_done:
             if self._is_live(entry):

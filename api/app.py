@@ -195,7 +195,6 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
 
         work = asyncio.ensure_future(collect())
         watch = asyncio.ensure_future(wait_disconnect())
-        aborted = True
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
             if work not in done:
@@ -206,13 +205,12 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
             except PdserveError as exc:
                 metrics.on_finished(handle, "error", exc.http_status)
                 return error_response(exc)
-            aborted = False
             metrics.on_finished(handle, reason)
             return JSONResponse(full_response(handle.request, text, reason, handle.completion_tokens))
         finally:
             for task in (work, watch):
                 task.cancel()
-            client.finish(handle, aborted=aborted)
+            client.finish(handle)
 
     async def stream_events(handle: RequestHandle) -> AsyncIterator[bytes]:
         req = handle.request
@@ -237,7 +235,7 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
         finally:
             if aborted:
                 metrics.on_finished(handle, "abort", 499)
-            client.finish(handle, aborted=aborted)
+            client.finish(handle)
 
     async def chat_completions(request: Request) -> Response:
         return await run_request(request, "chat")

@@ -18,7 +18,6 @@ from actors.base import API_INDEX, EngineLayout
 from actors.messages import PrefillRequest, RequestError, TokenBatch, parse_frames, to_wire
 from api.protocol import GenerationRequest
 from pdserve.errors import EngineOverloadedError, PdserveError, QueueFullError, StateTableFullError
-from ipc.state_table import LIVE_STATES
 
 log = logging.getLogger("pdserve.api")
 
@@ -145,7 +144,7 @@ class EngineClient:
             message = PrefillRequest(slot, generation, request.request_id, request.prompt_ids, request.sampling)
             self.to_prefill.put(to_wire(message), timeout_s=1.0)
         except QueueFullError:
-            self.finish(handle, aborted=True)
+            self.finish(handle)
             raise EngineOverloadedError("the prefill queue is full; retry") from None
         return handle
 
@@ -153,15 +152,12 @@ class EngineClient:
         """A stop string matched: the request is done; the decode actor frees its blocks."""
         self.table.transition(handle.slot, handle.generation, self.S.FINISHED, owner=API_INDEX)
 
-    def finish(self, handle: RequestHandle, *, aborted: bool = False) -> None:
-        """The client has its answer (or is gone): abort the row if still live, then release it."""
+    def finish(self, handle: RequestHandle) -> None:
+        """The client has its answer (or is gone): abort the row if still live (a no-op on a final row: the
+        transition refuses), then release it."""
         if self.handles.pop(handle.key, None) is None:
             return
-        if aborted:
-            self.table.transition(handle.slot, handle.generation, self.S.ABORTED, owner=API_INDEX)
-        row = self.table.read(handle.slot, handle.generation)
-        if row is not None and int(row["state"]) in LIVE_STATES:
-            self.table.transition(handle.slot, handle.generation, self.S.ABORTED, owner=API_INDEX)
+        self.table.transition(handle.slot, handle.generation, self.S.ABORTED, owner=API_INDEX)
         self.table.release(handle.slot, handle.generation)
 
     async def next_event(self, handle: RequestHandle) -> tuple:

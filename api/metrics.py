@@ -128,18 +128,16 @@ class EngineMetrics:
         self.requests = Counter("pdserve_requests", "ended requests by finish reason (stop, length, abort, "
                                 "error) and HTTP status", ["finish_reason", "status"], registry=r)
         self.admitted = Counter("pdserve_requests_admitted", "requests admitted to the engine", registry=r)
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "admission to first token",
-                              buckets=LATENCY_BUCKETS_S, registry=r)
-        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "admission to last token",
-                             buckets=LATENCY_BUCKETS_S, registry=r)
-        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "mean time between output tokens",
-                              buckets=LATENCY_BUCKETS_S, registry=r)
-        self.itl = Histogram("pdserve_inter_token_latency_seconds", "time between two output tokens",
-                             buckets=LATENCY_BUCKETS_S, registry=r)
-        self.queue_time = Histogram("pdserve_queue_time_seconds", "admission to prefill start",
-                                    buckets=LATENCY_BUCKETS_S, registry=r)
-        self.prefill_time = Histogram("pdserve_prefill_time_seconds", "prompt forward pass",
-                                      buckets=LATENCY_BUCKETS_S, registry=r)
+
+        def latency(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=LATENCY_BUCKETS_S, registry=r)
+
+        self.ttft = latency("pdserve_time_to_first_token_seconds", "admission to first token")
+        self.e2e = latency("pdserve_e2e_request_latency_seconds", "admission to last token")
+        self.tpot = latency("pdserve_time_per_output_token_seconds", "mean time between output tokens")
+        self.itl = latency("pdserve_inter_token_latency_seconds", "time between two output tokens")
+        self.queue_time = latency("pdserve_queue_time_seconds", "admission to prefill start")
+        self.prefill_time = latency("pdserve_prefill_time_seconds", "prompt forward pass")
         self.transfer_time = Histogram("pdserve_kv_transfer_seconds", "KV handoff prefill -> decode",
                                        buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
                                        registry=r)
