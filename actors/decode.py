@@ -17,7 +17,8 @@ from typing import Any
 
 from actors.base import DECODE_INDEX, Actor
 from actors.messages import KVReady, PrefillRequest, RequestError, TokenBatch, TransferDone, parse_frames, to_wire
-from actors.prefill import apply_actor_faults, chunked_prefill, sampling_params
+from actors.prefill import (apply_actor_faults, child_sampling, chunked_prefill, first_tokens, logprobs_to_wire,
+                            request_rows, sampling_params)
 from pdserve.faults import FaultPlan
 from ipc.state_table import LIVE_STATES
 
@@ -39,6 +40,7 @@ class DecodeEntry:
     stuck_status: int | None = None   # fault injection: the status the transport is made to report
     transfer_start_ns: int = 0
     timings: dict | None = None       # stage timings, sent with the first token
+    output_ids: list[int] = field(default_factory=list)   # generated so far (penalties count them)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -161,51 +163,71 @@ class DecodeActor(Actor):
 
     def prefill_here(self) -> None:
         """Colocated mode: prefill the oldest queued request straight into this actor's pool; the request then
-        passes BOOTSTRAP, TRANSFERRING and DECODE_WAITING at once (there is no handoff) and waits for a batch slot."""
-        from gpu.sampling import make_generator
+        passes BOOTSTRAP, TRANSFERRING and DECODE_WAITING at once (there is no handoff) and waits for a batch slot.
+        The children of an ``n > 1`` request each get blocks for prompt + max_tokens; the prompt runs once and its
+        KV blocks are copied to the other children."""
+        import torch
+
         from pdserve.errors import OutOfKVBlocksError
 
         request = self.prefill_waiting[0]
-        slot, generation = request.slot, request.generation
         needed = math.ceil((len(request.prompt_ids) + request.sampling.max_tokens) / self.pool.block_tokens)
+        rows: list[tuple[int, tuple[int, int], list[int]]] = []   # (child index, key, blocks)
         try:
-            blocks = self.pool.allocate(needed, slot)
+            for index, key in enumerate(request_rows(request)):
+                rows.append((index, key, self.pool.allocate(needed, key[0])))
         except OutOfKVBlocksError:
+            for _, key, blocks in rows:
+                self.pool.free(blocks, key[0])
             self.prefill_blocked = True  # waits for running requests to finish
             return
         self.prefill_blocked = False
         self.prefill_waiting.pop(0)
-        entry = DecodeEntry(ready=None, blocks=blocks)
-        if not self.table.transition(slot, generation, self.S.PREFILLING, owner=self.index):
-            self.pool.free(blocks, slot)
-            return
-        self.table.update(slot, generation, decode_blocks=len(blocks))
+        live = []
+        for index, key, blocks in rows:
+            if self.table.transition(*key, self.S.PREFILLING, owner=self.index):
+                self.table.update(*key, decode_blocks=len(blocks))
+                live.append((index, key, blocks))
+            else:
+                self.pool.free(blocks, key[0])
         self._publish_pool()
+        if not live:
+            return
         start_ns = time.monotonic_ns()
-        logits = chunked_prefill(self.model, self.kv, request.prompt_ids, blocks, self.config.prefill_chunk_tokens,
-                                 lambda: self._row_live(slot, generation),
+        first_blocks = live[0][2]
+        logits = chunked_prefill(self.model, self.kv, request.prompt_ids, first_blocks,
+                                 self.config.prefill_chunk_tokens, lambda: any(self._row_live(*k) for _, k, _ in live),
                                  lambda: self.actors.beat(self.index, iterations_delta=0))
         prefill_s = (time.monotonic_ns() - start_ns) / 1e9
-        row = self.table.read(slot, generation)
+        row = self.table.read(*live[0][1])
         if logits is None or row is None:
-            self.pool.free(blocks, slot)
+            for _, key, blocks in live:
+                self.pool.free(blocks, key[0])
+                self.table.update(*key, decode_blocks=0)
             self._publish_pool()
             return
-        params = sampling_params(request.sampling)
-        first_token = self.sampler.sample(logits[None, :], [params], [make_generator(params.seed)])[0]
+        prompt_blocks = math.ceil(len(request.prompt_ids) / self.pool.block_tokens)
+        src = torch.tensor(first_blocks[:prompt_blocks], dtype=torch.long)
+        for _, _, blocks in live[1:]:   # the other children start from the same prompt KV
+            self.kv[:, :, blocks[:prompt_blocks]] = self.kv.index_select(2, src)
+        samplings = [child_sampling(request.sampling, index) for index, _, _ in live]
+        firsts = first_tokens(self.sampler, logits, request.prompt_ids, samplings)
         queue_s = (start_ns - int(row["created_ns"])) / 1e9
-        entry.ready = KVReady(slot, generation, request.request_id, [], len(request.prompt_ids), int(first_token),
-                              request.sampling, queue_s, prefill_s)
-        entry.timings = {"queue_s": queue_s, "prefill_s": prefill_s, "transfer_s": 0.0, "transfer_bytes": 0}
-        for state in (self.S.BOOTSTRAP, self.S.TRANSFERRING, self.S.DECODE_WAITING):
-            if not self.table.transition(slot, generation, state, owner=self.index):
+        for (_, key, blocks), sampling, (token, logprobs) in zip(live, samplings, firsts):
+            history = request.prompt_ids if sampling.repetition_penalty != 1.0 else []
+            entry = DecodeEntry(ready=KVReady(key[0], key[1], request.request_id, [], len(request.prompt_ids), token,
+                                              sampling, queue_s, prefill_s, logprobs, history), blocks=blocks)
+            entry.timings = {"queue_s": queue_s, "prefill_s": prefill_s, "transfer_s": 0.0, "transfer_bytes": 0}
+            if all(self.table.transition(*key, state, owner=self.index)
+                   for state in (self.S.BOOTSTRAP, self.S.TRANSFERRING, self.S.DECODE_WAITING)):
+                self.waiting.append(entry)
+            else:
                 self._release(entry)
-                return
-        self.waiting.append(entry)
 
     def reap_final(self) -> None:
         if self.prefill_waiting:
-            self.prefill_waiting = [r for r in self.prefill_waiting if self._row_live(r.slot, r.generation)]
+            self.prefill_waiting = [r for r in self.prefill_waiting
+                                    if any(self._row_live(*key) for key in request_rows(r))]
         keep_delayed = []
         for due_s, entry in self.delayed_done:
             if self._is_live(entry):
@@ -326,9 +348,11 @@ class DecodeActor(Actor):
             return "length"
         return None
 
-    def _emit(self, entry: DecodeEntry, token: int, items: list[list[Any]]) -> bool:
-        """Record one generated token; returns True if the request finished (and was released)."""
+    def _emit(self, entry: DecodeEntry, token: int, items: list[list[Any]], logprobs: list | None = None) -> bool:
+        """Record one generated token (``logprobs``: its wire log-probabilities, if asked for); returns True if
+        the request finished (and was released)."""
         entry.output_tokens += 1
+        entry.output_ids.append(token)
         entry.last_token = token
         reason = self._finish_reason(entry, token)
         slot, generation = entry.key
@@ -341,8 +365,13 @@ class DecodeActor(Actor):
         else:  # a token is progress: it renews the decode-stall deadline
             self.table.update(slot, generation, output_tokens=entry.output_tokens, last_progress_ns=time.monotonic_ns())
         item = [slot, generation, token, reason]
+        extras = {}
         if entry.output_tokens == 1 and entry.timings is not None:
-            item.append(entry.timings)
+            extras["timings"] = entry.timings
+        if logprobs is not None:
+            extras["logprobs"] = logprobs
+        if extras:
+            item.append(extras)
         items.append(item)
         return reason is not None
 
@@ -360,21 +389,29 @@ class DecodeActor(Actor):
 
                 entry.generator = make_generator((entry.params.seed + 1) % 2**63)  # prefill used `seed`
             entry.position = ready.num_tokens
-            if not self._emit(entry, ready.first_token, items):
+            if not self._emit(entry, ready.first_token, items, ready.first_logprobs):
                 self.running.append(entry)
 
     def step(self, items: list[list[Any]]) -> None:
         """One batched decode step over every running request."""
+        from gpu.sampling import token_logprobs
+
         if not self.running:
             return
         batch = self.running
         logits = self.model.decode(self.kv, [e.last_token for e in batch], [e.position for e in batch],
                                    [e.blocks for e in batch])
-        tokens = self.sampler.sample(logits, [e.params for e in batch], [e.generator for e in batch])
+        params = [e.params for e in batch]
+        histories = [(e.ready.prompt_ids, e.output_ids) if p.has_penalties else None for e, p in zip(batch, params)]
+        tokens = self.sampler.sample(logits, params, [e.generator for e in batch], histories)
+        if any(p.logprobs is not None for p in params):
+            logprobs = [logprobs_to_wire(lp) for lp in token_logprobs(logits, tokens, [p.logprobs for p in params])]
+        else:
+            logprobs = [None] * len(batch)
         keep = []
-        for entry, token in zip(batch, tokens):
+        for entry, token, lp in zip(batch, tokens, logprobs):
             entry.position += 1
-            if not self._emit(entry, int(token), items):
+            if not self._emit(entry, int(token), items, lp):
                 keep.append(entry)
         self.running = keep
 

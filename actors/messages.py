@@ -23,6 +23,10 @@ class Sampling:
     max_tokens: int = 16
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None   # None: none; k: the chosen token's log-probability and the top k alternatives
 
 
 # ---- to the prefill actor ---------------------------------------------------------------------------
@@ -36,6 +40,9 @@ class PrefillRequest:
     request_id: str
     prompt_ids: list[int]
     sampling: Sampling
+    # further rows of an ``n > 1`` request: ``[[slot, generation], ...]``; they share this one prefill (one KV
+    # computation, one set of prefill blocks) and each gets its own first token and its own decode sequence
+    children: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,8 @@ class KVReady:
     sampling: Sampling
     queue_s: float = 0.0      # admission to prefill start
     prefill_s: float = 0.0    # the prompt's forward pass
+    first_logprobs: list | None = None   # [logprob, [[token_id, logprob], ...]] when sampling.logprobs is set
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)   # sent only for a repetition penalty
 
 
 # ---- to the API -------------------------------------------------------------------------------------
@@ -73,8 +82,10 @@ class KVReady:
 class TokenBatch:
     """Decode -> API: new tokens of several requests from one decode step.
 
-    ``items`` rows are ``[slot, generation, token_id, finish_reason or None]``; a request's first token adds
-    a fifth element, its stage timings ``{"queue_s", "prefill_s", "transfer_s", "transfer_bytes"}``.
+    ``items`` rows are ``[slot, generation, token_id, finish_reason or None]``, plus a fifth element, a dict,
+    when there is more to say about the token: ``"timings"`` (a request's first token: its stage timings
+    ``{"queue_s", "prefill_s", "transfer_s", "transfer_bytes"}``) and ``"logprobs"`` (``[logprob,
+    [[token_id, logprob], ...]]`` when the request asked for log-probabilities).
     """
 
     kind: ClassVar[str] = "token_batch"
@@ -119,7 +130,8 @@ def from_wire(frame: list[Any]) -> Any:
     values = {}
     for f, value in zip(fields, frame[1:]):
         if f.name == "sampling":
-            value = Sampling(*value[:-1], tuple(value[-1]))
+            value = Sampling(*value)
+            value = dataclasses.replace(value, stop_token_ids=tuple(value.stop_token_ids))
         values[f.name] = value
     return cls(**values)
 

@@ -10,6 +10,7 @@ never waits for new requests.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import os
@@ -54,7 +55,55 @@ def sampling_params(sampling):
 
     return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                           min_p=sampling.min_p, seed=sampling.seed, max_tokens=sampling.max_tokens,
-                          stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos)
+                          stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+                          presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
+                          repetition_penalty=sampling.repetition_penalty, logprobs=sampling.logprobs)
+
+
+def request_rows(request: PrefillRequest) -> list[tuple[int, int]]:
+    """Every state-table row the request stands for: itself, then its ``n > 1`` children."""
+    return [(request.slot, request.generation)] + [(int(s), int(g)) for s, g in request.children]
+
+
+def child_sampling(sampling, index: int):
+    """The sampling settings of child ``index`` of an ``n > 1`` request: a seeded request's children get the
+    seeds ``seed, seed + 1, ...`` (as vLLM does), so each choice is reproducible and they differ."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    return dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**63)
+
+
+def first_tokens(sampler, logits, prompt_ids: list[int], samplings: list) -> list[tuple[int, list | None]]:
+    """Sample each row's first token from the prompt's last logits ``[vocab]``.
+
+    Returns ``(token_id, logprobs or None)`` per entry of ``samplings``; logprobs on the wire form
+    ``[logprob, [[token_id, logprob], ...]]`` (raw model log-probabilities, before penalties and temperature).
+    """
+    from gpu.sampling import make_generator, token_logprobs
+
+    params = [sampling_params(s) for s in samplings]
+    batch = logits[None, :].expand(len(params), -1)
+    histories = [(prompt_ids, ()) if p.has_penalties else None for p in params]
+    tokens = sampler.sample(batch, params, [make_generator(p.seed) for p in params], histories)
+    return [(int(t), logprobs_to_wire(lp))
+            for t, lp in zip(tokens, token_logprobs(batch, tokens, [p.logprobs for p in params]))]
+
+
+def logprobs_to_wire(lp) -> list | None:
+    """gpu.sampling.TokenLogprob -> ``[logprob, [[token_id, logprob], ...]]`` (None stays None)."""
+    if lp is None:
+        return None
+    return [float(lp.logprob), [[int(t), float(v)] for t, v in lp.top]]
+
+
+@dataclasses.dataclass
+class SharedBlocks:
+    """Prefill blocks that one or more rows (an ``n > 1`` request's children) hold together; they are freed when
+    the last holder leaves the inflight queue (transfer done, or its row turned final)."""
+
+    owner_slot: int
+    blocks: list[int]
+    holders: set
 
 
 class PrefillActor(Actor):
@@ -86,7 +135,8 @@ class PrefillActor(Actor):
         self.faults = FaultPlan(self.config.faults, self.name)
         self.blocked = False  # the head request waits for free blocks: do not spin on it
         self.waiting: collections.deque[PrefillRequest] = collections.deque()
-        self.inflight: dict[tuple[int, int], list[int]] = {}  # (slot, generation) -> our block ids
+        # (slot, generation) -> the prefill blocks the row holds (shared by the children of an n > 1 request)
+        self.inflight: dict[tuple[int, int], SharedBlocks] = {}
         self._publish_pool()
 
     def _publish_pool(self) -> None:
@@ -100,8 +150,8 @@ class PrefillActor(Actor):
         self.reap_final()
         if self.waiting:
             self.prefill_next()
-        self.status.set_own_gauges(self.index, queued=len(self.waiting), prefill_inflight=len(self.inflight),
-                                   running=0)
+        queued_rows = sum(1 + len(r.children) for r in self.waiting)  # the table counts rows, n per request
+        self.status.set_own_gauges(self.index, queued=queued_rows, prefill_inflight=len(self.inflight), running=0)
 
     def handle(self, message) -> None:
         if isinstance(message, PrefillRequest):
@@ -125,21 +175,26 @@ class PrefillActor(Actor):
         return row is not None and int(row["state"]) in LIVE_STATES
 
     def _free_inflight(self, key: tuple[int, int]) -> None:
-        blocks = self.inflight.pop(key, None)
-        if blocks is None:  # late or duplicate completion for a request already cleaned up
+        shared = self.inflight.pop(key, None)
+        if shared is None:  # late or duplicate completion for a request already cleaned up
             return
-        self.pool.free(blocks, key[0])
         self.table.update(key[0], key[1], prefill_blocks=0)
-        self._publish_pool()
+        shared.holders.discard(key)
+        if not shared.holders:  # the last row holding the prompt's KV has left the inflight queue
+            self.pool.free(shared.blocks, shared.owner_slot)
+            self._publish_pool()
 
     def reap_final(self) -> None:
         """Drop waiting requests and free the blocks of inflight requests whose rows turned final."""
         if self.waiting:
-            self.waiting = collections.deque(r for r in self.waiting if self._is_live(r.slot, r.generation))
+            self.waiting = collections.deque(r for r in self.waiting
+                                             if any(self._is_live(*key) for key in request_rows(r)))
         for key in [k for k in self.inflight if not self._is_live(*k)]:
             self._free_inflight(key)
 
     def prefill_next(self) -> None:
+        """Prefill the head request once, for all its rows (an ``n > 1`` request's children share the prompt's
+        KV blocks here), sample each row's first token and hand every row to decode (KVReady each)."""
         from pdserve.errors import OutOfKVBlocksError
 
         request = self.waiting[0]
@@ -151,43 +206,41 @@ class PrefillActor(Actor):
             return
         self.blocked = False
         self.waiting.popleft()
-        key = (request.slot, request.generation)
-        if not self.table.transition(request.slot, request.generation, self.S.PREFILLING, owner=self.index):
+        shared = SharedBlocks(request.slot, blocks, set())
+        rows = []  # (child index, key) of the rows still live
+        for index, key in enumerate(request_rows(request)):
+            if self.table.transition(*key, self.S.PREFILLING, owner=self.index):
+                rows.append((index, key))
+                shared.holders.add(key)
+                self.inflight[key] = shared
+                self.table.update(*key, prefill_blocks=len(blocks))
+        if not rows:
             self.pool.free(blocks, request.slot)
             return
-        self.inflight[key] = blocks
-        self.table.update(request.slot, request.generation, prefill_blocks=len(blocks))
         self._publish_pool()
         apply_actor_faults(self.faults, self.name, request.request_id)
         self.status.set_own_gauges(self.index, running=1)
         start_ns = time.monotonic_ns()
-        logits = self._chunked_prefill(request, blocks)
+        logits = chunked_prefill(self.model, self.kv, request.prompt_ids, blocks, self.config.prefill_chunk_tokens,
+                                 lambda: any(self._is_live(*key) for _, key in rows),
+                                 lambda: self.actors.beat(self.index, iterations_delta=0))
+        self.status.set_own_gauges(self.index, running=0)
         if logits is None:  # aborted (or timed out) between two chunks: stop working on it now
-            self.status.set_own_gauges(self.index, running=0)
-            self._free_inflight(key)
+            for _, key in rows:
+                self._free_inflight(key)
             return
         prefill_s = (time.monotonic_ns() - start_ns) / 1e9
-        self.status.set_own_gauges(self.index, running=0)
-        row = self.table.read(request.slot, request.generation)
+        row = self.table.read(*rows[0][1])
         queue_s = (start_ns - int(row["created_ns"])) / 1e9 if row else 0.0
-        params = sampling_params(request.sampling)
-        from gpu.sampling import make_generator
-
-        generator = make_generator(params.seed)
-        first_token = self.sampler.sample(logits[None, :], [params], [generator])[0]
-        if not self.table.transition(request.slot, request.generation, self.S.BOOTSTRAP, owner=self.index):
-            self._free_inflight(key)
-            return
-        self.to_decode.put(to_wire(KVReady(request.slot, request.generation, request.request_id, blocks,
-                                           len(request.prompt_ids), int(first_token), request.sampling,
-                                           queue_s, prefill_s)))
-
-    def _chunked_prefill(self, request: PrefillRequest, blocks: list[int]):
-        """Run the prompt in chunks of ``prefill_chunk_tokens``; between chunks beat the heartbeat and stop early
-        (return None) if the request's row turned final. Returns the last position's logits ``[vocab]``."""
-        return chunked_prefill(self.model, self.kv, request.prompt_ids, blocks, self.config.prefill_chunk_tokens,
-                               lambda: self._is_live(request.slot, request.generation),
-                               lambda: self.actors.beat(self.index, iterations_delta=0))
+        samplings = [child_sampling(request.sampling, index) for index, _ in rows]
+        firsts = first_tokens(self.sampler, logits, request.prompt_ids, samplings)
+        for (_, key), sampling, (token, logprobs) in zip(rows, samplings, firsts):
+            if not self.table.transition(*key, self.S.BOOTSTRAP, owner=self.index):
+                self._free_inflight(key)
+                continue
+            history = request.prompt_ids if sampling.repetition_penalty != 1.0 else []
+            self.to_decode.put(to_wire(KVReady(key[0], key[1], request.request_id, blocks, len(request.prompt_ids),
+                                               token, sampling, queue_s, prefill_s, logprobs, history)))
 
     def on_stop(self) -> None:
         for key in list(self.inflight):

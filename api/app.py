@@ -17,7 +17,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from api.engine_client import EngineClient, RequestHandle
-from api.protocol import GenerationRequest, RequestParser, chunk, error_body, full_response, usage
+from api.protocol import (ChoiceResult, GenerationRequest, RequestParser, chat_logprobs, chunk, completion_logprobs,
+                          error_body, full_response, usage)
 from pdserve.errors import InvalidRequestError, PdserveError
 
 log = logging.getLogger("pdserve.api")
@@ -70,8 +71,12 @@ class StopStringMatcher:
 
 
 async def generate_text(client: EngineClient, tokenizer, handle: RequestHandle,
-                        metrics=None) -> AsyncIterator[tuple[str, str | None]]:
-    """Yield ``(text_delta, finish_reason)`` for a request; the last item has a finish reason.
+                        metrics=None) -> AsyncIterator[tuple[str, str | None, list]]:
+    """Yield ``(text_delta, finish_reason, logprobs)`` for one sequence; the last item has a finish reason.
+
+    ``logprobs`` lists ``(token_id, [logprob, [[top_id, top_logprob], ...]])`` for the tokens received since the
+    previous item (empty unless the request asked for log-probabilities; text held back by the stop-string
+    matcher carries its tokens' logprobs to the next item).
 
     Raises:
         PdserveError: the engine or the monitor reported an error, or the deadline passed.
@@ -82,11 +87,14 @@ async def generate_text(client: EngineClient, tokenizer, handle: RequestHandle,
     stops = StopStringMatcher(handle.request.stop)
     handle.completion_tokens = 0
     last_ns = 0
+    logprobs: list = []
     while True:
         event = await client.next_event(handle)
         if event[0] == "error":
             raise event[1]
-        _, token, reason = event
+        _, token, reason, token_logprobs = event
+        if token_logprobs is not None:
+            logprobs.append((token, token_logprobs))
         handle.completion_tokens += 1
         now_ns = time.monotonic_ns()
         if handle.first_token_ns == 0:
@@ -102,13 +110,50 @@ async def generate_text(client: EngineClient, tokenizer, handle: RequestHandle,
         out, matched = stops.push(text)
         if matched:
             client.stop_generation(handle)
-            yield out, "stop"
+            yield out, "stop", logprobs
             return
         if reason is not None:
-            yield out + stops.flush(), reason
+            yield out + stops.flush(), reason, logprobs
             return
         if out:
-            yield out, None
+            yield out, None, logprobs
+            logprobs = []
+
+
+async def merged_choices(client: EngineClient, tokenizer, handles: list[RequestHandle],
+                         metrics=None) -> AsyncIterator[tuple[int, str, str | None, list]]:
+    """The ``n`` choices' :func:`generate_text` items merged in arrival order, as ``(index, text, finish_reason,
+    logprobs)``. The first error of any choice is raised (the caller finishes every choice)."""
+    if len(handles) == 1:
+        async for item in generate_text(client, tokenizer, handles[0], metrics):
+            yield (handles[0].index, *item)
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(handle: RequestHandle) -> None:
+        try:
+            async for item in generate_text(client, tokenizer, handle, metrics):
+                queue.put_nowait((handle.index, item))
+        except PdserveError as exc:
+            queue.put_nowait((handle.index, exc))
+        finally:
+            queue.put_nowait((handle.index, done))
+
+    tasks = [asyncio.ensure_future(pump(h)) for h in handles]
+    try:
+        remaining = len(handles)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, PdserveError):
+                raise item
+            else:
+                yield (index, *item)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def read_body(request: Request, limit: int | None = None) -> bytes:
@@ -171,21 +216,46 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
                 gen = await asyncio.to_thread(parse_request, parser, kind, raw, rid)
             else:
                 gen = parse_request(parser, kind, raw, rid)
-            handle = client.submit(gen)
+            handles = client.submit(gen)
         except PdserveError as exc:
             return error_response(exc)
-        metrics.on_admitted()
+        for _ in handles:
+            metrics.on_admitted()
         if gen.stream:
-            return StreamingResponse(stream_events(handle), media_type="text/event-stream",
+            return StreamingResponse(stream_events(handles), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await complete(request, handle)
+        return await complete(request, handles)
 
-    async def complete(request: Request, handle: RequestHandle) -> Response:
-        async def collect() -> tuple[str, str | None]:
-            parts, reason = [], None
-            async for text, reason in generate_text(client, tokenizer, handle, metrics):
-                parts.append(text)
-            return "".join(parts), reason
+    def format_logprobs(req: GenerationRequest, tokens: list, text_offset: int) -> dict | None:
+        if req.sampling.logprobs is None:
+            return None
+        if req.kind == "chat":
+            return chat_logprobs(tokenizer, tokens)
+        return completion_logprobs(tokenizer, tokens, text_offset)
+
+    def finished(handles: list[RequestHandle], reasons: dict[int, str | None], status: int = 200) -> None:
+        """Count every choice once: with its own finish reason, or (unfinished) as an abort (499) or an error."""
+        for h in handles:
+            reason = reasons.get(h.index)
+            if reason is None:
+                metrics.on_finished(h, "abort" if status == 499 else "error", status)
+            else:
+                metrics.on_finished(h, reason)
+
+    async def complete(request: Request, handles: list[RequestHandle]) -> Response:
+        req = handles[0].request
+        prefix = req.echo_text or ""
+
+        async def collect() -> list[ChoiceResult]:
+            texts: dict[int, list[str]] = {h.index: [prefix] for h in handles}
+            tokens: dict[int, list] = {h.index: [] for h in handles}
+            async for index, text, reason, logprobs in merged_choices(client, tokenizer, handles, metrics):
+                texts[index].append(text)
+                tokens[index].extend(logprobs)
+                if reason is not None:
+                    reasons[index] = reason
+            return [ChoiceResult(i, "".join(texts[i]), reasons.get(i), format_logprobs(req, tokens[i], len(prefix)))
+                    for i in texts]
 
         async def wait_disconnect() -> None:
             while True:
@@ -193,49 +263,57 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
                 if message["type"] == "http.disconnect":
                     return
 
+        reasons: dict[int, str | None] = {}
         work = asyncio.ensure_future(collect())
         watch = asyncio.ensure_future(wait_disconnect())
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
             if work not in done:
-                metrics.on_finished(handle, "abort", 499)
+                finished(handles, reasons, 499)
                 return Response(status_code=499)
             try:
-                text, reason = work.result()
+                choices = work.result()
             except PdserveError as exc:
-                metrics.on_finished(handle, "error", exc.http_status)
+                finished(handles, reasons, exc.http_status)
                 return error_response(exc)
-            metrics.on_finished(handle, reason)
-            return JSONResponse(full_response(handle.request, text, reason, handle.completion_tokens))
+            finished(handles, reasons)
+            return JSONResponse(full_response(req, choices, sum(h.completion_tokens for h in handles)))
         finally:
             for task in (work, watch):
                 task.cancel()
-            client.finish(handle)
+            client.finish_all(handles)
 
-    async def stream_events(handle: RequestHandle) -> AsyncIterator[bytes]:
-        req = handle.request
-        aborted = True
-        first = True
+    async def stream_events(handles: list[RequestHandle]) -> AsyncIterator[bytes]:
+        req = handles[0].request
+        reasons: dict[int, str | None] = {}
+        status = 499   # until the stream ends normally or with an error event
+        first = {h.index for h in handles}   # choices whose first chunk is still to come
+        offsets = {h.index: len(req.echo_text or "") for h in handles}
         try:
             try:
-                async for text, reason in generate_text(client, tokenizer, handle, metrics):
-                    if text or reason is not None or first:
-                        yield b"data: " + orjson.dumps(chunk(req, text, reason, first=first)) + b"\n\n"
-                        first = False
-                aborted = False
-                metrics.on_finished(handle, reason)
+                async for index, text, reason, logprobs in merged_choices(client, tokenizer, handles, metrics):
+                    if reason is not None:
+                        reasons[index] = reason
+                    if index in first and req.echo_text:
+                        text = req.echo_text + text
+                    if text or reason is not None or index in first or logprobs:
+                        body = chunk(req, text, reason, first=index in first, index=index,
+                                     logprobs=format_logprobs(req, logprobs, offsets[index]))
+                        offsets[index] += len(text)
+                        first.discard(index)
+                        yield b"data: " + orjson.dumps(body) + b"\n\n"
+                status = 200
                 if req.include_usage:
-                    body = chunk(req, None, None, usage_body=usage(len(req.prompt_ids), handle.completion_tokens))
+                    body = chunk(req, None, None, usage_body=usage(len(req.prompt_ids),
+                                                                   sum(h.completion_tokens for h in handles)))
                     yield b"data: " + orjson.dumps(body) + b"\n\n"
             except PdserveError as exc:
-                aborted = False
-                metrics.on_finished(handle, "error", exc.http_status)
+                status = exc.http_status
                 yield b"data: " + orjson.dumps(error_body(exc)) + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
-            if aborted:
-                metrics.on_finished(handle, "abort", 499)
-            client.finish(handle)
+            finished(handles, reasons, status)
+            client.finish_all(handles)
 
     async def chat_completions(request: Request) -> Response:
         return await run_request(request, "chat")

@@ -24,15 +24,18 @@ log = logging.getLogger("pdserve.api")
 
 @dataclass
 class RequestHandle:
-    """One admitted request: its row, and the asyncio queue its events arrive on.
+    """One admitted sequence (a request, or one of the ``n`` choices of one): its row, and the asyncio queue its
+    events arrive on.
 
-    Events: ``("token", token_id, finish_reason|None)`` or ``("error", PdserveError)``.
+    Events: ``("token", token_id, finish_reason|None, logprobs|None)`` (logprobs on the wire form ``[logprob,
+    [[token_id, logprob], ...]]``) or ``("error", PdserveError)``.
     """
 
     request: GenerationRequest
     slot: int
     generation: int
-    deadline_s: float              # time.monotonic() after which the handler stops waiting
+    index: int = 0                 # the choice's index (0 .. n - 1)
+    deadline_s: float = 0.0        # time.monotonic() after which the handler stops waiting
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     admitted_ns: int = field(default_factory=time.monotonic_ns)
     first_token_ns: int = 0
@@ -94,9 +97,10 @@ class EngineClient:
                 if handle is None:
                     self.stale_messages += 1
                     continue
-                if len(item) > 4:
-                    handle.timings = item[4]
-                handle.events.put_nowait(("token", item[2], item[3]))
+                extras = item[4] if len(item) > 4 else {}
+                if "timings" in extras:
+                    handle.timings = extras["timings"]
+                handle.events.put_nowait(("token", item[2], item[3], extras.get("logprobs")))
         elif isinstance(message, RequestError):
             handle = self.handles.get((message.slot, message.generation))
             if handle is None:
@@ -111,42 +115,53 @@ class EngineClient:
         """Requests this API process is waiting on (compared with the table's count by tools/inspect)."""
         return len(self.handles)
 
-    def submit(self, request: GenerationRequest, timeout_s: float | None = None) -> RequestHandle:
-        """Allocate the request's row (QUEUED) and send it to the prefill actor.
+    def submit(self, request: GenerationRequest, timeout_s: float | None = None) -> list[RequestHandle]:
+        """Allocate the request's rows (QUEUED; one per choice, ``request.n``) and send it to the prefill actor.
 
-        ``timeout_s`` (default: ``request.timeout_s``, then ``config.request_timeout_s``) is the whole
-        request's deadline, written into the row where the monitor enforces it; it is capped at
-        ``config.request_timeout_s`` so a client cannot hold a row longer than the server allows.
+        The ``n`` rows travel in one PrefillRequest: the prompt is prefilled once and each row gets its own
+        first token and decode sequence. ``timeout_s`` (default: ``request.timeout_s``, then
+        ``config.request_timeout_s``) is the whole request's deadline, written into each row where the monitor
+        enforces it; it is capped at ``config.request_timeout_s`` so a client cannot hold a row longer than the
+        server allows. Returns one handle per choice, in index order.
 
         Raises:
-            EngineOverloadedError: too many requests in flight, the table is full, or the prefill queue
-                stayed full (the caller answers 503 with Retry-After).
+            EngineOverloadedError: too many sequences in flight (``max_queued_requests`` counts every choice),
+                the table is full, or the prefill queue stayed full (the caller answers 503 with Retry-After).
+                Nothing stays allocated when it raises.
         """
         if self.status.rec["draining"]:
             raise EngineOverloadedError("the engine is shutting down (draining); retry on another replica")
-        if len(self.handles) >= self.config.max_queued_requests:
-            raise EngineOverloadedError(f"{len(self.handles)} requests in flight (max_queued_requests); retry")
+        n = request.n
+        if len(self.handles) + n > self.config.max_queued_requests:
+            raise EngineOverloadedError(f"{len(self.handles)} sequences in flight, {n} more asked for "
+                                        f"(max_queued_requests={self.config.max_queued_requests}); retry")
         if timeout_s is None:
             timeout_s = getattr(request, "timeout_s", None)
         limit_s = self.config.request_timeout_s
         timeout_s = limit_s if timeout_s is None else min(float(timeout_s), limit_s)
         now_ns = time.monotonic_ns()
         deadline_ns = now_ns + int(timeout_s * 1e9)
+        handles: list[RequestHandle] = []
         try:
-            slot, generation = self.table.allocate(request.request_id, prompt_tokens=len(request.prompt_ids),
-                                                   deadline_ns=deadline_ns)
+            for index in range(n):
+                slot, generation = self.table.allocate(request.request_id, prompt_tokens=len(request.prompt_ids),
+                                                       deadline_ns=deadline_ns)
+                self.table.update(slot, generation, owner=API_INDEX)
+                handle = RequestHandle(request, slot, generation, index, deadline_s=time.monotonic() + timeout_s)
+                self.handles[handle.key] = handle
+                handles.append(handle)
         except StateTableFullError as exc:
+            self.finish_all(handles)
             raise EngineOverloadedError(f"request table full: {exc.message}") from None
-        self.table.update(slot, generation, owner=API_INDEX)
-        handle = RequestHandle(request, slot, generation, deadline_s=time.monotonic() + timeout_s)
-        self.handles[handle.key] = handle
         try:
-            message = PrefillRequest(slot, generation, request.request_id, request.prompt_ids, request.sampling)
+            first = handles[0]
+            message = PrefillRequest(first.slot, first.generation, request.request_id, request.prompt_ids,
+                                     request.sampling, [[h.slot, h.generation] for h in handles[1:]])
             self.to_prefill.put(to_wire(message), timeout_s=1.0)
         except QueueFullError:
-            self.finish(handle)
+            self.finish_all(handles)
             raise EngineOverloadedError("the prefill queue is full; retry") from None
-        return handle
+        return handles
 
     def stop_generation(self, handle: RequestHandle) -> None:
         """A stop string matched: the request is done; the decode actor frees its blocks."""
@@ -159,6 +174,11 @@ class EngineClient:
             return
         self.table.transition(handle.slot, handle.generation, self.S.ABORTED, owner=API_INDEX)
         self.table.release(handle.slot, handle.generation)
+
+    def finish_all(self, handles: list[RequestHandle]) -> None:
+        """``finish`` every choice of a request (all its rows are aborted if live, then released)."""
+        for handle in handles:
+            self.finish(handle)
 
     async def next_event(self, handle: RequestHandle) -> tuple:
         """Wait for the request's next event, never past its deadline.

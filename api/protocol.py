@@ -18,6 +18,8 @@ MAX_STOP_CHARS = 1024
 MAX_SEED = 2**63 - 1
 MAX_REQUEST_ID_CHARS = 40  # the state table's request_id field
 MAX_TIMEOUT_S = 86400.0
+MAX_LOGPROBS = 20   # top alternatives per token (chat's top_logprobs, completions' logprobs)
+MAX_N = 128         # choices per request (OpenAI's limit)
 
 # Top-level fields each route understands. Anything else is a 400 naming the field (as OpenAI answers
 # "Unrecognized request argument"): a typo such as ``max_token`` must not be silently ignored.
@@ -58,6 +60,8 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     timeout_s: float | None = None   # per-request deadline (the body's ``timeout``); None = server default
+    n: int = 1                       # choices; the engine prefills once and decodes n sequences
+    echo_text: str | None = None     # completions with ``echo``: the prompt, returned before each choice's text
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -112,11 +116,11 @@ def _unsupported(name: str, why: str) -> InvalidRequestError:
                                "remove it or send its neutral value", param=name, code="unsupported_parameter")
 
 
-def _check_neutral_number(body: dict, name: str, neutral: float, low: float, high: float, why: str) -> None:
-    """A number we validate but cannot honour: only ``neutral`` (or null) is accepted."""
-    value = _number(body, name, neutral, low, high)
-    if value != neutral:
-        raise _unsupported(name, why)
+def _repetition_penalty(body: dict) -> float:
+    value = _number(body, "repetition_penalty", 1.0, 0.0, 10.0)
+    if value == 0.0:
+        raise InvalidRequestError("'repetition_penalty' must be > 0", param="repetition_penalty")
+    return value
 
 
 def _check_unsupported_fields(body: dict, kind: str) -> None:
@@ -126,33 +130,15 @@ def _check_unsupported_fields(body: dict, kind: str) -> None:
         if name not in allowed:
             raise InvalidRequestError(f"unrecognized request argument '{name}' for this route", param=name,
                                       code="unknown_parameter")
-    logprobs = body.get("logprobs")
-    if kind == "chat":
-        if logprobs is not None and not isinstance(logprobs, bool):
-            raise InvalidRequestError("'logprobs' must be a boolean", param="logprobs")
-        if logprobs:
-            raise _unsupported("logprobs", "the decode actor does not return log-probabilities")
-        top = _integer(body, "top_logprobs", 0, 0, 20)
-        if top:
-            raise _unsupported("top_logprobs", "the decode actor does not return log-probabilities")
-    else:
-        if logprobs is not None and logprobs is not False:
-            if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 5:
-                raise InvalidRequestError("'logprobs' must be an integer between 0 and 5", param="logprobs")
-            raise _unsupported("logprobs", "the decode actor does not return log-probabilities")
+    if kind != "chat":
         echo = body.get("echo")
         if echo is not None and not isinstance(echo, bool):
             raise InvalidRequestError("'echo' must be a boolean", param="echo")
-        if echo:
-            raise _unsupported("echo", "the prompt is not returned with the completion")
         suffix = body.get("suffix")
         if suffix is not None and not isinstance(suffix, str):
             raise InvalidRequestError("'suffix' must be a string", param="suffix")
         if suffix:
             raise _unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
-    _check_neutral_number(body, "presence_penalty", 0.0, -2.0, 2.0, "penalties are not applied by the sampler")
-    _check_neutral_number(body, "frequency_penalty", 0.0, -2.0, 2.0, "penalties are not applied by the sampler")
-    _check_neutral_number(body, "repetition_penalty", 1.0, 0.01, 10.0, "penalties are not applied by the sampler")
     best_of = _integer(body, "best_of", 1, 1, 128)
     if best_of != 1:
         raise _unsupported("best_of", "only one sequence is generated per request")
@@ -198,6 +184,27 @@ def _check_unsupported_fields(body: dict, kind: str) -> None:
             raise InvalidRequestError("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
 
 
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many top alternatives to return with each token's log-probability; None = no log-probabilities.
+
+    Chat: ``logprobs`` (bool) and ``top_logprobs`` (0..20, needs ``logprobs: true``). Completions: ``logprobs``
+    (0..20; OpenAI allows 5, vLLM 20).
+    """
+    value = body.get("logprobs")
+    if kind == "chat":
+        if value is not None and not isinstance(value, bool):
+            raise InvalidRequestError("'logprobs' must be a boolean", param="logprobs")
+        top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+        if top and not value:
+            raise InvalidRequestError("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
+        return (top or 0) if value else None
+    if value is None or value is False:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"'logprobs' must be an integer between 0 and {MAX_LOGPROBS}", param="logprobs")
+    return value
+
+
 def _timeout(body: dict) -> float | None:
     value = body.get("timeout")
     if value is None:
@@ -238,14 +245,19 @@ class RequestParser:
         served_model_name: the only model name accepted in ``model``.
         max_model_len: longest prompt + output (tokens) the engine's KV pools can hold.
         default_max_tokens: used when the body gives neither max_tokens nor max_completion_tokens.
+        kv_pool_blocks, kv_block_tokens: the decode KV pool's size (blocks) and block size (tokens), so that the
+            ``n`` choices of one request can be checked to fit together; 0 blocks skips the check.
 
     A text prompt longer than ``max_token_chars * max_model_len`` characters cannot fit whatever its
     tokenization (one token covers at most ``max_token_chars`` characters), so it is rejected before the
     tokenizer runs: a 1 MB prompt costs microseconds, not a second of the event loop.
     """
 
-    def __init__(self, tokenizer, served_model_name: str, max_model_len: int, default_max_tokens: int):
+    def __init__(self, tokenizer, served_model_name: str, max_model_len: int, default_max_tokens: int,
+                 kv_pool_blocks: int = 0, kv_block_tokens: int = 16):
         self.tokenizer = tokenizer
+        self.kv_pool_blocks = kv_pool_blocks     # the decode pool's blocks; 0 = no check of n against it
+        self.kv_block_tokens = kv_block_tokens
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
@@ -279,7 +291,7 @@ class RequestParser:
         except (TypeError, ValueError) as exc:   # e.g. a lone surrogate that slipped past the JSON parser
             raise InvalidRequestError(f"'{param}' cannot be tokenized: {exc}", param=param) from None
 
-    def _sampling(self, body: dict, prompt_len: int) -> Sampling:
+    def _sampling(self, body: dict, prompt_len: int, kind: str) -> Sampling:
         if prompt_len == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         room = self.max_model_len - prompt_len
@@ -306,10 +318,6 @@ class RequestParser:
             raise InvalidRequestError("'top_k' must be -1 (off) or >= 1", param="top_k")
         min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
         seed = _integer(body, "seed", None, -MAX_SEED, MAX_SEED)
-        n = _integer(body, "n", 1, 1, 128)
-        if n != 1:
-            # children sharing one prefill are not built yet: say so rather than run one and drop the rest
-            raise _unsupported("n", f"n={n} asks for {n} choices; only n=1 is served")
         ignore_eos = body.get("ignore_eos", False)
         if ignore_eos is None:
             ignore_eos = False
@@ -317,7 +325,23 @@ class RequestParser:
             raise InvalidRequestError("'ignore_eos' must be a boolean", param="ignore_eos")
         return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                         seed=None if seed is None else seed % (2**63), max_tokens=max_tokens,
-                        ignore_eos=ignore_eos)
+                        ignore_eos=ignore_eos, presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                        repetition_penalty=_repetition_penalty(body), logprobs=_logprobs(body, kind))
+
+    def _n(self, body: dict, prompt_len: int, sampling: Sampling) -> int:
+        """``n`` choices (1..128). All of them decode at once, so together they must fit in the decode KV pool:
+        ``n * ceil((prompt + max_tokens) / block_tokens)`` blocks; more is a 400 rather than a request that
+        could never be held."""
+        n = _integer(body, "n", 1, 1, MAX_N)
+        if n > 1 and self.kv_pool_blocks:
+            per_choice = -(-(prompt_len + sampling.max_tokens) // self.kv_block_tokens)
+            if n * per_choice > self.kv_pool_blocks:
+                raise InvalidRequestError(
+                    f"n={n} choices of prompt ({prompt_len}) + max_tokens ({sampling.max_tokens}) tokens need "
+                    f"{n * per_choice} KV blocks; the engine's decode pool holds {self.kv_pool_blocks}. "
+                    "Lower n or max_tokens", param="n")
+        return n
 
     def _common(self, body: Any, kind: str) -> tuple[str, bool, bool]:
         if not isinstance(body, dict):
@@ -365,8 +389,9 @@ class RequestParser:
                 code="context_length_exceeded")
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
         prompt_ids = self._encode(text, "messages")
-        return GenerationRequest("chat", rid, model, prompt_ids, self._sampling(body, len(prompt_ids)),
-                                 _stop_strings(body), stream, include_usage, _timeout(body))
+        sampling = self._sampling(body, len(prompt_ids), "chat")
+        return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body), stream, include_usage,
+                                 _timeout(body), self._n(body, len(prompt_ids), sampling))
 
     def completion(self, body: Any, request_id: str | None = None) -> GenerationRequest:
         """Validate a /v1/completions body. Raises InvalidRequestError (400) or ModelNotFoundError (404)."""
@@ -390,8 +415,15 @@ class RequestParser:
         else:
             raise InvalidRequestError("'prompt' must be a non-empty string, a list with one string, or a "
                                       "non-empty list of token ids", param="prompt")
-        return GenerationRequest("completion", rid, model, prompt_ids, self._sampling(body, len(prompt_ids)),
-                                 _stop_strings(body), stream, include_usage, _timeout(body))
+        sampling = self._sampling(body, len(prompt_ids), "completion")
+        echo_text = None
+        if body.get("echo"):
+            if sampling.logprobs is not None:
+                raise _unsupported("echo", "echo with logprobs needs the prompt's log-probabilities, which the "
+                                           "prefill actor does not return")
+            echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
+        return GenerationRequest("completion", rid, model, prompt_ids, sampling, _stop_strings(body), stream,
+                                 include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), echo_text)
 
 
 def _max_token_chars(tokenizer) -> int:
@@ -411,30 +443,75 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def full_response(req: GenerationRequest, text: str, finish_reason: str | None, completion_tokens: int) -> dict:
-    if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
+def _logprob_entry(tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    raw = tokenizer.token_bytes(token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def chat_logprobs(tokenizer, tokens: list[tuple[int, list]]) -> dict[str, Any]:
+    """OpenAI chat ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}``.
+
+    ``tokens`` holds ``(token_id, [logprob, [[top_id, top_logprob], ...]])`` per generated token.
+    """
+    content = []
+    for token_id, (logprob, top) in tokens:
+        entry = _logprob_entry(tokenizer, token_id, logprob)
+        entry["top_logprobs"] = [_logprob_entry(tokenizer, t, v) for t, v in top]
+        content.append(entry)
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer, tokens: list[tuple[int, list]], text_offset: int = 0) -> dict[str, Any]:
+    """Legacy completions ``logprobs``: ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``, where
+    ``text_offset`` counts characters from the start of the choice's text (``text_offset`` is where these tokens
+    begin: the streamed text so far, or the echoed prompt's length)."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, (logprob, top) in tokens:
+        text = tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append({tokenizer.token_bytes(t).decode("utf-8", errors="replace"): v for t, v in top})
+        out["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return out
+
+
+@dataclass
+class ChoiceResult:
+    """One finished choice of a non-streamed response."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: dict | None = None
+
+
+def full_response(req: GenerationRequest, choices: list[ChoiceResult], completion_tokens: int) -> dict:
+    """The non-streamed body: one choice per ``n``, in index order; usage counts the prompt once."""
+    out = []
+    for c in sorted(choices, key=lambda c: c.index):
+        if req.kind == "chat":
+            out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": c.logprobs, "finish_reason": c.finish_reason})
+        else:
+            out.append({"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason})
+    obj = "chat.completion" if req.kind == "chat" else "text_completion"
     return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": [choice], "usage": usage(len(req.prompt_ids), completion_tokens)}
+            "choices": out, "usage": usage(len(req.prompt_ids), completion_tokens)}
 
 
 def chunk(req: GenerationRequest, text: str | None, finish_reason: str | None, *, first: bool = False,
-          usage_body: dict | None = None) -> dict:
-    """One SSE chunk. ``usage_body`` set = the final usage-only chunk (choices empty)."""
+          usage_body: dict | None = None, index: int = 0, logprobs: dict | None = None) -> dict:
+    """One SSE chunk of choice ``index``. ``usage_body`` set = the final usage-only chunk (choices empty)."""
     if req.kind == "chat":
         obj = "chat.completion.chunk"
-        choices = [] if usage_body else [{"index": 0, "delta": ({"role": "assistant", "content": text or ""}
-                                                                if first else
-                                                                ({"content": text} if text else {})),
-                                          "logprobs": None, "finish_reason": finish_reason}]
+        choices = [] if usage_body else [{"index": index, "delta": ({"role": "assistant", "content": text or ""}
+                                                                    if first else
+                                                                    ({"content": text} if text else {})),
+                                          "logprobs": logprobs, "finish_reason": finish_reason}]
     else:
         obj = "text_completion"
-        choices = [] if usage_body else [{"index": 0, "text": text or "", "logprobs": None,
+        choices = [] if usage_body else [{"index": index, "text": text or "", "logprobs": logprobs,
                                           "finish_reason": finish_reason}]
     body = {"id": req.request_id, "object": obj, "created": req.created, "model": req.model, "choices": choices}
     if usage_body is not None:

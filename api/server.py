@@ -50,7 +50,8 @@ class ApiActor(Actor):
         client = EngineClient(self.layout)
         client.start(asyncio.get_running_loop())
         parser = RequestParser(tokenizer, self.layout.served_model_name, self.layout.max_model_len,
-                               self.config.default_max_tokens)
+                               self.config.default_max_tokens, self.layout.kv_blocks_per_pool,
+                               self.config.kv_block_tokens)
         metrics = EngineMetrics(client, self.layout.served_model_name, self.layout.effective_config())
         app = build_app(client, tokenizer, parser, metrics)
 

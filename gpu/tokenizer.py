@@ -330,6 +330,24 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (byte-level BPE: the vocabulary string mapped back through GPT-2's
+        byte table; a token outside it, e.g. an added special token, as its UTF-8). A token may hold part of a
+        multi-byte character, so these bytes need not be valid UTF-8 alone (OpenAI's logprobs ``bytes``).
+
+        Raises:
+            ValueError: ``token_id`` is outside the vocabulary.
+        """
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            raise ValueError(f"token id {token_id} is outside the vocabulary")
+        table = self.__dict__.get("_unicode_to_byte")
+        if table is None:
+            table = self.__dict__["_unicode_to_byte"] = {c: b for b, c in bytes_to_unicode().items()}
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return piece.encode("utf-8")
+
     # -- chat template ------------------------------------------------------------------------------------
 
     def apply_chat_template(

@@ -56,23 +56,67 @@ def test_neutral_values_of_unsupported_chat_parameters_are_accepted(parser, name
 
 
 @pytest.mark.parametrize("name,value", [
-    ("logprobs", True), ("top_logprobs", 3), ("presence_penalty", 0.5), ("frequency_penalty", -1),
-    ("repetition_penalty", 1.2), ("n", 2), ("n", 64), ("logit_bias", {"1": 5}),
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
+    ("logit_bias", {"1": 5}), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("tool_choice", "auto"),
 ])
 def test_values_the_engine_cannot_honour_are_a_400_naming_the_parameter(parser, name, value):
     error = rejected(parser.chat, chat_body(**{name: value}), name)
     assert error.code == "unsupported_parameter"
 
 
-@pytest.mark.parametrize("name,value", [("echo", True), ("logprobs", 1), ("logprobs", 0), ("suffix", "end"),
-                                        ("best_of", 2)])
+@pytest.mark.parametrize("name,value", [("suffix", "end"), ("best_of", 2)])
 def test_completion_only_parameters_we_cannot_honour_are_named(parser, name, value):
     rejected(parser.completion, completion_body(**{name: value}), name)
 
 
+def test_echo_with_logprobs_is_refused_naming_echo(parser):
+    error = rejected(parser.completion, completion_body(echo=True, logprobs=1), "echo")
+    assert error.code == "unsupported_parameter"
+
+
 def test_echo_false_and_best_of_one_are_accepted(parser):
     parser.completion(completion_body(echo=False, best_of=1, suffix=None, logprobs=None))
+
+
+def test_penalties_logprobs_n_and_echo_reach_the_request(parser):
+    chat = parser.chat(chat_body(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, n=3,
+                                 logprobs=True, top_logprobs=4))
+    s = chat.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.logprobs) == (0.5, -1.0, 1.2, 4)
+    assert chat.n == 3
+    assert parser.chat(chat_body(logprobs=True)).sampling.logprobs == 0
+    assert parser.chat(chat_body(logprobs=False, top_logprobs=None)).sampling.logprobs is None
+    echoed = parser.completion(completion_body(echo=True))
+    assert echoed.echo_text == "hello" and echoed.sampling.logprobs is None
+    ids = parser.tokenizer.encode("hello there")
+    assert parser.completion(completion_body(prompt=ids, echo=True)).echo_text == "hello there"
+    assert parser.completion(completion_body(logprobs=0)).sampling.logprobs == 0
+
+
+@pytest.mark.parametrize("name,value", [
+    ("top_logprobs", 21), ("top_logprobs", -1), ("presence_penalty", 2.5), ("frequency_penalty", -3),
+    ("repetition_penalty", 0), ("repetition_penalty", 11), ("logprobs", 1),
+])
+def test_out_of_range_logprobs_and_penalties_are_a_400_naming_the_parameter(parser, name, value):
+    rejected(parser.chat, chat_body(**{name: value}), name)
+
+
+def test_top_logprobs_needs_logprobs_true(parser):
+    rejected(parser.chat, chat_body(top_logprobs=2), "top_logprobs")
+    rejected(parser.chat, chat_body(logprobs=False, top_logprobs=2), "top_logprobs")
+    parser.chat(chat_body(top_logprobs=0))
+    rejected(parser.completion, completion_body(logprobs=21), "logprobs")
+
+
+def test_n_choices_must_fit_together_in_the_decode_pool():
+    from gpu.tokenizer import Tokenizer
+
+    small = RequestParser(Tokenizer.load(None), MODEL, MAX_LEN, default_max_tokens=16, kv_pool_blocks=64,
+                          kv_block_tokens=16)
+    # "hello" is one block with max_tokens 10: 64 choices fit exactly, 65 do not
+    assert small.completion(completion_body(n=64, max_tokens=10)).n == 64
+    error = rejected(small.completion, completion_body(n=65, max_tokens=10), "n")
+    assert "64" in error.message and "65" in error.message
 
 
 @pytest.mark.parametrize("name,value", [

@@ -38,9 +38,17 @@ def test_colocated_engine_answers_without_a_prefill_actor_or_a_handoff(engine):
                                                                json={**body, "prompt": p}) for p in PROMPTS))
                 return [r.json()["choices"][0]["text"] for r in responses]
         assert asyncio.run(together()) == alone
+        # n > 1: the prompt runs once and its KV blocks are copied to each child; greedy children equal the answer
+        # alone, so the copies are right (a 20-token prompt spans two 16-token blocks)
+        long_prompt = PROMPTS[0] + " and the three secondary colors are"
+        single = httpx.post(engine.base_url + "/v1/completions", json={**body, "prompt": long_prompt},
+                            timeout=120).json()["choices"][0]["text"]
+        many = httpx.post(engine.base_url + "/v1/completions", json={**body, "prompt": long_prompt, "n": 3},
+                          timeout=120).json()
+        assert [c["text"] for c in many["choices"]] == [single] * 3
         metrics = scrape(engine.base_url)
         assert metrics["pdserve_kv_handoffs_total"] == 0
-        assert metrics["pdserve_requests_admitted_total"] == 1 + 2 * len(PROMPTS)
+        assert metrics["pdserve_requests_admitted_total"] == 1 + 2 * len(PROMPTS) + 1 + 3
         assert_recovered(engine, probe)
     finally:
         probe.close()

@@ -4,6 +4,7 @@ ordinary request still succeeds), scenarios S7, S11, S12, S13, a hypothesis fuzz
 TLS one only for the TLS test)."""
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -126,22 +127,25 @@ CASES = [
     ("seed-string", CHAT, chat(seed="x"), 400, BAD, "seed"),
     ("n-zero", CHAT, chat(n=0), 400, BAD, "n"),
     ("n-200", CHAT, chat(n=200), 400, BAD, "n"),
-    # S13: n=64 would need 64 children sharing one prefill; they are not built, so the request is refused up
-    # front (nothing is admitted, so nothing can be left behind when the client aborts).
-    ("S13-n-64-unsupported", COMP, comp(n=64), 400, BAD, "n"),
+    # 128 choices of 2 blocks each cannot be held together by a 64-block decode pool: refused before admission
+    ("n-over-the-kv-pool", COMP, comp(n=128, max_tokens=20), 400, BAD, "n"),
+    ("n-string", CHAT, chat(n="2"), 400, BAD, "n"),
     ("stop-list-of-50", CHAT, chat(stop=[f"s{i}" for i in range(50)]), 400, BAD, "stop"),
     ("stop-empty-string", CHAT, chat(stop=[""]), 400, BAD, "stop"),
     ("stop-not-strings", CHAT, chat(stop=[1, 2]), 400, BAD, "stop"),
     ("stream-not-bool", CHAT, chat(stream="yes"), 400, BAD, "stream"),
     ("stream-options-without-stream", CHAT, chat(stream_options={"include_usage": True}), 400, BAD,
      "stream_options"),
-    ("logprobs-true", CHAT, chat(logprobs=True), 400, BAD, "logprobs"),
-    ("top-logprobs-5", CHAT, chat(top_logprobs=5), 400, BAD, "top_logprobs"),
-    ("completion-logprobs-1", COMP, comp(logprobs=1), 400, BAD, "logprobs"),
-    ("presence-penalty", CHAT, chat(presence_penalty=0.5), 400, BAD, "presence_penalty"),
-    ("frequency-penalty", COMP, comp(frequency_penalty=1), 400, BAD, "frequency_penalty"),
-    ("repetition-penalty", COMP, comp(repetition_penalty=1.3), 400, BAD, "repetition_penalty"),
-    ("echo-true", COMP, comp(echo=True), 400, BAD, "echo"),
+    ("chat-logprobs-integer", CHAT, chat(logprobs=3), 400, BAD, "logprobs"),
+    ("top-logprobs-without-logprobs", CHAT, chat(top_logprobs=5), 400, BAD, "top_logprobs"),
+    ("top-logprobs-21", CHAT, chat(logprobs=True, top_logprobs=21), 400, BAD, "top_logprobs"),
+    ("completion-logprobs-21", COMP, comp(logprobs=21), 400, BAD, "logprobs"),
+    ("completion-logprobs-true", COMP, comp(logprobs=True), 400, BAD, "logprobs"),
+    ("presence-penalty-3", CHAT, chat(presence_penalty=3), 400, BAD, "presence_penalty"),
+    ("frequency-penalty-string", COMP, comp(frequency_penalty="1"), 400, BAD, "frequency_penalty"),
+    ("repetition-penalty-zero", COMP, comp(repetition_penalty=0), 400, BAD, "repetition_penalty"),
+    ("echo-not-bool", COMP, comp(echo="yes"), 400, BAD, "echo"),
+    ("echo-with-logprobs", COMP, comp(echo=True, logprobs=1), 400, BAD, "echo"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, BAD, "tools"),
     ("response-format-json", CHAT, chat(response_format={"type": "json_object"}), 400, BAD, "response_format"),
     ("unknown-field-typo", COMP, comp(max_token=5), 400, BAD, "max_token"),
@@ -289,22 +293,25 @@ def fuzz_strategies():
     text = st.text(min_size=1, max_size=30)
     sampling = {"temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 100),
                 "min_p": st.floats(0, 1), "stop": st.one_of(text, st.lists(text, min_size=1, max_size=4)),
-                "n": st.just(1), "stream": st.booleans(), "user": text, "logprobs": st.just(False),
-                "presence_penalty": st.just(0), "frequency_penalty": st.just(0.0), "ignore_eos": st.booleans(),
+                "n": st.integers(1, 3), "stream": st.booleans(), "user": text,
+                "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+                "repetition_penalty": st.floats(0.5, 2), "ignore_eos": st.booleans(),
                 "timeout": st.floats(30, 600)}
     message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
                                      "content": st.one_of(st.text(max_size=30), st.lists(
                                          st.fixed_dictionaries({"type": st.just("text"), "text": text}),
                                          min_size=1, max_size=2))})
+    chat_only = {"logprobs": st.booleans(), "top_logprobs": st.integers(0, 5)}
+    completion_only = {"echo": st.booleans(), "logprobs": st.integers(0, 5)}
     valid = {
         CHAT: st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3),
-                                     "max_tokens": st.integers(1, 4)}, optional=sampling),
+                                     "max_tokens": st.integers(1, 4)}, optional={**sampling, **chat_only}),
         COMP: st.fixed_dictionaries({"prompt": st.one_of(text, st.lists(st.integers(0, 49151), min_size=1,
                                                                         max_size=8)),
-                                     "max_tokens": st.integers(1, 4)}, optional={**sampling, "echo": st.just(False)}),
+                                     "max_tokens": st.integers(1, 4)}, optional={**sampling, **completion_only}),
     }
     names = sorted({"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stream_options",
-                    "top_logprobs", "repetition_penalty", "echo", "seed", "extra", *sampling})
+                    "top_logprobs", "logprobs", "echo", "seed", "extra", *sampling})
 
     def corrupt(body_and_junk):
         body, name, value = body_and_junk
@@ -401,18 +408,126 @@ def test_openai_client_completions_plain_and_streamed_with_stop(oai, model):
     assert word not in cut.choices[0].text and text.startswith(cut.choices[0].text)
 
 
-def test_openai_client_gets_bad_request_naming_unsupported_n_and_logprobs(oai, model):
-    import openai
+def test_openai_client_n_choices_with_stop_plain_and_streamed(oai, model):
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    full = oai.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=1.0, seed=7, n=3)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    texts = [c.message.content for c in full.choices]
+    assert all(texts) and len(set(texts)) > 1, texts   # seeds 7, 8, 9: different samples
+    assert 3 <= full.usage.completion_tokens <= 24 and full.usage.prompt_tokens < 40   # the prompt counted once
+    again = oai.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=1.0, seed=7, n=3)
+    assert [c.message.content for c in again.choices] == texts   # reproducible per choice
+    stream = oai.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=1.0, seed=7, n=3,
+                                         stream=True, stream_options={"include_usage": True})
+    streamed = {0: "", 1: "", 2: ""}
+    reasons = {}
+    chunks = list(stream)
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert [streamed[i] for i in range(3)] == texts and set(reasons) == {0, 1, 2}
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    greedy = oai.completions.create(model=model, prompt="The three primary colors are", max_tokens=12,
+                                    temperature=0, n=2)
+    word = greedy.choices[0].text.split()[1]
+    cut = oai.completions.create(model=model, prompt="The three primary colors are", max_tokens=12, temperature=0,
+                                 n=2, stop=[word])
+    single = oai.completions.create(model=model, prompt="The three primary colors are", max_tokens=12, temperature=0)
+    assert greedy.choices[0].text == greedy.choices[1].text == single.choices[0].text   # greedy children agree
+    for choice in cut.choices:
+        assert word not in choice.text and greedy.choices[0].text.startswith(choice.text)
+        assert choice.finish_reason == "stop"
 
-    messages = [{"role": "user", "content": "hi"}]
-    with pytest.raises(openai.BadRequestError) as info:
-        oai.chat.completions.create(model=model, messages=messages, max_tokens=2, n=2)
-    assert info.value.body["param"] == "n"
-    with pytest.raises(openai.BadRequestError) as info:
-        oai.chat.completions.create(model=model, messages=messages, max_tokens=2, logprobs=True, top_logprobs=2)
-    assert info.value.body["param"] in ("logprobs", "top_logprobs")
-    with pytest.raises(openai.NotFoundError):
-        oai.chat.completions.create(model="no-such-model", messages=messages, max_tokens=2)
+
+def test_openai_client_logprobs_chat_and_completions(oai, model):
+    import math
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    full = oai.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens
+    text = full.choices[0].message.content
+    assert "".join(t.token for t in content).startswith(text[:3])
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and sum(math.exp(v) for v in tops) <= 1.0 + 1e-5
+        # greedy: the chosen token is the most likely one
+        assert entry.top_logprobs[0].token == entry.token and abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-5
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+    stream = oai.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                         top_logprobs=3, stream=True)
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    plain = oai.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == text
+
+    comp_full = oai.completions.create(model=model, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                       logprobs=2)
+    lp = comp_full.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == comp_full.choices[0].text
+    assert lp.text_offset[0] == 0 and all(len(d) == 2 for d in lp.top_logprobs)
+    assert all(max(d.values()) == pytest.approx(v, abs=1e-5) for d, v in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+def test_echo_returns_the_prompt_before_the_completion(http):
+    prompt = "The capital of France is"
+    plain = http.post(COMP, json={"prompt": prompt, "max_tokens": 4, "temperature": 0}).json()["choices"][0]["text"]
+    echoed = http.post(COMP, json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True}).json()
+    assert echoed["choices"][0]["text"] == prompt + plain
+    streamed = http.post(COMP, json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True,
+                                     "stream": True}).text
+    events = [orjson.loads(line[6:]) for line in streamed.splitlines()
+              if line.startswith("data: {")]
+    assert events[0]["choices"][0]["text"].startswith(prompt)
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == prompt + plain
+
+
+def test_penalties_change_a_greedy_answer_and_are_reproducible(http):
+    body = {"prompt": "one one one one one one one one", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    plain = http.post(COMP, json=body).json()["choices"][0]["text"]
+    for penalty in ({"repetition_penalty": 2.0}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        first = http.post(COMP, json={**body, **penalty})
+        assert first.status_code == 200, first.text
+        text = first.json()["choices"][0]["text"]
+        if "presence_penalty" not in penalty:   # presence (-2 once per seen token) is too weak to move this answer;
+            assert text != plain, (penalty, plain)   # tests/gpu/test_sampling.py checks its formula
+        assert http.post(COMP, json={**body, **penalty}).json()["choices"][0]["text"] == text
+    def most_repeated_word(text: str) -> int:
+        words = re.findall(r"[a-z]+", text.lower())
+        return max((words.count(w) for w in words), default=0)
+
+    penalised = http.post(COMP, json={**body, "frequency_penalty": 2.0}).json()["choices"][0]["text"]
+    assert most_repeated_word(plain) > most_repeated_word(penalised), (plain, penalised)
+
+
+def test_S13_sixty_four_children_share_one_prefill_and_an_abort_frees_every_one(engine, http, probe):
+    before = sum(v for k, v in scrape(engine.base_url).items()
+                 if k.startswith("pdserve_requests_total{finish_reason=abort"))
+    # 64 choices of 1 KV block each (prompt + 8 tokens <= 16): they all fit in the 64-block decode pool together
+    body = {"prompt": "Count:", "max_tokens": 8, "ignore_eos": True, "n": 64, "stream": True, "temperature": 0.8,
+            "seed": 1}
+    seen = set()
+    with httpx.Client(base_url=engine.base_url, timeout=60) as client:
+        with client.stream("POST", COMP, json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    seen.update(c["index"] for c in orjson.loads(line[6:])["choices"])
+                if seen:
+                    break   # the client goes away with 64 children admitted and most still decoding
+    assert_recovered(engine, probe)   # every row final and released, both pools' blocks all free, gauges 0
+    wait_until(lambda: sum(v for k, v in scrape(engine.base_url).items()
+                           if k.startswith("pdserve_requests_total{finish_reason=abort")) - before == 64,
+               timeout_s=10, message="an abort counted for each of the 64 children")
+    full = http.post(COMP, json={**body, "stream": False, "max_tokens": 4}).json()
+    assert sorted(c["index"] for c in full["choices"]) == list(range(64))
+    assert full["usage"]["completion_tokens"] == 64 * 4 and full["usage"]["prompt_tokens"] < 16
+    assert_recovered(engine, probe)
 
 
 # ---- keep-alive -----------------------------------------------------------------------------------------------
