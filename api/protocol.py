@@ -88,6 +88,9 @@ def _integer(body: dict, name: str, default: int | None, low: int, high: int) ->
     value = body.get(name)
     if value is None:
         return default
+    if isinstance(value, float) and value.is_integer():   # e.g. 10**26, which JSON parsers read as a float
+        raise InvalidRequestError(f"'{name}' must be an integer between {low} and {high}, got {value:.17g}",
+                                  param=name)
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequestError(f"'{name}' must be an integer, got {type(value).__name__}", param=name)
     if not (low <= value <= high):

@@ -101,6 +101,14 @@ def test_out_of_range_logprobs_and_penalties_are_a_400_naming_the_parameter(pars
     rejected(parser.chat, chat_body(**{name: value}), name)
 
 
+def test_a_huge_integer_read_as_a_float_is_reported_as_out_of_range(parser):
+    import orjson
+
+    body = orjson.loads(b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000000000000000000000000}')
+    error = rejected(parser.chat, body, "max_tokens")
+    assert "between 1 and" in error.message and "float" not in error.message
+
+
 def test_top_logprobs_needs_logprobs_true(parser):
     rejected(parser.chat, chat_body(top_logprobs=2), "top_logprobs")
     rejected(parser.chat, chat_body(logprobs=False, top_logprobs=2), "top_logprobs")
