@@ -18,7 +18,7 @@ from typing import Any
 from actors.base import DECODE_INDEX, Actor
 from actors.messages import KVReady, PrefillRequest, RequestError, TokenBatch, TransferDone, parse_frames, to_wire
 from actors.prefill import (apply_actor_faults, child_sampling, chunked_prefill, first_tokens, logprobs_to_wire,
-                            request_rows, sampling_params)
+                            request_rows, sampling_params, send_prompt_logprobs)
 from pdserve.faults import FaultPlan
 from ipc.state_table import LIVE_STATES
 
@@ -195,9 +195,11 @@ class DecodeActor(Actor):
             return
         start_ns = time.monotonic_ns()
         first_blocks = live[0][2]
+        top_n = request.sampling.prompt_logprobs
+        prompt_entries = [] if top_n is not None else None
         logits = chunked_prefill(self.model, self.kv, request.prompt_ids, first_blocks,
                                  self.config.prefill_chunk_tokens, lambda: any(self._row_live(*k) for _, k, _ in live),
-                                 lambda: self.actors.beat(self.index, iterations_delta=0))
+                                 lambda: self.actors.beat(self.index, iterations_delta=0), top_n, prompt_entries)
         prefill_s = (time.monotonic_ns() - start_ns) / 1e9
         row = self.table.read(*live[0][1])
         if logits is None or row is None:
@@ -212,6 +214,8 @@ class DecodeActor(Actor):
             self.kv[:, :, blocks[:prompt_blocks]] = self.kv.index_select(2, src)
         samplings = [child_sampling(request.sampling, index) for index, _, _ in live]
         firsts = first_tokens(self.sampler, logits, request.prompt_ids, samplings)
+        if prompt_entries is not None:
+            send_prompt_logprobs(self.to_api, *live[0][1], prompt_entries, top_n)
         queue_s = (start_ns - int(row["created_ns"])) / 1e9
         for (_, key, blocks), sampling, (token, logprobs) in zip(live, samplings, firsts):
             history = request.prompt_ids if sampling.repetition_penalty != 1.0 else []

@@ -27,6 +27,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None   # None: none; k: the chosen token's log-probability and the top k alternatives
+    prompt_logprobs: int | None = None   # completions' echo with logprobs: the same for every prompt token
 
 
 # ---- to the prefill actor ---------------------------------------------------------------------------
@@ -93,6 +94,20 @@ class TokenBatch:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Prefill -> API: log-probabilities of prompt positions ``start ..`` (``entries[i]`` for position
+    ``start + i``: ``[logprob, [[token_id, logprob], ...]]``, or None for position 0, which has no context).
+    Sent in order, in frames small enough for a queue slot, before the request's KVReady; so they reach the API
+    before its first token does."""
+
+    kind: ClassVar[str] = "prompt_logprobs"
+    slot: int
+    generation: int
+    start: int
+    entries: list[Any]
+
+
+@dataclass(frozen=True)
 class RequestError:
     """Any actor or the monitor -> API: the request ended in an error the client must be told."""
 
@@ -104,7 +119,7 @@ class RequestError:
     message: str
 
 
-_ALL = (PrefillRequest, TransferDone, KVReady, TokenBatch, RequestError)
+_ALL = (PrefillRequest, TransferDone, KVReady, TokenBatch, PromptLogprobs, RequestError)
 _BY_KIND = {cls.kind: cls for cls in _ALL}
 
 

@@ -17,24 +17,58 @@ import os
 import time
 
 from actors.base import PREFILL_INDEX, Actor
-from actors.messages import KVReady, PrefillRequest, TransferDone, parse_frames, to_wire
+from actors.messages import KVReady, PrefillRequest, PromptLogprobs, TransferDone, parse_frames, to_wire
 from pdserve.faults import FaultPlan
 from ipc.state_table import LIVE_STATES
 
 log = logging.getLogger("pdserve.prefill")
 
 
-def chunked_prefill(model, kv, ids: list[int], blocks: list[int], chunk_tokens: int, is_live, beat):
+def chunked_prefill(model, kv, ids: list[int], blocks: list[int], chunk_tokens: int, is_live, beat,
+                    prompt_top_n: int | None = None, prompt_entries: list | None = None):
     """Run a prompt through ``model.prefill`` in chunks of ``chunk_tokens``, writing its KV at ``blocks``;
     between chunks call ``beat()`` and stop early (return None) once ``is_live()`` is False (aborted or timed
-    out meanwhile). Returns the last position's logits ``[vocab]``."""
+    out meanwhile). Returns the last position's logits ``[vocab]``.
+
+    With ``prompt_entries`` (a list), every chunk's logits ``[T, vocab]`` are kept long enough to append each
+    prompt token's wire log-probabilities (``prompt_top_n`` alternatives; None for position 0) to it.
+    """
     logits = None
     for start in range(0, len(ids), chunk_tokens):
         if start and not is_live():
             return None
-        logits = model.prefill(kv, ids[start:start + chunk_tokens], blocks, start_pos=start)
+        chunk = ids[start:start + chunk_tokens]
+        if prompt_entries is None:
+            logits = model.prefill(kv, chunk, blocks, start_pos=start)
+        else:
+            chunk_logits = model.prefill(kv, chunk, blocks, start_pos=start, all_logits=True)  # [T, vocab]
+            prompt_entries.extend(_prompt_logprobs_of_chunk(logits, chunk_logits, chunk, prompt_top_n or 0))
+            logits = chunk_logits[-1]
         beat()
     return logits
+
+
+def _prompt_logprobs_of_chunk(before, chunk_logits, chunk: list[int], top_n: int) -> list:
+    """Wire log-probabilities of ``chunk``'s tokens: token ``i`` is scored by the logits of the position before
+    it (``before``, the previous chunk's last logits ``[vocab]``, for the chunk's first token; None = the
+    prompt's first token, which has no score)."""
+    import torch
+
+    from gpu.sampling import token_logprobs
+
+    entries = [] if before is not None else [None]
+    rows = chunk_logits[:-1] if before is None else torch.cat([before[None, :], chunk_logits[:-1]])
+    targets = chunk[1:] if before is None else chunk
+    if targets:
+        entries.extend(logprobs_to_wire(lp) for lp in token_logprobs(rows, targets, [top_n] * len(targets)))
+    return entries
+
+
+def send_prompt_logprobs(queue, slot: int, generation: int, entries: list, top_n: int) -> None:
+    """Send a prompt's log-probabilities to the API as PromptLogprobs frames of at most ~48 KiB each."""
+    per_frame = max(1, 49152 // (32 * (top_n + 1) + 24))
+    for start in range(0, len(entries), per_frame):
+        queue.put(to_wire(PromptLogprobs(slot, generation, start, entries[start:start + per_frame])))
 
 
 def apply_actor_faults(faults, actor_name: str, request_id: str) -> None:
@@ -130,6 +164,7 @@ class PrefillActor(Actor):
         self.kv = self.pool.tensor()
         self.inbox = ShmQueue.attach(self.layout.segment("q_prefill"))
         self.to_decode = ShmQueue.attach(self.layout.segment("q_decode"))
+        self.to_api = ShmQueue.attach(self.layout.segment("q_api"))
         self.table = StateTable.attach(self.layout.segment("state"))
         self.sampler = Sampler()
         self.faults = FaultPlan(self.config.faults, self.name)
@@ -221,9 +256,11 @@ class PrefillActor(Actor):
         apply_actor_faults(self.faults, self.name, request.request_id)
         self.status.set_own_gauges(self.index, running=1)
         start_ns = time.monotonic_ns()
+        top_n = request.sampling.prompt_logprobs
+        prompt_entries = [] if top_n is not None else None
         logits = chunked_prefill(self.model, self.kv, request.prompt_ids, blocks, self.config.prefill_chunk_tokens,
                                  lambda: any(self._is_live(*key) for _, key in rows),
-                                 lambda: self.actors.beat(self.index, iterations_delta=0))
+                                 lambda: self.actors.beat(self.index, iterations_delta=0), top_n, prompt_entries)
         self.status.set_own_gauges(self.index, running=0)
         if logits is None:  # aborted (or timed out) between two chunks: stop working on it now
             for _, key in rows:
@@ -234,6 +271,8 @@ class PrefillActor(Actor):
         queue_s = (start_ns - int(row["created_ns"])) / 1e9 if row else 0.0
         samplings = [child_sampling(request.sampling, index) for index, _ in rows]
         firsts = first_tokens(self.sampler, logits, request.prompt_ids, samplings)
+        if prompt_entries is not None:   # to the first live row's handle; the API shares them among the choices
+            send_prompt_logprobs(self.to_api, *rows[0][1], prompt_entries, top_n)
         for (_, key), sampling, (token, logprobs) in zip(rows, samplings, firsts):
             if not self.table.transition(*key, self.S.BOOTSTRAP, owner=self.index):
                 self._free_inflight(key)

@@ -226,11 +226,18 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
                                      headers={"Cache-Control": "no-cache"})
         return await complete(request, handles)
 
-    def format_logprobs(req: GenerationRequest, tokens: list, text_offset: int) -> dict | None:
+    def format_logprobs(handles: list[RequestHandle], tokens: list, text_offset: int,
+                        with_prompt: bool = False) -> dict | None:
+        """A choice's logprobs body; ``with_prompt`` (echo + logprobs) puts the prompt's tokens first, from
+        offset 0 (the prefill actor sent their log-probabilities to one of the choices' handles)."""
+        req = handles[0].request
         if req.sampling.logprobs is None:
             return None
         if req.kind == "chat":
             return chat_logprobs(tokenizer, tokens)
+        if with_prompt and req.sampling.prompt_logprobs is not None:
+            entries = next((h.prompt_logprobs for h in handles if h.prompt_logprobs), [])
+            tokens = list(zip(req.prompt_ids, entries)) + tokens
         return completion_logprobs(tokenizer, tokens, text_offset)
 
     def finished(handles: list[RequestHandle], reasons: dict[int, str | None], status: int = 200) -> None:
@@ -254,7 +261,7 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
                 tokens[index].extend(logprobs)
                 if reason is not None:
                     reasons[index] = reason
-            return [ChoiceResult(i, "".join(texts[i]), reasons.get(i), format_logprobs(req, tokens[i], len(prefix)))
+            return [ChoiceResult(i, "".join(texts[i]), reasons.get(i), format_logprobs(handles, tokens[i], 0, True))
                     for i in texts]
 
         async def wait_disconnect() -> None:
@@ -288,7 +295,7 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
         reasons: dict[int, str | None] = {}
         status = 499   # until the stream ends normally or with an error event
         first = {h.index for h in handles}   # choices whose first chunk is still to come
-        offsets = {h.index: len(req.echo_text or "") for h in handles}
+        offsets = {h.index: 0 for h in handles}   # characters of the choice's text sent so far (echo included)
         try:
             try:
                 async for index, text, reason, logprobs in merged_choices(client, tokenizer, handles, metrics):
@@ -298,7 +305,7 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
                         text = req.echo_text + text
                     if text or reason is not None or index in first or logprobs:
                         body = chunk(req, text, reason, first=index in first, index=index,
-                                     logprobs=format_logprobs(req, logprobs, offsets[index]))
+                                     logprobs=format_logprobs(handles, logprobs, offsets[index], index in first))
                         offsets[index] += len(text)
                         first.discard(index)
                         yield b"data: " + orjson.dumps(body) + b"\n\n"

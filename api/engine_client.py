@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.base import API_INDEX, EngineLayout
-from actors.messages import PrefillRequest, RequestError, TokenBatch, parse_frames, to_wire
+from actors.messages import PrefillRequest, PromptLogprobs, RequestError, TokenBatch, parse_frames, to_wire
 from api.protocol import GenerationRequest
 from pdserve.errors import EngineOverloadedError, PdserveError, QueueFullError, StateTableFullError
 
@@ -41,6 +41,7 @@ class RequestHandle:
     first_token_ns: int = 0
     completion_tokens: int = 0
     timings: dict | None = None   # queue_s, prefill_s, transfer_s, transfer_bytes (from the decode actor)
+    prompt_logprobs: list = field(default_factory=list)   # echo + logprobs: one wire entry per prompt token
 
     @property
     def key(self) -> tuple[int, int]:
@@ -101,6 +102,13 @@ class EngineClient:
                 if "timings" in extras:
                     handle.timings = extras["timings"]
                 handle.events.put_nowait(("token", item[2], item[3], extras.get("logprobs")))
+        elif isinstance(message, PromptLogprobs):
+            handle = self.handles.get((message.slot, message.generation))
+            if handle is None:
+                self.stale_messages += 1
+                return
+            del handle.prompt_logprobs[message.start:]   # frames arrive in order; a repeat replaces
+            handle.prompt_logprobs.extend(message.entries)
         elif isinstance(message, RequestError):
             handle = self.handles.get((message.slot, message.generation))
             if handle is None:

@@ -5,6 +5,7 @@ Every invalid input raises InvalidRequestError naming the parameter; the app tur
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -421,10 +422,9 @@ class RequestParser:
         sampling = self._sampling(body, len(prompt_ids), "completion")
         echo_text = None
         if body.get("echo"):
-            if sampling.logprobs is not None:
-                raise _unsupported("echo", "echo with logprobs needs the prompt's log-probabilities, which the "
-                                           "prefill actor does not return")
             echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
+            if sampling.logprobs is not None:   # the prompt's tokens get log-probabilities too (the first: null)
+                sampling = dataclasses.replace(sampling, prompt_logprobs=sampling.logprobs)
         return GenerationRequest("completion", rid, model, prompt_ids, sampling, _stop_strings(body), stream,
                                  include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), echo_text)
 
@@ -465,15 +465,22 @@ def chat_logprobs(tokenizer, tokens: list[tuple[int, list]]) -> dict[str, Any]:
 
 
 def completion_logprobs(tokenizer, tokens: list[tuple[int, list]], text_offset: int = 0) -> dict[str, Any]:
-    """Legacy completions ``logprobs``: ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``, where
+    """Legacy completions ``logprobs``: ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (an entry
+    of ``tokens`` may be None: an echoed prompt's first token, given null log-probabilities), where
     ``text_offset`` counts characters from the start of the choice's text (``text_offset`` is where these tokens
     begin: the streamed text so far, or the echoed prompt's length)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, (logprob, top) in tokens:
+    for token_id, entry in tokens:
         text = tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
         out["tokens"].append(text)
-        out["token_logprobs"].append(logprob)
-        out["top_logprobs"].append({tokenizer.token_bytes(t).decode("utf-8", errors="replace"): v for t, v in top})
+        if entry is None:   # an echoed prompt's first token: nothing before it to score it
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            logprob, top = entry
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append({tokenizer.token_bytes(t).decode("utf-8", errors="replace"): v
+                                        for t, v in top})
         out["text_offset"].append(text_offset)
         text_offset += len(text)
     return out

@@ -69,9 +69,10 @@ def test_completion_only_parameters_we_cannot_honour_are_named(parser, name, val
     rejected(parser.completion, completion_body(**{name: value}), name)
 
 
-def test_echo_with_logprobs_is_refused_naming_echo(parser):
-    error = rejected(parser.completion, completion_body(echo=True, logprobs=1), "echo")
-    assert error.code == "unsupported_parameter"
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs_too(parser):
+    echoed = parser.completion(completion_body(echo=True, logprobs=3))
+    assert echoed.sampling.prompt_logprobs == 3 and echoed.sampling.logprobs == 3 and echoed.echo_text == "hello"
+    assert parser.completion(completion_body(logprobs=3)).sampling.prompt_logprobs is None
 
 
 def test_echo_false_and_best_of_one_are_accepted(parser):

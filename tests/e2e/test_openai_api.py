@@ -145,7 +145,6 @@ CASES = [
     ("frequency-penalty-string", COMP, comp(frequency_penalty="1"), 400, BAD, "frequency_penalty"),
     ("repetition-penalty-zero", COMP, comp(repetition_penalty=0), 400, BAD, "repetition_penalty"),
     ("echo-not-bool", COMP, comp(echo="yes"), 400, BAD, "echo"),
-    ("echo-with-logprobs", COMP, comp(echo=True, logprobs=1), 400, BAD, "echo"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, BAD, "tools"),
     ("response-format-json", CHAT, chat(response_format={"type": "json_object"}), 400, BAD, "response_format"),
     ("unknown-field-typo", COMP, comp(max_token=5), 400, BAD, "max_token"),
@@ -487,6 +486,51 @@ def test_echo_returns_the_prompt_before_the_completion(http):
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == prompt + plain
 
 
+def test_echo_with_logprobs_scores_every_prompt_token_aligned_with_generation(http, engine):
+    tokenizer_words = "The quick brown fox jumps over the lazy dog. " * 16   # ~160 tokens: two prefill chunks
+    first = http.post(COMP, json={"prompt": tokenizer_words, "max_tokens": 1, "temperature": 0, "logprobs": 2})
+    assert first.status_code == 200, first.text
+    generated_lp = first.json()["choices"][0]["logprobs"]["token_logprobs"][0]
+    prompt_tokens = first.json()["usage"]["prompt_tokens"]
+    assert prompt_tokens > 128
+    echoed = http.post(COMP, json={"prompt": tokenizer_words, "max_tokens": 1, "temperature": 0, "logprobs": 2,
+                                   "echo": True})
+    assert echoed.status_code == 200, echoed.text
+    choice = echoed.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == prompt_tokens + 1 and "".join(lp["tokens"]) == choice["text"]
+    assert choice["text"].startswith(tokenizer_words)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:]) and all(len(d) == 2 for d in lp["top_logprobs"][1:])
+    assert lp["text_offset"][:3] == [0, len(lp["tokens"][0]), len(lp["tokens"][0]) + len(lp["tokens"][1])]
+    # the generated token's score in the echo equals the same token's score without echo
+    assert lp["token_logprobs"][-1] == pytest.approx(generated_lp, abs=1e-4)
+    # a repeated sentence is easy to predict: the later copies score far higher than the first
+    assert sum(lp["token_logprobs"][-40:-1]) > sum(lp["token_logprobs"][1:40])
+    streamed = http.post(COMP, json={"prompt": tokenizer_words, "max_tokens": 1, "temperature": 0, "logprobs": 2,
+                                     "echo": True, "stream": True}).text
+    events = [orjson.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    tokens = [t for e in events if e["choices"] and e["choices"][0]["logprobs"]
+              for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == lp["tokens"]
+
+
+@pytest.mark.parametrize("prompt_len", [128, 140])   # the scored token opens the second prefill chunk, or is inside it
+def test_a_prompt_tokens_echo_score_equals_its_score_as_the_next_token(http, prompt_len):
+    ids = [TOKEN + (i * 7) % 500 for i in range(prompt_len)]
+    generated = http.post(COMP, json={"prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 0}).json()
+    token_text = generated["choices"][0]["logprobs"]["tokens"][0]
+    score = generated["choices"][0]["logprobs"]["token_logprobs"][0]
+    from gpu.tokenizer import Tokenizer
+
+    token_id = Tokenizer.load(None).encode(token_text)
+    assert len(token_id) == 1, token_text
+    echoed = http.post(COMP, json={"prompt": ids + token_id, "max_tokens": 1, "temperature": 0, "logprobs": 0,
+                                   "echo": True}).json()["choices"][0]["logprobs"]
+    assert echoed["tokens"][prompt_len] == token_text
+    assert echoed["token_logprobs"][prompt_len] == pytest.approx(score, abs=1e-3)
+
+
 def test_penalties_change_a_greedy_answer_and_are_reproducible(http):
     body = {"prompt": "one one one one one one one one", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     plain = http.post(COMP, json=body).json()["choices"][0]["text"]
@@ -497,6 +541,7 @@ def test_penalties_change_a_greedy_answer_and_are_reproducible(http):
         if "presence_penalty" not in penalty:   # presence (-2 once per seen token) is too weak to move this answer;
             assert text != plain, (penalty, plain)   # tests/gpu/test_sampling.py checks its formula
         assert http.post(COMP, json={**body, **penalty}).json()["choices"][0]["text"] == text
+
     def most_repeated_word(text: str) -> int:
         words = re.findall(r"[a-z]+", text.lower())
         return max((words.count(w) for w in words), default=0)
