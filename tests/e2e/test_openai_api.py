@@ -1,7 +1,7 @@
 """End-to-end OpenAI compatibility: a table of bad inputs (each a 4xx in OpenAI error form, then /health 200 and an
 ordinary request still succeeds), scenarios S7, S11, S12, S13, a hypothesis fuzz over request bodies, the official
-`openai` client, keep-alive, TLS (ALPN h2 + http/1.1) and tools/multiround.py. One engine for the module (a second,
-TLS one only for the TLS test)."""
+`openai` client, keep-alive (HTTP/1.1 close, HTTP/2 GOAWAY) and TLS (ALPN h2 + http/1.1). One engine for the module
+(a second, TLS one only for the TLS test). tools/multiround.py is tested in test_multiround.py."""
 from __future__ import annotations
 
 import socket
@@ -635,32 +635,6 @@ def test_tls_serves_h2_via_alpn_and_http1_to_clients_without_h2(tmp_path):
                 check_h2_idle_goaway(RawH2(sock, "https"))
     finally:
         cleanup_engine(eng)
-
-
-# ---- tools/multiround.py --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("http_version", ["1.1", "2"])
-def test_multiround_runs_sessions_over_persistent_connections(engine, http_version, tmp_path):
-    report_path = tmp_path / "report.json"
-    result = subprocess.run([sys.executable, "-m", "tools.multiround", "--base-url", engine.base_url,
-                             "--sessions", "2", "--rounds", "3", "--max-tokens", "8", "--http", http_version,
-                             "--round-timeout-s", "60", "--json", str(report_path)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = orjson.loads(report_path.read_bytes())
-    assert report["rounds_ok"] == 6 and report["errors"] == [] and report["hangs"] == 0
-    assert report["connections_opened"] == (1 if http_version == "2" else 2)
-    for session in report["sessions"]:
-        prompts = [r["prompt_tokens"] for r in session["rounds"]]
-        assert prompts == sorted(prompts) and prompts[0] < prompts[-1], "the context should grow every round"
-    assert "p50" in result.stdout and "slowest" in result.stdout
-
-
-def test_multiround_exits_non_zero_when_a_round_errors(engine, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "tools.multiround", "--base-url", engine.base_url,
-                             "--sessions", "1", "--rounds", "1", "--model", "no-such-model"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "404" in result.stdout
 
 
 def test_a_seeded_request_is_answered_and_reproducible(engine, http, probe):
