@@ -3,6 +3,16 @@
 HTTP/2 over TLS (ALPN h2) and HTTP/1.1 over TLS instead.
 
 The process beats its heartbeat from the asyncio loop, so a wedged event loop shows up as a hung API.
+
+Idle keep-alive: Hypercorn closes a connection with no request in progress after ``keep_alive_timeout_s``
+(HTTP/1.1: an orderly close). For HTTP/2, Hypercorn 0.17/0.18 closes the TCP connection without a GOAWAY frame
+(``TCPServer._idle_timeout`` -> ``_initiate_server_close`` -> ``H2Protocol.handle(Closed())``, which never calls
+``close_connection()``), although RFC 9113 section 9.1 says a server SHOULD send GOAWAY first so the client knows
+which streams were processed. ``install_idle_goaway()`` wraps ``_initiate_server_close`` to send
+GOAWAY(NO_ERROR, last stream id = the highest stream the server received) before Hypercorn's own close, for h2c
+and TLS/ALPN h2 alike. It checks the internals it relies on and, if they differ, logs a warning and leaves
+Hypercorn's behaviour (close without GOAWAY) as it is. No Hypercorn config does this, and no upstream fix was
+found for 0.18.
 """
 from __future__ import annotations
 
@@ -15,6 +25,61 @@ import time
 from actors.base import API_INDEX, Actor, _die_with_parent
 
 log = logging.getLogger("pdserve.api")
+
+_PATCH_MARK = "_pdserve_idle_goaway"
+
+
+def install_idle_goaway() -> bool:
+    """Make Hypercorn's asyncio worker send GOAWAY(NO_ERROR) before it closes an idle HTTP/2 connection.
+
+    Idempotent (a second call is a no-op). Returns True when the wrapper is in place, False when Hypercorn's
+    internals are not the expected ones (then idle HTTP/2 connections are closed without GOAWAY, as before).
+    Only the idle / shutdown close goes through ``_initiate_server_close``; its timer is stopped while a
+    request is in progress, so a started request is never cut by it.
+    """
+    try:
+        import h2.errors
+        import h2.exceptions
+        from hypercorn.asyncio.tcp_server import TCPServer
+        from hypercorn.protocol.h2 import H2Protocol
+    except ImportError as exc:
+        log.warning("idle HTTP/2 connections will close without GOAWAY: cannot import hypercorn/h2 internals (%s)",
+                    exc)
+        return False
+    original = TCPServer.__dict__.get("_initiate_server_close")
+    if getattr(original, _PATCH_MARK, False):
+        return True
+    expected = (asyncio.iscoroutinefunction(original)
+                and asyncio.iscoroutinefunction(getattr(H2Protocol, "_flush", None)))
+    if not expected:
+        log.warning("idle HTTP/2 connections will close without GOAWAY: hypercorn %s has no "
+                    "TCPServer._initiate_server_close / H2Protocol._flush coroutines", _hypercorn_version())
+        return False
+
+    async def _initiate_server_close(self) -> None:
+        protocol = getattr(getattr(self, "protocol", None), "protocol", None)   # ProtocolWrapper.protocol
+        if isinstance(protocol, H2Protocol) and not getattr(protocol, "closed", True):
+            try:
+                # last_stream_id defaults to the highest stream id received: every one of them was answered
+                protocol.connection.close_connection(error_code=h2.errors.ErrorCodes.NO_ERROR)
+                await protocol._flush()
+            except (h2.exceptions.ProtocolError, AttributeError, OSError, RuntimeError) as exc:
+                log.debug("no GOAWAY before closing an idle HTTP/2 connection: %r", exc)
+        await original(self)
+
+    setattr(_initiate_server_close, _PATCH_MARK, True)
+    _initiate_server_close.__wrapped__ = original
+    TCPServer._initiate_server_close = _initiate_server_close
+    return True
+
+
+def _hypercorn_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("hypercorn")
+    except Exception:  # noqa: BLE001 - only for a log line
+        return "?"
 
 
 class ApiActor(Actor):
@@ -62,6 +127,7 @@ class ApiActor(Actor):
         # Idle connections close after keep_alive_timeout_s (HTTP/1.1: close; HTTP/2: GOAWAY); a request that
         # has started is never cut by it. getattr: works with configs that predate these fields.
         hconfig.keep_alive_timeout = float(getattr(self.config, "keep_alive_timeout_s", 5.0) or 5.0)
+        install_idle_goaway()   # HTTP/2: GOAWAY(NO_ERROR) before the idle close (see the module docstring)
         certfile = getattr(self.config, "ssl_certfile", "") or ""
         keyfile = getattr(self.config, "ssl_keyfile", "") or ""
         if certfile or keyfile:
