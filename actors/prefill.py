@@ -169,6 +169,7 @@ class PrefillActor(Actor):
         self.sampler = Sampler()
         self.faults = FaultPlan(self.config.faults, self.name)
         self.blocked = False  # the head request waits for free blocks: do not spin on it
+        self.prefilling_rows = 0  # rows of the request whose forward pass runs now (PREFILLING)
         self.waiting: collections.deque[PrefillRequest] = collections.deque()
         # (slot, generation) -> the prefill blocks the row holds (shared by the children of an n > 1 request)
         self.inflight: dict[tuple[int, int], SharedBlocks] = {}
@@ -185,8 +186,24 @@ class PrefillActor(Actor):
         self.reap_final()
         if self.waiting:
             self.prefill_next()
+        self._publish_gauges()
+
+    def _publish_gauges(self) -> None:
+        """This actor's own counts, cross-checked by the monitor against the table: QUEUED rows, rows in the
+        inflight queue (BOOTSTRAP/TRANSFERRING: held blocks, minus the rows being prefilled now) and PREFILLING."""
         queued_rows = sum(1 + len(r.children) for r in self.waiting)  # the table counts rows, n per request
-        self.status.set_own_gauges(self.index, queued=queued_rows, prefill_inflight=len(self.inflight), running=0)
+        self.status.set_own_gauges(self.index, queued=queued_rows,
+                                   prefill_inflight=len(self.inflight) - self.prefilling_rows,
+                                   running=self.prefilling_rows)
+
+    def _between_chunks(self) -> None:
+        """Between two chunks of a long prefill: beat, take new messages (a TransferDone must not wait for the
+        whole prompt, or the finished handoff it acknowledges would sit in the inflight queue and could pass
+        ``inflight_timeout_s``), and refresh the gauges so they never go stale for a whole prompt."""
+        self.actors.beat(self.index, iterations_delta=0)
+        for message in parse_frames(self.inbox.get_many(64, 0.0), log):
+            self.handle(message)
+        self._publish_gauges()
 
     def handle(self, message) -> None:
         if isinstance(message, PrefillRequest):
@@ -254,14 +271,15 @@ class PrefillActor(Actor):
             return
         self._publish_pool()
         apply_actor_faults(self.faults, self.name, request.request_id)
-        self.status.set_own_gauges(self.index, running=1)
+        self.prefilling_rows = len(rows)
+        self._publish_gauges()
         start_ns = time.monotonic_ns()
         top_n = request.sampling.prompt_logprobs
         prompt_entries = [] if top_n is not None else None
         logits = chunked_prefill(self.model, self.kv, request.prompt_ids, blocks, self.config.prefill_chunk_tokens,
                                  lambda: any(self._is_live(*key) for _, key in rows),
-                                 lambda: self.actors.beat(self.index, iterations_delta=0), top_n, prompt_entries)
-        self.status.set_own_gauges(self.index, running=0)
+                                 self._between_chunks, top_n, prompt_entries)
+        self.prefilling_rows = 0
         if logits is None:  # aborted (or timed out) between two chunks: stop working on it now
             for _, key in rows:
                 self._free_inflight(key)
