@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator
 
 import orjson
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
@@ -29,6 +29,11 @@ INLINE_PARSE_BYTES = 64 * 1024     # larger bodies are parsed and tokenized in a
 
 class PayloadTooLargeError(InvalidRequestError):
     http_status = 413
+
+
+class BodyReadTimeoutError(InvalidRequestError):
+    http_status = 408
+    error_type = "timeout_error"
 
 
 class JSONResponse(Response):
@@ -156,12 +161,15 @@ async def merged_choices(client: EngineClient, tokenizer, handles: list[RequestH
             task.cancel()
 
 
-async def read_body(request: Request, limit: int | None = None) -> bytes:
-    """The request body, never more than ``limit`` (default MAX_BODY_BYTES) bytes held in memory.
+async def read_body(request: Request, limit: int | None = None, timeout_s: float = 30.0) -> bytes:
+    """The request body, never more than ``limit`` (default MAX_BODY_BYTES) bytes held in memory, each piece
+    within ``timeout_s`` seconds of the previous one.
 
     Raises:
         PayloadTooLargeError (413): Content-Length or the bytes actually received exceed the limit.
         InvalidRequestError (400): Content-Length is not a number, or the body is empty.
+        BodyReadTimeoutError (408): the client stopped sending in the middle of the body (slowloris).
+        starlette.requests.ClientDisconnect: the client went away before the body was complete.
     """
     limit = MAX_BODY_BYTES if limit is None else limit
     declared = request.headers.get("content-length")
@@ -172,7 +180,15 @@ async def read_body(request: Request, limit: int | None = None) -> bytes:
             raise PayloadTooLargeError(f"the request body has {int(declared)} bytes; the limit is {limit} "
                                        "(MAX_BODY_BYTES)")
     parts, size = [], 0
-    async for part in request.stream():
+    pieces = request.stream().__aiter__()
+    while True:
+        try:
+            part = await asyncio.wait_for(pieces.__anext__(), timeout_s)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise BodyReadTimeoutError(f"the request body stopped arriving: no bytes for {timeout_s:g} s after "
+                                       f"{size} bytes (body_read_timeout_s)") from None
         size += len(part)
         if size > limit:
             raise PayloadTooLargeError(f"the request body is over the limit of {limit} bytes (MAX_BODY_BYTES)")
@@ -209,7 +225,7 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
 
     async def run_request(request: Request, kind: str) -> Response:
         try:
-            raw = await read_body(request)
+            raw = await read_body(request, timeout_s=client.config.body_read_timeout_s)
             rid = request.headers.get("x-request-id")
             if len(raw) > INLINE_PARSE_BYTES:
                 # JSON + chat template + tokenizer over a large body: off the event loop (heartbeats, other streams)
@@ -219,6 +235,8 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
             handles = client.submit(gen)
         except PdserveError as exc:
             return error_response(exc)
+        except ClientDisconnect:   # gone before its body was complete: nobody to answer, nothing admitted
+            return Response(status_code=499)
         for _ in handles:
             metrics.on_admitted()
         if gen.stream:

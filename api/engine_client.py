@@ -17,7 +17,8 @@ from typing import Any
 from actors.base import API_INDEX, EngineLayout
 from actors.messages import PrefillRequest, PromptLogprobs, RequestError, TokenBatch, parse_frames, to_wire
 from api.protocol import GenerationRequest
-from pdserve.errors import EngineOverloadedError, PdserveError, QueueFullError, StateTableFullError
+from pdserve.errors import (EngineOverloadedError, InvalidRequestError, PdserveError, QueueFullError,
+                            StateTableFullError)
 
 log = logging.getLogger("pdserve.api")
 
@@ -133,6 +134,7 @@ class EngineClient:
         server allows. Returns one handle per choice, in index order.
 
         Raises:
+            InvalidRequestError: ``n`` alone is over ``max_queued_requests`` (a 400: retrying cannot help).
             EngineOverloadedError: too many sequences in flight (``max_queued_requests`` counts every choice),
                 the table is full, or the prefill queue stayed full (the caller answers 503 with Retry-After).
                 Nothing stays allocated when it raises.
@@ -140,6 +142,10 @@ class EngineClient:
         if self.status.rec["draining"]:
             raise EngineOverloadedError("the engine is shutting down (draining); retry on another replica")
         n = request.n
+        if n > self.config.max_queued_requests:   # could never be admitted: not a retry-later condition
+            raise InvalidRequestError(f"n={n} choices are more sequences than this server admits at once "
+                                      f"(max_queued_requests={self.config.max_queued_requests}); lower n",
+                                      param="n")
         if len(self.handles) + n > self.config.max_queued_requests:
             raise EngineOverloadedError(f"{len(self.handles)} sequences in flight, {n} more asked for "
                                         f"(max_queued_requests={self.config.max_queued_requests}); retry")

@@ -123,7 +123,8 @@ def _unsupported(name: str, why: str) -> InvalidRequestError:
 def _repetition_penalty(body: dict) -> float:
     value = _number(body, "repetition_penalty", 1.0, 0.0, 10.0)
     if value == 0.0:
-        raise InvalidRequestError("'repetition_penalty' must be > 0", param="repetition_penalty")
+        raise InvalidRequestError("'repetition_penalty' must be in (0, 10] (1 = off), got 0",
+                                  param="repetition_penalty")
     return value
 
 
@@ -145,7 +146,7 @@ def _check_unsupported_fields(body: dict, kind: str) -> None:
             raise _unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
     best_of = _integer(body, "best_of", 1, 1, 128)
     if best_of != 1:
-        raise _unsupported("best_of", "only one sequence is generated per request")
+        raise _unsupported("best_of", "server-side ranking of candidates is not implemented; use n")
     logit_bias = body.get("logit_bias")
     if logit_bias is not None and not isinstance(logit_bias, dict):
         raise InvalidRequestError("'logit_bias' must be an object", param="logit_bias")
@@ -479,8 +480,9 @@ def completion_logprobs(tokenizer, tokens: list[tuple[int, list]], text_offset: 
         else:
             logprob, top = entry
             out["token_logprobs"].append(logprob)
-            out["top_logprobs"].append({tokenizer.token_bytes(t).decode("utf-8", errors="replace"): v
-                                        for t, v in top})
+            alternatives = {tokenizer.token_bytes(t).decode("utf-8", errors="replace"): v for t, v in top}
+            alternatives.setdefault(text, logprob)   # the sampled token is always there (up to logprobs + 1)
+            out["top_logprobs"].append(alternatives)
         out["text_offset"].append(text_offset)
         text_offset += len(text)
     return out

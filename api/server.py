@@ -70,7 +70,33 @@ def install_idle_goaway() -> bool:
     setattr(_initiate_server_close, _PATCH_MARK, True)
     _initiate_server_close.__wrapped__ = original
     TCPServer._initiate_server_close = _initiate_server_close
+    _install_h2_idle_start(H2Protocol)
     return True
+
+
+def _install_h2_idle_start(H2Protocol) -> None:
+    """Start the keep-alive timer of an HTTP/2 connection that has no stream yet.
+
+    A prior-knowledge h2c client's preface is first parsed by Hypercorn's HTTP/1.1 protocol as a request (timer
+    stopped), then handed to H2Protocol, which restarts the timer only when a stream closes: a client that sends
+    the preface and nothing else kept its connection forever. After ``initiate`` an H2Protocol with no stream
+    now reports itself idle (``Updated(idle=True)``), so such a connection gets its GOAWAY and close after
+    ``keep_alive_timeout_s`` like any other idle one.
+    """
+    from hypercorn.events import Updated
+
+    original = H2Protocol.__dict__.get("initiate")
+    if original is None or getattr(original, _PATCH_MARK, False):
+        return
+
+    async def initiate(self, *args, **kwargs) -> None:
+        await original(self, *args, **kwargs)
+        if not self.streams:
+            await self.send(Updated(idle=True))
+
+    setattr(initiate, _PATCH_MARK, True)
+    initiate.__wrapped__ = original
+    H2Protocol.initiate = initiate
 
 
 def _hypercorn_version() -> str:

@@ -48,6 +48,9 @@ class EngineConfig:
     port: int = _setting(8000, "TCP port of the HTTP server (0 = pick a free one)", _port, "0..65535")
     keep_alive_timeout_s: float = _setting(5.0, "idle HTTP connections are closed after this (HTTP/1.1 close, "
                                            "HTTP/2 GOAWAY)", _positive, "> 0")
+    body_read_timeout_s: float = _setting(30.0, "longest wait for the next bytes of a request body before a 408 "
+                                          "(a client that stops sending mid-body cannot hold a handler)",
+                                          _positive, "> 0")
     ssl_certfile: str = _setting("", "TLS certificate (PEM); with ssl_keyfile serves HTTP/2 (ALPN h2) and "
                                      "HTTP/1.1 over TLS")
     ssl_keyfile: str = _setting("", "TLS private key (PEM)")
@@ -66,7 +69,8 @@ class EngineConfig:
                                          "actor beats its heartbeat and drops requests aborted meanwhile",
                                          _positive, "> 0")
     max_num_seqs: int = _setting(32, "most requests in the decode batch", _positive, "> 0")
-    max_queued_requests: int = _setting(256, "admitted but unfinished requests before 503", _positive, "> 0")
+    max_queued_requests: int = _setting(256, "admitted but unfinished sequences (each of n choices counts) before 503",
+                                        _positive, "> 0")
     default_max_tokens: int = _setting(256, "max_tokens when the request gives none", _positive, "> 0")
     queue_slots: int = _setting(512, "slots in each shm message queue", _positive, "> 0")
     queue_slot_bytes: int = _setting(131072, "bytes per shm queue slot (largest message)", _positive, "> 0")

@@ -125,3 +125,16 @@ def test_requests_up_to_the_bound_are_all_admitted_and_capacity_frees_as_they_fi
     responses = asyncio.run(scenario())
     assert [r.status_code for r in responses] == [200] * len(responses), [r.text[:200] for r in responses]
     assert_recovered(engine, probe)
+
+
+def test_n_over_the_bound_is_a_400_naming_n_not_a_retry_later_503(engine, probe):
+    response = httpx.post(engine.base_url + "/v1/completions", timeout=30,
+                          json={"prompt": "Hi", "max_tokens": 2, "n": MAX_QUEUED + 1})
+    assert response.status_code == 400, response.text
+    assert "retry-after" not in response.headers
+    error = response.json()["error"]
+    assert error["param"] == "n" and error["type"] == "invalid_request_error"
+    exactly = httpx.post(engine.base_url + "/v1/completions", timeout=60,
+                         json={"prompt": "Hi", "max_tokens": 2, "n": MAX_QUEUED})
+    assert exactly.status_code == 200 and len(exactly.json()["choices"]) == MAX_QUEUED
+    assert_recovered(engine, probe)

@@ -19,6 +19,7 @@ from tests.conftest import (ROOT, EngineProbe, assert_recovered, cleanup_engine,
 
 POOL_TOKENS = 1024          # the fitted context: max_model_len = min(model context 8192, the pool) = 1024
 KEEP_ALIVE_S = 1.0
+BODY_READ_TIMEOUT_S = 2.0
 TOKEN = 1000                # any in-vocabulary id, to build prompts of an exact token count
 
 
@@ -32,7 +33,7 @@ def config_has(field: str) -> bool:
 def engine(tmp_path_factory):
     args = ["--kv-pool-tokens", str(POOL_TOKENS)]
     if config_has("keep_alive_timeout_s"):
-        args += ["--keep-alive-timeout-s", str(KEEP_ALIVE_S)]
+        args += ["--keep-alive-timeout-s", str(KEEP_ALIVE_S), "--body-read-timeout-s", str(BODY_READ_TIMEOUT_S)]
     eng = start_engine(tmp_path_factory.mktemp("openai"), *args)
     yield eng
     cleanup_engine(eng)
@@ -471,6 +472,12 @@ def test_openai_client_logprobs_chat_and_completions(oai, model):
     assert "".join(lp.tokens) == comp_full.choices[0].text
     assert lp.text_offset[0] == 0 and all(len(d) == 2 for d in lp.top_logprobs)
     assert all(max(d.values()) == pytest.approx(v, abs=1e-5) for d, v in zip(lp.top_logprobs, lp.token_logprobs))
+    # sampled at a high temperature, a token outside the top 1 still appears in its own top_logprobs (OpenAI: up
+    # to logprobs + 1 entries)
+    hot = oai.completions.create(model=model, prompt="My favourite animal is", max_tokens=16, temperature=1.8,
+                                 seed=3, logprobs=1).choices[0].logprobs
+    assert all(tok in d and d[tok] == v for tok, d, v in zip(hot.tokens, hot.top_logprobs, hot.token_logprobs))
+    assert any(len(d) == 2 for d in hot.top_logprobs), "no sampled token outside the top 1 at temperature 1.8"
 
 
 def test_echo_returns_the_prompt_before_the_completion(http):
@@ -501,7 +508,8 @@ def test_echo_with_logprobs_scores_every_prompt_token_aligned_with_generation(ht
     assert len(lp["tokens"]) == prompt_tokens + 1 and "".join(lp["tokens"]) == choice["text"]
     assert choice["text"].startswith(tokenizer_words)
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    assert all(v <= 0 for v in lp["token_logprobs"][1:]) and all(len(d) == 2 for d in lp["top_logprobs"][1:])
+    assert all(v <= 0 for v in lp["token_logprobs"][1:]) and all(2 <= len(d) <= 3 for d in lp["top_logprobs"][1:])
+    assert all(t in d for t, d in zip(lp["tokens"][1:], lp["top_logprobs"][1:]))   # the scored token is always there
     assert lp["text_offset"][:3] == [0, len(lp["tokens"][0]), len(lp["tokens"][0]) + len(lp["tokens"][1])]
     # the generated token's score in the echo equals the same token's score without echo
     assert lp["token_logprobs"][-1] == pytest.approx(generated_lp, abs=1e-4)
@@ -706,6 +714,46 @@ def check_h2_idle_goaway(client: RawH2) -> None:
 def test_http2_idle_connection_gets_goaway_after_keep_alive_but_a_long_request_is_not_cut(engine):
     with socket.create_connection(("127.0.0.1", engine.port), timeout=KEEP_ALIVE_S + 30) as sock:
         check_h2_idle_goaway(RawH2(sock, "http"))
+
+
+def test_http2_connection_that_never_sends_a_request_is_closed_after_keep_alive(engine):
+    import h2.events
+
+    with socket.create_connection(("127.0.0.1", engine.port), timeout=KEEP_ALIVE_S + 30) as sock:
+        start = time.monotonic()
+        client = RawH2(sock, "http")   # the preface and SETTINGS, then nothing
+        client.read_until(lambda events: False)   # until EOF
+        assert client.eof_at is not None and client.eof_at - start < KEEP_ALIVE_S + 5
+        assert any(isinstance(e, h2.events.ConnectionTerminated) for _, e in client.events), client.events
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["http1", "http2"])
+def test_a_body_that_stops_arriving_gets_a_408_and_frees_the_handler(engine, http, probe, http2):
+    with socket.create_connection(("127.0.0.1", engine.port), timeout=BODY_READ_TIMEOUT_S + 30) as sock:
+        start = time.monotonic()
+        if http2:
+            import h2.events
+
+            client = RawH2(sock, "http")
+            stream = client.conn.get_next_available_stream_id()
+            client.conn.send_headers(stream, [(":method", "POST"), (":path", COMP), (":scheme", "http"),
+                                              (":authority", "127.0.0.1"), ("content-type", "application/json"),
+                                              ("content-length", "100")])
+            client.conn.send_data(stream, b'{"prompt": "')   # 12 of 100 bytes, then silence
+            sock.sendall(client.conn.data_to_send())
+            client.read_until(lambda events: any(isinstance(e, h2.events.StreamEnded) for e in events))
+            status = [dict(e.headers)[b":status"] for _, e in client.events
+                      if isinstance(e, h2.events.ResponseReceived)]
+            assert status == [b"408"], client.events
+        else:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"prompt\": \"")
+            head = sock.recv(65536)
+            assert head.startswith(b"HTTP/1.1 408"), head
+            assert b"timeout_error" in head or b"timeout_error" in sock.recv(65536)
+        assert BODY_READ_TIMEOUT_S * 0.5 < time.monotonic() - start < BODY_READ_TIMEOUT_S + 5
+    still_serving(http)
+    assert_recovered(engine, probe)
 
 
 # ---- TLS ------------------------------------------------------------------------------------------------------
