@@ -24,6 +24,8 @@ from ipc.state_table import LIVE_STATES
 
 log = logging.getLogger("pdserve.decode")
 
+RENEW_INTERVAL_S = 1.0   # how often rows waiting behind a progressing batch get their stage deadline renewed
+
 
 @dataclass
 class DecodeEntry:
@@ -89,6 +91,7 @@ class DecodeActor(Actor):
         self.delayed_done: list[tuple[float, DecodeEntry]] = []  # fault: TransferDone sent later
         self.waiting: list[DecodeEntry] = []
         self.running: list[DecodeEntry] = []
+        self.renewed_ns = 0   # last renew_queued()
         self._publish_pool()
 
     def _publish_pool(self) -> None:
@@ -126,9 +129,25 @@ class DecodeActor(Actor):
         self.step(items)
         if items:
             self.to_api.put(to_wire(TokenBatch(items)))
+            self.renew_queued()
         self.status.set_own_gauges(self.index, running=len(self.running),
                                    decode_transfer=len(self.transferring) + len(self.handed_off)
                                    + len(self.delayed_done))
+
+    def renew_queued(self) -> None:
+        """Tokens flowed this iteration, so the running batch will free KV room and batch slots: renew the rows
+        waiting for them (BOOTSTRAP: no room to reserve yet; DECODE_WAITING: no batch slot yet), at most once
+        per RENEW_INTERVAL_S. Their stage deadline then measures "nobody is making room", not plain queueing
+        under load (actors/watchdog.py)."""
+        now_ns = time.monotonic_ns()
+        if now_ns - self.renewed_ns < RENEW_INTERVAL_S * 1e9:
+            return
+        self.renewed_ns = now_ns
+        for entry in self.bootstrapping + self.waiting:
+            self.table.update(*entry.key, last_progress_ns=now_ns)
+        for request in self.prefill_waiting:   # colocated mode: QUEUED rows waiting for this actor's pool
+            for key in request_rows(request):
+                self.table.update(*key, last_progress_ns=now_ns)
 
     def receive(self, ready: KVReady) -> None:
         rid = ready.request_id

@@ -23,6 +23,8 @@ from ipc.state_table import LIVE_STATES
 
 log = logging.getLogger("pdserve.prefill")
 
+RENEW_INTERVAL_S = 1.0   # how often QUEUED rows behind a moving prefill queue get their queue deadline renewed
+
 
 def chunked_prefill(model, kv, ids: list[int], blocks: list[int], chunk_tokens: int, is_live, beat,
                     prompt_top_n: int | None = None, prompt_entries: list | None = None):
@@ -170,6 +172,7 @@ class PrefillActor(Actor):
         self.faults = FaultPlan(self.config.faults, self.name)
         self.blocked = False  # the head request waits for free blocks: do not spin on it
         self.prefilling_rows = 0  # rows of the request whose forward pass runs now (PREFILLING)
+        self.renewed_ns = 0   # last renew_queued()
         self.waiting: collections.deque[PrefillRequest] = collections.deque()
         # (slot, generation) -> the prefill blocks the row holds (shared by the children of an n > 1 request)
         self.inflight: dict[tuple[int, int], SharedBlocks] = {}
@@ -187,6 +190,18 @@ class PrefillActor(Actor):
         if self.waiting:
             self.prefill_next()
         self._publish_gauges()
+
+    def renew_queued(self) -> None:
+        """A prefill completed, so the queue moves: renew the QUEUED rows still waiting here (at most once per
+        RENEW_INTERVAL_S), so their queue deadline measures a prefill actor that stopped taking requests, not a
+        long queue under load (actors/watchdog.py)."""
+        now_ns = time.monotonic_ns()
+        if now_ns - self.renewed_ns < RENEW_INTERVAL_S * 1e9:
+            return
+        self.renewed_ns = now_ns
+        for request in self.waiting:
+            for key in request_rows(request):
+                self.table.update(*key, last_progress_ns=now_ns)
 
     def _publish_gauges(self) -> None:
         """This actor's own counts, cross-checked by the monitor against the table: QUEUED rows, rows in the
@@ -298,6 +313,7 @@ class PrefillActor(Actor):
             history = request.prompt_ids if sampling.repetition_penalty != 1.0 else []
             self.to_decode.put(to_wire(KVReady(key[0], key[1], request.request_id, blocks, len(request.prompt_ids),
                                                token, sampling, queue_s, prefill_s, logprobs, history)))
+        self.renew_queued()
 
     def on_stop(self) -> None:
         for key in list(self.inflight):

@@ -5,14 +5,21 @@ stuck; ``classify_actor`` tells a dead actor from a hung one. The HeartbeatMonit
 calls these every tick with ``time.monotonic_ns()`` and acts on the answers.
 
 Deadlines (each non-final state has one; all in seconds, from the config):
-    QUEUED          queue_timeout_s           since the row entered the state
+    QUEUED          queue_timeout_s           since the later of entering the state and the last renewal
     PREFILLING      prefill_timeout_s         since the row entered the state
-    BOOTSTRAP       bootstrap_timeout_s       since the row entered the state
+    BOOTSTRAP       bootstrap_timeout_s       since the later of entering the state and the last renewal
     TRANSFERRING    inflight_timeout_s        since the row entered the state (hard: a lease renewal by the
                                               decode side may never extend it)
-    DECODE_WAITING  decode_waiting_timeout_s  since the row entered the state
+    DECODE_WAITING  decode_waiting_timeout_s  since the later of entering the state and the last renewal
     DECODING        decode_stall_timeout_s    since the later of entering the state and the last token
     any state       request_timeout_s         the row's absolute ``deadline_ns``
+
+A renewal (``last_progress_ns``) of a waiting row means "the actor holding it is alive and working through the
+requests ahead of it": the prefill actor renews its QUEUED requests after each prefill it completes, the decode
+actor renews the requests waiting for KV room (BOOTSTRAP) or a batch slot (DECODE_WAITING) while its batch
+produces tokens. So healthy queueing under load is not failed, while a request that nobody will ever make room
+for (a pool that never frees, an actor that dropped or never received it) still fails at its stage deadline.
+
 A zero or future ``state_since_ns`` is a bug; such a row is expired at once and counted, never "fresh".
 """
 from __future__ import annotations
@@ -33,6 +40,8 @@ STAGE_TIMEOUT_FIELD = {
     S.DECODING: "decode_stall_timeout_s",
 }
 LIVE_STATES = tuple(STAGE_TIMEOUT_FIELD)
+# stages whose deadline runs from the later of entering the state and the row's last_progress_ns
+RENEWABLE_STATES = [int(S.QUEUED), int(S.BOOTSTRAP), int(S.DECODE_WAITING), int(S.DECODING)]
 STAGE_NAME = {S.QUEUED: "queued", S.PREFILLING: "prefill", S.BOOTSTRAP: "bootstrap",
               S.TRANSFERRING: "transfer", S.DECODE_WAITING: "decode_waiting", S.DECODING: "decode"}
 GAUGE_STATES = {
@@ -88,7 +97,8 @@ def find_expired(rows: np.ndarray, now_ns: int, config, limits_ns: np.ndarray | 
     if not live.any():
         return []
     since = rows["state_since_ns"].astype(np.int64)
-    progress = np.where(state == int(S.DECODING), np.maximum(since, rows["last_progress_ns"]), since)
+    renewable = np.isin(state, RENEWABLE_STATES)
+    progress = np.where(renewable, np.maximum(since, rows["last_progress_ns"].astype(np.int64)), since)
     limit = limits_ns[state]
     bad = live & ((since <= 0) | (since > now_ns))
     stage_late = live & ~bad & (now_ns - progress > limit)

@@ -46,6 +46,24 @@ def test_decoding_deadline_counts_from_the_last_token():
     assert [e.reason for e in find_expired(table, int(19.5 * S_NS), CONFIG)] == ["stage_deadline"]
 
 
+def test_waiting_stages_count_from_the_last_renewal_but_a_transfer_never_does():
+    bootstrap_s, waiting_s = CONFIG.bootstrap_timeout_s, CONFIG.decode_waiting_timeout_s
+    queue_s = CONFIG.queue_timeout_s
+    renewed = 100.0
+    table = rows((S.BOOTSTRAP, 10.0, {"last_progress_ns": int(renewed * S_NS)}),
+                 (S.DECODE_WAITING, 10.0, {"last_progress_ns": int(renewed * S_NS)}),
+                 (S.QUEUED, 10.0, {"last_progress_ns": int(renewed * S_NS)}),
+                 (S.TRANSFERRING, 10.0, {"last_progress_ns": int(renewed * S_NS)}),
+                 (S.PREFILLING, 10.0, {"last_progress_ns": int(renewed * S_NS)}))
+    soon = int((renewed + 0.5 * min(bootstrap_s, waiting_s, queue_s)) * S_NS)
+    # renewed rows are inside their stage deadline; the transfer and the prefill count from entering the state
+    assert [(e.slot, e.stage) for e in find_expired(table, soon, CONFIG)] == [(3, S.TRANSFERRING), (4, S.PREFILLING)]
+    late = int((renewed + max(bootstrap_s, waiting_s, queue_s) + 1) * S_NS)
+    assert {e.slot for e in find_expired(table, late, CONFIG)} == {0, 1, 2, 3, 4}
+    stale = rows((S.BOOTSTRAP, 50.0, {"last_progress_ns": 10 * S_NS}))   # a renewal older than the state counts not
+    assert [e.slot for e in find_expired(stale, int((50 + bootstrap_s + 0.1) * S_NS), CONFIG)] == [0]
+
+
 def test_zero_or_future_timestamps_are_reported_never_fresh():
     table = rows((S.QUEUED, 0.0, {}), (S.PREFILLING, 50.0, {}))
     expired = find_expired(table, 20 * S_NS, CONFIG)

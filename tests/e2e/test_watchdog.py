@@ -129,6 +129,38 @@ def test_s3_full_pool_then_silence_all_abort_then_a_probe_succeeds(engine, probe
     assert_recovered(engine, probe)
 
 
+def test_waiting_for_kv_room_behind_a_progressing_batch_is_queueing_not_a_bootstrap_timeout(engine, probe):
+    """The decode pool is full of requests that are generating; a new small request waits in BOOTSTRAP for room
+    longer than bootstrap_timeout_s and still succeeds: the decode actor renews it while its batch makes progress
+    (S2/S3 cover the opposite: nobody will ever make room, and the deadline fires)."""
+    import concurrent.futures
+
+    free, total = probe.free_blocks()["decode0"]
+    assert free == total
+    # two choices of ~426 + 80 tokens: 32 blocks of 16 each, the whole 64-block decode pool, for 80 decode steps
+    # (~8 s on 2 cores; the assertion below says if the pool freed too soon to test anything)
+    fill_body = {"prompt": "word " * 425, "max_tokens": 80, "ignore_eos": True, "n": 2}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        fill = pool.submit(complete, engine, "kvfill-1", **{k: v for k, v in fill_body.items() if k != "prompt"},
+                           prompt=fill_body["prompt"])
+        wait_until(lambda: probe.free_blocks()["decode0"][0] == 0 or fill.done(), 60, 0.02,
+                   "the two choices to take the whole decode pool")
+        assert not fill.done(), fill.result()[0].text
+        small = pool.submit(complete, engine, "kvwait-1", prompt="Hi", max_tokens=4)
+
+        def bootstrap_since():
+            rows = [r for r in probe.rows_with_id("kvwait-1") if r["state"] == S.BOOTSTRAP]
+            return rows[0]["state_since_ns"] if rows else None
+        since_ns = wait_until(lambda: bootstrap_since() or small.done(), 60, 0.01, "kvwait-1 to wait in BOOTSTRAP")
+        response, _ = small.result(timeout=120)
+        waited_s = (time.monotonic_ns() - since_ns) / 1e9
+        filled, _ = fill.result(timeout=120)
+    assert filled.status_code == 200, filled.text
+    assert response.status_code == 200, response.text
+    assert waited_s > BOOTSTRAP_TIMEOUT_S + TICK_S, f"the pool freed after {waited_s:.1f} s: nothing was exercised"
+    assert_recovered(engine, probe)
+
+
 def test_s4_one_dropped_completion_while_others_are_served(engine, probe):
     beats_before = {r["name"]: r["heartbeat_count"] for r in probe.actors.rows() if r["name"]}
 
