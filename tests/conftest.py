@@ -208,3 +208,16 @@ def assert_recovered(engine: EngineProcess, probe: EngineProbe, timeout_s: float
     response = httpx.post(engine.base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3},
                           timeout=60)
     assert response.status_code == 200, response.text
+
+
+def probe_fixture(engine_fixture: str = "engine", scope: str = "module"):
+    """A pytest fixture yielding an EngineProbe attached to the engine of fixture ``engine_fixture``, closed at
+    teardown. Use in a module as ``probe = probe_fixture()``."""
+    import pytest
+
+    @pytest.fixture(scope=scope)
+    def probe(request):
+        p = EngineProbe(request.getfixturevalue(engine_fixture).engine_id)
+        yield p
+        p.close()
+    return probe

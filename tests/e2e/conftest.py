@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import EngineProbe, cleanup_engine, start_engine
+from tests.conftest import cleanup_engine, probe_fixture, start_engine
 
 TICK_S = 0.5
 INFLIGHT_TIMEOUT_S = 2.0
@@ -38,8 +38,4 @@ def fault_engine(tmp_path_factory):
     cleanup_engine(eng)
 
 
-@pytest.fixture(scope="session")
-def fault_probe(fault_engine):
-    p = EngineProbe(fault_engine.engine_id)
-    yield p
-    p.close()
+fault_probe = probe_fixture("fault_engine", scope="session")

@@ -16,7 +16,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import EngineProbe, assert_recovered, cleanup_engine, scrape, start_engine
+from tests.conftest import assert_recovered, cleanup_engine, probe_fixture, scrape, start_engine
 
 MAX_QUEUED = 2
 HOLD_TOKENS = 64        # long enough that both holders are still decoding while the flood is answered
@@ -32,11 +32,7 @@ def engine(tmp_path_factory):
     cleanup_engine(eng)
 
 
-@pytest.fixture(scope="module")
-def probe(engine):
-    p = EngineProbe(engine.engine_id)
-    yield p
-    p.close()
+probe = probe_fixture()
 
 
 async def hold(client: httpx.AsyncClient, request_id: str, started: asyncio.Event) -> tuple[int, str]:

@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import (ROOT, EngineProbe, assert_recovered, cleanup_engine, free_port, scrape, start_engine,
+from tests.conftest import (ROOT, assert_recovered, cleanup_engine, free_port, probe_fixture, scrape, start_engine,
                             wait_until)
 
 POOL_TOKENS = 1024          # the fitted context: max_model_len = min(model context 8192, the pool) = 1024
@@ -39,11 +39,7 @@ def engine(tmp_path_factory):
     cleanup_engine(eng)
 
 
-@pytest.fixture(scope="module")
-def probe(engine):
-    p = EngineProbe(engine.engine_id)
-    yield p
-    p.close()
+probe = probe_fixture()
 
 
 @pytest.fixture(scope="module")
