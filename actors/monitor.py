@@ -103,16 +103,21 @@ class HeartbeatMonitor(Actor):
     def tick(self) -> None:
         from actors.watchdog import find_expired
 
-        now_ns = time.monotonic_ns()
+        # "now" is read AFTER each read of the table: every stamp a row can hold is then <= now (one
+        # CLOCK_MONOTONIC for all processes), so a row moving on between "now" and the read is never mistaken
+        # for one with a timestamp from the future (a false "engine bug" 500)
         rows = self.table.snapshot()
+        now_ns = time.monotonic_ns()
         self.check_actors(rows, now_ns)
         candidates = find_expired(rows, now_ns, self.config, self.limits_ns)
         if candidates:  # the snapshot is consistent per field only: decide again on rows read consistently
             slots = [c.slot for c in candidates]
-            again = find_expired(self.table.consistent_rows(slots), now_ns, self.config, self.limits_ns)
+            fresh = self.table.consistent_rows(slots)
+            again = find_expired(fresh, time.monotonic_ns(), self.config, self.limits_ns)
             for confirmed in again:
                 self.expire(dataclasses.replace(confirmed, slot=slots[confirmed.slot]))
         rows = self.table.snapshot()
+        now_ns = time.monotonic_ns()
         self.check_gauges(rows, now_ns)
         self.reclaim_final_rows(rows, now_ns)
 
