@@ -7,6 +7,8 @@ API process can afford it.
 """
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import pathlib
@@ -52,6 +54,12 @@ _SPLIT_BY_PRE = {
 # this on whitespace runs before a digit ("x  1": ours "x","ĠĠ","1"; it "x","Ġ","Ġ","1") and on a space
 # before a non-ASCII numeric (" ²").
 _DIGIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_of_char() -> dict[str, int]:
+    """The inverse of :func:`bytes_to_unicode`: vocabulary character -> byte."""
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -341,9 +349,7 @@ class Tokenizer:
         piece = self._tok.id_to_token(int(token_id))
         if piece is None:
             raise ValueError(f"token id {token_id} is outside the vocabulary")
-        table = self.__dict__.get("_unicode_to_byte")
-        if table is None:
-            table = self.__dict__["_unicode_to_byte"] = {c: b for b, c in bytes_to_unicode().items()}
+        table = _byte_of_char()
         if all(c in table for c in piece):
             return bytes(table[c] for c in piece)
         return piece.encode("utf-8")

@@ -61,7 +61,7 @@ import posix_ipc
 import torch
 
 from ipc.kv_pool import KVPool
-from ipc.kv_transport import KVTransport, TransferStatus, register_transport
+from ipc.kv_transport import KVTransport, TransferStatus, attach_peer_pool, register_transport, validate_copy
 
 MAGIC = b"PDCX"
 VERSION = 1
@@ -247,28 +247,6 @@ class CudaIpcExport:
 # -------------------------------------------------------------------------------------------------- transport
 
 
-def validate_copy(src_block_ids: Sequence[int], dst_block_ids: Sequence[int], num_tokens: int, *,
-                  block_tokens: int, src_blocks: int, dst_blocks: int) -> tuple[np.ndarray, np.ndarray]:
-    """The ``start_copy`` argument rules of ``KVTransport`` (the same messages as ``CpuShmTransport``):
-    returns the ids as int64 arrays. Raises ValueError for mismatched lengths, a bad ``num_tokens``, ids out
-    of range, or a repeated destination id."""
-    src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
-    dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
-    if src.size != dst.size:
-        raise ValueError(f"start_copy: {src.size} src blocks but {dst.size} dst blocks")
-    if not 0 <= num_tokens <= src.size * block_tokens:
-        raise ValueError(f"start_copy: num_tokens={num_tokens} does not fit {src.size} blocks "
-                         f"of {block_tokens} tokens")
-    if src.size:
-        if src.min() < 0 or src.max() >= src_blocks:
-            raise ValueError(f"start_copy: src block id outside the peer pool of {src_blocks}")
-        if dst.min() < 0 or dst.max() >= dst_blocks:
-            raise ValueError(f"start_copy: dst block id outside the local pool of {dst_blocks}")
-        if np.unique(dst).size != dst.size:
-            raise ValueError("start_copy: a dst block id is listed twice")
-    return src, dst
-
-
 @dataclass
 class _Pending:
     done: Any  # torch.cuda.Event recorded after the copy
@@ -334,14 +312,7 @@ class CudaIpcTransport(KVTransport):
             if self.peer.name == peer_pool_name:
                 return
             raise ValueError(f"transport already attached to peer {self.peer.name!r}; close() it first")
-        peer = KVPool.attach(peer_pool_name, readonly=True)
-        fields = ("num_layers", "block_tokens", "num_kv_heads", "head_dim", "dtype")
-        diff = [f"{f}: local {getattr(self.local, f)} vs peer {getattr(peer, f)}" for f in fields
-                if getattr(self.local, f) != getattr(peer, f)]
-        if diff:
-            peer.close()
-            raise ValueError(f"KV pool {peer_pool_name!r} cannot feed {self.local.name!r}: "
-                             + "; ".join(diff))
+        peer = attach_peer_pool(self.local, peer_pool_name)
         try:
             self.peer = peer
             self._open_export()

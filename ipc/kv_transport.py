@@ -70,6 +70,44 @@ class KVTransport(abc.ABC):
         return None
 
 
+def attach_peer_pool(local: KVPool, peer_pool_name: str) -> KVPool:
+    """Attach the peer's pool read-only and check it can feed ``local`` (same layers, block size, heads, head
+    dim and dtype). Raises ValueError naming every difference (the peer is closed first)."""
+    peer = KVPool.attach(peer_pool_name, readonly=True)
+    fields = ("num_layers", "block_tokens", "num_kv_heads", "head_dim", "dtype")
+    diff = [f"{f}: local {getattr(local, f)} vs peer {getattr(peer, f)}" for f in fields
+            if getattr(local, f) != getattr(peer, f)]
+    if diff:
+        peer.close()
+        raise ValueError(f"KV pool {peer_pool_name!r} cannot feed {local.name!r}: " + "; ".join(diff))
+    return peer
+
+
+def validate_copy(src_block_ids: Sequence[int], dst_block_ids: Sequence[int], num_tokens: int, *,
+                  block_tokens: int, src_blocks: int, dst_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``start_copy`` argument rules every KVTransport applies: returns the ids as int64 arrays.
+
+    Raises:
+        ValueError: mismatched lengths, a ``num_tokens`` the blocks cannot hold, ids out of range, or a
+            repeated destination id.
+    """
+    src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+    if src.size != dst.size:
+        raise ValueError(f"start_copy: {src.size} src blocks but {dst.size} dst blocks")
+    if not 0 <= num_tokens <= src.size * block_tokens:
+        raise ValueError(f"start_copy: num_tokens={num_tokens} does not fit {src.size} blocks "
+                         f"of {block_tokens} tokens")
+    if src.size:
+        if src.min() < 0 or src.max() >= src_blocks:
+            raise ValueError(f"start_copy: src block id outside the peer pool of {src_blocks}")
+        if dst.min() < 0 or dst.max() >= dst_blocks:
+            raise ValueError(f"start_copy: dst block id outside the local pool of {dst_blocks}")
+        if np.unique(dst).size != dst.size:
+            raise ValueError("start_copy: a dst block id is listed twice")
+    return src, dst
+
+
 def _contiguous_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
     """Split parallel block-id lists into runs where both advance by one: ``[(src0, dst0, length)]``."""
     if src.size == 0:
@@ -111,14 +149,7 @@ class CpuShmTransport(KVTransport):
             if self.peer.name == peer_pool_name:
                 return
             raise ValueError(f"transport already attached to peer {self.peer.name!r}; close() it first")
-        peer = KVPool.attach(peer_pool_name, readonly=True)
-        mine, theirs = self.local, peer
-        fields = ("num_layers", "block_tokens", "num_kv_heads", "head_dim", "dtype")
-        diff = [f"{f}: local {getattr(mine, f)} vs peer {getattr(theirs, f)}" for f in fields
-                if getattr(mine, f) != getattr(theirs, f)]
-        if diff:
-            peer.close()
-            raise ValueError(f"KV pool {peer_pool_name!r} cannot feed {mine.name!r}: " + "; ".join(diff))
+        peer = attach_peer_pool(self.local, peer_pool_name)
         self.peer = peer
         self._src = peer.array()
 
@@ -126,22 +157,8 @@ class CpuShmTransport(KVTransport):
                    num_tokens: int) -> int:
         if self._src is None:
             raise RuntimeError("CpuShmTransport.start_copy before open_peer()")
-        src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
-        dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
-        if src.size != dst.size:
-            raise ValueError(f"start_copy: {src.size} src blocks but {dst.size} dst blocks")
-        bt = self.local.block_tokens
-        if not 0 <= num_tokens <= src.size * bt:
-            raise ValueError(f"start_copy: num_tokens={num_tokens} does not fit {src.size} blocks "
-                             f"of {bt} tokens")
-        if src.size:
-            if src.min() < 0 or src.max() >= self.peer.num_blocks:
-                raise ValueError(f"start_copy: src block id outside the peer pool of {self.peer.num_blocks}")
-            if dst.min() < 0 or dst.max() >= self.local.num_blocks:
-                raise ValueError(f"start_copy: dst block id outside the local pool of "
-                                 f"{self.local.num_blocks}")
-            if np.unique(dst).size != dst.size:
-                raise ValueError("start_copy: a dst block id is listed twice")
+        src, dst = validate_copy(src_block_ids, dst_block_ids, num_tokens, block_tokens=self.local.block_tokens,
+                                 src_blocks=self.peer.num_blocks, dst_blocks=self.local.num_blocks)
         handle = next(self._ids)
         try:
             s_arr, d_arr = self._src, self._dst

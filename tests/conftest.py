@@ -210,6 +210,19 @@ def assert_recovered(engine: EngineProcess, probe: EngineProbe, timeout_s: float
     assert response.status_code == 200, response.text
 
 
+@pytest.fixture
+def engine_id():
+    """A fresh engine id; every shm segment and semaphore named with it is unlinked after the test, pass or
+    fail (for tests that build ipc objects themselves, without an engine)."""
+    from ipc import naming
+
+    eid = naming.new_engine_id()
+    try:
+        yield eid
+    finally:
+        naming.unlink_all(eid)
+
+
 def probe_fixture(engine_fixture: str = "engine", scope: str = "module"):
     """A pytest fixture yielding an EngineProbe attached to the engine of fixture ``engine_fixture``, closed at
     teardown. Use in a module as ``probe = probe_fixture()``."""

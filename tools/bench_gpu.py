@@ -85,18 +85,9 @@ def cuda_ms(fn, *, warmup: int, iters: int) -> float:
     """Median milliseconds of ``fn()`` between CUDA events on the current stream (wall clock on CPU)."""
     if not torch.cuda.is_available():
         return wall_ms(fn, warmup=warmup, iters=iters)
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    from gpu.kernels.autotune import cuda_event_timer
+
+    return cuda_event_timer(warmup, iters)(fn) * 1e3
 
 
 def wall_ms(fn, *, warmup: int, iters: int) -> float:

@@ -180,14 +180,24 @@ def throughput(ctx, kind: str, nbytes: int, n: int) -> float:
     return n / dt
 
 
+def _ping_pong(send: Callable[[], object], receive: Callable[[], object], n: int) -> list[float]:
+    """Seconds of each of ``n`` send-then-receive round trips."""
+    pc = time.perf_counter
+    out = []
+    for _ in range(n):
+        t0 = pc()
+        send()
+        receive()
+        out.append(pc() - t0)
+    return out
+
+
 def round_trips(ctx, kind: str, nbytes: int, n: int) -> list[float]:
     """Round-trip latencies (s) of ``n`` ping-pongs with an echo process (first 5% dropped as warm-up)."""
     from ipc import naming
     from ipc.shm_queue import ShmQueue
 
     msg = make_message(nbytes)
-    out: list[float] = []
-    pc = time.perf_counter
     slot_bytes = max(4096, nbytes + 1024)
     if kind == "ShmQueue":
         eid = naming.new_engine_id()
@@ -196,11 +206,7 @@ def round_trips(ctx, kind: str, nbytes: int, n: int) -> list[float]:
         try:
             p, start = _spawn(ctx, _shm_echo, qa.name, qb.name, n)
             start.set()
-            for _ in range(n):
-                t0 = pc()
-                qa.put(msg, timeout_s=30)
-                qb.get(timeout_s=30)
-                out.append(pc() - t0)
+            out = _ping_pong(lambda: qa.put(msg, timeout_s=30), lambda: qb.get(timeout_s=30), n)
             _join(p)
         finally:
             for q in (qa, qb):
@@ -210,21 +216,13 @@ def round_trips(ctx, kind: str, nbytes: int, n: int) -> list[float]:
         qa, qb = ctx.Queue(QUEUE_SLOTS), ctx.Queue(QUEUE_SLOTS)
         p, start = _spawn(ctx, _mpq_echo, qa, qb, n)
         start.set()
-        for _ in range(n):
-            t0 = pc()
-            qa.put(orjson.dumps(msg))
-            orjson.loads(qb.get(timeout=30))
-            out.append(pc() - t0)
+        out = _ping_pong(lambda: qa.put(orjson.dumps(msg)), lambda: orjson.loads(qb.get(timeout=30)), n)
         _join(p)
     elif kind == "mp.Pipe":
         a, b = ctx.Pipe(duplex=True)
         p, start = _spawn(ctx, _pipe_echo, b, n)
         start.set()
-        for _ in range(n):
-            t0 = pc()
-            a.send_bytes(orjson.dumps(msg))
-            orjson.loads(a.recv_bytes())
-            out.append(pc() - t0)
+        out = _ping_pong(lambda: a.send_bytes(orjson.dumps(msg)), lambda: orjson.loads(a.recv_bytes()), n)
         _join(p)
         a.close()
         b.close()
@@ -238,11 +236,7 @@ def round_trips(ctx, kind: str, nbytes: int, n: int) -> list[float]:
         try:
             p, start = _spawn(ctx, _sem_echo, names[0], names[1], n)
             start.set()
-            for _ in range(n):
-                t0 = pc()
-                sa.release()
-                sb.acquire(30)
-                out.append(pc() - t0)
+            out = _ping_pong(sa.release, lambda: sb.acquire(30), n)
             _join(p)
         finally:
             for s in (sa, sb):

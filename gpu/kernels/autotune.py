@@ -49,6 +49,7 @@ def cuda_event_timer(warmup: int = 2, iters: int = 5) -> Timer:
     def timer(fn: Callable[[], None]) -> float:
         for _ in range(warmup):
             fn()
+        torch.cuda.synchronize()
         samples = []
         for _ in range(iters):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -54,6 +54,13 @@ def max_len(http) -> int:
 
 
 @pytest.fixture(scope="module")
+def tokenizer():
+    from gpu.tokenizer import Tokenizer
+
+    return Tokenizer.load(None)
+
+
+@pytest.fixture(scope="module")
 def model(http) -> str:
     return http.get("/v1/models").json()["data"][0]["id"]
 
@@ -520,14 +527,12 @@ def test_echo_with_logprobs_scores_every_prompt_token_aligned_with_generation(ht
 
 
 @pytest.mark.parametrize("prompt_len", [128, 140])   # the scored token opens the second prefill chunk, or is inside it
-def test_a_prompt_tokens_echo_score_equals_its_score_as_the_next_token(http, prompt_len):
+def test_a_prompt_tokens_echo_score_equals_its_score_as_the_next_token(http, tokenizer, prompt_len):
     ids = [TOKEN + (i * 7) % 500 for i in range(prompt_len)]
     generated = http.post(COMP, json={"prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 0}).json()
     token_text = generated["choices"][0]["logprobs"]["tokens"][0]
     score = generated["choices"][0]["logprobs"]["token_logprobs"][0]
-    from gpu.tokenizer import Tokenizer
-
-    token_id = Tokenizer.load(None).encode(token_text)
+    token_id = tokenizer.encode(token_text)
     assert len(token_id) == 1, token_text
     echoed = http.post(COMP, json={"prompt": ids + token_id, "max_tokens": 1, "temperature": 0, "logprobs": 0,
                                    "echo": True}).json()["choices"][0]["logprobs"]

@@ -11,23 +11,14 @@ import torch
 
 from ipc import naming
 from ipc.cuda_ipc import (EXPORT_BYTES, CudaIpcExport, CudaIpcTransport, allocate_device_pool, export_name,
-                          open_export_segment, read_export, validate_copy, write_export)
+                          open_export_segment, read_export, write_export)
 from ipc.kv_pool import KVPool
-from ipc.kv_transport import CpuShmTransport, TransferStatus, known_transports, make_transport
+from ipc.kv_transport import CpuShmTransport, TransferStatus, known_transports, make_transport, validate_copy
 
 pytestmark = pytest.mark.timeout(120)
 
 GEOMETRY = dict(num_layers=3, num_blocks=16, block_tokens=4, num_kv_heads=2, head_dim=8)
 CUDA = torch.cuda.is_available()
-
-
-@pytest.fixture
-def engine_id():
-    eid = naming.new_engine_id()
-    try:
-        yield eid
-    finally:
-        naming.unlink_all(eid)
 
 
 def wait_until(predicate, timeout_s: float, what: str):

@@ -1,4 +1,4 @@
-"""Fixtures for the ipc tests: a unique engine id per test whose shm objects are unlinked afterwards."""
+"""Fixtures for the ipc tests (``engine_id``, unlinking every shm object of a test, is in tests/conftest.py)."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -14,16 +14,6 @@ for p in (str(_ROOT), str(_HERE)):  # spawned children inherit sys.path: they im
         sys.path.insert(0, p)
 
 from ipc import naming  # noqa: E402
-
-
-@pytest.fixture
-def engine_id():
-    """A fresh engine id; every segment/semaphore named with it is unlinked after the test, pass or fail."""
-    eid = naming.new_engine_id()
-    try:
-        yield eid
-    finally:
-        naming.unlink_all(eid)
 
 
 @pytest.fixture
