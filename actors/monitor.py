@@ -21,18 +21,14 @@ import numpy as np
 
 from actors.base import ACTOR_NAMES, API_INDEX, DECODE_INDEX, MONITOR_INDEX, PREFILL_INDEX, Actor
 from actors.messages import RequestError, to_wire
-from ipc.state_table import FINAL_STATES, LIVE_STATES
-from ipc.state_table import RequestState as S
+from ipc.lifecycle import FINAL_STATES, LIVE_STATES, held_by
+from ipc.lifecycle import RequestState as S
 
 log = logging.getLogger("pdserve.monitor")
 
 # The states in which an actor holds a request in its own memory (a message it consumed, KV blocks, a batch
 # slot): if the actor dies or hangs, these requests cannot progress and are failed at once.
-HELD_STATES = {
-    PREFILL_INDEX: frozenset({S.QUEUED, S.PREFILLING, S.BOOTSTRAP, S.TRANSFERRING}),
-    DECODE_INDEX: frozenset({S.BOOTSTRAP, S.TRANSFERRING, S.DECODE_WAITING, S.DECODING}),
-    API_INDEX: LIVE_STATES,
-}
+HELD_STATES = {PREFILL_INDEX: held_by("prefill"), DECODE_INDEX: held_by("decode"), API_INDEX: LIVE_STATES}
 
 
 def fail_requests_held_by(table, status, to_api, index: int, colocated: bool, message: str, *, by: int,

@@ -4,21 +4,15 @@
 stuck; ``classify_actor`` tells a dead actor from a hung one. The HeartbeatMonitor actor (actors/monitor.py)
 calls these every tick with ``time.monotonic_ns()`` and acts on the answers.
 
-Deadlines (each non-final state has one; all in seconds, from the config):
-    QUEUED          queue_timeout_s           since the later of entering the state and the last renewal
-    PREFILLING      prefill_timeout_s         since the row entered the state
-    BOOTSTRAP       bootstrap_timeout_s       since the later of entering the state and the last renewal
-    TRANSFERRING    inflight_timeout_s        since the row entered the state (hard: a lease renewal by the
-                                              decode side may never extend it)
-    DECODE_WAITING  decode_waiting_timeout_s  since the later of entering the state and the last renewal
-    DECODING        decode_stall_timeout_s    since the later of entering the state and the last token
-    any state       request_timeout_s         the row's absolute ``deadline_ns``
-
-A renewal (``last_progress_ns``) of a waiting row means "the actor holding it is alive and working through the
-requests ahead of it": the prefill actor renews its QUEUED requests after each prefill it completes, the decode
-actor renews the requests waiting for KV room (BOOTSTRAP) or a batch slot (DECODE_WAITING) while its batch
-produces tokens. So healthy queueing under load is not failed, while a request that nobody will ever make room
-for (a pool that never frees, an actor that dropped or never received it) still fails at its stage deadline.
+Deadlines: each live state has one (``ipc/lifecycle.py``: ``timeout_field``, in seconds, from the config),
+plus the request's own absolute ``deadline_ns`` (``request_timeout_s``). A renewable state's deadline runs from
+the later of entering the state and the row's ``last_progress_ns``; a hard one (none today) from entering it.
+"own" renewals are the row's own progress (a prefill chunk, KV blocks received, a token); "queue" renewals mean
+"the actor holding it is alive and working through the requests ahead of it" (the prefill actor renews its
+QUEUED rows after each prefill it completes, decode its BOOTSTRAP and DECODE_WAITING rows while its batch
+produces tokens). So healthy queueing and long prompts under load are not failed, while a request nobody makes
+progress on (a pool that never frees, a transfer that never moves, an actor that dropped it) still fails at its
+stage deadline.
 
 A zero or future ``state_since_ns`` is a bug; such a row is expired at once and counted, never "fresh".
 """
@@ -29,27 +23,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ipc.engine_status import GAUGES, ActorHealth
-from ipc.state_table import RequestState as S
+from ipc.lifecycle import GAUGE_STATES, LIVE_STATES, RENEWABLE_STATES, STAGE_NAME, STAGE_TIMEOUT_FIELD
+from ipc.lifecycle import RequestState as S
 
-STAGE_TIMEOUT_FIELD = {
-    S.QUEUED: "queue_timeout_s",
-    S.PREFILLING: "prefill_timeout_s",
-    S.BOOTSTRAP: "bootstrap_timeout_s",
-    S.TRANSFERRING: "inflight_timeout_s",
-    S.DECODE_WAITING: "decode_waiting_timeout_s",
-    S.DECODING: "decode_stall_timeout_s",
-}
-LIVE_STATES = tuple(STAGE_TIMEOUT_FIELD)
-# stages whose deadline runs from the later of entering the state and the row's last_progress_ns
-RENEWABLE_STATES = [int(S.QUEUED), int(S.BOOTSTRAP), int(S.DECODE_WAITING), int(S.DECODING)]
-STAGE_NAME = {S.QUEUED: "queued", S.PREFILLING: "prefill", S.BOOTSTRAP: "bootstrap",
-              S.TRANSFERRING: "transfer", S.DECODE_WAITING: "decode_waiting", S.DECODING: "decode"}
-GAUGE_STATES = {
-    "running": (S.PREFILLING, S.DECODING),
-    "queued": (S.QUEUED,),
-    "prefill_inflight": (S.BOOTSTRAP, S.TRANSFERRING),
-    "decode_transfer": (S.TRANSFERRING,),
-}
+_LIVE = [int(s) for s in LIVE_STATES]
+_RENEWABLE = [int(s) for s in RENEWABLE_STATES]
 
 
 @dataclass(frozen=True)
@@ -93,11 +71,11 @@ def find_expired(rows: np.ndarray, now_ns: int, config, limits_ns: np.ndarray | 
     """
     limits_ns = stage_limits_ns(config) if limits_ns is None else limits_ns
     state = rows["state"].astype(np.int64)
-    live = np.isin(state, [int(s) for s in LIVE_STATES])
+    live = np.isin(state, _LIVE)
     if not live.any():
         return []
     since = rows["state_since_ns"].astype(np.int64)
-    renewable = np.isin(state, RENEWABLE_STATES)
+    renewable = np.isin(state, _RENEWABLE)
     progress = np.where(renewable, np.maximum(since, rows["last_progress_ns"].astype(np.int64)), since)
     limit = limits_ns[state]
     bad = live & ((since <= 0) | (since > now_ns))

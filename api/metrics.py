@@ -23,7 +23,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from actors.base import API_INDEX
-from actors.watchdog import GAUGE_STATES, STAGE_NAME, actor_state
+from actors.watchdog import actor_state
+from ipc.lifecycle import GAUGE_STATES, STAGE_NAME
 from ipc.engine_status import GAUGES
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

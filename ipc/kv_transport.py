@@ -10,7 +10,6 @@ Implementations: ``cpu-shm`` (here; every test runs on it). ``cuda-ipc`` and cro
 from __future__ import annotations
 
 import abc
-import enum
 import importlib
 import itertools
 from typing import Callable, Sequence
@@ -18,12 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ipc.kv_pool import KVPool
-
-
-class TransferStatus(enum.IntEnum):
-    IN_PROGRESS = 0
-    DONE = 1
-    FAILED = 2
+from ipc.lifecycle import TransferStatus  # noqa: F401  (re-exported: the transports' status values)
 
 
 class KVTransport(abc.ABC):

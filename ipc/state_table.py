@@ -1,6 +1,6 @@
-"""The request state table in POSIX shm, and the request lifecycle: one enum, one transition function.
+"""The request state table in POSIX shm: one transition function over the lifecycle of ``ipc/lifecycle.py``.
 
-Lifecycle (``ALLOWED``; every transition goes through ``StateTable.transition``)::
+Lifecycle (``ipc.lifecycle.ALLOWED``; every transition goes through ``StateTable.transition``)::
 
     QUEUED -> PREFILLING -> BOOTSTRAP -> TRANSFERRING -> DECODE_WAITING -> DECODING -> FINISHED
     every non-final state -> ABORTED | TIMED_OUT | FAILED           (final states are terminal)
@@ -50,7 +50,6 @@ gauges).
 """
 from __future__ import annotations
 
-import enum
 import struct
 import time
 from typing import Iterable
@@ -59,42 +58,9 @@ import numpy as np
 
 from ipc import _shm
 from ipc._shm import RobustLock
+from ipc.lifecycle import ALLOWED, FINAL_STATES, LIVE_STATES, RequestState, check_transition  # noqa: F401
 from pdserve.errors import StateTableFullError
 
-
-class RequestState(enum.IntEnum):
-    FREE = 0  # row unused
-    QUEUED = 1
-    PREFILLING = 2
-    BOOTSTRAP = 3  # decode side reserves blocks
-    TRANSFERRING = 4  # in the prefill inflight queue
-    DECODE_WAITING = 5
-    DECODING = 6
-    FINISHED = 7
-    ABORTED = 8
-    TIMED_OUT = 9
-    FAILED = 10
-
-
-FINAL_STATES: frozenset[RequestState] = frozenset(
-    {RequestState.FINISHED, RequestState.ABORTED, RequestState.TIMED_OUT, RequestState.FAILED})
-LIVE_STATES: frozenset[RequestState] = frozenset(
-    s for s in RequestState if s is not RequestState.FREE and s not in FINAL_STATES)
-_ENDINGS = frozenset({RequestState.ABORTED, RequestState.TIMED_OUT, RequestState.FAILED})
-
-ALLOWED: dict[RequestState, frozenset[RequestState]] = {
-    RequestState.FREE: frozenset(),  # only allocate() leaves FREE
-    RequestState.QUEUED: frozenset({RequestState.PREFILLING}) | _ENDINGS,
-    RequestState.PREFILLING: frozenset({RequestState.BOOTSTRAP}) | _ENDINGS,
-    RequestState.BOOTSTRAP: frozenset({RequestState.TRANSFERRING}) | _ENDINGS,
-    RequestState.TRANSFERRING: frozenset({RequestState.DECODE_WAITING}) | _ENDINGS,
-    RequestState.DECODE_WAITING: frozenset({RequestState.DECODING}) | _ENDINGS,
-    RequestState.DECODING: frozenset({RequestState.FINISHED}) | _ENDINGS,
-    RequestState.FINISHED: frozenset(),
-    RequestState.ABORTED: frozenset(),
-    RequestState.TIMED_OUT: frozenset(),
-    RequestState.FAILED: frozenset(),
-}
 
 _IS_FINAL = np.zeros(256, dtype=bool)
 _IS_FINAL[[int(s) for s in FINAL_STATES]] = True
@@ -105,15 +71,6 @@ _IS_LIVE[[int(s) for s in LIVE_STATES]] = True
 def is_final(state: int) -> bool:
     """True for FINISHED, ABORTED, TIMED_OUT and FAILED."""
     return bool(_IS_FINAL[int(state)]) if 0 <= int(state) < 256 else False
-
-
-def check_transition(current: int, new: int) -> None:
-    """Raise ValueError unless ``current -> new`` is in ``ALLOWED`` (pure; used by ``transition``)."""
-    cur, nxt = RequestState(current), RequestState(new)
-    if nxt not in ALLOWED[cur]:
-        allowed = ", ".join(s.name for s in sorted(ALLOWED[cur])) or "nothing (terminal)"
-        raise ValueError(f"request state transition {cur.name} -> {nxt.name} is not allowed; "
-                         f"from {cur.name} the lifecycle allows: {allowed}")
 
 
 ROW_FIELDS = [  # (name, dtype, offset)
@@ -441,6 +398,41 @@ class StateTable:
             finally:
                 self._end_write(slot)
             return True
+        finally:
+            self._release()
+
+    def update_many(self, updates: Iterable[tuple[int, int, dict]]) -> int:
+        """``update`` for many rows under one lock round trip (a decode step's token counts and renewals):
+        ``updates`` holds ``(slot, generation, fields)``. Returns how many rows were changed (stale or FREE rows
+        are skipped). Raises as ``update`` does, before changing anything."""
+        self._writable()
+        checked = []
+        for slot, generation, fields in updates:
+            bad = set(fields) - UPDATABLE_FIELDS
+            if bad:
+                raise ValueError(f"update_many() cannot set {sorted(bad)}; it sets {sorted(UPDATABLE_FIELDS)}")
+            for k, v in fields.items():
+                lo, hi = _RANGES[k]
+                if not lo <= int(v) <= hi:
+                    raise OverflowError(f"{k}={v} outside {ROW_DTYPE[k]} range [{lo}, {hi}]")
+            checked.append((self._check_slot(slot), generation, fields))
+        if not checked:
+            return 0
+        c = self._c
+        changed = 0
+        self._acquire()
+        try:
+            for slot, generation, fields in checked:
+                if int(c["generation"][slot]) != generation or c["state"][slot] == RequestState.FREE:
+                    continue
+                self._begin_write(slot)
+                try:
+                    for k, v in fields.items():
+                        c[k][slot] = v
+                finally:
+                    self._end_write(slot)
+                changed += 1
+            return changed
         finally:
             self._release()
 

@@ -367,7 +367,7 @@ def _time(fn) -> float:
 
 def bench_monitor(reps: int, num_rows: int = 10_000) -> list[dict]:
     from actors.watchdog import StuckGaugeTracker, find_expired, stage_limits_ns
-    from actors.watchdog import LIVE_STATES
+    from ipc.lifecycle import LIVE_STATES
     from ipc import naming
     from ipc.state_table import ROW_DTYPE, StateTable
     from pdserve.config import EngineConfig

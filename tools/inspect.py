@@ -67,9 +67,10 @@ class EngineView:
 def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, first_iterations: dict,
                    now_ns: int) -> dict[str, Any]:
     """Assemble the JSON snapshot from raw reads (plain code; see the module docstring for the schema)."""
-    from actors.watchdog import GAUGE_STATES, STAGE_NAME, STAGE_TIMEOUT_FIELD, actor_state
+    from actors.watchdog import actor_state
     from ipc.engine_status import GAUGE_METRIC, GAUGES
-    from ipc.state_table import LIVE_STATES, RequestState
+    from ipc.lifecycle import (GAUGE_STATES, LIVE_STATES, RENEWABLE_STATES, STAGE_NAME, STAGE_TIMEOUT_FIELD,
+                               RequestState)
 
     config = manifest["config"]
     names = manifest["actors"]
@@ -115,7 +116,7 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
         stage = RequestState(int(row["state"]))
         since_ns = int(row["state_since_ns"])
         limit_s = float(config[STAGE_TIMEOUT_FIELD[stage]]["value"])
-        if stage == RequestState.DECODING:
+        if stage in RENEWABLE_STATES:   # the stage deadline runs from the last renewal (actors/watchdog.py)
             since_ns = max(since_ns, int(row["last_progress_ns"]))
         owner = int(row["owner"])
         deadline_ns = int(row["deadline_ns"])

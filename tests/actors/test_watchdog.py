@@ -46,20 +46,23 @@ def test_decoding_deadline_counts_from_the_last_token():
     assert [e.reason for e in find_expired(table, int(19.5 * S_NS), CONFIG)] == ["stage_deadline"]
 
 
-def test_waiting_stages_count_from_the_last_renewal_but_a_transfer_never_does():
+def test_every_live_stage_counts_from_its_last_renewal_and_an_unrenewed_one_from_entering_it():
     bootstrap_s, waiting_s = CONFIG.bootstrap_timeout_s, CONFIG.decode_waiting_timeout_s
     queue_s = CONFIG.queue_timeout_s
     renewed = 100.0
     table = rows((S.BOOTSTRAP, 10.0, {"last_progress_ns": int(renewed * S_NS)}),
                  (S.DECODE_WAITING, 10.0, {"last_progress_ns": int(renewed * S_NS)}),
                  (S.QUEUED, 10.0, {"last_progress_ns": int(renewed * S_NS)}),
-                 (S.TRANSFERRING, 10.0, {"last_progress_ns": int(renewed * S_NS)}),
-                 (S.PREFILLING, 10.0, {"last_progress_ns": int(renewed * S_NS)}))
-    soon = int((renewed + 0.5 * min(bootstrap_s, waiting_s, queue_s)) * S_NS)
-    # renewed rows are inside their stage deadline; the transfer and the prefill count from entering the state
-    assert [(e.slot, e.stage) for e in find_expired(table, soon, CONFIG)] == [(3, S.TRANSFERRING), (4, S.PREFILLING)]
-    late = int((renewed + max(bootstrap_s, waiting_s, queue_s) + 1) * S_NS)
-    assert {e.slot for e in find_expired(table, late, CONFIG)} == {0, 1, 2, 3, 4}
+                 (S.TRANSFERRING, 10.0, {"last_progress_ns": int(renewed * S_NS)}),   # blocks arrived at 100
+                 (S.PREFILLING, 10.0, {"last_progress_ns": int(renewed * S_NS)}),     # a chunk finished at 100
+                 (S.TRANSFERRING, 10.0, {"last_progress_ns": 10 * S_NS}),             # never moved
+                 (S.PREFILLING, 10.0, {"last_progress_ns": 10 * S_NS}))
+    soon = int((renewed + 0.5 * min(bootstrap_s, waiting_s, queue_s, CONFIG.inflight_timeout_s)) * S_NS)
+    # renewed rows are inside their stage deadline; the rows that made no progress count from entering the state
+    assert [(e.slot, e.stage) for e in find_expired(table, soon, CONFIG)] == [(5, S.TRANSFERRING), (6, S.PREFILLING)]
+    late = int((renewed + max(bootstrap_s, waiting_s, queue_s, CONFIG.inflight_timeout_s,
+                              CONFIG.prefill_timeout_s) + 1) * S_NS)
+    assert {e.slot for e in find_expired(table, late, CONFIG)} == {0, 1, 2, 3, 4, 5, 6}
     stale = rows((S.BOOTSTRAP, 50.0, {"last_progress_ns": 10 * S_NS}))   # a renewal older than the state counts not
     assert [e.slot for e in find_expired(stale, int((50 + bootstrap_s + 0.1) * S_NS), CONFIG)] == [0]
 
@@ -82,7 +85,8 @@ def test_vectorized_scan_of_ten_thousand_rows_finds_exactly_the_expired_ones():
     table["last_progress_ns"] = 100 * S_NS
     table["state"][::1000] = int(S.TRANSFERRING)
     table["state_since_ns"][::1000] = 95 * S_NS
-    assert len(find_expired(table, 101 * S_NS, CONFIG)) == 10
+    table["last_progress_ns"][::1000] = 95 * S_NS   # transitions stamp both; no block arrived since
+    assert [e.slot for e in find_expired(table, 101 * S_NS, CONFIG)] == list(range(0, 10_000, 1000))
 
 
 def test_a_gauge_is_stuck_only_while_nothing_leaves_its_stage():

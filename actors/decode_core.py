@@ -1,0 +1,274 @@
+"""The decode scheduler core: plain synchronous code over ports (actors/ports.py), no shm, queue, torch, clock or
+fault code. The shell (actors/decode.py) feeds it KVReady messages, runs the decode step over ``batch()`` and
+publishes its counts.
+
+Rows it moves, each collection named after the state its entries are in:
+    bootstrap       KVReady received (BOOTSTRAP): reserve blocks for prompt + max_tokens, in arrival order
+    transferring    TRANSFERRING: pulling the prompt's KV; blocks arriving renew the stage deadline
+    decode_waiting  DECODE_WAITING: copy done (TransferDone sent to prefill, which frees its own blocks)
+    decoding        DECODING: the running batch, one token per step -> FINISHED (EOS, stop token, max_tokens)
+A row that turns final elsewhere (client abort, stop string, monitor timeout) is dropped by ``reap`` and its
+blocks freed once. Per step, the table writes of the whole batch (token counts, renewals) go in one
+``update_many`` (one lock round trip).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.messages import KVReady, RequestError, TokenBatch, TransferDone
+from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort, TransfersPort
+from ipc.lifecycle import LIVE_STATES, TransferStatus
+from ipc.lifecycle import RequestState as S
+from pdserve.errors import OutOfKVBlocksError
+
+Key = tuple[int, int]
+
+
+@dataclass
+class DecodeEntry:
+    """A request held by the decode role."""
+
+    ready: KVReady
+    blocks: list[int] = field(default_factory=list)
+    position: int = 0          # position of ``last_token``, whose KV is not in the pool yet
+    last_token: int = 0
+    output_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)   # generated so far (penalties count them)
+    transfer_handle: int | None = None
+    transfer_start_ns: int = 0
+    blocks_received: int = 0
+    timings: dict | None = None       # stage timings, sent with the first token
+    runtime: Any = None               # the shell's per-request sampling state; opaque here
+
+    @property
+    def key(self) -> Key:
+        return (self.ready.slot, self.ready.generation)
+
+
+class DecodeCore:
+    """Reservation, KV pull, admission, token bookkeeping and clean-up of one decode role.
+
+    ``block_bytes``: bytes of one KV block across layers, K and V (for the transfer timings).
+    """
+
+    def __init__(self, table: TablePort, allocator: AllocatorPort, transfers: TransfersPort, outbox: OutboxPort,
+                 clock: Clock, *, actor_index: int, eos_ids, max_num_seqs: int, block_bytes: int,
+                 renew_interval_s: float = 1.0):
+        self.table, self.allocator, self.transfers, self.outbox, self.clock = table, allocator, transfers, outbox, clock
+        self.actor_index = actor_index
+        self.eos_ids = frozenset(eos_ids)
+        self.max_num_seqs = max_num_seqs
+        self.block_bytes = block_bytes
+        self.renew_interval_ns = int(renew_interval_s * 1e9)
+        self.bootstrap: list[DecodeEntry] = []
+        self.transferring: list[DecodeEntry] = []
+        self.decode_waiting: list[DecodeEntry] = []
+        self.decoding: list[DecodeEntry] = []
+        self.renewed_ns = 0
+        self._items: list[list[Any]] = []                 # this step's TokenBatch rows
+        self._updates: list[tuple[int, int, dict]] = []   # this step's table writes
+
+    # ---- events -------------------------------------------------------------------------------------
+    def on_message(self, message: Any) -> bool:
+        """A KVReady (the request is in BOOTSTRAP); returns False for any other message."""
+        if not isinstance(message, KVReady):
+            return False
+        self.bootstrap.append(DecodeEntry(ready=message))
+        return True
+
+    def has_work(self) -> bool:
+        """True when the next iteration has something to run at once (a step, an admission)."""
+        return bool(self.decoding) or (bool(self.decode_waiting) and len(self.decoding) < self.max_num_seqs)
+
+    def wait_s(self, idle_wait_s: float) -> float:
+        """How long the shell may block on its inbox: not at all with work to run; briefly while an
+        asynchronous transfer runs (a synchronous one is finished when started: only a stuck one is left, and
+        its deadline needs no polling); else ``idle_wait_s``."""
+        if self.has_work():
+            return 0.0
+        if self.transferring and not self.transfers.synchronous:
+            return 0.001
+        return idle_wait_s
+
+    def reap(self) -> None:
+        """Drop every entry whose row turned final elsewhere and free what it held."""
+        for name in ("bootstrap", "transferring", "decode_waiting", "decoding"):
+            entries = getattr(self, name)
+            keep = [e for e in entries if self._live(e.key)]
+            if len(keep) != len(entries):
+                for entry in entries:
+                    if not self._live(entry.key):
+                        self._release(entry)
+                setattr(self, name, keep)
+
+    def start_transfers(self) -> None:
+        """Reserve blocks for prompt + max_tokens in arrival order (the head waits in BOOTSTRAP while the pool is
+        full) and start pulling each request's KV (TRANSFERRING)."""
+        while self.bootstrap:
+            entry = self.bootstrap[0]
+            ready = entry.ready
+            needed = math.ceil((ready.num_tokens + ready.sampling.max_tokens) / self.allocator.block_tokens)
+            try:
+                entry.blocks = self.allocator.allocate(needed, ready.slot)
+            except OutOfKVBlocksError:
+                return
+            self.bootstrap.pop(0)
+            row = self.table.read(*entry.key)
+            if row is None or not self.table.transition(*entry.key, S.TRANSFERRING, owner=self.actor_index):
+                self._release(entry)
+                continue
+            self.table.update(*entry.key, decode_blocks=len(entry.blocks), n_transfers=int(row["n_transfers"]) + 1)
+            src = list(ready.src_block_ids)
+            entry.transfer_start_ns = self.clock()
+            entry.transfer_handle = self.transfers.start(ready.request_id, src, entry.blocks[:len(src)],
+                                                         ready.num_tokens)
+            self.transferring.append(entry)
+
+    def poll_transfers(self) -> None:
+        """Finished pulls move on to DECODE_WAITING (this role moves its own rows) and tell prefill; failed ones
+        fail the request (503, retryable); blocks arriving renew the transfer deadline."""
+        keep = []
+        for entry in self.transferring:
+            status, received = self.transfers.poll(entry.transfer_handle)
+            if status == TransferStatus.IN_PROGRESS:
+                if received > entry.blocks_received:
+                    entry.blocks_received = received
+                    self._updates.append((*entry.key, {"last_progress_ns": self.clock()}))
+                keep.append(entry)
+                continue
+            self.transfers.release(entry.transfer_handle)
+            entry.transfer_handle = None
+            if status == TransferStatus.DONE:
+                self._transfer_done(entry)
+                continue
+            known = status in TransferStatus.__members__.values()
+            reason = "failed" if known else f"reported the unknown status {status!r}"
+            self._fail(entry, 503, "engine_error", f"KV transfer (stage transfer) {reason}; retry the request")
+        self.transferring = keep
+
+    def admit(self) -> list[DecodeEntry]:
+        """Move waiting requests into the running batch (between steps) and emit their first token (sampled by
+        prefill). Returns the entries that joined the batch (the shell prepares their sampling state)."""
+        joined = []
+        while self.decode_waiting and len(self.decoding) < self.max_num_seqs:
+            entry = self.decode_waiting.pop(0)
+            if not self.table.transition(*entry.key, S.DECODING, owner=self.actor_index):
+                self._release(entry)
+                continue
+            entry.position = entry.ready.num_tokens
+            if not self._emit(entry, entry.ready.first_token, entry.ready.first_logprobs):
+                self.decoding.append(entry)
+                joined.append(entry)
+        return joined
+
+    def step_done(self, batch: list[DecodeEntry], tokens: list[int], logprobs: list) -> None:
+        """The decode step over ``batch`` (``batch()`` of this iteration) sampled ``tokens`` (one per entry;
+        ``logprobs`` the wire log-probabilities or None per entry)."""
+        finished = set()
+        for entry, token, lp in zip(batch, tokens, logprobs):
+            entry.position += 1
+            if self._emit(entry, int(token), lp):
+                finished.add(id(entry))
+        self.decoding = [e for e in self.decoding if id(e) not in finished]
+
+    def batch(self) -> list[DecodeEntry]:
+        """The running batch for one decode step: each entry's ``last_token`` at ``position`` over ``blocks``."""
+        return list(self.decoding)
+
+    def flush(self) -> None:
+        """End of an iteration: write this step's table updates in one round trip, renew the rows waiting behind
+        a batch that produced tokens, and send the step's tokens to the API."""
+        if self._items:
+            self._renew_waiting()
+        if self._updates:
+            self.table.update_many(self._updates)
+            self._updates = []
+        if self._items:
+            self.outbox.send("api", TokenBatch(self._items))
+            self._items = []
+
+    def own_gauges(self) -> dict[str, int]:
+        return {"running": len(self.decoding), "decode_transfer": len(self.transferring)}
+
+    def stop(self) -> None:
+        for entry in self.bootstrap + self.transferring + self.decode_waiting + self.decoding:
+            self._release(entry)
+        self.bootstrap, self.transferring, self.decode_waiting, self.decoding = [], [], [], []
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    def _live(self, key: Key) -> bool:
+        row = self.table.read(*key)
+        return row is not None and int(row["state"]) in LIVE_STATES
+
+    def _release(self, entry: DecodeEntry) -> None:
+        if entry.transfer_handle is not None:
+            self.transfers.release(entry.transfer_handle)
+            entry.transfer_handle = None
+        if entry.blocks:
+            self.allocator.free(entry.blocks, entry.ready.slot)
+            entry.blocks = []
+            self.table.update(*entry.key, decode_blocks=0)
+
+    def _fail(self, entry: DecodeEntry, http_status: int, error_type: str, message: str) -> None:
+        if self.table.transition(*entry.key, S.FAILED, owner=self.actor_index):
+            self.outbox.send("api", RequestError(*entry.key, http_status, error_type, message))
+        self._release(entry)
+
+    def _transfer_done(self, entry: DecodeEntry) -> None:
+        ready = entry.ready
+        entry.timings = {"queue_s": ready.queue_s, "prefill_s": ready.prefill_s,
+                         "transfer_s": (self.clock() - entry.transfer_start_ns) / 1e9,
+                         "transfer_bytes": len(ready.src_block_ids) * self.block_bytes}
+        self.outbox.send("prefill", TransferDone(*entry.key), ready.request_id)
+        if self.table.transition(*entry.key, S.DECODE_WAITING, owner=self.actor_index):
+            self.decode_waiting.append(entry)
+        else:
+            self._release(entry)
+
+    def _finish_reason(self, entry: DecodeEntry, token: int) -> str | None:
+        sampling = entry.ready.sampling
+        if not sampling.ignore_eos and token in self.eos_ids:
+            return "stop"
+        if token in sampling.stop_token_ids:
+            return "stop"
+        if entry.output_tokens >= sampling.max_tokens:
+            return "length"
+        return None
+
+    def _emit(self, entry: DecodeEntry, token: int, logprobs: list | None) -> bool:
+        """Record one generated token; returns True if the request ended (finished, or final elsewhere)."""
+        entry.output_tokens += 1
+        entry.output_ids.append(token)
+        entry.last_token = token
+        reason = self._finish_reason(entry, token)
+        slot, generation = entry.key
+        if reason is not None:
+            if not self.table.transition(slot, generation, S.FINISHED, owner=self.actor_index):
+                self._release(entry)
+                return True
+            self._updates.append((slot, generation, {"output_tokens": entry.output_tokens}))
+            self._release(entry)
+        else:   # a token is progress: it renews the decode-stall deadline
+            self._updates.append((slot, generation, {"output_tokens": entry.output_tokens,
+                                                     "last_progress_ns": self.clock()}))
+        item: list[Any] = [slot, generation, token, reason]
+        extras = {}
+        if entry.output_tokens == 1 and entry.timings is not None:
+            extras["timings"] = entry.timings
+        if logprobs is not None:
+            extras["logprobs"] = logprobs
+        if extras:
+            item.append(extras)
+        self._items.append(item)
+        return reason is not None
+
+    def _renew_waiting(self) -> None:
+        """Tokens flowed, so the batch will free KV room and slots: renew the rows waiting for them (BOOTSTRAP:
+        no room to reserve yet; DECODE_WAITING: no batch slot yet), at most once per renew interval."""
+        now_ns = self.clock()
+        if now_ns - self.renewed_ns < self.renew_interval_ns:
+            return
+        self.renewed_ns = now_ns
+        self._updates.extend((*e.key, {"last_progress_ns": now_ns}) for e in self.bootstrap + self.decode_waiting)

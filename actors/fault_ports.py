@@ -1,0 +1,102 @@
+"""Fault injection around the cores' ports (faults named in pdserve/faults.py, selected by ``PDSERVE_FAULTS``):
+decorators of the transfers port and the outbox, and the checks a shell makes when it takes a request. The
+cores themselves know nothing of faults.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from actors.messages import RequestError, TransferDone
+from ipc.lifecycle import RequestState, TransferStatus
+
+log = logging.getLogger("pdserve.faults")
+
+UNKNOWN_TRANSFER_STATUS = 7   # a value TransferStatus does not define
+
+
+def apply_actor_faults(faults, actor_name: str, request_id: str) -> None:
+    """Checked when an actor takes a request: ``stall`` blocks the loop (a hang the monitor must detect),
+    ``crash`` ends the process abruptly (a dead actor the supervisor restarts)."""
+    stall = faults.fires("stall", request_id)
+    if stall is not None:
+        log.warning("fault stall: %s blocks for %.1f s", actor_name, stall.number("seconds"))
+        time.sleep(stall.number("seconds"))
+    if faults.fires("crash", request_id):
+        log.warning("fault crash: %s exits now", actor_name)
+        os._exit(70)
+
+
+def accept_kv_ready(faults, ready, table, outbox, actor_index: int) -> bool:
+    """Decode-side faults on a KVReady: ``bootstrap_silent`` ignores it (the row stays in BOOTSTRAP),
+    ``decode_reject`` fails it with a retryable 503. Returns False if the message must not reach the core."""
+    if faults.fires("bootstrap_silent", ready.request_id):
+        log.warning("fault bootstrap_silent: ignoring KVReady for slot %d", ready.slot)
+        return False
+    if faults.fires("decode_reject", ready.request_id):
+        log.warning("fault decode_reject: dropping slot %d", ready.slot)
+        if table.transition(ready.slot, ready.generation, RequestState.FAILED, owner=actor_index):
+            outbox.send("api", RequestError(ready.slot, ready.generation, 503, "engine_error",
+                                            "the decode actor dropped the request; retry it"))
+        return False
+    return True
+
+
+class FaultyTransfers:
+    """TransfersPort decorator: ``transfer_stuck`` makes a transfer report IN_PROGRESS forever (no block ever
+    arrives), ``transfer_unknown_status`` makes it report a status value the code does not know."""
+
+    def __init__(self, inner, faults):
+        self.inner, self.faults = inner, faults
+        self.synchronous = inner.synchronous
+        self._forced: dict[int, int] = {}
+
+    def start(self, request_id, src_block_ids, dst_block_ids, num_tokens) -> int:
+        handle = self.inner.start(request_id, src_block_ids, dst_block_ids, num_tokens)
+        if self.faults.fires("transfer_stuck", request_id):
+            self._forced[handle] = int(TransferStatus.IN_PROGRESS)
+        elif self.faults.fires("transfer_unknown_status", request_id):
+            self._forced[handle] = UNKNOWN_TRANSFER_STATUS
+        return handle
+
+    def poll(self, handle: int) -> tuple[int, int]:
+        status, received = self.inner.poll(handle)
+        if handle in self._forced:
+            return self._forced[handle], 0
+        return status, received
+
+    def release(self, handle: int) -> None:
+        self._forced.pop(handle, None)
+        self.inner.release(handle)
+
+
+class FaultyOutbox:
+    """OutboxPort decorator: ``drop_transfer_done`` never sends a request's TransferDone,
+    ``delay_transfer_done:seconds=S`` sends it S seconds late, whatever became of the request meanwhile (so the
+    receiver's handling of a late message is exercised). ``flush`` (every loop iteration) sends what is due."""
+
+    def __init__(self, inner, faults, clock=time.monotonic_ns):
+        self.inner, self.faults, self.clock = inner, faults, clock
+        self.delayed: list[tuple[int, str, object, str]] = []   # (due ns, dest, message, request id)
+
+    def send(self, dest: str, message, request_id: str = "") -> None:
+        if isinstance(message, TransferDone):
+            if self.faults.fires("drop_transfer_done", request_id):
+                log.warning("fault drop_transfer_done: TransferDone for slot %d dropped", message.slot)
+                return
+            delay = self.faults.fires("delay_transfer_done", request_id)
+            if delay is not None:
+                due_ns = self.clock() + int(delay.number("seconds") * 1e9)
+                self.delayed.append((due_ns, dest, message, request_id))
+                return
+        self.inner.send(dest, message, request_id)
+
+    def flush(self) -> None:
+        if not self.delayed:
+            return
+        now_ns = self.clock()
+        due = [d for d in self.delayed if d[0] <= now_ns]
+        self.delayed = [d for d in self.delayed if d[0] > now_ns]
+        for _, dest, message, request_id in due:
+            self.inner.send(dest, message, request_id)

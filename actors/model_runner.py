@@ -1,0 +1,141 @@
+"""The model side of the actor shells: prefill forward passes in chunks, first-token sampling, decode steps and
+log-probabilities on the wire. Used by actors/prefill.py and actors/decode.py (which also prefills in colocated
+mode); the scheduling decisions stay in the cores.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from actors.messages import PromptLogprobs
+
+
+def sampling_params(sampling):
+    """Convert a wire Sampling into gpu.sampling.SamplingParams."""
+    from gpu.sampling import SamplingParams
+
+    return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                          min_p=sampling.min_p, seed=sampling.seed, max_tokens=sampling.max_tokens,
+                          stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+                          presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
+                          repetition_penalty=sampling.repetition_penalty, logprobs=sampling.logprobs)
+
+
+def logprobs_to_wire(lp) -> list | None:
+    """gpu.sampling.TokenLogprob -> ``[logprob, [[token_id, logprob], ...]]`` (None stays None)."""
+    if lp is None:
+        return None
+    return [float(lp.logprob), [[int(t), float(v)] for t, v in lp.top]]
+
+
+def chunked_prefill(model, kv, ids: list[int], blocks: list[int], chunk_tokens: int, chunk_done: Callable[[], bool],
+                    prompt_top_n: int | None = None, prompt_entries: list | None = None):
+    """Run a prompt through ``model.prefill`` in chunks of ``chunk_tokens``, writing its KV at ``blocks``; after
+    each chunk call ``chunk_done()`` (heartbeat, inbox, renewal) and stop early (return None) once it returns
+    False (every row aborted or timed out meanwhile). Returns the last position's logits ``[vocab]``.
+
+    With ``prompt_entries`` (a list), every chunk's logits ``[T, vocab]`` are kept long enough to append each
+    prompt token's wire log-probabilities (``prompt_top_n`` alternatives; None for position 0) to it.
+    """
+    logits = None
+    for start in range(0, len(ids), chunk_tokens):
+        chunk = ids[start:start + chunk_tokens]
+        if prompt_entries is None:
+            logits = model.prefill(kv, chunk, blocks, start_pos=start)
+        else:
+            chunk_logits = model.prefill(kv, chunk, blocks, start_pos=start, all_logits=True)  # [T, vocab]
+            prompt_entries.extend(_prompt_logprobs_of_chunk(logits, chunk_logits, chunk, prompt_top_n or 0))
+            logits = chunk_logits[-1]
+        if not chunk_done():
+            return None
+    return logits
+
+
+def _prompt_logprobs_of_chunk(before, chunk_logits, chunk: list[int], top_n: int) -> list:
+    """Wire log-probabilities of ``chunk``'s tokens: token ``i`` is scored by the logits of the position before
+    it (``before``, the previous chunk's last logits ``[vocab]``, for the chunk's first token; None = the
+    prompt's first token, which has no score)."""
+    import torch
+
+    from gpu.sampling import token_logprobs
+
+    entries = [] if before is not None else [None]
+    rows = chunk_logits[:-1] if before is None else torch.cat([before[None, :], chunk_logits[:-1]])
+    targets = chunk[1:] if before is None else chunk
+    if targets:
+        entries.extend(logprobs_to_wire(lp) for lp in token_logprobs(rows, targets, [top_n] * len(targets)))
+    return entries
+
+
+def send_prompt_logprobs(outbox, slot: int, generation: int, entries: list, top_n: int) -> None:
+    """Send a prompt's log-probabilities to the API as PromptLogprobs frames of at most ~48 KiB each."""
+    per_frame = max(1, 49152 // (32 * (top_n + 1) + 24))
+    for start in range(0, len(entries), per_frame):
+        outbox.send("api", PromptLogprobs(slot, generation, start, entries[start:start + per_frame]))
+
+
+def first_tokens(sampler, logits, prompt_ids: list[int], samplings: list) -> list[tuple[int, list | None]]:
+    """Sample each row's first token from the prompt's last logits ``[vocab]``.
+
+    Returns ``(token_id, logprobs or None)`` per entry of ``samplings``; logprobs on the wire form
+    ``[logprob, [[token_id, logprob], ...]]`` (raw model log-probabilities, before penalties and temperature).
+    """
+    from gpu.sampling import make_generator, token_logprobs
+
+    params = [sampling_params(s) for s in samplings]
+    batch = logits[None, :].expand(len(params), -1)
+    histories = [(prompt_ids, ()) if p.has_penalties else None for p in params]
+    tokens = sampler.sample(batch, params, [make_generator(p.seed) for p in params], histories)
+    return [(int(t), logprobs_to_wire(lp))
+            for t, lp in zip(tokens, token_logprobs(batch, tokens, [p.logprobs for p in params]))]
+
+
+def run_prefill(core, work, model, kv, sampler, outbox, chunk_tokens: int, between_chunks: Callable[[], None]) -> None:
+    """Carry out one PrefillWork of ``core`` (actors/prefill_core.py): the chunked forward pass, the prompt's
+    log-probabilities (echo) and each row's first token; then hand the result back to the core."""
+    request = work.request
+    top_n = request.sampling.prompt_logprobs
+    prompt_entries = [] if top_n is not None else None
+
+    def chunk_done() -> bool:
+        between_chunks()
+        return core.chunk_done(work)
+
+    logits = chunked_prefill(model, kv, request.prompt_ids, work.blocks, chunk_tokens, chunk_done, top_n,
+                             prompt_entries)
+    if logits is None:   # every row aborted (or timed out) between two chunks: stop working on it now
+        core.abandon(work)
+        return
+    firsts = first_tokens(sampler, logits, request.prompt_ids, work.samplings)
+    if prompt_entries is not None:   # to the first live row's handle; the API shares them among the choices
+        send_prompt_logprobs(outbox, *work.rows[0][1], prompt_entries, top_n)
+    core.finish(work, firsts)
+
+
+class DecodeRunner:
+    """One batched decode step over a DecodeCore's running batch: forward, penalties, sampling, logprobs."""
+
+    def __init__(self, model, kv, sampler):
+        self.model, self.kv, self.sampler = model, kv, sampler
+
+    def prepare(self, entry) -> None:
+        """A request joined the batch: its SamplingParams and seeded generator (prefill used ``seed``)."""
+        from gpu.sampling import make_generator
+
+        params = sampling_params(entry.ready.sampling)
+        generator = make_generator((params.seed + 1) % 2**63) if params.seed is not None else None
+        entry.runtime = (params, generator)
+
+    def step(self, batch) -> tuple[list[int], list]:
+        """Returns one token id and wire logprobs (or None) per entry of ``batch``."""
+        from gpu.sampling import token_logprobs
+
+        logits = self.model.decode(self.kv, [e.last_token for e in batch], [e.position for e in batch],
+                                   [e.blocks for e in batch])
+        params = [e.runtime[0] for e in batch]
+        histories = [(e.ready.prompt_ids, e.output_ids) if p.has_penalties else None for e, p in zip(batch, params)]
+        tokens = self.sampler.sample(logits, params, [e.runtime[1] for e in batch], histories)
+        if any(p.logprobs is not None for p in params):
+            logprobs = [logprobs_to_wire(lp) for lp in token_logprobs(logits, tokens, [p.logprobs for p in params])]
+        else:
+            logprobs = [None] * len(batch)
+        return [int(t) for t in tokens], logprobs

@@ -1,0 +1,98 @@
+"""The ports of the scheduler cores (actors/prefill_core.py, actors/decode_core.py): what a core may ask of the
+world. The actor shells pass the real ones (StateTable, KVPool, KVTransport through ``TransportTransfers``,
+ShmQueues through ``QueueOutbox``, ``time.monotonic_ns``); tests/actors/fakes.py passes in-memory ones.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Protocol, Sequence
+
+Clock = Callable[[], int]   # CLOCK_MONOTONIC now, in ns (time.monotonic_ns)
+
+
+class TablePort(Protocol):
+    """The request state table (ipc.state_table.StateTable fits it)."""
+
+    def read(self, slot: int, generation: int) -> dict | None: ...
+
+    def transition(self, slot: int, generation: int, new_state: int, *, owner: int | None = None) -> bool: ...
+
+    def update(self, slot: int, generation: int, **fields) -> bool: ...
+
+    def update_many(self, updates: Iterable[tuple[int, int, dict]]) -> int: ...
+
+
+class AllocatorPort(Protocol):
+    """One KV pool's block allocator (ipc.kv_pool.KVPool fits it). ``allocate`` raises OutOfKVBlocksError."""
+
+    block_tokens: int
+
+    @property
+    def num_free(self) -> int: ...
+
+    def allocate(self, n: int, owner_slot: int) -> list[int]: ...
+
+    def free(self, block_ids: Iterable[int], owner_slot: int) -> int: ...
+
+
+class TransfersPort(Protocol):
+    """KV pulls into the decode pool. ``poll`` returns ``(ipc.kv_transport.TransferStatus value or an unknown
+    int, blocks received so far)``; ``synchronous`` = a transfer is finished by the time ``start`` returns."""
+
+    synchronous: bool
+
+    def start(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+              num_tokens: int) -> int: ...
+
+    def poll(self, handle: int) -> tuple[int, int]: ...
+
+    def release(self, handle: int) -> None: ...
+
+
+class OutboxPort(Protocol):
+    """Messages to the other roles: ``dest`` is "prefill", "decode" or "api"; ``request_id`` lets a fault
+    decorator aim at one request (pdserve/faults.py)."""
+
+    def send(self, dest: str, message: Any, request_id: str = "") -> None: ...
+
+
+class TransportTransfers:
+    """TransfersPort over an ``ipc.kv_transport.KVTransport`` (which reports no partial progress: a transfer
+    has received all its blocks when it is DONE, none before)."""
+
+    def __init__(self, transport, synchronous: bool):
+        self.transport = transport
+        self.synchronous = synchronous
+        self._blocks: dict[int, int] = {}
+
+    def start(self, request_id, src_block_ids, dst_block_ids, num_tokens) -> int:
+        handle = self.transport.start_copy(list(src_block_ids), list(dst_block_ids), num_tokens=num_tokens)
+        self._blocks[handle] = len(src_block_ids)
+        return handle
+
+    def poll(self, handle: int) -> tuple[int, int]:
+        from ipc.kv_transport import TransferStatus
+
+        status = self.transport.poll(handle)
+        return int(status), self._blocks.get(handle, 0) if status == TransferStatus.DONE else 0
+
+    def release(self, handle: int) -> None:
+        self._blocks.pop(handle, None)
+        self.transport.release(handle)
+
+
+class QueueOutbox:
+    """OutboxPort over the engine's shm queues (``{"prefill": q, "decode": q, "api": q}``); frames are
+    ``actors.messages.to_wire`` lists. A destination may be a local core (colocated mode): any object with
+    ``on_message(message)``."""
+
+    def __init__(self, queues: dict[str, Any]):
+        self.queues = queues
+
+    def send(self, dest: str, message: Any, request_id: str = "") -> None:
+        from actors.messages import to_wire
+
+        target = self.queues[dest]
+        if hasattr(target, "on_message"):
+            target.on_message(message)
+        else:
+            target.put(to_wire(message))

@@ -1,0 +1,210 @@
+"""The prefill scheduler core: plain synchronous code over ports (actors/ports.py), no shm, queue, torch, clock or
+fault code. The shell (actors/prefill.py, or actors/decode.py in colocated mode) feeds it messages, runs the
+forward pass it asks for and publishes its counts.
+
+Rows it moves: QUEUED -> PREFILLING (blocks allocated, forward starts) -> BOOTSTRAP (KVReady sent; the row is
+in the *prefill inflight queue*, its blocks held here). Decode moves the row on (TRANSFERRING, DECODE_WAITING).
+Prefill frees its blocks once decode holds a copy: on TransferDone, or on seeing the row past TRANSFERRING (so
+a lost TransferDone costs one loop iteration, not a pinned request), or when the row turns final; it records
+the fact in the row (``prefill_blocks = 0``). Every path frees each block exactly once.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, Callable
+
+from actors.messages import KVReady, PrefillRequest, TransferDone
+from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort
+from ipc.lifecycle import LIVE_STATES
+from ipc.lifecycle import RequestState as S
+from pdserve.errors import OutOfKVBlocksError
+
+Key = tuple[int, int]   # (state-table slot, generation)
+
+
+def request_rows(request: PrefillRequest) -> list[Key]:
+    """Every state-table row the request stands for: itself, then its ``n > 1`` children."""
+    return [(request.slot, request.generation)] + [(int(s), int(g)) for s, g in request.children]
+
+
+def child_sampling(sampling, index: int):
+    """The sampling settings of child ``index`` of an ``n > 1`` request: a seeded request's children get the
+    seeds ``seed, seed + 1, ...`` (as vLLM does), so each choice is reproducible and they differ."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    return dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**63)
+
+
+@dataclasses.dataclass
+class SharedBlocks:
+    """Prefill blocks that one or more rows (an ``n > 1`` request's children) hold together; freed when the
+    last holder leaves the inflight queue."""
+
+    owner_slot: int
+    blocks: list[int]
+    holders: set
+
+
+@dataclasses.dataclass
+class PrefillWork:
+    """A forward pass the shell must run: ``request.prompt_ids`` into ``blocks`` (prompt KV), then sample one
+    first token per entry of ``rows`` (``(child index, key)``, the rows still live when it started)."""
+
+    request: PrefillRequest
+    blocks: list[int]
+    rows: list[tuple[int, Key]]
+    start_ns: int
+    created_ns: int
+
+    @property
+    def samplings(self) -> list:
+        return [child_sampling(self.request.sampling, index) for index, _ in self.rows]
+
+
+class PrefillCore:
+    """Queue, block allocation, handoff and clean-up of one prefill role.
+
+    ``on_late`` is called for a message about a request already cleaned up (counted by the shell).
+    """
+
+    def __init__(self, table: TablePort, allocator: AllocatorPort, outbox: OutboxPort, clock: Clock, *,
+                 actor_index: int, renew_interval_s: float = 1.0, on_late: Callable[[], None] = lambda: None):
+        self.table, self.allocator, self.outbox, self.clock = table, allocator, outbox, clock
+        self.actor_index = actor_index
+        self.renew_interval_ns = int(renew_interval_s * 1e9)
+        self.on_late = on_late
+        self.queued: collections.deque[PrefillRequest] = collections.deque()
+        self.prefilling: PrefillWork | None = None
+        self.inflight: dict[Key, SharedBlocks] = {}   # rows whose prompt KV is held here (BOOTSTRAP/TRANSFERRING)
+        self.blocked = False   # the head request waits for free blocks: do not spin on it
+        self.renewed_ns = 0
+
+    # ---- events -------------------------------------------------------------------------------------
+    def on_message(self, message: Any) -> bool:
+        """A PrefillRequest or TransferDone; returns False for any other message (the shell logs it)."""
+        if isinstance(message, PrefillRequest):
+            self.queued.append(message)
+        elif isinstance(message, TransferDone):
+            key = (message.slot, message.generation)
+            if key in self.inflight:
+                self._free(key)
+            else:   # the row turned final or moved on, and its blocks were freed already
+                self.on_late()
+        else:
+            return False
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.queued) and not self.blocked
+
+    def reap(self) -> None:
+        """Drop queued requests whose rows all turned final; free the blocks of inflight rows that turned final
+        or that decode already moved past TRANSFERRING (it holds its own copy)."""
+        if self.queued:
+            self.queued = collections.deque(r for r in self.queued if any(self._live(k) for k in request_rows(r)))
+        for key in list(self.inflight):
+            if self.prefilling is not None and any(key == k for _, k in self.prefilling.rows):
+                continue
+            row = self.table.read(*key)
+            if row is None or int(row["state"]) not in (S.BOOTSTRAP, S.TRANSFERRING):
+                self._free(key)
+
+    def next_work(self) -> PrefillWork | None:
+        """Allocate the head request's prompt blocks and move its live rows to PREFILLING; None if there is
+        nothing to do or no room (the request stays QUEUED until inflight requests free blocks)."""
+        if not self.queued:
+            return None
+        request = self.queued[0]
+        try:
+            blocks = self.allocator.allocate(math.ceil(len(request.prompt_ids) / self.allocator.block_tokens),
+                                             request.slot)
+        except OutOfKVBlocksError:
+            self.blocked = True
+            return None
+        self.blocked = False
+        self.queued.popleft()
+        shared = SharedBlocks(request.slot, blocks, set())
+        rows = []
+        for index, key in enumerate(request_rows(request)):
+            if self.table.transition(*key, S.PREFILLING, owner=self.actor_index):
+                rows.append((index, key))
+                shared.holders.add(key)
+                self.inflight[key] = shared
+                self.table.update(*key, prefill_blocks=len(blocks))
+        if not rows:
+            self.allocator.free(blocks, request.slot)
+            return None
+        row = self.table.read(*rows[0][1])
+        now_ns = self.clock()
+        self.prefilling = PrefillWork(request, blocks, rows, now_ns, int(row["created_ns"]) if row else now_ns)
+        return self.prefilling
+
+    def chunk_done(self, work: PrefillWork) -> bool:
+        """A prompt chunk finished: renew the PREFILLING rows (their deadline measures a prefill that stopped
+        moving, not a long prompt). Returns False once every row turned final (stop working on it)."""
+        now_ns = self.clock()
+        self.table.update_many([(*key, {"last_progress_ns": now_ns}) for _, key in work.rows])
+        return any(self._live(key) for _, key in work.rows)
+
+    def finish(self, work: PrefillWork, firsts: list[tuple[int, list | None]]) -> None:
+        """The forward pass ended with each row's first token (``(token_id, wire logprobs or None)`` per entry
+        of ``work.rows``): move each live row to BOOTSTRAP and send decode its KVReady."""
+        self.prefilling = None
+        request = work.request
+        now_ns = self.clock()
+        queue_s, prefill_s = (work.start_ns - work.created_ns) / 1e9, (now_ns - work.start_ns) / 1e9
+        for (_, key), sampling, (token, logprobs) in zip(work.rows, work.samplings, firsts):
+            if not self.table.transition(*key, S.BOOTSTRAP, owner=self.actor_index):
+                self._free(key)
+                continue
+            history = request.prompt_ids if sampling.repetition_penalty != 1.0 else []
+            self.outbox.send("decode", KVReady(key[0], key[1], request.request_id, work.blocks,
+                                               len(request.prompt_ids), token, sampling, queue_s, prefill_s,
+                                               logprobs, history), request.request_id)
+        self.renew_queued()
+
+    def abandon(self, work: PrefillWork) -> None:
+        """The forward pass stopped early (every row turned final between chunks): free its blocks."""
+        self.prefilling = None
+        for _, key in work.rows:
+            self._free(key)
+
+    def renew_queued(self) -> None:
+        """The queue moves (a prefill completed, or in colocated mode tokens flowed): renew the QUEUED rows
+        waiting here, at most once per renew interval, so their queue deadline measures an actor that stopped
+        taking requests, not a long queue under load."""
+        now_ns = self.clock()
+        if not self.queued or now_ns - self.renewed_ns < self.renew_interval_ns:
+            return
+        self.renewed_ns = now_ns
+        self.table.update_many([(*key, {"last_progress_ns": now_ns})
+                                for request in self.queued for key in request_rows(request)])
+
+    def own_gauges(self) -> dict[str, int]:
+        """This role's own counts, cross-checked by the monitor against the table: QUEUED rows, rows in the
+        inflight queue (held blocks, minus the rows being prefilled now) and PREFILLING rows."""
+        prefilling = len(self.prefilling.rows) if self.prefilling else 0
+        return {"queued": sum(1 + len(r.children) for r in self.queued),
+                "prefill_inflight": len(self.inflight) - prefilling, "running": prefilling}
+
+    def stop(self) -> None:
+        """Free everything held (the actor stops; queued requests are failed by the supervisor)."""
+        self.prefilling = None
+        for key in list(self.inflight):
+            self._free(key)
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    def _live(self, key: Key) -> bool:
+        row = self.table.read(*key)
+        return row is not None and int(row["state"]) in LIVE_STATES
+
+    def _free(self, key: Key) -> None:
+        shared = self.inflight.pop(key, None)
+        if shared is None:
+            return
+        self.table.update(*key, prefill_blocks=0)
+        shared.holders.discard(key)
+        if not shared.holders:   # the last row holding the prompt's KV has left the inflight queue
+            self.allocator.free(shared.blocks, shared.owner_slot)

@@ -1,0 +1,142 @@
+"""In-memory ports for the scheduler cores (actors/ports.py): a state table that enforces the real lifecycle
+(ipc/lifecycle.py), a block allocator that refuses double frees, scripted transfers, a recording outbox and a
+manual clock. Plain Python: the core tests run in microseconds, no process, no shm."""
+from __future__ import annotations
+
+from actors.messages import PrefillRequest, Sampling
+from ipc.lifecycle import FINAL_STATES, RequestState, TransferStatus, check_transition
+from pdserve.errors import OutOfKVBlocksError
+
+
+class FakeClock:
+    def __init__(self, now_ns: int = 1_000_000_000):
+        self.now_ns = now_ns
+
+    def __call__(self) -> int:
+        return self.now_ns
+
+    def advance(self, seconds: float) -> None:
+        self.now_ns += int(seconds * 1e9)
+
+
+class FakeTable:
+    """Rows keyed by slot; ``transition`` applies the real ALLOWED rules and refuses stale generations and final
+    rows, as StateTable does."""
+
+    def __init__(self, clock: FakeClock):
+        self.clock = clock
+        self.rows: dict[int, dict] = {}
+        self.next_slot = 0
+
+    def allocate(self, request_id: str, prompt_tokens: int = 0) -> tuple[int, int]:
+        slot = self.next_slot
+        self.next_slot += 1
+        now = self.clock()
+        self.rows[slot] = {"slot": slot, "generation": 1, "state": RequestState.QUEUED, "request_id": request_id,
+                           "created_ns": now, "state_since_ns": now, "last_progress_ns": now, "owner": -1,
+                           "prompt_tokens": prompt_tokens, "output_tokens": 0, "prefill_blocks": 0,
+                           "decode_blocks": 0, "n_transfers": 0}
+        return slot, 1
+
+    def read(self, slot: int, generation: int) -> dict | None:
+        row = self.rows.get(slot)
+        return dict(row) if row is not None and row["generation"] == generation else None
+
+    def state(self, key) -> RequestState:
+        return self.rows[key[0]]["state"]
+
+    def transition(self, slot, generation, new_state, *, owner=None) -> bool:
+        row = self.rows.get(slot)
+        if row is None or row["generation"] != generation or row["state"] in FINAL_STATES:
+            return False
+        check_transition(row["state"], new_state)
+        row["state"] = RequestState(new_state)
+        row["state_since_ns"] = row["last_progress_ns"] = self.clock()
+        if owner is not None:
+            row["owner"] = owner
+        return True
+
+    def update(self, slot, generation, **fields) -> bool:
+        row = self.rows.get(slot)
+        if row is None or row["generation"] != generation:
+            return False
+        row.update(fields)
+        return True
+
+    def update_many(self, updates) -> int:
+        return sum(self.update(slot, generation, **fields) for slot, generation, fields in updates)
+
+
+class FakeAllocator:
+    """All-or-nothing allocation; ``free`` raises on a block that is free or held by another slot."""
+
+    def __init__(self, num_blocks: int, block_tokens: int = 16):
+        self.block_tokens = block_tokens
+        self.num_blocks = num_blocks
+        self.owner = {b: None for b in range(num_blocks)}
+
+    @property
+    def num_free(self) -> int:
+        return sum(1 for o in self.owner.values() if o is None)
+
+    def allocate(self, n: int, owner_slot: int) -> list[int]:
+        free = [b for b, o in self.owner.items() if o is None]
+        if len(free) < n:
+            raise OutOfKVBlocksError(f"need {n}, {len(free)} free")
+        for b in free[:n]:
+            self.owner[b] = owner_slot
+        return free[:n]
+
+    def free(self, block_ids, owner_slot: int) -> int:
+        for b in block_ids:
+            assert self.owner[b] == owner_slot, f"block {b} freed by slot {owner_slot} but held by {self.owner[b]}"
+            self.owner[b] = None
+        return len(block_ids)
+
+
+class FakeTransfers:
+    """Transfers that finish at once (``synchronous``), unless ``script[request_id]`` names a status to report."""
+
+    def __init__(self):
+        self.synchronous = True
+        self.script: dict[str, int] = {}
+        self.started: dict[int, tuple] = {}
+        self.released: list[int] = []
+        self.next_handle = 1
+
+    def start(self, request_id, src, dst, num_tokens) -> int:
+        handle = self.next_handle
+        self.next_handle += 1
+        self.started[handle] = (request_id, list(src), list(dst), num_tokens)
+        return handle
+
+    def poll(self, handle: int) -> tuple[int, int]:
+        request_id, src, _, _ = self.started[handle]
+        status = self.script.get(request_id, int(TransferStatus.DONE))
+        return status, len(src) if status == TransferStatus.DONE else 0
+
+    def release(self, handle: int) -> None:
+        self.released.append(handle)
+
+
+class Outbox:
+    """Records every message; ``take(dest)`` hands them over and forgets them."""
+
+    def __init__(self):
+        self.sent: list[tuple[str, object]] = []
+
+    def send(self, dest: str, message, request_id: str = "") -> None:
+        self.sent.append((dest, message))
+
+    def take(self, dest: str, kind=object) -> list:
+        mine = [m for d, m in self.sent if d == dest and isinstance(m, kind)]
+        self.sent = [(d, m) for d, m in self.sent if not (d == dest and isinstance(m, kind))]
+        return mine
+
+
+def prefill_request(table: FakeTable, request_id: str, prompt_tokens: int = 20, max_tokens: int = 4, n: int = 1,
+                    **sampling) -> PrefillRequest:
+    """Allocate ``n`` rows for one request (as the API does) and build its PrefillRequest."""
+    rows = [table.allocate(request_id, prompt_tokens) for _ in range(n)]
+    return PrefillRequest(rows[0][0], rows[0][1], request_id, list(range(1, prompt_tokens + 1)),
+                          Sampling(max_tokens=max_tokens, **sampling), [list(k) for k in rows[1:]])

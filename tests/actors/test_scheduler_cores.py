@@ -1,0 +1,342 @@
+"""The prefill and decode scheduler cores over in-memory ports (tests/actors/fakes.py): every admission,
+reservation, transfer, abort and clean-up rule without a process. Each case checks the blocks freed on both
+sides and the messages sent."""
+from __future__ import annotations
+
+import pytest
+
+from actors.decode_core import DecodeCore
+from actors.messages import KVReady, PromptLogprobs, from_wire, RequestError, TokenBatch, TransferDone
+from actors.ports import QueueOutbox
+from actors.prefill_core import PrefillCore
+from ipc.lifecycle import RequestState as S
+from tests.actors.fakes import FakeAllocator, FakeClock, FakeTable, FakeTransfers, Outbox, prefill_request
+
+PREFILL, DECODE = 0, 1
+EOS = 0
+
+
+class Pair:
+    """One prefill core and one decode core sharing a table, each with its own pool; ``run()`` plays the shells'
+    loops (the forward passes give fixed first tokens and next tokens)."""
+
+    def __init__(self, prefill_blocks: int = 32, decode_blocks: int = 32, max_num_seqs: int = 8):
+        self.clock = FakeClock()
+        self.table = FakeTable(self.clock)
+        self.prefill_pool, self.decode_pool = FakeAllocator(prefill_blocks), FakeAllocator(decode_blocks)
+        self.to_decode, self.to_prefill_and_api = Outbox(), Outbox()
+        self.late = 0
+        self.prefill = PrefillCore(self.table, self.prefill_pool, self.to_decode, self.clock, actor_index=PREFILL,
+                                   on_late=self._late)
+        self.transfers = FakeTransfers()
+        self.decode = DecodeCore(self.table, self.decode_pool, self.transfers, self.to_prefill_and_api, self.clock,
+                                 actor_index=DECODE, eos_ids=[EOS], max_num_seqs=max_num_seqs, block_bytes=100)
+        self.tokens: list[list] = []   # TokenBatch rows the API got
+        self.errors: list[RequestError] = []
+
+    def _late(self):
+        self.late += 1
+
+    def prefill_step(self, first_token: int = 5) -> None:
+        self.prefill.reap()
+        work = self.prefill.next_work()
+        if work is not None:
+            assert self.prefill.chunk_done(work)
+            self.prefill.finish(work, [(first_token, None)] * len(work.rows))
+
+    def deliver_to_decode(self) -> list[KVReady]:
+        readies = self.to_decode.take("decode")
+        for ready in readies:
+            self.decode.on_message(ready)
+        return readies
+
+    def decode_step(self, next_token: int = 7) -> None:
+        self.decode.reap()
+        self.decode.start_transfers()
+        self.decode.poll_transfers()
+        self.decode.admit()
+        batch = self.decode.batch()
+        if batch:
+            self.decode.step_done(batch, [next_token] * len(batch), [None] * len(batch))
+        self.decode.flush()
+        for batch_message in self.to_prefill_and_api.take("api", TokenBatch):
+            self.tokens.extend(batch_message.items)
+        self.errors.extend(self.to_prefill_and_api.take("api", RequestError))
+
+    def deliver_to_prefill(self) -> list[TransferDone]:
+        dones = self.to_prefill_and_api.take("prefill")
+        for done in dones:
+            self.prefill.on_message(done)
+        return dones
+
+    def run(self, rounds: int = 8) -> None:
+        for _ in range(rounds):
+            self.prefill_step()
+            self.deliver_to_decode()
+            self.decode_step()
+            self.deliver_to_prefill()
+
+    def assert_all_free(self) -> None:
+        assert self.prefill_pool.num_free == self.prefill_pool.num_blocks
+        assert self.decode_pool.num_free == self.decode_pool.num_blocks
+        assert not self.prefill.inflight and not self.prefill.queued
+        assert not (self.decode.bootstrap or self.decode.transferring or self.decode.decode_waiting
+                    or self.decode.decoding)
+
+
+def abort(pair: Pair, key) -> None:
+    assert pair.table.transition(*key, S.ABORTED)
+
+
+def test_a_request_goes_through_every_state_and_both_pools_end_free():
+    pair = Pair()
+    request = prefill_request(pair.table, "r1", prompt_tokens=20, max_tokens=3)
+    key = (request.slot, request.generation)
+    pair.prefill.on_message(request)
+    pair.prefill_step()
+    assert pair.table.state(key) == S.BOOTSTRAP and pair.prefill_pool.num_free == 32 - 2
+    [ready] = pair.deliver_to_decode()
+    assert ready.src_block_ids == pair.prefill.inflight[key].blocks and ready.first_token == 5
+    pair.decode_step()
+    # decode moved its own row to DECODING through DECODE_WAITING; prefill still holds its blocks until told
+    assert pair.table.state(key) == S.DECODING and pair.prefill_pool.num_free == 30
+    assert pair.decode_pool.num_free == 32 - 2   # ceil((20 + 3) / 16)
+    assert pair.deliver_to_prefill() == [TransferDone(*key)]
+    assert pair.prefill_pool.num_free == 32 and pair.table.rows[key[0]]["prefill_blocks"] == 0
+    pair.decode_step()
+    assert pair.table.state(key) == S.FINISHED
+    assert [t[2:4] for t in pair.tokens] == [[5, None], [7, None], [7, "length"]]
+    assert pair.tokens[0][4]["timings"]["transfer_bytes"] == 2 * 100
+    assert pair.table.rows[key[0]]["output_tokens"] == 3
+    pair.assert_all_free()
+
+
+@pytest.mark.parametrize("state", [S.QUEUED, S.PREFILLING, S.BOOTSTRAP, S.TRANSFERRING, S.DECODE_WAITING])
+def test_an_abort_in_each_stage_frees_both_sides_once_and_sends_nothing_more(state):
+    pair = Pair(max_num_seqs=1)
+    blocker = prefill_request(pair.table, "blocker", max_tokens=50)   # holds the only batch slot
+    request = prefill_request(pair.table, "victim")
+    key = (request.slot, request.generation)
+    pair.prefill.on_message(blocker)
+    pair.run(1)
+    if state == S.TRANSFERRING:
+        pair.transfers.script["victim"] = 0   # in progress until the abort
+    pair.prefill.on_message(request)
+    if state == S.QUEUED:
+        abort(pair, key)
+    else:
+        work = pair.prefill.next_work()
+        assert pair.table.state(key) == S.PREFILLING
+        if state == S.PREFILLING:
+            abort(pair, key)
+            assert not pair.prefill.chunk_done(work)   # the shell stops between chunks
+            pair.prefill.abandon(work)
+        else:
+            pair.prefill.finish(work, [(5, None)])
+            pair.deliver_to_decode()
+            if state != S.BOOTSTRAP:
+                pair.decode.start_transfers()
+                pair.decode.poll_transfers()
+            assert pair.table.state(key) == state
+            abort(pair, key)
+    pair.run(2)
+    assert not [t for t in pair.tokens if t[0] == key[0]], "an aborted request produced tokens"
+    held_by_victim = [b for b, o in pair.prefill_pool.owner.items() if o == key[0]]
+    held_by_victim += [b for b, o in pair.decode_pool.owner.items() if o == key[0]]
+    assert held_by_victim == []
+    if state == S.TRANSFERRING:
+        assert pair.transfers.released, "the transfer handle was not released"
+    abort(pair, (blocker.slot, blocker.generation))
+    pair.run(2)
+    pair.assert_all_free()
+
+
+def test_a_late_and_a_duplicate_transfer_done_are_counted_and_ignored():
+    pair = Pair()
+    request = prefill_request(pair.table, "r", max_tokens=1)
+    key = (request.slot, request.generation)
+    pair.prefill.on_message(request)
+    pair.prefill_step()
+    pair.deliver_to_decode()
+    pair.decode_step()
+    done = pair.to_prefill_and_api.take("prefill")
+    assert done == [TransferDone(*key)] and pair.table.state(key) == S.FINISHED
+    pair.prefill.reap()   # the row is final: prefill frees without the message
+    assert pair.prefill_pool.num_free == 32
+    pair.prefill.on_message(done[0])   # late
+    pair.prefill.on_message(done[0])   # duplicate
+    assert pair.late == 2
+    pair.assert_all_free()
+
+
+def test_a_lost_transfer_done_pins_nothing_prefill_frees_once_decode_moved_on():
+    pair = Pair()
+    request = prefill_request(pair.table, "lost", max_tokens=20)
+    key = (request.slot, request.generation)
+    pair.prefill.on_message(request)
+    pair.prefill_step()
+    pair.deliver_to_decode()
+    pair.decode_step()
+    assert pair.to_prefill_and_api.take("prefill")   # dropped on the floor
+    assert pair.table.state(key) == S.DECODING and pair.prefill_pool.num_free == 30
+    assert pair.prefill.own_gauges()["prefill_inflight"] == 1
+    pair.prefill.reap()
+    assert pair.prefill_pool.num_free == 32 and pair.prefill.own_gauges()["prefill_inflight"] == 0
+    assert pair.late == 0
+
+
+@pytest.mark.parametrize("status, words", [(2, "failed"), (7, "unknown status 7")])
+def test_a_failed_or_unknown_transfer_status_fails_the_request_retryably_and_frees_both_sides(status, words):
+    pair = Pair()
+    request = prefill_request(pair.table, "bad")
+    key = (request.slot, request.generation)
+    pair.transfers.script["bad"] = status
+    pair.prefill.on_message(request)
+    pair.run(2)
+    assert pair.table.state(key) == S.FAILED
+    [error] = pair.errors
+    assert error.http_status == 503 and "stage transfer" in error.message and words in error.message
+    assert not pair.tokens
+    pair.assert_all_free()
+
+
+def test_a_full_decode_pool_keeps_the_request_in_bootstrap_and_renews_it_while_tokens_flow():
+    pair = Pair(decode_blocks=4)
+    big = prefill_request(pair.table, "big", prompt_tokens=20, max_tokens=40)   # 4 blocks: the whole pool
+    small = prefill_request(pair.table, "small", prompt_tokens=10, max_tokens=2)
+    small_key = (small.slot, small.generation)
+    pair.prefill.on_message(big)
+    pair.prefill.on_message(small)
+    pair.run(2)
+    assert pair.table.state(small_key) == S.BOOTSTRAP and pair.decode_pool.num_free == 0
+    entered_ns = pair.table.rows[small.slot]["state_since_ns"]
+    pair.clock.advance(2.0)
+    pair.run(1)   # the big one's tokens renew the waiting row
+    assert pair.table.rows[small.slot]["last_progress_ns"] > entered_ns
+    pair.run(40)
+    assert pair.table.state(small_key) == S.FINISHED
+    pair.assert_all_free()
+
+
+def test_n_children_share_one_prefill_and_each_gets_its_own_decode_sequence():
+    pair = Pair()
+    request = prefill_request(pair.table, "n3", prompt_tokens=20, max_tokens=2, n=3, seed=11)
+    pair.prefill.on_message(request)
+    work = pair.prefill.next_work()
+    assert len(work.rows) == 3 and pair.prefill_pool.num_free == 30   # one prompt's blocks for all three
+    assert [s.seed for s in work.samplings] == [11, 12, 13]
+    pair.prefill.finish(work, [(5, None), (6, None), (8, None)])
+    readies = pair.deliver_to_decode()
+    assert [r.first_token for r in readies] == [5, 6, 8]
+    assert len({tuple(r.src_block_ids) for r in readies}) == 1
+    pair.decode_step()
+    assert pair.prefill_pool.num_free == 30   # held until the last child's copy is acknowledged
+    dones = pair.deliver_to_prefill()
+    assert len(dones) == 3 and pair.prefill_pool.num_free == 32
+    pair.run(2)
+    assert sorted(t[0] for t in pair.tokens if t[3] == "length") == sorted(k for k, _ in
+                                                                           [(r.slot, r.generation) for r in readies])
+    pair.assert_all_free()
+
+
+def test_a_row_timed_out_by_the_monitor_while_its_copy_runs_is_released_on_both_sides():
+    pair = Pair()
+    request = prefill_request(pair.table, "slow")
+    key = (request.slot, request.generation)
+    pair.transfers.script["slow"] = 0   # IN_PROGRESS
+    pair.prefill.on_message(request)
+    pair.run(2)
+    assert pair.table.state(key) == S.TRANSFERRING
+    assert pair.decode.own_gauges()["decode_transfer"] == 1
+    assert pair.table.transition(*key, S.TIMED_OUT)   # the monitor
+    pair.run(1)
+    assert pair.transfers.released and not pair.tokens and not pair.to_prefill_and_api.take("prefill")
+    pair.assert_all_free()
+
+
+def test_blocks_arriving_renew_the_transfer_deadline_and_a_transfer_with_none_does_not():
+    pair = Pair()
+    moving, stuck = prefill_request(pair.table, "moving"), prefill_request(pair.table, "stuck")
+    pair.transfers.script.update(moving=0, stuck=0)
+    for r in (moving, stuck):
+        pair.prefill.on_message(r)
+    pair.run(3)
+    since = {r.request_id: pair.table.rows[r.slot]["last_progress_ns"] for r in (moving, stuck)}
+    pair.clock.advance(1.0)
+    handle = next(h for h, s in pair.transfers.started.items() if s[0] == "moving")
+    pair.transfers.poll = lambda h, real=pair.transfers.poll: (0, 1) if h == handle else real(h)
+    pair.decode_step()
+    assert pair.table.rows[moving.slot]["last_progress_ns"] > since["moving"]
+    assert pair.table.rows[stuck.slot]["last_progress_ns"] == since["stuck"]
+
+
+def test_colocated_mode_runs_the_same_prefill_core_over_the_decode_pool():
+    clock = FakeClock()
+    table = FakeTable(clock)
+    pool = FakeAllocator(16)
+    api: list = []   # the API's shm queue: wire frames
+
+    class ApiQueue:
+        put = api.append
+    local: dict = {"api": ApiQueue()}
+    outbox = QueueOutbox(local)
+    prefill = PrefillCore(table, pool, outbox, clock, actor_index=DECODE)
+    decode = DecodeCore(table, pool, FakeTransfers(), outbox, clock, actor_index=DECODE, eos_ids=[EOS],
+                        max_num_seqs=4, block_bytes=100)
+    local.update(prefill=prefill, decode=decode)
+    request = prefill_request(table, "colo", prompt_tokens=20, max_tokens=2, n=2)
+    prefill.on_message(request)
+    work = prefill.next_work()
+    prefill.finish(work, [(5, None), (6, None)])
+    decode.start_transfers()   # each child: its own blocks, the prompt copied in from the shared prompt blocks
+    decode.poll_transfers()
+    assert not prefill.inflight and pool.num_free == 16 - 2 * 2   # prompt blocks freed by the local TransferDone
+    decode.admit()
+    batch = decode.batch()
+    decode.step_done(batch, [7] * len(batch), [None] * len(batch))
+    decode.flush()
+    items = [i for frame in api for i in from_wire(frame).items]
+    assert sorted((i[2], i[3]) for i in items) == [(5, None), (6, None), (7, "length"), (7, "length")]
+    assert pool.num_free == 16 and all(table.state((r, 1)) == S.FINISHED for r in (0, 1))
+
+
+def test_the_prefill_core_renews_each_chunk_and_reports_when_every_row_is_gone():
+    pair = Pair()
+    request = prefill_request(pair.table, "long")
+    key = (request.slot, request.generation)
+    pair.prefill.on_message(request)
+    work = pair.prefill.next_work()
+    assert pair.prefill.own_gauges() == {"queued": 0, "prefill_inflight": 0, "running": 1}
+    pair.clock.advance(3.0)
+    assert pair.prefill.chunk_done(work)
+    assert pair.table.rows[key[0]]["last_progress_ns"] == pair.clock()
+    abort(pair, key)
+    assert not pair.prefill.chunk_done(work)
+    pair.prefill.abandon(work)
+    assert pair.prefill_pool.num_free == 32 and not pair.prefill.inflight
+
+
+def test_a_full_prefill_pool_keeps_requests_queued_without_spinning():
+    pair = Pair(prefill_blocks=2)
+    first, second = prefill_request(pair.table, "a", prompt_tokens=32), prefill_request(pair.table, "b")
+    pair.prefill.on_message(first)
+    pair.prefill.on_message(second)
+    pair.prefill_step()
+    assert pair.prefill.next_work() is None and pair.prefill.blocked and not pair.prefill.has_work()
+    assert pair.table.state((second.slot, second.generation)) == S.QUEUED
+    pair.deliver_to_decode()
+    pair.decode_step()
+    pair.deliver_to_prefill()
+    pair.run(6)
+    assert pair.table.state((second.slot, second.generation)) == S.FINISHED
+    pair.assert_all_free()
+
+
+def test_prompt_logprob_frames_are_small_enough_for_a_queue_slot():
+    from actors.model_runner import send_prompt_logprobs
+
+    out = Outbox()
+    entries = [None] + [[-0.5, [[1, -0.5]] * 21] for _ in range(999)]
+    send_prompt_logprobs(out, 3, 1, entries, 20)
+    frames = out.take("api", PromptLogprobs)
+    assert sum(len(f.entries) for f in frames) == 1000 and [f.start for f in frames][:2] == [0, len(frames[0].entries)]
