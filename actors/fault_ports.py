@@ -28,6 +28,22 @@ def apply_actor_faults(faults, actor_name: str, request_id: str) -> None:
         os._exit(70)
 
 
+def prefill_chunk_faults(faults, request_id: str, first_chunk: bool, is_live, beat) -> None:
+    """Between two prompt chunks: ``slow_prefill`` makes every chunk S seconds slower (the row keeps making
+    progress), ``stall_prefill`` stops progress after the first chunk for S seconds or until the row turns final.
+    The actor heartbeats throughout: an actor that is alive but not moving one request, which only that stage's
+    deadline can catch."""
+    fault = faults.fires("slow_prefill", request_id)
+    if fault is None and first_chunk:
+        fault = faults.fires("stall_prefill", request_id)
+    if fault is None:
+        return
+    until_ns = time.monotonic_ns() + int(fault.number("seconds") * 1e9)
+    while time.monotonic_ns() < until_ns and is_live():
+        beat()
+        time.sleep(0.02)
+
+
 def accept_kv_ready(faults, ready, table, outbox, actor_index: int) -> bool:
     """Decode-side faults on a KVReady: ``bootstrap_silent`` ignores it (the row stays in BOOTSTRAP),
     ``decode_reject`` fails it with a retryable 503. Returns False if the message must not reach the core."""

@@ -73,6 +73,14 @@ class PrefillActor(Actor):
     def _between_chunks(self) -> None:
         """Between two chunks of a long prefill: beat, take new messages (a TransferDone must not wait for the
         whole prompt) and refresh the gauges, so none of them goes stale for a whole prompt."""
+        from actors.fault_ports import prefill_chunk_faults
+
+        work = self.core.prefilling
+        if self.faults and work is not None:
+            work.chunks_done += 1
+            prefill_chunk_faults(self.faults, work.request.request_id, work.chunks_done == 1,
+                                 lambda: self.core.any_live(work),
+                                 lambda: self.actors.beat(self.index, iterations_delta=0))
         self.actors.beat(self.index, iterations_delta=0)
         self._take(self.inbox.get_many(64, 0.0))
         self._publish()

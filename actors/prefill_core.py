@@ -57,6 +57,7 @@ class PrefillWork:
     rows: list[tuple[int, Key]]
     start_ns: int
     created_ns: int
+    chunks_done: int = 0
 
     @property
     def samplings(self) -> list:
@@ -146,6 +147,9 @@ class PrefillCore:
         moving, not a long prompt). Returns False once every row turned final (stop working on it)."""
         now_ns = self.clock()
         self.table.update_many([(*key, {"last_progress_ns": now_ns}) for _, key in work.rows])
+        return self.any_live(work)
+
+    def any_live(self, work: PrefillWork) -> bool:
         return any(self._live(key) for _, key in work.rows)
 
     def finish(self, work: PrefillWork, firsts: list[tuple[int, list | None]]) -> None:

@@ -14,6 +14,8 @@ header, so a test or an operator can aim a fault at one request).
 | ``transfer_unknown_status`` | decode | the transport reports a status value the code does not know |
 | ``decode_reject`` | decode | decode drops the request at bootstrap and reports a retryable failure |
 | ``bootstrap_silent`` | decode | decode never reserves blocks nor answers for the request (stays BOOTSTRAP) |
+| ``slow_prefill:seconds=S`` | prefill | every prompt chunk takes S seconds longer (still heartbeating): slow, progressing |
+| ``stall_prefill:seconds=S`` | prefill | after its first chunk the prompt makes no progress for S seconds (still heartbeating) |
 | ``stall:actor=NAME,seconds=S`` | that actor | its loop blocks S seconds (a hang), once per eligible request |
 | ``crash:actor=NAME`` | that actor | the process exits abruptly (os._exit) when it takes an eligible request |
 
@@ -33,6 +35,8 @@ FAULT_KEYS = {
     "transfer_unknown_status": set(),
     "decode_reject": set(),
     "bootstrap_silent": set(),
+    "slow_prefill": {"seconds"},
+    "stall_prefill": {"seconds"},
     "stall": {"actor", "seconds"},
     "crash": {"actor"},
 }

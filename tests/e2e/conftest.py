@@ -15,6 +15,7 @@ STUCK_GAUGE_S = 1.0
 HTTP_SLACK_S = 0.75   # client-side overhead on a loaded 2-core machine
 FAULTS = ";".join([
     "drop_transfer_done:match=drop-",
+    "delay_transfer_done:seconds=2,match=late-",
     "transfer_stuck:match=stuck-",
     "transfer_unknown_status:match=unknown-",
     "bootstrap_silent:match=silent-",
@@ -22,7 +23,11 @@ FAULTS = ";".join([
     "stall:actor=decode0,seconds=120,match=hang-",
     "stall:actor=prefill0,seconds=120,match=hold-",
     "stall:actor=prefill0,seconds=1.5,match=slowp-",
+    "slow_prefill:seconds=1.5,match=longp-",
+    "stall_prefill:seconds=120,match=stallp-",
 ])
+PREFILL_TIMEOUT_S = 4.0     # above the hang timeout, like the bootstrap deadline
+PREFILL_CHUNK_TOKENS = 64
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +35,8 @@ def fault_engine(tmp_path_factory):
     eng = start_engine(tmp_path_factory.mktemp("watchdog"), "--kv-pool-tokens", "1024",
                        env={"PDSERVE_FAULTS": FAULTS, "PDSERVE_INFLIGHT_TIMEOUT_S": str(INFLIGHT_TIMEOUT_S),
                             "PDSERVE_BOOTSTRAP_TIMEOUT_S": str(BOOTSTRAP_TIMEOUT_S),
+                            "PDSERVE_PREFILL_TIMEOUT_S": str(PREFILL_TIMEOUT_S),
+                            "PDSERVE_PREFILL_CHUNK_TOKENS": str(PREFILL_CHUNK_TOKENS),
                             "PDSERVE_MONITOR_TICK_S": str(TICK_S),
                             "PDSERVE_ACTOR_HANG_TIMEOUT_S": str(HANG_TIMEOUT_S),
                             "PDSERVE_QUEUE_TIMEOUT_S": "5", "PDSERVE_DECODE_WAITING_TIMEOUT_S": "5",

@@ -52,12 +52,12 @@ def test_multiround_exits_non_zero_when_a_round_errors(fault_engine, tmp_path):
 
 
 @pytest.mark.parametrize("http_version", ["1.1", "2"])
-def test_multiround_a_dropped_transfer_errors_within_its_deadline_and_later_rounds_on_the_same_connection_succeed(
+def test_multiround_a_pinned_transfer_errors_within_its_deadline_and_later_rounds_on_the_same_connection_succeed(
         fault_engine, fault_probe, http_version, tmp_path):
     sessions, rounds, injected = 2, 6, 3
     result, report = multiround(fault_engine.base_url, tmp_path, "--sessions", str(sessions), "--rounds",
                                 str(rounds), "--max-tokens", "4", "--http", http_version,
-                                "--inject-round", str(injected), "--inject-id-prefix", "drop-",
+                                "--inject-round", str(injected), "--inject-id-prefix", "stuck-",
                                 "--round-timeout-s", str(INJECTED_DEADLINE_S + 10))
     assert result.returncode == 0, result.stdout + result.stderr
     assert report["errors"] == [] and report["hangs"] == 0, report["errors"]

@@ -13,7 +13,8 @@ import pytest
 
 from ipc.state_table import RequestState as S
 from tests.conftest import QUEUE_GAUGES, assert_recovered, scrape, wait_until
-from tests.e2e.conftest import BOOTSTRAP_TIMEOUT_S, HANG_TIMEOUT_S, HTTP_SLACK_S, INFLIGHT_TIMEOUT_S, TICK_S
+from tests.e2e.conftest import (BOOTSTRAP_TIMEOUT_S, HANG_TIMEOUT_S, HTTP_SLACK_S, INFLIGHT_TIMEOUT_S,
+                                PREFILL_TIMEOUT_S, TICK_S)
 
 
 @pytest.fixture
@@ -52,10 +53,10 @@ def complete_timed_from_stage(engine, probe, request_id: str, state: int, **kwar
     return response, (time.monotonic_ns() - since_ns) / 1e9
 
 
-def test_idle_dropped_transfer_completion_fails_within_timeout_plus_one_tick(engine, probe):
-    """The outage, precisely: one completion dropped, no other traffic at all."""
+def test_idle_pinned_transfer_fails_within_timeout_plus_one_tick(engine, probe):
+    """The outage, precisely: one transfer whose completion is never reported, no other traffic at all."""
     ticks_before = scrape(engine.base_url)["pdserve_watchdog_ticks_total"]
-    response, elapsed = complete_timed_from_stage(engine, probe, "drop-idle-1", S.TRANSFERRING)
+    response, elapsed = complete_timed_from_stage(engine, probe, "stuck-idle-1", S.TRANSFERRING)
     assert response.status_code == 504, response.text
     error = response.json()["error"]
     assert error["type"] == "timeout_error" and "stage transfer" in error["message"]
@@ -65,6 +66,61 @@ def test_idle_dropped_transfer_completion_fails_within_timeout_plus_one_tick(eng
     assert metrics["pdserve_request_timeouts_total{stage=transfer}"] >= 1
     assert metrics["pdserve_watchdog_ticks_total"] - ticks_before >= elapsed / TICK_S - 2
     wait_until(lambda: all(f == t for f, t in probe.free_blocks().values()), 2, message="blocks freed")
+    assert_recovered(engine, probe)
+
+
+def test_a_dropped_transfer_done_pins_nothing_prefill_frees_its_blocks_once_decode_moved_on(engine, probe):
+    """TransferDone is only a wake-up: decode moves its own row on, and prefill frees its blocks on seeing that,
+    so the lost message of the original outage can no longer pin a request in the inflight queue."""
+    seen_decoding_with_prefill_free = []
+
+    def prefill_freed_while_decoding():
+        rows = [r for r in probe.rows_with_id("drop-1") if r["state"] == S.DECODING]
+        if rows and rows[0]["prefill_blocks"] == 0:
+            seen_decoding_with_prefill_free.append(True)
+        return bool(seen_decoding_with_prefill_free)
+
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(complete, engine, "drop-1", max_tokens=60, ignore_eos=True)
+        wait_until(lambda: prefill_freed_while_decoding() or future.done(), 60, 0.005, "drop-1 decoding")
+        response, _ = future.result(timeout=120)
+    assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length", response.text
+    assert seen_decoding_with_prefill_free, "prefill held its blocks until the request ended"
+    assert_recovered(engine, probe)
+
+
+def test_a_late_transfer_done_is_counted_and_ignored(engine, probe):
+    """A TransferDone delivered after its request ended (delay_transfer_done: 2 s late) finds nothing to free:
+    it is counted as a late message, and nothing is freed twice."""
+    before = scrape(engine.base_url).get("pdserve_late_messages_total", 0)
+    response, elapsed = complete(engine, "late-1", max_tokens=2)
+    assert response.status_code == 200, response.text
+    wait_until(lambda: scrape(engine.base_url).get("pdserve_late_messages_total", 0) > before, 10, 0.1,
+               "the late TransferDone to be counted")
+    assert scrape(engine.base_url)["pdserve_late_messages_total"] == before + 1
+    assert_recovered(engine, probe)
+
+
+def test_a_long_prefill_that_keeps_making_progress_is_not_timed_out(engine, probe):
+    """slow_prefill: every 64-token chunk takes 1.5 s more, so the prompt spends about 3x prefill_timeout_s in
+    PREFILLING; each finished chunk renews the stage deadline."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 50   # ~500 tokens: 8 chunks
+    response, in_prefill_s = complete_timed_from_stage(engine, probe, "longp-1", S.PREFILLING, prompt=prompt,
+                                                       max_tokens=2)
+    assert response.status_code == 200, response.text
+    assert in_prefill_s > 2 * PREFILL_TIMEOUT_S, f"prefill took {in_prefill_s:.1f} s: nothing was exercised"
+    assert_recovered(engine, probe)
+
+
+def test_a_prefill_that_stops_making_progress_fails_at_its_stage_deadline(engine, probe):
+    """stall_prefill: after its first chunk the prompt stops moving (the actor keeps heartbeating): a 504 naming
+    stage prefill at prefill_timeout_s after the last chunk, within one tick."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 20
+    response, elapsed = complete_timed_from_stage(engine, probe, "stallp-1", S.PREFILLING, prompt=prompt)
+    assert response.status_code == 504, response.text
+    assert "stage prefill" in response.json()["error"]["message"]
+    assert PREFILL_TIMEOUT_S <= elapsed <= PREFILL_TIMEOUT_S + TICK_S + HTTP_SLACK_S + 1.0, elapsed
     assert_recovered(engine, probe)
 
 
@@ -166,7 +222,7 @@ def test_s4_one_dropped_completion_while_others_are_served(engine, probe):
 
     async def run():
         async with httpx.AsyncClient(timeout=60) as client:
-            stuck = client.post(engine.base_url + "/v1/completions", headers={"X-Request-Id": "drop-s4"},
+            stuck = client.post(engine.base_url + "/v1/completions", headers={"X-Request-Id": "stuck-s4"},
                                 json={"prompt": "Stuck one", "max_tokens": 4})
             others = [client.post(engine.base_url + "/v1/completions", json={"prompt": f"Count to {i}:", "max_tokens": 6})
                       for i in range(6)]
