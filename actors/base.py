@@ -29,6 +29,10 @@ DECODE_INDEX = 1
 API_INDEX = 2
 MONITOR_INDEX = 3
 ACTOR_NAMES = ("prefill0", "decode0", "api", "monitor")
+# What each index runs, as "module:Class", imported in the child by run_actor: the supervisor imports no actor's
+# heavy code (torch, the model, HTTP), and the actors package does not depend on the api package.
+ACTOR_CLASSES = ("actors.prefill:PrefillActor", "actors.decode:DecodeActor", "api.server:ApiActor",
+                 "actors.monitor:HeartbeatMonitor")
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,14 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:  # not Linux: the loop's parent-pid check still ends us
         pass
+
+
+def run_actor(class_path: str, layout: EngineLayout, index: int, stop_event: Any) -> None:
+    """Child process entry: import ``class_path`` ("module:Class"), build the actor and run its loop."""
+    import importlib
+
+    module, _, name = class_path.partition(":")
+    getattr(importlib.import_module(module), name)(layout, index).child_main(stop_event)
 
 
 class Actor:

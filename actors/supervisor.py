@@ -16,8 +16,8 @@ import threading
 import time
 from typing import Any
 
-from actors.base import (ACTOR_NAMES, API_INDEX, DECODE_INDEX, MONITOR_INDEX, PREFILL_INDEX, EngineLayout,
-                         ModelShape)
+from actors.base import (ACTOR_CLASSES, ACTOR_NAMES, API_INDEX, DECODE_INDEX, MONITOR_INDEX, PREFILL_INDEX,
+                         EngineLayout, ModelShape, run_actor)
 from pdserve.config import LoadedConfig
 from pdserve.errors import ConfigError, PdserveError
 
@@ -135,19 +135,8 @@ class Supervisor:
         unlink_all(self.engine_id)
 
     # ---- processes ----------------------------------------------------------------------------------
-    def _actor(self, index: int):
-        from actors.decode import DecodeActor
-        from actors.monitor import HeartbeatMonitor
-        from actors.prefill import PrefillActor
-        from api.server import ApiActor
-
-        classes = {PREFILL_INDEX: PrefillActor, DECODE_INDEX: DecodeActor, API_INDEX: ApiActor,
-                   MONITOR_INDEX: HeartbeatMonitor}
-        return classes[index](self.layout, index)
-
     def _spawn(self, index: int) -> None:
-        actor = self._actor(index)
-        process = self.ctx.Process(target=actor.child_main, args=(self.stop_event,),
+        process = self.ctx.Process(target=run_actor, args=(ACTOR_CLASSES[index], self.layout, index, self.stop_event),
                                    name=f"pdserve-{self.engine_id}-{ACTOR_NAMES[index]}", daemon=False)
         process.start()
         self.processes[index] = process

@@ -1,0 +1,116 @@
+"""The code's shape, checked by reading it: the lifecycle declared once, no import cycle between the top-level
+packages, no sprawling functions, and docs/architecture.md's state table equal to ipc/lifecycle.py."""
+from __future__ import annotations
+
+import ast
+import collections
+import re
+from pathlib import Path
+
+from ipc.lifecycle import LIFECYCLE
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("actors", "api", "gpu", "ipc", "pdserve", "tools")
+# Entry points sit above every package (the command line starts the supervisor): their own node in the graph.
+ENTRY_MODULES = {"pdserve.cli"}
+MAX_FUNCTION_LINES = 80
+LIFECYCLE_FACTS = {"ALLOWED", "FINAL_STATES", "LIVE_STATES", "STAGE_NAME", "STAGE_TIMEOUT_FIELD", "RENEWABLE_STATES",
+                   "GAUGE_STATES", "HELD_STATES_BY_ROLE"}
+
+
+def sources():
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            yield path, ast.parse(path.read_text(), str(path))
+
+
+def node_of(module: str) -> str:
+    return module if module in ENTRY_MODULES else module.split(".")[0]
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = collections.defaultdict(set)
+    for path, tree in sources():
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        here = node_of(module)
+        for node in ast.walk(tree):   # lazy imports inside functions count too
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            for name in names:
+                there = node_of(name)
+                if there.split(".")[0] in PACKAGES and there != here:
+                    graph[here].add(there)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path + [node, nxt]
+            if nxt not in state and (found := visit(nxt, path + [node])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [])):
+            return found
+    return None
+
+
+def test_no_import_cycle_between_the_top_level_packages():
+    graph = import_graph()
+    assert graph["api"] >= {"actors", "ipc"}, "the walk found nothing: it reads no imports"
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_no_function_over_80_lines_outside_the_gpu_kernels():
+    long = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path, tree in sources() if "gpu/kernels" not in path.as_posix()
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, long
+
+
+def test_each_per_state_fact_is_declared_only_in_ipc_lifecycle():
+    declared = [f"{path.relative_to(ROOT)}:{node.lineno} {target.id}"
+                for path, tree in sources() if path.name != "lifecycle.py"
+                for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                if isinstance(target, ast.Name) and target.id in LIFECYCLE_FACTS]
+    assert not declared, declared
+    enum_classes = [f"{path.relative_to(ROOT)}" for path, tree in sources() if path.name != "lifecycle.py"
+                    for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == "RequestState"]
+    assert not enum_classes, enum_classes
+
+
+def test_the_architecture_docs_state_table_is_the_lifecycle_table():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    documented = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[0] in {s.state.name for s in LIFECYCLE}:
+            documented[cells[0]] = cells[1:7]
+    expected = {s.state.name: [s.stage or "-", f"`{s.timeout_field}`" if s.timeout_field else "-", s.renewal or "-",
+                               ", ".join(s.gauges) or "-", ", ".join(s.held_by) or "-", ", ".join(s.moved_by)]
+                for s in LIFECYCLE}
+    assert documented == expected
+
+
+def test_stage_names_in_504_messages_metrics_and_inspect_come_from_the_lifecycle():
+    from actors.watchdog import Expired
+    from ipc.lifecycle import STAGE_NAME, RequestState
+
+    message = Expired(0, 1, RequestState.TRANSFERRING, 3.0, 2.0, "stage_deadline", 1, "r").message()
+    assert "stage transfer" in message
+    for path in (ROOT / "api" / "metrics.py", ROOT / "tools" / "inspect.py"):
+        assert re.search(r"\bSTAGE_NAME\b", path.read_text()), f"{path.name} does not name stages by STAGE_NAME"
+    assert set(STAGE_NAME.values()) == {"queued", "prefill", "bootstrap", "transfer", "decode_waiting", "decode"}
