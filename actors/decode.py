@@ -28,7 +28,7 @@ class DecodeActor(Actor):
 
         from actors.decode_core import DecodeCore
         from actors.fault_ports import FaultyOutbox, FaultyTransfers
-        from actors.model_runner import DecodeRunner
+        from actors.model_runner import DecodeRunner, warm_up
         from actors.ports import QueueOutbox, TransportTransfers
         from actors.prefill_core import PrefillCore
         from gpu.model import LlamaModel
@@ -42,6 +42,7 @@ class DecodeActor(Actor):
         torch.set_num_threads(self.config.torch_threads)
         self.model = LlamaModel.from_path(self.layout.model_path or None, device=self.config.device, progress=False)
         self.pool = KVPool.attach(self.layout.segment("kv_decode"))
+        warm_up(self.model, self.pool)
         self.pool.reset()
         self.kv = self.pool.tensor()
         colocated = self.config.colocated
@@ -55,7 +56,7 @@ class DecodeActor(Actor):
         self.table = StateTable.attach(self.layout.segment("state"))
         self.sampler = Sampler()
         synchronous = self.config.kv_transport == "cpu-shm"   # its copy is done when start_copy returns
-        transfers = FaultyTransfers(TransportTransfers(self.transport, synchronous), self.faults)
+        transfers = FaultyTransfers(TransportTransfers(self.transport, synchronous, local=colocated), self.faults)
         self.core = DecodeCore(self.table, self.pool, transfers, self.outbox, time.monotonic_ns,
                                actor_index=self.index, eos_ids=self.model.config.eos_token_ids,
                                max_num_seqs=self.config.max_num_seqs, block_bytes=self.pool.block_bytes)

@@ -119,7 +119,8 @@ class DecodeCore:
             if row is None or not self.table.transition(*entry.key, S.TRANSFERRING, owner=self.actor_index):
                 self._release(entry)
                 continue
-            self.table.update(*entry.key, decode_blocks=len(entry.blocks), n_transfers=int(row["n_transfers"]) + 1)
+            handoffs = int(row["n_transfers"]) + (0 if self.transfers.local else 1)   # a copy inside one pool is none
+            self.table.update(*entry.key, decode_blocks=len(entry.blocks), n_transfers=handoffs)
             src = list(ready.src_block_ids)
             entry.transfer_start_ns = self.clock()
             entry.transfer_handle = self.transfers.start(ready.request_id, src, entry.blocks[:len(src)],
@@ -220,7 +221,7 @@ class DecodeCore:
         ready = entry.ready
         entry.timings = {"queue_s": ready.queue_s, "prefill_s": ready.prefill_s,
                          "transfer_s": (self.clock() - entry.transfer_start_ns) / 1e9,
-                         "transfer_bytes": len(ready.src_block_ids) * self.block_bytes}
+                         "transfer_bytes": 0 if self.transfers.local else len(ready.src_block_ids) * self.block_bytes}
         self.outbox.send("prefill", TransferDone(*entry.key), ready.request_id)
         if self.table.transition(*entry.key, S.DECODE_WAITING, owner=self.actor_index):
             self.decode_waiting.append(entry)

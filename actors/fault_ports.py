@@ -65,7 +65,7 @@ class FaultyTransfers:
 
     def __init__(self, inner, faults):
         self.inner, self.faults = inner, faults
-        self.synchronous = inner.synchronous
+        self.synchronous, self.local = inner.synchronous, inner.local
         self._forced: dict[int, int] = {}
 
     def start(self, request_id, src_block_ids, dst_block_ids, num_tokens) -> int:

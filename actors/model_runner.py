@@ -111,6 +111,17 @@ def run_prefill(core, work, model, kv, sampler, outbox, chunk_tokens: int, betwe
     core.finish(work, firsts)
 
 
+def warm_up(model, pool) -> None:
+    """One tiny prefill and decode step into a borrowed block, before the actor reports READY: the first real
+    request then pays no lazy initialization (kernel selection, allocations) that could starve the heartbeat.
+    The caller resets the pool afterwards."""
+    blocks = pool.allocate(1, 0)
+    kv = pool.tensor()
+    model.prefill(kv, [1, 2, 3], blocks)
+    model.decode(kv, [4], [3], [blocks])
+    pool.free(blocks, 0)
+
+
 class DecodeRunner:
     """One batched decode step over a DecodeCore's running batch: forward, penalties, sampling, logprobs."""
 

@@ -36,9 +36,11 @@ class AllocatorPort(Protocol):
 
 class TransfersPort(Protocol):
     """KV pulls into the decode pool. ``poll`` returns ``(ipc.kv_transport.TransferStatus value or an unknown
-    int, blocks received so far)``; ``synchronous`` = a transfer is finished by the time ``start`` returns."""
+    int, blocks received so far)``; ``synchronous`` = a transfer is finished by the time ``start`` returns;
+    ``local`` = source and destination are one pool (colocated mode): a copy inside it, not a KV handoff."""
 
     synchronous: bool
+    local: bool
 
     def start(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
               num_tokens: int) -> int: ...
@@ -59,9 +61,10 @@ class TransportTransfers:
     """TransfersPort over an ``ipc.kv_transport.KVTransport`` (which reports no partial progress: a transfer
     has received all its blocks when it is DONE, none before)."""
 
-    def __init__(self, transport, synchronous: bool):
+    def __init__(self, transport, synchronous: bool, local: bool = False):
         self.transport = transport
         self.synchronous = synchronous
+        self.local = local
         self._blocks: dict[int, int] = {}
 
     def start(self, request_id, src_block_ids, dst_block_ids, num_tokens) -> int:

@@ -25,6 +25,7 @@ class PrefillActor(Actor):
         import torch
 
         from actors.fault_ports import FaultyOutbox
+        from actors.model_runner import warm_up
         from actors.ports import QueueOutbox
         from actors.prefill_core import PrefillCore
         from gpu.model import LlamaModel
@@ -37,6 +38,7 @@ class PrefillActor(Actor):
         torch.set_num_threads(self.config.torch_threads)
         self.model = LlamaModel.from_path(self.layout.model_path or None, device=self.config.device, progress=False)
         self.pool = KVPool.attach(self.layout.segment("kv_prefill"))
+        warm_up(self.model, self.pool)
         self.pool.reset()  # a restarted actor starts from an empty pool; its old requests were failed
         self.kv = self.pool.tensor()
         self.inbox = ShmQueue.attach(self.layout.segment("q_prefill"))

@@ -97,8 +97,9 @@ class FakeAllocator:
 class FakeTransfers:
     """Transfers that finish at once (``synchronous``), unless ``script[request_id]`` names a status to report."""
 
-    def __init__(self):
+    def __init__(self, local: bool = False):
         self.synchronous = True
+        self.local = local
         self.script: dict[str, int] = {}
         self.started: dict[int, tuple] = {}
         self.released: list[int] = []

@@ -281,7 +281,7 @@ def test_colocated_mode_runs_the_same_prefill_core_over_the_decode_pool():
     local: dict = {"api": ApiQueue()}
     outbox = QueueOutbox(local)
     prefill = PrefillCore(table, pool, outbox, clock, actor_index=DECODE)
-    decode = DecodeCore(table, pool, FakeTransfers(), outbox, clock, actor_index=DECODE, eos_ids=[EOS],
+    decode = DecodeCore(table, pool, FakeTransfers(local=True), outbox, clock, actor_index=DECODE, eos_ids=[EOS],
                         max_num_seqs=4, block_bytes=100)
     local.update(prefill=prefill, decode=decode)
     request = prefill_request(table, "colo", prompt_tokens=20, max_tokens=2, n=2)
@@ -298,6 +298,8 @@ def test_colocated_mode_runs_the_same_prefill_core_over_the_decode_pool():
     items = [i for frame in api for i in from_wire(frame).items]
     assert sorted((i[2], i[3]) for i in items) == [(5, None), (6, None), (7, "length"), (7, "length")]
     assert pool.num_free == 16 and all(table.state((r, 1)) == S.FINISHED for r in (0, 1))
+    assert all(table.rows[r]["n_transfers"] == 0 for r in (0, 1)), "a copy inside one pool counted as a handoff"
+    assert all(i[4]["timings"]["transfer_bytes"] == 0 for i in items if len(i) > 4)
 
 
 def test_the_prefill_core_renews_each_chunk_and_reports_when_every_row_is_gone():
