@@ -1,4 +1,15 @@
-"""Shared helpers for the shm modules: segment create/attach, semaphore waits, a dead-holder-safe lock.
+"""Shared helpers for the shm modules: the ``ShmSegment`` base, semaphore waits, a dead-holder-safe lock.
+
+Every pdserve segment starts with the same 8 bytes (``PREFIX``)::
+
+    offset  size  field
+    0       4     magic    4 ascii bytes naming the kind of segment (b"PDST", b"PDAT", ...)
+    4       4     version  u4 layout version of that kind; attach refuses any other
+
+``ShmSegment`` is the base of every shm object (StateTable, ActorTable, KVPool, EngineStatus, Manifest,
+ShmQueue): create (the owner: O_CREX, mode 0600, magic written last, everything removed again if creation
+fails) vs attach (magic and version checked), close (every process, idempotent), unlink (owner only,
+idempotent), context manager, repr, pickling by name.
 
 Everything here is plain synchronous code. Nothing in this module names a segment: callers pass full POSIX
 names built with :func:`ipc.naming.segment_name`.
@@ -27,13 +38,14 @@ import mmap
 import os
 import struct
 import time
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import posix_ipc
 
 from pdserve.errors import PdserveError, ShmLockTimeoutError  # noqa: F401 (re-exported)
 
+PREFIX = struct.Struct("<4sI")  # magic, layout version: the first 8 bytes of every pdserve segment
 LOCK_RECORD = struct.Struct("<iI")  # holder_pid, reserved
 _PID = struct.Struct("<i")
 
@@ -294,3 +306,194 @@ class RobustLock:
     def release(self) -> None:
         _PID.pack_into(self.buf, self.offset, 0)
         self.sem.release()
+
+
+# --------------------------------------------------------------------------------------------------------
+# the segment base class
+
+
+class ShmSegment:
+    """Base of every pdserve shm object: one POSIX segment plus the named semaphores it needs.
+
+    Subclasses set ``MAGIC`` (4 bytes), ``VERSION``, ``KIND`` (their name in messages), ``SEM_SUFFIXES``
+    (semaphore ``name + suffix`` each), and build their views in ``_setup(mm)`` / drop them in
+    ``_teardown()``; ``_check_layout(mm)`` checks what else the header must agree on. Their ``create``
+    classmethods call ``_create``; ``attach`` is inherited.
+
+    Ownership: the instance that created the segment (``is_owner``) alone unlinks it. Other processes attach,
+    or receive the object pickled (only the name and ``readonly`` travel; unpickling attaches, never as owner).
+    A read-only attach maps PROT_READ and opens no semaphore.
+    """
+
+    MAGIC: bytes = b""
+    VERSION: int = 0
+    KIND: str = "shm segment"
+    SEM_SUFFIXES: tuple[str, ...] = ()
+
+    def __init__(self) -> None:  # use create() / attach()
+        self.name = ""
+        self.readonly = False
+        self._owner = False
+        self._closed = True
+        self._unlinked = False
+        self._mm: mmap.mmap | None = None
+        self._sems: list[posix_ipc.Semaphore] = []
+
+    # ---- creation and attachment -------------------------------------------------------------------------
+
+    @classmethod
+    def _create(cls, name: str, size: int, init: Callable[[mmap.mmap], None] | None = None,
+                sem_values: Sequence[int] = ()) -> Any:
+        """Create and own segment ``name`` of ``size`` bytes: ``init(mm)`` writes the subclass's header and
+        initial data, then the semaphores are created (initial values ``sem_values``, one per suffix), then
+        the magic and version are written, last: an attacher treats a segment without magic as not ready.
+
+        If anything fails, every object made so far is closed and unlinked before the error propagates.
+        Raises FileExistsError if the segment or a semaphore exists, OSError(ENOSPC) if /dev/shm is full.
+        """
+        if len(sem_values) != len(cls.SEM_SUFFIXES):
+            raise ValueError(f"{cls.KIND}: {len(sem_values)} semaphore values for {len(cls.SEM_SUFFIXES)} "
+                             f"semaphores {cls.SEM_SUFFIXES}")
+        mm = create_segment(name, size)
+        sems: list[posix_ipc.Semaphore] = []
+        try:
+            if init is not None:
+                init(mm)
+            for suffix, value in zip(cls.SEM_SUFFIXES, sem_values):
+                sems.append(create_semaphore(name + suffix, value))
+            PREFIX.pack_into(mm, 0, cls.MAGIC, cls.VERSION)
+        except BaseException:
+            for sem in sems:
+                close_semaphore_quiet(sem)
+            for suffix in cls.SEM_SUFFIXES[:len(sems)]:
+                unlink_semaphore_quiet(name + suffix)
+            close_mapping(mm)
+            unlink_segment_quiet(name)
+            raise
+        obj = cls()
+        obj._bind(name, mm, sems, readonly=False, owner=True)
+        return obj
+
+    @classmethod
+    def attach(cls, name: str, readonly: bool = False) -> Any:
+        """Attach to the existing segment ``name``; ``readonly`` maps it PROT_READ and opens no semaphore.
+
+        Raises FileNotFoundError if the segment (or one of its semaphores) does not exist, ValueError if it
+        is not an initialized segment of this kind and layout version.
+        """
+        obj = cls()
+        obj._attach_into(name, readonly)
+        return obj
+
+    def _attach_into(self, name: str, readonly: bool) -> None:
+        self.__init__()
+        mm = attach_segment(name, readonly=readonly)
+        sems: list[posix_ipc.Semaphore] = []
+        try:
+            self._check_prefix(name, mm)
+            self._check_layout(name, mm)
+            if not readonly:
+                for suffix in self.SEM_SUFFIXES:
+                    sems.append(open_semaphore(name + suffix))
+        except BaseException:
+            for sem in sems:
+                close_semaphore_quiet(sem)
+            close_mapping(mm)
+            raise
+        self._bind(name, mm, sems, readonly=readonly, owner=False)
+
+    def _check_prefix(self, name: str, mm: mmap.mmap) -> None:
+        if len(mm) < PREFIX.size:
+            raise ValueError(f"segment {name!r} is {len(mm)} bytes: not an initialized {self.KIND}")
+        magic, version = PREFIX.unpack_from(mm, 0)
+        if magic != self.MAGIC:
+            raise ValueError(f"segment {name!r} is not an initialized {self.KIND} (magic {magic!r}, expected "
+                             f"{self.MAGIC!r}; a segment being created has none yet)")
+        if version != self.VERSION:
+            raise ValueError(f"{self.KIND} {name!r} has layout version {version}; this code expects "
+                             f"{self.VERSION} (engine and tool from different pdserve versions)")
+
+    def _check_layout(self, name: str, mm: mmap.mmap) -> None:
+        """Raise ValueError if the header disagrees with this code beyond magic and version (hook)."""
+
+    def _bind(self, name: str, mm: mmap.mmap, sems: list, *, readonly: bool, owner: bool) -> None:
+        self.name = name
+        self.readonly = readonly
+        self._owner = owner
+        self._closed = False
+        self._mm = mm
+        self._sems = sems
+        self._setup(mm)
+
+    def _setup(self, mm: mmap.mmap) -> None:
+        """Build the subclass's views over ``mm`` (hook; ``self._sems`` holds the opened semaphores)."""
+
+    def _teardown(self) -> None:
+        """Drop the subclass's views before the mapping is closed (hook)."""
+
+    # ---- lifetime ------------------------------------------------------------------------------------------
+
+    @property
+    def is_owner(self) -> bool:
+        return self._owner
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _require_open(self) -> mmap.mmap:
+        if self._closed:
+            raise ValueError(f"{self.KIND} {self.name!r} is closed in this process")
+        return self._mm
+
+    def close(self) -> None:
+        """Detach this process (idempotent); other processes carry on. Arrays or tensors obtained from the
+        segment keep the mapping alive until they are freed (see ``close_mapping``)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._teardown()
+        for sem in self._sems:
+            close_semaphore_quiet(sem)
+        self._sems = []
+        close_mapping(self._mm)
+        self._mm = None
+
+    def unlink(self) -> None:
+        """Remove the segment and its semaphores from the system (owner only; idempotent; tolerates already
+        gone). Processes still attached keep working on the nameless objects until they close.
+
+        Raises PermissionError on an instance that did not create the segment (others close(); cleanup code
+        uses ``naming.unlink_all``).
+        """
+        if not self._owner:
+            raise PermissionError(f"only the creator of {self.KIND} {self.name!r} unlinks it")
+        if self._unlinked:
+            return
+        self._unlinked = True
+        unlink_segment_quiet(self.name)
+        for suffix in self.SEM_SUFFIXES:
+            unlink_semaphore_quiet(self.name + suffix)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getstate__(self):
+        if not self.name:
+            raise ValueError(f"cannot pickle a {self.KIND} that was never created/attached")
+        return (self.name, True) if self.readonly else self.name
+
+    def __setstate__(self, state) -> None:
+        name, readonly = (state, False) if isinstance(state, str) else state
+        self._attach_into(name, readonly)
+
+    def _repr_fields(self) -> str:
+        """``", key=value"`` pairs a subclass adds to its repr (hook)."""
+        return ""
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.name!r}{self._repr_fields()}, readonly={self.readonly}, "
+                f"owner={self._owner}, closed={self._closed})")

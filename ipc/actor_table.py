@@ -1,36 +1,54 @@
-"""The actor table: one row per actor in POSIX shm, with its heartbeat, status and KV gauges.
+"""The actor table: one row per actor in POSIX shm holding every per-actor fact: which process runs it, its
+heartbeat, status and health, its KV gauges, its own request counts.
+
+Sized by the number of actors (the supervisor creates one row per actor). Engine-wide facts live in
+ipc/engine_status.py.
 
 Shared-memory layout of segment ``name``::
 
     offset  size  field
     0       4     magic        b"PDAT"
-    4       4     version      u4 = 1
+    4       4     version      u4 = 2
     8       4     num_actors   u4
     12      4     row_bytes    u4 = ROW_DTYPE.itemsize (128)
     16      8     rows_offset  u8 = HEADER_BYTES
     128     ...   num_actors rows of ROW_DTYPE
 
 Row (``ROW_DTYPE``, 128 bytes: two cache lines, so actors beating in their own rows do not share a line;
-8-byte fields aligned, so a reader never sees half of one)::
+fields aligned to their size, so a reader never sees half of one). Each field has exactly one writer, and
+writes only through the method named::
 
-    offset  field            type  written by        meaning
-    0       heartbeat_count  u8    the actor         beats so far
-    8       heartbeat_ns     i8    the actor         time.monotonic_ns() of the last beat
-    16      loop_iterations  u8    the actor         actor loop iterations so far (idle ones included)
-    24      started_ns       i8    the supervisor    monotonic ns when the current process was started
-    32      pid              i4    the supervisor    current process id, 0 = none
-    36      restarts         u4    the supervisor
-    40      kv_blocks_total  i4    the actor         its KV pool size in blocks (0 = no pool)
-    44      kv_blocks_free   i4    the actor         free blocks at the last report
-    48      role             u1    the supervisor    ActorRole
-    49      status           u1    both              ActorStatus (actor: READY/STOPPING; supervisor: the rest)
-    50      name             S16   the supervisor    e.g. "prefill0" (ascii)
-    66      device           S16   the supervisor    e.g. "cpu", "cuda:1" (ascii)
-    82      (reserved to 128)
+    offset  field            type   writer (method)                meaning
+    0       heartbeat_count  u8     actor (beat)                   beats so far
+    8       heartbeat_ns     i8     actor (beat)                   time.monotonic_ns() of the last beat
+    16      loop_iterations  u8     actor (beat)                   actor loop iterations (idle ones included)
+    24      late_messages    u8     actor (count_late_message)     messages for final or stale requests, dropped
+    32      started_ns       i8     supervisor (spawned)           monotonic ns when it spawned the process
+    40      pid              i4     supervisor (spawned,           the process it spawned for the row;
+                                    restarting)                    0 = none (never started, or being replaced)
+    44      restarts         u4     supervisor (restarting)        restarts so far
+    48      actor_pid        i4     actor (starting)               its own pid (see "incarnations")
+    52      kv_blocks_total  i4     actor (starting, set_kv_blocks)  its KV pool in blocks (0 = no pool)
+    56      kv_blocks_free   i4     actor (starting, set_kv_blocks)  free blocks at the last report
+    60      active_requests  i4     actor (starting,               requests it is waiting on (the API);
+                                    set_active_requests)           -1 = it keeps no such count
+    64      own_gauges       i4[4]  actor (starting,               its own count per queue gauge (GAUGES order),
+                                    set_own_gauges)                -1 = keeps none; the monitor cross-checks them
+    80      status           u1     actor (starting, set_status)   ActorStatus
+    81      health           u1     monitor (set_health)           ActorHealth at the monitor's last tick
+    82      name             S16    supervisor (register)          e.g. "prefill0" (ascii)
+    98      device           S16    supervisor (register)          e.g. "cpu", "cuda:1" (ascii)
+    114     (reserved to 128)
 
-No lock: each field has one writer (table above). ``beat`` is a few numpy scalar stores (about a microsecond)
-so actors call it on every loop iteration, idle ones included. Readers (monitor, /metrics, inspect) read
-without locking; an 8-byte aligned field is read whole.
+Incarnations: the supervisor never rewrites an actor's fields when it restarts one. The actor-written fields
+belong to the process the supervisor last spawned only while ``actor_pid == pid``; until the new process
+calls ``starting`` they are its dead predecessor's, and ``row``/``rows`` report the row as STARTING (first
+start) or RESTARTING, with every block free, no own counts (-1) and health UNKNOWN. ``starting`` resets the
+actor's gauges before it sets ``actor_pid``, so the row turns current already showing the new process's
+values. The counters (heartbeat_count, loop_iterations, late_messages) run on across incarnations.
+
+No lock: one writer per field. ``beat`` is a few numpy scalar stores (about a microsecond) so actors call it
+on every loop iteration, idle ones included. Readers (monitor, /metrics, inspect) read without locking.
 """
 from __future__ import annotations
 
@@ -41,57 +59,65 @@ import time
 import numpy as np
 
 from ipc import _shm
-
-
-class ActorRole(enum.IntEnum):
-    NONE = 0
-    API = 1
-    PREFILL = 2
-    DECODE = 3
-    MONITOR = 4
-    SUPERVISOR = 5
+from ipc.engine_status import GAUGES
 
 
 class ActorStatus(enum.IntEnum):
-    EMPTY = 0  # row never set
+    """An actor's own lifecycle (written by the actor), plus RESTARTING, which is never stored: ``row()``
+    reports it for a row whose process is being replaced (see "incarnations" in the module docstring)."""
+
+    EMPTY = 0  # row never used
     STARTING = 1
     READY = 2
     STOPPING = 3
     STOPPED = 4
-    DEAD = 5  # process gone
-    HUNG = 6  # process there, heartbeat stale
-    RESTARTING = 7
+    RESTARTING = 5
+
+
+class ActorHealth(enum.IntEnum):
+    """The monitor's verdict on an actor (actors/watchdog.py ``classify_actor``)."""
+
+    UNKNOWN = 0
+    OK = 1
+    HUNG = 2
+    DEAD = 3
 
 
 ROW_FIELDS = [  # (name, dtype, offset)
     ("heartbeat_count", "<u8", 0), ("heartbeat_ns", "<i8", 8), ("loop_iterations", "<u8", 16),
-    ("started_ns", "<i8", 24), ("pid", "<i4", 32), ("restarts", "<u4", 36), ("kv_blocks_total", "<i4", 40),
-    ("kv_blocks_free", "<i4", 44), ("role", "u1", 48), ("status", "u1", 49), ("name", "S16", 50),
-    ("device", "S16", 66),
+    ("late_messages", "<u8", 24), ("started_ns", "<i8", 32), ("pid", "<i4", 40), ("restarts", "<u4", 44),
+    ("actor_pid", "<i4", 48), ("kv_blocks_total", "<i4", 52), ("kv_blocks_free", "<i4", 56),
+    ("active_requests", "<i4", 60), ("own_gauges", ("<i4", (len(GAUGES),)), 64), ("status", "u1", 80),
+    ("health", "u1", 81), ("name", "S16", 82), ("device", "S16", 98),
 ]
 ROW_DTYPE = np.dtype({"names": [f[0] for f in ROW_FIELDS], "formats": [f[1] for f in ROW_FIELDS],
                       "offsets": [f[2] for f in ROW_FIELDS], "itemsize": 128})
-SETTABLE_FIELDS = frozenset(ROW_DTYPE.names)
-_STR_FIELDS = {"name": 16, "device": 16}
+assert ROW_DTYPE.fields["own_gauges"][0].itemsize <= 16, "own_gauges outgrew its 16 bytes: new layout version"
+STR_BYTES = 16
 
 MAGIC = b"PDAT"
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = 128
 HEADER = struct.Struct("<4sIIIQ")  # magic, version, num_actors, row_bytes, rows_offset
+MAX_ACTORS = 4096
 
 
-class ActorTable:
+class ActorTable(_shm.ShmSegment):
     """One row per actor in POSIX shm (layout in the module docstring). The creator (the supervisor) owns
-    and unlinks it; actors attach (or receive it pickled: only the name travels)."""
+    and unlinks it; actors attach (or receive it pickled: only the name travels). Segment plumbing:
+    ``ipc._shm.ShmSegment``.
+
+    Writers raise IndexError for an index outside the table; through a read-only attach, PermissionError
+    (``beat``: ValueError from numpy, to keep it cheap).
+    """
+
+    MAGIC = MAGIC
+    VERSION = VERSION
+    KIND = "actor table"
 
     def __init__(self) -> None:  # use create() / attach()
-        self.name = ""
+        super().__init__()
         self.num_actors = 0
-        self.readonly = False
-        self._owner = False
-        self._closed = True
-        self._unlinked = False
-        self._mm = None
         self._rows: np.ndarray | None = None
         self._hb_count = self._hb_ns = self._iters = None
 
@@ -101,57 +127,36 @@ class ActorTable:
 
         Raises ValueError for a size out of range, FileExistsError if ``name`` exists.
         """
-        if not 1 <= num_actors <= 4096:
-            raise ValueError(f"num_actors={num_actors} must be in 1..4096")
-        mm = _shm.create_segment(name, HEADER_BYTES + num_actors * ROW_DTYPE.itemsize)
-        HEADER.pack_into(mm, 0, MAGIC, VERSION, num_actors, ROW_DTYPE.itemsize, HEADER_BYTES)
-        t = cls()
-        t._setup(name, mm, readonly=False, owner=True)
-        return t
+        if not 1 <= num_actors <= MAX_ACTORS:
+            raise ValueError(f"num_actors={num_actors} must be in 1..{MAX_ACTORS}")
 
-    @classmethod
-    def attach(cls, name: str, readonly: bool = False) -> "ActorTable":
-        """Attach to the existing table ``name`` (``readonly``: PROT_READ, writes raise).
+        def init(mm) -> None:
+            HEADER.pack_into(mm, 0, b"\0\0\0\0", VERSION, num_actors, ROW_DTYPE.itemsize, HEADER_BYTES)
+            rows = _shm.shm_array(mm, ROW_DTYPE, num_actors, HEADER_BYTES)
+            rows["own_gauges"] = -1
+            rows["active_requests"] = -1
 
-        Raises FileNotFoundError if it does not exist, ValueError if it is not an actor table of this version.
-        """
-        t = cls()
-        t._attach_into(name, readonly)
-        return t
+        return cls._create(name, HEADER_BYTES + num_actors * ROW_DTYPE.itemsize, init)
 
-    def _attach_into(self, name: str, readonly: bool) -> None:
-        self.__init__()
-        mm = _shm.attach_segment(name, readonly=readonly)
-        magic, version, _, row_bytes, _ = HEADER.unpack_from(mm, 0)
-        if magic != MAGIC or version != VERSION or row_bytes != ROW_DTYPE.itemsize:
-            _shm.close_mapping(mm)
-            raise ValueError(f"segment {name!r} is not an actor table of layout version {VERSION}")
-        self._setup(name, mm, readonly=readonly, owner=False)
+    def _check_layout(self, name: str, mm) -> None:
+        _, _, num_actors, row_bytes, rows_offset = HEADER.unpack_from(mm, 0) if len(mm) >= HEADER.size \
+            else (0, 0, 0, 0, 0)
+        if row_bytes != ROW_DTYPE.itemsize or len(mm) < rows_offset + num_actors * row_bytes:
+            raise ValueError(f"actor table {name!r} has rows of {row_bytes} B; this code expects "
+                             f"{ROW_DTYPE.itemsize} B")
 
-    def _setup(self, name: str, mm, *, readonly: bool, owner: bool) -> None:
-        _, _, num_actors, _, rows_offset = HEADER.unpack_from(mm, 0)
-        self.name = name
-        self.num_actors = num_actors
-        self.readonly = readonly
-        self._owner = owner
-        self._closed = False
-        self._mm = mm
-        self._rows = _shm.shm_array(mm, ROW_DTYPE, num_actors, rows_offset)
+    def _setup(self, mm) -> None:
+        _, _, self.num_actors, _, rows_offset = HEADER.unpack_from(mm, 0)
+        self._rows = _shm.shm_array(mm, ROW_DTYPE, self.num_actors, rows_offset)
         self._hb_count = self._rows["heartbeat_count"]
         self._hb_ns = self._rows["heartbeat_ns"]
         self._iters = self._rows["loop_iterations"]
 
-    def __getstate__(self):
-        if not self.name:
-            raise ValueError("cannot pickle an ActorTable that was never created/attached")
-        return (self.name, True) if self.readonly else self.name
+    def _teardown(self) -> None:
+        self._rows = self._hb_count = self._hb_ns = self._iters = None
 
-    def __setstate__(self, state) -> None:
-        name, readonly = (state, False) if isinstance(state, str) else state
-        self._attach_into(name, readonly)
-
-    def __repr__(self) -> str:
-        return f"ActorTable({self.name!r}, num_actors={self.num_actors}, readonly={self.readonly})"
+    def _repr_fields(self) -> str:
+        return f", num_actors={self.num_actors}"
 
     def _check(self, index: int) -> int:
         if self._closed:
@@ -161,7 +166,54 @@ class ActorTable:
             raise IndexError(f"actor index {index} outside actor table of {self.num_actors} rows")
         return index
 
-    # ------------------------------------------------------------------ writers
+    def _row_for_write(self, index: int) -> np.void:
+        index = self._check(index)
+        if self.readonly:
+            raise PermissionError(f"actor table {self.name!r} is attached read-only")
+        return self._rows[index]
+
+    # ------------------------------------------------------------------ the supervisor's writers
+
+    def register(self, index: int, name: str, device: str = "") -> None:
+        """Name row ``index`` (before its first spawn). Raises ValueError for a name or device that is not
+        ascii or longer than 16 bytes."""
+        rec = self._row_for_write(index)
+        name_b, device_b = _ascii(name, "name"), _ascii(device, "device")
+        rec["name"] = name_b
+        rec["device"] = device_b
+
+    def spawned(self, index: int, pid: int) -> None:
+        """The supervisor started process ``pid`` for row ``index`` (stamps started_ns)."""
+        rec = self._row_for_write(index)
+        rec["started_ns"] = time.monotonic_ns()
+        rec["pid"] = pid
+
+    def restarting(self, index: int) -> None:
+        """The supervisor is replacing row ``index``'s dead process: no process until ``spawned``;
+        restarts += 1."""
+        rec = self._row_for_write(index)
+        rec["pid"] = 0
+        rec["restarts"] += 1
+
+    # ------------------------------------------------------------------ the actor's writers (its own row)
+
+    def starting(self, index: int, pid: int) -> None:
+        """Process ``pid`` takes row ``index`` over: status STARTING, every block free, no own counts; then
+        ``actor_pid``, so the row turns current already showing this process's values."""
+        rec = self._row_for_write(index)
+        rec["status"] = ActorStatus.STARTING
+        rec["kv_blocks_free"] = rec["kv_blocks_total"]
+        rec["own_gauges"] = -1
+        rec["active_requests"] = -1
+        rec["actor_pid"] = pid
+
+    def set_status(self, index: int, status: ActorStatus) -> None:
+        """The actor's own lifecycle: READY, STOPPING, STOPPED (STARTING through ``starting``). Raises
+        ValueError for EMPTY and RESTARTING, which an actor never is in its own view."""
+        status = ActorStatus(status)
+        if status in (ActorStatus.EMPTY, ActorStatus.RESTARTING):
+            raise ValueError(f"an actor does not set its own status to {status.name}")
+        self._row_for_write(index)["status"] = status
 
     def beat(self, index: int, *, iterations_delta: int = 1) -> None:
         """Record a heartbeat of actor ``index`` now (monotonic ns) and add ``iterations_delta`` loop
@@ -174,43 +226,52 @@ class ActorTable:
         if iterations_delta:
             self._iters[index] += iterations_delta
 
-    def set(self, index: int, **fields) -> None:
-        """Set fields of row ``index`` (any ``ROW_DTYPE`` field; name/device as str, role/status as enums or
-        ints). Raises ValueError for an unknown field or a string over 16 ascii bytes, PermissionError if
-        attached read-only."""
-        index = self._check(index)
-        if self.readonly:
-            raise PermissionError(f"actor table {self.name!r} is attached read-only")
-        bad = set(fields) - SETTABLE_FIELDS
+    def set_kv_blocks(self, index: int, total: int, free: int) -> None:
+        """The actor's KV pool: ``total`` blocks, ``free`` of them free now."""
+        rec = self._row_for_write(index)
+        rec["kv_blocks_total"] = total
+        rec["kv_blocks_free"] = free
+
+    def set_own_gauges(self, index: int, **counts: int) -> None:
+        """The actor's own count for some queue gauges (keyword per name in GAUGES). Raises ValueError for
+        another name."""
+        bad = set(counts) - set(GAUGES)
         if bad:
-            raise ValueError(f"unknown actor table field(s) {sorted(bad)}; known: {sorted(SETTABLE_FIELDS)}")
-        values = {}
-        for k, v in fields.items():
-            if k in _STR_FIELDS:
-                b = v.encode("ascii") if isinstance(v, str) else bytes(v)
-                if len(b) > _STR_FIELDS[k]:
-                    raise ValueError(f"{k}={v!r} is longer than {_STR_FIELDS[k]} ascii bytes")
-                values[k] = b
-            else:
-                values[k] = int(v)
-        rec = self._rows[index]
-        for k, v in values.items():
-            rec[k] = v
+            raise ValueError(f"unknown gauge(s) {sorted(bad)}; known: {list(GAUGES)}")
+        gauges = self._row_for_write(index)["own_gauges"]
+        for gauge, value in counts.items():
+            gauges[GAUGES.index(gauge)] = value
+
+    def set_active_requests(self, index: int, count: int) -> None:
+        """Requests this actor is waiting on (the API's own view, compared with the table by inspect)."""
+        self._row_for_write(index)["active_requests"] = count
+
+    def count_late_message(self, index: int, n: int = 1) -> None:
+        """``n`` more messages for final or stale requests were dropped by actor ``index``."""
+        self._row_for_write(index)["late_messages"] += n
+
+    # ------------------------------------------------------------------ the monitor's writer
+
+    def set_health(self, index: int, health: ActorHealth) -> None:
+        """The monitor's verdict on actor ``index`` at this tick."""
+        self._row_for_write(index)["health"] = ActorHealth(health)
 
     # ------------------------------------------------------------------ readers
 
     def row(self, index: int) -> dict:
-        """Row ``index`` as a dict (role/status as enums, name/device as str, plus ``index``)."""
+        """Row ``index`` as a dict (status/health as enums, name/device as str, own_gauges as a list, plus
+        ``index``), as of its current incarnation (see the module docstring)."""
         index = self._check(index)
         return _row_dict(self._rows[index].copy(), index)
 
     def rows(self) -> list[dict]:
         """Every row as a dict (see ``row``)."""
-        snap = self._rows.copy()
+        snap = self.snapshot()
         return [_row_dict(snap[i], i) for i in range(self.num_actors)]
 
     def snapshot(self) -> np.ndarray:
-        """A copy of the whole table (structured array of ``ROW_DTYPE``)."""
+        """A copy of the whole table as stored (structured array of ``ROW_DTYPE``; no incarnation check)."""
+        self._require_open()
         return self._rows.copy()
 
     def heartbeat_age_s(self, index: int, now_ns: int | None = None) -> float | None:
@@ -227,32 +288,40 @@ class ActorTable:
         hits = np.flatnonzero(self._rows["name"] == name.encode("ascii"))
         return int(hits[0]) if hits.size else None
 
-    # ------------------------------------------------------------------ lifetime
+    def own_gauges(self) -> list[int]:
+        """Per gauge (GAUGES order), the sum of the actors' own counts, or -1 where no actor keeps one."""
+        return sum_own_gauges(self.rows())
 
-    def close(self) -> None:
-        """Detach this process (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._rows = self._hb_count = self._hb_ns = self._iters = None
-        _shm.close_mapping(self._mm)
-        self._mm = None
 
-    def unlink(self) -> None:
-        """Remove the segment (owner only; idempotent; tolerates already gone). Raises PermissionError on an
-        instance that did not create it."""
-        if not self._owner:
-            raise PermissionError(f"only the creator of actor table {self.name!r} unlinks it")
-        if not self._unlinked:
-            self._unlinked = True
-            _shm.unlink_segment_quiet(self.name)
+def sum_own_gauges(rows: list[dict]) -> list[int]:
+    """Per gauge (GAUGES order), the sum over ``rows`` (``ActorTable.rows()`` dicts) of the counts the actors
+    keep (>= 0), or -1 where none keeps that gauge."""
+    out = []
+    for i in range(len(GAUGES)):
+        kept = [r["own_gauges"][i] for r in rows if r["own_gauges"][i] >= 0]
+        out.append(sum(kept) if kept else -1)
+    return out
+
+
+def _ascii(value: str, what: str) -> bytes:
+    b = value.encode("ascii")  # UnicodeEncodeError is a ValueError
+    if len(b) > STR_BYTES:
+        raise ValueError(f"{what}={value!r} is longer than {STR_BYTES} ascii bytes")
+    return b
 
 
 def _row_dict(rec: np.void, index: int) -> dict:
-    d = {name: rec[name].item() for name in ROW_DTYPE.names}
+    d = {name: rec[name].item() for name in ROW_DTYPE.names if name != "own_gauges"}
+    d["own_gauges"] = rec["own_gauges"].tolist()
     d["name"] = d["name"].decode("ascii", "replace")
     d["device"] = d["device"].decode("ascii", "replace")
-    d["role"] = ActorRole(d["role"]) if d["role"] in ActorRole._value2member_map_ else d["role"]
+    if d["actor_pid"] != d["pid"]:  # the actor-written fields are a dead predecessor's (or nobody's yet)
+        d["status"] = ActorStatus.RESTARTING if d["restarts"] else ActorStatus.STARTING
+        d["health"] = ActorHealth.UNKNOWN
+        d["kv_blocks_free"] = d["kv_blocks_total"]
+        d["own_gauges"] = [-1] * len(GAUGES)
+        d["active_requests"] = -1
     d["status"] = ActorStatus(d["status"]) if d["status"] in ActorStatus._value2member_map_ else d["status"]
+    d["health"] = ActorHealth(d["health"]) if d["health"] in ActorHealth._value2member_map_ else d["health"]
     d["index"] = index
     return d

@@ -177,25 +177,25 @@ class BlockAllocator:
                                     f"{free_arr.size} blocks marked free")
 
 
-class KVPool:
+class KVPool(_shm.ShmSegment):
     """One actor's paged KV cache in one shm segment (layout in the module docstring).
 
     ``tensor()`` is ``[num_layers, 2, num_blocks, block_tokens, num_kv_heads, head_dim]`` over the shm bytes,
-    zero copy. Pickles by name (unpickling attaches read-only: a pickled pool is a peer's view).
+    zero copy. Pickles by name (unpickling attaches read-only: a pickled pool is a peer's view). Segment
+    plumbing: ``ipc._shm.ShmSegment``.
     """
 
+    MAGIC = MAGIC
+    VERSION = VERSION
+    KIND = "KV pool"
+
     def __init__(self) -> None:  # use create() / attach()
-        self.name = ""
-        self.readonly = False
+        super().__init__()
         self.num_layers = self.num_blocks = self.block_tokens = self.num_kv_heads = self.head_dim = 0
         self.dtype: torch.dtype = torch.float32
         self.elem_bytes = 0
         self.data_offset = 0
         self.data_bytes = 0
-        self._owner = False
-        self._closed = True
-        self._unlinked = False
-        self._mm = None
         self._owner_slot: np.ndarray | None = None
         self._generation: np.ndarray | None = None
         self._alloc: BlockAllocator | None = None
@@ -223,21 +223,13 @@ class KVPool:
         elem = DTYPE_CODES[code][1].itemsize
         data_offset = _align(HEADER_BYTES + 8 * num_blocks, DATA_ALIGN)
         data_bytes = num_layers * 2 * num_blocks * block_tokens * num_kv_heads * head_dim * elem
-        mm = _shm.create_segment(name, data_offset + data_bytes)
-        try:
+
+        def init(mm) -> None:
             HEADER.pack_into(mm, 0, b"\0\0\0\0", VERSION, num_layers, num_blocks, block_tokens, num_kv_heads,
                              head_dim, code, elem, 1, HEADER_BYTES, data_offset, data_bytes)
-            owner = _shm.shm_array(mm, "<i4", num_blocks, HEADER_BYTES)
-            owner[:] = -1
-            del owner
-            mm[0:4] = MAGIC
-        except BaseException:
-            _shm.close_mapping(mm)
-            _shm.unlink_segment_quiet(name)
-            raise
-        pool = cls()
-        pool._setup(name, mm, readonly=False, owner=True)
-        return pool
+            _shm.shm_array(mm, "<i4", num_blocks, HEADER_BYTES)[:] = -1
+
+        return cls._create(name, data_offset + data_bytes, init)
 
     @classmethod
     def attach(cls, name: str, readonly: bool = False) -> "KVPool":
@@ -249,31 +241,23 @@ class KVPool:
         the pool (it then runs the allocator: one writer per pool). Raises FileNotFoundError if the pool does
         not exist, ValueError if the segment is not a KVPool of this layout version.
         """
-        pool = cls()
-        pool._attach_into(name, readonly)
-        return pool
+        return super().attach(name, readonly)
 
-    def _attach_into(self, name: str, readonly: bool) -> None:
-        self.__init__()
-        mm = _shm.attach_segment(name, readonly=readonly)
-        if len(mm) < HEADER_BYTES or mm[0:4] != MAGIC or HEADER.unpack_from(mm, 0)[1] != VERSION:
-            _shm.close_mapping(mm)
-            raise ValueError(f"segment {name!r} is not an initialized KVPool of layout version {VERSION}")
-        self._setup(name, mm, readonly=readonly, owner=False)
+    def _check_layout(self, name: str, mm) -> None:
+        if len(mm) < HEADER_BYTES:
+            raise ValueError(f"segment {name!r} is too small for a KVPool header")
+        code = HEADER.unpack_from(mm, 0)[7]
+        if code not in DTYPE_CODES:
+            raise ValueError(f"KV pool {name!r} has dtype code {code}; this code knows {sorted(DTYPE_CODES)}")
 
-    def _setup(self, name: str, mm, *, readonly: bool, owner: bool) -> None:
+    def _setup(self, mm) -> None:
         (_, _, self.num_layers, self.num_blocks, self.block_tokens, self.num_kv_heads, self.head_dim, code,
          self.elem_bytes, _, meta_offset, self.data_offset, self.data_bytes) = HEADER.unpack_from(mm, 0)
         self.dtype, carrier = DTYPE_CODES[code]
-        self.name = name
-        self.readonly = readonly
-        self._owner = owner
-        self._closed = False
-        self._mm = mm
         nb = self.num_blocks
         self._owner_slot = _shm.shm_array(mm, "<i4", nb, meta_offset)
         self._generation = _shm.shm_array(mm, "<u4", nb, meta_offset + 4 * nb)
-        self._alloc = None if readonly else BlockAllocator(self._owner_slot, self._generation)
+        self._alloc = None if self.readonly else BlockAllocator(self._owner_slot, self._generation)
         arr = _shm.shm_array(mm, carrier, self.shape, self.data_offset)
         self._array = arr
         with warnings.catch_warnings():
@@ -281,18 +265,18 @@ class KVPool:
             t = torch.from_numpy(arr)  # pins the mapping (torch.frombuffer would not: see _shm.close_mapping)
         self._tensor = t if t.dtype == self.dtype else t.view(self.dtype)  # bf16 rides on uint16
 
+    def _teardown(self) -> None:
+        self._alloc = None
+        self._tensor = self._array = None
+        self._owner_slot = self._generation = None
+
     def __getstate__(self):
-        if not self.name:
-            raise ValueError("cannot pickle a KVPool that was never created/attached")
-        return self.name
+        state = super().__getstate__()
+        return (state, True) if isinstance(state, str) else state  # a pickled pool is a peer's read-only view
 
-    def __setstate__(self, state: str) -> None:
-        self._attach_into(state, True)
-
-    def __repr__(self) -> str:
-        return (f"KVPool({self.name!r}, layers={self.num_layers}, blocks={self.num_blocks}, "
-                f"block_tokens={self.block_tokens}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"dtype={self.dtype}, readonly={self.readonly})")
+    def _repr_fields(self) -> str:
+        return (f", layers={self.num_layers}, blocks={self.num_blocks}, block_tokens={self.block_tokens}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}")
 
     # ------------------------------------------------------------------ geometry and data
 
@@ -400,31 +384,3 @@ class KVPool:
     def owner_slots(self) -> np.ndarray:
         """A copy of the per-block owner slots (-1 = free)."""
         return self._owner_slot.copy()
-
-    # ------------------------------------------------------------------ lifetime
-
-    @property
-    def is_owner(self) -> bool:
-        return self._owner
-
-    def close(self) -> None:
-        """Detach this process (idempotent). Live tensors from ``tensor()`` keep the mapping until freed."""
-        if self._closed:
-            return
-        self._closed = True
-        self._alloc = None
-        self._tensor = self._array = None
-        self._owner_slot = self._generation = None
-        _shm.close_mapping(self._mm)
-        self._mm = None
-
-    def unlink(self) -> None:
-        """Remove the segment (owner only; idempotent; tolerates already gone). Peers keep their mappings.
-
-        Raises PermissionError on an instance that did not create the pool.
-        """
-        if not self._owner:
-            raise PermissionError(f"only the creator of KV pool {self.name!r} unlinks it")
-        if not self._unlinked:
-            self._unlinked = True
-            _shm.unlink_segment_quiet(self.name)

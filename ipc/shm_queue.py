@@ -79,26 +79,28 @@ class QueueLockTimeoutError(ShmLockTimeoutError, QueueFullError):
     """
 
 
-class ShmQueue:
+class ShmQueue(_shm.ShmSegment):
     """Bounded MPMC queue of orjson-encoded messages in a POSIX shm ring (layout in the module docstring).
 
     Create it once in the owner (``create``), hand it to other processes by pickling (only the name travels;
     unpickling attaches) or by name (``attach``). put/get are safe from any number of processes and threads
     (all shared state is guarded by the semaphores; waits release the GIL); ``close`` must not race them.
+    Segment plumbing (create/attach/close/unlink): ``ipc._shm.ShmSegment``.
     """
+
+    MAGIC = MAGIC
+    VERSION = VERSION
+    KIND = "queue"
+    SEM_SUFFIXES = SEM_SUFFIXES
 
     # ------------------------------------------------------------------ construction
 
     def __init__(self) -> None:  # use create() / attach()
-        self.name: str = ""
+        super().__init__()
         self.num_slots = 0
         self.slot_bytes = 0
         self.max_message_bytes = 0
         self.lock_timeout_s = DEFAULT_LOCK_TIMEOUT_S
-        self._owner = False
-        self._closed = True
-        self._unlinked = False
-        self._mm = None
         self._items = self._free = self._pm_sem = self._cm_sem = self._repair = None
         self._plock: RobustLock | None = None
         self._clock: RobustLock | None = None
@@ -117,26 +119,13 @@ class ShmQueue:
             raise ValueError(f"slot_bytes={slot_bytes} must be in 8..{1 << 30}")
         if not 0.001 <= lock_timeout_s <= 3600:
             raise ValueError(f"lock_timeout_s={lock_timeout_s} must be in 0.001..3600 seconds")
-        size = HEADER_BYTES + num_slots * slot_bytes
-        mm = _shm.create_segment(name, size)
-        sems: list = []
-        try:
+
+        def init(mm) -> None:
             HEADER.pack_into(mm, 0, b"\0\0\0\0", VERSION, num_slots, slot_bytes, HEADER_BYTES,
                              int(lock_timeout_s * 1000))
-            for suffix, initial in zip(SEM_SUFFIXES, (0, num_slots, 1, 1, 1)):
-                sems.append(_shm.create_semaphore(name + suffix, initial))
-            mm[0:4] = MAGIC  # last: attachers treat a segment without magic as not ready
-        except BaseException:
-            for sem in sems:
-                _shm.close_semaphore_quiet(sem)
-            for suffix in SEM_SUFFIXES[:len(sems)]:
-                _shm.unlink_semaphore_quiet(name + suffix)
-            _shm.close_mapping(mm)
-            _shm.unlink_segment_quiet(name)
-            raise
-        q = cls()
-        q._setup(name, mm, sems, owner=True)
-        return q
+
+        return cls._create(name, HEADER_BYTES + num_slots * slot_bytes, init,
+                           sem_values=(0, num_slots, 1, 1, 1))
 
     @classmethod
     def attach(cls, name: str) -> "ShmQueue":
@@ -144,70 +133,35 @@ class ShmQueue:
 
         Raises QueueClosedError if the queue does not exist (yet, or any more) or is not a ShmQueue.
         """
-        q = cls()
-        q._attach_into(name)
-        return q
+        return super().attach(name)
 
-    def _attach_into(self, name: str) -> None:
-        self.__init__()
+    def _attach_into(self, name: str, readonly: bool = False) -> None:
         try:
-            mm = _shm.attach_segment(name)
+            super()._attach_into(name, False)
         except FileNotFoundError as exc:
             raise QueueClosedError(f"queue {name!r} does not exist: not created yet, or unlinked because the "
-                                   f"engine is shutting down") from exc
-        try:
-            if len(mm) < HEADER_BYTES or mm[0:4] != MAGIC:
-                raise QueueClosedError(f"segment {name!r} is not an initialized ShmQueue (bad magic)")
-            _, version, _, _, _, _ = HEADER.unpack_from(mm, 0)
-            if version != VERSION:
-                raise QueueClosedError(f"queue {name!r} has layout version {version}, expected {VERSION}")
-            sems = []
-            try:
-                for suffix in SEM_SUFFIXES:
-                    sems.append(_shm.open_semaphore(name + suffix))
-            except FileNotFoundError as exc:
-                for sem in sems:
-                    _shm.close_semaphore_quiet(sem)
-                raise QueueClosedError(f"queue {name!r} lost its semaphores (unlinked): {exc}") from exc
-        except BaseException:
-            _shm.close_mapping(mm)
-            raise
-        self._setup(name, mm, sems, owner=False)
+                                   f"engine is shutting down ({exc})") from exc
+        except ValueError as exc:
+            raise QueueClosedError(str(exc)) from exc
 
-    def _setup(self, name: str, mm, sems: list, *, owner: bool) -> None:
+    def _setup(self, mm) -> None:
         _, _, num_slots, slot_bytes, _, lock_ms = HEADER.unpack_from(mm, 0)
-        self.name = name
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.max_message_bytes = slot_bytes - LEN.size
         self.lock_timeout_s = lock_ms / 1000.0
-        self._owner = owner
-        self._closed = False
-        self._mm = mm
-        self._items, self._free, self._pm_sem, self._cm_sem, self._repair = sems
+        self._items, self._free, self._pm_sem, self._cm_sem, self._repair = self._sems
         self._plock = RobustLock(self._pm_sem, self._repair, mm, OFF_PRODUCER_LOCK,
-                                 f"producer mutex of queue {name!r}", self.lock_timeout_s)
+                                 f"producer mutex of queue {self.name!r}", self.lock_timeout_s)
         self._clock = RobustLock(self._cm_sem, self._repair, mm, OFF_CONSUMER_LOCK,
-                                 f"consumer mutex of queue {name!r}", self.lock_timeout_s)
+                                 f"consumer mutex of queue {self.name!r}", self.lock_timeout_s)
 
-    # pickling: by name only; unpickling attaches (never as owner)
-    def __getstate__(self) -> str:
-        if not self.name:
-            raise ValueError("cannot pickle a ShmQueue that was never created/attached")
-        return self.name
+    def _teardown(self) -> None:
+        self._items = self._free = self._pm_sem = self._cm_sem = self._repair = None
+        self._plock = self._clock = None
 
-    def __setstate__(self, state: str) -> None:
-        self._attach_into(state)
-
-    def __repr__(self) -> str:
-        return (f"ShmQueue({self.name!r}, num_slots={self.num_slots}, slot_bytes={self.slot_bytes}, "
-                f"owner={self._owner}, closed={self._closed})")
-
-    def __enter__(self) -> "ShmQueue":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _repr_fields(self) -> str:
+        return f", num_slots={self.num_slots}, slot_bytes={self.slot_bytes}"
 
     # ------------------------------------------------------------------ producer side
 
@@ -371,43 +325,7 @@ class ShmQueue:
     def empty(self) -> bool:
         return self.qsize() == 0
 
-    @property
-    def is_owner(self) -> bool:
-        return self._owner
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def _check_open(self):
         if self._closed:
             raise QueueClosedError(f"queue {self.name!r} is closed in this process")
         return self._mm
-
-    def close(self) -> None:
-        """Detach this process from the queue (idempotent). Does not unlink; other processes carry on."""
-        if self._closed:
-            return
-        self._closed = True
-        for sem in (self._items, self._free, self._pm_sem, self._cm_sem, self._repair):
-            _shm.close_semaphore_quiet(sem)
-        self._items = self._free = self._pm_sem = self._cm_sem = self._repair = None
-        self._plock = self._clock = None
-        _shm.close_mapping(self._mm)
-        self._mm = None
-
-    def unlink(self) -> None:
-        """Remove the segment and its semaphores from the system (owner only; idempotent; tolerates gone).
-
-        Processes still attached keep working on the nameless objects until they close. Raises
-        PermissionError when called on an instance that did not create the queue.
-        """
-        if not self._owner:
-            raise PermissionError(f"only the creator of queue {self.name!r} unlinks it "
-                                  f"(others close(); cleanup code uses naming.unlink_all)")
-        if self._unlinked:
-            return
-        self._unlinked = True
-        _shm.unlink_segment_quiet(self.name)
-        for suffix in SEM_SUFFIXES:
-            _shm.unlink_semaphore_quiet(self.name + suffix)

@@ -111,26 +111,25 @@ def _state_set(expect) -> frozenset[int] | None:
     return frozenset(int(RequestState(s)) for s in expect)
 
 
-class StateTable:
+class StateTable(_shm.ShmSegment):
     """Fixed-size table of request rows in POSIX shm (layout in the module docstring).
 
     The creator owns the segment and alone unlinks it. Other processes ``attach`` (or receive it pickled: only
     the name travels). ``attach(readonly=True)`` maps PROT_READ for inspect tools: reads work, writes raise
-    PermissionError (and the raw arrays are read-only numpy arrays).
+    PermissionError (and the raw arrays are read-only numpy arrays). Segment plumbing: ``ipc._shm.ShmSegment``.
     """
 
+    MAGIC = MAGIC
+    VERSION = VERSION
+    KIND = "state table"
+    SEM_SUFFIXES = (LOCK_SUFFIX, REPAIR_SUFFIX)
+
     def __init__(self) -> None:  # use create() / attach()
-        self.name = ""
+        super().__init__()
         self.num_rows = 0
-        self.readonly = False
         self.lock_timeout_s = DEFAULT_LOCK_TIMEOUT_S
-        self._owner = False
-        self._closed = True
-        self._unlinked = False
-        self._mm = None
         self._rows: np.ndarray | None = None
         self._c: dict[str, np.ndarray] = {}
-        self._sem = self._repair = None
         self._lock: RobustLock | None = None
 
     @classmethod
@@ -144,94 +143,39 @@ class StateTable:
             raise ValueError(f"num_rows={num_rows} must be in 1..{1 << 24}")
         if not 0.001 <= lock_timeout_s <= 3600:
             raise ValueError(f"lock_timeout_s={lock_timeout_s} must be in 0.001..3600 seconds")
-        mm = _shm.create_segment(name, HEADER_BYTES + num_rows * ROW_DTYPE.itemsize)
-        sems: list = []
-        try:
+
+        def init(mm) -> None:
             HEADER.pack_into(mm, 0, b"\0\0\0\0", VERSION, num_rows, ROW_DTYPE.itemsize, HEADER_BYTES,
                              int(lock_timeout_s * 1000), 0)
             I4.pack_into(mm, OFF_WRITING, -1)
-            rows = _shm.shm_array(mm, ROW_DTYPE, num_rows, HEADER_BYTES)
-            rows["owner"] = -1
-            del rows
-            sems.append(_shm.create_semaphore(name + LOCK_SUFFIX, 1))
-            sems.append(_shm.create_semaphore(name + REPAIR_SUFFIX, 1))
-            mm[0:4] = MAGIC
-        except BaseException:
-            for sem in sems:
-                _shm.close_semaphore_quiet(sem)
-            for suffix in (LOCK_SUFFIX, REPAIR_SUFFIX)[:len(sems)]:
-                _shm.unlink_semaphore_quiet(name + suffix)
-            _shm.close_mapping(mm)
-            _shm.unlink_segment_quiet(name)
-            raise
-        t = cls()
-        t._setup(name, mm, sems, readonly=False, owner=True)
-        return t
+            _shm.shm_array(mm, ROW_DTYPE, num_rows, HEADER_BYTES)["owner"] = -1
 
-    @classmethod
-    def attach(cls, name: str, readonly: bool = False) -> "StateTable":
-        """Attach to the existing table ``name``; ``readonly`` maps it PROT_READ and opens no lock.
+        return cls._create(name, HEADER_BYTES + num_rows * ROW_DTYPE.itemsize, init, sem_values=(1, 1))
 
-        Raises FileNotFoundError if it does not exist, ValueError if it is not a state table of this version.
-        """
-        t = cls()
-        t._attach_into(name, readonly)
-        return t
+    def _check_layout(self, name: str, mm) -> None:
+        row_bytes = HEADER.unpack_from(mm, 0)[3] if len(mm) >= HEADER_BYTES else 0
+        if row_bytes != ROW_DTYPE.itemsize:
+            raise ValueError(f"state table {name!r} has rows of {row_bytes} B; this code expects "
+                             f"{ROW_DTYPE.itemsize} B")
 
-    def _attach_into(self, name: str, readonly: bool) -> None:
-        self.__init__()
-        mm = _shm.attach_segment(name, readonly=readonly)
-        sems: list = []
-        try:
-            if len(mm) < HEADER_BYTES or mm[0:4] != MAGIC:
-                raise ValueError(f"segment {name!r} is not an initialized StateTable (bad magic)")
-            _, version, num_rows, row_bytes, _, _, _ = HEADER.unpack_from(mm, 0)
-            if version != VERSION or row_bytes != ROW_DTYPE.itemsize:
-                raise ValueError(f"state table {name!r} has layout version {version}/row {row_bytes} B; "
-                                 f"this code expects {VERSION}/{ROW_DTYPE.itemsize} B")
-            if not readonly:
-                sems.append(_shm.open_semaphore(name + LOCK_SUFFIX))
-                sems.append(_shm.open_semaphore(name + REPAIR_SUFFIX))
-        except BaseException:
-            for sem in sems:
-                _shm.close_semaphore_quiet(sem)
-            _shm.close_mapping(mm)
-            raise
-        self._setup(name, mm, sems, readonly=readonly, owner=False)
-
-    def _setup(self, name, mm, sems, *, readonly: bool, owner: bool) -> None:
+    def _setup(self, mm) -> None:
         _, _, num_rows, _, rows_offset, lock_ms, _ = HEADER.unpack_from(mm, 0)
-        self.name = name
         self.num_rows = num_rows
-        self.readonly = readonly
         self.lock_timeout_s = lock_ms / 1000.0
-        self._owner = owner
-        self._closed = False
-        self._mm = mm
         self._rows = _shm.shm_array(mm, ROW_DTYPE, num_rows, rows_offset)
         self._c = {f: self._rows[f] for f in ROW_DTYPE.names}
-        if sems:
-            self._sem, self._repair = sems
-            self._lock = RobustLock(self._sem, self._repair, mm, OFF_LOCK, f"lock of state table {name!r}",
+        if self._sems:
+            sem, repair = self._sems
+            self._lock = RobustLock(sem, repair, mm, OFF_LOCK, f"lock of state table {self.name!r}",
                                     self.lock_timeout_s)
 
-    def __getstate__(self):
-        if not self.name:
-            raise ValueError("cannot pickle a StateTable that was never created/attached")
-        return (self.name, True) if self.readonly else self.name
+    def _teardown(self) -> None:
+        self._lock = None
+        self._rows = None
+        self._c = {}
 
-    def __setstate__(self, state) -> None:
-        name, readonly = (state, False) if isinstance(state, str) else state
-        self._attach_into(name, readonly)
-
-    def __repr__(self) -> str:
-        return f"StateTable({self.name!r}, num_rows={self.num_rows}, readonly={self.readonly})"
-
-    def __enter__(self) -> "StateTable":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _repr_fields(self) -> str:
+        return f", num_rows={self.num_rows}"
 
     # ------------------------------------------------------------------ locking and the row seqlock
 
@@ -521,35 +465,6 @@ class StateTable:
     def rows(self) -> np.ndarray:
         """The live structured array over shm (read-only when attached read-only). Prefer the methods."""
         return self._rows
-
-    # ------------------------------------------------------------------ lifetime
-
-    def close(self) -> None:
-        """Detach this process (idempotent). Arrays obtained from ``rows`` keep the mapping alive."""
-        if self._closed:
-            return
-        self._closed = True
-        _shm.close_semaphore_quiet(self._sem)
-        _shm.close_semaphore_quiet(self._repair)
-        self._sem = self._repair = self._lock = None
-        self._rows = None
-        self._c = {}
-        _shm.close_mapping(self._mm)
-        self._mm = None
-
-    def unlink(self) -> None:
-        """Remove the segment and its lock semaphores (owner only; idempotent; tolerates already gone).
-
-        Raises PermissionError on an instance that did not create the table.
-        """
-        if not self._owner:
-            raise PermissionError(f"only the creator of state table {self.name!r} unlinks it")
-        if self._unlinked:
-            return
-        self._unlinked = True
-        _shm.unlink_segment_quiet(self.name)
-        _shm.unlink_semaphore_quiet(self.name + LOCK_SUFFIX)
-        _shm.unlink_semaphore_quiet(self.name + REPAIR_SUFFIX)
 
 
 def _row_dict(rec: np.void, slot: int) -> dict:

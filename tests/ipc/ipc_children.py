@@ -110,7 +110,7 @@ def at_beater(table_name: str, index: int, beats: int) -> None:
     t = ActorTable.attach(table_name)
     for _ in range(beats):
         t.beat(index, iterations_delta=2)
-    t.set(index, kv_blocks_free=beats)
+    t.set_kv_blocks(index, total=beats, free=beats)
     t.close()
 
 

@@ -5,7 +5,7 @@ import time
 import pytest
 
 import ipc_children as kids
-from ipc.actor_table import ROW_DTYPE, ActorRole, ActorStatus, ActorTable
+from ipc.actor_table import ROW_DTYPE, ActorHealth, ActorStatus, ActorTable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -20,21 +20,66 @@ def actors(name):
         t.unlink()
 
 
-def test_rows_start_empty_and_take_settings(actors):
+def test_rows_start_empty_and_take_what_their_writers_set(actors):
     assert ROW_DTYPE.itemsize == 128
     assert [r["status"] for r in actors.rows()] == [ActorStatus.EMPTY] * 3
-    actors.set(1, name="prefill0", role=ActorRole.PREFILL, device="cpu", pid=4242, status=ActorStatus.READY,
-               started_ns=time.monotonic_ns(), kv_blocks_total=64, kv_blocks_free=60)
+    actors.register(1, "prefill0", "cpu")                # the supervisor
+    actors.spawned(1, 4242)
+    actors.starting(1, 4242)                              # the actor
+    actors.set_status(1, ActorStatus.READY)
+    actors.set_kv_blocks(1, total=64, free=60)
+    actors.set_health(1, ActorHealth.OK)                  # the monitor
     row = actors.row(1)
-    assert (row["name"], row["role"], row["device"], row["pid"], row["status"], row["kv_blocks_free"]) == (
-        "prefill0", ActorRole.PREFILL, "cpu", 4242, ActorStatus.READY, 60)
+    assert (row["name"], row["device"], row["pid"], row["status"], row["kv_blocks_free"], row["health"]) == (
+        "prefill0", "cpu", 4242, ActorStatus.READY, 60, ActorHealth.OK)
+    assert 0 < row["started_ns"] <= time.monotonic_ns()
     assert actors.find("prefill0") == 1 and actors.find("nobody") is None
     with pytest.raises(ValueError, match="unknown"):
-        actors.set(1, colour="red")
+        actors.set_own_gauges(1, colour=1)
     with pytest.raises(ValueError, match="16"):
-        actors.set(1, name="x" * 17)
+        actors.register(1, "x" * 17)
+    with pytest.raises(ValueError, match="RESTARTING"):
+        actors.set_status(1, ActorStatus.RESTARTING)
     with pytest.raises(IndexError):
         actors.beat(3)
+    with pytest.raises(IndexError):
+        actors.set_kv_blocks(3, total=1, free=1)
+
+
+def test_a_restarted_actor_row_shows_no_figures_of_its_dead_predecessor(actors):
+    """The supervisor never rewrites the actor's fields: until the new process starts, the row reads as
+    RESTARTING with every block free and no own counts; counters run on across the restart."""
+    actors.register(0, "decode0")
+    actors.spawned(0, 100)
+    actors.starting(0, 100)
+    actors.set_status(0, ActorStatus.READY)
+    actors.set_kv_blocks(0, total=64, free=10)
+    actors.set_own_gauges(0, running=3)
+    actors.set_health(0, ActorHealth.DEAD)
+    actors.count_late_message(0)
+    actors.beat(0)
+    actors.restarting(0)
+    for row in (actors.row(0), actors.rows()[0]):
+        assert (row["status"], row["health"], row["pid"], row["restarts"]) == (
+            ActorStatus.RESTARTING, ActorHealth.UNKNOWN, 0, 1)
+        assert (row["kv_blocks_free"], row["own_gauges"][0], row["heartbeat_count"]) == (64, -1, 1)
+    assert actors.own_gauges()[0] == -1
+    actors.spawned(0, 200)
+    assert actors.row(0)["status"] == ActorStatus.RESTARTING  # spawned, not started yet
+    actors.starting(0, 200)
+    actors.count_late_message(0)
+    row = actors.row(0)
+    assert (row["status"], row["kv_blocks_free"], row["own_gauges"][0], row["late_messages"]) == (
+        ActorStatus.STARTING, 64, -1, 2)
+
+
+def test_own_gauges_sum_over_the_actors_that_keep_them(actors):
+    assert actors.own_gauges() == [-1, -1, -1, -1]
+    actors.set_own_gauges(0, running=2, queued=1)
+    actors.set_own_gauges(1, running=3)
+    assert actors.own_gauges() == [5, 1, -1, -1]
+    actors.set_active_requests(2, 7)
+    assert [r["active_requests"] for r in actors.rows()] == [-1, -1, 7]
 
 
 def test_a_beat_advances_count_time_and_iterations(actors):
@@ -58,7 +103,7 @@ def test_a_child_actor_beats_into_the_shared_row(actors, ctx):
     try:
         assert ro.row(2)["heartbeat_count"] == 1000
         with pytest.raises(PermissionError):
-            ro.set(2, pid=1)
+            ro.spawned(2, 1)
         with pytest.raises(ValueError):
             ro.beat(2)
     finally:
