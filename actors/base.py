@@ -15,7 +15,6 @@ import ctypes
 import logging
 import os
 import signal
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,14 +47,19 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class EngineLayout:
-    """Names of every shared segment of one engine, plus its config: all an actor needs to attach."""
+    """Names of every shared segment of one engine, plus its config: all an actor needs to attach.
+
+    ``config`` holds the values as given (``max_model_len`` 0 = fit, ``port`` 0 = any free one); the resolved
+    values have their own names here: ``max_context_tokens`` and ``http_port``.
+    """
 
     engine_id: str
     config: EngineConfig
     model_path: str
     served_model_name: str
     shape: ModelShape
-    max_model_len: int
+    max_context_tokens: int   # longest prompt + output in tokens: config.max_model_len, or the fit if that is 0
+    http_port: int            # config.port, or the free port picked if that is 0
     kv_blocks_per_pool: int
     segments: dict[str, str] = field(default_factory=dict)
     config_sources: dict[str, str] = field(default_factory=dict)
@@ -87,16 +91,21 @@ def run_actor(class_path: str, layout: EngineLayout, index: int, stop_event: Any
 
 
 class Actor:
-    """Base class. Subclasses implement ``on_start``, ``run_once(timeout_s)`` and optionally ``on_stop``."""
+    """Base class. Subclasses implement ``on_start``, ``run_once()`` and optionally ``on_stop``.
+
+    ``idle_wait_s`` (config) is the longest a loop iteration may block on the inbox when there is no work;
+    ``queue_put_timeout_s`` (config) the longest a put may block on a full queue.
+    """
 
     role = "actor"
-    idle_wait_s = 0.05  # longest a loop iteration blocks waiting for messages when there is no work
 
     def __init__(self, layout: EngineLayout, index: int):
         self.layout = layout
         self.config = layout.config
         self.index = index
         self.name = ACTOR_NAMES[index]
+        self.idle_wait_s = layout.config.idle_wait_s
+        self.queue_put_timeout_s = layout.config.queue_put_timeout_s
 
     # ---- hooks ------------------------------------------------------------------------------------
     def on_start(self) -> None:
@@ -121,11 +130,10 @@ class Actor:
 
         self.actors = ActorTable.attach(self.layout.segment("actors"))
         self.status = EngineStatus.attach(self.layout.segment("status"))
-        self.actors.set(self.index, pid=os.getpid(), status=ActorStatus.STARTING,
-                        started_ns=time.monotonic_ns())
+        self.actors.starting(self.index, os.getpid())
         parent = os.getppid()
         self.on_start()
-        self.actors.set(self.index, status=ActorStatus.READY)
+        self.actors.set_status(self.index, ActorStatus.READY)
         self.actors.beat(self.index)
         log.info("%s ready (pid %d)", self.name, os.getpid())
         try:
@@ -133,8 +141,8 @@ class Actor:
                 self.run_once()
                 self.actors.beat(self.index)
         finally:
-            self.actors.set(self.index, status=ActorStatus.STOPPING)
+            self.actors.set_status(self.index, ActorStatus.STOPPING)
             try:
                 self.on_stop()
             finally:
-                self.actors.set(self.index, status=ActorStatus.STOPPED)
+                self.actors.set_status(self.index, ActorStatus.STOPPED)

@@ -65,7 +65,7 @@ class DecodeActor(Actor):
         if colocated:   # the local cores talk directly; only the API stays behind a queue
             self.prefill_core = PrefillCore(self.table, self.pool, self.outbox, time.monotonic_ns,
                                             actor_index=self.index,
-                                            on_late=lambda: self.status.count_late_message(self.index))
+                                            on_late=lambda: self.actors.count_late_message(self.index))
             self.queues["prefill"], self.queues["decode"] = self.prefill_core, self.core
         self._published_free = -1
         self._publish()
@@ -118,10 +118,10 @@ class DecodeActor(Actor):
         if self.prefill_core is not None:
             prefill = self.prefill_core.own_gauges()
             gauges = {**prefill, **gauges, "running": gauges["running"] + prefill["running"]}
-        self.status.set_own_gauges(self.index, **gauges)
+        self.actors.set_own_gauges(self.index, **gauges)
         if self.pool.num_free != self._published_free:
             self._published_free = self.pool.num_free
-            self.actors.set(self.index, kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self._published_free)
+            self.actors.set_kv_blocks(self.index, total=self.pool.num_blocks, free=self._published_free)
 
     def on_stop(self) -> None:
         if self.prefill_core is not None:

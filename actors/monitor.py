@@ -67,6 +67,7 @@ class HeartbeatMonitor(Actor):
 
     def on_start(self) -> None:
         from actors.watchdog import StuckGaugeTracker, stage_limits_ns
+        from ipc.engine_status import GAUGES
         from ipc.shm_queue import ShmQueue
         from ipc.state_table import RequestState, StateTable
 
@@ -77,7 +78,7 @@ class HeartbeatMonitor(Actor):
         self.gauges = StuckGaugeTracker(self.config.stuck_gauge_s)
         self.tick_ns = int(self.config.monitor_tick_s * 1e9)
         self.next_tick_ns = time.monotonic_ns()
-        self.mismatch_since_ns = [0] * 8
+        self.mismatch_since_ns = [0] * len(GAUGES)
 
     def run_once(self) -> None:
         delay_ns = self.next_tick_ns - time.monotonic_ns()
@@ -129,7 +130,6 @@ class HeartbeatMonitor(Actor):
             return  # it finished (or was aborted) since the snapshot: it was not stuck
         rec = self.status.rec
         if expired.reason == "bad_timestamp":
-            rec["bad_timestamps"] += 1
             self._notify(expired.slot, expired.generation, 500, "internal_error", expired.message())
         else:
             rec["timeouts"][int(expired.stage)] += 1
@@ -141,20 +141,18 @@ class HeartbeatMonitor(Actor):
     def check_actors(self, rows: np.ndarray, now_ns: int) -> None:
         from actors.watchdog import classify_actor
         from ipc._shm import pid_alive
-        from ipc.actor_table import ActorStatus
-        from ipc.engine_status import ActorHealth
+        from ipc.actor_table import ActorHealth, ActorStatus
 
         actor_rows = self.actors.rows()
-        rec = self.status.rec
         for index in (PREFILL_INDEX, DECODE_INDEX, API_INDEX):
             row = actor_rows[index]
             pid = int(row["pid"])
             health = classify_actor(pid, pid > 0 and pid_alive(pid), int(row["status"]) == ActorStatus.READY,
                                     int(row["heartbeat_ns"]), now_ns, self.config.actor_hang_timeout_s)
-            if health != int(rec["actor_health"][index]):
+            if health != row["health"]:
                 level = logging.INFO if health in (ActorHealth.OK, ActorHealth.UNKNOWN) else logging.ERROR
                 log.log(level, "actor %s (pid %d) is %s", ACTOR_NAMES[index], pid, health.name.lower())
-            rec["actor_health"][index] = health
+            self.actors.set_health(index, health)
             if health in (ActorHealth.DEAD, ActorHealth.HUNG):
                 age_s = (now_ns - int(row["heartbeat_ns"])) / 1e9
                 why = ("dead (its process exited)" if health == ActorHealth.DEAD
@@ -180,10 +178,9 @@ class HeartbeatMonitor(Actor):
                 log.error("stuck gauge %s=%d: nothing left the stage for %.1f s; oldest request %s (%.1f s)",
                           name, g.value, (now_ns - g.moved_ns) / 1e9, rid, age)
             rec["stuck"][i] = int(g.stuck)
-            rec["gauge_value"][i] = g.value
             rec["gauge_nonzero_since_ns"][i] = g.nonzero_since_ns
             rec["gauge_moved_ns"][i] = g.moved_ns
-        own = self.status.own_gauges()
+        own = self.actors.own_gauges()
         for i, name in enumerate(GAUGES):
             if own[i] < 0:
                 continue
@@ -208,4 +205,5 @@ class HeartbeatMonitor(Actor):
         for slot, row in zip(old.tolist(), fresh):
             if int(row["state"]) in final_states and now_ns - int(row["state_since_ns"]) > limit_ns:
                 if self.table.release(slot, int(row["generation"])):
-                    self.status.rec["rows_reclaimed"] += 1
+                    log.warning("released the final row of request %s nobody released in %.0f s (did the API "
+                                "process die?)", row["request_id"].decode(errors="replace"), FINAL_ROW_RECLAIM_S)

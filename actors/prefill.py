@@ -48,7 +48,7 @@ class PrefillActor(Actor):
         self.sampler = Sampler()
         self.core = PrefillCore(StateTable.attach(self.layout.segment("state")), self.pool, self.outbox,
                                 time.monotonic_ns, actor_index=self.index,
-                                on_late=lambda: self.status.count_late_message(self.index))
+                                on_late=lambda: self.actors.count_late_message(self.index))
         self._published_free = -1
         self._publish()
 
@@ -88,10 +88,10 @@ class PrefillActor(Actor):
         self._publish()
 
     def _publish(self) -> None:
-        self.status.set_own_gauges(self.index, **self.core.own_gauges())
+        self.actors.set_own_gauges(self.index, **self.core.own_gauges())
         if self.pool.num_free != self._published_free:
             self._published_free = self.pool.num_free
-            self.actors.set(self.index, kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self._published_free)
+            self.actors.set_kv_blocks(self.index, total=self.pool.num_blocks, free=self._published_free)
 
     def on_stop(self) -> None:
         self.core.stop()

@@ -33,19 +33,34 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+WIRED_DEVICES = ("cpu",)
+
+
+def check_device(device: str) -> None:
+    """Raise ConfigError unless the engine runs end to end on ``device`` (the config accepts every device the
+    model code knows; this says which ones the actors, pools and transports are wired for)."""
+    if device not in WIRED_DEVICES:
+        raise ConfigError(
+            f"config field device={device!r}: the engine is not wired for it yet. The model would run there, "
+            f"but the KV pools are host shared memory (ipc/kv_pool.KVPool) and nothing connects the device "
+            f"path: a device KV pool per actor (ipc/cuda_ipc.allocate_device_pool), the cuda-ipc KV transport "
+            f"(kv_transport accepts only cpu-shm), and a visible device per actor set before CUDA starts "
+            f"(docs/gpu.md, 'What is left'). Use device=cpu", param="device")
+
+
 def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     """Read the model's metadata (no weights) and size the pools, queues and tables.
 
     Raises:
-        ConfigError: max_model_len larger than the model's context or the KV pool.
+        ConfigError: a device the engine is not wired for; max_model_len larger than the model's context or
+            the KV pool.
         ModelLoadError: the model cannot be read.
     """
-    import dataclasses
-
     from gpu.loader import load_config as read_model_config
     from ipc.naming import segment_name
 
     config = loaded.config
+    check_device(config.device)
     model_path = config.model or ""
     model_config = read_model_config(model_path or None)
     shape = ModelShape(model_config.name, model_config.num_layers, model_config.num_kv_heads,
@@ -56,16 +71,16 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
                           f"of kv_block_tokens={config.kv_block_tokens}", param="kv_pool_tokens")
     pool_tokens = blocks * config.kv_block_tokens
     limit = min(shape.context_length, pool_tokens)
-    max_model_len = config.max_model_len or limit
-    if max_model_len > limit:
-        raise ConfigError(f"config field max_model_len={max_model_len}: must be <= {limit} (the model's context "
-                          f"{shape.context_length} and the KV pool's {pool_tokens} tokens)", param="max_model_len")
-    if config.port == 0:
-        config = dataclasses.replace(config, port=free_port(config.host))
+    max_context_tokens = config.max_model_len or limit
+    if max_context_tokens > limit:
+        raise ConfigError(f"config field max_model_len={config.max_model_len}: must be <= {limit} (the model's "
+                          f"context {shape.context_length} and the KV pool's {pool_tokens} tokens)",
+                          param="max_model_len")
     names = ("state", "actors", "status", "q_prefill", "q_decode", "q_api", "kv_prefill", "kv_decode")
     return EngineLayout(engine_id=engine_id, config=config, model_path=model_path,
                         served_model_name=config.served_model_name or shape.name, shape=shape,
-                        max_model_len=max_model_len, kv_blocks_per_pool=blocks,
+                        max_context_tokens=max_context_tokens, http_port=config.port or free_port(config.host),
+                        kv_blocks_per_pool=blocks,
                         segments={n: segment_name(engine_id, n) for n in names},
                         config_sources=dict(loaded.sources))
 
@@ -100,13 +115,15 @@ class Supervisor:
 
         lay, cfg = self.layout, self.layout.config
         self.state = StateTable.create(lay.segment("state"), num_rows=cfg.max_queued_requests * 2 + 16)
+        self._owned.append(self.state)
         self.actors = ActorTable.create(lay.segment("actors"), num_actors=len(ACTOR_NAMES))
+        self._owned.append(self.actors)
         for index, name in enumerate(ACTOR_NAMES):
             if cfg.colocated and index == PREFILL_INDEX:
                 continue  # no prefill actor: its row stays empty (skipped by /health, /metrics, inspect)
-            self.actors.set(index, name=name, device=cfg.device if index in (PREFILL_INDEX, DECODE_INDEX) else "")
+            self.actors.register(index, name, cfg.device if index in (PREFILL_INDEX, DECODE_INDEX) else "")
         self.status = EngineStatus.create(lay.segment("status"))
-        self._owned += [self.state, self.actors, self.status]
+        self._owned.append(self.status)
         for q in ("q_prefill", "q_decode", "q_api"):
             self.queues[q] = ShmQueue.create(lay.segment(q), num_slots=cfg.queue_slots, slot_bytes=cfg.queue_slot_bytes)
             self._owned.append(self.queues[q])
@@ -115,12 +132,12 @@ class Supervisor:
                                              num_blocks=lay.kv_blocks_per_pool, block_tokens=cfg.kv_block_tokens,
                                              num_kv_heads=lay.shape.num_kv_heads, head_dim=lay.shape.head_dim,
                                              dtype=torch.float32))
-        write_manifest(self.engine_id, {
+        self._owned.append(write_manifest(self.engine_id, {
             "engine_id": self.engine_id, "pid": os.getpid(), "created_unix_s": time.time(),
             "model": lay.model_path or "(embedded default)", "served_model_name": lay.served_model_name,
-            "max_model_len": lay.max_model_len, "kv_blocks_per_pool": lay.kv_blocks_per_pool,
-            "url": f"http://{cfg.host}:{cfg.port}", "segments": lay.segments, "actors": list(ACTOR_NAMES),
-            "config": lay.effective_config()})
+            "max_context_tokens": lay.max_context_tokens, "kv_blocks_per_pool": lay.kv_blocks_per_pool,
+            "url": f"http://{cfg.host}:{lay.http_port}", "segments": lay.segments, "actors": list(ACTOR_NAMES),
+            "config": lay.effective_config()}))
 
     def _unlink_segments(self) -> None:
         from ipc.naming import unlink_all
@@ -139,6 +156,7 @@ class Supervisor:
         process = self.ctx.Process(target=run_actor, args=(ACTOR_CLASSES[index], self.layout, index, self.stop_event),
                                    name=f"pdserve-{self.engine_id}-{ACTOR_NAMES[index]}", daemon=False)
         process.start()
+        self.actors.spawned(index, process.pid)
         self.processes[index] = process
         self.started_at[index] = time.monotonic()
 
@@ -149,7 +167,7 @@ class Supervisor:
         pending = set(indices)
         while pending:
             for index in list(pending):
-                if int(self.actors.rows()[index]["status"]) == ActorStatus.READY:
+                if self.actors.row(index)["status"] == ActorStatus.READY:
                     pending.discard(index)
                 elif not self.processes[index].is_alive():
                     raise PdserveError(f"actor {ACTOR_NAMES[index]} exited during start-up with code "
@@ -184,7 +202,7 @@ class Supervisor:
     def run(self) -> int:
         """Watch the actors until a stop is requested, restarting dead ones and killing hung ones (the
         monitor says which); then drain. Returns the exit status (0 after a clean stop)."""
-        from ipc.engine_status import ActorHealth
+        from ipc.actor_table import ActorHealth
 
         while not self.shutdown.is_set():
             sentinels = {p.sentinel: i for i, p in self.processes.items()}
@@ -195,7 +213,7 @@ class Supervisor:
                           self.processes[index].exitcode)
                 self._restart(index)
             for index, process in list(self.processes.items()):
-                if int(self.status.rec["actor_health"][index]) == ActorHealth.HUNG and process.is_alive() \
+                if self.actors.row(index)["health"] == ActorHealth.HUNG and process.is_alive() \
                         and time.monotonic() - self.started_at[index] > self.layout.config.actor_hang_timeout_s:
                     log.error("actor %s (pid %d) is hung; killing it to restart it", ACTOR_NAMES[index],
                               process.pid)
@@ -205,7 +223,6 @@ class Supervisor:
 
     def _restart(self, index: int) -> None:
         from actors.monitor import fail_requests_held_by
-        from ipc.actor_table import ActorStatus
 
         process = self.processes[index]
         process.join(timeout=1)
@@ -219,11 +236,7 @@ class Supervisor:
         wait_s = self.started_at[index] + RESTART_MIN_INTERVAL_S - time.monotonic()
         if wait_s > 0 and self.shutdown.wait(wait_s):
             return
-        self.status.rec["actor_restarts"][index] += 1
-        # the new process resets its pool and counts nothing yet: do not keep showing the dead one's figures
-        row = self.actors.row(index)
-        self.actors.set(index, status=ActorStatus.RESTARTING, pid=0, kv_blocks_free=int(row["kv_blocks_total"]))
-        self.status.rec["own_gauges"][index] = -1
+        self.actors.restarting(index)  # the row shows none of the dead process's figures from here on
         self._spawn(index)
 
     def drain(self) -> None:
@@ -282,8 +295,9 @@ def serve(loaded: LoadedConfig) -> int:
         log.error("start-up failed: %s", exc)
         return 1
     cfg = layout.config
-    where = (f"https://{cfg.host}:{cfg.port} (HTTP/2 via ALPN and HTTP/1.1 over TLS)" if cfg.ssl_certfile
-             else f"http://{cfg.host}:{cfg.port} (HTTP/1.1 and h2c)")
+    address = f"{cfg.host}:{layout.http_port}"
+    where = (f"https://{address} (HTTP/2 via ALPN and HTTP/1.1 over TLS)" if cfg.ssl_certfile
+             else f"http://{address} (HTTP/1.1 and h2c)")
     print(f"pdserve engine {layout.engine_id} serving '{layout.served_model_name}' on {where}", flush=True)
     try:
         return supervisor.run()

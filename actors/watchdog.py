@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ipc.engine_status import GAUGES, ActorHealth
+from ipc.actor_table import ActorHealth
+from ipc.engine_status import GAUGES
 from ipc.lifecycle import GAUGE_STATES, LIVE_STATES, RENEWABLE_STATES, STAGE_NAME, STAGE_TIMEOUT_FIELD
 from ipc.lifecycle import RequestState as S
 

@@ -349,7 +349,7 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": served, "object": "model", "created": 0,
                                                          "owned_by": "pdserve",
-                                                         "max_model_len": parser.max_model_len}]})
+                                                         "max_model_len": parser.max_context_tokens}]})
 
     async def health(request: Request) -> Response:
         report = metrics.health()

@@ -1,9 +1,10 @@
 """The API process's view of the engine: admits requests into the state table and the prefill queue,
 and routes token and error messages back to the waiting HTTP handlers.
 
-One receiver thread blocks on the API's shm inbox (with a timeout, so it also notices shutdown) and hands
-each message to the asyncio loop with ``call_soon_threadsafe``. The state table is the arbiter of every
-request's fate: an abort here is a transition to ABORTED; the actors see it and free their KV blocks.
+One receiver thread blocks on the API's shm inbox (for at most ``idle_wait_s`` at a time, so it also notices
+shutdown) and hands each message to the asyncio loop with ``call_soon_threadsafe``. The state table is the
+arbiter of every request's fate: an abort here is a transition to ABORTED; the actors see it and free their KV
+blocks.
 """
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ class EngineClient:
     def _receive(self) -> None:
         while not self._stop.is_set():
             try:
-                frames = self.inbox.get_many(256, 0.1)
+                frames = self.inbox.get_many(256, self.config.idle_wait_s)
             except PdserveError:
                 log.exception("api inbox failed")
                 return
@@ -171,7 +172,7 @@ class EngineClient:
             first = handles[0]
             message = PrefillRequest(first.slot, first.generation, request.request_id, request.prompt_ids,
                                      request.sampling, [[h.slot, h.generation] for h in handles[1:]])
-            self.to_prefill.put(to_wire(message), timeout_s=1.0)
+            self.to_prefill.put(to_wire(message), timeout_s=self.config.admission_put_timeout_s)
         except QueueFullError:
             self.finish_all(handles)
             raise EngineOverloadedError("the prefill queue is full; retry") from None

@@ -72,16 +72,16 @@ class _SharedStateCollector:
                                        labels=["actor"])
         now = time.monotonic_ns()
         for r in rows:
-            name, index = r["name"], r["index"]
+            name = r["name"]
             if not name:
                 continue
             if int(r["kv_blocks_total"]):
                 free_family.add_metric([name], int(r["kv_blocks_free"]))
             if int(r["heartbeat_ns"]):
                 age.add_metric([name], (now - int(r["heartbeat_ns"])) / 1e9)
-            state = actor_state(r, status["actor_health"][index], now, client.config.monitor_tick_s)
+            state = actor_state(r, r["health"], now, client.config.monitor_tick_s)
             health.add_metric([name, state], 1.0 if state == "ok" else 0.0)
-            restarts.add_metric([name], status["actor_restarts"][index])
+            restarts.add_metric([name], r["restarts"])
         yield from (free_family, age, health, restarts)
         ticks = CounterMetricFamily("pdserve_watchdog_ticks", "heartbeat monitor ticks")
         ticks.add_metric([], status["watchdog_ticks"])
@@ -107,7 +107,7 @@ class _SharedStateCollector:
             mismatch.add_metric([gauge], status["mismatch"][i])
         yield from (stuck, mismatch)
         late = CounterMetricFamily("pdserve_late_messages", "messages for final or stale requests, dropped")
-        late.add_metric([], sum(status["late_messages"]) + client.stale_messages)
+        late.add_metric([], sum(r["late_messages"] for r in rows) + client.stale_messages)
         yield late
         handoffs = CounterMetricFamily("pdserve_kv_handoffs", "requests whose KV passed prefill -> decode "
                                        "(counted by the API when the request ends)")
@@ -186,7 +186,7 @@ class EngineMetrics:
             name, index = r["name"], r["index"]
             if not name or index == API_INDEX:
                 continue
-            state = actor_state(r, status["actor_health"][index], now_ns, self.client.config.monitor_tick_s)
+            state = actor_state(r, r["health"], now_ns, self.client.config.monitor_tick_s)
             actors[name] = state
             if state != "ok":
                 problems.append(f"actor {name} is {state}")

@@ -248,23 +248,23 @@ class RequestParser:
     Args:
         tokenizer: gpu.tokenizer.Tokenizer of the served model.
         served_model_name: the only model name accepted in ``model``.
-        max_model_len: longest prompt + output (tokens) the engine's KV pools can hold.
+        max_context_tokens: longest prompt + output (tokens) the engine serves (the resolved max_model_len).
         default_max_tokens: used when the body gives neither max_tokens nor max_completion_tokens.
         kv_pool_blocks, kv_block_tokens: the decode KV pool's size (blocks) and block size (tokens), so that the
             ``n`` choices of one request can be checked to fit together; 0 blocks skips the check.
 
-    A text prompt longer than ``max_token_chars * max_model_len`` characters cannot fit whatever its
+    A text prompt longer than ``max_token_chars * max_context_tokens`` characters cannot fit whatever its
     tokenization (one token covers at most ``max_token_chars`` characters), so it is rejected before the
     tokenizer runs: a 1 MB prompt costs microseconds, not a second of the event loop.
     """
 
-    def __init__(self, tokenizer, served_model_name: str, max_model_len: int, default_max_tokens: int,
+    def __init__(self, tokenizer, served_model_name: str, max_context_tokens: int, default_max_tokens: int,
                  kv_pool_blocks: int = 0, kv_block_tokens: int = 16):
         self.tokenizer = tokenizer
         self.kv_pool_blocks = kv_pool_blocks     # the decode pool's blocks; 0 = no check of n against it
         self.kv_block_tokens = kv_block_tokens
         self.served_model_name = served_model_name
-        self.max_model_len = max_model_len
+        self.max_context_tokens = max_context_tokens
         self.default_max_tokens = default_max_tokens
         self.max_token_chars = _max_token_chars(tokenizer)
 
@@ -281,14 +281,14 @@ class RequestParser:
 
     def _too_long(self, prompt_len: int, unit: str = "tokens") -> InvalidRequestError:
         return InvalidRequestError(
-            f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+            f"This model's maximum context length is {self.max_context_tokens} tokens; the prompt has "
             f"{prompt_len} {unit}, which leaves no room for output", param="prompt",
             code="context_length_exceeded")
 
     def _encode(self, text: str, param: str) -> list[int]:
-        if len(text) > self.max_token_chars * self.max_model_len:
+        if len(text) > self.max_token_chars * self.max_context_tokens:
             raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"This model's maximum context length is {self.max_context_tokens} tokens; the prompt has "
                 f"{len(text)} characters, more than that many tokens can hold", param=param,
                 code="context_length_exceeded")
         try:
@@ -299,7 +299,7 @@ class RequestParser:
     def _sampling(self, body: dict, prompt_len: int, kind: str) -> Sampling:
         if prompt_len == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        room = self.max_model_len - prompt_len
+        room = self.max_context_tokens - prompt_len
         if room <= 0:
             raise self._too_long(prompt_len)
         max_tokens = _integer(body, "max_completion_tokens", None, 1, 2**31 - 1)
@@ -309,9 +309,9 @@ class RequestParser:
             max_tokens = legacy
         if max_tokens is None:
             max_tokens = min(self.default_max_tokens, room)
-        if prompt_len + max_tokens > self.max_model_len:
+        if prompt_len + max_tokens > self.max_context_tokens:
             raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"This model's maximum context length is {self.max_context_tokens} tokens; the prompt "
                 f"({prompt_len}) plus {param} ({max_tokens}) exceeds it", param=param,
                 code="context_length_exceeded")
         temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
@@ -387,9 +387,9 @@ class RequestParser:
             raise InvalidRequestError("'messages' must be a non-empty list", param="messages")
         conversation = [dict(zip(("role", "content"), _message_text(m, i))) for i, m in enumerate(messages)]
         chars = sum(len(m["content"]) for m in conversation)
-        if chars > self.max_token_chars * self.max_model_len:
+        if chars > self.max_token_chars * self.max_context_tokens:
             raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens; the messages have "
+                f"This model's maximum context length is {self.max_context_tokens} tokens; the messages have "
                 f"{chars} characters, more than that many tokens can hold", param="messages",
                 code="context_length_exceeded")
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)

@@ -20,7 +20,6 @@ import asyncio
 import logging
 import os
 import signal
-import time
 
 from actors.base import API_INDEX, Actor, _die_with_parent
 
@@ -122,9 +121,9 @@ class ApiActor(Actor):
         from ipc.actor_table import ActorStatus, ActorTable
 
         self.actors = ActorTable.attach(self.layout.segment("actors"))
-        self.actors.set(self.index, pid=os.getpid(), status=ActorStatus.STARTING, started_ns=time.monotonic_ns())
+        self.actors.starting(self.index, os.getpid())
         asyncio.run(self._serve(stop_event))
-        self.actors.set(self.index, status=ActorStatus.STOPPED)
+        self.actors.set_status(self.index, ActorStatus.STOPPED)
 
     async def _serve(self, stop_event) -> None:
         from hypercorn.asyncio import serve
@@ -140,14 +139,14 @@ class ApiActor(Actor):
         tokenizer = Tokenizer.load(self.layout.model_path or None)
         client = EngineClient(self.layout)
         client.start(asyncio.get_running_loop())
-        parser = RequestParser(tokenizer, self.layout.served_model_name, self.layout.max_model_len,
+        parser = RequestParser(tokenizer, self.layout.served_model_name, self.layout.max_context_tokens,
                                self.config.default_max_tokens, self.layout.kv_blocks_per_pool,
                                self.config.kv_block_tokens)
         metrics = EngineMetrics(client, self.layout.served_model_name, self.layout.effective_config())
         app = build_app(client, tokenizer, parser, metrics)
 
         hconfig = Config()
-        hconfig.bind = [f"{self.config.host}:{self.config.port}"]
+        hconfig.bind = [f"{self.config.host}:{self.layout.http_port}"]
         hconfig.accesslog = None
         hconfig.graceful_timeout = 1.0
         # Idle connections close after keep_alive_timeout_s (HTTP/1.1: close; HTTP/2: GOAWAY); a request that
@@ -166,10 +165,10 @@ class ApiActor(Actor):
         loop.add_signal_handler(signal.SIGTERM, stopping.set)
 
         async def shutdown_trigger() -> None:
-            self.actors.set(self.index, status=ActorStatus.READY)
+            self.actors.set_status(self.index, ActorStatus.READY)
             while not stop_event.is_set() and not stopping.is_set():
                 self.actors.beat(self.index)
-                client.status.rec["api_active_requests"] = client.num_active()
+                self.actors.set_active_requests(self.index, client.num_active())
                 try:
                     await asyncio.wait_for(stopping.wait(), timeout=0.1)
                 except asyncio.TimeoutError:

@@ -35,7 +35,7 @@ import struct
 import numpy as np
 
 from ipc import _shm
-from ipc.state_table import RequestState
+from ipc.lifecycle import RequestState
 
 GAUGES = ("running", "queued", "prefill_inflight", "decode_transfer")
 GAUGE_METRIC = {"running": "pdserve_num_running_reqs", "queued": "pdserve_num_queue_reqs",

@@ -60,6 +60,8 @@ class EngineConfig:
     torch_threads: int = _setting(1, "torch intra-op threads per actor (prefill and decode run in parallel)",
                                   _positive, "> 0")
     kv_transport: str = _setting("cpu-shm", "KV handoff transport", choices=("cpu-shm",))
+    autotune_cache: str = _setting("", "target_ctas autotune cache file (JSON; see docs/gpu.md); empty = "
+                                   "~/.cache/pdserve/autotune.json")
     # KV cache and batching
     kv_block_tokens: int = _setting(16, "tokens per KV block (page)", _positive, "> 0")
     kv_pool_tokens: int = _setting(8192, "tokens each actor's KV pool holds", _positive, "> 0")
@@ -74,6 +76,12 @@ class EngineConfig:
     default_max_tokens: int = _setting(256, "max_tokens when the request gives none", _positive, "> 0")
     queue_slots: int = _setting(512, "slots in each shm message queue", _positive, "> 0")
     queue_slot_bytes: int = _setting(131072, "bytes per shm queue slot (largest message)", _positive, "> 0")
+    idle_wait_s: float = _setting(0.05, "longest an actor loop (and the API's inbox thread) blocks on its inbox "
+                                  "before it beats its heartbeat and checks for stop", _positive, "> 0")
+    queue_put_timeout_s: float = _setting(5.0, "longest an engine actor blocks on a full shm queue before it "
+                                          "gives the message up (its consumer is hung or dead)", _positive, "> 0")
+    admission_put_timeout_s: float = _setting(1.0, "longest the API waits for room in the prefill queue before "
+                                              "it answers 503 (retry)", _positive, "> 0")
     # deadlines (the heartbeat monitor enforces them)
     request_timeout_s: float = _setting(600.0, "deadline of a whole request", _positive, "> 0")
     monitor_tick_s: float = _setting(0.5, "heartbeat monitor period", _positive, "> 0")

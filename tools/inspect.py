@@ -68,6 +68,7 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
                    now_ns: int) -> dict[str, Any]:
     """Assemble the JSON snapshot from raw reads (plain code; see the module docstring for the schema)."""
     from actors.watchdog import actor_state
+    from ipc.actor_table import sum_own_gauges
     from ipc.engine_status import GAUGE_METRIC, GAUGES
     from ipc.lifecycle import (GAUGE_STATES, LIVE_STATES, RENEWABLE_STATES, STAGE_NAME, STAGE_TIMEOUT_FIELD,
                                RequestState)
@@ -81,7 +82,7 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
             continue
         index = r["index"]
         hb_ns = int(r["heartbeat_ns"])
-        health = actor_state(r, status["actor_health"][index], now_ns, float(config["monitor_tick_s"]["value"]))
+        health = actor_state(r, r["health"], now_ns, float(config["monitor_tick_s"]["value"]))
         prev_iter, prev_t = first_iterations.get(index, (r["loop_iterations"], time.monotonic()))
         elapsed = max(time.monotonic() - prev_t, 1e-6)
         actors.append({
@@ -89,13 +90,13 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
             "status": getattr(r["status"], "name", str(r["status"])).lower(), "health": health,
             "heartbeat_age_s": (now_ns - hb_ns) / 1e9 if hb_ns else None,
             "loop_iterations_per_s": (int(r["loop_iterations"]) - int(prev_iter)) / elapsed,
-            "restarts": int(status["actor_restarts"][index]) if index < 8 else 0,
+            "restarts": int(r["restarts"]),
             "kv_blocks_free": int(r["kv_blocks_free"]), "kv_blocks_total": int(r["kv_blocks_total"]),
         })
         if health != "ok":
             problems.append(f"actor {r['name']} is {health}")
     state = rows["state"]
-    own = _own_gauges(status)
+    own = sum_own_gauges(actor_rows)
     gauges = []
     for i, gauge in enumerate(GAUGES):
         value = int(sum(int((state == int(s)).sum()) for s in GAUGE_STATES[gauge]))
@@ -136,7 +137,7 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
     tick_s = float(config["monitor_tick_s"]["value"])
     if tick_age_s is None or tick_age_s > 3 * tick_s + 1:
         problems.append(f"the watchdog has not ticked for {tick_age_s if tick_age_s is not None else 'ever'} s")
-    api_active = int(status["api_active_requests"])
+    api_active = sum(max(int(r["active_requests"]), 0) for r in actor_rows)  # -1 = keeps no such count
     engine_active = len(requests)
     return {
         "schema": SCHEMA_VERSION, "engine_id": manifest["engine_id"], "url": manifest.get("url"),
@@ -149,14 +150,6 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
                                                  for s in STAGE_NAME}},
         "active_requests": {"api": api_active, "engine": engine_active, "agree": api_active == engine_active},
     }
-
-
-def _own_gauges(status: dict) -> list[int]:
-    import numpy as np
-
-    table = np.array(status["own_gauges"])
-    kept = table >= 0
-    return [int(table[:, i][kept[:, i]].sum()) if kept[:, i].any() else -1 for i in range(table.shape[1])]
 
 
 def render(snapshot: dict[str, Any]):

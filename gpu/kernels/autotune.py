@@ -7,7 +7,8 @@ warm-up), keep the fastest, and store it in a JSON file keyed by ``"<GPU name>|<
 next start-up reads it instead of measuring again. The default candidate list is multiples of the SM count
 (a wave is one CTA per SM), plus 0 = "no split".
 
-The cache file is ``$PDSERVE_AUTOTUNE_CACHE`` or ``~/.cache/pdserve/autotune.json``; it is replaced
+The cache file is the one the caller passes (the engine: config field ``autotune_cache``, so also
+``--autotune-cache`` / ``PDSERVE_AUTOTUNE_CACHE``), else ``~/.cache/pdserve/autotune.json``; it is replaced
 atomically (write a temporary file, then rename), so two processes tuning at once cannot leave it torn
 (the later writer wins, which is harmless: both wrote measured values).
 """
@@ -28,8 +29,8 @@ Timer = Callable[[Callable[[], None]], float]  # runs fn, returns seconds per ca
 
 
 def default_cache_path() -> pathlib.Path:
-    env = os.environ.get("PDSERVE_AUTOTUNE_CACHE")
-    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "pdserve" / "autotune.json"
+    """``~/.cache/pdserve/autotune.json`` (the environment is read only by pdserve/config.py)."""
+    return pathlib.Path.home() / ".cache" / "pdserve" / "autotune.json"
 
 
 def default_candidates(sm_count: int | None = None) -> list[int]:
@@ -67,7 +68,8 @@ class TargetCtasTuner:
     """Pick and cache ``target_ctas`` per (GPU, kernel, shape).
 
     Args:
-        cache_path: JSON cache (default :func:`default_cache_path`); None-equivalent ``""`` disables the file.
+        cache_path: JSON cache file; None = :func:`default_cache_path`; ``""`` disables the file. The engine
+            passes ``config.autotune_cache or None`` (the field is empty by default).
         device_name: cache key prefix (default: torch's name for the current CUDA device, or "cpu").
         timer: how a candidate is timed (default :func:`cuda_event_timer`); tests pass a fake one.
     """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from actors.watchdog import StuckGaugeTracker, classify_actor, find_expired
-from ipc.engine_status import ActorHealth
+from ipc.actor_table import ActorHealth
 from ipc.state_table import ROW_DTYPE, RequestState as S
 from pdserve.config import load_config
 

@@ -2,9 +2,12 @@
 Faults: parsed and validated at start-up; counts, fractions and request-id prefixes select events."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
-from pdserve.config import load_config
+from pdserve.config import check_env, load_config
 from pdserve.errors import ConfigError
 from pdserve.faults import FaultPlan, parse_faults
 
@@ -27,6 +30,23 @@ def test_out_of_range_values_name_the_field_value_and_rule(field, value, rule):
     with pytest.raises(ConfigError) as info:
         load_config({field: value}, {})
     assert field in str(info.value) and value in str(info.value) and rule in str(info.value)
+
+
+def test_every_pdserve_variable_the_docs_and_tools_name_is_a_config_field_and_only_the_config_reads_them():
+    """Following a doc or a script must never make ``pdserve serve`` exit 2 on an unknown variable (as
+    PDSERVE_AUTOTUNE_CACHE did), and no module reads PDSERVE_* around the config (a side channel)."""
+    root = Path(__file__).resolve().parents[2]
+    files = [root / "README.md", *(root / "docs").rglob("*.md"), *(root / "tools").rglob("*.sh")]
+    for package in ("actors", "api", "gpu", "ipc", "pdserve", "tools"):
+        files += [p for p in (root / package).rglob("*.py") if p != root / "pdserve" / "config.py"]
+    named: set[str] = set()
+    for path in files:
+        text = path.read_text(errors="replace")
+        named |= set(re.findall(r"\bPDSERVE_[A-Z0-9_]+", text))
+        assert not re.search(r"environ(\.get)?\s*[\[(]\s*[\"']PDSERVE_", text), f"{path} reads PDSERVE_* itself"
+    assert "PDSERVE_AUTOTUNE_CACHE" in named
+    check_env({name: "x" for name in named})  # raises ConfigError naming an unknown one
+    assert load_config(None, {"PDSERVE_AUTOTUNE_CACHE": "/tmp/t.json"}).config.autotune_cache == "/tmp/t.json"
 
 
 def test_non_numeric_value_is_a_config_error():

@@ -67,10 +67,16 @@ def test_create_is_exclusive_and_private_and_only_the_owner_unlinks(kind, name):
     finally:
         owner.close()
         owner.unlink()
-        owner.unlink()  # idempotent
     assert shm_entries(seg_name) == []
     with pytest.raises(missing_error(kind)):
         kind.attach(seg_name)
+    successor = MAKERS[kind](seg_name)
+    try:
+        owner.unlink()  # idempotent: never removes a newer segment of the same name
+        kind.attach(seg_name).close()
+    finally:
+        successor.close()
+        successor.unlink()
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=IDS)

@@ -1,0 +1,45 @@
+"""Start-up planning (``plan_layout`` in actors/supervisor.py): what the engine refuses before it spawns
+anything, and the resolved values it hands the actors under names of their own."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from actors.monitor import HeartbeatMonitor
+from actors.supervisor import plan_layout
+from pdserve.config import load_config
+from pdserve.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_device_the_engine_is_not_wired_for_is_refused_naming_what_is_missing():
+    with pytest.raises(ConfigError) as info:
+        plan_layout(load_config({"device": "cuda"}, {}), "e1")
+    message = str(info.value)
+    assert "device='cuda'" in message and info.value.param == "device"
+    assert all(part in message for part in ("KV pool", "cuda-ipc", "docs/gpu.md", "device=cpu"))
+
+
+@pytest.mark.timeout(120)
+def test_serve_with_device_cuda_stops_at_start_up_with_that_message():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    result = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--device", "cuda", "--port", "0"],
+                            cwd=ROOT, env=env, capture_output=True, timeout=100)
+    assert result.returncode == 1, result.stderr.decode()
+    assert "device='cuda'" in result.stderr.decode() and "not wired" in result.stderr.decode()
+
+
+def test_resolved_values_have_names_of_their_own_and_the_config_keeps_what_was_given():
+    loaded = load_config({"port": "0", "idle_wait_s": "0.2", "queue_put_timeout_s": "3"}, {})
+    layout = plan_layout(loaded, "e1")
+    assert (layout.config.max_model_len, layout.config.port) == (0, 0)   # as given: 0 = fit / any free port
+    pool_tokens = layout.kv_blocks_per_pool * layout.config.kv_block_tokens
+    assert layout.max_context_tokens == min(layout.shape.context_length, pool_tokens) > 0
+    assert 0 < layout.http_port <= 65535
+    actor = HeartbeatMonitor(layout)
+    assert (actor.idle_wait_s, actor.queue_put_timeout_s) == (0.2, 3.0)
