@@ -67,7 +67,6 @@ class EngineView:
 def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, first_iterations: dict,
                    now_ns: int) -> dict[str, Any]:
     """Assemble the JSON snapshot from raw reads (plain code; see the module docstring for the schema)."""
-    from actors.watchdog import actor_state
     from ipc.actor_table import sum_own_gauges
     from ipc.engine_status import GAUGE_METRIC, GAUGES
     from ipc.lifecycle import (GAUGE_STATES, LIVE_STATES, RENEWABLE_STATES, STAGE_NAME, STAGE_TIMEOUT_FIELD,
@@ -75,26 +74,8 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
 
     config = manifest["config"]
     names = manifest["actors"]
-    problems: list[str] = []
-    actors = []
-    for r in actor_rows:
-        if not r["name"]:
-            continue
-        index = r["index"]
-        hb_ns = int(r["heartbeat_ns"])
-        health = actor_state(r, r["health"], now_ns, float(config["monitor_tick_s"]["value"]))
-        prev_iter, prev_t = first_iterations.get(index, (r["loop_iterations"], time.monotonic()))
-        elapsed = max(time.monotonic() - prev_t, 1e-6)
-        actors.append({
-            "name": r["name"], "pid": int(r["pid"]), "device": r["device"],
-            "status": getattr(r["status"], "name", str(r["status"])).lower(), "health": health,
-            "heartbeat_age_s": (now_ns - hb_ns) / 1e9 if hb_ns else None,
-            "loop_iterations_per_s": (int(r["loop_iterations"]) - int(prev_iter)) / elapsed,
-            "restarts": int(r["restarts"]),
-            "kv_blocks_free": int(r["kv_blocks_free"]), "kv_blocks_total": int(r["kv_blocks_total"]),
-        })
-        if health != "ok":
-            problems.append(f"actor {r['name']} is {health}")
+    actors = _actor_entries(actor_rows, first_iterations, now_ns, float(config["monitor_tick_s"]["value"]))
+    problems = [f"actor {a['name']} is {a['health']}" for a in actors if a["health"] != "ok"]
     state = rows["state"]
     own = sum_own_gauges(actor_rows)
     gauges = []
@@ -150,6 +131,29 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
                                                  for s in STAGE_NAME}},
         "active_requests": {"api": api_active, "engine": engine_active, "agree": api_active == engine_active},
     }
+
+
+def _actor_entries(actor_rows: list[dict], first_iterations: dict, now_ns: int, monitor_tick_s: float) -> list[dict]:
+    """The snapshot's "actors" list: one entry per named row of the actor table."""
+    from actors.watchdog import actor_state
+
+    actors = []
+    for r in actor_rows:
+        if not r["name"]:
+            continue
+        hb_ns = int(r["heartbeat_ns"])
+        prev_iter, prev_t = first_iterations.get(r["index"], (r["loop_iterations"], time.monotonic()))
+        elapsed = max(time.monotonic() - prev_t, 1e-6)
+        actors.append({
+            "name": r["name"], "pid": int(r["pid"]), "device": r["device"],
+            "status": getattr(r["status"], "name", str(r["status"])).lower(),
+            "health": actor_state(r, r["health"], now_ns, monitor_tick_s),
+            "heartbeat_age_s": (now_ns - hb_ns) / 1e9 if hb_ns else None,
+            "loop_iterations_per_s": (int(r["loop_iterations"]) - int(prev_iter)) / elapsed,
+            "restarts": int(r["restarts"]),
+            "kv_blocks_free": int(r["kv_blocks_free"]), "kv_blocks_total": int(r["kv_blocks_total"]),
+        })
+    return actors
 
 
 def render(snapshot: dict[str, Any]):
