@@ -52,7 +52,7 @@ class DecodeActor(Actor):
         self.faults = FaultPlan(self.config.faults, self.name)
         self.queues = {"prefill": ShmQueue.attach(self.layout.segment("q_prefill")),
                        "api": ShmQueue.attach(self.layout.segment("q_api"))}
-        self.outbox = FaultyOutbox(QueueOutbox(self.queues), self.faults)
+        self.outbox = FaultyOutbox(QueueOutbox(self.queues, self.queue_put_timeout_s), self.faults)
         self.table = StateTable.attach(self.layout.segment("state"))
         self.sampler = Sampler()
         synchronous = self.config.kv_transport == "cpu-shm"   # its copy is done when start_copy returns

@@ -85,11 +85,12 @@ class TransportTransfers:
 
 class QueueOutbox:
     """OutboxPort over the engine's shm queues (``{"prefill": q, "decode": q, "api": q}``); frames are
-    ``actors.messages.to_wire`` lists. A destination may be a local core (colocated mode): any object with
-    ``on_message(message)``."""
+    ``actors.messages.to_wire`` lists, each put waiting at most ``put_timeout_s`` for room (then QueueFullError).
+    A destination may be a local core (colocated mode): any object with ``on_message(message)``."""
 
-    def __init__(self, queues: dict[str, Any]):
+    def __init__(self, queues: dict[str, Any], put_timeout_s: float):
         self.queues = queues
+        self.put_timeout_s = put_timeout_s
 
     def send(self, dest: str, message: Any, request_id: str = "") -> None:
         from actors.messages import to_wire
@@ -98,4 +99,4 @@ class QueueOutbox:
         if hasattr(target, "on_message"):
             target.on_message(message)
         else:
-            target.put(to_wire(message))
+            target.put(to_wire(message), timeout_s=self.put_timeout_s)

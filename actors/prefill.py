@@ -44,7 +44,8 @@ class PrefillActor(Actor):
         self.inbox = ShmQueue.attach(self.layout.segment("q_prefill"))
         self.faults = FaultPlan(self.config.faults, self.name)
         self.outbox = FaultyOutbox(QueueOutbox({"decode": ShmQueue.attach(self.layout.segment("q_decode")),
-                                                "api": ShmQueue.attach(self.layout.segment("q_api"))}), self.faults)
+                                                "api": ShmQueue.attach(self.layout.segment("q_api"))},
+                                               self.queue_put_timeout_s), self.faults)
         self.sampler = Sampler()
         self.core = PrefillCore(StateTable.attach(self.layout.segment("state")), self.pool, self.outbox,
                                 time.monotonic_ns, actor_index=self.index,

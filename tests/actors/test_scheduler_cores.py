@@ -277,9 +277,10 @@ def test_colocated_mode_runs_the_same_prefill_core_over_the_decode_pool():
     api: list = []   # the API's shm queue: wire frames
 
     class ApiQueue:
-        put = api.append
+        def put(self, frame, timeout_s):
+            api.append(frame)
     local: dict = {"api": ApiQueue()}
-    outbox = QueueOutbox(local)
+    outbox = QueueOutbox(local, put_timeout_s=1.0)
     prefill = PrefillCore(table, pool, outbox, clock, actor_index=DECODE)
     decode = DecodeCore(table, pool, FakeTransfers(local=True), outbox, clock, actor_index=DECODE, eos_ids=[EOS],
                         max_num_seqs=4, block_bytes=100)
