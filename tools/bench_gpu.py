@@ -183,6 +183,46 @@ def _ipc_producer(pool_name: str, ready, done) -> None:
     pool.close()
 
 
+def _ipc_row(transports, s_ids: list[int], d_ids: list[int], n_tok: int, nbytes: int, args) -> dict:
+    """One prompt size of bench_ipc: each transport's copy bandwidth (device time) and latency (wall clock from
+    start_copy to the DONE poll), next to a contiguous device-to-device copy of the same bytes."""
+    from ipc.kv_transport import TransferStatus  # noqa: PLC0415
+
+    row = {"prompt tokens": n_tok, "MiB": nbytes / 2**20}
+    for x in transports:
+        def once(x=x):
+            h = x.start_copy(s_ids, d_ids, num_tokens=n_tok)
+            while x.poll(h) == TransferStatus.IN_PROGRESS:
+                pass
+            if x.poll(h) != TransferStatus.DONE:
+                raise RuntimeError(f"transfer failed: {x.error(h)}")
+            x.release(h)
+
+        for _ in range(args.warmup):
+            once()
+        dev_ms, lat_ms = [], []
+        for _ in range(args.iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            a.record(x._stream)
+            h = x.start_copy(s_ids, d_ids, num_tokens=n_tok)
+            b.record(x._stream)
+            while x.poll(h) == TransferStatus.IN_PROGRESS:
+                pass
+            lat_ms.append((time.perf_counter() - t0) * 1e3)
+            b.synchronize()
+            dev_ms.append(a.elapsed_time(b))
+            x.release(h)
+        row[f"IPC {x.copy_backend} GB/s"] = nbytes / (statistics.median(dev_ms) / 1e3) / 1e9
+        row[f"latency {x.copy_backend} ms"] = statistics.median(lat_ms)
+    a_buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    b_buf = torch.empty_like(a_buf)
+    d2d_ms = cuda_ms(lambda: b_buf.copy_(a_buf), warmup=args.warmup, iters=args.iters)
+    row["D2D GB/s"] = nbytes / (d2d_ms / 1e3) / 1e9
+    row["numba / D2D"] = row["IPC numba GB/s"] / row["D2D GB/s"]
+    return row
+
+
 def bench_ipc(args) -> tuple[str, list[dict]]:
     import multiprocessing as mp  # noqa: PLC0415
 
@@ -191,7 +231,6 @@ def bench_ipc(args) -> tuple[str, list[dict]]:
     from ipc import naming  # noqa: PLC0415
     from ipc.cuda_ipc import CudaIpcTransport, allocate_device_pool  # noqa: PLC0415
     from ipc.kv_pool import KVPool  # noqa: PLC0415
-    from ipc.kv_transport import TransferStatus  # noqa: PLC0415
 
     prompts = [512, 4096, 16384]
     bt = LLAMA_1B_KV["block_tokens"]
@@ -233,41 +272,7 @@ def bench_ipc(args) -> tuple[str, list[dict]]:
             nb = -(-n_tok // bt)
             s_ids = rng.choice(num_blocks, nb, replace=False).tolist()
             d_ids = rng.choice(num_blocks, nb, replace=False).tolist()
-            nbytes = nb * src.block_bytes
-            row = {"prompt tokens": n_tok, "MiB": nbytes / 2**20}
-            for x in transports:
-                def once(x=x):
-                    h = x.start_copy(s_ids, d_ids, num_tokens=n_tok)
-                    while x.poll(h) == TransferStatus.IN_PROGRESS:
-                        pass
-                    if x.poll(h) != TransferStatus.DONE:
-                        raise RuntimeError(f"transfer failed: {x.error(h)}")
-                    x.release(h)
-
-                for _ in range(args.warmup):
-                    once()
-                dev_ms, lat_ms = [], []
-                for _ in range(args.iters):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    t0 = time.perf_counter()
-                    a.record(x._stream)
-                    h = x.start_copy(s_ids, d_ids, num_tokens=n_tok)
-                    b.record(x._stream)
-                    while x.poll(h) == TransferStatus.IN_PROGRESS:
-                        pass
-                    lat_ms.append((time.perf_counter() - t0) * 1e3)
-                    b.synchronize()
-                    dev_ms.append(a.elapsed_time(b))
-                    x.release(h)
-                row[f"IPC {x.copy_backend} GB/s"] = nbytes / (statistics.median(dev_ms) / 1e3) / 1e9
-                row[f"latency {x.copy_backend} ms"] = statistics.median(lat_ms)
-            a_buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-            b_buf = torch.empty_like(a_buf)
-            d2d_ms = cuda_ms(lambda: b_buf.copy_(a_buf), warmup=args.warmup, iters=args.iters)
-            a_buf = b_buf = None
-            row["D2D GB/s"] = nbytes / (d2d_ms / 1e3) / 1e9
-            row["numba / D2D"] = row["IPC numba GB/s"] / row["D2D GB/s"]
-            rows.append(row)
+            rows.append(_ipc_row(transports, s_ids, d_ids, n_tok, nb * src.block_bytes, args))
         # correctness spot check of the last copy (numba backend wrote first, torch second: same data)
         peer = transports[0]._src
         assert torch.equal(kv_dst[:, :, d_ids[:4]], peer[:, :, s_ids[:4]]), "IPC copy differs from its source"
@@ -424,6 +429,50 @@ def random_weights(c, dtype, device) -> dict[str, torch.Tensor]:
     return w
 
 
+def _hf_generate_rows(c, weights, dtype, dev, plan, steps: int, g, weight_bytes: int, kv_tok: int,
+                      hbm_gbs: float) -> list[dict]:
+    """bench_engine's Hugging Face ``generate`` rows on the same weights (one row saying why, if it fails)."""
+    rows: list[dict] = []
+    prompt_len = plan.prompt_len
+    try:
+        import transformers  # noqa: PLC0415
+
+        cfg = transformers.LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                                       intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+                                       num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                                       head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
+                                       rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=True,
+                                       bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids))
+        with torch.device(dev):
+            hf = transformers.LlamaForCausalLM(cfg).to(dtype)
+        missing, unexpected = hf.load_state_dict(weights, strict=False)
+        if [m for m in missing if "lm_head" not in m and "rotary" not in m] or unexpected:
+            raise RuntimeError(f"HF weights mismatch: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        hf.eval()
+        for B in plan.engine_batches:
+            ids = torch.tensor([torch.randint(0, c.vocab_size, (prompt_len,), generator=g).tolist()
+                                for _ in range(B)], device=dev)
+            kw = dict(do_sample=False, pad_token_id=0)
+
+            def gen(n, ids=ids, kw=kw):
+                with torch.inference_mode():
+                    return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+
+            gen(2)
+            t1 = wall_ms(lambda: gen(1), warmup=0, iters=3)
+            tn = wall_ms(lambda: gen(steps + 1), warmup=0, iters=1)
+            tps = B * steps / ((tn - t1) / 1e3)
+            step_bytes = weight_bytes + B * (prompt_len + steps / 2) * kv_tok
+            bound_tps = B * hbm_gbs * 1e9 / step_bytes
+            rows.append({"impl": f"HF transformers {transformers.__version__} generate", "batch": B,
+                         "TTFT ms": t1, "decode tok/s": tps, "ms / step": (tn - t1) / steps,
+                         "HBM bound tok/s": bound_tps, "% of bound": 100 * tps / bound_tps})
+        hf = None  # noqa: F841
+    except Exception as exc:  # noqa: BLE001 - the rest of the table is still worth printing
+        rows.append({"impl": f"HF generate: {type(exc).__name__}: {str(exc)[:120]}"})
+    return rows
+
+
 def bench_engine(args, hbm_gbs: float) -> tuple[str, list[dict]]:
     from gpu.model import LlamaModel, kv_bytes_per_token, kv_pool_shape  # noqa: PLC0415
 
@@ -467,43 +516,7 @@ def bench_engine(args, hbm_gbs: float) -> tuple[str, list[dict]]:
                      "decode tok/s": tps, "ms / step": dt * 1e3 / steps, "HBM bound tok/s": bound_tps,
                      "% of bound": 100 * tps / bound_tps})
         del pool
-    # Hugging Face generate on the same weights
-    try:
-        import transformers  # noqa: PLC0415
-
-        cfg = transformers.LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-                                       intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
-                                       num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-                                       head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
-                                       rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=True,
-                                       bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids))
-        with torch.device(dev):
-            hf = transformers.LlamaForCausalLM(cfg).to(dtype)
-        missing, unexpected = hf.load_state_dict(weights, strict=False)
-        if [m for m in missing if "lm_head" not in m and "rotary" not in m] or unexpected:
-            raise RuntimeError(f"HF weights mismatch: missing {missing[:4]}, unexpected {unexpected[:4]}")
-        hf.eval()
-        for B in plan.engine_batches:
-            ids = torch.tensor([torch.randint(0, c.vocab_size, (prompt_len,), generator=g).tolist()
-                                for _ in range(B)], device=dev)
-            kw = dict(do_sample=False, pad_token_id=0)
-
-            def gen(n, ids=ids, kw=kw):
-                with torch.inference_mode():
-                    return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-
-            gen(2)
-            t1 = wall_ms(lambda: gen(1), warmup=0, iters=3)
-            tn = wall_ms(lambda: gen(steps + 1), warmup=0, iters=1)
-            tps = B * steps / ((tn - t1) / 1e3)
-            step_bytes = weight_bytes + B * (prompt_len + steps / 2) * kv_tok
-            bound_tps = B * hbm_gbs * 1e9 / step_bytes
-            rows.append({"impl": f"HF transformers {transformers.__version__} generate", "batch": B,
-                         "TTFT ms": t1, "decode tok/s": tps, "ms / step": (tn - t1) / steps,
-                         "HBM bound tok/s": bound_tps, "% of bound": 100 * tps / bound_tps})
-        hf = None  # noqa: F841
-    except Exception as exc:  # noqa: BLE001 - the rest of the table is still worth printing
-        rows.append({"impl": f"HF generate: {type(exc).__name__}: {str(exc)[:120]}"})
+    rows += _hf_generate_rows(c, weights, dtype, dev, plan, steps, g, weight_bytes, kv_tok, hbm_gbs)
     note = (f"Random-weight Llama-3.2-1B shape ({weight_bytes / 1e9:.2f} GB of bf16 weights read per step, "
             f"tied embedding as LM head), prompt {prompt_len} tokens, {steps} greedy decode steps, host-side "
             f"argmax every step. Model level (the actors' GPU device wiring is not in yet). HBM bound = "
