@@ -14,7 +14,7 @@ import asyncio
 import logging
 import os
 
-from actors.base import API_INDEX, Actor, leave_signals_to_the_supervisor, parent_is_gone
+from actors.base import API_INDEX, Actor, exit_now, leave_signals_to_the_supervisor, parent_is_gone
 
 log = logging.getLogger("pdserve.api")
 
@@ -42,6 +42,7 @@ class ApiActor(Actor):
         self.actors.starting(self.index, os.getpid())
         asyncio.run(self._serve(stop_event))
         self.actors.set_status(self.index, ActorStatus.STOPPED)
+        exit_now()
 
     def _stopping(self, stop_event) -> bool:
         return stop_event.is_set() or self.parent_died or parent_is_gone(self.parent)
