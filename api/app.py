@@ -266,6 +266,14 @@ def _inflate(data: bytes, coding: str, limit: int) -> bytes:
     return bytes(out)
 
 
+async def read_decoded_body(request: Request, timeout_s: float) -> bytes:
+    """``read_body`` then ``decode_body`` by the request's Content-Encoding (inflating up to 4 MiB: off the event
+    loop). Raises as both."""
+    raw = await read_body(request, timeout_s=timeout_s)
+    encoding = request.headers.get("content-encoding")
+    return raw if encoding is None else await asyncio.to_thread(decode_body, raw, encoding)
+
+
 def parse_json(raw: bytes) -> Any:
     """orjson, which rejects invalid UTF-8 and lone surrogates (``"\\ud800"``) as well as bad syntax."""
     try:
@@ -295,10 +303,7 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
         rid = request.headers.get("x-request-id")
         echo = {"X-Request-Id": rid} if check_request_id(rid, "") else None   # the client's id, when we use it
         try:
-            raw = await read_body(request, timeout_s=client.config.body_read_timeout_s)
-            encoding = request.headers.get("content-encoding")
-            if encoding is not None:
-                raw = await asyncio.to_thread(decode_body, raw, encoding)   # inflating up to 4 MiB: off the loop
+            raw = await read_decoded_body(request, client.config.body_read_timeout_s)
             if len(raw) > INLINE_PARSE_BYTES:
                 # JSON + chat template + tokenizer over a large body: off the event loop (heartbeats, other streams)
                 gen = await asyncio.to_thread(parse_request, parser, kind, raw, rid)
