@@ -200,6 +200,7 @@ class Actor:
             raise ParentGone(f"{self.name}: the supervisor is gone; exiting")
 
         parent = leave_signals_to_the_supervisor(self.name, parent_died)
+        self.stop_event = stop_event
         from ipc.actor_table import ActorStatus, ActorTable
         from ipc.engine_status import EngineStatus
 

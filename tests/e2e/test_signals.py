@@ -147,6 +147,8 @@ def test_sigterm_to_every_engine_process_at_once_drains_like_sigterm_to_the_supe
             assert head.startswith(b"HTTP/1.1 503"), (head, rest)
             assert b"retry-after" in head.lower() and orjson.loads(rest)["error"]["type"], (head, rest)
         assert eng.proc.wait(timeout=60) == 0, eng.log_text()[-3000:]
+        log = eng.log_text()
+        assert " is dead" not in log and "killing it" not in log, log[-3000:]   # stopped, not dead or killed
 
         def exited(pid: int) -> bool:
             try:
