@@ -53,7 +53,7 @@ def decoding(probe: EngineProbe, request_id: str) -> bool:
 
 
 def restarts(probe: EngineProbe) -> list[int]:
-    return [int(n) for n in probe.status.rec["actor_restarts"][:4]]
+    return [int(probe.actor(kind)["restarts"]) for kind in PROCESS_KINDS]
 
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
