@@ -8,6 +8,12 @@ Lifecycle of one actor process (spawn start method):
 The heartbeat (count, CLOCK_MONOTONIC ns, loop iterations) is written to the shm actor table on every
 loop iteration, idle ones included, so the heartbeat monitor can tell a hung actor from an idle one.
 Modelled on pykka's actor hooks; the loop itself stays thin and delegates to plain synchronous code.
+
+Signals: only the supervisor decides that the engine stops. A child ignores SIGTERM, SIGINT and SIGHUP (each
+logged), so a signal sent to one child, or to the whole process group as systemd and Ctrl-C do, never stops the
+engine behind the supervisor's back: the supervisor gets the same signal and drains. SIGKILL an actor to have it
+restarted. A child learns that the supervisor died from PARENT_DEATH_SIGNAL (Linux PR_SET_PDEATHSIG, checked
+against the parent pid, so a stray one is ignored) and from its loop's parent-pid check, never from SIGTERM.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import logging
 import os
 import signal
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from pdserve.config import EngineConfig
 
@@ -73,13 +79,79 @@ class EngineLayout:
         return self.segments[what]
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies, so no actor outlives the supervisor."""
+ENGINE_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)   # the supervisor's alone to act on
+PARENT_DEATH_SIGNAL = signal.SIGUSR2   # what Linux sends a child when the supervisor dies (PR_SET_PDEATHSIG)
+_PR_SET_PDEATHSIG = 1
+
+
+def supervisor_pid() -> int:
+    """The pid of the process that spawned this one (multiprocessing's record, which stays right after the
+    parent died and the child was re-parented; os.getppid() outside multiprocessing)."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    return parent.pid if parent is not None and parent.pid else os.getppid()
+
+
+def parent_is_gone(parent_pid: int) -> bool:
+    return os.getppid() != parent_pid
+
+
+def leave_signals_to_the_supervisor(name: str, on_parent_death: Callable[[], None]) -> int:
+    """Signal policy of every child process; call first thing in the child. Returns the supervisor's pid.
+
+    SIGTERM, SIGINT and SIGHUP are ignored with a log line (a Python handler, not SIG_IGN, so processes this one
+    starts get the default actions back). ``on_parent_death()`` is called from a signal handler when the
+    supervisor dies (PARENT_DEATH_SIGNAL, ignored while the supervisor is alive), and at once if it died
+    before the request was registered. The supervisor starts children with ENGINE_STOP_SIGNALS blocked
+    (``Supervisor._spawn``; a blocked mask survives fork and exec): a signal that arrives before this runs stays
+    pending and is ignored here, instead of killing the half-started child with the default action.
+    """
+    parent = supervisor_pid()
+
+    def ignore(signum, _frame) -> None:
+        log.warning("%s (pid %d) ignores %s: only the supervisor stops the engine (signal the supervisor, pid %d); "
+                    "SIGKILL restarts this process", name, os.getpid(), signal.Signals(signum).name, parent)
+
+    def parent_death(_signum, _frame) -> None:
+        if parent_is_gone(parent):
+            on_parent_death()
+
+    for sig in ENGINE_STOP_SIGNALS:
+        signal.signal(sig, ignore)
+    signal.signal(PARENT_DEATH_SIGNAL, parent_death)
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the loop's parent-pid check still ends us
+        libc.prctl(_PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL))
+    except OSError:  # not Linux: the loops' parent-pid checks still end us
         pass
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, ENGINE_STOP_SIGNALS)
+    if parent_is_gone(parent):   # it died before PR_SET_PDEATHSIG was in place: no signal will come
+        on_parent_death()
+    return parent
+
+
+def exit_now() -> None:
+    """End a child that has stopped cleanly at once: flush the logs and std streams, then ``os._exit(0)``.
+
+    The interpreter's own teardown has nothing left to do here (every shm segment and semaphore belongs to the
+    supervisor; the kernel unmaps ours) but takes seconds once torch is imported (2-7 s measured on a loaded 2-core
+    machine), long enough for the supervisor's stop to hit STOP_JOIN_TIMEOUT_S and SIGKILL the child.
+    """
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
+
+
+class ParentGone(SystemExit):
+    """Raised in an actor (from the parent-death signal handler) when the supervisor died: unwinds the loop so
+    ``on_stop`` still runs."""
 
 
 def run_actor(class_path: str, layout: EngineLayout, index: int, stop_event: Any) -> None:
@@ -120,24 +192,27 @@ class Actor:
 
     # ---- child process entry ----------------------------------------------------------------------
     def child_main(self, stop_event: Any) -> None:
-        _die_with_parent()
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the supervisor, which stops us
-        signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
+        """The child's entry. ``stop_event`` is the engine's shutdown event: only the supervisor sets it."""
         logging.basicConfig(level=self.config.log_level.upper(),
                             format=f"%(asctime)s {self.name} %(levelname)s %(message)s")
+
+        def parent_died() -> None:
+            raise ParentGone(f"{self.name}: the supervisor is gone; exiting")
+
+        parent = leave_signals_to_the_supervisor(self.name, parent_died)
+        self.stop_event = stop_event
         from ipc.actor_table import ActorStatus, ActorTable
         from ipc.engine_status import EngineStatus
 
         self.actors = ActorTable.attach(self.layout.segment("actors"))
         self.status = EngineStatus.attach(self.layout.segment("status"))
         self.actors.starting(self.index, os.getpid())
-        parent = os.getppid()
         self.on_start()
         self.actors.set_status(self.index, ActorStatus.READY)
         self.actors.beat(self.index)
         log.info("%s ready (pid %d)", self.name, os.getpid())
         try:
-            while not stop_event.is_set() and os.getppid() == parent:
+            while not stop_event.is_set() and not parent_is_gone(parent):
                 self.run_once()
                 self.actors.beat(self.index)
         finally:
@@ -146,3 +221,4 @@ class Actor:
                 self.on_stop()
             finally:
                 self.actors.set_status(self.index, ActorStatus.STOPPED)
+        exit_now()   # the loop ended normally (stop event or parent gone); an exception takes the usual way out

@@ -16,8 +16,8 @@ import threading
 import time
 from typing import Any
 
-from actors.base import (ACTOR_CLASSES, ACTOR_NAMES, API_INDEX, DECODE_INDEX, MONITOR_INDEX, PREFILL_INDEX,
-                         EngineLayout, ModelShape, run_actor)
+from actors.base import (ACTOR_CLASSES, ACTOR_NAMES, API_INDEX, DECODE_INDEX, ENGINE_STOP_SIGNALS, MONITOR_INDEX,
+                         PREFILL_INDEX, EngineLayout, ModelShape, run_actor)
 from pdserve.config import LoadedConfig
 from pdserve.errors import ConfigError, PdserveError
 
@@ -155,7 +155,13 @@ class Supervisor:
     def _spawn(self, index: int) -> None:
         process = self.ctx.Process(target=run_actor, args=(ACTOR_CLASSES[index], self.layout, index, self.stop_event),
                                    name=f"pdserve-{self.engine_id}-{ACTOR_NAMES[index]}", daemon=False)
-        process.start()
+        # the child inherits the blocked mask through fork and exec, so a SIGTERM to the process group while it
+        # starts waits for its own handler (which ignores it) instead of killing it; ours runs once unblocked
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, ENGINE_STOP_SIGNALS)
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         self.actors.spawned(index, process.pid)
         self.processes[index] = process
         self.started_at[index] = time.monotonic()
@@ -267,16 +273,16 @@ class Supervisor:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        """Stop every actor (event, then SIGTERM, then SIGKILL), join them, unlink every segment."""
+        """Stop every actor (the stop event, then SIGKILL after STOP_JOIN_TIMEOUT_S: the children ignore SIGTERM),
+        join them, unlink every segment."""
         self.stop_event.set()
         deadline = time.monotonic() + STOP_JOIN_TIMEOUT_S
         for process in self.processes.values():
             process.join(timeout=max(deadline - time.monotonic(), 0.1))
-        for process in self.processes.values():
+        for index, process in self.processes.items():
             if process.is_alive():
-                process.terminate()
-                process.join(timeout=2)
-            if process.is_alive():
+                log.error("actor %s (pid %d) did not stop within %.0f s; killing it", ACTOR_NAMES[index],
+                          process.pid, STOP_JOIN_TIMEOUT_S)
                 process.kill()
                 process.join(timeout=2)
         for index, process in self.processes.items():
@@ -285,7 +291,8 @@ class Supervisor:
 
 
 def serve(loaded: LoadedConfig) -> int:
-    """Run the engine in the foreground until SIGTERM or SIGINT; returns the process exit status."""
+    """Run the engine in the foreground until SIGTERM or SIGINT (to this process alone or to its whole process
+    group: the children ignore both and leave the decision here), then drain; returns the exit status."""
     supervisor = Supervisor(loaded)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: supervisor.request_stop())

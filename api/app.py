@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from typing import Any, AsyncIterator
 
 import orjson
@@ -17,8 +18,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from api.engine_client import EngineClient, RequestHandle
-from api.protocol import (ChoiceResult, GenerationRequest, RequestParser, chat_logprobs, chunk, completion_logprobs,
-                          error_body, full_response, usage)
+from api.protocol import (ChoiceResult, GenerationRequest, RequestParser, chat_logprobs, check_request_id, chunk,
+                          completion_logprobs, error_body, full_response, usage)
 from pdserve.errors import InvalidRequestError, PdserveError
 
 log = logging.getLogger("pdserve.api")
@@ -36,6 +37,10 @@ class BodyReadTimeoutError(InvalidRequestError):
     error_type = "timeout_error"
 
 
+class UnsupportedEncodingError(InvalidRequestError):
+    http_status = 415
+
+
 class JSONResponse(Response):
     media_type = "application/json"
 
@@ -43,9 +48,13 @@ class JSONResponse(Response):
         return orjson.dumps(content)
 
 
-def error_response(error: PdserveError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if error.http_status in (429, 503) else None
-    return JSONResponse(error_body(error), status_code=error.http_status, headers=headers)
+def error_response(error: PdserveError, headers: dict[str, str] | None = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if error.http_status in (429, 503):
+        headers["Retry-After"] = "1"
+    elif error.http_status == 415:
+        headers["Accept-Encoding"] = ", ".join(BODY_ENCODINGS)   # RFC 9110 section 15.5.16
+    return JSONResponse(error_body(error), status_code=error.http_status, headers=headers or None)
 
 
 class StopStringMatcher:
@@ -198,6 +207,73 @@ async def read_body(request: Request, limit: int | None = None, timeout_s: float
     return b"".join(parts)
 
 
+# Content-Encoding codings of request bodies -> zlib wbits (None: nothing to decode)
+BODY_ENCODINGS = {"identity": None, "gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS,
+                  "deflate": zlib.MAX_WBITS}
+
+
+def decode_body(raw: bytes, content_encoding: str | None, limit: int | None = None) -> bytes:
+    """``raw`` decoded by its ``Content-Encoding`` (RFC 9110 section 8.4: codings listed in the order they were
+    applied; ``identity``, ``gzip``/``x-gzip`` (concatenated members too) and ``deflate``, zlib-wrapped as the RFC
+    says or raw as some clients send it), never holding more than ``limit`` (default MAX_BODY_BYTES) decoded
+    bytes: the body limit applies to the decoded size, so a small body that inflates past it is refused.
+
+    Raises:
+        UnsupportedEncodingError (415): a coding other than those, named in the message.
+        PayloadTooLargeError (413): the decoded body is over the limit.
+        InvalidRequestError (400): the bytes are not valid data of their coding (corrupt or truncated).
+    """
+    if content_encoding is None or not content_encoding.strip():
+        return raw
+    limit = MAX_BODY_BYTES if limit is None else limit
+    codings = [c.strip().lower() for c in content_encoding.split(",") if c.strip()]
+    for coding in codings:
+        if coding not in BODY_ENCODINGS:
+            raise UnsupportedEncodingError(f"Content-Encoding {coding!r} is not supported; send the body as "
+                                           f"{', '.join(BODY_ENCODINGS)}", param="Content-Encoding")
+    for coding in reversed(codings):
+        if BODY_ENCODINGS[coding] is not None:
+            raw = _inflate(raw, coding, limit)
+    return raw
+
+
+def _inflate(data: bytes, coding: str, limit: int) -> bytes:
+    wbits = BODY_ENCODINGS[coding]
+    out = bytearray()
+    try:
+        while True:
+            inflater = zlib.decompressobj(wbits)
+            try:
+                out += inflater.decompress(data, limit + 1 - len(out))
+            except zlib.error:
+                if coding != "deflate" or wbits < 0 or out:
+                    raise
+                wbits = -zlib.MAX_WBITS   # raw deflate (no zlib header): what some clients send as "deflate"
+                continue
+            if len(out) > limit:
+                raise PayloadTooLargeError(f"the request body inflates past the limit of {limit} bytes "
+                                           f"(MAX_BODY_BYTES, applied to the decoded body; Content-Encoding {coding})")
+            if not inflater.eof:
+                raise zlib.error("the compressed data ends early")
+            data = inflater.unused_data
+            if not (data.strip(b"\0") and wbits == BODY_ENCODINGS["gzip"]):   # another gzip member, or the end
+                break
+    except zlib.error as exc:
+        raise InvalidRequestError(f"the request body is not valid {coding} data ({exc})",
+                                  param="Content-Encoding") from None
+    if data.strip(b"\0"):   # trailing bytes after the compressed data (gzip writers may pad with zeros)
+        raise InvalidRequestError(f"the request body has bytes after its {coding} data", param="Content-Encoding")
+    return bytes(out)
+
+
+async def read_decoded_body(request: Request, timeout_s: float) -> bytes:
+    """``read_body`` then ``decode_body`` by the request's Content-Encoding (inflating up to 4 MiB: off the event
+    loop). Raises as both."""
+    raw = await read_body(request, timeout_s=timeout_s)
+    encoding = request.headers.get("content-encoding")
+    return raw if encoding is None else await asyncio.to_thread(decode_body, raw, encoding)
+
+
 def parse_json(raw: bytes) -> Any:
     """orjson, which rejects invalid UTF-8 and lone surrogates (``"\\ud800"``) as well as bad syntax."""
     try:
@@ -224,25 +300,29 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
     served = parser.served_model_name
 
     async def run_request(request: Request, kind: str) -> Response:
+        rid = request.headers.get("x-request-id")
+        echo = {"X-Request-Id": rid} if check_request_id(rid, "") else None   # the client's id, when we use it
         try:
-            raw = await read_body(request, timeout_s=client.config.body_read_timeout_s)
-            rid = request.headers.get("x-request-id")
+            raw = await read_decoded_body(request, client.config.body_read_timeout_s)
             if len(raw) > INLINE_PARSE_BYTES:
                 # JSON + chat template + tokenizer over a large body: off the event loop (heartbeats, other streams)
                 gen = await asyncio.to_thread(parse_request, parser, kind, raw, rid)
             else:
                 gen = parse_request(parser, kind, raw, rid)
+            echo = {"X-Request-Id": gen.request_id}
             handles = client.submit(gen)
         except PdserveError as exc:
-            return error_response(exc)
+            return error_response(exc, echo)
         except ClientDisconnect:   # gone before its body was complete: nobody to answer, nothing admitted
             return Response(status_code=499)
         for _ in handles:
             metrics.on_admitted()
         if gen.stream:
             return StreamingResponse(stream_events(handles), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await complete(request, handles)
+                                     headers={"Cache-Control": "no-cache", **echo})
+        response = await complete(request, handles)
+        response.headers.update(echo)
+        return response
 
     def format_logprobs(handles: list[RequestHandle], tokens: list, text_offset: int,
                         with_prompt: bool = False) -> dict | None:
@@ -299,6 +379,7 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
             try:
                 choices = work.result()
             except PdserveError as exc:
+                log.warning("request %s: %d %s", req.request_id, exc.http_status, exc.message)   # the whole id
                 finished(handles, reasons, exc.http_status)
                 return error_response(exc)
             finished(handles, reasons)
@@ -333,6 +414,7 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
                                                                    sum(h.completion_tokens for h in handles)))
                     yield b"data: " + orjson.dumps(body) + b"\n\n"
             except PdserveError as exc:
+                log.warning("request %s: %d %s", req.request_id, exc.http_status, exc.message)   # the whole id
                 status = exc.http_status
                 yield b"data: " + orjson.dumps(error_body(exc)) + b"\n\n"
             yield b"data: [DONE]\n\n"

@@ -79,7 +79,10 @@ class EngineProcess:
         return self.proc.returncode
 
 
-def start_engine(tmp_dir: Path, *args: str, env: dict | None = None, ready_timeout_s: float = 180.0) -> EngineProcess:
+def start_engine(tmp_dir: Path, *args: str, env: dict | None = None, ready_timeout_s: float = 180.0,
+                 new_session: bool = False) -> EngineProcess:
+    """``pdserve serve`` on a free port, polled until /health is 200. ``new_session``: the engine leads its own
+    session and process group (pgid = its pid), so a test can signal the whole group as systemd does."""
     import httpx
 
     port = free_port()
@@ -88,7 +91,8 @@ def start_engine(tmp_dir: Path, *args: str, env: dict | None = None, ready_timeo
     full_env.update(env or {})
     log_file = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), *args],
-                            cwd=ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT)
+                            cwd=ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT,
+                            start_new_session=new_session)
     engine = EngineProcess(proc, port, log_path)
 
     def ready():

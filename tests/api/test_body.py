@@ -1,6 +1,10 @@
-"""read_body / parse_json on a real Starlette app: 413 over MAX_BODY_BYTES (declared or streamed), 400 for bytes
-that are not JSON (invalid UTF-8, lone surrogates, truncation)."""
+"""read_body / decode_body / parse_json on a real Starlette app: 413 over MAX_BODY_BYTES (declared, streamed, or
+once a gzip/deflate body is decoded), 415 naming an unsupported Content-Encoding, 400 for bytes that are not JSON
+(invalid UTF-8, lone surrogates, truncation) or not valid compressed data."""
 from __future__ import annotations
+
+import gzip
+import zlib
 
 import pytest
 from starlette.applications import Starlette
@@ -8,17 +12,17 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from api.app import MAX_BODY_BYTES, parse_json, read_body
-from api.protocol import error_body
+from api.app import MAX_BODY_BYTES, decode_body, error_response, parse_json, read_body
 from pdserve.errors import PdserveError
 
 
 async def echo(request):
     try:
-        body = parse_json(await read_body(request))
+        raw = decode_body(await read_body(request), request.headers.get("content-encoding"))
+        body = parse_json(raw)
     except PdserveError as exc:
-        return JSONResponse(error_body(exc), status_code=exc.http_status)
-    return JSONResponse({"ok": type(body).__name__})
+        return error_response(exc)
+    return JSONResponse({"ok": type(body).__name__, "size": len(raw)})
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +38,7 @@ def test_max_body_bytes_is_four_mebibytes():
 def test_a_body_at_the_limit_is_read_and_one_byte_over_is_413(client):
     filler = b'{"a":"' + b"x" * (MAX_BODY_BYTES - 8) + b'"}'
     assert len(filler) == MAX_BODY_BYTES
-    assert client.post("/", content=filler).json() == {"ok": "dict"}
+    assert client.post("/", content=filler).json()["ok"] == "dict"
     over = client.post("/", content=filler + b" ")
     assert over.status_code == 413 and over.json()["error"]["type"] == "invalid_request_error"
 
@@ -59,4 +63,60 @@ def test_bytes_that_are_not_json_are_a_400(client, raw):
 
 
 def test_a_paired_surrogate_escape_is_valid(client):
-    assert client.post("/", content=b'{"a": "\\ud83d\\ude00"}').json() == {"ok": "dict"}
+    assert client.post("/", content=b'{"a": "\\ud83d\\ude00"}').json()["ok"] == "dict"
+
+
+BODY = b'{"prompt": "' + b"word " * 1000 + b'"}'
+
+
+def raw_deflate(data: bytes) -> bytes:
+    compressor = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return compressor.compress(data) + compressor.flush()
+
+
+@pytest.mark.parametrize("encoding, encode", [
+    ("gzip", gzip.compress), ("x-gzip", gzip.compress), ("GZip", gzip.compress), ("deflate", zlib.compress),
+    ("deflate", raw_deflate), ("identity", lambda b: b), ("gzip, identity", gzip.compress),
+    ("deflate, gzip", lambda b: gzip.compress(zlib.compress(b))),
+    ("gzip", lambda b: gzip.compress(b[:100]) + gzip.compress(b[100:])),   # two members, as `cat a.gz b.gz`
+], ids=["gzip", "x-gzip", "case", "deflate-zlib", "deflate-raw", "identity", "gzip-identity", "deflate-then-gzip",
+        "gzip-two-members"])
+def test_a_compressed_body_is_decoded(client, encoding, encode):
+    response = client.post("/", content=encode(BODY), headers={"Content-Encoding": encoding})
+    assert response.status_code == 200, response.text
+    assert response.json() == {"ok": "dict", "size": len(BODY)}
+
+
+def test_the_body_limit_applies_to_the_decoded_size(client):
+    at_limit = b'{"a":"' + b"x" * (MAX_BODY_BYTES - 8) + b'"}'
+    small = gzip.compress(at_limit)
+    assert len(small) < 64 * 1024
+    assert client.post("/", content=small, headers={"Content-Encoding": "gzip"}).json()["ok"] == "dict"
+    bomb = gzip.compress(at_limit + b" ")   # one byte over once inflated, a few KiB on the wire
+    response = client.post("/", content=bomb, headers={"Content-Encoding": "gzip"})
+    assert response.status_code == 413, response.text
+    assert "decoded" in response.json()["error"]["message"]
+    huge = zlib.compress(b" " * (64 * MAX_BODY_BYTES))   # 256 MiB of spaces in ~256 KiB: never inflated whole
+    assert client.post("/", content=huge, headers={"Content-Encoding": "deflate"}).status_code == 413
+
+
+@pytest.mark.parametrize("encoding", ["br", "zstd", "compress", "gzip, br"])
+def test_an_unsupported_encoding_is_a_415_naming_it(client, encoding):
+    response = client.post("/", content=b"{}", headers={"Content-Encoding": encoding})
+    assert response.status_code == 415, response.text
+    error = response.json()["error"]
+    assert error["param"] == "Content-Encoding" and encoding.split(", ")[-1] in error["message"]
+    assert "gzip" in response.headers["accept-encoding"]
+
+
+@pytest.mark.parametrize("content", [b"not gzip at all", gzip.compress(BODY)[:-20], gzip.compress(BODY) + b"junk"],
+                         ids=["not-gzip", "truncated", "trailing-junk"])
+def test_bytes_that_are_not_valid_gzip_are_a_400(client, content):
+    response = client.post("/", content=content, headers={"Content-Encoding": "gzip"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "Content-Encoding"
+
+
+def test_decode_body_without_an_encoding_returns_the_bytes_as_they_are():
+    assert decode_body(b"\x1f\x8b raw", None) == b"\x1f\x8b raw"
+    assert decode_body(b"abc", " ") == b"abc"

@@ -194,8 +194,50 @@ def test_unknown_routes_and_methods_are_openai_errors(http, method, path, status
     still_serving(http)
 
 
-def test_bad_request_id_header_is_a_400(http):
-    assert_error(http.post(COMP, json=comp(), headers={"X-Request-Id": "x" * 100}), 400, BAD, "X-Request-Id")
+TRACE_ID = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01;" + "span=" * 30 + '{"k":[1]}~'   # 215 chars
+
+
+def test_an_x_request_id_of_up_to_256_visible_ascii_is_kept_whole_and_the_table_holds_its_first_40_bytes(
+        http, probe):
+    assert len(TRACE_ID) > 200
+    body = comp(prompt="Count:", max_tokens=12, ignore_eos=True, stream=True)
+    with http.stream("POST", COMP, json=body, headers={"X-Request-Id": TRACE_ID}) as response:
+        assert response.status_code == 200 and response.headers["x-request-id"] == TRACE_ID
+        rows = wait_until(lambda: probe.rows_with_id(TRACE_ID), 30, 0.01, "the request's row")
+        assert rows[0]["request_id"] == TRACE_ID[:40]
+        chunks = [orjson.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    assert chunks and {c["id"] for c in chunks} == {TRACE_ID}
+    whole = http.post(COMP, json=comp(), headers={"X-Request-Id": "x" * 256})
+    assert whole.status_code == 200 and whole.json()["id"] == "x" * 256 == whole.headers["x-request-id"]
+    still_serving(http)
+
+
+@pytest.mark.parametrize("value", [b"x" * 257, b"has space", b"tab\there", b"caf\xc3\xa9"],
+                         ids=["257-chars", "space", "tab", "non-ascii"])
+def test_an_x_request_id_the_engine_cannot_use_is_replaced_never_refused(http, value):
+    response = http.post(COMP, json=comp(), headers={"X-Request-Id": value})
+    assert response.status_code == 200, response.text
+    assert response.json()["id"].startswith("cmpl-") and response.headers["x-request-id"] == response.json()["id"]
+
+
+def test_a_gzip_or_deflate_body_is_decoded_with_the_limit_on_its_decoded_size(http):
+    import gzip
+    import zlib
+
+    body = orjson.dumps(comp(prompt="The capital of France is", max_tokens=2))
+    for encoding, encoded in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
+        response = http.post(COMP, content=encoded, headers={"Content-Encoding": encoding,
+                                                             "Content-Type": "application/json"})
+        assert response.status_code == 200, (encoding, response.text)
+        assert response.json()["usage"]["completion_tokens"] == 2
+    bomb = gzip.compress(orjson.dumps(comp(prompt="x" * (5 << 20))))   # ~5 KiB on the wire, 5 MiB decoded
+    assert len(bomb) < 64 * 1024
+    response = http.post(COMP, content=bomb, headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    assert_error(response, 413, BAD)
+    response = http.post(COMP, content=body, headers={"Content-Encoding": "br", "Content-Type": "application/json"})
+    assert "'br'" in assert_error(response, 415, BAD, "Content-Encoding")["message"]
+    assert "gzip" in response.headers["accept-encoding"]
     still_serving(http)
 
 
@@ -715,6 +757,165 @@ def check_h2_idle_goaway(client: RawH2) -> None:
 def test_http2_idle_connection_gets_goaway_after_keep_alive_but_a_long_request_is_not_cut(engine):
     with socket.create_connection(("127.0.0.1", engine.port), timeout=KEEP_ALIVE_S + 30) as sock:
         check_h2_idle_goaway(RawH2(sock, "http"))
+
+
+TCP_CLOSE = 7   # tcp_info.tcpi_state on Linux (include/net/tcp_states.h)
+
+
+def tcp_state(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+
+
+def test_http1_idle_close_is_staged_so_a_request_crossing_it_sees_a_clean_eof_not_a_reset(engine):
+    """RFC 9112 section 9.6: at keep_alive_timeout_s the server half-closes (FIN) and keeps reading. A request the
+    client sent before it noticed the FIN (sent here right after the FIN, the moment a racing request arrives) is
+    read and discarded: the client sees EOF and then an orderly close. Had the server closed the socket outright,
+    the request would have been answered by a reset (SO_ERROR EPIPE, or ENOTCONN from shutdown)."""
+    body = orjson.dumps({"prompt": "Count:", "max_tokens": 1})
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    with socket.create_connection(("127.0.0.1", engine.port), timeout=KEEP_ALIVE_S + 10) as sock:
+        sock.sendall(request)
+        head = read_http1_response(sock)
+        assert head.startswith(b"HTTP/1.1 200")
+        assert f"\r\nkeep-alive: timeout={int(KEEP_ALIVE_S)}".encode() in head.lower(), head
+        assert sock.recv(1) == b""   # the server's FIN: it half-closed the idle connection
+        sock.sendall(request)        # the request that crossed the close
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError as exc:
+            pytest.fail(f"the server reset the connection under the racing request: {exc!r}")
+        wait_until(lambda: tcp_state(sock) == TCP_CLOSE, 10, 0.01, "the connection to close")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0, "the server reset the connection"
+        assert sock.recv(1) == b""
+
+
+def test_http2_responses_carry_no_keep_alive_header(engine):
+    with httpx.Client(http1=False, http2=True, base_url=engine.base_url, timeout=30) as client:
+        response = client.get("/v1/models")
+    assert response.http_version == "HTTP/2" and "keep-alive" not in response.headers
+
+
+def h2_refused(client: RawH2) -> list[int]:
+    import h2.errors
+    import h2.events
+
+    return sorted(e.stream_id for _, e in client.events if isinstance(e, h2.events.StreamReset)
+                  and e.error_code == h2.errors.ErrorCodes.REFUSED_STREAM)
+
+
+def h2_statuses(client: RawH2) -> dict[int, bytes]:
+    import h2.events
+
+    return {e.stream_id: dict(e.headers)[b":status"] for _, e in client.events
+            if isinstance(e, h2.events.ResponseReceived)}
+
+
+def h2_follow_up_keeps_hpack_in_step(client: RawH2, request_id: str) -> None:
+    """A request whose X-Request-Id the client's HPACK encoder sends as an index into the dynamic table entry that
+    a refused stream's header block added: the server must have decoded that block to read it back right (the
+    response echoes the id it read)."""
+    import h2.events
+
+    found = client.conn.encoder.header_table.search(b"x-request-id", request_id.encode())
+    assert found and found[2] is not None and found[0] > 61, "the id should be in the encoder's dynamic table"
+    data = orjson.dumps(comp(max_tokens=1))
+    stream = client.conn.get_next_available_stream_id()
+    client.conn.send_headers(stream, [(":method", "POST"), (":path", COMP), (":scheme", "http"),
+                                      (":authority", "127.0.0.1"), ("content-type", "application/json"),
+                                      ("content-length", str(len(data))), ("x-request-id", request_id)])
+    client.conn.send_data(stream, data, end_stream=True)
+    client.sock.sendall(client.conn.data_to_send())
+    client.read_until(lambda events: any(isinstance(e, h2.events.StreamEnded) and e.stream_id == stream
+                                         for e in events))
+    response = next(dict(e.headers) for _, e in client.events
+                    if isinstance(e, h2.events.ResponseReceived) and e.stream_id == stream)
+    assert response[b":status"] == b"200" and response[b"x-request-id"] == request_id.encode(), response
+    assert not [e for _, e in client.events if isinstance(e, h2.events.ConnectionTerminated)]
+
+
+@pytest.mark.parametrize("streams", [101, 150])
+def test_http2_streams_over_the_limit_in_one_flight_are_refused_and_the_others_answered(engine, streams):
+    """RFC 9113 section 5.1.2: the server advertises 100 concurrent streams; a client that opens more before it has
+    read that SETTINGS gets RST_STREAM(REFUSED_STREAM) on the extra ones only (safe to retry), the first 100 are
+    answered, the connection lives on and HPACK state stays in step."""
+    import h2.events
+
+    with socket.create_connection(("127.0.0.1", engine.port), timeout=60) as sock:
+        client = RawH2(sock, "http")   # preface + SETTINGS sent; the server's SETTINGS not read yet
+        ids = []
+        for i in range(streams):
+            stream = client.conn.get_next_available_stream_id()
+            client.conn.send_headers(stream, [(":method", "GET"), (":path", "/v1/models"), (":scheme", "http"),
+                                              (":authority", "127.0.0.1"), ("x-request-id", f"flight-{i}")],
+                                     end_stream=True)
+            ids.append(stream)
+        sock.sendall(client.conn.data_to_send())   # every HEADERS frame in one flight
+        done = lambda events: len({e.stream_id for e in events if isinstance(e, (h2.events.StreamEnded,  # noqa: E731
+                                                                               h2.events.StreamReset))}) == streams
+        client.read_until(done)
+        assert not [e for _, e in client.events if isinstance(e, h2.events.ConnectionTerminated)], client.events[-3:]
+        assert h2_refused(client) == ids[100:]
+        statuses = h2_statuses(client)
+        assert sorted(statuses) == ids[:100] and set(statuses.values()) == {b"200"}
+        h2_follow_up_keeps_hpack_in_step(client, f"flight-{streams - 1}")
+
+
+def test_http2_one_stream_over_the_limit_next_to_a_live_stream_is_refused_and_the_stream_goes_on(engine):
+    """A completion is streaming and 99 other streams are open (requests waiting for their bodies); one more
+    stream is refused with REFUSED_STREAM while the completion streams on to [DONE]."""
+    import h2.errors
+    import h2.events
+    import h2.exceptions
+
+    with socket.create_connection(("127.0.0.1", engine.port), timeout=60) as sock:
+        client = RawH2(sock, "http")
+        live = client.request(COMP, {"prompt": "Count:", "max_tokens": 60, "ignore_eos": True, "stream": True})
+        client.read_until(lambda events: any(isinstance(e, h2.events.DataReceived) and e.stream_id == live
+                                             for e in events))
+        waiting = []
+        for _ in range(99):
+            stream = client.conn.get_next_available_stream_id()
+            client.conn.send_headers(stream, [(":method", "POST"), (":path", COMP), (":scheme", "http"),
+                                              (":authority", "127.0.0.1"), ("content-type", "application/json"),
+                                              ("content-length", "40")])   # its body never comes
+            waiting.append(stream)
+        extra = client.conn.get_next_available_stream_id()
+        limit = client.conn.remote_settings.max_concurrent_streams
+        assert limit == 100 and client.conn.open_outbound_streams == limit
+        client.conn.remote_settings = OverTheLimit(client.conn.remote_settings)   # h2 would refuse to send it
+        try:
+            client.conn.send_headers(extra, [(":method", "GET"), (":path", "/v1/models"), (":scheme", "http"),
+                                             (":authority", "127.0.0.1"), ("x-request-id", "one-over")],
+                                     end_stream=True)
+        finally:
+            client.conn.remote_settings = client.conn.remote_settings.settings
+        sock.sendall(client.conn.data_to_send())
+        client.read_until(lambda events: any(isinstance(e, h2.events.StreamEnded) and e.stream_id == live
+                                             for e in events) and extra in h2_refused(client))
+        assert not [e for _, e in client.events if isinstance(e, h2.events.ConnectionTerminated)], client.events[-3:]
+        assert h2_refused(client) == [extra] and h2_statuses(client)[live] == b"200"
+        text = client.body(live)
+        assert text.rstrip().endswith(b"data: [DONE]") and b'"error"' not in text, text[-300:]
+        for stream in waiting:   # let the waiting requests go (those not answered 408 yet)
+            try:
+                client.conn.reset_stream(stream, h2.errors.ErrorCodes.CANCEL)
+            except h2.exceptions.StreamClosedError:
+                pass
+        sock.sendall(client.conn.data_to_send())
+        h2_follow_up_keeps_hpack_in_step(client, "one-over")
+
+
+class OverTheLimit:
+    """A client's view of the server's settings with no stream limit, so the test can overrun it on purpose."""
+
+    max_concurrent_streams = 2**31 - 1
+
+    def __init__(self, settings):
+        self.settings = settings
+
+    def __getattr__(self, name):
+        return getattr(self.settings, name)
 
 
 def test_http2_connection_that_never_sends_a_request_is_closed_after_keep_alive(engine):

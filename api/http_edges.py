@@ -1,0 +1,283 @@
+"""Small, guarded wrappers around Hypercorn's and h2's connection handling, for the edges where their behaviour
+falls short of the RFCs. Each one checks the internals it relies on; if they differ (another Hypercorn or h2
+version), it logs a warning and leaves the library's own behaviour in place. Each install is idempotent.
+
+- ``install_idle_close``: the keep-alive idle close (``TCPServer._initiate_server_close``, reached from
+  ``TCPServer._idle_timeout`` after ``keep_alive_timeout`` with no request in progress, and at shutdown).
+  HTTP/2: Hypercorn 0.17/0.18 closes the TCP connection without GOAWAY (``H2Protocol.handle(Closed())`` never
+  calls ``close_connection()``), although RFC 9113 section 9.1 says a server SHOULD send one: the wrapper sends
+  GOAWAY(NO_ERROR, last stream id = the highest stream received) first, over h2c and TLS alike.
+  HTTP/1.1: Hypercorn closes the socket at once, so a request that crosses the close arrives at a closed
+  socket and the kernel answers it with a reset (ECONNRESET for the client, a 502 behind a proxy). The wrapper
+  closes in stages (RFC 9112 section 9.6): it stops reading requests, half-closes the write side (FIN), reads
+  and discards whatever arrives for up to ``IDLE_CLOSE_LINGER_S`` or until the client closes, then closes; a
+  racing request then sees a clean EOF. Over TLS (no TCP half-close under a TLS session) it closes as before.
+- ``_install_h2_idle_start``: an h2c connection that sent only its preface starts its idle timer.
+- ``install_refused_streams``: h2 treats a HEADERS frame over our advertised SETTINGS_MAX_CONCURRENT_STREAMS as a
+  connection error (``TooManyStreamsError``, raised before the header block is decoded), so Hypercorn answers
+  GOAWAY(PROTOCOL_ERROR) and every stream on the connection dies. RFC 9113 section 5.1.2 makes it a stream
+  error: the wrapper lets h2 open the stream (decoding its header block, so HPACK state stays in step) and
+  refuses just that one with h2's own ``reset_stream(REFUSED_STREAM)``; the client may retry it.
+- ``KeepAliveConfig``: Hypercorn's config plus a ``Keep-Alive: timeout=N`` header on HTTP/1.1 responses, so
+  connection pools and proxies retire idle connections before the server closes them.
+- ``answer_cancelled_requests``: a request cancelled by Hypercorn's shutdown before its response started gets
+  a 503 OpenAI error instead of a 500 with an empty body.
+No Hypercorn or h2 setting does any of this, and no upstream fix was found for Hypercorn 0.18 / h2 4.x.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+log = logging.getLogger("pdserve.api")
+
+_PATCH_MARK = "_pdserve_patch"
+IDLE_CLOSE_LINGER_S = 2.0   # how long a half-closed idle HTTP/1.1 connection keeps reading (and discarding)
+
+
+def _hypercorn_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("hypercorn")
+    except Exception:  # noqa: BLE001 - only for a log line
+        return "?"
+
+
+def _mark(wrapper, original) -> None:
+    setattr(wrapper, _PATCH_MARK, True)
+    wrapper.__wrapped__ = original
+
+
+async def _linger_close(server) -> bool:
+    """First stages of an HTTP/1.1 close: stop handling requests, send FIN, read and discard until the client
+    closes or IDLE_CLOSE_LINGER_S passed. Returns False (nothing done) when the transport cannot half-close."""
+    from hypercorn.events import Closed
+
+    transport = server.writer.transport
+    if transport.is_closing() or not transport.can_write_eof():
+        return False
+    client_closed = asyncio.Event()
+
+    async def discard(event) -> None:   # TCPServer._read_data keeps reading; what it reads now goes nowhere
+        if isinstance(event, Closed):
+            client_closed.set()
+
+    server.protocol.handle = discard   # the connection's ProtocolWrapper, this connection only
+    try:
+        server.writer.write_eof()
+    except (OSError, RuntimeError):
+        return True
+    try:
+        await asyncio.wait_for(client_closed.wait(), IDLE_CLOSE_LINGER_S)
+    except asyncio.TimeoutError:
+        pass
+    return True
+
+
+def install_idle_close() -> bool:
+    """Make Hypercorn's idle close send GOAWAY first on HTTP/2 and close in stages on HTTP/1.1 (module docstring).
+
+    Returns True when the wrapper is in place, False when Hypercorn's internals are not the expected ones (then
+    idle connections close as Hypercorn does it). Only the idle / shutdown close goes through
+    ``_initiate_server_close``; its timer is stopped while a request is in progress, so a started request is
+    never cut by it.
+    """
+    try:
+        import h2.errors
+        import h2.exceptions
+        from hypercorn.asyncio.tcp_server import TCPServer
+        from hypercorn.protocol.h2 import H2Protocol
+        from hypercorn.protocol.h11 import H11Protocol
+    except ImportError as exc:
+        log.warning("idle connections will close as Hypercorn does it: cannot import hypercorn/h2 internals (%s)",
+                    exc)
+        return False
+    original = TCPServer.__dict__.get("_initiate_server_close")
+    if getattr(original, _PATCH_MARK, False):
+        return True
+    expected = (asyncio.iscoroutinefunction(original)
+                and asyncio.iscoroutinefunction(getattr(H2Protocol, "_flush", None)))
+    if not expected:
+        log.warning("idle connections will close as Hypercorn does it: hypercorn %s has no "
+                    "TCPServer._initiate_server_close / H2Protocol._flush coroutines", _hypercorn_version())
+        return False
+
+    async def _initiate_server_close(self) -> None:
+        protocol = getattr(getattr(self, "protocol", None), "protocol", None)   # ProtocolWrapper.protocol
+        if isinstance(protocol, H2Protocol) and not getattr(protocol, "closed", True):
+            try:
+                # last_stream_id defaults to the highest stream id received: every one of them was answered
+                protocol.connection.close_connection(error_code=h2.errors.ErrorCodes.NO_ERROR)
+                await protocol._flush()
+            except (h2.exceptions.ProtocolError, AttributeError, OSError, RuntimeError) as exc:
+                log.debug("no GOAWAY before closing an idle HTTP/2 connection: %r", exc)
+        elif isinstance(protocol, H11Protocol) and getattr(protocol, "stream", None) is None:
+            try:
+                await _linger_close(self)
+            except (AttributeError, OSError, RuntimeError) as exc:
+                log.debug("no staged close of an idle HTTP/1.1 connection: %r", exc)
+        await original(self)
+
+    _mark(_initiate_server_close, original)
+    TCPServer._initiate_server_close = _initiate_server_close
+    _install_h2_idle_start(H2Protocol)
+    return True
+
+
+def _install_h2_idle_start(H2Protocol) -> None:
+    """Start the keep-alive timer of an HTTP/2 connection that has no stream yet.
+
+    A prior-knowledge h2c client's preface is first parsed by Hypercorn's HTTP/1.1 protocol as a request (timer
+    stopped), then handed to H2Protocol, which restarts the timer only when a stream closes: a client that sends
+    the preface and nothing else kept its connection forever. After ``initiate`` an H2Protocol with no stream
+    now reports itself idle (``Updated(idle=True)``), so such a connection gets its GOAWAY and close after
+    ``keep_alive_timeout_s`` like any other idle one.
+    """
+    from hypercorn.events import Updated
+
+    original = H2Protocol.__dict__.get("initiate")
+    if original is None or getattr(original, _PATCH_MARK, False):
+        return
+
+    async def initiate(self, *args, **kwargs) -> None:
+        await original(self, *args, **kwargs)
+        if not self.streams:
+            await self.send(Updated(idle=True))
+
+    _mark(initiate, original)
+    H2Protocol.initiate = initiate
+
+
+class _StreamLimitLifted:
+    """``H2Connection.local_settings`` as seen by one call of ``_receive_headers_frame``: every setting as it is,
+    except no limit on concurrent streams (so h2 opens the stream and decodes its header block)."""
+
+    max_concurrent_streams = 2**31 - 1
+
+    def __init__(self, settings):
+        self._settings = settings
+
+    def __getattr__(self, name):
+        return getattr(self._settings, name)
+
+
+def install_refused_streams() -> bool:
+    """Refuse a stream over our SETTINGS_MAX_CONCURRENT_STREAMS with RST_STREAM(REFUSED_STREAM) instead of
+    tearing the connection down with GOAWAY(PROTOCOL_ERROR) (module docstring). Returns True when in place.
+
+    Wraps ``H2Connection._receive_headers_frame``: when h2 raises ``TooManyStreamsError`` (its first check,
+    before any state changes), the frame is processed again with the stream limit lifted for that one call, so
+    the stream is opened and its header block decoded as usual, then reset with h2's public ``reset_stream``,
+    and the frame's events for that stream are dropped (the application never sees it). Later frames the client
+    sent on it (its body) are answered by h2's handling of frames on a stream it reset.
+    """
+    try:
+        import h2.connection
+        import h2.errors
+        import h2.exceptions
+    except ImportError as exc:
+        log.warning("HTTP/2 streams over the limit will close the connection: cannot import h2 (%s)", exc)
+        return False
+    H2Connection = h2.connection.H2Connection
+    original = H2Connection.__dict__.get("_receive_headers_frame")
+    if getattr(original, _PATCH_MARK, False):
+        return True
+    if original is None or not hasattr(h2.exceptions, "TooManyStreamsError") or \
+            not callable(getattr(H2Connection, "reset_stream", None)):
+        log.warning("HTTP/2 streams over the limit will close the connection: h2 has no "
+                    "H2Connection._receive_headers_frame / reset_stream / TooManyStreamsError")
+        return False
+    too_many = h2.exceptions.TooManyStreamsError
+    refused = h2.errors.ErrorCodes.REFUSED_STREAM
+
+    def _receive_headers_frame(self, frame):
+        try:
+            return original(self, frame)
+        except too_many:
+            pass
+        settings = self.local_settings
+        self.local_settings = _StreamLimitLifted(settings)
+        try:
+            frames, events = original(self, frame)
+        finally:
+            self.local_settings = settings
+        self.reset_stream(frame.stream_id, error_code=refused)
+        log.info("HTTP/2 stream %d refused (REFUSED_STREAM): over the %d concurrent streams this server allows",
+                 frame.stream_id, settings.max_concurrent_streams)
+        return frames, [e for e in events if getattr(e, "stream_id", None) != frame.stream_id]
+
+    _mark(_receive_headers_frame, original)
+    H2Connection._receive_headers_frame = _receive_headers_frame
+    return True
+
+
+def keep_alive_header_value(keep_alive_timeout_s: float) -> bytes | None:
+    """``timeout=N`` for a ``Keep-Alive`` response header: whole seconds the server keeps an idle connection
+    (rounded down, so a client that trusts it never reuses a connection the server is closing); None below 1 s."""
+    seconds = math.floor(keep_alive_timeout_s)
+    return f"timeout={seconds}".encode() if seconds >= 1 else None
+
+
+def keep_alive_config(keep_alive_timeout_s: float):
+    """A Hypercorn ``Config`` with ``keep_alive_timeout`` set and, on HTTP/1.1 responses only (the header is
+    connection-specific and forbidden in HTTP/2), ``Keep-Alive: timeout=N``."""
+    from hypercorn.config import Config
+
+    value = keep_alive_header_value(keep_alive_timeout_s)
+
+    class KeepAliveConfig(Config):
+        def response_headers(self, protocol: str) -> list[tuple[bytes, bytes]]:
+            headers = super().response_headers(protocol)
+            if protocol == "h11" and value is not None:
+                headers.append((b"keep-alive", value))
+            return headers
+
+    config = KeepAliveConfig()
+    config.keep_alive_timeout = keep_alive_timeout_s
+    return config
+
+
+def answer_cancelled_requests(app):
+    """ASGI wrapper: a request whose task is cancelled before its response started gets a 503 OpenAI error with
+    ``Retry-After`` instead of Hypercorn's 500 with an empty body.
+
+    Hypercorn cancels the tasks still running ``graceful_timeout`` after its shutdown began (``worker_serve``);
+    a task that dies of that before sending ``http.response.start`` is answered by ``HTTPStream.app_send(None)``
+    with a bare 500. At that point the engine is stopping, so the honest answer is "retry elsewhere". A response
+    already started (a stream) cannot be changed; the drain before the shutdown gives those their error event.
+    """
+    import orjson
+
+    from api.protocol import error_body
+    from pdserve.errors import EngineOverloadedError
+
+    async def wrapped(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            if not started:
+                body = orjson.dumps(error_body(EngineOverloadedError(
+                    "the server is shutting down; retry on another replica")))
+                try:
+                    await send({"type": "http.response.start", "status": 503,
+                                "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                                            (b"content-length", str(len(body)).encode())]})
+                    await send({"type": "http.response.body", "body": body})
+                except Exception as exc:  # noqa: BLE001 - the connection is going away too: nothing more to do
+                    log.debug("could not answer a cancelled request: %r", exc)
+            raise
+
+    return wrapped
