@@ -118,6 +118,16 @@ def q_try_role(qname: str, side: str, results) -> None:
     q.close()
 
 
+def q_put_inherited(q, results) -> None:
+    """Put through a ShmQueue instance inherited by fork; report ("ok", None) or (error class name, message)."""
+    from pdserve.errors import PdserveError
+    try:
+        q.put("from the forked child", timeout_s=1.0)
+        results.put(("ok", None))
+    except PdserveError as exc:
+        results.put((type(exc).__name__, str(exc)))
+
+
 def torn_frame(producer: int, seq: int, n: int) -> bytes:
     """A frame whose every byte depends on (producer, seq): a mix of two frames cannot pass ``check_frame``."""
     import struct

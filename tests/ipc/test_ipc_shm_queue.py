@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import random
@@ -312,6 +313,25 @@ def test_a_second_live_process_on_one_side_of_a_spsc_queue_is_refused_and_a_dead
     finally:
         release.send(b"go")
         kids.join_all(procs, 5)
+        q.close()
+        q.unlink()
+
+
+@SPSC
+def test_a_forked_child_of_the_spsc_producer_is_a_second_producer_and_is_refused(name):
+    fork = multiprocessing.get_context("fork")
+    q = ShmQueue.create(name("fk"), num_slots=8, slot_bytes=256, mode="spsc")
+    results = fork.Queue()
+    p = fork.Process(target=kids.q_put_inherited, args=(q, results))
+    try:
+        q.put("parent")  # this process is the producer now
+        p.start()
+        kind, message = results.get(timeout=15)
+        assert kind == "QueueRoleError" and f"its producer is pid {os.getpid()}" in message
+        assert kids.join_all([p]) == [0]
+        assert q.get_many(5, timeout_s=0) == ["parent"]
+    finally:
+        kids.join_all([p], 5)
         q.close()
         q.unlink()
 
