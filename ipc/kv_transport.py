@@ -92,24 +92,26 @@ def validate_copy(src_block_ids: Sequence[int], dst_block_ids: Sequence[int], nu
     if not 0 <= num_tokens <= src.size * block_tokens:
         raise ValueError(f"start_copy: num_tokens={num_tokens} does not fit {src.size} blocks "
                          f"of {block_tokens} tokens")
-    if src.size:
-        if src.min() < 0 or src.max() >= src_blocks:
+    if src.size:  # Python-level checks: a request has tens of ids, where numpy calls cost more than they save
+        s, d = src.tolist(), dst.tolist()
+        if min(s) < 0 or max(s) >= src_blocks:
             raise ValueError(f"start_copy: src block id outside the peer pool of {src_blocks}")
-        if dst.min() < 0 or dst.max() >= dst_blocks:
+        if min(d) < 0 or max(d) >= dst_blocks:
             raise ValueError(f"start_copy: dst block id outside the local pool of {dst_blocks}")
-        if np.unique(dst).size != dst.size:
+        if len(set(d)) != len(d):
             raise ValueError("start_copy: a dst block id is listed twice")
     return src, dst
 
 
-def _contiguous_runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
+def _contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """Split parallel block-id lists into runs where both advance by one: ``[(src0, dst0, length)]``."""
-    if src.size == 0:
-        return []
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [src.size])))
-    return [(int(src[i]), int(dst[i]), int(n)) for i, n in zip(starts, lengths)]
+    runs = []
+    start, n = 0, len(src)
+    for i in range(1, n + 1):
+        if i == n or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+            runs.append((src[start], dst[start], i - start))
+            start = i
+    return runs
 
 
 def _block_view(pool: KVPool) -> np.ndarray:
@@ -163,7 +165,7 @@ class CpuShmTransport(KVTransport):
         handle = next(self._ids)
         try:
             s_arr, d_arr = self._src, self._dst
-            for s0, d0, n in _contiguous_runs(src, dst):
+            for s0, d0, n in _contiguous_runs(src.tolist(), dst.tolist()):
                 d_arr[:, d0:d0 + n] = s_arr[:, s0:s0 + n]
         except Exception as exc:  # a vanished/short mapping, MemoryError...
             self._handles[handle] = TransferStatus.FAILED
