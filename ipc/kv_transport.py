@@ -165,7 +165,7 @@ class CpuShmTransport(KVTransport):
         handle = next(self._ids)
         try:
             s_arr, d_arr = self._src, self._dst
-            for s0, d0, n in _contiguous_runs(src.tolist(), dst.tolist()):
+            for s0, d0, n in sorted(_contiguous_runs(src.tolist(), dst.tolist())):  # ascending source reads
                 d_arr[:, d0:d0 + n] = s_arr[:, s0:s0 + n]
         except Exception as exc:  # a vanished/short mapping, MemoryError...
             self._handles[handle] = TransferStatus.FAILED
