@@ -26,6 +26,21 @@ log = logging.getLogger("pdserve.supervisor")
 STOP_JOIN_TIMEOUT_S = 5.0
 RESTART_MIN_INTERVAL_S = 1.0   # an actor that keeps dying is restarted at most this often
 
+# Who puts into each engine queue (each has one consumer: the actor or api named by the queue). A queue with
+# one producer gets the mutex-free single-producer/single-consumer ring; the others the MPMC one.
+QUEUE_PRODUCERS = {
+    "q_prefill": ("api", "decode"),                            # PrefillRequest; TransferDone
+    "q_decode": ("prefill",),                                  # KVReady (colocated: the api's PrefillRequest)
+    "q_api": ("prefill", "decode", "monitor", "supervisor"),   # tokens and errors
+}
+
+
+def queue_mode(queue: str) -> str:
+    """``"spsc"`` for a queue with one producer (on CPUs that support it), else ``"mpmc"``."""
+    from ipc.shm_queue import SPSC_SUPPORTED
+
+    return "spsc" if len(QUEUE_PRODUCERS[queue]) == 1 and SPSC_SUPPORTED else "mpmc"
+
 
 def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -124,8 +139,9 @@ class Supervisor:
             self.actors.register(index, name, cfg.device if index in (PREFILL_INDEX, DECODE_INDEX) else "")
         self.status = EngineStatus.create(lay.segment("status"))
         self._owned.append(self.status)
-        for q in ("q_prefill", "q_decode", "q_api"):
-            self.queues[q] = ShmQueue.create(lay.segment(q), num_slots=cfg.queue_slots, slot_bytes=cfg.queue_slot_bytes)
+        for q in QUEUE_PRODUCERS:
+            self.queues[q] = ShmQueue.create(lay.segment(q), num_slots=cfg.queue_slots,
+                                             slot_bytes=cfg.queue_slot_bytes, mode=queue_mode(q))
             self._owned.append(self.queues[q])
         for pool in ("kv_decode",) if cfg.colocated else ("kv_prefill", "kv_decode"):
             self._owned.append(KVPool.create(lay.segment(pool), num_layers=lay.shape.num_layers,

@@ -2,7 +2,8 @@
 
 Modules (import them directly; nothing is imported here, so children stay light):
 - ``naming``        segment names ``/pdserve_{engine_id}_{what}``, leak listing, ``unlink_all``
-- ``shm_queue``     ``ShmQueue``: bounded MPMC queue of orjson frames (shm ring + semaphores)
+- ``shm_queue``     ``ShmQueue``: bounded queue of orjson frames (shm ring + semaphores), mpmc or a
+                    mutex-free spsc mode for one producer and one consumer
 - ``state_table``   ``RequestState``, ``ALLOWED`` and ``StateTable``: the request lifecycle in shm
 - ``actor_table``   ``ActorTable``: every per-actor fact (process, heartbeat, status, health, KV and own gauges)
 - ``engine_status`` ``EngineStatus``: engine-wide watchdog counters, stuck-gauge flags, the drain flag

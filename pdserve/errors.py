@@ -80,6 +80,14 @@ class QueueClosedError(PdserveError):
     """The queue's segment is gone (the engine is shutting down)."""
 
 
+class QueueRoleError(PdserveError):
+    """A second live process tried to produce into (or consume from) a single-producer/single-consumer queue.
+
+    The message names the queue, the role and the pid that holds it; create the queue with ``mode="mpmc"``
+    if it really has several producers (or consumers), or stop that process first.
+    """
+
+
 class MessageTooLargeError(PdserveError):
     """A message does not fit one queue slot; raise the queue's ``slot_bytes`` or send less."""
 

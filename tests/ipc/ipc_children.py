@@ -88,6 +88,111 @@ def q_hold_producer_lock(qname: str, holding, release) -> None:
     q.close()
 
 
+def q_claim_and_hold(qname: str, side: str, holding, release_conn) -> None:
+    """Take the producer (one put) or consumer (one get) role of a spsc queue, then stay alive until
+    something arrives on ``release_conn`` (a pipe end: unlike an Event, safe to SIGKILL a waiter of)."""
+    from ipc.shm_queue import ShmQueue
+    q = ShmQueue.attach(qname)
+    if side == "producer":
+        q.put("claim", timeout_s=5.0)
+    else:
+        q.get(timeout_s=0)
+    holding.set()
+    release_conn.poll(JOIN_TIMEOUT_S)
+    q.close()
+
+
+def q_try_role(qname: str, side: str, results) -> None:
+    """Try one put (producer) or one get (consumer); report ("ok", None) or (error class name, message)."""
+    from ipc.shm_queue import ShmQueue
+    from pdserve.errors import PdserveError
+    q = ShmQueue.attach(qname)
+    try:
+        if side == "producer":
+            q.put({"from": os.getpid()}, timeout_s=1.0)
+        else:
+            q.get(timeout_s=0)
+        results.put(("ok", None))
+    except PdserveError as exc:
+        results.put((type(exc).__name__, str(exc)))
+    q.close()
+
+
+def q_put_inherited(q, results) -> None:
+    """Put through a ShmQueue instance inherited by fork; report ("ok", None) or (error class name, message)."""
+    from pdserve.errors import PdserveError
+    try:
+        q.put("from the forked child", timeout_s=1.0)
+        results.put(("ok", None))
+    except PdserveError as exc:
+        results.put((type(exc).__name__, str(exc)))
+
+
+def torn_frame(producer: int, seq: int, n: int) -> bytes:
+    """A frame whose every byte depends on (producer, seq): a mix of two frames cannot pass ``check_frame``."""
+    import struct
+    return struct.pack("<IQI", producer, seq, n) + bytes([(producer * 31 + seq) % 251]) * n
+
+
+def check_frame(data: bytes) -> tuple[int, int]:
+    """(producer, seq) of a frame made by ``torn_frame``; AssertionError if it is torn or corrupt."""
+    import struct
+    producer, seq, n = struct.unpack_from("<IQI", data)
+    assert len(data) == 16 + n, f"frame ({producer}, {seq}) has {len(data)} bytes, header says {16 + n}"
+    assert data[16:] == bytes([(producer * 31 + seq) % 251]) * n, f"frame ({producer}, {seq}) is torn"
+    return producer, seq
+
+
+def q_frame_writer(qname: str, producer: int, max_bytes: int, started) -> None:
+    """Put frames of random sizes (up to ``max_bytes``) as fast as possible until killed."""
+    import random
+    from ipc.shm_queue import ShmQueue
+    q = ShmQueue.attach(qname)
+    rng = random.Random(producer)
+    seq = 0
+    started.set()
+    while True:
+        n = rng.randrange(0, max_bytes - 16)
+        if rng.random() < 0.2:  # sometimes a batch
+            q.put_many_bytes([torn_frame(producer, seq + i, n) for i in range(3)], timeout_s=None)
+            seq += 3
+        else:
+            q.put_bytes(torn_frame(producer, seq, n), timeout_s=None)
+            seq += 1
+
+
+def q_counting_consumer(qname: str, taken, started) -> None:
+    """Take messages one by one until killed, publishing how many it has taken in ``taken`` (a shared int)."""
+    from ipc.shm_queue import ShmQueue
+    q = ShmQueue.attach(qname)
+    started.set()
+    while True:
+        if q.get(timeout_s=5.0) is not None:
+            taken.value += 1
+
+
+def q_ping_echo(in_name: str, out_name: str, count: int) -> None:
+    """Echo ``count`` messages from one queue to another (each side sleeps between messages)."""
+    from ipc.shm_queue import ShmQueue
+    qi, qo = ShmQueue.attach(in_name), ShmQueue.attach(out_name)
+    for _ in range(count):
+        qo.put(qi.get(timeout_s=JOIN_TIMEOUT_S), timeout_s=JOIN_TIMEOUT_S)
+    qi.close()
+    qo.close()
+
+
+def q_batch_consumer(qname: str, count: int, started, results) -> None:
+    """Take ``count`` messages a few at a time (a tiny queue keeps its producer waiting for room); report them."""
+    from ipc.shm_queue import ShmQueue
+    q = ShmQueue.attach(qname)
+    started.set()
+    got = []
+    while len(got) < count:
+        got.extend(q.get_many(3, timeout_s=JOIN_TIMEOUT_S))
+    results.put(got)
+    q.close()
+
+
 # ---------------------------------------------------------------------------------------------- state table
 
 def st_racer(table, rows, new_state: int, start, results) -> None:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 import torch
 
@@ -46,12 +48,12 @@ def test_a_decode_pool_pulls_scattered_blocks_from_a_prefill_pool_in_another_pro
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_copies_are_exact_for_every_dtype(name, dtype):
+def test_block_by_block_copies_are_exact_for_every_dtype(name, dtype):
     src = KVPool.create(name("s"), dtype=dtype, **GEOMETRY)
     dst = KVPool.create(name("d"), dtype=dtype, **GEOMETRY)
     try:
         src.tensor().copy_(torch.randn(src.shape).to(dtype))
-        xfer = CpuShmTransport(dst, chunk_bytes=2 * dst.block_bytes)  # 2 blocks per index op
+        xfer = CpuShmTransport(dst)
         xfer.open_peer(src.name)
         perm = torch.randperm(16).tolist()
         h = xfer.start_copy(list(range(16)), perm, num_tokens=64)
@@ -109,6 +111,35 @@ def test_runs_of_consecutive_blocks_are_copied_exactly_by_slices(name):
         assert torch.equal(dst.tensor()[:, :, dst_ids], src.tensor()[:, :, src_ids])
         untouched = [b for b in range(GEOMETRY["num_blocks"]) if b not in dst_ids]
         assert not dst.tensor()[:, :, untouched].any()
+        xfer.close()
+    finally:
+        for p in (src, dst):
+            p.close()
+            p.unlink()
+
+
+@pytest.mark.parametrize("layout", ["scattered", "consecutive"])
+def test_copies_allocate_no_temporary_of_the_blocks(name, layout):
+    geometry = {**GEOMETRY, "num_layers": 8, "block_tokens": 16, "head_dim": 64}  # 128 KiB blocks
+    src = KVPool.create(name("s"), **geometry)
+    dst = KVPool.create(name("d"), **geometry)
+    try:
+        src.tensor().copy_(torch.randn(src.shape))
+        xfer = CpuShmTransport(dst)
+        xfer.open_peer(src.name)
+        src_ids = [13, 2, 7, 0, 9, 4, 11, 1] if layout == "scattered" else list(range(2, 10))
+        dst_ids = [5, 11, 0, 15, 3, 8, 1, 6] if layout == "scattered" else list(range(6, 14))
+        xfer.release(xfer.start_copy(src_ids, dst_ids, num_tokens=8 * 16))  # warm-up (lazy imports, caches)
+        tracemalloc.start()
+        try:
+            h = xfer.start_copy(src_ids, dst_ids, num_tokens=8 * 16)
+            peak_bytes = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert xfer.poll(h) == TransferStatus.DONE
+        assert torch.equal(dst.tensor()[:, :, dst_ids], src.tensor()[:, :, src_ids])
+        # numpy reports its buffers to tracemalloc: a gather would allocate the 8 blocks (1 MiB) at once
+        assert peak_bytes < dst.block_bytes // 4, f"start_copy allocated {peak_bytes} bytes"
         xfer.close()
     finally:
         for p in (src, dst):

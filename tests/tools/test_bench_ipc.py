@@ -15,7 +15,7 @@ def test_messages_encode_to_exactly_the_advertised_size(nbytes):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["ShmQueue", "mp.Queue", "mp.Pipe"])
+@pytest.mark.parametrize("kind", ["ShmQueue", "ShmQueue mpmc", "mp.Queue", "mp.Pipe"])
 def test_every_queue_contender_delivers_every_message(kind):
     ctx = mp.get_context("spawn")
     assert bench_ipc.throughput(ctx, kind, 1024, 300) > 0
@@ -33,4 +33,4 @@ def test_kv_and_monitor_parts_report_ratios_against_their_baselines():
     assert all(r["ratio_vs_numpy"] > 0 and r["transport_gb_s"] > 0 for r in results["kv"])
     assert {r["what"] for r in results["monitor"]} >= {"snapshot only (floor)"}
     text = bench_ipc.report(results)
-    assert "target: >= 0.70x the numpy copy" in text and "target: tick < 5 ms CPU" in text
+    assert "target: >= 0.90x the numpy copy" in text and "target: tick < 5 ms CPU" in text
