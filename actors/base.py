@@ -66,7 +66,9 @@ class EngineLayout:
 
     def effective_config(self) -> dict[str, dict[str, Any]]:
         """``{field: {"value": v, "source": "default"|"env"|"flag"}}`` for /health and tools/inspect."""
-        values = self.config.to_dict()
+        from pdserve.config import redacted
+
+        values = redacted(self.config)
         return {k: {"value": v, "source": self.config_sources.get(k, "default")} for k, v in values.items()}
 
     def segment(self, what: str) -> str:

@@ -57,6 +57,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
         ModelLoadError: the model cannot be read.
     """
     from gpu.loader import load_config as read_model_config
+    from gpu.model_files import model_file_name
     from ipc.naming import segment_name
 
     config = loaded.config
@@ -78,7 +79,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
                           param="max_model_len")
     names = ("state", "actors", "status", "q_prefill", "q_decode", "q_api", "kv_prefill", "kv_decode")
     return EngineLayout(engine_id=engine_id, config=config, model_path=model_path,
-                        served_model_name=config.served_model_name or shape.name, shape=shape,
+                        served_model_name=config.served_model_name or model_file_name(model_path), shape=shape,
                         max_context_tokens=max_context_tokens, http_port=config.port or free_port(config.host),
                         kv_blocks_per_pool=blocks,
                         segments={n: segment_name(engine_id, n) for n in names},
