@@ -65,7 +65,7 @@ class EngineLayout:
     config_sources: dict[str, str] = field(default_factory=dict)
 
     def effective_config(self) -> dict[str, dict[str, Any]]:
-        """``{field: {"value": v, "source": "default"|"env"|"flag"}}`` for /health and tools/inspect."""
+        """``{field: {"value": v, "source": "default"|"env"|"flag"}}`` for tools/inspect (secrets hidden)."""
         from pdserve.config import redacted
 
         values = redacted(self.config)

@@ -3,7 +3,7 @@
 Every field is settable three ways, later ones winning: its default, the env var ``PDSERVE_<FIELD>``
 (upper case), and the CLI flag ``--field-name``. An unknown ``PDSERVE_*`` variable is an error that
 suggests the nearest valid name: a typo must never silently disable a watchdog. ``sources`` records
-where each value came from ("default", "env", "flag"), shown by /health and tools/inspect.
+where each value came from ("default", "env", "flag"), shown by tools/inspect (secret fields hidden).
 """
 from __future__ import annotations
 
