@@ -48,6 +48,18 @@ def check_device(device: str) -> None:
             f"(docs/gpu.md, 'What is left'). Use device=cpu", param="device")
 
 
+def check_chat_template(path: str) -> None:
+    """Raises ConfigError (field chat_template) unless the file reads and compiles as a chat template."""
+    from gpu.tokenizer import compile_chat_template
+    from pdserve.errors import ModelLoadError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            compile_chat_template(f.read())
+    except (OSError, ModelLoadError) as exc:
+        raise ConfigError(f"config field chat_template={path!r}: {exc}", param="chat_template") from None
+
+
 def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     """Read the model's metadata (no weights) and size the pools, queues and tables.
 
@@ -61,6 +73,8 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     from ipc.naming import segment_name
 
     config = loaded.config
+    if config.chat_template:
+        check_chat_template(config.chat_template)
     check_device(config.device)
     model_path = config.model or ""
     model_config = read_model_config(model_path or None)

@@ -57,15 +57,20 @@ def test_the_bearer_check_accepts_exactly_the_configured_keys(header, ok):
 
 
 def test_a_chat_template_file_that_does_not_compile_or_exist_stops_start_up(tmp_path):
+    from actors.supervisor import check_chat_template
+
+    with pytest.raises(ConfigError) as err:
+        load_config({"chat_template": str(tmp_path / "missing.jinja")}, env={})
+    assert err.value.param == "chat_template"
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}")
-    for path in (bad, tmp_path / "missing.jinja"):
-        with pytest.raises(ConfigError) as err:
-            load_config({"chat_template": str(path)}, env={})
-        assert err.value.param == "chat_template"
+    assert load_config({"chat_template": str(bad)}, env={}).config.chat_template == str(bad)
+    with pytest.raises(ConfigError) as err:   # what plan_layout checks before anything starts
+        check_chat_template(str(bad))
+    assert err.value.param == "chat_template" and "compile" in err.value.message
     good = tmp_path / "good.jinja"
     good.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
-    assert load_config({"chat_template": str(good)}, env={}).config.chat_template == str(good)
+    check_chat_template(str(good))
 
 
 @pytest.mark.parametrize("path,name", [
