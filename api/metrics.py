@@ -154,12 +154,12 @@ class EngineMetrics:
         self.itl.observe(gap_s)
 
     def on_finished(self, handle, reason: str | None, status: int = 200) -> None:
-        """Count the request; latency histograms only for requests that completed (stop or length)."""
+        """Count the request; latency histograms only for requests that completed (stop, length, tool_calls)."""
         self.requests.labels(reason or "unknown", str(status)).inc()
         row = self.client.table.read(handle.slot, handle.generation)
         if row is not None and int(row["n_transfers"]) > 0:
             self.handoffs += 1
-        if reason in ("stop", "length") and handle.first_token_ns:
+        if reason in ("stop", "length", "tool_calls") and handle.first_token_ns:
             now = time.monotonic_ns()
             self.ttft.observe((handle.first_token_ns - handle.admitted_ns) / 1e9)
             self.e2e.observe((now - handle.admitted_ns) / 1e9)

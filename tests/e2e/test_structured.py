@@ -40,7 +40,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}}]
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
-pytestmark = pytest.mark.timeout(600)   # the first test also waits for the engine (up to ~2 min when the machine is busy)
+pytestmark = pytest.mark.timeout(900)   # the first test also waits for the engine (minutes when the machine is busy)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,8 @@ def engine(tmp_path_factory):
     key_file = tmp / "keys"
     key_file.write_text(f"# keys for the e2e test\n{KEY_FILE}\n")
     eng = start_engine(tmp, "--api-key", KEY_FLAG, "--api-key-file", str(key_file), "--max-queued-requests",
-                       str(MAX_QUEUED), "--chat-template", str(ROOT / "examples" / "chatml_tools.jinja"))
+                       str(MAX_QUEUED), "--chat-template", str(ROOT / "examples" / "chatml_tools.jinja"),
+                       ready_timeout_s=400)   # a busy 2-core machine can take minutes to load three processes
     yield eng
     cleanup_engine(eng)
 
