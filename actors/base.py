@@ -71,8 +71,10 @@ class EngineLayout:
     config_sources: dict[str, str] = field(default_factory=dict)
 
     def effective_config(self) -> dict[str, dict[str, Any]]:
-        """``{field: {"value": v, "source": "default"|"env"|"flag"}}`` for /health and tools/inspect."""
-        values = self.config.to_dict()
+        """``{field: {"value": v, "source": "default"|"env"|"flag"}}`` for tools/inspect (secrets hidden)."""
+        from pdserve.config import redacted
+
+        values = redacted(self.config)
         return {k: {"value": v, "source": self.config_sources.get(k, "default")} for k, v in values.items()}
 
     def segment(self, what: str) -> str:

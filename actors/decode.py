@@ -31,6 +31,7 @@ class DecodeActor(Actor):
         from actors.model_runner import DecodeRunner, warm_up
         from actors.ports import QueueOutbox, TransportTransfers
         from actors.prefill_core import PrefillCore
+        from gpu.grammar import GrammarCompiler
         from gpu.model import LlamaModel
         from gpu.sampling import Sampler
         from ipc.kv_pool import KVPool
@@ -55,12 +56,14 @@ class DecodeActor(Actor):
         self.outbox = FaultyOutbox(QueueOutbox(self.queues, self.queue_put_timeout_s), self.faults)
         self.table = StateTable.attach(self.layout.segment("state"))
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(self.layout.model_path)
+        self.grammars.warm_up()   # llguidance's tokenizer view (~2 s), off the loop
         synchronous = self.config.kv_transport == "cpu-shm"   # its copy is done when start_copy returns
         transfers = FaultyTransfers(TransportTransfers(self.transport, synchronous, local=colocated), self.faults)
         self.core = DecodeCore(self.table, self.pool, transfers, self.outbox, time.monotonic_ns,
                                actor_index=self.index, eos_ids=self.model.config.eos_token_ids,
                                max_num_seqs=self.config.max_num_seqs, block_bytes=self.pool.block_bytes)
-        self.runner = DecodeRunner(self.model, self.kv, self.sampler)
+        self.runner = DecodeRunner(self.model, self.kv, self.sampler, self.grammars)
         self.prefill_core = None
         if colocated:   # the local cores talk directly; only the API stays behind a queue
             self.prefill_core = PrefillCore(self.table, self.pool, self.outbox, time.monotonic_ns,
@@ -111,7 +114,8 @@ class DecodeActor(Actor):
         work = self.prefill_core.next_work()
         if work is not None:
             run_prefill(self.prefill_core, work, self.model, self.kv, self.sampler, self.outbox,
-                        self.config.prefill_chunk_tokens, lambda: self.actors.beat(self.index, iterations_delta=0))
+                        self.config.prefill_chunk_tokens, lambda: self.actors.beat(self.index, iterations_delta=0),
+                        self.grammars)
 
     def _publish(self) -> None:
         gauges = self.core.own_gauges()

@@ -41,6 +41,7 @@ class DecodeEntry:
     blocks_received: int = 0
     timings: dict | None = None       # stage timings, sent with the first token
     runtime: Any = None               # the shell's per-request sampling state; opaque here
+    grammar_done: bool = False        # set by the shell: the request's grammar is complete (only EOS could follow)
 
     @property
     def key(self) -> Key:
@@ -232,7 +233,7 @@ class DecodeCore:
         sampling = entry.ready.sampling
         if not sampling.ignore_eos and token in self.eos_ids:
             return "stop"
-        if token in sampling.stop_token_ids:
+        if token in sampling.stop_token_ids or entry.grammar_done:
             return "stop"
         if entry.output_tokens >= sampling.max_tokens:
             return "length"

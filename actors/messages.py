@@ -28,6 +28,9 @@ class Sampling:
     repetition_penalty: float = 1.0
     logprobs: int | None = None   # None: none; k: the chosen token's log-probability and the top k alternatives
     prompt_logprobs: int | None = None   # completions' echo with logprobs: the same for every prompt token
+    # structured output / forced tool call: the llguidance grammar (gpu.grammar) every sampled token must follow;
+    # prefill masks the first token with it, decode rebuilds the matcher from it and the tokens so far
+    grammar: str | None = None
 
 
 # ---- to the prefill actor ---------------------------------------------------------------------------

@@ -73,25 +73,33 @@ def send_prompt_logprobs(outbox, slot: int, generation: int, entries: list, top_
         outbox.send("api", PromptLogprobs(slot, generation, start, entries[start:start + per_frame]))
 
 
-def first_tokens(sampler, logits, prompt_ids: list[int], samplings: list) -> list[tuple[int, list | None]]:
-    """Sample each row's first token from the prompt's last logits ``[vocab]``.
+def first_tokens(sampler, logits, prompt_ids: list[int], samplings: list,
+                 grammars=None) -> list[tuple[int, list | None]]:
+    """Sample each row's first token from the prompt's last logits ``[vocab]``; a row whose sampling has a
+    ``grammar`` samples among the tokens it allows (``grammars``: the actor's gpu.grammar.GrammarCompiler).
 
     Returns ``(token_id, logprobs or None)`` per entry of ``samplings``; logprobs on the wire form
-    ``[logprob, [[token_id, logprob], ...]]`` (raw model log-probabilities, before penalties and temperature).
+    ``[logprob, [[token_id, logprob], ...]]`` (raw model log-probabilities, before penalties, temperature and
+    the grammar's mask).
     """
+    from gpu.grammar import batch_allowed
     from gpu.sampling import make_generator, token_logprobs
 
     params = [sampling_params(s) for s in samplings]
     batch = logits[None, :].expand(len(params), -1)
     histories = [(prompt_ids, ()) if p.has_penalties else None for p in params]
-    tokens = sampler.sample(batch, params, [make_generator(p.seed) for p in params], histories)
+    matchers = [grammars.matcher(s.grammar) if s.grammar else None for s in samplings]
+    allowed = batch_allowed(matchers, batch.shape[-1], [s.max_tokens for s in samplings])
+    tokens = sampler.sample(batch, params, [make_generator(p.seed) for p in params], histories, allowed)
     return [(int(t), logprobs_to_wire(lp))
             for t, lp in zip(tokens, token_logprobs(batch, tokens, [p.logprobs for p in params]))]
 
 
-def run_prefill(core, work, model, kv, sampler, outbox, chunk_tokens: int, between_chunks: Callable[[], None]) -> None:
+def run_prefill(core, work, model, kv, sampler, outbox, chunk_tokens: int, between_chunks: Callable[[], None],
+                grammars=None) -> None:
     """Carry out one PrefillWork of ``core`` (actors/prefill_core.py): the chunked forward pass, the prompt's
-    log-probabilities (echo) and each row's first token; then hand the result back to the core."""
+    log-probabilities (echo) and each row's first token (masked by its grammar, if any: ``grammars``); then hand
+    the result back to the core."""
     request = work.request
     top_n = request.sampling.prompt_logprobs
     prompt_entries = [] if top_n is not None else None
@@ -105,7 +113,7 @@ def run_prefill(core, work, model, kv, sampler, outbox, chunk_tokens: int, betwe
     if logits is None:   # every row aborted (or timed out) between two chunks: stop working on it now
         core.abandon(work)
         return
-    firsts = first_tokens(sampler, logits, request.prompt_ids, work.samplings)
+    firsts = first_tokens(sampler, logits, request.prompt_ids, work.samplings, grammars)
     if prompt_entries is not None:   # to the first live row's handle; the API shares them among the choices
         send_prompt_logprobs(outbox, *work.rows[0][1], prompt_entries, top_n)
     core.finish(work, firsts)
@@ -123,28 +131,40 @@ def warm_up(model, pool) -> None:
 
 
 class DecodeRunner:
-    """One batched decode step over a DecodeCore's running batch: forward, penalties, sampling, logprobs."""
+    """One batched decode step over a DecodeCore's running batch: forward, penalties, grammar masks, sampling,
+    logprobs. ``grammars``: the actor's gpu.grammar.GrammarCompiler (requests with a grammar need one)."""
 
-    def __init__(self, model, kv, sampler):
-        self.model, self.kv, self.sampler = model, kv, sampler
+    def __init__(self, model, kv, sampler, grammars=None):
+        self.model, self.kv, self.sampler, self.grammars = model, kv, sampler, grammars
 
     def prepare(self, entry) -> None:
-        """A request joined the batch: its SamplingParams and seeded generator (prefill used ``seed``)."""
+        """A request joined the batch: its SamplingParams, seeded generator (prefill used ``seed``) and grammar
+        matcher, rebuilt from the grammar and the first token prefill sampled under it."""
         from gpu.sampling import make_generator
 
-        params = sampling_params(entry.ready.sampling)
+        sampling = entry.ready.sampling
+        params = sampling_params(sampling)
         generator = make_generator((params.seed + 1) % 2**63) if params.seed is not None else None
-        entry.runtime = (params, generator)
+        matcher = self.grammars.matcher(sampling.grammar, [entry.ready.first_token]) if sampling.grammar else None
+        entry.runtime = (params, generator, matcher)
 
     def step(self, batch) -> tuple[list[int], list]:
-        """Returns one token id and wire logprobs (or None) per entry of ``batch``."""
+        """Returns one token id and wire logprobs (or None) per entry of ``batch``. An entry whose grammar is
+        complete after its token gets ``grammar_done`` (the core ends it with "stop")."""
+        from gpu.grammar import accept_tokens, batch_allowed
         from gpu.sampling import token_logprobs
 
         logits = self.model.decode(self.kv, [e.last_token for e in batch], [e.position for e in batch],
                                    [e.blocks for e in batch])
         params = [e.runtime[0] for e in batch]
         histories = [(e.ready.prompt_ids, e.output_ids) if p.has_penalties else None for e, p in zip(batch, params)]
-        tokens = self.sampler.sample(logits, params, [e.runtime[1] for e in batch], histories)
+        matchers = [e.runtime[2] for e in batch]
+        tokens_left = [p.max_tokens - e.output_tokens for e, p in zip(batch, params)]
+        allowed = batch_allowed(matchers, logits.shape[-1], tokens_left)
+        tokens = self.sampler.sample(logits, params, [e.runtime[1] for e in batch], histories, allowed)
+        accept_tokens(matchers, tokens)
+        for entry, matcher in zip(batch, matchers):
+            entry.grammar_done = matcher is not None and matcher.is_terminated()
         if any(p.logprobs is not None for p in params):
             logprobs = [logprobs_to_wire(lp) for lp in token_logprobs(logits, tokens, [p.logprobs for p in params])]
         else:

@@ -28,6 +28,7 @@ class PrefillActor(Actor):
         from actors.model_runner import warm_up
         from actors.ports import QueueOutbox
         from actors.prefill_core import PrefillCore
+        from gpu.grammar import GrammarCompiler
         from gpu.model import LlamaModel
         from gpu.sampling import Sampler
         from ipc.kv_pool import KVPool
@@ -47,6 +48,8 @@ class PrefillActor(Actor):
                                                 "api": ShmQueue.attach(self.layout.segment("q_api"))},
                                                self.queue_put_timeout_s), self.faults)
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(self.layout.model_path)
+        self.grammars.warm_up()   # llguidance's tokenizer view (~2 s), off the loop
         self.core = PrefillCore(StateTable.attach(self.layout.segment("state")), self.pool, self.outbox,
                                 time.monotonic_ns, actor_index=self.index,
                                 on_late=lambda: self.actors.count_late_message(self.index))
@@ -64,7 +67,7 @@ class PrefillActor(Actor):
             self._publish()
             apply_actor_faults(self.faults, self.name, work.request.request_id)
             run_prefill(self.core, work, self.model, self.kv, self.sampler, self.outbox,
-                        self.config.prefill_chunk_tokens, self._between_chunks)
+                        self.config.prefill_chunk_tokens, self._between_chunks, self.grammars)
         self.outbox.flush()
         self._publish()
 

@@ -63,6 +63,18 @@ def check_device(device: str) -> None:
             f"(docs/gpu.md, 'What is left'). Use device=cpu", param="device")
 
 
+def check_chat_template(path: str) -> None:
+    """Raises ConfigError (field chat_template) unless the file reads and compiles as a chat template."""
+    from gpu.tokenizer import compile_chat_template
+    from pdserve.errors import ModelLoadError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            compile_chat_template(f.read())
+    except (OSError, ModelLoadError) as exc:
+        raise ConfigError(f"config field chat_template={path!r}: {exc}", param="chat_template") from None
+
+
 def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     """Read the model's metadata (no weights) and size the pools, queues and tables.
 
@@ -72,9 +84,12 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
         ModelLoadError: the model cannot be read.
     """
     from gpu.loader import load_config as read_model_config
+    from gpu.model_files import model_file_name
     from ipc.naming import segment_name
 
     config = loaded.config
+    if config.chat_template:
+        check_chat_template(config.chat_template)
     check_device(config.device)
     model_path = config.model or ""
     model_config = read_model_config(model_path or None)
@@ -93,7 +108,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
                           param="max_model_len")
     names = ("state", "actors", "status", "q_prefill", "q_decode", "q_api", "kv_prefill", "kv_decode")
     return EngineLayout(engine_id=engine_id, config=config, model_path=model_path,
-                        served_model_name=config.served_model_name or shape.name, shape=shape,
+                        served_model_name=config.served_model_name or model_file_name(model_path), shape=shape,
                         max_context_tokens=max_context_tokens, http_port=config.port or free_port(config.host),
                         kv_blocks_per_pool=blocks,
                         segments={n: segment_name(engine_id, n) for n in names},

@@ -18,8 +18,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from api.engine_client import EngineClient, RequestHandle
-from api.protocol import (ChoiceResult, GenerationRequest, RequestParser, chat_logprobs, check_request_id, chunk,
-                          completion_logprobs, error_body, full_response, usage)
+from api.protocol import (ChoiceResult, GenerationRequest, RequestParser, chat_logprobs, chunk, completion_logprobs,
+                          error_body, full_response, usage)
+from api.tools import ToolDeltas, finished_choice
 from pdserve.errors import InvalidRequestError, PdserveError
 
 log = logging.getLogger("pdserve.api")
@@ -48,12 +49,15 @@ class JSONResponse(Response):
         return orjson.dumps(content)
 
 
-def error_response(error: PdserveError, headers: dict[str, str] | None = None) -> JSONResponse:
-    headers = dict(headers or {})
+def error_response(error: PdserveError, request_id: str | None = None) -> JSONResponse:
+    """OpenAI error JSON; ``request_id`` (else RequestIdMiddleware's) goes in ``x-request-id``."""
+    headers = {}
     if error.http_status in (429, 503):
         headers["Retry-After"] = "1"
     elif error.http_status == 415:
         headers["Accept-Encoding"] = ", ".join(BODY_ENCODINGS)   # RFC 9110 section 15.5.16
+    if request_id:
+        headers["x-request-id"] = request_id
     return JSONResponse(error_body(error), status_code=error.http_status, headers=headers or None)
 
 
@@ -296,12 +300,19 @@ def parse_request(parser: RequestParser, kind: str, raw: bytes, request_id: str 
         raise InvalidRequestError(f"the request could not be validated ({type(exc).__name__})") from None
 
 
-def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -> Starlette:
+def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics, api_keys: tuple[str, ...] = ()):
+    """The ASGI app: the routes, behind api.middleware's API-key check (``api_keys``: none = open) and
+    ``x-request-id`` on every response."""
+    from api.middleware import ApiKeyMiddleware, RequestIdMiddleware
+
+    return RequestIdMiddleware(ApiKeyMiddleware(_routes(client, tokenizer, parser, metrics), api_keys))
+
+
+def _routes(client: EngineClient, tokenizer, parser: RequestParser, metrics) -> Starlette:
     served = parser.served_model_name
 
     async def run_request(request: Request, kind: str) -> Response:
         rid = request.headers.get("x-request-id")
-        echo = {"X-Request-Id": rid} if check_request_id(rid, "") else None   # the client's id, when we use it
         try:
             raw = await read_decoded_body(request, client.config.body_read_timeout_s)
             if len(raw) > INLINE_PARSE_BYTES:
@@ -309,20 +320,20 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
                 gen = await asyncio.to_thread(parse_request, parser, kind, raw, rid)
             else:
                 gen = parse_request(parser, kind, raw, rid)
-            echo = {"X-Request-Id": gen.request_id}
-            handles = client.submit(gen)
         except PdserveError as exc:
-            return error_response(exc, echo)
+            return error_response(exc)   # the middleware names the client's id, or a new one
         except ClientDisconnect:   # gone before its body was complete: nobody to answer, nothing admitted
             return Response(status_code=499)
+        try:
+            handles = client.submit(gen)
+        except PdserveError as exc:
+            return error_response(exc, gen.request_id)
         for _ in handles:
             metrics.on_admitted()
         if gen.stream:
             return StreamingResponse(stream_events(handles), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", **echo})
-        response = await complete(request, handles)
-        response.headers.update(echo)
-        return response
+                                     headers={"Cache-Control": "no-cache", "x-request-id": gen.request_id})
+        return await complete(request, handles)
 
     def format_logprobs(handles: list[RequestHandle], tokens: list, text_offset: int,
                         with_prompt: bool = False) -> dict | None:
@@ -359,8 +370,13 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
                 tokens[index].extend(logprobs)
                 if reason is not None:
                     reasons[index] = reason
-            return [ChoiceResult(i, "".join(texts[i]), reasons.get(i), format_logprobs(handles, tokens[i], 0, True))
-                    for i in texts]
+            results = [ChoiceResult(i, "".join(texts[i]), reasons.get(i),
+                                    format_logprobs(handles, tokens[i], 0, True)) for i in texts]
+            if req.tools is not None:   # the answer's <tool_call> blocks (or a named function's arguments)
+                for c in results:
+                    c.text, c.tool_calls, c.finish_reason = finished_choice(req.tools, c.text, c.finish_reason)
+                    reasons[c.index] = c.finish_reason
+            return results
 
         async def wait_disconnect() -> None:
             while True:
@@ -381,9 +397,10 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
             except PdserveError as exc:
                 log.warning("request %s: %d %s", req.request_id, exc.http_status, exc.message)   # the whole id
                 finished(handles, reasons, exc.http_status)
-                return error_response(exc)
+                return error_response(exc, req.request_id)
             finished(handles, reasons)
-            return JSONResponse(full_response(req, choices, sum(h.completion_tokens for h in handles)))
+            return JSONResponse(full_response(req, choices, sum(h.completion_tokens for h in handles)),
+                                headers={"x-request-id": req.request_id})
         finally:
             for task in (work, watch):
                 task.cancel()
@@ -395,19 +412,28 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics) -
         status = 499   # until the stream ends normally or with an error event
         first = {h.index for h in handles}   # choices whose first chunk is still to come
         offsets = {h.index: 0 for h in handles}   # characters of the choice's text sent so far (echo included)
+        tools = {h.index: ToolDeltas(req.tools) for h in handles} if req.tools is not None else {}
         try:
             try:
                 async for index, text, reason, logprobs in merged_choices(client, tokenizer, handles, metrics):
-                    if reason is not None:
-                        reasons[index] = reason
                     if index in first and req.echo_text:
                         text = req.echo_text + text
-                    if text or reason is not None or index in first or logprobs:
-                        body = chunk(req, text, reason, first=index in first, index=index,
-                                     logprobs=format_logprobs(handles, logprobs, offsets[index], index in first))
-                        offsets[index] += len(text)
-                        first.discard(index)
-                        yield b"data: " + orjson.dumps(body) + b"\n\n"
+                    pieces: list = [(text, None)]
+                    if tools:   # text becomes content and delta.tool_calls pieces
+                        pieces = tools[index].push(text, reason is not None) or [("", None)]
+                        reason = tools[index].finish_reason(reason)
+                    if reason is not None:
+                        reasons[index] = reason
+                    for k, (piece, calls) in enumerate(pieces):
+                        piece_reason = reason if k == len(pieces) - 1 else None
+                        piece_logprobs = logprobs if k == 0 else []
+                        if piece or calls or piece_reason is not None or index in first or piece_logprobs:
+                            body = chunk(req, piece, piece_reason, first=index in first, index=index,
+                                         logprobs=format_logprobs(handles, piece_logprobs, offsets[index],
+                                                                  index in first), tool_calls=calls)
+                            offsets[index] += len(piece or "")
+                            first.discard(index)
+                            yield b"data: " + orjson.dumps(body) + b"\n\n"
                 status = 200
                 if req.include_usage:
                     body = chunk(req, None, None, usage_body=usage(len(req.prompt_ids),

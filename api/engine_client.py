@@ -18,8 +18,8 @@ from typing import Any
 from actors.base import API_INDEX, EngineLayout
 from actors.messages import PrefillRequest, PromptLogprobs, RequestError, TokenBatch, parse_frames, to_wire
 from api.protocol import GenerationRequest
-from pdserve.errors import (EngineOverloadedError, InvalidRequestError, PdserveError, QueueFullError,
-                            StateTableFullError)
+from pdserve.errors import (EngineOverloadedError, InvalidRequestError, MessageTooLargeError, PdserveError,
+                            QueueFullError, StateTableFullError)
 
 log = logging.getLogger("pdserve.api")
 
@@ -176,6 +176,10 @@ class EngineClient:
         except QueueFullError:
             self.finish_all(handles)
             raise EngineOverloadedError("the prefill queue is full; retry") from None
+        except MessageTooLargeError as exc:   # prompt + grammar over one queue slot: retrying cannot help
+            self.finish_all(handles)
+            raise InvalidRequestError(f"the request is too large for the engine's queues ({exc.message}); send a "
+                                      "shorter prompt or schema, or raise queue_slot_bytes") from None
         return handles
 
     def stop_generation(self, handle: RequestHandle) -> None:

@@ -120,10 +120,9 @@ class _SharedStateCollector:
 class EngineMetrics:
     """Per-API-process registry: histograms and counters, plus the scrape-time shared-state collector."""
 
-    def __init__(self, client, served_model_name: str, effective_config: dict[str, Any] | None = None):
+    def __init__(self, client, served_model_name: str):
         self.client = client
         self.handoffs = 0
-        self.effective_config = effective_config or {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_requests", "ended requests by finish reason (stop, length, abort, "
@@ -155,12 +154,12 @@ class EngineMetrics:
         self.itl.observe(gap_s)
 
     def on_finished(self, handle, reason: str | None, status: int = 200) -> None:
-        """Count the request; latency histograms only for requests that completed (stop or length)."""
+        """Count the request; latency histograms only for requests that completed (stop, length, tool_calls)."""
         self.requests.labels(reason or "unknown", str(status)).inc()
         row = self.client.table.read(handle.slot, handle.generation)
         if row is not None and int(row["n_transfers"]) > 0:
             self.handoffs += 1
-        if reason in ("stop", "length") and handle.first_token_ns:
+        if reason in ("stop", "length", "tool_calls") and handle.first_token_ns:
             now = time.monotonic_ns()
             self.ttft.observe((handle.first_token_ns - handle.admitted_ns) / 1e9)
             self.e2e.observe((now - handle.admitted_ns) / 1e9)
@@ -192,9 +191,6 @@ class EngineMetrics:
                 problems.append(f"actor {name} is {state}")
         if status["draining"]:
             problems.append("the engine is draining (shutting down)")
-        tick_age_s = (time.monotonic_ns() - status["watchdog_last_tick_ns"]) / 1e9 \
-            if status["watchdog_last_tick_ns"] else None
-        return {"status": "ok" if not problems else "unavailable", "problems": problems, "actors": actors,
-                "model": self.served_model_name, "active_requests": self.client.num_active(),
-                "watchdog": {"ticks": status["watchdog_ticks"], "last_tick_age_s": tick_age_s},
-                "config": self.effective_config}
+        # status and problems only: /health is open (no API key), so it tells nothing about the configuration;
+        # the effective config is in tools/inspect (local shm access)
+        return {"status": "ok" if not problems else "unavailable", "problems": problems, "actors": actors}

@@ -6,12 +6,14 @@ Every invalid input raises InvalidRequestError naming the parameter; the app tur
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from actors.messages import Sampling
+from api.tools import ToolPlan, parameters_schema, parse_tools, required_call_grammar, template_messages
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 
 MAX_STOP_STRINGS = 16
@@ -27,9 +29,9 @@ MAX_N = 128         # choices per request (OpenAI's limit)
 _COMMON_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "stop", "n", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "user",
-    "timeout", "ignore_eos", "logit_bias", "best_of", "store", "metadata", "service_tier",
+    "timeout", "ignore_eos", "logit_bias", "best_of", "store", "metadata", "service_tier", "response_format",
 })
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
                                 "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 
@@ -61,6 +63,7 @@ class GenerationRequest:
     timeout_s: float | None = None   # per-request deadline (the body's ``timeout``); None = server default
     n: int = 1                       # choices; the engine prefills once and decodes n sequences
     echo_text: str | None = None     # completions with ``echo``: the prompt, returned before each choice's text
+    tools: ToolPlan | None = None    # chat with tools offered (tool_choice other than "none"); see api/tools.py
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -165,26 +168,15 @@ def _check_unsupported_fields(body: dict, kind: str) -> None:
     if tier is not None and tier not in ("auto", "default"):
         raise InvalidRequestError("'service_tier' must be 'auto' or 'default'", param="service_tier")
     if kind == "chat":
-        response_format = body.get("response_format")
-        if response_format is not None:
-            if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
-                raise InvalidRequestError("'response_format' must be an object with a 'type'",
-                                          param="response_format")
-            if response_format["type"] != "text":
-                raise _unsupported("response_format", "structured output is not implemented")
-        for name in ("tools", "functions"):
-            value = body.get(name)
-            if value is not None and not isinstance(value, list):
-                raise InvalidRequestError(f"'{name}' must be a list", param=name)
-            if value:
-                raise _unsupported(name, "tool calling is not implemented")
-        for name in ("tool_choice", "function_call"):
-            value = body.get(name)
-            if value is not None and value != "none":
-                raise _unsupported(name, "tool calling is not implemented")
-        parallel = body.get("parallel_tool_calls")
-        if parallel is not None and not isinstance(parallel, bool):
-            raise InvalidRequestError("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+        functions = body.get("functions")
+        if functions is not None and not isinstance(functions, list):
+            raise InvalidRequestError("'functions' must be a list", param="functions")
+        if functions:
+            raise _unsupported("functions", "the deprecated 'functions' field is not implemented; use 'tools'")
+        function_call = body.get("function_call")
+        if function_call is not None and function_call != "none":
+            raise _unsupported("function_call", "the deprecated 'function_call' field is not implemented; use "
+                               "'tool_choice'")
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
@@ -218,13 +210,83 @@ def _timeout(body: dict) -> float | None:
     return float(value)
 
 
-def _message_text(message: Any, index: int) -> tuple[str, str]:
+def _response_format(body: dict) -> dict | None | bool:
+    """The JSON schema ``response_format`` asks for: False for none (absent or ``{"type": "text"}``), None for
+    any JSON object (``json_object``), else the schema of ``json_schema``."""
+    value = body.get("response_format")
+    if value is None:
+        return False
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise InvalidRequestError("'response_format' must be an object with a 'type'", param="response_format")
+    kind = value["type"]
+    if kind == "text":
+        return False
+    if kind == "json_object":
+        return None
+    if kind != "json_schema":
+        raise InvalidRequestError(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got "
+                                  f"{kind!r}", param="response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidRequestError("'response_format.json_schema' must be an object {'name', 'schema', 'strict'}",
+                                  param="response_format")
+    name = spec.get("name")
+    if not isinstance(name, str) or not re.match(r"^[a-zA-Z0-9_-]{1,64}$", name):
+        raise InvalidRequestError("'response_format.json_schema.name' must be 1-64 letters, digits, '_' or '-'",
+                                  param="response_format")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise InvalidRequestError("'response_format.json_schema.strict' must be a boolean", param="response_format")
+    schema = spec.get("schema")
+    if schema is None:
+        return None
+    if not isinstance(schema, dict):
+        raise InvalidRequestError("'response_format.json_schema.schema' must be a JSON schema object",
+                                  param="response_format")
+    return schema
+
+
+def _chat_message(message: Any, index: int) -> dict[str, Any]:
+    """A validated chat message: ``role`` and ``content`` (str; None only for an assistant's tool calls), plus
+    ``tool_calls`` (assistant) or ``tool_call_id`` (tool)."""
     if not isinstance(message, dict):
         raise InvalidRequestError(f"messages[{index}] must be an object", param="messages")
     role = message.get("role")
-    if role not in ("system", "user", "assistant", "developer"):
-        raise InvalidRequestError(f"messages[{index}].role must be system, user or assistant, got {role!r}",
+    if role not in ("system", "user", "assistant", "developer", "tool"):
+        raise InvalidRequestError(f"messages[{index}].role must be system, user, assistant or tool, got {role!r}",
                                   param="messages")
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    calls = message.get("tool_calls") if role == "assistant" else None
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise InvalidRequestError(f"messages[{index}].tool_calls must be a list", param="messages")
+        out["tool_calls"] = [_tool_call(call, index) for call in calls]
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise InvalidRequestError(f"messages[{index}] (role tool) needs a 'tool_call_id' string",
+                                      param="messages")
+        out["tool_call_id"] = call_id
+    if message.get("content") is None and out.get("tool_calls"):
+        out["content"] = None
+        return out
+    out["content"] = _message_text(message, index)
+    return out
+
+
+def _tool_call(call: Any, index: int) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if (not isinstance(fn, dict) or call.get("type", "function") != "function" or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("arguments", ""), str)):
+        raise InvalidRequestError(f"messages[{index}].tool_calls entries must be {{'id', 'type': 'function', "
+                                  "'function': {'name': str, 'arguments': str}}", param="messages")
+    call_id = call.get("id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise InvalidRequestError(f"messages[{index}].tool_calls[].id must be a string", param="messages")
+    return {"id": call_id or "", "type": "function",
+            "function": {"name": fn["name"], "arguments": fn.get("arguments") or "{}"}}
+
+
+def _message_text(message: dict, index: int) -> str:
     content = message.get("content")
     if isinstance(content, list):
         parts = []
@@ -237,7 +299,7 @@ def _message_text(message: Any, index: int) -> tuple[str, str]:
     if not isinstance(content, str):
         raise InvalidRequestError(f"messages[{index}].content must be a string or a list of text parts",
                                   param="messages")
-    return ("system" if role == "developer" else role), content
+    return content
 
 
 class RequestParser:
@@ -250,6 +312,8 @@ class RequestParser:
         default_max_tokens: used when the body gives neither max_tokens nor max_completion_tokens.
         kv_pool_blocks, kv_block_tokens: the decode KV pool's size (blocks) and block size (tokens), so that the
             ``n`` choices of one request can be checked to fit together; 0 blocks skips the check.
+        grammars: gpu.grammar.GrammarCompiler, which checks ``response_format`` and forced tool calls on
+            admission; None refuses both.
 
     A text prompt longer than ``max_token_chars * max_context_tokens`` characters cannot fit whatever its
     tokenization (one token covers at most ``max_token_chars`` characters), so it is rejected before the
@@ -257,8 +321,10 @@ class RequestParser:
     """
 
     def __init__(self, tokenizer, served_model_name: str, max_context_tokens: int, default_max_tokens: int,
-                 kv_pool_blocks: int = 0, kv_block_tokens: int = 16):
+                 kv_pool_blocks: int = 0, kv_block_tokens: int = 16, grammars=None):
         self.tokenizer = tokenizer
+        self.grammars = grammars                 # gpu.grammar.GrammarCompiler; None = no constrained decoding
+        self.template_has_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
         self.kv_pool_blocks = kv_pool_blocks     # the decode pool's blocks; 0 = no check of n against it
         self.kv_block_tokens = kv_block_tokens
         self.served_model_name = served_model_name
@@ -383,18 +449,53 @@ class RequestParser:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("'messages' must be a non-empty list", param="messages")
-        conversation = [dict(zip(("role", "content"), _message_text(m, i))) for i, m in enumerate(messages)]
-        chars = sum(len(m["content"]) for m in conversation)
+        conversation = [_chat_message(m, i) for i, m in enumerate(messages)]
+        tools, plan = parse_tools(body)
+        fmt = _response_format(body)
+        if plan is not None and fmt is not False:
+            raise InvalidRequestError("'response_format' cannot be combined with tool calling; send one of them",
+                                      param="response_format")
+        chars = sum(len(m["content"] or "") for m in conversation) + len(str(tools or ""))
         if chars > self.max_token_chars * self.max_context_tokens:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_context_tokens} tokens; the messages have "
                 f"{chars} characters, more than that many tokens can hold", param="messages",
                 code="context_length_exceeded")
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+        history_has_tools = any(m.get("tool_calls") or m["role"] == "tool" for m in conversation)
+        if tools or history_has_tools:
+            conversation = template_messages(conversation, tools, self.template_has_tools)
+        extra = {"tools": tools} if tools and self.template_has_tools else {}
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, **extra)
         prompt_ids = self._encode(text, "messages")
         sampling = self._sampling(body, len(prompt_ids), "chat")
+        if plan is not None and plan.mode == "named":
+            sampling = self._constrain(sampling, self._schema_grammar(parameters_schema(tools, plan.function),
+                                                                      "tool_choice"), "tool_choice")
+        elif plan is not None and plan.mode == "required":
+            from gpu.grammar import lark_grammar
+
+            sampling = self._constrain(sampling, lark_grammar(required_call_grammar(tools, plan.parallel)),
+                                       "tool_choice")
+        elif fmt is not False:
+            sampling = self._constrain(sampling, self._schema_grammar(fmt, "response_format"), "response_format")
         return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body), stream, include_usage,
-                                 _timeout(body), self._n(body, len(prompt_ids), sampling))
+                                 _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan)
+
+    def _schema_grammar(self, schema: dict | None, param: str) -> str:
+        from gpu.grammar import json_schema_grammar
+
+        try:
+            return json_schema_grammar(schema)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(exc.message, param=param) from None
+
+    def _constrain(self, sampling: Sampling, grammar: str, param: str) -> Sampling:
+        """``sampling`` with ``grammar``, once the grammar compiles (cached). Raises InvalidRequestError naming
+        ``param`` when it does not, or when this parser has no grammar compiler."""
+        if self.grammars is None:
+            raise _unsupported(param, "constrained decoding is not available in this server")
+        self.grammars.check(grammar, param)
+        return dataclasses.replace(sampling, grammar=grammar)
 
     def completion(self, body: Any, request_id: str | None = None) -> GenerationRequest:
         """Validate a /v1/completions body. Raises InvalidRequestError (400) or ModelNotFoundError (404)."""
@@ -419,6 +520,9 @@ class RequestParser:
             raise InvalidRequestError("'prompt' must be a non-empty string, a list with one string, or a "
                                       "non-empty list of token ids", param="prompt")
         sampling = self._sampling(body, len(prompt_ids), "completion")
+        fmt = _response_format(body)
+        if fmt is not False:
+            sampling = self._constrain(sampling, self._schema_grammar(fmt, "response_format"), "response_format")
         echo_text = None
         if body.get("echo"):
             echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
@@ -491,9 +595,10 @@ class ChoiceResult:
     """One finished choice of a non-streamed response."""
 
     index: int
-    text: str
+    text: str | None
     finish_reason: str | None
     logprobs: dict | None = None
+    tool_calls: list[dict] | None = None   # chat with tools: OpenAI ``message.tool_calls`` entries
 
 
 def full_response(req: GenerationRequest, choices: list[ChoiceResult], completion_tokens: int) -> dict:
@@ -501,8 +606,11 @@ def full_response(req: GenerationRequest, choices: list[ChoiceResult], completio
     out = []
     for c in sorted(choices, key=lambda c: c.index):
         if req.kind == "chat":
-            out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": c.logprobs, "finish_reason": c.finish_reason})
+            message = {"role": "assistant", "content": c.text}
+            if c.tool_calls:
+                message["tool_calls"] = c.tool_calls
+            out.append({"index": c.index, "message": message, "logprobs": c.logprobs,
+                        "finish_reason": c.finish_reason})
         else:
             out.append({"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason})
     obj = "chat.completion" if req.kind == "chat" else "text_completion"
@@ -511,14 +619,21 @@ def full_response(req: GenerationRequest, choices: list[ChoiceResult], completio
 
 
 def chunk(req: GenerationRequest, text: str | None, finish_reason: str | None, *, first: bool = False,
-          usage_body: dict | None = None, index: int = 0, logprobs: dict | None = None) -> dict:
-    """One SSE chunk of choice ``index``. ``usage_body`` set = the final usage-only chunk (choices empty)."""
+          usage_body: dict | None = None, index: int = 0, logprobs: dict | None = None,
+          tool_calls: list[dict] | None = None) -> dict:
+    """One SSE chunk of choice ``index``. ``usage_body`` set = the final usage-only chunk (choices empty).
+    ``tool_calls``: chat ``delta.tool_calls`` entries (the first chunk then has ``content: null``)."""
     if req.kind == "chat":
         obj = "chat.completion.chunk"
-        choices = [] if usage_body else [{"index": index, "delta": ({"role": "assistant", "content": text or ""}
-                                                                    if first else
-                                                                    ({"content": text} if text else {})),
-                                          "logprobs": logprobs, "finish_reason": finish_reason}]
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text or (first and not tool_calls):
+            delta["content"] = text or ""
+        elif first:
+            delta["content"] = None
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        choices = [] if usage_body else [{"index": index, "delta": delta, "logprobs": logprobs,
+                                          "finish_reason": finish_reason}]
     else:
         obj = "text_completion"
         choices = [] if usage_body else [{"index": index, "text": text or "", "logprobs": logprobs,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pathlib
 
 from actors.base import API_INDEX, Actor, exit_now, leave_signals_to_the_supervisor, parent_is_gone
 
@@ -55,18 +56,24 @@ class ApiActor(Actor):
         from api.http_edges import (answer_cancelled_requests, install_idle_close, install_refused_streams,
                                     keep_alive_config)
         from api.metrics import EngineMetrics
+        from api.middleware import load_api_keys
         from api.protocol import RequestParser
+        from gpu.grammar import GrammarCompiler
         from gpu.tokenizer import Tokenizer
         from ipc.actor_table import ActorStatus
 
         tokenizer = Tokenizer.load(self.layout.model_path or None)
+        if self.config.chat_template:   # --chat-template FILE replaces the model's own template
+            tokenizer.set_chat_template(pathlib.Path(self.config.chat_template).read_text(encoding="utf-8"))
+        grammars = GrammarCompiler(tokenizer=tokenizer)
+        grammars.warm_up()   # the first constrained request waits for it if it is not done yet
         client = EngineClient(self.layout)
         client.start(asyncio.get_running_loop())
         parser = RequestParser(tokenizer, self.layout.served_model_name, self.layout.max_context_tokens,
                                self.config.default_max_tokens, self.layout.kv_blocks_per_pool,
-                               self.config.kv_block_tokens)
-        metrics = EngineMetrics(client, self.layout.served_model_name, self.layout.effective_config())
-        app = build_app(client, tokenizer, parser, metrics)
+                               self.config.kv_block_tokens, grammars)
+        metrics = EngineMetrics(client, self.layout.served_model_name)
+        app = build_app(client, tokenizer, parser, metrics, load_api_keys(self.config))
 
         # Idle connections close after keep_alive_timeout_s (HTTP/1.1: in stages; HTTP/2: GOAWAY first), announced
         # on HTTP/1.1 responses by Keep-Alive: timeout=N; a request that has started is never cut by it.

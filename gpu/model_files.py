@@ -7,6 +7,7 @@ imports ``llm`` and ``llama_cpp``, which pdserve does not need and usually does 
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import pathlib
 
 from pdserve.errors import ModelLoadError
@@ -37,3 +38,22 @@ def default_model_path() -> pathlib.Path:
             f"with `{DEFAULT_MODEL_INSTALL_HINT} --force-reinstall` or pass a model path"
         )
     return path
+
+
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|BF16|F16|F32|FP16|FP32)$", re.IGNORECASE)
+
+
+def model_file_name(path: str | None) -> str:
+    """The name a model file or directory goes by, used as the default served model name (llama-server and vLLM
+    also name a model by its file or repository): the GGUF file name without ``.gguf`` and without a trailing
+    quantization tag (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``), or a directory's name.
+    ``None`` or "" = the embedded default model.
+
+    Raises:
+        ModelLoadError: the default model is asked for and not installed.
+    """
+    p = pathlib.Path(path).expanduser() if path else default_model_path()
+    if p.is_dir():
+        return p.resolve().name
+    name = p.name[:-len(".gguf")] if p.name.lower().endswith(".gguf") else p.name
+    return _QUANT_SUFFIX.sub("", name) or name

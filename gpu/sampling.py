@@ -211,7 +211,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None],
-               histories: Sequence[History | None] | None = None) -> list[int]:
+               histories: Sequence[History | None] | None = None,
+               allowed: torch.Tensor | None = None) -> list[int]:
         """Sample the next token of each sequence.
 
         Args:
@@ -223,17 +224,27 @@ class Sampler:
             histories: None, or ``B`` items, each None or ``(prompt_ids, output_ids)`` (sequences of token
                 ids). Required for rows whose params have penalties; those are applied (see
                 :func:`apply_penalties`) before greedy argmax and temperature, so they change greedy choices.
+            allowed: None, or ``[B, vocab]`` bool: only tokens marked True may be chosen (a grammar's mask, see
+                gpu.grammar.batch_allowed); applied after penalties, before greedy argmax and temperature.
         Returns:
             ``B`` token ids.
         Raises:
-            ValueError: the lengths of ``logits``, ``params`` and ``generators`` disagree, or a row with
-                penalties has no history (see :func:`apply_penalties`).
+            ValueError: the lengths of ``logits``, ``params`` and ``generators`` disagree, a row with
+                penalties has no history (see :func:`apply_penalties`), or ``allowed`` has the wrong shape or
+                a row with no allowed token.
         """
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError(f"logits {list(logits.shape)}, {len(params)} params and {len(generators)} "
                              "generators must describe the same batch")
+        if allowed is not None and (allowed.shape != logits.shape or allowed.dtype != torch.bool):
+            raise ValueError(f"allowed must be a bool tensor shaped like logits {list(logits.shape)}, got "
+                             f"{allowed.dtype} {list(allowed.shape)}")
         with torch.inference_mode():
             logits = apply_penalties(logits.float(), params, histories)
+            if allowed is not None:
+                if not bool(allowed.any(dim=-1).all()):
+                    raise ValueError("allowed has a row with no allowed token")
+                logits = logits.masked_fill(~allowed, float("-inf"))
             out = logits.argmax(dim=-1).tolist()  # greedy answer for every row; replaced for sampled rows
             for i, p in enumerate(params):
                 if not p.greedy:

@@ -386,6 +386,15 @@ class Tokenizer:
                 f"chat template failed to render the messages ({type(e).__name__}: {e})", param="messages"
             ) from None
 
+    def set_chat_template(self, source: str) -> None:
+        """Use ``source`` (jinja2) as the chat template instead of the model's (``--chat-template FILE``).
+
+        Raises:
+            ModelLoadError: the template does not compile.
+        """
+        self._chat_template = _compile_template(source)
+        self._chat_template_src = source
+
     def _compiled_template(self):
         if self._chat_template is None:
             if not self._chat_template_src:
@@ -398,6 +407,11 @@ class Tokenizer:
 
 class _TemplateRaised(Exception):
     """Raised by a chat template's ``raise_exception``."""
+
+
+def compile_chat_template(source: str):
+    """Compile a chat template as :meth:`Tokenizer.apply_chat_template` would (raises ModelLoadError)."""
+    return _compile_template(source)
 
 
 def _compile_template(source: str):

@@ -3,7 +3,7 @@
 Every field is settable three ways, later ones winning: its default, the env var ``PDSERVE_<FIELD>``
 (upper case), and the CLI flag ``--field-name``. An unknown ``PDSERVE_*`` variable is an error that
 suggests the nearest valid name: a typo must never silently disable a watchdog. ``sources`` records
-where each value came from ("default", "env", "flag"), shown by /health and tools/inspect.
+where each value came from ("default", "env", "flag"), shown by tools/inspect (secret fields hidden).
 """
 from __future__ import annotations
 
@@ -32,9 +32,11 @@ def _port(value: int) -> bool:
 
 
 def _setting(default: Any, help: str, rule: Callable[[Any], bool] | None = None, rule_text: str = "",
-             choices: Sequence[str] | None = None) -> Any:
+             choices: Sequence[str] | None = None, secret: bool = False, repeatable: bool = False) -> Any:
+    """A config field. ``secret``: its value is never shown (tools/inspect, the manifest); ``repeatable``: the
+    CLI flag may be given several times, the values joined with commas (the env var takes them comma-separated)."""
     return field(default=default, metadata={"help": help, "rule": rule, "rule_text": rule_text,
-                                            "choices": choices})
+                                            "choices": choices, "secret": secret, "repeatable": repeatable})
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,12 @@ class EngineConfig:
     ssl_certfile: str = _setting("", "TLS certificate (PEM); with ssl_keyfile serves HTTP/2 (ALPN h2) and "
                                      "HTTP/1.1 over TLS")
     ssl_keyfile: str = _setting("", "TLS private key (PEM)")
+    api_key: str = _setting("", "API key(s) required as 'Authorization: Bearer KEY' on /v1/* (comma-separated, or "
+                                "the flag repeated); empty (and no api_key_file) = no authentication",
+                            secret=True, repeatable=True)
+    api_key_file: str = _setting("", "file of API keys, one per line ('#' starts a comment); added to api_key")
+    chat_template: str = _setting("", "jinja2 chat template file replacing the model's own (e.g. one that "
+                                      "renders 'tools'); empty = the model's template")
     device: str = _setting("cpu", "device of both actors", choices=("cpu", "cuda"))
     colocated: bool = _setting(False, "one decode actor also prefills (no prefill actor, no KV handoff); for "
                                       "comparing with disaggregation")
@@ -124,6 +132,8 @@ def _validate_value(f: dataclasses.Field, value: Any) -> None:
 
 def _coerce(f: dataclasses.Field, raw: Any, source: str) -> Any:
     kind = type(f.default)
+    if isinstance(raw, (list, tuple)) and f.metadata.get("repeatable"):   # a repeated flag
+        raw = ",".join(str(v) for v in raw)
     if isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):
         return raw
     try:
@@ -173,7 +183,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one ``--field-name`` flag per config field (default None so we can tell 'not given')."""
     for f in _fields():
         flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(flag, dest=f.name, default=None, help=f"{f.metadata['help']} [{f.default!r}]")
+        default = "" if f.metadata.get("secret") else repr(f.default)
+        parser.add_argument(flag, dest=f.name, default=None, help=f"{f.metadata['help']} [{default}]",
+                            action="append" if f.metadata.get("repeatable") else "store")
 
 
 def load_config(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> LoadedConfig:
@@ -197,4 +209,41 @@ def load_config(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] |
     from pdserve.faults import parse_faults
 
     parse_faults(values["faults"])  # an unknown fault is a start-up error, never silently ignored
-    return LoadedConfig(EngineConfig(**values), sources)
+    config = EngineConfig(**values)
+    api_keys(config)   # an unreadable or empty key file is a start-up error, not an open server
+    if config.chat_template and not os.path.isfile(config.chat_template):
+        raise ConfigError(f"config field chat_template={config.chat_template!r}: no such file",
+                          param="chat_template")   # whether it compiles: actors.supervisor.plan_layout
+    return LoadedConfig(config, sources)
+
+
+def api_keys(config: EngineConfig) -> tuple[str, ...]:
+    """The API keys ``config`` asks for: ``api_key`` (comma-separated) plus the lines of ``api_key_file``
+    (blank lines and ``#`` comments skipped). Empty = no authentication.
+
+    Raises:
+        ConfigError: the key file cannot be read or holds no key.
+    """
+    keys = [k.strip() for k in config.api_key.split(",") if k.strip()]
+    if config.api_key_file:
+        try:
+            with open(config.api_key_file, encoding="utf-8") as f:
+                lines = [line.strip() for line in f]
+        except OSError as exc:
+            raise ConfigError(f"config field api_key_file={config.api_key_file!r}: cannot read it ({exc})",
+                              param="api_key_file") from None
+        found = [line for line in lines if line and not line.startswith("#")]
+        if not found:
+            raise ConfigError(f"config field api_key_file={config.api_key_file!r}: holds no key (one per line)",
+                              param="api_key_file")
+        keys += found
+    return tuple(dict.fromkeys(keys))
+
+
+def redacted(config: EngineConfig) -> dict[str, Any]:
+    """``config.to_dict()`` with secret fields replaced by a note of how many values they hold."""
+    out = config.to_dict()
+    for f in _fields():
+        if f.metadata.get("secret") and out[f.name]:
+            out[f.name] = f"<{len([v for v in str(out[f.name]).split(',') if v.strip()])} hidden>"
+    return out

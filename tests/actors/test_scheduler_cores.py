@@ -343,3 +343,25 @@ def test_prompt_logprob_frames_are_small_enough_for_a_queue_slot():
     send_prompt_logprobs(out, 3, 1, entries, 20)
     frames = out.take("api", PromptLogprobs)
     assert sum(len(f.entries) for f in frames) == 1000 and [f.start for f in frames][:2] == [0, len(frames[0].entries)]
+
+
+def test_a_request_whose_grammar_is_complete_ends_with_stop_before_max_tokens():
+    """The decode shell marks an entry ``grammar_done`` once its grammar matcher is complete (actors/model_runner
+    DecodeRunner); the core ends the request with "stop" on that token and frees its blocks."""
+    pair = Pair()
+    request = prefill_request(pair.table, "g1", prompt_tokens=20, max_tokens=50)
+    key = (request.slot, request.generation)
+    pair.prefill.on_message(request)
+    pair.prefill_step()
+    pair.deliver_to_decode()
+    pair.decode_step()
+    pair.deliver_to_prefill()
+    pair.decode_step()
+    assert pair.table.state(key) == S.DECODING
+    for entry in pair.decode.batch():
+        entry.grammar_done = True
+    pair.decode_step()
+    assert pair.table.state(key) == S.FINISHED
+    reasons = [t[3] for t in pair.tokens]
+    assert reasons[-1] == "stop" and reasons[:-1] == [None] * (len(reasons) - 1) and len(reasons) < 50
+    pair.assert_all_free()

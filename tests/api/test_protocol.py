@@ -56,8 +56,7 @@ def test_neutral_values_of_unsupported_chat_parameters_are_accepted(parser, name
 
 
 @pytest.mark.parametrize("name,value", [
-    ("logit_bias", {"1": 5}), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-    ("tool_choice", "auto"),
+    ("logit_bias", {"1": 5}), ("functions", [{"name": "f"}]), ("function_call", "auto"),
 ])
 def test_values_the_engine_cannot_honour_are_a_400_naming_the_parameter(parser, name, value):
     error = rejected(parser.chat, chat_body(**{name: value}), name)

@@ -43,11 +43,9 @@ def sse_events(text: str) -> list:
     return out
 
 
-def test_models_lists_the_served_name_from_the_model_metadata(engine):
-    from gpu.loader import load_config
-
+def test_models_lists_the_served_name_from_the_model_file(engine):
     data = httpx.get(engine.base_url + "/v1/models", timeout=10).json()
-    assert [m["id"] for m in data["data"]] == [load_config(None).name]
+    assert [m["id"] for m in data["data"]] == ["SmolLM2-135M-Instruct"]   # SmolLM2-135M-Instruct.Q4_1.gguf
 
 
 def test_chat_over_http1_answers_paris_with_usage(engine):

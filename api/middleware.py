@@ -1,0 +1,101 @@
+"""ASGI middleware around the Starlette app: API keys on ``/v1/*`` and ``x-request-id`` on every response.
+
+Both are plain ASGI (not Starlette's BaseHTTPMiddleware, which buffers streamed bodies and hides client
+disconnects from the handlers): they look at the request's headers and add or answer with response headers.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import uuid
+from typing import Awaitable, Callable, Iterable
+
+import orjson
+
+from api.protocol import check_request_id, error_body
+from pdserve.config import api_keys as load_api_keys  # noqa: F401 - the API process reads its keys here
+from pdserve.errors import PdserveError
+
+ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+
+PROTECTED_PREFIX = "/v1/"   # /health and /metrics stay open (as vLLM does)
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope.get("headers") or ():
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+class RequestIdMiddleware:
+    """Every HTTP response carries ``x-request-id``: the one the handler set (a generation's id), else the
+    client's ``X-Request-Id`` when it is acceptable (api.protocol.check_request_id), else a new ``req-...`` id.
+    Covers responses made outside the routes too (404, 405, 413, 401 from ApiKeyMiddleware)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            default = check_request_id(_header(scope, b"x-request-id"), "")
+        except PdserveError:
+            default = ""
+        default = default or f"req-{uuid.uuid4().hex[:24]}"
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers") or [])
+                if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                    headers.append((b"x-request-id", default.encode("latin-1")))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class ApiKeyMiddleware:
+    """``Authorization: Bearer <key>`` required on ``/v1/*`` when keys are configured.
+
+    Keys are compared in constant time: the SHA-256 digests of the offered and of every configured key go through
+    ``hmac.compare_digest`` (equal lengths whatever the offered key's length), all of them, without an early
+    exit. A missing header, another scheme or a wrong key is a 401 in OpenAI's error shape
+    (``invalid_request_error``, code ``invalid_api_key``) with ``WWW-Authenticate: Bearer``.
+    """
+
+    def __init__(self, app: ASGIApp, keys: Iterable[str]):
+        self.app = app
+        self.digests = [hashlib.sha256(k.encode("utf-8")).digest() for k in keys]
+
+    def authorized(self, header: str | None) -> bool:
+        """Whether an ``Authorization`` header value carries one of the keys."""
+        if header is None:
+            return False
+        scheme, _, token = header.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return False
+        offered = hashlib.sha256(token.strip().encode("utf-8", errors="surrogateescape")).digest()
+        match = False
+        for digest in self.digests:
+            match |= hmac.compare_digest(offered, digest)
+        return match
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if (scope["type"] != "http" or not self.digests or not scope.get("path", "").startswith(PROTECTED_PREFIX)
+                or self.authorized(_header(scope, b"authorization"))):
+            await self.app(scope, receive, send)
+            return
+        if _header(scope, b"authorization") is None:
+            message = ("You didn't provide an API key. Provide it in the Authorization header as "
+                       "'Authorization: Bearer YOUR_KEY'.")
+        else:
+            message = "Incorrect API key provided (expected 'Authorization: Bearer YOUR_KEY' with a configured key)."
+        body = orjson.dumps(error_body(message, "invalid_request_error", None, "invalid_api_key"))
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b'Bearer realm="pdserve"')]})
+        await send({"type": "http.response.body", "body": body})
+

@@ -1,0 +1,356 @@
+"""Tool calling: validation of ``tools``/``tool_choice``, the prompt the model sees, the grammar of a forced call,
+and parsing the model's output back into OpenAI ``tool_calls``. Plain synchronous code, no I/O.
+
+Output format: Hermes-style blocks, as Qwen2.5, Hermes and SmolLM3 templates ask of their models::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+- ``tool_choice: "auto"``: the model decides; its text is parsed for such blocks (:func:`parse_tool_calls`, and
+  :class:`ToolCallStream` while streaming).
+- ``"required"``: decoding is constrained by a grammar of one block (several with ``parallel_tool_calls``) whose
+  JSON is ``{"name": <one of the tools>, "arguments": <that tool's parameters schema>}``.
+- a named function: decoding is constrained by the function's parameters schema and the whole output is the
+  arguments (as vLLM does), streamed as ``delta.tool_calls[0].function.arguments`` pieces.
+- ``"none"``: the tools are not shown to the model and nothing is parsed.
+
+The model's own chat template receives ``tools`` (and the history's ``tool_calls`` and ``tool`` messages) when it
+handles them (its source mentions ``tools``); otherwise, as for the embedded SmolLM2, the tools are described in the
+system message in the format above, assistant tool calls are written back as blocks and tool results become user
+turns in ``<tool_response>`` tags (Qwen2.5's rendering). ``--chat-template FILE`` supplies another template.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.errors import InvalidRequestError
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.S)
+MAX_TOOLS = 128
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request asked of tool calling (None on the request: no tools offered, or ``"none"``).
+
+    mode: "auto", "required" or "named". function: the forced function's name (mode "named"). parallel: more
+    than one call allowed (``parallel_tool_calls``, default true). names: every offered function's name.
+    """
+
+    mode: str
+    names: tuple[str, ...]
+    function: str | None = None
+    parallel: bool = True
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_tools(body: dict) -> tuple[list[dict] | None, ToolPlan | None]:
+    """Validate ``tools``, ``tool_choice`` and ``parallel_tool_calls``.
+
+    Returns ``(tools for the chat template or None, plan or None)``: both None when no tools are offered or
+    ``tool_choice`` is "none".
+
+    Raises:
+        InvalidRequestError: naming the field (a malformed tool, an unknown function in ``tool_choice``, ...).
+    """
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidRequestError("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    if tools is not None and not isinstance(tools, list):
+        raise InvalidRequestError("'tools' must be a list", param="tools")
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise InvalidRequestError(f"'tools' takes at most {MAX_TOOLS} functions", param="tools")
+    functions: dict[str, dict] = {}
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise InvalidRequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
+                                      param="tools")
+        fn = tool["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise InvalidRequestError(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-'",
+                                      param="tools")
+        if name in functions:
+            raise InvalidRequestError(f"tools[{i}]: the function name {name!r} is used twice", param="tools")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise InvalidRequestError(f"tools[{i}].function.description must be a string", param="tools")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise InvalidRequestError(f"tools[{i}].function.parameters must be a JSON schema object",
+                                      param="tools")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise InvalidRequestError(f"tools[{i}].function.strict must be a boolean", param="tools")
+        functions[name] = {k: fn[k] for k in ("name", "description", "parameters") if fn.get(k) is not None}
+    if choice is None:
+        choice = "auto" if functions else "none"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise InvalidRequestError("'tool_choice' must be 'none', 'auto', 'required' or "
+                                      "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+        if choice != "none" and not functions:
+            raise InvalidRequestError(f"'tool_choice' {choice!r} needs 'tools'", param="tool_choice")
+        if choice == "none":
+            return None, None
+        plan = ToolPlan(choice, tuple(functions), None, parallel is not False)
+    else:
+        name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+        if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+            raise InvalidRequestError("'tool_choice' must be 'none', 'auto', 'required' or "
+                                      "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+        if name not in functions:
+            raise InvalidRequestError(f"'tool_choice' names the function {name!r}, which is not in 'tools'",
+                                      param="tool_choice")
+        plan = ToolPlan("named", tuple(functions), name, False)
+    return [{"type": "function", "function": f} for f in functions.values()], plan
+
+
+def parameters_schema(tools: list[dict], name: str) -> dict:
+    """The parameters schema of function ``name`` (an object with no properties when it declares none)."""
+    for tool in tools:
+        if tool["function"]["name"] == name:
+            return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+    raise KeyError(name)
+
+
+def required_call_grammar(tools: list[dict], parallel: bool) -> str:
+    """The Lark grammar (llguidance dialect) of ``tool_choice: "required"``: one ``<tool_call>`` block, or
+    several separated by newlines when ``parallel``, each ``{"name": ..., "arguments": ...}`` valid for one tool."""
+    variants = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                 "properties": {"name": {"const": t["function"]["name"]},
+                                "arguments": parameters_schema(tools, t["function"]["name"])}} for t in tools]
+    schema = {"anyOf": variants} if len(variants) > 1 else dict(variants[0])
+    schema["x-guidance"] = {"whitespace_flexible": False}   # compact JSON, as for response_format
+    schema = json.dumps(schema)
+    repeat = ' ("\\n" call)*' if parallel else ""
+    return (f"start: call{repeat}\n"
+            f'call: "{TOOL_CALL_OPEN}\\n" body "\\n{TOOL_CALL_CLOSE}"\n'
+            f"body: %json {schema}\n")
+
+
+def tools_system_text(tools: list[dict]) -> str:
+    """The system-message text that offers ``tools`` to a model whose template does not (Qwen2.5's wording)."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+            f"{lines}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            f"{TOOL_CALL_OPEN}{TOOL_CALL_CLOSE} XML tags:\n{TOOL_CALL_OPEN}\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n' + TOOL_CALL_CLOSE)
+
+
+def call_block(name: str, arguments: str) -> str:
+    """One ``<tool_call>`` block as the model writes it (``arguments``: the call's JSON text)."""
+    try:
+        args: Any = json.loads(arguments)
+    except ValueError:
+        args = arguments
+    return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
+
+
+def template_messages(messages: list[dict], tools: list[dict] | None, template_has_tools: bool) -> list[dict]:
+    """The messages the chat template renders.
+
+    ``messages`` are validated chat messages (``role``, ``content`` str or None, ``tool_calls`` on an assistant,
+    ``tool_call_id`` on a tool message). A template that handles tools gets them as transformers passes them
+    (arguments parsed back to objects, as vLLM does); for any other template they are written as text.
+    """
+    if template_has_tools:
+        out = []
+        for m in messages:
+            m = dict(m)
+            if m.get("tool_calls"):
+                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _loads_or_text(
+                    c["function"]["arguments"])}} for c in m["tool_calls"]]
+            out.append(m)
+        return out
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            blocks = "\n".join(call_block(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"])
+            text = f"{m['content']}\n{blocks}" if m.get("content") else blocks
+            out.append({"role": "assistant", "content": text})
+        elif m["role"] == "tool":
+            response = f"<tool_response>\n{m['content'] or ''}\n</tool_response>"
+            if out and out[-1].get("_tool_turn"):   # consecutive results share one user turn
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response, "_tool_turn": True})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    for m in out:
+        m.pop("_tool_turn", None)
+    if tools:
+        text = tools_system_text(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{text}"}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def _loads_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _call_of(block: str) -> dict | None:
+    """``{"name", "arguments"}`` of one block's JSON, or None when it is not a call."""
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}
+
+
+def parse_tool_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
+    """Split a finished answer into (content, calls): every well-formed ``<tool_call>`` block becomes a call
+    ``{"name", "arguments"}`` (arguments as JSON text); the text around them, stripped, is the content (None if
+    empty). A block whose JSON does not parse stays in the content. Without ``parallel`` only the first call
+    is kept."""
+    calls: list[dict] = []
+    content: list[str] = []
+    pos = 0
+    for match in _BLOCK.finditer(text):
+        call = _call_of(match.group(1))
+        if call is None:
+            continue
+        content.append(text[pos:match.start()])
+        pos = match.end()
+        calls.append(call)
+    content.append(text[pos:])
+    rest = "".join(content).strip()
+    return (rest or None), (calls if parallel else calls[:1])
+
+
+class ToolCallStream:
+    """Streams an ``auto``/``required`` answer: text outside ``<tool_call>`` blocks goes out as content at once
+    (except a tail that could be the start of a block), each block goes out as one call when it closes.
+
+    ``push(text)`` and ``finish()`` return events ``("content", text)`` or ``("call", {"name", "arguments"})``.
+    ``"".join(content) `` and the calls equal :func:`parse_tool_calls` on the whole text, up to whitespace.
+    """
+
+    def __init__(self, parallel: bool = True):
+        self.parallel = parallel
+        self.buffer = ""
+        self.calls = 0
+        self.sent = False   # some content went out (leading whitespace is dropped until then)
+
+    def _content(self, text: str, events: list) -> None:
+        if not self.sent:
+            text = text.lstrip()
+        if text:
+            self.sent = True
+            events.append(("content", text))
+
+    def push(self, text: str) -> list[tuple[str, Any]]:
+        self.buffer += text
+        events: list[tuple[str, Any]] = []
+        while True:
+            start = self.buffer.find(TOOL_CALL_OPEN)
+            if start < 0:
+                # hold back what could start a block, and trailing whitespace (dropped if a block follows)
+                keep = _partial_suffix(self.buffer, TOOL_CALL_OPEN)
+                head = self.buffer[:len(self.buffer) - keep]
+                cut = len(head.rstrip())
+                self._content(head[:cut], events)
+                self.buffer = self.buffer[cut:]
+                return events
+            if start:
+                self._content(self.buffer[:start].rstrip(), events)
+                self.buffer = self.buffer[start:]
+            end = self.buffer.find(TOOL_CALL_CLOSE)
+            if end < 0:
+                return events
+            block = self.buffer[len(TOOL_CALL_OPEN):end].strip()
+            whole = self.buffer[:end + len(TOOL_CALL_CLOSE)]
+            self.buffer = self.buffer[end + len(TOOL_CALL_CLOSE):]
+            call = _call_of(block)
+            if call is None:
+                self._content(whole, events)
+            elif self.parallel or self.calls == 0:
+                self.calls += 1
+                events.append(("call", call))
+            self.buffer = self.buffer.lstrip() if call is not None else self.buffer
+
+    def finish(self) -> list[tuple[str, Any]]:
+        out, self.buffer = self.buffer.rstrip(), ""
+        events: list[tuple[str, Any]] = []
+        self._content(out, events)
+        return events
+
+
+def _partial_suffix(text: str, token: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``token``."""
+    for n in range(min(len(token) - 1, len(text)), 0, -1):
+        if text.endswith(token[:n]):
+            return n
+    return 0
+
+
+def openai_call(call: dict, index: int | None = None) -> dict:
+    """A parsed call as an OpenAI ``tool_calls`` entry (a new ``call_...`` id); with ``index``, as a streamed
+    ``delta.tool_calls`` entry."""
+    out = {"id": new_call_id(), "type": "function",
+           "function": {"name": call["name"], "arguments": call["arguments"]}}
+    return out if index is None else {"index": index, **out}
+
+
+def finished_choice(plan: ToolPlan, text: str, reason: str | None) -> tuple[str | None, list[dict], str | None]:
+    """A finished chat choice of a request with tools: ``(content, tool_calls, finish_reason)``. A named function's
+    output is its arguments; otherwise the text is parsed for ``<tool_call>`` blocks. ``finish_reason`` becomes
+    "tool_calls" when the answer ended normally ("stop") with at least one call."""
+    if plan.mode == "named":
+        content, calls = None, [{"name": plan.function, "arguments": text}]
+    else:
+        content, calls = parse_tool_calls(text, plan.parallel)
+    if calls and reason == "stop":
+        reason = "tool_calls"
+    return content, [openai_call(c) for c in calls], reason
+
+
+class ToolDeltas:
+    """One streamed chat choice of a request with tools: text deltas in, ``(content, delta_tool_calls)`` pieces out,
+    as OpenAI streams them (a named function: the first piece names it, later ones carry ``arguments`` pieces;
+    otherwise one piece per ``<tool_call>`` block, when it closes)."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.stream = None if plan.mode == "named" else ToolCallStream(plan.parallel)
+        self.calls = 0
+
+    def push(self, text: str, final: bool) -> list[tuple[str | None, list[dict] | None]]:
+        if self.stream is None:
+            if self.calls == 0:
+                self.calls = 1
+                return [(None, [openai_call({"name": self.plan.function, "arguments": text}, 0)])]
+            return [(None, [{"index": 0, "function": {"arguments": text}}])] if text else []
+        events = self.stream.push(text) + (self.stream.finish() if final else [])
+        out: list[tuple[str | None, list[dict] | None]] = []
+        for kind, value in events:
+            if kind == "content":
+                out.append((value, None))
+            else:
+                out.append((None, [openai_call(value, self.calls)]))
+                self.calls += 1
+        return out
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.calls else reason

@@ -1,0 +1,297 @@
+"""Grammar-constrained decoding (structured outputs, forced tool calls) with llguidance.
+
+A request's grammar travels on the wire as one string, the llguidance grammar (JSON text made by
+:func:`json_schema_grammar` or :func:`lark_grammar`): the API checks it on admission (a grammar the library
+rejects is a 400 there) and every actor that samples a token for the request builds a :class:`GrammarMatcher`
+from it. The matcher state is never sent: prefill masks and samples the first token, decode rebuilds the matcher
+from the grammar and the tokens generated so far (:meth:`GrammarCompiler.matcher`).
+
+Per step, for each constrained row: ``allowed_tokens`` (the llguidance token bitmask, unpacked to one bool per
+token) masks the logits in the sampler (gpu.sampling.Sampler, ``allowed=``), then ``accept(token)`` advances the
+matcher. Compiling a grammar is cached per process (LRU keyed by the grammar text; a cached matcher is
+deep-copied, which costs microseconds), so a decode step pays only for the masks (~0.3 ms per row here).
+
+Closing pressure: a sampled answer that runs into ``max_tokens`` mid-structure is cut and no longer parses. In
+the last :data:`CLOSE_WITHIN_TOKENS` tokens of a request's budget, each row's mask is narrowed to the tokens
+that close something whenever the grammar allows one of them at that point: inside a JSON string, tokens made of
+``"`` followed only by ``]``/``}``; elsewhere, tokens made only of ``]``/``}``, and EOS (the matcher tracks
+whether the output so far ends inside a string). So the JSON is closed while there is room. Where the grammar
+allows none of them (a key or a value must come first) the mask is left as the grammar has it.
+
+Library: llguidance (guidance-ai/llguidance; the Earley parser and derivative-based lexer behind
+``LLMatcher``), chosen over xgrammar for its weight (one 3 MB wheel, no dependencies; xgrammar requires
+transformers, triton and apache-tvm-ffi) and for building a grammar without a per-schema precompilation pass.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdserve.errors import InvalidRequestError
+
+log = logging.getLogger("pdserve.grammar")
+
+__all__ = ["GrammarCompiler", "GrammarMatcher", "json_schema_grammar", "lark_grammar", "batch_allowed",
+           "accept_tokens", "CLOSE_WITHIN_TOKENS", "MAX_GRAMMAR_BYTES"]
+
+CLOSE_WITHIN_TOKENS = 16      # closing pressure in the last this many tokens of max_tokens (see the docstring)
+MAX_GRAMMAR_BYTES = 32 * 1024  # a grammar travels in shm queue frames (queue_slot_bytes) with the prompt
+CACHE_ENTRIES = 64            # compiled grammars kept per process
+# JSON without optional whitespace: a small model sampled at a high temperature can otherwise emit newlines
+# and spaces until max_tokens (vLLM's --disable-any-whitespace, for the same reason).
+JSON_OPTIONS = {"whitespace_flexible": False}
+_CLOSING_BYTES = frozenset(b"]}")
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+
+
+def json_schema_grammar(schema: dict[str, Any] | None) -> str:
+    """The llguidance grammar for JSON text valid under ``schema`` (None: any JSON object, for
+    ``response_format: {"type": "json_object"}``). Compact JSON (no optional whitespace).
+
+    Raises:
+        InvalidRequestError: ``schema`` is not a JSON object (param ``response_format``). A schema with
+            unsupported or contradictory keywords is caught by :meth:`GrammarCompiler.check`.
+    """
+    import llguidance
+
+    if schema is None:
+        schema = {"type": "object"}
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"the JSON schema is not usable: {exc}", param="response_format") from None
+
+
+def lark_grammar(text: str) -> str:
+    """The llguidance grammar of a Lark grammar text (llguidance's dialect: ``%json {schema}`` embeds a schema)."""
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_lark(text)
+
+
+class GrammarMatcher:
+    """One request's grammar state: which tokens may come next, and the tokens accepted so far.
+
+    Build with :meth:`GrammarCompiler.matcher`. Not thread-safe; one per sequence.
+    """
+
+    def __init__(self, matcher, compiler: "GrammarCompiler"):
+        self._m = matcher
+        self._c = compiler
+        self._words = compiler.mask_words
+        self._in_string = False   # the output so far ends inside a JSON string (closing pressure)
+        self._escape = False
+
+    def fill_bitmask(self, row: np.ndarray, tokens_left: int | None = None) -> None:
+        """Write the allowed-token bitmask into ``row`` (``[mask_words]`` int32, bit ``t % 32`` of word
+        ``t // 32`` set = token ``t`` allowed). Always allows at least one token: EOS once the matcher is stopped
+        or in an error state."""
+        if self._m.is_error():
+            row[:] = 0
+            self._c.set_eos_bits(row)
+            return
+        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if tokens_left is not None and tokens_left <= CLOSE_WITHIN_TOKENS:
+            closing = row & (self._c.close_string_bits if self._in_string else self._c.close_bits)
+            if closing.any():
+                row[:] = closing
+        if not row.any():   # nothing allowed (should not happen): end the sequence rather than sample garbage
+            self._c.set_eos_bits(row)
+
+    def allowed_tokens(self, vocab_size: int, tokens_left: int | None = None) -> torch.Tensor:
+        """``[vocab_size]`` bool, True = the token may be sampled next (tokens past the tokenizer's: False)."""
+        return batch_allowed([self], vocab_size, [tokens_left])[0]
+
+    def mask_logits(self, logits_row: torch.Tensor, tokens_left: int | None = None) -> torch.Tensor:
+        """``logits_row`` ``[vocab]`` with the disallowed tokens at -inf (a new tensor)."""
+        allowed = self.allowed_tokens(logits_row.shape[-1], tokens_left)
+        return logits_row.masked_fill(~allowed, float("-inf"))
+
+    def accept(self, token: int) -> bool:
+        """Advance past ``token``. Returns False (and the matcher turns to its error state, whose mask is EOS
+        alone) when the grammar did not allow it."""
+        if self._m.is_stopped():
+            return token in self._c.eos_ids
+        ok = self._m.consume_token(int(token))
+        if not ok:
+            log.warning("grammar rejected token %d: %s", token, self._m.get_error())
+        self._scan(self._c.token_bytes[token] if 0 <= token < len(self._c.token_bytes) else b"")
+        return ok
+
+    def _scan(self, raw: bytes) -> None:
+        """Follow JSON string boundaries (quotes, backslash escapes) through the output's bytes."""
+        for b in raw:
+            if self._escape:
+                self._escape = False
+            elif self._in_string and b == _BACKSLASH:
+                self._escape = True
+            elif b == _QUOTE:
+                self._in_string = not self._in_string
+
+    def is_terminated(self) -> bool:
+        """True when the grammar is complete and nothing but EOS can follow (or the matcher failed)."""
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self._m.get_error()
+
+
+class GrammarCompiler:
+    """Per-process grammar compiler: the llguidance tokenizer view of the served model, and an LRU cache of
+    compiled grammars.
+
+    Args:
+        model_path: GGUF file or HF directory of the served model ("" or None: the embedded default); its
+            tokenizer is loaded on first use (about a second), or ahead of time by :meth:`warm_up` in a thread.
+        tokenizer: an already loaded gpu.tokenizer.Tokenizer (the API process has one); replaces model_path.
+    """
+
+    def __init__(self, model_path: str | None = None, tokenizer=None):
+        self._model_path = model_path or None
+        self._tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self._ll = None
+        self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    # ---- the tokenizer view, loaded once ---------------------------------------------------------------
+    def warm_up(self, background: bool = True) -> None:
+        """Load the tokenizer view now (in a daemon thread when ``background``), so the first constrained
+        request does not wait for it on the actor's loop."""
+        if background:
+            threading.Thread(target=self._load, name="grammar-warm-up", daemon=True).start()
+        else:
+            self._load()
+
+    def _load(self):
+        with self._lock:
+            if self._ll is None:
+                import llguidance
+
+                from gpu.tokenizer import Tokenizer
+
+                tok = self._tokenizer or Tokenizer.load(self._model_path)
+                ll = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=tok.vocab_size,
+                                            eos_token=list(tok.eos_token_ids))
+                self.vocab_size = ll.vocab_size
+                self.mask_words = (ll.vocab_size + 31) // 32
+                self.eos_ids = frozenset(int(t) for t in ll.eos_tokens)
+                self.token_bytes = [ll.decode_bytes([t]) for t in range(ll.vocab_size)]
+                close = np.zeros(self.mask_words * 32, dtype=bool)       # ]}-only tokens and EOS
+                close_string = np.zeros(self.mask_words * 32, dtype=bool)  # " then ]}-only
+                for t, raw in enumerate(self.token_bytes):
+                    if raw and _CLOSING_BYTES.issuperset(raw):
+                        close[t] = True
+                    elif raw[:1] == b'"' and _CLOSING_BYTES.issuperset(raw[1:]):
+                        close_string[t] = True
+                close[list(self.eos_ids)] = True
+                self.close_bits = np.packbits(close, bitorder="little").view(np.int32).copy()
+                self.close_string_bits = np.packbits(close_string, bitorder="little").view(np.int32).copy()
+                self._ll = ll
+            return self._ll
+
+    def set_eos_bits(self, row: np.ndarray) -> None:
+        words = row.view(np.uint32)
+        for t in self.eos_ids:
+            words[t // 32] |= np.uint32(1 << (t % 32))
+
+    # ---- compiling -------------------------------------------------------------------------------------
+    def _compiled(self, grammar: str):
+        import llguidance
+
+        ll = self._load()
+        with self._lock:
+            cached = self._cache.get(grammar)
+            if cached is not None:
+                self._cache.move_to_end(grammar)
+                return cached
+        matcher = llguidance.LLMatcher(ll, grammar, log_level=0)   # drops the GIL while it builds
+        if matcher.is_error():
+            raise InvalidRequestError(f"the grammar cannot be compiled: {matcher.get_error()}",
+                                      param="response_format")
+        with self._lock:
+            self._cache[grammar] = matcher
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return matcher
+
+    def check(self, grammar: str, param: str = "response_format") -> None:
+        """Compile ``grammar`` (cached), so an unusable one is refused before admission.
+
+        Raises:
+            InvalidRequestError: the grammar is over MAX_GRAMMAR_BYTES or the library rejects it (``param``
+                names the request field it came from).
+        """
+        if len(grammar) > MAX_GRAMMAR_BYTES:
+            raise InvalidRequestError(f"the grammar made from '{param}' has {len(grammar)} bytes; the limit is "
+                                      f"{MAX_GRAMMAR_BYTES}", param=param)
+        try:
+            self._compiled(grammar)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"'{param}' cannot be used for constrained decoding: {exc.message}",
+                                      param=param) from None
+
+    def matcher(self, grammar: str, tokens: Sequence[int] = ()) -> GrammarMatcher:
+        """A fresh matcher for ``grammar`` that has accepted ``tokens`` (the output so far: decode rebuilds the
+        state prefill had after its first token this way).
+
+        Never raises: the API checked the grammar on admission; should the library still reject it here, the
+        matcher is in its error state, which allows EOS alone (the sequence ends at once), and a line is logged.
+        """
+        try:
+            compiled = self._compiled(grammar).deep_copy()
+        except InvalidRequestError as exc:
+            import llguidance
+
+            log.error("a request's grammar does not compile in this actor: %s", exc.message)
+            compiled = llguidance.LLMatcher(self._load(), grammar, log_level=0)
+        m = GrammarMatcher(compiled, self)
+        for token in tokens:
+            m.accept(token)
+        return m
+
+
+def batch_allowed(matchers: Sequence[GrammarMatcher | None], vocab_size: int,
+                  tokens_left: Sequence[int | None] | None = None) -> torch.Tensor | None:
+    """The allowed-token masks of a batch: ``[B, vocab_size]`` bool (rows without a matcher: all True), or None
+    when no row has a matcher (the sampler then skips masking).
+
+    Args:
+        matchers: ``B`` matchers or None.
+        vocab_size: the logits' last dimension (tokens past the tokenizer's vocabulary are never allowed).
+        tokens_left: ``B`` remaining token budgets (max_tokens minus tokens generated), for closing pressure.
+    """
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return None
+    first = matchers[rows[0]]
+    words = first._words
+    bits = np.full((len(matchers), words), -1, dtype=np.int32)   # all allowed
+    for i in rows:
+        matchers[i].fill_bitmask(bits[i], None if tokens_left is None else tokens_left[i])
+    unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little").view(bool)  # [B, words * 32]
+    allowed = torch.from_numpy(unpacked)
+    width = words * 32
+    if vocab_size <= width:
+        allowed = allowed[:, :vocab_size]
+        for i in rows:   # bits past the tokenizer's vocabulary were not written by llguidance: clear them
+            allowed[i, first._c.vocab_size:] = False
+        return allowed
+    out = torch.zeros((len(matchers), vocab_size), dtype=torch.bool)
+    out[:, :width] = allowed
+    unconstrained = [i for i, m in enumerate(matchers) if m is None]
+    out[unconstrained] = True
+    return out
+
+
+def accept_tokens(matchers: Sequence[GrammarMatcher | None], tokens: Sequence[int]) -> None:
+    """Advance each row's matcher past the token sampled for it (rows without a matcher are skipped)."""
+    for m, t in zip(matchers, tokens):
+        if m is not None:
+            m.accept(int(t))

@@ -1,0 +1,84 @@
+"""API keys in the config (flags, env, key file; never shown), the bearer check, --chat-template validation, and
+the default served model name."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from api.middleware import ApiKeyMiddleware
+from gpu.model_files import model_file_name
+from pdserve.config import add_arguments, api_keys, load_config, redacted
+from pdserve.errors import ConfigError
+
+
+def flags(*argv: str) -> dict:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return vars(parser.parse_args(argv))
+
+
+def test_keys_come_from_repeated_flags_the_env_and_a_key_file(tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text("# team keys\nsk-file-1\n\n  sk-file-2  \n")
+    loaded = load_config(flags("--api-key", "sk-a", "--api-key", "sk-b,sk-c", "--api-key-file", str(key_file)), env={})
+    assert api_keys(loaded.config) == ("sk-a", "sk-b", "sk-c", "sk-file-1", "sk-file-2")
+    assert api_keys(load_config({}, env={"PDSERVE_API_KEY": "k1,k2"}).config) == ("k1", "k2")
+    assert api_keys(load_config({}, env={}).config) == ()
+
+
+def test_a_missing_or_empty_key_file_stops_start_up(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config({"api_key_file": str(tmp_path / "nope")}, env={})
+    assert err.value.param == "api_key_file"
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing\n\n")
+    with pytest.raises(ConfigError, match="holds no key"):
+        load_config({"api_key_file": str(empty)}, env={})
+
+
+def test_keys_are_never_shown_in_the_effective_config_or_the_help():
+    loaded = load_config(flags("--api-key", "sk-secret-1", "--api-key", "sk-secret-2"), env={})
+    shown = redacted(loaded.config)
+    assert shown["api_key"] == "<2 hidden>" and "sk-secret" not in repr(shown)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert "sk-secret" not in parser.format_help()
+
+
+@pytest.mark.parametrize("header,ok", [
+    ("Bearer sk-right", True), ("bearer  sk-right ", True), ("Bearer sk-other", True),
+    (None, False), ("", False), ("Bearer", False), ("Bearer ", False), ("sk-right", False), ("Basic sk-right", False),
+    ("Bearer sk-wrong", False), ("Bearer sk-righ", False), ("Bearer sk-right-and-more", False),
+    ("Bearer " + "x" * 5000, False),
+])
+def test_the_bearer_check_accepts_exactly_the_configured_keys(header, ok):
+    assert ApiKeyMiddleware(None, ["sk-right", "sk-other"]).authorized(header) is ok
+
+
+def test_a_chat_template_file_that_does_not_compile_or_exist_stops_start_up(tmp_path):
+    from actors.supervisor import check_chat_template
+
+    with pytest.raises(ConfigError) as err:
+        load_config({"chat_template": str(tmp_path / "missing.jinja")}, env={})
+    assert err.value.param == "chat_template"
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    assert load_config({"chat_template": str(bad)}, env={}).config.chat_template == str(bad)
+    with pytest.raises(ConfigError) as err:   # what plan_layout checks before anything starts
+        check_chat_template(str(bad))
+    assert err.value.param == "chat_template" and "compile" in err.value.message
+    good = tmp_path / "good.jinja"
+    good.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    check_chat_template(str(good))
+
+
+@pytest.mark.parametrize("path,name", [
+    (None, "SmolLM2-135M-Instruct"),
+    ("/m/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+    ("/m/Meta-Llama-3-8B-Instruct-Q4_K_M.gguf", "Meta-Llama-3-8B-Instruct"),
+    ("/m/qwen2.5-0.5b-instruct-fp16.gguf", "qwen2.5-0.5b-instruct"),
+    ("/m/tiny.gguf", "tiny"),
+])
+def test_the_default_served_name_is_the_model_files_own_name(path, name):
+    assert model_file_name(path) == name

@@ -1,0 +1,156 @@
+"""Grammar-constrained sampling (gpu/grammar.py) with the embedded model's real tokenizer and synthetic logits:
+whatever the logits say, what the sampler picks under the mask parses and validates."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from gpu.grammar import (CLOSE_WITHIN_TOKENS, GrammarCompiler, accept_tokens, batch_allowed, json_schema_grammar,
+                         lark_grammar)
+from gpu.sampling import Sampler, SamplingParams, make_generator
+from pdserve.errors import InvalidRequestError
+
+PERSON = {
+    "type": "object", "additionalProperties": False, "required": ["name", "age", "color", "tags", "address"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "address": {"type": "object", "required": ["city"], "additionalProperties": False,
+                    "properties": {"city": {"type": "string", "maxLength": 12}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def compiler(tok) -> GrammarCompiler:
+    c = GrammarCompiler(tokenizer=tok)
+    c.warm_up(background=False)
+    return c
+
+
+def generate(compiler, tok, grammar: str, logits_of, rows: int, max_tokens: int, seed: int = 0) -> list[str]:
+    """Sample ``rows`` sequences at once under ``grammar`` the way the decode actor does (batch_allowed ->
+    Sampler(allowed=) -> accept_tokens), with logits from ``logits_of(step)`` ``[rows, vocab]``."""
+    params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=max_tokens) for i in range(rows)]
+    gens = [make_generator(p.seed) for p in params]
+    matchers = [compiler.matcher(grammar) for _ in range(rows)]
+    out: list[list[int]] = [[] for _ in range(rows)]
+    done = [False] * rows
+    for step in range(max_tokens):
+        live = [i for i in range(rows) if not done[i]]
+        if not live:
+            break
+        logits = logits_of(step)[live]
+        allowed = batch_allowed([matchers[i] for i in live], logits.shape[-1], [max_tokens - step] * len(live))
+        tokens = Sampler().sample(logits, [params[i] for i in live], [gens[i] for i in live], None, allowed)
+        accept_tokens([matchers[i] for i in live], tokens)
+        for i, t in zip(live, tokens):
+            if t in tok.eos_token_ids:
+                done[i] = True
+                continue
+            out[i].append(t)
+            done[i] = matchers[i].is_terminated()
+    return [tok.decode(ids) for ids in out]
+
+
+def test_whatever_the_logits_every_sampled_answer_validates_against_the_schema(compiler, tok):
+    grammar = json_schema_grammar(PERSON)
+    noise = torch.Generator().manual_seed(7)
+    texts = generate(compiler, tok, grammar, lambda step: torch.randn(8, tok.vocab_size, generator=noise) * 4,
+                     rows=8, max_tokens=120)
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(texts)) > 4   # really sampled, not one forced answer
+
+
+def test_closing_pressure_ends_an_unbounded_json_object_inside_max_tokens(compiler, tok):
+    """Logits that favour opening brackets and long strings: without closing pressure no object would close in
+    40 tokens; with it every answer is a complete JSON object."""
+    grammar = json_schema_grammar(None)
+    vocab = tok.vocab_size
+    bias = torch.zeros(vocab)
+    for piece in ("[", "{", "[{", '{"', "a", "abc", " the", ":"):
+        for t in tok.encode(piece):
+            bias[t] = 8.0
+    noise = torch.Generator().manual_seed(3)
+    texts = generate(compiler, tok, grammar, lambda step: torch.randn(8, vocab, generator=noise) + bias,
+                     rows=8, max_tokens=40)
+    for text in texts:
+        assert isinstance(json.loads(text), dict), text
+
+
+def test_closing_pressure_closes_an_open_string_with_a_quote(compiler, tok):
+    grammar = json_schema_grammar({"type": "object", "properties": {"a": {"type": "string"}}})
+    ids = tok.encode('{"a":"xyz')
+    m = compiler.matcher(grammar, ids)
+    relaxed = m.allowed_tokens(tok.vocab_size, tokens_left=CLOSE_WITHIN_TOKENS + 1)
+    pressed = m.allowed_tokens(tok.vocab_size, tokens_left=CLOSE_WITHIN_TOKENS)
+    assert relaxed.sum() > 1000
+    pieces = {tok.decode([t]) for t in pressed.nonzero().flatten().tolist()}
+    assert pieces and all(p.startswith('"') and set(p[1:]) <= set("]}") for p in pieces), pieces
+
+
+def test_a_matcher_rebuilt_from_the_tokens_so_far_allows_what_the_stepped_one_allows(compiler, tok):
+    grammar = json_schema_grammar(PERSON)
+    ids = tok.encode('{"name":"Ann","age":41,"color":"gr')
+    stepped = compiler.matcher(grammar)
+    for t in ids:
+        assert stepped.accept(t)
+    rebuilt = compiler.matcher(grammar, ids)
+    assert torch.equal(stepped.allowed_tokens(tok.vocab_size), rebuilt.allowed_tokens(tok.vocab_size))
+    allowed = {tok.decode([t]) for t in rebuilt.allowed_tokens(tok.vocab_size).nonzero().flatten().tolist()}
+    assert "een" in allowed and "ay" not in allowed
+
+
+def test_a_complete_answer_terminates_and_then_allows_only_eos(compiler, tok):
+    grammar = json_schema_grammar({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                   "additionalProperties": False})
+    m = compiler.matcher(grammar, tok.encode('{"ok":true}'))
+    assert m.is_terminated()
+    assert m.allowed_tokens(tok.vocab_size).nonzero().flatten().tolist() == list(tok.eos_token_ids)
+
+
+def test_a_rejected_token_leaves_eos_as_the_only_choice(compiler, tok):
+    m = compiler.matcher(json_schema_grammar(None))
+    assert not m.accept(tok.encode("hello")[0])
+    assert m.allowed_tokens(tok.vocab_size).nonzero().flatten().tolist() == list(tok.eos_token_ids)
+
+
+def test_a_schema_the_library_rejects_is_an_error_naming_the_field(compiler):
+    with pytest.raises(InvalidRequestError) as err:
+        compiler.check(json_schema_grammar({"type": "object", "properties": {"a": {"type": "strng"}}}))
+    assert err.value.param == "response_format" and "strng" in err.value.message
+    with pytest.raises(InvalidRequestError) as err:
+        compiler.check(lark_grammar("start: undefined_rule"), param="tool_choice")
+    assert err.value.param == "tool_choice"
+
+
+def test_batch_masks_leave_unconstrained_rows_alone_and_forbid_ids_past_the_tokenizer(compiler, tok):
+    m = compiler.matcher(json_schema_grammar(None))
+    assert batch_allowed([None, None], tok.vocab_size) is None
+    allowed = batch_allowed([None, m], tok.vocab_size + 64)
+    assert allowed.shape == (2, tok.vocab_size + 64)
+    assert bool(allowed[0].all())
+    assert not bool(allowed[1, tok.vocab_size:].any())
+    assert allowed[1].nonzero().flatten().tolist() == [t for t in range(tok.vocab_size)
+                                                       if tok.decode([t]).strip().startswith("{")
+                                                       and bool(allowed[1, t])]
+
+
+def test_the_sampler_only_picks_allowed_tokens_and_refuses_an_empty_mask():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    allowed = torch.zeros(3, 50, dtype=torch.bool)
+    allowed[0, 7] = allowed[1, [3, 4]] = allowed[2, 49] = True
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, seed=1),
+              SamplingParams(temperature=1.0, top_k=2)]
+    for _ in range(20):
+        tokens = Sampler().sample(logits, params, [None, make_generator(1), None], None, allowed)
+        assert tokens[0] == 7 and tokens[1] in (3, 4) and tokens[2] == 49
+    allowed[2] = False
+    with pytest.raises(ValueError, match="no allowed token"):
+        Sampler().sample(logits, params, [None] * 3, None, allowed)
