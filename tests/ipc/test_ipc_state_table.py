@@ -178,7 +178,9 @@ def test_counts_and_live_slots_match_the_rows(table):
     assert table.snapshot().dtype == ROW_DTYPE and ROW_DTYPE.itemsize == 128
 
 
-def test_count_by_state_over_10000_rows_is_fast(name):
+def test_count_by_state_and_live_slots_over_10000_rows_match_the_rows(name):
+    """Correctness at the monitor's scale; the timings are printed, not asserted (speed claims live in
+    tools/bench_ipc, measured against a baseline in the same run)."""
     t = StateTable.create(name("big"), 10_000)
     try:
         rng = np.random.default_rng(0)
@@ -186,10 +188,11 @@ def test_count_by_state_over_10000_rows_is_fast(name):
         t.rows["state"][:] = states  # direct fill: the test is about reading
         best = min(_timed(t.count_by_state) for _ in range(20))
         print(f"\ncount_by_state over 10,000 rows: {best * 1e6:.0f} us (best of 20)")
-        counts = t.count_by_state()
-        assert counts == {s: int((states == s).sum()) for s in S}
+        assert t.count_by_state() == {s: int((states == s).sum()) for s in S}
         best_live = min(_timed(t.live_slots) for _ in range(20))
         print(f"live_slots over 10,000 rows: {best_live * 1e6:.0f} us (best of 20)")
+        live = np.isin(states, [int(s) for s in LIVE_STATES])
+        assert t.live_slots() == np.flatnonzero(live).tolist() and 0 < live.sum() < 10_000
     finally:
         t.close()
         t.unlink()
