@@ -68,7 +68,9 @@ class EngineProcess:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM, wait, SIGKILL as a last resort; then sweep the engine's segments. Returns the exit code."""
+        """SIGTERM, wait up to ``timeout_s``, SIGKILL as a last resort; returns the exit code. Sweeps nothing:
+        segments and child processes the engine left behind stay, for the caller to check (``cleanup_engine``
+        sweeps them)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -176,6 +178,57 @@ class EngineProbe:
     def free_blocks(self) -> dict[str, tuple[int, int]]:
         return {r["name"]: (int(r["kv_blocks_free"]), int(r["kv_blocks_total"])) for r in self.actors.rows()
                 if int(r["kv_blocks_total"])}
+
+
+@dataclass
+class RowTrace:
+    """What polling the state table saw of one request's rows (the first, if it has several), by state:
+    ``first[state]`` the row as first seen in that state, ``last_seen_ns[state]`` the monotonic ns of the last
+    poll that still saw it there."""
+
+    request_id: str
+    first: dict[int, dict] = field(default_factory=dict)
+    last_seen_ns: dict[int, int] = field(default_factory=dict)
+
+    def since_ns(self, state: int) -> int:
+        """The row's own ``state_since_ns`` stamp for ``state``; AssertionError if it was never seen there."""
+        assert state in self.first, f"{self.request_id} was never seen in state {state} (seen: {sorted(self.first)})"
+        return int(self.first[state]["state_since_ns"])
+
+    def created_ns(self) -> int:
+        assert self.first, f"no row of {self.request_id} was ever seen in the state table"
+        return int(next(iter(self.first.values()))["created_ns"])
+
+
+def send_and_trace(probe: "EngineProbe", request_id: str, send, timeout_s: float = 120.0,
+                   interval_s: float = 0.005, on_poll=None):
+    """Run ``send()`` (which sends request ``request_id``) in a thread and poll the state table for its rows
+    until it returns, calling ``on_poll()`` (if given) at each poll. Returns ``(send's result, monotonic ns
+    when it returned, RowTrace)``: deadlines are measured from the row's own stamps, so time queued on a
+    loaded machine does not count."""
+    import concurrent.futures
+
+    trace = RowTrace(request_id)
+
+    def timed():
+        result = send()
+        return result, time.monotonic_ns()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(timed)
+        deadline = time.monotonic() + timeout_s
+        while not future.done() and time.monotonic() < deadline:
+            rows = probe.rows_with_id(request_id)
+            now_ns = time.monotonic_ns()
+            if rows:
+                state = int(rows[0]["state"])
+                trace.first.setdefault(state, rows[0])
+                trace.last_seen_ns[state] = now_ns
+            if on_poll is not None:
+                on_poll()
+            time.sleep(interval_s)
+        result, answered_ns = future.result(timeout=timeout_s)
+    return result, answered_ns, trace
 
 
 def scrape(base_url: str) -> dict[str, float]:

@@ -91,7 +91,7 @@ def _shm_echo(in_name: str, out_name: str, n: int, ready, start) -> None:
     qi, qo = ShmQueue.attach(in_name), ShmQueue.attach(out_name)
     _child_ready(ready, start)
     for _ in range(n):
-        qo.put(qi.get(timeout_s=30), timeout_s=30)
+        qo.put(_delivered(qi.get(timeout_s=30)), timeout_s=30)
     qi.close()
     qo.close()
 
@@ -134,10 +134,27 @@ def _spawn(ctx, target, *args):
 
 
 def _join(p) -> None:
+    """Join a contender's child; RuntimeError unless it exited 0 (a child that failed failed the run)."""
     p.join(30)
     if p.is_alive():
         p.kill()
         p.join(5)
+    if p.exitcode != 0:
+        raise RuntimeError(f"{p.name} exited with {p.exitcode}")
+
+
+def _kill(p) -> None:
+    """After a failed run: kill and join a child still alive (None = never started)."""
+    if p is not None and p.is_alive():
+        p.kill()
+        p.join(5)
+
+
+def _delivered(message):
+    """``message`` as ShmQueue.get returned it; RuntimeError if it is None (nothing arrived in time)."""
+    if message is None:
+        raise RuntimeError("a ShmQueue message did not arrive within 30 s: lost")
+    return message
 
 
 def throughput(ctx, kind: str, nbytes: int, n: int) -> float:
@@ -149,15 +166,17 @@ def throughput(ctx, kind: str, nbytes: int, n: int) -> float:
     if kind in SHM_KINDS:
         q = ShmQueue.create(naming.segment_name(naming.new_engine_id(), "bq"), num_slots=QUEUE_SLOTS,
                             slot_bytes=slot_bytes, mode=SHM_KINDS[kind])
+        p = None
         try:
             p, start = _spawn(ctx, _shm_producer, q.name, n, nbytes)
             start.set()
             t0 = time.perf_counter()
             for _ in range(n):
-                q.get(timeout_s=30)
+                _delivered(q.get(timeout_s=30))
             dt = time.perf_counter() - t0
             _join(p)
         finally:
+            _kill(p)
             q.close()
             q.unlink()
     elif kind == "mp.Queue":
@@ -210,12 +229,14 @@ def round_trips(ctx, kind: str, nbytes: int, n: int) -> list[float]:
                              mode=SHM_KINDS[kind])
         qb = ShmQueue.create(naming.segment_name(eid, "pb"), num_slots=QUEUE_SLOTS, slot_bytes=slot_bytes,
                              mode=SHM_KINDS[kind])
+        p = None
         try:
             p, start = _spawn(ctx, _shm_echo, qa.name, qb.name, n)
             start.set()
-            out = _ping_pong(lambda: qa.put(msg, timeout_s=30), lambda: qb.get(timeout_s=30), n)
+            out = _ping_pong(lambda: qa.put(msg, timeout_s=30), lambda: _delivered(qb.get(timeout_s=30)), n)
             _join(p)
         finally:
+            _kill(p)
             for q in (qa, qb):
                 q.close()
                 q.unlink()

@@ -537,13 +537,19 @@ def build_sessions(args, tokenizer) -> list[Session]:
                                   tokenizer, num_rounds=args.num_rounds or 1)
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, normalised: ``base_url`` without a trailing ``/`` or ``/v1``, ``headers`` a dict."""
     args = build_parser().parse_args(argv)
     args.base_url = args.base_url.rstrip("/")
     if args.base_url.endswith("/v1"):
         args.base_url = args.base_url[:-3]
     args.headers = dict(h.split(":", 1) for h in args.header)
     args.headers = {k.strip(): v.strip() for k, v in args.headers.items()}
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
     ps = [float(p) for p in args.percentiles.split(",") if p.strip()]
     tokenizer = load_tokenizer(args.tokenizer)
     sessions = build_sessions(args, tokenizer)

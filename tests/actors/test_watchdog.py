@@ -86,7 +86,9 @@ def test_vectorized_scan_of_ten_thousand_rows_finds_exactly_the_expired_ones():
     table["state"][::1000] = int(S.TRANSFERRING)
     table["state_since_ns"][::1000] = 95 * S_NS
     table["last_progress_ns"][::1000] = 95 * S_NS   # transitions stamp both; no block arrived since
-    assert [e.slot for e in find_expired(table, 101 * S_NS, CONFIG)] == list(range(0, 10_000, 1000))
+    expired = find_expired(table, 101 * S_NS, CONFIG)
+    assert [(e.slot, e.stage, e.reason) for e in expired] == [(slot, S.TRANSFERRING, "stage_deadline")
+                                                              for slot in range(0, 10_000, 1000)]
 
 
 def test_a_gauge_is_stuck_only_while_nothing_leaves_its_stage():

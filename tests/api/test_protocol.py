@@ -1,6 +1,7 @@
 """RequestParser with the real tokenizer: every parameter validated, unsupported values named, never ignored."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -52,7 +53,18 @@ def test_a_plain_chat_and_completion_parse_with_defaults(parser):
     ("max_completion_tokens", 4), ("stream_options", None),
 ])
 def test_neutral_values_of_unsupported_chat_parameters_are_accepted(parser, name, value):
-    parser.chat(chat_body(**{name: value}))
+    got, plain = parser.chat(chat_body(**{name: value})), parser.chat(chat_body())
+    if name == "max_completion_tokens":   # not neutral: it is max_tokens' newer name
+        assert got.sampling.max_tokens == value != plain.sampling.max_tokens
+        got = dataclasses.replace(got, sampling=dataclasses.replace(got.sampling,
+                                                                    max_tokens=plain.sampling.max_tokens))
+    assert same_request(got, plain)
+
+
+def same_request(a, b) -> bool:
+    """Equal in everything but the generated request id and creation time."""
+    ignored = {"request_id": "", "created": 0}
+    return dataclasses.replace(a, **ignored) == dataclasses.replace(b, **ignored)
 
 
 @pytest.mark.parametrize("name,value", [
@@ -75,7 +87,8 @@ def test_echo_with_logprobs_asks_for_the_prompts_logprobs_too(parser):
 
 
 def test_echo_false_and_best_of_one_are_accepted(parser):
-    parser.completion(completion_body(echo=False, best_of=1, suffix=None, logprobs=None))
+    got = parser.completion(completion_body(echo=False, best_of=1, suffix=None, logprobs=None))
+    assert same_request(got, parser.completion(completion_body())) and got.echo_text is None
 
 
 def test_penalties_logprobs_n_and_echo_reach_the_request(parser):
@@ -112,7 +125,7 @@ def test_a_huge_integer_read_as_a_float_is_reported_as_out_of_range(parser):
 def test_top_logprobs_needs_logprobs_true(parser):
     rejected(parser.chat, chat_body(top_logprobs=2), "top_logprobs")
     rejected(parser.chat, chat_body(logprobs=False, top_logprobs=2), "top_logprobs")
-    parser.chat(chat_body(top_logprobs=0))
+    assert parser.chat(chat_body(top_logprobs=0)).sampling.logprobs is None
     rejected(parser.completion, completion_body(logprobs=21), "logprobs")
 
 

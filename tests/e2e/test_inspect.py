@@ -34,8 +34,9 @@ def test_a_pinned_transfer_is_shown_growing_then_gone_after_the_monitor_aborts_i
             rows = [r for r in snap["requests"] if r["request_id"] == "stuck-inspect"]
             if rows:
                 seen.append(rows[0]["age_in_stage_s"] if rows[0]["stage"] == "transfer" else None)
-            return code == 1 and rows and rows[0]["stage"] == "transfer" and snap["gauges"]
-        wait_until(pinned_and_stuck, 30, 0.05, "inspect to show the pinned request as stuck")
+            inflight = [g for g in snap["gauges"] if g["name"] == "prefill_inflight"]
+            return code == 1 and rows and rows[0]["stage"] == "transfer" and inflight and inflight[0]["stuck"]
+        wait_until(pinned_and_stuck, 30, 0.05, "inspect to show the pinned request and prefill_inflight stuck")
         ages = [a for a in seen if a is not None]
         assert len(ages) >= 2 and ages == sorted(ages) and ages[-1] > ages[0], seen
         response = future.result(timeout=60)
@@ -84,5 +85,11 @@ def test_inspect_never_writes_to_the_engine(fault_engine):
             view.state.update(0, 0, output_tokens=1)
         with pytest.raises(ValueError, match="read-only"):
             view.status.rec["watchdog_ticks"] = 0
+        before = view.actors.row(0)
+        with pytest.raises(PermissionError):
+            view.actors.set(0, pid=1)
+        with pytest.raises(ValueError):
+            view.actors.beat(0)
+        assert view.actors.row(0)["pid"] == before["pid"] != 1
     finally:
         view.close()

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from ipc.state_table import RequestState as S
-from tests.conftest import QUEUE_GAUGES, assert_recovered, scrape, wait_until
+from tests.conftest import QUEUE_GAUGES, assert_recovered, scrape, send_and_trace, wait_until
 from tests.e2e.conftest import (BOOTSTRAP_TIMEOUT_S, HANG_TIMEOUT_S, HTTP_SLACK_S, INFLIGHT_TIMEOUT_S,
                                 PREFILL_TIMEOUT_S, TICK_S)
 
@@ -37,20 +37,13 @@ def complete(engine, request_id: str, prompt: str = "Tell me a story about a rob
 
 
 def complete_timed_from_stage(engine, probe, request_id: str, state: int, **kwargs) -> tuple[httpx.Response, float]:
-    """Send a request; return its response and the seconds from its row entering ``state`` to the answer
-    (the deadline counts from there; time spent queued or prefilling on a loaded machine does not)."""
-    import concurrent.futures
-
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        future = pool.submit(complete, engine, request_id, **kwargs)
-
-        def entered():
-            rows = [r for r in probe.rows_with_id(request_id) if r["state"] == state]
-            return rows[0]["state_since_ns"] if rows else None
-        since_ns = wait_until(lambda: entered() or future.done(), 60, 0.01, f"{request_id} to reach state {state}")
-        response, _ = future.result(timeout=120)
-    assert since_ns is not True, f"{request_id} never reached state {state}: {response.text}"
-    return response, (time.monotonic_ns() - since_ns) / 1e9
+    """Send a request; return its response and the seconds from its row entering ``state`` (the row's own stamp)
+    to the answer (the deadline counts from there; time spent queued or prefilling on a loaded machine does not).
+    AssertionError if the row was never seen in ``state``."""
+    (response, _), answered_ns, trace = send_and_trace(probe, request_id, lambda: complete(engine, request_id,
+                                                                                           **kwargs))
+    assert state in trace.first, f"{request_id} never reached state {state}: {response.text}"
+    return response, (answered_ns - trace.since_ns(state)) / 1e9
 
 
 def test_idle_pinned_transfer_fails_within_timeout_plus_one_tick(engine, probe):
@@ -139,24 +132,28 @@ def test_s1_transfer_in_progress_forever_errors_naming_the_stage_and_prefill_doe
 
 
 def test_s1_transfer_reporting_an_unknown_status_fails_naming_the_stage(engine, probe):
-    response, elapsed = complete(engine, "unknown-s1")
+    (response, _), answered_ns, trace = send_and_trace(probe, "unknown-s1", lambda: complete(engine, "unknown-s1"))
     assert response.status_code == 503, response.text
     message = response.json()["error"]["message"]
     assert "stage transfer" in message and "unknown status" in message
-    assert elapsed <= INFLIGHT_TIMEOUT_S + TICK_S + 5  # failed at once, never later than the deadline
+    # failed at once: from the row's creation (before its transfer began) to the answer is less than the
+    # transfer deadline alone, so it was not the deadline that failed it
+    assert (answered_ns - trace.created_ns()) / 1e9 < INFLIGHT_TIMEOUT_S, trace.first
     assert_recovered(engine, probe)
 
 
-def _transports() -> list[str]:
-    from ipc.kv_transport import known_transports
+def engine_transports() -> tuple[str, ...]:
+    """The KV transports the engine can be configured with (``kv_transport``'s choices)."""
+    from pdserve.config import EngineConfig
 
-    return list(known_transports())
+    return tuple(EngineConfig.__dataclass_fields__["kv_transport"].metadata["choices"])
 
 
-@pytest.mark.parametrize("transport", _transports())
+@pytest.mark.parametrize("transport", engine_transports())
 def test_s2_decode_never_registers_fails_at_the_bootstrap_deadline(engine, probe, transport):
-    if transport != "cpu-shm":  # the deadline lives in the shared layer; each transport gets this scenario
-        pytest.skip(f"{transport} needs its device (see the GPU tests)")
+    """Against every transport the engine can run (the cuda-ipc transport is not an engine choice yet; its own
+    tests are in tests/gpu/test_cuda_ipc.py, gated on CUDA)."""
+    assert transport == "cpu-shm", f"the fault engine runs cpu-shm: give {transport} an S2 engine of its own"
     response, elapsed = complete_timed_from_stage(engine, probe, "silent-s2", S.BOOTSTRAP)
     assert response.status_code == 504, response.text
     assert "stage bootstrap" in response.json()["error"]["message"]
@@ -165,23 +162,22 @@ def test_s2_decode_never_registers_fails_at_the_bootstrap_deadline(engine, probe
 
 
 def test_s3_full_pool_then_silence_all_abort_then_a_probe_succeeds(engine, probe):
-    free, total = probe.free_blocks()["prefill0"]
-    prompt = "word " * 120  # ~ 121 tokens = 8 blocks of 16
-    n = total // 8
-
-    async def fill():
-        async with httpx.AsyncClient(timeout=60) as client:
-            async def one(i):
-                start = time.monotonic()
-                r = await client.post(engine.base_url + "/v1/completions", headers={"X-Request-Id": f"stuck-s3-{i}"},
-                                      json={"prompt": prompt, "max_tokens": 4})
-                return r.status_code, time.monotonic() - start
-            return await asyncio.gather(*(one(i) for i in range(n)))
-
-    results = asyncio.run(fill())
-    assert all(code in (503, 504) for code, _ in results), results
-    # requests queued behind the full pools start their own stage clock later; none waits for new traffic
-    assert max(t for _, t in results) <= 2 * (INFLIGHT_TIMEOUT_S + BOOTSTRAP_TIMEOUT_S) + 2 * TICK_S + 2
+    """One request whose choices take the whole decode pool (each choice reserves its own blocks, and one
+    prefill serves them all, so the pool fills within the transfer deadline even on a loaded machine), every
+    transfer stuck, nothing else sent: all are failed at the transfer deadline, then a probe succeeds."""
+    free, total = probe.free_blocks()["decode0"]
+    assert free == total
+    prompt = "word " * 120  # ~ 121 tokens + 4 to generate = 8 blocks of 16 per choice
+    free_seen: list[int] = []
+    (response, _), answered_ns, trace = send_and_trace(
+        probe, "stuck-s3", lambda: complete(engine, "stuck-s3", prompt=prompt, max_tokens=4, n=total // 8),
+        on_poll=lambda: free_seen.append(probe.free_blocks()["decode0"][0]))
+    least_free = min(free_seen, default=total)
+    assert least_free == 0, f"the decode pool was never full (at least {least_free} of {total} blocks free)"
+    assert response.status_code == 504 and "stage transfer" in response.json()["error"]["message"], response.text
+    # failed by the monitor alone, at the deadline: no new request arrived to trigger a clean-up
+    elapsed_s = (answered_ns - trace.since_ns(S.TRANSFERRING)) / 1e9
+    assert INFLIGHT_TIMEOUT_S <= elapsed_s <= INFLIGHT_TIMEOUT_S + TICK_S + HTTP_SLACK_S, elapsed_s
     assert_recovered(engine, probe)
 
 
@@ -202,15 +198,12 @@ def test_waiting_for_kv_room_behind_a_progressing_batch_is_queueing_not_a_bootst
         wait_until(lambda: probe.free_blocks()["decode0"][0] == 0 or fill.done(), 60, 0.02,
                    "the two choices to take the whole decode pool")
         assert not fill.done(), fill.result()[0].text
-        small = pool.submit(complete, engine, "kvwait-1", prompt="Hi", max_tokens=4)
-
-        def bootstrap_since():
-            rows = [r for r in probe.rows_with_id("kvwait-1") if r["state"] == S.BOOTSTRAP]
-            return rows[0]["state_since_ns"] if rows else None
-        since_ns = wait_until(lambda: bootstrap_since() or small.done(), 60, 0.01, "kvwait-1 to wait in BOOTSTRAP")
-        response, _ = small.result(timeout=120)
-        waited_s = (time.monotonic_ns() - since_ns) / 1e9
+        (response, _), _, trace = send_and_trace(probe, "kvwait-1",
+                                                 lambda: complete(engine, "kvwait-1", prompt="Hi", max_tokens=4))
         filled, _ = fill.result(timeout=120)
+    # the row's own BOOTSTRAP stamp to the last poll that still saw it there: a lower bound of its wait
+    entered_ns = trace.since_ns(S.BOOTSTRAP)
+    waited_s = (trace.last_seen_ns[S.BOOTSTRAP] - entered_ns) / 1e9
     assert filled.status_code == 200, filled.text
     assert response.status_code == 200, response.text
     assert waited_s > BOOTSTRAP_TIMEOUT_S + TICK_S, f"the pool freed after {waited_s:.1f} s: nothing was exercised"
@@ -279,14 +272,17 @@ def test_s9_hung_actor_fails_its_request_and_is_restarted(engine, probe):
             await asyncio.to_thread(wait_until, lambda: any(r["request_id"] == "hang-s9" and r["state"] >= 3
                                                             for r in probe.live_rows()), 30)
             os.kill(pid_before, signal.SIGSTOP)  # and stopped for good measure: no heartbeat at all
-            start = time.monotonic()
+            wait_until(lambda: psutil.Process(pid_before).status() == psutil.STATUS_STOPPED, 5, 0.01,
+                       "decode0 to stop")
+            last_beat_ns = int(probe.actor("decode0")["heartbeat_ns"])   # its last: it beats no more
             response = await task
-            return response, time.monotonic() - start
+            return response, (time.monotonic_ns() - last_beat_ns) / 1e9
 
-    response, elapsed = asyncio.run(run())
+    response, since_last_beat_s = asyncio.run(run())
     assert response.status_code == 503, response.text
     assert "hung" in response.json()["error"]["message"]
-    assert elapsed <= HANG_TIMEOUT_S + TICK_S + HTTP_SLACK_S + 0.5
+    # hung means no heartbeat for actor_hang_timeout_s: never sooner, and within a tick (and the HTTP hop) after
+    assert HANG_TIMEOUT_S <= since_last_beat_s <= HANG_TIMEOUT_S + TICK_S + HTTP_SLACK_S + 0.5, since_last_beat_s
     wait_until(lambda: probe.pid("decode0") not in (0, pid_before), 10, message="decode restarted")
     assert not psutil.pid_exists(pid_before) or psutil.Process(pid_before).status() == psutil.STATUS_ZOMBIE
     assert_recovered(engine, probe, timeout_s=120)

@@ -27,7 +27,8 @@ def tok(gguf_path) -> Tokenizer:
 
 @pytest.fixture(scope="session")
 def hf_tok(gguf_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers   # a declared test dependency: missing, the tests that need it fail (never skip)
+
     return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
@@ -38,7 +39,8 @@ def model(gguf_path) -> LlamaModel:
 
 @pytest.fixture(scope="session")
 def hf_model(gguf_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     m = transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     m.eval()

@@ -1,16 +1,19 @@
 """Our paged-KV Llama against Hugging Face's LlamaForCausalLM on the same weights.
 
 The default model (SmolLM2-135M-Instruct Q4_1 GGUF) is dequantized by both sides; greedy generation must
-agree token for token, and prefill logits to 1e-3. The KV pool is filled with NaN and the blocks are
+agree token for token for 32 tokens (EOS ignored on both sides), and the logits of the prefill and of every decode
+step agree with HF's forward over the same ids to 1e-3. The KV pool is filled with NaN and the blocks are
 scattered, so any read of a slot the model did not write, or a wrong block mapping, shows up.
 """
 from __future__ import annotations
 
 import json
 
+import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from gpu.loader import ModelConfig, load_config, load_weights, unpermute_gguf_qk
 from gpu.model import LlamaModel, kv_bytes_per_token, kv_pool_shape
@@ -71,14 +74,23 @@ def blocks_for(n_tokens: int) -> int:
 def greedy(model: LlamaModel, kv: torch.Tensor, ids: list[int], table: list[int], n: int,
            stop: tuple[int, ...] = (EOS,)) -> list[int]:
     """Prefill ``ids`` then decode greedily, one sequence: at most ``n`` new tokens, ending at a stop id."""
+    return greedy_with_logits(model, kv, ids, table, n, stop)[0]
+
+
+def greedy_with_logits(model: LlamaModel, kv: torch.Tensor, ids: list[int], table: list[int], n: int,
+                       stop: tuple[int, ...] = (EOS,)) -> tuple[list[int], torch.Tensor]:
+    """``greedy``, also returning the logits each token was picked from: ``[len(tokens), vocab]`` (row 0 from
+    the prefill, the others from decode steps)."""
     logits = model.prefill(kv, ids, table)
     out: list[int] = []
+    steps: list[torch.Tensor] = []
     pos = len(ids)
     while True:
+        steps.append(logits)
         t = int(logits.argmax())
         out.append(t)
         if t in stop or len(out) == n:
-            return out
+            return out, torch.stack(steps)
         logits = model.decode(kv, [t], [pos], [table])[0]
         pos += 1
 
@@ -93,30 +105,44 @@ def prompt_ids(tok) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def generations(model, hf_model, prompt_ids) -> dict[str, tuple[list[int], list[int]]]:
-    """``{prompt: (ours, hf)}`` greedy continuations of up to NEW_TOKENS tokens."""
+def generations(model, hf_model, prompt_ids) -> dict[str, dict]:
+    """Per prompt, exactly NEW_TOKENS greedy tokens on each side, EOS ignored on both (an EOS is just the argmax
+    of its step, and generation goes on): ``ours`` with the logits of each step (``our_logits``,
+    ``[NEW_TOKENS, vocab]``), ``hf`` from HF's generate, and ``hf_logits``: HF's forward over the prompt and our
+    tokens, at the positions that predicted them (``[NEW_TOKENS, vocab]``)."""
     out = {}
     for i, (name, ids) in enumerate(prompt_ids.items()):
         n_blocks = blocks_for(len(ids) + NEW_TOKENS)
         kv = make_pool(model, 3 * n_blocks)
-        ours = greedy(model, kv, ids, scattered_blocks(n_blocks, 3 * n_blocks, seed=i), NEW_TOKENS)
+        ours, our_logits = greedy_with_logits(model, kv, ids, scattered_blocks(n_blocks, 3 * n_blocks, seed=i),
+                                              NEW_TOKENS, stop=())
         with torch.inference_mode():
             x = torch.tensor([ids])
-            g = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                  max_new_tokens=NEW_TOKENS)
-        out[name] = (ours, g[0, len(ids):].tolist())
+            g = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                  eos_token_id=None)
+            full = torch.tensor([ids + ours[:-1]])
+            hf_logits = hf_model(full).logits[0, len(ids) - 1:].float()
+        out[name] = {"ours": ours, "our_logits": our_logits, "hf": g[0, len(ids):].tolist(), "hf_logits": hf_logits}
     return out
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_greedy_generation_matches_hf_token_for_token(generations, name):
-    ours, hf = generations[name]
-    assert len(ours) > 0
+    ours, hf = generations[name]["ours"], generations[name]["hf"]
+    assert len(ours) == len(hf) == NEW_TOKENS
     assert ours == hf
 
 
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_every_decode_step_logits_match_hf_forward_over_the_same_ids(generations, name):
+    ours, hf = generations[name]["our_logits"], generations[name]["hf_logits"]
+    assert ours.dtype == torch.float32 and ours.shape == hf.shape == (NEW_TOKENS, ours.shape[1])
+    worst = (ours - hf).abs().amax(dim=1)   # per step
+    assert worst.max().item() < 1e-3, [round(v, 5) for v in worst.tolist()]
+
+
 def test_the_france_answer_is_paris(generations, tok):
-    ours, _ = generations["france"]
+    ours = generations["france"]["ours"]
     assert tok.decode(ours).startswith("The capital of France is Paris.")
 
 
@@ -243,7 +269,6 @@ def test_unpermute_inverts_llama_cpp_qk_permutation():
 @pytest.fixture(scope="module")
 def tiny_hf_dir(tmp_path_factory, tok):
     """A random 2-layer Llama (llama3 RoPE scaling, untied head) saved like a Hub checkpoint."""
-    transformers = pytest.importorskip("transformers")
     d = tmp_path_factory.mktemp("tiny-llama")
     cfg = transformers.LlamaConfig(
         vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -313,7 +338,6 @@ def test_unsupported_or_incomplete_models_are_named_in_the_error(tmp_path, tiny_
 
 
 def test_a_gguf_of_another_architecture_is_refused(tmp_path):
-    gguf = pytest.importorskip("gguf")
     path = tmp_path / "other.gguf"
     w = gguf.GGUFWriter(str(path), "gpt2")
     w.add_block_count(1)

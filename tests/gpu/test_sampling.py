@@ -1,6 +1,7 @@
 """Sampler behaviour on synthetic logits (no model needed)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import hypothesis.strategies as st
@@ -117,11 +118,14 @@ def test_out_of_range_values_are_rejected_naming_the_field(field, value):
 
 
 def test_defaults_and_edge_values_are_valid():
-    SamplingParams().validate()
-    SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, max_tokens=1).validate()
-    SamplingParams(top_k=0, min_p=1.0, seed=2**63 - 1, stop_token_ids=(0, 5), ignore_eos=True).validate()
-    SamplingParams(presence_penalty=-2.0, frequency_penalty=2, repetition_penalty=10.0, logprobs=0).validate()
-    SamplingParams(presence_penalty=2.0, frequency_penalty=-2.0, repetition_penalty=1e-3, logprobs=20).validate()
+    for params in [SamplingParams(),
+                   SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, max_tokens=1),
+                   SamplingParams(top_k=0, min_p=1.0, seed=2**63 - 1, stop_token_ids=(0, 5), ignore_eos=True),
+                   SamplingParams(presence_penalty=-2.0, frequency_penalty=2, repetition_penalty=10.0, logprobs=0),
+                   SamplingParams(presence_penalty=2.0, frequency_penalty=-2.0, repetition_penalty=1e-3,
+                                  logprobs=20)]:
+        before = dataclasses.replace(params)
+        assert params.validate() is params and params == before   # accepted as given, nothing rewritten
     with pytest.raises(InvalidRequestError):
         SamplingParams(stop_token_ids=(50000,)).validate(vocab_size=49152)
 

@@ -21,16 +21,6 @@ def join_all(procs, timeout_s: float = JOIN_TIMEOUT_S) -> list[int]:
     return codes
 
 
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.005):
-    """Poll ``predicate`` until it returns a truthy value or ``timeout_s`` passes; returns the last value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value or time.monotonic() >= deadline:
-            return value
-        time.sleep(interval_s)
-
-
 # ---------------------------------------------------------------------------------------------- queues
 
 def q_producer(qname: str, producer_id: int, count: int, start) -> None:
@@ -195,8 +185,10 @@ def q_batch_consumer(qname: str, count: int, started, results) -> None:
 
 # ---------------------------------------------------------------------------------------------- state table
 
-def st_racer(table, rows, new_state: int, start, results) -> None:
-    """Try to move every (slot, generation) in ``rows`` to ``new_state``; report the slots we won."""
+def st_racer(table, rows, new_state: int, ready, start, results) -> None:
+    """Try to move every (slot, generation) in ``rows``, in that order, to ``new_state``; report the slots we
+    won. Sets ``ready`` once imported and attached, then waits for ``start`` (so both racers really race)."""
+    ready.set()
     assert start.wait(JOIN_TIMEOUT_S)
     won = [slot for slot, gen in rows if table.transition(slot, gen, new_state)]
     results.put((int(new_state), won))

@@ -160,8 +160,16 @@ def test_a_small_run_against_a_real_engine_measures_every_request(engine, tmp_pa
 
 @pytest.mark.timeout(120)
 def test_multi_round_chat_sessions_carry_the_history(engine):
-    s = bs.main(["--base-url", engine.base_url, "--endpoint", "chat", "--num-prompts", "2", "--num-rounds", "2",
-                 "--input-len", "8", "--output-len", "3", "--ignore-eos", "--disable-progress",
-                 "--request-rate", "20", "--warmup-requests", "0"])
-    assert (s["completed"], s["failed"]) == (4, 0), s["errors"]
-    assert s["total_output_tokens"] == 12
+    """One session of three rounds: each round's prompt holds the previous round's prompt and reply (and a new
+    user turn), by the server's own prompt_tokens count."""
+    import asyncio
+
+    args = bs.parse_args(["--base-url", engine.base_url, "--endpoint", "chat", "--num-prompts", "1",
+                          "--num-rounds", "3", "--input-len", "8", "--output-len", "3", "--ignore-eos",
+                          "--disable-progress", "--warmup-requests", "0"])
+    tokenizer = bs.load_tokenizer(args.tokenizer)
+    results, _ = asyncio.run(bs.run_benchmark(args, bs.build_sessions(args, tokenizer), tokenizer))
+    assert [(r.ok, r.output_len, r.usage_reported) for r in results] == [(True, 3, True)] * 3, \
+        [r.error for r in results]
+    for before, after in zip(results, results[1:]):   # one session: its rounds in order
+        assert after.prompt_len > before.prompt_len + before.output_len, [r.prompt_len for r in results]
