@@ -8,12 +8,13 @@ import signal
 import stat
 import time
 
+import ipc_children as kids
 import pytest
 
-import ipc_children as kids
 from ipc import naming
 from ipc.shm_queue import RECHECK_S, SPSC_SUPPORTED, QueueLockTimeoutError, ShmQueue
 from pdserve.errors import MessageTooLargeError, QueueClosedError, QueueFullError, QueueRoleError
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 SPSC = pytest.mark.skipif(not SPSC_SUPPORTED, reason="the spsc ring needs an x86 CPU (total store order)")
@@ -384,7 +385,7 @@ def test_a_spsc_consumer_killed_mid_stream_leaves_every_untaken_message_to_its_s
         assert started.wait(30)
         for i in range(200):
             q.put(i, timeout_s=10)  # the small queue keeps the producer waiting for room now and then
-        assert kids.wait_for(lambda: taken.value >= 100, 15)
+        wait_until(lambda: taken.value >= 100, 15, message="the consumer to take 100 messages")
         os.kill(p.pid, signal.SIGKILL)
         assert kids.join_all([p]) == [-signal.SIGKILL]
         got = []
