@@ -305,37 +305,42 @@ def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics, a
     ``x-request-id`` on every response."""
     from api.middleware import ApiKeyMiddleware, RequestIdMiddleware
 
-    return RequestIdMiddleware(ApiKeyMiddleware(_routes(client, tokenizer, parser, metrics), api_keys))
+    return RequestIdMiddleware(ApiKeyMiddleware(Routes(client, tokenizer, parser, metrics).app(), api_keys))
 
 
-def _routes(client: EngineClient, tokenizer, parser: RequestParser, metrics) -> Starlette:
-    served = parser.served_model_name
+class Routes:
+    """The HTTP handlers over one EngineClient: OpenAI routes, /health, /metrics, and the error handlers."""
 
-    async def run_request(request: Request, kind: str) -> Response:
+    def __init__(self, client: EngineClient, tokenizer, parser: RequestParser, metrics):
+        self.client, self.tokenizer, self.parser, self.metrics = client, tokenizer, parser, metrics
+        self.served = parser.served_model_name
+
+
+    async def run_request(self, request: Request, kind: str) -> Response:
         rid = request.headers.get("x-request-id")
         try:
-            raw = await read_decoded_body(request, client.config.body_read_timeout_s)
+            raw = await read_decoded_body(request, self.client.config.body_read_timeout_s)
             if len(raw) > INLINE_PARSE_BYTES:
                 # JSON + chat template + tokenizer over a large body: off the event loop (heartbeats, other streams)
-                gen = await asyncio.to_thread(parse_request, parser, kind, raw, rid)
+                gen = await asyncio.to_thread(parse_request, self.parser, kind, raw, rid)
             else:
-                gen = parse_request(parser, kind, raw, rid)
+                gen = parse_request(self.parser, kind, raw, rid)
         except PdserveError as exc:
             return error_response(exc)   # the middleware names the client's id, or a new one
         except ClientDisconnect:   # gone before its body was complete: nobody to answer, nothing admitted
             return Response(status_code=499)
         try:
-            handles = client.submit(gen)
+            handles = self.client.submit(gen)
         except PdserveError as exc:
             return error_response(exc, gen.request_id)
         for _ in handles:
-            metrics.on_admitted()
+            self.metrics.on_admitted()
         if gen.stream:
-            return StreamingResponse(stream_events(handles), media_type="text/event-stream",
+            return StreamingResponse(self.stream_events(handles), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "x-request-id": gen.request_id})
-        return await complete(request, handles)
+        return await self.complete(request, handles)
 
-    def format_logprobs(handles: list[RequestHandle], tokens: list, text_offset: int,
+    def format_logprobs(self, handles: list[RequestHandle], tokens: list, text_offset: int,
                         with_prompt: bool = False) -> dict | None:
         """A choice's logprobs body; ``with_prompt`` (echo + logprobs) puts the prompt's tokens first, from
         offset 0 (the prefill actor sent their log-probabilities to one of the choices' handles)."""
@@ -343,35 +348,36 @@ def _routes(client: EngineClient, tokenizer, parser: RequestParser, metrics) -> 
         if req.sampling.logprobs is None:
             return None
         if req.kind == "chat":
-            return chat_logprobs(tokenizer, tokens)
+            return chat_logprobs(self.tokenizer, tokens)
         if with_prompt and req.sampling.prompt_logprobs is not None:
             entries = next((h.prompt_logprobs for h in handles if h.prompt_logprobs), [])
             tokens = list(zip(req.prompt_ids, entries)) + tokens
-        return completion_logprobs(tokenizer, tokens, text_offset)
+        return completion_logprobs(self.tokenizer, tokens, text_offset)
 
-    def finished(handles: list[RequestHandle], reasons: dict[int, str | None], status: int = 200) -> None:
+    def finished(self, handles: list[RequestHandle], reasons: dict[int, str | None], status: int = 200) -> None:
         """Count every choice once: with its own finish reason, or (unfinished) as an abort (499) or an error."""
         for h in handles:
             reason = reasons.get(h.index)
             if reason is None:
-                metrics.on_finished(h, "abort" if status == 499 else "error", status)
+                self.metrics.on_finished(h, "abort" if status == 499 else "error", status)
             else:
-                metrics.on_finished(h, reason)
+                self.metrics.on_finished(h, reason)
 
-    async def complete(request: Request, handles: list[RequestHandle]) -> Response:
+    async def complete(self, request: Request, handles: list[RequestHandle]) -> Response:
         req = handles[0].request
         prefix = req.echo_text or ""
 
         async def collect() -> list[ChoiceResult]:
             texts: dict[int, list[str]] = {h.index: [prefix] for h in handles}
             tokens: dict[int, list] = {h.index: [] for h in handles}
-            async for index, text, reason, logprobs in merged_choices(client, tokenizer, handles, metrics):
+            async for index, text, reason, logprobs in merged_choices(
+                    self.client, self.tokenizer, handles, self.metrics):
                 texts[index].append(text)
                 tokens[index].extend(logprobs)
                 if reason is not None:
                     reasons[index] = reason
             results = [ChoiceResult(i, "".join(texts[i]), reasons.get(i),
-                                    format_logprobs(handles, tokens[i], 0, True)) for i in texts]
+                                    self.format_logprobs(handles, tokens[i], 0, True)) for i in texts]
             if req.tools is not None:   # the answer's <tool_call> blocks (or a named function's arguments)
                 for c in results:
                     c.text, c.tool_calls, c.finish_reason = finished_choice(req.tools, c.text, c.finish_reason)
@@ -390,23 +396,23 @@ def _routes(client: EngineClient, tokenizer, parser: RequestParser, metrics) -> 
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
             if work not in done:
-                finished(handles, reasons, 499)
+                self.finished(handles, reasons, 499)
                 return Response(status_code=499)
             try:
                 choices = work.result()
             except PdserveError as exc:
                 log.warning("request %s: %d %s", req.request_id, exc.http_status, exc.message)   # the whole id
-                finished(handles, reasons, exc.http_status)
+                self.finished(handles, reasons, exc.http_status)
                 return error_response(exc, req.request_id)
-            finished(handles, reasons)
+            self.finished(handles, reasons)
             return JSONResponse(full_response(req, choices, sum(h.completion_tokens for h in handles)),
                                 headers={"x-request-id": req.request_id})
         finally:
             for task in (work, watch):
                 task.cancel()
-            client.finish_all(handles)
+            self.client.finish_all(handles)
 
-    async def stream_events(handles: list[RequestHandle]) -> AsyncIterator[bytes]:
+    async def stream_events(self, handles: list[RequestHandle]) -> AsyncIterator[bytes]:
         req = handles[0].request
         reasons: dict[int, str | None] = {}
         status = 499   # until the stream ends normally or with an error event
@@ -415,7 +421,8 @@ def _routes(client: EngineClient, tokenizer, parser: RequestParser, metrics) -> 
         tools = {h.index: ToolDeltas(req.tools) for h in handles} if req.tools is not None else {}
         try:
             try:
-                async for index, text, reason, logprobs in merged_choices(client, tokenizer, handles, metrics):
+                async for index, text, reason, logprobs in merged_choices(
+                    self.client, self.tokenizer, handles, self.metrics):
                     if index in first and req.echo_text:
                         text = req.echo_text + text
                     pieces: list = [(text, None)]
@@ -429,7 +436,7 @@ def _routes(client: EngineClient, tokenizer, parser: RequestParser, metrics) -> 
                         piece_logprobs = logprobs if k == 0 else []
                         if piece or calls or piece_reason is not None or index in first or piece_logprobs:
                             body = chunk(req, piece, piece_reason, first=index in first, index=index,
-                                         logprobs=format_logprobs(handles, piece_logprobs, offsets[index],
+                                         logprobs=self.format_logprobs(handles, piece_logprobs, offsets[index],
                                                                   index in first), tool_calls=calls)
                             offsets[index] += len(piece or "")
                             first.discard(index)
@@ -445,47 +452,48 @@ def _routes(client: EngineClient, tokenizer, parser: RequestParser, metrics) -> 
                 yield b"data: " + orjson.dumps(error_body(exc)) + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
-            finished(handles, reasons, status)
-            client.finish_all(handles)
+            self.finished(handles, reasons, status)
+            self.client.finish_all(handles)
 
-    async def chat_completions(request: Request) -> Response:
-        return await run_request(request, "chat")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.run_request(request, "chat")
 
-    async def completions(request: Request) -> Response:
-        return await run_request(request, "completion")
+    async def completions(self, request: Request) -> Response:
+        return await self.run_request(request, "completion")
 
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": served, "object": "model", "created": 0,
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.served, "object": "model", "created": 0,
                                                          "owned_by": "pdserve",
-                                                         "max_model_len": parser.max_context_tokens}]})
+                                                         "max_model_len": self.parser.max_context_tokens}]})
 
-    async def health(request: Request) -> Response:
-        report = metrics.health()
+    async def health(self, request: Request) -> Response:
+        report = self.metrics.health()
         return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
 
-    async def metrics_route(request: Request) -> Response:
-        data, content_type = metrics.render()
+    async def metrics_route(self, request: Request) -> Response:
+        data, content_type = self.metrics.render()
         return Response(data, media_type=content_type)
 
-    async def not_found(request: Request, exc: Exception) -> Response:
+    async def not_found(self, request: Request, exc: Exception) -> Response:
         return JSONResponse(error_body(f"no route {request.method} {request.url.path}", "not_found_error"),
                             status_code=404)
 
-    async def method_not_allowed(request: Request, exc: Exception) -> Response:
+    async def method_not_allowed(self, request: Request, exc: Exception) -> Response:
         allow = getattr(exc, "headers", None) or {}
         return JSONResponse(error_body(f"method {request.method} not allowed on {request.url.path}"),
                             status_code=405, headers={k: v for k, v in allow.items() if k.lower() == "allow"})
 
-    async def server_error(request: Request, exc: Exception) -> Response:
+    async def server_error(self, request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path, exc_info=exc)
         return JSONResponse(error_body("internal error; see the server log", "internal_error"), status_code=500)
 
-    routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics_route, methods=["GET"]),
-    ]
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: method_not_allowed,
-                                                        500: server_error})
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_route, methods=["GET"]),
+        ]
+        return Starlette(routes=routes, exception_handlers={404: self.not_found, 405: self.method_not_allowed,
+                                                            500: self.server_error})
