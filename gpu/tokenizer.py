@@ -181,30 +181,9 @@ class Tokenizer:
             backend.add_tokens(user)
 
         bos = meta.get("tokenizer.ggml.bos_token_id")
-        eos_ids: list[int] = []
-        for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-            v = meta.get(f"tokenizer.ggml.{key}")
-            if v is not None and int(v) not in eos_ids:
-                eos_ids.append(int(v))
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos_ids
-        if add_bos or add_eos:
-            head = [tokens[bos]] if add_bos else []
-            tail = [tokens[eos_ids[0]]] if add_eos else []
-            specials = ([(tokens[bos], int(bos))] if add_bos else []) + (
-                [(tokens[eos_ids[0]], eos_ids[0])] if add_eos else [])
-            backend.post_processor = processors.TemplateProcessing(
-                single=[*head, "$A", *tail], pair=[*head, "$A", *tail, *head, "$B:1", *tail],
-                special_tokens=specials)
-
-        template_vars = {
-            "bos_token": tokens[bos] if bos is not None and 0 <= bos < len(tokens) else "",
-            "eos_token": tokens[eos_ids[0]] if eos_ids and 0 <= eos_ids[0] < len(tokens) else "",
-        }
-        for var, key in (("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
-            v = meta.get(f"tokenizer.ggml.{key}")
-            if v is not None and 0 <= int(v) < len(tokens):
-                template_vars[var] = tokens[int(v)]
+        eos_ids = _gguf_eos_ids(meta)
+        _add_bos_eos_processor(backend, meta, tokens, bos, eos_ids)
+        template_vars = _gguf_template_vars(meta, tokens, bos, eos_ids)
         return cls(
             backend,
             name=str(meta.get("general.name") or p.stem),
@@ -513,3 +492,39 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return new_text[len(prefix_text):]
+
+
+def _gguf_eos_ids(meta: dict) -> list[int]:
+    """End-of-sequence ids a GGUF names (eos, end-of-turn, end-of-message), first one first, no repeats."""
+    eos_ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        v = meta.get(f"tokenizer.ggml.{key}")
+        if v is not None and int(v) not in eos_ids:
+            eos_ids.append(int(v))
+    return eos_ids
+
+
+def _add_bos_eos_processor(backend, meta: dict, tokens: list[str], bos, eos_ids: list[int]) -> None:
+    """``tokenizer.ggml.add_bos_token`` / ``add_eos_token``: a post-processor that adds them around the text."""
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos_ids
+    if not (add_bos or add_eos):
+        return
+    head = [tokens[bos]] if add_bos else []
+    tail = [tokens[eos_ids[0]]] if add_eos else []
+    specials = ([(tokens[bos], int(bos))] if add_bos else []) + ([(tokens[eos_ids[0]], eos_ids[0])] if add_eos else [])
+    backend.post_processor = processors.TemplateProcessing(
+        single=[*head, "$A", *tail], pair=[*head, "$A", *tail, *head, "$B:1", *tail], special_tokens=specials)
+
+
+def _gguf_template_vars(meta: dict, tokens: list[str], bos, eos_ids: list[int]) -> dict[str, str]:
+    """The special-token strings a chat template may use (bos_token, eos_token, unk_token, pad_token)."""
+    template_vars = {
+        "bos_token": tokens[bos] if bos is not None and 0 <= bos < len(tokens) else "",
+        "eos_token": tokens[eos_ids[0]] if eos_ids and 0 <= eos_ids[0] < len(tokens) else "",
+    }
+    for var, key in (("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        v = meta.get(f"tokenizer.ggml.{key}")
+        if v is not None and 0 <= int(v) < len(tokens):
+            template_vars[var] = tokens[int(v)]
+    return template_vars
