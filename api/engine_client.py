@@ -9,6 +9,7 @@ blocks.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
@@ -55,7 +56,7 @@ class EngineClient:
         self.layout = layout
         self.config = layout.config
         self.handles: dict[tuple[int, int], RequestHandle] = {}
-        self.stale_messages = 0
+        self.stale_messages: collections.Counter[str] = collections.Counter()   # by message kind, for /metrics
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -98,7 +99,7 @@ class EngineClient:
             for item in message.items:
                 handle = self.handles.get((item[0], item[1]))
                 if handle is None:
-                    self.stale_messages += 1
+                    self.stale_messages[message.kind] += 1
                     continue
                 extras = item[4] if len(item) > 4 else {}
                 if "timings" in extras:
@@ -107,14 +108,14 @@ class EngineClient:
         elif isinstance(message, PromptLogprobs):
             handle = self.handles.get((message.slot, message.generation))
             if handle is None:
-                self.stale_messages += 1
+                self.stale_messages[message.kind] += 1
                 return
             del handle.prompt_logprobs[message.start:]   # frames arrive in order; a repeat replaces
             handle.prompt_logprobs.extend(message.entries)
         elif isinstance(message, RequestError):
             handle = self.handles.get((message.slot, message.generation))
             if handle is None:
-                self.stale_messages += 1
+                self.stale_messages[message.kind] += 1
                 return
             error = PdserveError(message.message)
             error.http_status, error.error_type = message.http_status, message.error_type

@@ -106,8 +106,14 @@ class _SharedStateCollector:
             stuck.add_metric([gauge], status["stuck"][i])
             mismatch.add_metric([gauge], status["mismatch"][i])
         yield from (stuck, mismatch)
-        late = CounterMetricFamily("pdserve_late_messages", "messages for final or stale requests, dropped")
-        late.add_metric([], sum(r["late_messages"] for r in rows) + client.stale_messages)
+        late = CounterMetricFamily("pdserve_late_messages", "messages for final or stale requests, dropped, by the "
+                                   "actor that dropped them (kind: the API's stale frames by message kind; the "
+                                   "engine actors count all kinds together)", labels=["actor", "kind"])
+        for r in rows:
+            if r["name"] and r["name"] != "api":
+                late.add_metric([r["name"], "all"], r["late_messages"])
+        for kind, count in sorted(client.stale_messages.items()):
+            late.add_metric(["api", kind], count)
         yield late
         handoffs = CounterMetricFamily("pdserve_kv_handoffs", "requests whose KV passed prefill -> decode "
                                        "(counted by the API when the request ends)")

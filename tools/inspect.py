@@ -14,7 +14,8 @@ JSON snapshot schema (``--json``; version 1; times in seconds, ``null`` = unknow
     {"schema": 1, "engine_id": str, "url": str, "taken_unix_s": float, "healthy": bool, "problems": [str],
      "config": {field: {"value": any, "source": "default"|"env"|"flag"}},
      "actors": [{"name", "pid", "device", "status", "health": "ok"|"hung"|"dead"|"starting"|"restarting"|...,
-                 "heartbeat_age_s", "loop_iterations_per_s", "restarts", "kv_blocks_free", "kv_blocks_total"}],
+                 "heartbeat_age_s", "loop_iterations_per_s", "restarts", "late_messages", "kv_blocks_free",
+                 "kv_blocks_total"}],
      "gauges": [{"name", "metric", "value", "nonzero_for_s", "since_last_move_s", "stuck", "mismatch",
                  "actors_count"}],
      "requests": [{"request_id", "slot", "stage", "age_in_stage_s", "total_age_s", "owner", "prefill_blocks",
@@ -150,7 +151,7 @@ def _actor_entries(actor_rows: list[dict], first_iterations: dict, now_ns: int, 
             "health": actor_state(r, r["health"], now_ns, monitor_tick_s),
             "heartbeat_age_s": (now_ns - hb_ns) / 1e9 if hb_ns else None,
             "loop_iterations_per_s": (int(r["loop_iterations"]) - int(prev_iter)) / elapsed,
-            "restarts": int(r["restarts"]),
+            "restarts": int(r["restarts"]), "late_messages": int(r["late_messages"]),
             "kv_blocks_free": int(r["kv_blocks_free"]), "kv_blocks_total": int(r["kv_blocks_total"]),
         })
     return actors
@@ -176,14 +177,15 @@ def render(snapshot: dict[str, Any]):
     views = Text(f"active requests: api {active['api']} / engine table {active['engine']}"
                  + ("" if active["agree"] else "   <-- DISAGREE"), style="" if active["agree"] else "bold red")
     actors = Table(title="actors", title_justify="left")
-    for column in ("actor", "pid", "device", "status", "health", "heartbeat", "loops/s", "restarts", "KV free"):
+    for column in ("actor", "pid", "device", "status", "health", "heartbeat", "loops/s", "restarts", "late msgs",
+                   "KV free"):
         actors.add_column(column)
     for a in snapshot["actors"]:
         kv = f"{a['kv_blocks_free']}/{a['kv_blocks_total']}" if a["kv_blocks_total"] else "-"
         style = "red" if a["health"] in ("hung", "dead") else ""
         actors.add_row(a["name"], str(a["pid"]), a["device"] or "-", a["status"], a["health"],
-                       secs(a["heartbeat_age_s"]), f"{a['loop_iterations_per_s']:.0f}", str(a["restarts"]), kv,
-                       style=style)
+                       secs(a["heartbeat_age_s"]), f"{a['loop_iterations_per_s']:.0f}", str(a["restarts"]),
+                       str(a["late_messages"]), kv, style=style)
     gauges = Table(title="queues", title_justify="left")
     for column in ("gauge", "value", "non-zero for", "since last move", "stuck", "actors' count"):
         gauges.add_column(column)

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
+import orjson
 import psutil
 import pytest
 
 from ipc.state_table import RequestState as S
-from tests.conftest import QUEUE_GAUGES, assert_recovered, scrape, send_and_trace, wait_until
+from tests.conftest import QUEUE_GAUGES, ROOT, assert_recovered, scrape, send_and_trace, wait_until
 from tests.e2e.conftest import (BOOTSTRAP_TIMEOUT_S, HANG_TIMEOUT_S, HTTP_SLACK_S, INFLIGHT_TIMEOUT_S,
                                 PREFILL_TIMEOUT_S, TICK_S)
 
@@ -85,13 +88,17 @@ def test_a_dropped_transfer_done_pins_nothing_prefill_frees_its_blocks_once_deco
 
 def test_a_late_transfer_done_is_counted_and_ignored(engine, probe):
     """A TransferDone delivered after its request ended (delay_transfer_done: 2 s late) finds nothing to free:
-    it is counted as a late message, and nothing is freed twice."""
-    before = scrape(engine.base_url).get("pdserve_late_messages_total", 0)
-    response, elapsed = complete(engine, "late-1", max_tokens=2)
+    prefill0 counts it as a late message (/metrics and tools/inspect), and nothing is freed twice."""
+    key = "pdserve_late_messages_total{actor=prefill0,kind=all}"
+    before = scrape(engine.base_url).get(key, 0)
+    response, _ = complete(engine, "late-1", max_tokens=2)
     assert response.status_code == 200, response.text
-    wait_until(lambda: scrape(engine.base_url).get("pdserve_late_messages_total", 0) > before, 10, 0.1,
-               "the late TransferDone to be counted")
-    assert scrape(engine.base_url)["pdserve_late_messages_total"] == before + 1
+    wait_until(lambda: scrape(engine.base_url).get(key, 0) > before, 10, 0.1, "the late TransferDone to be counted")
+    assert scrape(engine.base_url)[key] == before + 1
+    shown = subprocess.run([sys.executable, "-m", "tools.inspect", engine.engine_id, "--json"], capture_output=True,
+                           timeout=60, cwd=ROOT)
+    prefill = next(a for a in orjson.loads(shown.stdout)["actors"] if a["name"] == "prefill0")
+    assert prefill["late_messages"] == before + 1
     assert_recovered(engine, probe)
 
 
