@@ -88,6 +88,7 @@ class DecodeActor(Actor):
             self.runner.prepare(entry)
         batch = core.batch()
         if batch:
+            self._publish()   # the rows just admitted are DECODING in the table: say so before a long step
             core.step_done(batch, *self.runner.step(batch))
             if self.prefill_core is not None:   # the batch frees room: the queue in front of it moves
                 self.prefill_core.renew_queued()
