@@ -81,7 +81,7 @@ class EngineProcess:
         return self.proc.returncode
 
 
-def start_engine(tmp_dir: Path, *args: str, env: dict | None = None, ready_timeout_s: float = 180.0,
+def start_engine(tmp_dir: Path, *args: str, env: dict | None = None, ready_timeout_s: float = 400.0,
                  new_session: bool = False) -> EngineProcess:
     """``pdserve serve`` on a free port, polled until /health is 200. ``new_session``: the engine leads its own
     session and process group (pgid = its pid), so a test can signal the whole group as systemd does."""
