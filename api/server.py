@@ -169,6 +169,7 @@ class ApiActor(Actor):
             while not stop_event.is_set() and not stopping.is_set():
                 self.actors.beat(self.index)
                 self.actors.set_active_requests(self.index, client.num_active())
+                client.publish_routed()
                 try:
                     await asyncio.wait_for(stopping.wait(), timeout=0.1)
                 except asyncio.TimeoutError:
