@@ -29,7 +29,7 @@ class DecodeActor(Actor):
         from actors.decode_core import DecodeCore
         from actors.fault_ports import FaultyOutbox, FaultyTransfers
         from actors.model_runner import DecodeRunner, warm_up
-        from actors.ports import QueueOutbox, TransportTransfers
+        from actors.ports import PeerTransfers, QueueOutbox, TransportTransfers
         from actors.prefill_core import PrefillCore
         from gpu.grammar import GrammarCompiler
         from gpu.model import LlamaModel
@@ -42,24 +42,31 @@ class DecodeActor(Actor):
 
         torch.set_num_threads(self.config.torch_threads)
         self.model = LlamaModel.from_path(self.layout.model_path or None, device=self.config.device, progress=False)
-        self.pool = KVPool.attach(self.layout.segment("kv_decode"))
+        topo = self.topology
+        self.pool = KVPool.attach(self.layout.segment(topo.segment("kv", self.index)))
         warm_up(self.model, self.pool)
         self.pool.reset()
         self.kv = self.pool.tensor()
         colocated = self.config.colocated
-        self.transport = make_transport(self.config.kv_transport, self.pool)
-        self.transport.open_peer(self.layout.segment("kv_decode" if colocated else "kv_prefill"))
-        self.inbox = ShmQueue.attach(self.layout.segment("q_decode"))
+        # one transport per source pool (each prefill actor's; colocated: its own pool, KVReady naming no peer)
+        self.transports = {}
+        for peer in (-1,) if colocated else topo.prefill:
+            transport = make_transport(self.config.kv_transport, self.pool)
+            transport.open_peer(self.layout.segment(topo.segment("kv", self.index if peer < 0 else peer)))
+            self.transports[peer] = transport
+        self.inbox = ShmQueue.attach(self.layout.segment(topo.segment("q", self.index)))
         self.faults = FaultPlan(self.config.faults, self.name)
-        self.queues = {"prefill": ShmQueue.attach(self.layout.segment("q_prefill")),
-                       "api": ShmQueue.attach(self.layout.segment("q_api"))}
+        self.queues = {i: ShmQueue.attach(self.layout.segment(topo.segment("q", i))) for i in topo.prefill}
+        self.queues["api"] = ShmQueue.attach(self.layout.segment("q_api"))
         self.outbox = FaultyOutbox(QueueOutbox(self.queues, self.queue_put_timeout_s), self.faults)
         self.table = StateTable.attach(self.layout.segment("state"))
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(self.layout.model_path)
         self.grammars.warm_up()   # llguidance's tokenizer view (~2 s), off the loop
         synchronous = self.config.kv_transport == "cpu-shm"   # its copy is done when start_copy returns
-        transfers = FaultyTransfers(TransportTransfers(self.transport, synchronous, local=colocated), self.faults)
+        transfers = FaultyTransfers(PeerTransfers(
+            {peer: TransportTransfers(t, synchronous, local=colocated) for peer, t in self.transports.items()},
+            synchronous, local=colocated), self.faults)
         self.core = DecodeCore(self.table, self.pool, transfers, self.outbox, time.monotonic_ns,
                                actor_index=self.index, eos_ids=self.model.config.eos_token_ids,
                                max_num_seqs=self.config.max_num_seqs, block_bytes=self.pool.block_bytes)
@@ -71,6 +78,7 @@ class DecodeActor(Actor):
                                             on_late=lambda: self.actors.count_late_message(self.index))
             self.queues["prefill"], self.queues["decode"] = self.prefill_core, self.core
         self._published_free = -1
+        self._published_done = 0
         self._publish()
 
     def run_once(self) -> None:
@@ -124,6 +132,9 @@ class DecodeActor(Actor):
             prefill = self.prefill_core.own_gauges()
             gauges = {**prefill, **gauges, "running": gauges["running"] + prefill["running"]}
         self.actors.set_own_gauges(self.index, **gauges)
+        if self.core.finished != self._published_done:
+            self.actors.count_requests_done(self.index, self.core.finished - self._published_done)
+            self._published_done = self.core.finished
         if self.pool.num_free != self._published_free:
             self._published_free = self.pool.num_free
             self.actors.set_kv_blocks(self.index, total=self.pool.num_blocks, free=self._published_free)

@@ -68,6 +68,7 @@ class DecodeCore:
         self.decode_waiting: list[DecodeEntry] = []
         self.decoding: list[DecodeEntry] = []
         self.renewed_ns = 0
+        self.finished = 0   # rows it moved to FINISHED (a per-actor work counter)
         self._items: list[list[Any]] = []                 # this step's TokenBatch rows
         self._updates: list[tuple[int, int, dict]] = []   # this step's table writes
 
@@ -125,7 +126,7 @@ class DecodeCore:
             src = list(ready.src_block_ids)
             entry.transfer_start_ns = self.clock()
             entry.transfer_handle = self.transfers.start(ready.request_id, src, entry.blocks[:len(src)],
-                                                         ready.num_tokens)
+                                                         ready.num_tokens, peer=ready.prefill_actor)
             self.transferring.append(entry)
 
     def poll_transfers(self) -> None:
@@ -223,7 +224,8 @@ class DecodeCore:
         entry.timings = {"queue_s": ready.queue_s, "prefill_s": ready.prefill_s,
                          "transfer_s": (self.clock() - entry.transfer_start_ns) / 1e9,
                          "transfer_bytes": 0 if self.transfers.local else len(ready.src_block_ids) * self.block_bytes}
-        self.outbox.send("prefill", TransferDone(*entry.key), ready.request_id)
+        self.outbox.send(ready.prefill_actor if ready.prefill_actor >= 0 else "prefill", TransferDone(*entry.key),
+                         ready.request_id)
         if self.table.transition(*entry.key, S.DECODE_WAITING, owner=self.actor_index):
             self.decode_waiting.append(entry)
         else:
@@ -251,6 +253,7 @@ class DecodeCore:
                 self._release(entry)
                 return True
             self._updates.append((slot, generation, {"output_tokens": entry.output_tokens}))
+            self.finished += 1
             self._release(entry)
         else:   # a token is progress: it renews the decode-stall deadline
             self._updates.append((slot, generation, {"output_tokens": entry.output_tokens,

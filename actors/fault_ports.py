@@ -68,8 +68,8 @@ class FaultyTransfers:
         self.synchronous, self.local = inner.synchronous, inner.local
         self._forced: dict[int, int] = {}
 
-    def start(self, request_id, src_block_ids, dst_block_ids, num_tokens) -> int:
-        handle = self.inner.start(request_id, src_block_ids, dst_block_ids, num_tokens)
+    def start(self, request_id, src_block_ids, dst_block_ids, num_tokens, peer: int = -1) -> int:
+        handle = self.inner.start(request_id, src_block_ids, dst_block_ids, num_tokens, peer=peer)
         if self.faults.fires("transfer_stuck", request_id):
             self._forced[handle] = int(TransferStatus.IN_PROGRESS)
         elif self.faults.fires("transfer_unknown_status", request_id):

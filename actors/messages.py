@@ -47,6 +47,7 @@ class PrefillRequest:
     # further rows of an ``n > 1`` request: ``[[slot, generation], ...]``; they share this one prefill (one KV
     # computation, one set of prefill blocks) and each gets its own first token and its own decode sequence
     children: list[list[int]] = dataclasses.field(default_factory=list)
+    decode_actor: int = -1   # the decode actor (actor-table index) the router chose; -1 = the outbox's "decode"
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class KVReady:
     prefill_s: float = 0.0    # the prompt's forward pass
     first_logprobs: list | None = None   # [logprob, [[token_id, logprob], ...]] when sampling.logprobs is set
     prompt_ids: list[int] = dataclasses.field(default_factory=list)   # sent only for a repetition penalty
+    prefill_actor: int = -1   # the prefill actor holding the blocks (its pool, its TransferDone); -1 = "prefill"
 
 
 # ---- to the API -------------------------------------------------------------------------------------

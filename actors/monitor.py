@@ -19,21 +19,41 @@ import time
 
 import numpy as np
 
-from actors.base import ACTOR_NAMES, API_INDEX, DECODE_INDEX, MONITOR_INDEX, PREFILL_INDEX, Actor
+from actors.base import MONITOR_INDEX, Actor, Topology
 from actors.messages import RequestError, to_wire
 from ipc.lifecycle import FINAL_STATES, LIVE_STATES, held_by
 from ipc.lifecycle import RequestState as S
 
 log = logging.getLogger("pdserve.monitor")
 
-# The states in which an actor holds a request in its own memory (a message it consumed, KV blocks, a batch
-# slot): if the actor dies or hangs, these requests cannot progress and are failed at once.
-HELD_STATES = {PREFILL_INDEX: held_by("prefill"), DECODE_INDEX: held_by("decode"), API_INDEX: LIVE_STATES}
+# The states in which an actor of a role holds a request in its own memory (a message it consumed, KV blocks, a
+# batch slot): if the actor dies or hangs, these requests cannot progress and are failed at once.
+HELD_STATES = {"prefill": held_by("prefill"), "decode": held_by("decode"), "api": LIVE_STATES}
 
 
-def fail_requests_held_by(table, status, to_api, index: int, colocated: bool, message: str, *, by: int,
+def held_mask(rows: np.ndarray, topology: Topology, index: int) -> np.ndarray:
+    """Rows (a state-table snapshot) that actor ``index`` holds: in a state its role holds a request in, and
+    naming it as the row's actor of that role (``prefill_actor`` / ``decode_actor``; the API holds every live
+    row). In colocated mode a decode actor also holds the prefill states of its own rows. Shape (num_rows,)."""
+    role = topology.role(index)
+    states = rows["state"]
+
+    def held(states_of_role) -> np.ndarray:
+        return np.isin(states, [int(s) for s in states_of_role])
+    if role == "api":
+        return held(LIVE_STATES)
+    if role == "prefill":
+        return held(HELD_STATES["prefill"]) & (rows["prefill_actor"] == index)
+    if role == "decode":
+        colocated = topology.num_prefill == 0
+        states_held = HELD_STATES["decode"] | (HELD_STATES["prefill"] if colocated else frozenset())
+        return held(states_held) & (rows["decode_actor"] == index)
+    return np.zeros(len(rows), dtype=bool)
+
+
+def fail_requests_held_by(table, status, to_api, topology: Topology, index: int, message: str, *, by: int,
                           rows: np.ndarray | None = None) -> int:
-    """Fail (503, retryable) every live request that actor ``index`` holds; returns how many.
+    """Fail (503, retryable) every live request that actor ``index`` holds (``held_mask``); returns how many.
 
     Used by the monitor for dead or hung actors and by the supervisor the moment it sees an actor's process
     exit (before restarting it, so a fast restart cannot hide the death from the monitor's next tick). Every
@@ -41,8 +61,7 @@ def fail_requests_held_by(table, status, to_api, index: int, colocated: bool, me
     """
     rows = table.snapshot() if rows is None else rows
     failed = 0
-    held = HELD_STATES[index] | (HELD_STATES[PREFILL_INDEX] if colocated and index == DECODE_INDEX else frozenset())
-    for slot in np.flatnonzero(np.isin(rows["state"], [int(s) for s in held])):
+    for slot in np.flatnonzero(held_mask(rows, topology, index)):
         slot, generation = int(slot), int(rows["generation"][slot])
         stage = int(rows["state"][slot])
         if table.transition(slot, generation, S.FAILED, owner=by):
@@ -53,6 +72,20 @@ def fail_requests_held_by(table, status, to_api, index: int, colocated: bool, me
             except Exception as exc:  # noqa: BLE001 - API inbox full or gone: the API's own deadline answers
                 log.warning("could not notify the API about slot %d: %s", slot, exc)
     return failed
+
+
+def table_counts_by_actor(rows: np.ndarray, indices) -> dict[int, int]:
+    """Per engine actor index, the rows (a state-table snapshot) not FREE that name it as their prefill or decode
+    actor: what the router's ``routed_requests`` for that actor should equal (the API holds a row from
+    admission until it releases it)."""
+    used = rows["state"] != int(S.FREE)
+    return {i: int(np.count_nonzero(used & ((rows["prefill_actor"] == i) | (rows["decode_actor"] == i))))
+            for i in indices}
+
+
+# the API publishes its counts at every admission and release (and every 0.1 s), so they lag the table by a
+# moment only: a disagreement seen on this many consecutive ticks is flagged (the second tick that sees it)
+ROUTER_MISMATCH_TICKS = 2
 
 
 FINAL_ROW_RECLAIM_S = 30.0
@@ -79,6 +112,8 @@ class HeartbeatMonitor(Actor):
         self.tick_ns = int(self.config.monitor_tick_s * 1e9)
         self.next_tick_ns = time.monotonic_ns()
         self.mismatch_since_ns = [0] * len(GAUGES)
+        self.topology_engine = self.topology.prefill + self.topology.decode
+        self.router_mismatch_ticks = {i: 0 for i in self.topology_engine}
 
     def run_once(self) -> None:
         delay_ns = self.next_tick_ns - time.monotonic_ns()
@@ -117,6 +152,7 @@ class HeartbeatMonitor(Actor):
         rows = self.table.snapshot()
         now_ns = time.monotonic_ns()
         self.check_gauges(rows, now_ns)
+        self.check_router_counts(rows)
         self.reclaim_final_rows(rows, now_ns)
 
     def _notify(self, slot: int, generation: int, status: int, error_type: str, message: str) -> None:
@@ -135,7 +171,8 @@ class HeartbeatMonitor(Actor):
         else:
             rec["timeouts"][int(expired.stage)] += 1
             self._notify(expired.slot, expired.generation, 504, "timeout_error", expired.message())
-        owner = ACTOR_NAMES[expired.owner] if 0 <= expired.owner < len(ACTOR_NAMES) else "none"
+        names = self.topology.names
+        owner = names[expired.owner] if 0 <= expired.owner < len(names) else "none"
         log.warning("timeout: request=%s stage=%s age_s=%.3f owner=%s reason=%s", expired.request_id,
                     expired.stage.name.lower(), expired.age_s, owner, expired.reason)
 
@@ -145,24 +182,26 @@ class HeartbeatMonitor(Actor):
         from ipc.actor_table import ActorHealth, ActorStatus
 
         actor_rows = self.actors.rows()
-        for index in (PREFILL_INDEX, DECODE_INDEX, API_INDEX):
+        for index in range(len(self.topology.names)):
+            if index == self.topology.monitor:
+                continue
             row = actor_rows[index]
             pid = int(row["pid"])
             health = classify_actor(pid, pid > 0 and pid_alive(pid), int(row["status"]) == ActorStatus.READY,
                                     int(row["heartbeat_ns"]), now_ns, self.config.actor_hang_timeout_s)
             if health != row["health"]:
                 level = logging.INFO if health in (ActorHealth.OK, ActorHealth.UNKNOWN) else logging.ERROR
-                log.log(level, "actor %s (pid %d) is %s", ACTOR_NAMES[index], pid, health.name.lower())
+                log.log(level, "actor %s (pid %d) is %s", self.topology.names[index], pid, health.name.lower())
             self.actors.set_health(index, health)
             if health in (ActorHealth.DEAD, ActorHealth.HUNG):
                 age_s = (now_ns - int(row["heartbeat_ns"])) / 1e9
                 why = ("dead (its process exited)" if health == ActorHealth.DEAD
                        else f"hung (no heartbeat for {age_s:.1f} s)")
-                self.fail_held(rows, index, f"actor {ACTOR_NAMES[index]} is {why}; the request was dropped, "
+                self.fail_held(rows, index, f"actor {self.topology.names[index]} is {why}; the request was dropped, "
                                             "retry it")
 
     def fail_held(self, rows: np.ndarray, index: int, message: str) -> None:
-        fail_requests_held_by(self.table, self.status, self.to_api, index, self.config.colocated, message,
+        fail_requests_held_by(self.table, self.status, self.to_api, self.topology, index, message,
                               by=self.index, rows=rows)
 
     def check_gauges(self, rows: np.ndarray, now_ns: int) -> None:
@@ -194,6 +233,24 @@ class HeartbeatMonitor(Actor):
                 log.error("gauge mismatch %s: actors count %d, the state table %d (the table wins)", name,
                           own[i], tracked[name].value)
             rec["mismatch"][i] = int(flag)
+
+    def check_router_counts(self, rows: np.ndarray) -> None:
+        """Compare the router's per-actor count (actor table, written by the API) with the table's; a
+        disagreement on more than ROUTER_MISMATCH_TICKS consecutive ticks is flagged (logged once, counted)."""
+        table_counts = table_counts_by_actor(rows, self.topology_engine)
+        for row in self.actors.rows():
+            index = row["index"]
+            if index not in table_counts or row["routed_requests"] < 0:
+                continue
+            routed = int(row["routed_requests"])
+            agree = routed == table_counts[index]
+            self.router_mismatch_ticks[index] = 0 if agree else self.router_mismatch_ticks[index] + 1
+            flag = self.router_mismatch_ticks[index] >= ROUTER_MISMATCH_TICKS
+            if flag and not row["router_mismatch"]:
+                log.error("router count mismatch for actor %s: the router counts %d requests on it, the state "
+                          "table %d (the table wins)", row["name"], routed, table_counts[index])
+            if flag != bool(row["router_mismatch"]):
+                self.actors.set_router_mismatch(index, flag)
 
     def reclaim_final_rows(self, rows: np.ndarray, now_ns: int) -> None:
         """Release rows final for FINAL_ROW_RECLAIM_S that nobody released (their API process died)."""

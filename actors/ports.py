@@ -43,7 +43,7 @@ class TransfersPort(Protocol):
     local: bool
 
     def start(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-              num_tokens: int) -> int: ...
+              num_tokens: int, peer: int = -1) -> int: ...
 
     def poll(self, handle: int) -> tuple[int, int]: ...
 
@@ -51,10 +51,11 @@ class TransfersPort(Protocol):
 
 
 class OutboxPort(Protocol):
-    """Messages to the other roles: ``dest`` is "prefill", "decode" or "api"; ``request_id`` lets a fault
-    decorator aim at one request (pdserve/faults.py)."""
+    """Messages to the other actors: ``dest`` is an actor-table index (a prefill or decode actor), or "prefill",
+    "decode" (colocated mode's local cores) or "api"; ``request_id`` lets a fault decorator aim at one request
+    (pdserve/faults.py)."""
 
-    def send(self, dest: str, message: Any, request_id: str = "") -> None: ...
+    def send(self, dest: int | str, message: Any, request_id: str = "") -> None: ...
 
 
 class TransportTransfers:
@@ -67,7 +68,7 @@ class TransportTransfers:
         self.local = local
         self._blocks: dict[int, int] = {}
 
-    def start(self, request_id, src_block_ids, dst_block_ids, num_tokens) -> int:
+    def start(self, request_id, src_block_ids, dst_block_ids, num_tokens, peer: int = -1) -> int:
         handle = self.transport.start_copy(list(src_block_ids), list(dst_block_ids), num_tokens=num_tokens)
         self._blocks[handle] = len(src_block_ids)
         return handle
@@ -83,8 +84,36 @@ class TransportTransfers:
         self.transport.release(handle)
 
 
+class PeerTransfers:
+    """TransfersPort over one transfers port per source pool: ``start(..., peer=i)`` pulls from prefill actor
+    ``i``'s pool (N x M: a decode actor opens one transport per prefill pool). Raises KeyError for an unknown
+    peer. Handles are this object's own (the inner ports' handles may collide)."""
+
+    def __init__(self, by_peer: dict[int, Any], synchronous: bool, local: bool = False):
+        self.by_peer = by_peer
+        self.synchronous = synchronous
+        self.local = local
+        self._handles: dict[int, tuple[Any, int]] = {}
+        self._next = 1
+
+    def start(self, request_id, src_block_ids, dst_block_ids, num_tokens, peer: int = -1) -> int:
+        inner = self.by_peer[peer]
+        handle, self._next = self._next, self._next + 1
+        self._handles[handle] = (inner, inner.start(request_id, src_block_ids, dst_block_ids, num_tokens))
+        return handle
+
+    def poll(self, handle: int) -> tuple[int, int]:
+        inner, inner_handle = self._handles[handle]
+        return inner.poll(inner_handle)
+
+    def release(self, handle: int) -> None:
+        entry = self._handles.pop(handle, None)
+        if entry is not None:
+            entry[0].release(entry[1])
+
+
 class QueueOutbox:
-    """OutboxPort over the engine's shm queues (``{"prefill": q, "decode": q, "api": q}``); frames are
+    """OutboxPort over the engine's shm queues (``{actor index or "api": q}``); frames are
     ``actors.messages.to_wire`` lists, each put waiting at most ``put_timeout_s`` for room (then QueueFullError).
     A destination may be a local core (colocated mode): any object with ``on_message(message)``."""
 

@@ -38,22 +38,24 @@ class PrefillActor(Actor):
 
         torch.set_num_threads(self.config.torch_threads)
         self.model = LlamaModel.from_path(self.layout.model_path or None, device=self.config.device, progress=False)
-        self.pool = KVPool.attach(self.layout.segment("kv_prefill"))
+        topo = self.topology
+        self.pool = KVPool.attach(self.layout.segment(topo.segment("kv", self.index)))
         warm_up(self.model, self.pool)
         self.pool.reset()  # a restarted actor starts from an empty pool; its old requests were failed
         self.kv = self.pool.tensor()
-        self.inbox = ShmQueue.attach(self.layout.segment("q_prefill"))
+        self.inbox = ShmQueue.attach(self.layout.segment(topo.segment("q", self.index)))
         self.faults = FaultPlan(self.config.faults, self.name)
-        self.outbox = FaultyOutbox(QueueOutbox({"decode": ShmQueue.attach(self.layout.segment("q_decode")),
-                                                "api": ShmQueue.attach(self.layout.segment("q_api"))},
-                                               self.queue_put_timeout_s), self.faults)
+        queues = {j: ShmQueue.attach(self.layout.segment(topo.segment("q", j))) for j in topo.decode}
+        queues["api"] = ShmQueue.attach(self.layout.segment("q_api"))
+        self.outbox = FaultyOutbox(QueueOutbox(queues, self.queue_put_timeout_s), self.faults)
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(self.layout.model_path)
         self.grammars.warm_up()   # llguidance's tokenizer view (~2 s), off the loop
         self.core = PrefillCore(StateTable.attach(self.layout.segment("state")), self.pool, self.outbox,
-                                time.monotonic_ns, actor_index=self.index,
+                                time.monotonic_ns, actor_index=self.index, handoff_from=self.index,
                                 on_late=lambda: self.actors.count_late_message(self.index))
         self._published_free = -1
+        self._published_done = 0
         self._publish()
 
     def run_once(self) -> None:
@@ -93,6 +95,9 @@ class PrefillActor(Actor):
 
     def _publish(self) -> None:
         self.actors.set_own_gauges(self.index, **self.core.own_gauges())
+        if self.core.handed_off != self._published_done:
+            self.actors.count_requests_done(self.index, self.core.handed_off - self._published_done)
+            self._published_done = self.core.handed_off
         if self.pool.num_free != self._published_free:
             self._published_free = self.pool.num_free
             self.actors.set_kv_blocks(self.index, total=self.pool.num_blocks, free=self._published_free)

@@ -68,18 +68,24 @@ class PrefillCore:
     """Queue, block allocation, handoff and clean-up of one prefill role.
 
     ``on_late`` is called for a message about a request already cleaned up (counted by the shell).
+    ``handoff_from``: the actor index KVReady names as the holder of the blocks (a decode actor pulls from that
+    actor's pool and sends it TransferDone); -1 (colocated mode) = the outbox's "prefill". KVReady goes to the
+    request's ``decode_actor`` (-1 = the outbox's "decode").
     """
 
     def __init__(self, table: TablePort, allocator: AllocatorPort, outbox: OutboxPort, clock: Clock, *,
-                 actor_index: int, renew_interval_s: float = 1.0, on_late: Callable[[], None] = lambda: None):
+                 actor_index: int, renew_interval_s: float = 1.0, on_late: Callable[[], None] = lambda: None,
+                 handoff_from: int = -1):
         self.table, self.allocator, self.outbox, self.clock = table, allocator, outbox, clock
         self.actor_index = actor_index
+        self.handoff_from = handoff_from
         self.renew_interval_ns = int(renew_interval_s * 1e9)
         self.on_late = on_late
         self.queued: collections.deque[PrefillRequest] = collections.deque()
         self.prefilling: PrefillWork | None = None
         self.inflight: dict[Key, SharedBlocks] = {}   # rows whose prompt KV is held here (BOOTSTRAP/TRANSFERRING)
         self.blocked = False   # the head request waits for free blocks: do not spin on it
+        self.handed_off = 0    # rows whose KVReady it sent (a per-actor work counter)
         self.renewed_ns = 0
 
     # ---- events -------------------------------------------------------------------------------------
@@ -164,9 +170,11 @@ class PrefillCore:
                 self._free(key)
                 continue
             history = request.prompt_ids if sampling.repetition_penalty != 1.0 else []
-            self.outbox.send("decode", KVReady(key[0], key[1], request.request_id, work.blocks,
-                                               len(request.prompt_ids), token, sampling, queue_s, prefill_s,
-                                               logprobs, history), request.request_id)
+            dest = request.decode_actor if request.decode_actor >= 0 else "decode"
+            self.outbox.send(dest, KVReady(key[0], key[1], request.request_id, work.blocks,
+                                           len(request.prompt_ids), token, sampling, queue_s, prefill_s,
+                                           logprobs, history, self.handoff_from), request.request_id)
+            self.handed_off += 1
         self.renew_queued()
 
     def abandon(self, work: PrefillWork) -> None:

@@ -16,8 +16,7 @@ import threading
 import time
 from typing import Any
 
-from actors.base import (ACTOR_CLASSES, ACTOR_NAMES, API_INDEX, DECODE_INDEX, ENGINE_STOP_SIGNALS, MONITOR_INDEX,
-                         PREFILL_INDEX, EngineLayout, ModelShape, run_actor)
+from actors.base import ENGINE_STOP_SIGNALS, EngineLayout, ModelShape, run_actor, topology
 from pdserve.config import LoadedConfig
 from pdserve.errors import ConfigError, PdserveError
 
@@ -28,18 +27,21 @@ RESTART_MIN_INTERVAL_S = 1.0   # an actor that keeps dying is restarted at most 
 
 # Who puts into each engine queue (each has one consumer: the actor or api named by the queue). A queue with
 # one producer gets the mutex-free single-producer/single-consumer ring; the others the MPMC one.
-QUEUE_PRODUCERS = {
-    "q_prefill": ("api", "decode"),                            # PrefillRequest; TransferDone
-    "q_decode": ("prefill",),                                  # KVReady (colocated: the api's PrefillRequest)
-    "q_api": ("prefill", "decode", "monitor", "supervisor"),   # tokens and errors
-}
+def queue_producers(queue: str, topo, colocated: bool) -> tuple[str, ...]:
+    """The actors that put into ``queue`` (a segment key: ``q_api``, ``q_prefill0``, ``q_decode1``, ...)."""
+    if queue == "q_api":   # tokens and errors
+        return ("prefill", "decode", "monitor", "supervisor")
+    if queue.startswith("q_prefill"):   # the api's PrefillRequest; every decode actor's TransferDone
+        return ("api",) + tuple(topo.names[i] for i in topo.decode)
+    # a decode inbox: KVReady from every prefill actor (colocated: the api's PrefillRequest)
+    return ("api",) if colocated else tuple(topo.names[i] for i in topo.prefill)
 
 
-def queue_mode(queue: str) -> str:
+def queue_mode(producers: tuple[str, ...]) -> str:
     """``"spsc"`` for a queue with one producer (on CPUs that support it), else ``"mpmc"``."""
     from ipc.shm_queue import SPSC_SUPPORTED
 
-    return "spsc" if len(QUEUE_PRODUCERS[queue]) == 1 and SPSC_SUPPORTED else "mpmc"
+    return "spsc" if len(producers) == 1 and SPSC_SUPPORTED else "mpmc"
 
 
 def free_port(host: str) -> int:
@@ -75,11 +77,20 @@ def check_chat_template(path: str) -> None:
         raise ConfigError(f"config field chat_template={path!r}: {exc}", param="chat_template") from None
 
 
+def actor_device_map(config, topo) -> dict[int, str]:
+    """Actor index -> device label (actors/placement.py) for every engine actor; the API and monitor have none."""
+    from actors.placement import actor_devices
+
+    prefill, decode = actor_devices(config)
+    return {**dict(zip(topo.prefill, prefill)), **dict(zip(topo.decode, decode))}
+
+
 def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     """Read the model's metadata (no weights) and size the pools, queues and tables.
 
     Raises:
-        ConfigError: a device the engine is not wired for; max_model_len larger than the model's context or
+        ConfigError: a refused actor placement (actors/placement.py); a device the engine is not wired for;
+            max_model_len larger than the model's context or
             the KV pool.
         ModelLoadError: the model cannot be read.
     """
@@ -88,6 +99,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     from ipc.naming import segment_name
 
     config = loaded.config
+    topo = topology(config)   # refuses a bad placement (actors/placement.py) before the device check
     if config.chat_template:
         check_chat_template(config.chat_template)
     check_device(config.device)
@@ -106,7 +118,9 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
         raise ConfigError(f"config field max_model_len={config.max_model_len}: must be <= {limit} (the model's "
                           f"context {shape.context_length} and the KV pool's {pool_tokens} tokens)",
                           param="max_model_len")
-    names = ("state", "actors", "status", "q_prefill", "q_decode", "q_api", "kv_prefill", "kv_decode")
+    engine_actors = topo.prefill + topo.decode
+    names = ("state", "actors", "status", "q_api") + tuple(topo.segment(what, i) for i in engine_actors
+                                                          for what in ("q", "kv"))
     return EngineLayout(engine_id=engine_id, config=config, model_path=model_path,
                         served_model_name=config.served_model_name or model_file_name(model_path), shape=shape,
                         max_context_tokens=max_context_tokens, http_port=config.port or free_port(config.host),
@@ -124,6 +138,8 @@ class Supervisor:
         self.loaded = loaded
         self.engine_id = engine_id or new_engine_id()
         self.layout: EngineLayout | None = None
+        self.topology = None
+        self.devices: dict[int, str] = {}
         self.ctx = multiprocessing.get_context("spawn")
         self.stop_event = self.ctx.Event()
         self.shutdown = threading.Event()
@@ -146,19 +162,19 @@ class Supervisor:
         lay, cfg = self.layout, self.layout.config
         self.state = StateTable.create(lay.segment("state"), num_rows=cfg.max_queued_requests * 2 + 16)
         self._owned.append(self.state)
-        self.actors = ActorTable.create(lay.segment("actors"), num_actors=len(ACTOR_NAMES))
+        topo = self.topology
+        self.actors = ActorTable.create(lay.segment("actors"), num_actors=len(topo.names))
         self._owned.append(self.actors)
-        for index, name in enumerate(ACTOR_NAMES):
-            if cfg.colocated and index == PREFILL_INDEX:
-                continue  # no prefill actor: its row stays empty (skipped by /health, /metrics, inspect)
-            self.actors.register(index, name, cfg.device if index in (PREFILL_INDEX, DECODE_INDEX) else "")
+        engine_actors = topo.prefill + topo.decode
+        for index, name in enumerate(topo.names):
+            self.actors.register(index, name, self.devices.get(index, ""))
         self.status = EngineStatus.create(lay.segment("status"))
         self._owned.append(self.status)
-        for q in QUEUE_PRODUCERS:
-            self.queues[q] = ShmQueue.create(lay.segment(q), num_slots=cfg.queue_slots,
-                                             slot_bytes=cfg.queue_slot_bytes, mode=queue_mode(q))
+        for q in ("q_api",) + tuple(topo.segment("q", i) for i in engine_actors):
+            self.queues[q] = ShmQueue.create(lay.segment(q), num_slots=cfg.queue_slots, slot_bytes=cfg.queue_slot_bytes,
+                                             mode=queue_mode(queue_producers(q, topo, cfg.colocated)))
             self._owned.append(self.queues[q])
-        for pool in ("kv_decode",) if cfg.colocated else ("kv_prefill", "kv_decode"):
+        for pool in (topo.segment("kv", i) for i in engine_actors):
             self._owned.append(KVPool.create(lay.segment(pool), num_layers=lay.shape.num_layers,
                                              num_blocks=lay.kv_blocks_per_pool, block_tokens=cfg.kv_block_tokens,
                                              num_kv_heads=lay.shape.num_kv_heads, head_dim=lay.shape.head_dim,
@@ -167,7 +183,7 @@ class Supervisor:
             "engine_id": self.engine_id, "pid": os.getpid(), "created_unix_s": time.time(),
             "model": lay.model_path or "(embedded default)", "served_model_name": lay.served_model_name,
             "max_context_tokens": lay.max_context_tokens, "kv_blocks_per_pool": lay.kv_blocks_per_pool,
-            "url": f"http://{cfg.host}:{lay.http_port}", "segments": lay.segments, "actors": list(ACTOR_NAMES),
+            "url": f"http://{cfg.host}:{lay.http_port}", "segments": lay.segments, "actors": list(topo.names),
             "config": lay.effective_config()}))
 
     def _unlink_segments(self) -> None:
@@ -184,8 +200,12 @@ class Supervisor:
 
     # ---- processes ----------------------------------------------------------------------------------
     def _spawn(self, index: int) -> None:
-        process = self.ctx.Process(target=run_actor, args=(ACTOR_CLASSES[index], self.layout, index, self.stop_event),
-                                   name=f"pdserve-{self.engine_id}-{ACTOR_NAMES[index]}", daemon=False)
+        from actors.placement import child_environment
+
+        process = self.ctx.Process(target=run_actor, args=(self.topology.class_path(index), self.layout, index,
+                                                           self.stop_event,
+                                                           child_environment(self.devices.get(index, ""))),
+                                   name=f"pdserve-{self.engine_id}-{self.topology.names[index]}", daemon=False)
         # the child inherits the blocked mask through fork and exec, so a SIGTERM to the process group while it
         # starts waits for its own handler (which ignores it) instead of killing it; ours runs once unblocked
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, ENGINE_STOP_SIGNALS)
@@ -207,27 +227,29 @@ class Supervisor:
                 if self.actors.row(index)["status"] == ActorStatus.READY:
                     pending.discard(index)
                 elif not self.processes[index].is_alive():
-                    raise PdserveError(f"actor {ACTOR_NAMES[index]} exited during start-up with code "
+                    raise PdserveError(f"actor {self.topology.names[index]} exited during start-up with code "
                                        f"{self.processes[index].exitcode}; see its log above")
             if not pending:
                 return
             if time.monotonic() > deadline or self.shutdown.is_set():
-                raise PdserveError(f"actors {[ACTOR_NAMES[i] for i in pending]} not ready within "
+                raise PdserveError(f"actors {[self.topology.names[i] for i in pending]} not ready within "
                                    f"actor_ready_timeout_s={self.layout.config.actor_ready_timeout_s}")
             multiprocessing.connection.wait([self.processes[i].sentinel for i in pending], timeout=0.05)
 
     def start(self) -> EngineLayout:
         """Create segments, spawn and await every actor. On failure everything is torn down and re-raised."""
         self.layout = plan_layout(self.loaded, self.engine_id)
+        self.topology = topology(self.layout.config)
+        self.devices = actor_device_map(self.layout.config, self.topology)
         try:
             self._create_segments()
-            engine_actors = [MONITOR_INDEX, DECODE_INDEX] if self.layout.config.colocated else \
-                [MONITOR_INDEX, PREFILL_INDEX, DECODE_INDEX]
+            topo = self.topology
+            engine_actors = [topo.monitor, *topo.prefill, *topo.decode]
             for index in engine_actors:
                 self._spawn(index)
             self._wait_ready(engine_actors)
-            self._spawn(API_INDEX)
-            self._wait_ready([API_INDEX])
+            self._spawn(topo.api)
+            self._wait_ready([topo.api])
         except BaseException:
             self.stop()
             raise
@@ -246,13 +268,13 @@ class Supervisor:
             for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=0.2):
                 index = sentinels[sentinel]
                 self.processes[index].join(timeout=1)  # reap it, so its exit code is known
-                log.error("actor %s is dead (exit code %s); restarting it", ACTOR_NAMES[index],
+                log.error("actor %s is dead (exit code %s); restarting it", self.topology.names[index],
                           self.processes[index].exitcode)
                 self._restart(index)
             for index, process in list(self.processes.items()):
                 if self.actors.row(index)["health"] == ActorHealth.HUNG and process.is_alive() \
                         and time.monotonic() - self.started_at[index] > self.layout.config.actor_hang_timeout_s:
-                    log.error("actor %s (pid %d) is hung; killing it to restart it", ACTOR_NAMES[index],
+                    log.error("actor %s (pid %d) is hung; killing it to restart it", self.topology.names[index],
                               process.pid)
                     process.kill()
         self.drain()
@@ -263,13 +285,14 @@ class Supervisor:
 
         process = self.processes[index]
         process.join(timeout=1)
-        if index != MONITOR_INDEX:
+        name = self.topology.names[index]
+        if index != self.topology.monitor:
             failed = fail_requests_held_by(
-                self.state, self.status, self.queues["q_api"], index, self.layout.config.colocated,
-                f"actor {ACTOR_NAMES[index]} is dead (its process exited with code {process.exitcode}); "
+                self.state, self.status, self.queues["q_api"], self.topology, index,
+                f"actor {name} is dead (its process exited with code {process.exitcode}); "
                 "the request was dropped, retry it", by=-1)
             if failed:
-                log.error("failed %d requests held by the dead actor %s", failed, ACTOR_NAMES[index])
+                log.error("failed %d requests held by the dead actor %s", failed, name)
         wait_s = self.started_at[index] + RESTART_MIN_INTERVAL_S - time.monotonic()
         if wait_s > 0 and self.shutdown.wait(wait_s):
             return
@@ -312,12 +335,12 @@ class Supervisor:
             process.join(timeout=max(deadline - time.monotonic(), 0.1))
         for index, process in self.processes.items():
             if process.is_alive():
-                log.error("actor %s (pid %d) did not stop within %.0f s; killing it", ACTOR_NAMES[index],
+                log.error("actor %s (pid %d) did not stop within %.0f s; killing it", self.topology.names[index],
                           process.pid, STOP_JOIN_TIMEOUT_S)
                 process.kill()
                 process.join(timeout=2)
         for index, process in self.processes.items():
-            log.info("actor %s exited with code %s", ACTOR_NAMES[index], process.exitcode)
+            log.info("actor %s exited with code %s", self.topology.names[index], process.exitcode)
         self._unlink_segments()
 
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.base import API_INDEX, EngineLayout
+from actors.base import EngineLayout, topology
 from actors.messages import PrefillRequest, PromptLogprobs, RequestError, TokenBatch, parse_frames, to_wire
 from api.protocol import GenerationRequest
 from pdserve.errors import (EngineOverloadedError, InvalidRequestError, MessageTooLargeError, PdserveError,
@@ -45,6 +45,10 @@ class RequestHandle:
     completion_tokens: int = 0
     timings: dict | None = None   # queue_s, prefill_s, transfer_s, transfer_bytes (from the decode actor)
     prompt_logprobs: list = field(default_factory=list)   # echo + logprobs: one wire entry per prompt token
+    prefill_actor: int = -1        # the actors the router chose (actor-table indices; -1 = none, colocated)
+    decode_actor: int = -1
+    reserve_blocks: int = 0        # decode blocks the request will reserve (prompt + max_tokens)
+    prefilled: bool = False        # a token arrived: its prompt is off the prefill queue, its blocks reserved
 
     @property
     def key(self) -> tuple[int, int]:
@@ -56,6 +60,9 @@ class EngineClient:
         self.layout = layout
         self.config = layout.config
         self.handles: dict[tuple[int, int], RequestHandle] = {}
+        self.topology = topology(layout.config)
+        self.index = self.topology.api
+        self.count_drift = 0   # fault router_count_drift: added to every published routed count
         self.stale_messages: collections.Counter[str] = collections.Counter()   # by message kind, for /metrics
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -72,8 +79,13 @@ class EngineClient:
         self.table = StateTable.attach(self.layout.segment("state"))
         self.actors = ActorTable.attach(self.layout.segment("actors"))
         self.status = EngineStatus.attach(self.layout.segment("status"))
-        # colocated mode: the decode actor takes new requests itself
-        self.to_prefill = ShmQueue.attach(self.layout.segment("q_decode" if self.config.colocated else "q_prefill"))
+        from pdserve.faults import FaultPlan
+
+        # one inbox per actor taking new requests: the prefill actors (colocated mode: the decode actors)
+        topo = self.topology
+        self.intake = {i: ShmQueue.attach(self.layout.segment(topo.segment("q", i)))
+                       for i in (topo.prefill or topo.decode)}
+        self.faults = FaultPlan(self.config.faults, "api")
         self.inbox = ShmQueue.attach(self.layout.segment("q_api"))
         self._thread = threading.Thread(target=self._receive, name="engine-inbox", daemon=True)
         self._thread.start()
@@ -104,6 +116,7 @@ class EngineClient:
                 extras = item[4] if len(item) > 4 else {}
                 if "timings" in extras:
                     handle.timings = extras["timings"]
+                handle.prefilled = True
                 handle.events.put_nowait(("token", item[2], item[3], extras.get("logprobs")))
         elif isinstance(message, PromptLogprobs):
             handle = self.handles.get((message.slot, message.generation))
@@ -125,6 +138,50 @@ class EngineClient:
     def num_active(self) -> int:
         """Requests this API process is waiting on (compared with the table's count by tools/inspect)."""
         return len(self.handles)
+
+    def routed_counts(self) -> dict[int, int]:
+        """The router's own count per engine actor (actor index -> rows it sent there that the API still holds:
+        each row counts on its prefill and its decode actor). The monitor compares it with the table's. The fault
+        ``router_count_drift:count_delta=K`` adds K to each (a router whose bookkeeping went wrong)."""
+        counts = {i: self.count_drift for i in self.topology.prefill + self.topology.decode}
+        for handle in self.handles.values():
+            for index in (handle.prefill_actor, handle.decode_actor):
+                if index >= 0:
+                    counts[index] += 1
+        return counts
+
+    def publish_routed(self) -> None:
+        """Write ``routed_counts`` into the actor table (the API is that field's one writer)."""
+        for index, count in self.routed_counts().items():
+            self.actors.set_routed_requests(index, count)
+
+    def actor_loads(self) -> tuple[list, list]:
+        """``(prefill loads, decode loads)`` for api/router.py: serving = READY, not hung or dead (a restarting
+        row reads as RESTARTING); free blocks from the table less what requests routed there but not yet
+        reserved will take; queued prompt tokens and running requests from the API's own handles."""
+        from api.router import ActorLoad
+        from ipc.actor_table import ActorHealth, ActorStatus
+
+        rows = self.actors.rows()
+        queued_tokens: dict[int, int] = {}
+        pending_blocks: dict[int, int] = {}
+        running: dict[int, int] = {}
+        for handle in self.handles.values():
+            if not handle.prefilled:
+                queued_tokens[handle.prefill_actor] = queued_tokens.get(handle.prefill_actor, 0) + \
+                    len(handle.request.prompt_ids)
+                pending_blocks[handle.decode_actor] = pending_blocks.get(handle.decode_actor, 0) + \
+                    handle.reserve_blocks
+            running[handle.decode_actor] = running.get(handle.decode_actor, 0) + 1
+
+        def load(index: int) -> ActorLoad:
+            r = rows[index]
+            serving = r["status"] == ActorStatus.READY and r["health"] not in (ActorHealth.HUNG, ActorHealth.DEAD)
+            return ActorLoad(index, r["name"], serving, queued_prompt_tokens=queued_tokens.get(index, 0),
+                             running=running.get(index, 0),
+                             kv_blocks_free=int(r["kv_blocks_free"]) - pending_blocks.get(index, 0),
+                             block_tokens=self.config.kv_block_tokens)
+        return [load(i) for i in self.topology.prefill], [load(j) for j in self.topology.decode]
 
     def submit(self, request: GenerationRequest, timeout_s: float | None = None) -> list[RequestHandle]:
         """Allocate the request's rows (QUEUED; one per choice, ``request.n``) and send it to the prefill actor.
@@ -155,15 +212,25 @@ class EngineClient:
             timeout_s = getattr(request, "timeout_s", None)
         limit_s = self.config.request_timeout_s
         timeout_s = limit_s if timeout_s is None else min(float(timeout_s), limit_s)
+        from api.router import route
+
+        prefill_loads, decode_loads = self.actor_loads()
+        chosen = route(prefill_loads, decode_loads, request.prompt_ids, request.sampling.max_tokens)
+        prefill_actor = -1 if chosen.prefill is None else chosen.prefill
+        block_tokens = self.config.kv_block_tokens
+        reserve = -(-(len(request.prompt_ids) + request.sampling.max_tokens) // block_tokens)
         now_ns = time.monotonic_ns()
         deadline_ns = now_ns + int(timeout_s * 1e9)
         handles: list[RequestHandle] = []
         try:
             for index in range(n):
                 slot, generation = self.table.allocate(request.request_id, prompt_tokens=len(request.prompt_ids),
-                                                       deadline_ns=deadline_ns)
-                self.table.update(slot, generation, owner=API_INDEX)
-                handle = RequestHandle(request, slot, generation, index, deadline_s=time.monotonic() + timeout_s)
+                                                       deadline_ns=deadline_ns, prefill_actor=prefill_actor,
+                                                       decode_actor=chosen.decode)
+                self.table.update(slot, generation, owner=self.index)
+                handle = RequestHandle(request, slot, generation, index, deadline_s=time.monotonic() + timeout_s,
+                                       prefill_actor=prefill_actor, decode_actor=chosen.decode,
+                                       reserve_blocks=reserve)
                 self.handles[handle.key] = handle
                 handles.append(handle)
         except StateTableFullError as exc:
@@ -171,9 +238,12 @@ class EngineClient:
             raise EngineOverloadedError(f"request table full: {exc.message}") from None
         try:
             first = handles[0]
+            colocated = chosen.prefill is None   # the decode actor prefills itself: KVReady stays inside it
             message = PrefillRequest(first.slot, first.generation, request.request_id, request.prompt_ids,
-                                     request.sampling, [[h.slot, h.generation] for h in handles[1:]])
-            self.to_prefill.put(to_wire(message), timeout_s=self.config.admission_put_timeout_s)
+                                     request.sampling, [[h.slot, h.generation] for h in handles[1:]],
+                                     -1 if colocated else chosen.decode)
+            self.intake[chosen.decode if colocated else chosen.prefill].put(
+                to_wire(message), timeout_s=self.config.admission_put_timeout_s)
         except QueueFullError:
             self.finish_all(handles)
             raise EngineOverloadedError("the prefill queue is full; retry") from None
@@ -181,19 +251,24 @@ class EngineClient:
             self.finish_all(handles)
             raise InvalidRequestError(f"the request is too large for the engine's queues ({exc.message}); send a "
                                       "shorter prompt or schema, or raise queue_slot_bytes") from None
+        drift = self.faults.fires("router_count_drift", request.request_id) if self.faults else None
+        if drift is not None:   # fault injection: the router's bookkeeping goes wrong from here on
+            self.count_drift += int(drift.number("count_delta"))
+        self.publish_routed()
         return handles
 
     def stop_generation(self, handle: RequestHandle) -> None:
         """A stop string matched: the request is done; the decode actor frees its blocks."""
-        self.table.transition(handle.slot, handle.generation, self.S.FINISHED, owner=API_INDEX)
+        self.table.transition(handle.slot, handle.generation, self.S.FINISHED, owner=self.index)
 
     def finish(self, handle: RequestHandle) -> None:
         """The client has its answer (or is gone): abort the row if still live (a no-op on a final row: the
         transition refuses), then release it."""
         if self.handles.pop(handle.key, None) is None:
             return
-        self.table.transition(handle.slot, handle.generation, self.S.ABORTED, owner=API_INDEX)
+        self.table.transition(handle.slot, handle.generation, self.S.ABORTED, owner=self.index)
         self.table.release(handle.slot, handle.generation)
+        self.publish_routed()
 
     def finish_all(self, handles: list[RequestHandle]) -> None:
         """``finish`` every choice of a request (all its rows are aborted if live, then released)."""

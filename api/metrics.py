@@ -22,7 +22,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from actors.base import API_INDEX
 from actors.watchdog import actor_state
 from ipc.lifecycle import GAUGE_STATES, STAGE_NAME
 from ipc.engine_status import GAUGES
@@ -70,6 +69,15 @@ class _SharedStateCollector:
         status = client.status.snapshot()
         restarts = CounterMetricFamily("pdserve_actor_restarts", "actor restarts by the supervisor",
                                        labels=["actor"])
+        done = CounterMetricFamily("pdserve_actor_requests_done", "requests an engine actor finished its part of "
+                                   "(prefill: KV handed off; decode: finished)", labels=["actor"])
+        routed = _gauge("pdserve_router_active_requests", "the router's count of requests it sent to each engine "
+                        "actor and still holds", labels=["actor"])
+        mismatches = CounterMetricFamily("pdserve_router_engine_mismatch", "times the monitor found the router's "
+                                         "count for an actor disagreeing with the state table", labels=["actor"])
+        own = _gauge("pdserve_actor_own_gauge", "an actor's own count per queue gauge (cross-checked with the "
+                     "table)", labels=["actor", "gauge"])
+        routed_counts = client.routed_counts()
         now = time.monotonic_ns()
         for r in rows:
             name = r["name"]
@@ -82,7 +90,14 @@ class _SharedStateCollector:
             state = actor_state(r, r["health"], now, client.config.monitor_tick_s)
             health.add_metric([name, state], 1.0 if state == "ok" else 0.0)
             restarts.add_metric([name], r["restarts"])
-        yield from (free_family, age, health, restarts)
+            if r["index"] in routed_counts:
+                done.add_metric([name], r["requests_done"])
+                routed.add_metric([name], routed_counts[r["index"]])
+                mismatches.add_metric([name], r["router_mismatches"])
+            for gauge, value in zip(GAUGES, r["own_gauges"]):
+                if value >= 0:
+                    own.add_metric([name, gauge], value)
+        yield from (free_family, age, health, restarts, done, routed, mismatches, own)
         ticks = CounterMetricFamily("pdserve_watchdog_ticks", "heartbeat monitor ticks")
         ticks.add_metric([], status["watchdog_ticks"])
         yield ticks
@@ -189,7 +204,7 @@ class EngineMetrics:
         actors, problems = {}, []
         for r in self.client.actors.rows():
             name, index = r["name"], r["index"]
-            if not name or index == API_INDEX:
+            if not name or index == self.client.topology.api:
                 continue
             state = actor_state(r, r["health"], now_ns, self.client.config.monitor_tick_s)
             actors[name] = state

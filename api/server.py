@@ -96,6 +96,7 @@ class ApiActor(Actor):
             while not self._stopping(stop_event):
                 self.actors.beat(self.index)
                 self.actors.set_active_requests(self.index, client.num_active())
+                client.publish_routed()
                 await asyncio.sleep(0.1)
 
         try:

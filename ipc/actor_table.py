@@ -8,7 +8,7 @@ Shared-memory layout of segment ``name``::
 
     offset  size  field
     0       4     magic        b"PDAT"
-    4       4     version      u4 = 2
+    4       4     version      u4 = 3
     8       4     num_actors   u4
     12      4     row_bytes    u4 = ROW_DTYPE.itemsize (128)
     16      8     rows_offset  u8 = HEADER_BYTES
@@ -38,7 +38,13 @@ writes only through the method named::
     81      health           u1     monitor (set_health)           ActorHealth at the monitor's last tick
     82      name             S16    supervisor (register)          e.g. "prefill0" (ascii)
     98      device           S16    supervisor (register)          e.g. "cpu", "cuda:1" (ascii)
-    114     (reserved to 128)
+    114     router_mismatch  u1     monitor (set_router_mismatch)  1 = routed_requests disagrees with the table
+    115     (reserved)
+    116     routed_requests  i4     api (set_routed_requests)      the router's count of requests it sent to this
+                                                                   actor and still holds; -1 = none published
+    120     router_mismatches u4    monitor (set_router_mismatch)  disagreements flagged so far
+    124     requests_done    u4     actor (count_requests_done)    requests it finished its part of (prefill:
+                                                                   KVReady sent; decode: FINISHED), all incarnations
 
 Incarnations: the supervisor never rewrites an actor's fields when it restarts one. The actor-written fields
 belong to the process the supervisor last spawned only while ``actor_pid == pid``; until the new process
@@ -88,7 +94,8 @@ ROW_FIELDS = [  # (name, dtype, offset)
     ("late_messages", "<u8", 24), ("started_ns", "<i8", 32), ("pid", "<i4", 40), ("restarts", "<u4", 44),
     ("actor_pid", "<i4", 48), ("kv_blocks_total", "<i4", 52), ("kv_blocks_free", "<i4", 56),
     ("active_requests", "<i4", 60), ("own_gauges", ("<i4", (len(GAUGES),)), 64), ("status", "u1", 80),
-    ("health", "u1", 81), ("name", "S16", 82), ("device", "S16", 98),
+    ("health", "u1", 81), ("name", "S16", 82), ("device", "S16", 98), ("router_mismatch", "u1", 114),
+    ("routed_requests", "<i4", 116), ("router_mismatches", "<u4", 120), ("requests_done", "<u4", 124),
 ]
 ROW_DTYPE = np.dtype({"names": [f[0] for f in ROW_FIELDS], "formats": [f[1] for f in ROW_FIELDS],
                       "offsets": [f[2] for f in ROW_FIELDS], "itemsize": 128})
@@ -96,7 +103,7 @@ assert ROW_DTYPE.fields["own_gauges"][0].itemsize <= 16, "own_gauges outgrew its
 STR_BYTES = 16
 
 MAGIC = b"PDAT"
-VERSION = 2
+VERSION = 3
 HEADER_BYTES = 128
 HEADER = struct.Struct("<4sIIIQ")  # magic, version, num_actors, row_bytes, rows_offset
 MAX_ACTORS = 4096
@@ -135,6 +142,7 @@ class ActorTable(_shm.ShmSegment):
             rows = _shm.shm_array(mm, ROW_DTYPE, num_actors, HEADER_BYTES)
             rows["own_gauges"] = -1
             rows["active_requests"] = -1
+            rows["routed_requests"] = -1
 
         return cls._create(name, HEADER_BYTES + num_actors * ROW_DTYPE.itemsize, init)
 
@@ -246,11 +254,26 @@ class ActorTable(_shm.ShmSegment):
         """Requests this actor is waiting on (the API's own view, compared with the table by inspect)."""
         self._row_for_write(index)["active_requests"] = count
 
+    def count_requests_done(self, index: int, n: int) -> None:
+        """Actor ``index`` finished its part of ``n`` more requests."""
+        self._row_for_write(index)["requests_done"] += n
+
     def count_late_message(self, index: int, n: int = 1) -> None:
         """``n`` more messages for final or stale requests were dropped by actor ``index``."""
         self._row_for_write(index)["late_messages"] += n
 
-    # ------------------------------------------------------------------ the monitor's writer
+    def set_routed_requests(self, index: int, count: int) -> None:
+        """The API's router: requests it sent to engine actor ``index`` that it still holds."""
+        self._row_for_write(index)["routed_requests"] = count
+
+    # ------------------------------------------------------------------ the monitor's writers
+
+    def set_router_mismatch(self, index: int, flagged: bool) -> None:
+        """The monitor's verdict on ``routed_requests`` against the table; a new flag counts one mismatch."""
+        rec = self._row_for_write(index)
+        if flagged and not rec["router_mismatch"]:
+            rec["router_mismatches"] += 1
+        rec["router_mismatch"] = int(flagged)
 
     def set_health(self, index: int, health: ActorHealth) -> None:
         """The monitor's verdict on actor ``index`` at this tick."""

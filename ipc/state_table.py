@@ -11,7 +11,7 @@ Shared-memory layout of segment ``name``::
 
     offset  size  field
     0       4     magic            b"PDST"
-    4       4     version          u4 = 1
+    4       4     version          u4 = 2
     8       4     num_rows         u4
     12      4     row_bytes        u4 = ROW_DTYPE.itemsize (128)
     16      8     rows_offset      u8 = HEADER_BYTES
@@ -40,7 +40,12 @@ Row (``ROW_DTYPE``, 128 bytes, 8-byte fields aligned so a concurrent reader neve
     63      final_stage       u1    the non-final state the row was in when it became final (FREE = none)
     64      owner             i1    actor index responsible now, -1 none (kept when the row goes final)
     65      request_id        S40   the API's id, ascii (longer ids are stored truncated to 40 bytes)
-    105     (reserved to 128)
+    105     prefill_actor     i1    actor index of the prefill actor the router chose, -1 none (colocated)
+    106     decode_actor      i1    actor index of the decode actor the router chose, -1 none
+    107     (reserved to 128)
+
+``prefill_actor`` and ``decode_actor`` are written once, by the API at ``allocate``; the monitor fails a row
+held by a dead or hung actor only when the row names that actor.
 
 Writers (allocate/transition/update/release) take one table-wide lock (posix_ipc semaphore ``name + "_lock"``,
 waited for at most ``lock_timeout_s``; a holder that died is taken over, see ``ipc._shm``). Readers never
@@ -79,13 +84,14 @@ ROW_FIELDS = [  # (name, dtype, offset)
     ("prefill_blocks", "<i4", 40), ("decode_blocks", "<i4", 44), ("generation", "<u4", 48),
     ("n_transfers", "<u4", 52), ("seq", "<u4", 56), ("error_code", "<u2", 60), ("state", "u1", 62),
     ("final_stage", "u1", 63), ("owner", "i1", 64), ("request_id", "S40", 65),
+    ("prefill_actor", "i1", 105), ("decode_actor", "i1", 106),
 ]
 ROW_DTYPE = np.dtype({"names": [f[0] for f in ROW_FIELDS], "formats": [f[1] for f in ROW_FIELDS],
                       "offsets": [f[2] for f in ROW_FIELDS], "itemsize": 128})
 REQUEST_ID_BYTES = 40
 
 MAGIC = b"PDST"
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = 256
 HEADER = struct.Struct("<4sIIIQII")  # magic, version, num_rows, row_bytes, rows_offset, lock_ms, cursor
 OFF_CURSOR = 28
@@ -148,7 +154,8 @@ class StateTable(_shm.ShmSegment):
             HEADER.pack_into(mm, 0, b"\0\0\0\0", VERSION, num_rows, ROW_DTYPE.itemsize, HEADER_BYTES,
                              int(lock_timeout_s * 1000), 0)
             I4.pack_into(mm, OFF_WRITING, -1)
-            _shm.shm_array(mm, ROW_DTYPE, num_rows, HEADER_BYTES)["owner"] = -1
+            rows = _shm.shm_array(mm, ROW_DTYPE, num_rows, HEADER_BYTES)
+            rows["owner"] = rows["prefill_actor"] = rows["decode_actor"] = -1
 
         return cls._create(name, HEADER_BYTES + num_rows * ROW_DTYPE.itemsize, init, sem_values=(1, 1))
 
@@ -215,9 +222,12 @@ class StateTable(_shm.ShmSegment):
 
     # ------------------------------------------------------------------ writers
 
-    def allocate(self, request_id: str, *, prompt_tokens: int, deadline_ns: int = 0) -> tuple[int, int]:
+    def allocate(self, request_id: str, *, prompt_tokens: int, deadline_ns: int = 0, prefill_actor: int = -1,
+                 decode_actor: int = -1) -> tuple[int, int]:
         """Take a FREE row for ``request_id`` in state QUEUED; returns ``(slot, generation)``.
 
+        ``prefill_actor`` / ``decode_actor``: the actor indices the router chose (-1 = none), kept for the row's
+        life.
         ``deadline_ns`` is an absolute ``time.monotonic_ns()`` deadline (0 = none). Stamps created_ns,
         state_since_ns and last_progress_ns. An id longer than 40 bytes is stored truncated.
         Raises StateTableFullError if every row is in use, ValueError for a non-ascii id,
@@ -256,6 +266,8 @@ class StateTable(_shm.ShmSegment):
                 rec["error_code"] = 0
                 rec["final_stage"] = 0
                 rec["owner"] = -1
+                rec["prefill_actor"] = prefill_actor
+                rec["decode_actor"] = decode_actor
                 rec["request_id"] = rid
                 rec["generation"] = gen
                 rec["state"] = RequestState.QUEUED  # last: a crash before this leaves the row FREE

@@ -65,6 +65,13 @@ class EngineConfig:
     device: str = _setting("cpu", "device of both actors", choices=("cpu", "cuda"))
     colocated: bool = _setting(False, "one decode actor also prefills (no prefill actor, no KV handoff); for "
                                       "comparing with disaggregation")
+    prefill_actors: int = _setting(1, "prefill actors (processes; each its own KV pool and inbox); ignored when "
+                                   "colocated", _positive, "> 0")
+    decode_actors: int = _setting(1, "decode actors (processes; each its own KV pool and inbox)", _positive, "> 0")
+    prefill_devices: str = _setting("", "device cuda: comma-separated GPU ordinals, one prefill actor each "
+                                    "(e.g. 0,1; sets prefill_actors); empty = prefill_actors on device 0")
+    decode_devices: str = _setting("", "device cuda: comma-separated GPU ordinals, one decode actor each "
+                                   "(e.g. 2,3; sets decode_actors); empty = decode_actors on device 0")
     torch_threads: int = _setting(1, "torch intra-op threads per actor (prefill and decode run in parallel)",
                                   _positive, "> 0")
     kv_transport: str = _setting("cpu-shm", "KV handoff transport", choices=("cpu-shm",))

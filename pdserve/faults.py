@@ -18,12 +18,14 @@ header, so a test or an operator can aim a fault at one request).
 | ``stall_prefill:seconds=S`` | prefill | after its first chunk the prompt makes no progress for S seconds (still heartbeating) |
 | ``stall:actor=NAME,seconds=S`` | that actor | its loop blocks S seconds (a hang), once per eligible request |
 | ``crash:actor=NAME`` | that actor | the process exits abruptly (os._exit) when it takes an eligible request |
+| ``router_count_drift:count_delta=K`` | api | on admitting an eligible request, the router's per-actor active counts drift K off for good (the monitor flags it) |
 
 Example: ``PDSERVE_FAULTS="drop_transfer_done:count=1;stall:actor=decode0,seconds=20,count=1"``.
 """
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 
 from pdserve.errors import ConfigError
@@ -39,9 +41,10 @@ FAULT_KEYS = {
     "stall_prefill": {"seconds"},
     "stall": {"actor", "seconds"},
     "crash": {"actor"},
+    "router_count_drift": {"count_delta"},
 }
 COMMON_KEYS = {"count", "fraction", "seed", "match"}
-ACTOR_NAMES = ("prefill0", "decode0")
+ACTOR_NAME_RE = re.compile(r"^(prefill|decode)[0-9]{1,3}$")   # an engine actor (see actors.base.Topology)
 
 
 @dataclass
@@ -91,15 +94,17 @@ def parse_faults(spec: str) -> list[Fault]:
         missing = FAULT_KEYS[name] - params.keys()
         if missing:
             raise ConfigError(f"config field faults: {name} needs {sorted(missing)}", param="faults")
-        if "actor" in params and params["actor"] not in ACTOR_NAMES:
-            raise ConfigError(f"config field faults: {name} actor must be one of {ACTOR_NAMES}", param="faults")
+        if "actor" in params and not ACTOR_NAME_RE.match(params["actor"]):
+            raise ConfigError(f"config field faults: {name} actor must be an engine actor (prefill<i> or "
+                              f"decode<j>), not {params['actor']!r}", param="faults")
         try:
             fault = Fault(name, params,
                           remaining=int(params["count"]) if "count" in params else None,
                           fraction=float(params.get("fraction", 1.0)),
                           rng=random.Random(int(params.get("seed", 0))))
-            if "seconds" in params:
-                fault.number("seconds")
+            for key in ("seconds", "count_delta"):
+                if key in params:
+                    fault.number(key)
         except ValueError as exc:
             raise ConfigError(f"config field faults: bad number in {part!r}: {exc}", param="faults") from None
         if not 0.0 <= fault.fraction <= 1.0:

@@ -13,12 +13,16 @@ JSON snapshot schema (``--json``; version 1; times in seconds, ``null`` = unknow
 
     {"schema": 1, "engine_id": str, "url": str, "taken_unix_s": float, "healthy": bool, "problems": [str],
      "config": {field: {"value": any, "source": "default"|"env"|"flag"}},
-     "actors": [{"name", "pid", "device", "status", "health": "ok"|"hung"|"dead"|"starting"|"restarting"|...,
-                 "heartbeat_age_s", "loop_iterations_per_s", "restarts", "late_messages", "kv_blocks_free",
-                 "kv_blocks_total"}],
+     "actors": [{"name", "role": "prefill"|"decode"|"api"|"monitor", "pid", "device", "status",
+                 "health": "ok"|"hung"|"dead"|"starting"|"restarting"|..., "heartbeat_age_s",
+                 "loop_iterations_per_s", "restarts", "late_messages", "kv_blocks_free", "kv_blocks_total",
+                 "load": {gauge: the actor's own count} (engine actors), "requests_done",
+                 "router_count": int|null (the router's count for it), "table_count": int|null (the state
+                 table's), "router_mismatch": bool (flagged by the monitor), "router_mismatches": int}],
      "gauges": [{"name", "metric", "value", "nonzero_for_s", "since_last_move_s", "stuck", "mismatch",
                  "actors_count"}],
-     "requests": [{"request_id", "slot", "stage", "age_in_stage_s", "total_age_s", "owner", "prefill_blocks",
+     "requests": [{"request_id", "slot", "stage", "age_in_stage_s", "total_age_s", "owner", "prefill_actor",
+                   "decode_actor", "prefill_blocks",
                    "decode_blocks", "output_tokens", "stage_deadline_left_s", "request_deadline_left_s"}],
      "watchdog": {"ticks", "last_tick_age_s", "tick_cpu_ms", "timeouts_by_stage": {stage: n},
                   "actor_failures_by_stage": {stage: n}},
@@ -75,8 +79,10 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
 
     config = manifest["config"]
     names = manifest["actors"]
-    actors = _actor_entries(actor_rows, first_iterations, now_ns, float(config["monitor_tick_s"]["value"]))
+    actors = _actor_entries(actor_rows, first_iterations, now_ns, float(config["monitor_tick_s"]["value"]), rows)
     problems = [f"actor {a['name']} is {a['health']}" for a in actors if a["health"] != "ok"]
+    problems += [f"actor {a['name']}: the router counts {a['router_count']} requests on it, the state table "
+                 f"{a['table_count']}" for a in actors if a["router_mismatch"]]
     state = rows["state"]
     own = sum_own_gauges(actor_rows)
     gauges = []
@@ -108,6 +114,8 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
             "age_in_stage_s": (now_ns - int(row["state_since_ns"])) / 1e9,
             "total_age_s": (now_ns - int(row["created_ns"])) / 1e9,
             "owner": names[owner] if 0 <= owner < len(names) else None,
+            "prefill_actor": _name(names, int(row["prefill_actor"])),
+            "decode_actor": _name(names, int(row["decode_actor"])),
             "prefill_blocks": int(row["prefill_blocks"]), "decode_blocks": int(row["decode_blocks"]),
             "output_tokens": int(row["output_tokens"]),
             "stage_deadline_left_s": limit_s - (now_ns - since_ns) / 1e9,
@@ -134,10 +142,19 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
     }
 
 
-def _actor_entries(actor_rows: list[dict], first_iterations: dict, now_ns: int, monitor_tick_s: float) -> list[dict]:
-    """The snapshot's "actors" list: one entry per named row of the actor table."""
-    from actors.watchdog import actor_state
+def _name(names: list[str], index: int) -> str | None:
+    return names[index] if 0 <= index < len(names) else None
 
+
+def _actor_entries(actor_rows: list[dict], first_iterations: dict, now_ns: int, monitor_tick_s: float,
+                   rows) -> list[dict]:
+    """The snapshot's "actors" list: one entry per named row of the actor table (``rows``: the state table)."""
+    from actors.monitor import table_counts_by_actor
+    from actors.watchdog import actor_state
+    from ipc.engine_status import GAUGES
+
+    engine = [r["index"] for r in actor_rows if r["name"].rstrip("0123456789") in ("prefill", "decode")]
+    table_counts = table_counts_by_actor(rows, engine)
     actors = []
     for r in actor_rows:
         if not r["name"]:
@@ -153,6 +170,13 @@ def _actor_entries(actor_rows: list[dict], first_iterations: dict, now_ns: int, 
             "loop_iterations_per_s": (int(r["loop_iterations"]) - int(prev_iter)) / elapsed,
             "restarts": int(r["restarts"]), "late_messages": int(r["late_messages"]),
             "kv_blocks_free": int(r["kv_blocks_free"]), "kv_blocks_total": int(r["kv_blocks_total"]),
+            "role": r["name"].rstrip("0123456789"),
+            "load": {g: v for g, v in zip(GAUGES, r["own_gauges"]) if v >= 0},
+            "requests_done": int(r["requests_done"]),
+            "router_count": int(r["routed_requests"]) if r["index"] in table_counts and r["routed_requests"] >= 0
+            else None,
+            "table_count": table_counts.get(r["index"]),
+            "router_mismatch": bool(r["router_mismatch"]), "router_mismatches": int(r["router_mismatches"]),
         })
     return actors
 
@@ -177,15 +201,18 @@ def render(snapshot: dict[str, Any]):
     views = Text(f"active requests: api {active['api']} / engine table {active['engine']}"
                  + ("" if active["agree"] else "   <-- DISAGREE"), style="" if active["agree"] else "bold red")
     actors = Table(title="actors", title_justify="left")
-    for column in ("actor", "pid", "device", "status", "health", "heartbeat", "loops/s", "restarts", "late msgs",
-                   "KV free"):
+    for column in ("actor", "role", "pid", "device", "status", "health", "heartbeat", "loops/s", "restarts",
+                   "late msgs", "KV free", "load", "done", "router/table"):
         actors.add_column(column)
     for a in snapshot["actors"]:
         kv = f"{a['kv_blocks_free']}/{a['kv_blocks_total']}" if a["kv_blocks_total"] else "-"
-        style = "red" if a["health"] in ("hung", "dead") else ""
-        actors.add_row(a["name"], str(a["pid"]), a["device"] or "-", a["status"], a["health"],
+        load = " ".join(f"{k}={v}" for k, v in a["load"].items() if v) or "-"
+        counts = "-" if a["table_count"] is None else \
+            f"{a['router_count']}/{a['table_count']}" + (" MISMATCH" if a["router_mismatch"] else "")
+        style = "red" if a["health"] in ("hung", "dead") or a["router_mismatch"] else ""
+        actors.add_row(a["name"], a["role"], str(a["pid"]), a["device"] or "-", a["status"], a["health"],
                        secs(a["heartbeat_age_s"]), f"{a['loop_iterations_per_s']:.0f}", str(a["restarts"]),
-                       str(a["late_messages"]), kv, style=style)
+                       str(a["late_messages"]), kv, load, str(a["requests_done"]), counts, style=style)
     gauges = Table(title="queues", title_justify="left")
     for column in ("gauge", "value", "non-zero for", "since last move", "stuck", "actors' count"):
         gauges.add_column(column)
@@ -194,12 +221,14 @@ def render(snapshot: dict[str, Any]):
                        "STUCK" if g["stuck"] else "", str(g["actors_count"]) + (" MISMATCH" if g["mismatch"] else ""),
                        style="red" if g["stuck"] or g["mismatch"] else "")
     requests = Table(title=f"live requests ({len(snapshot['requests'])})", title_justify="left")
-    for column in ("request", "stage", "in stage", "total", "owner", "KV P/D", "tokens", "deadline left"):
+    for column in ("request", "stage", "in stage", "total", "owner", "prefill/decode", "KV P/D", "tokens",
+                   "deadline left"):
         requests.add_column(column)
     for r in snapshot["requests"][:30]:
         left = r["stage_deadline_left_s"]
         requests.add_row(r["request_id"], r["stage"], secs(r["age_in_stage_s"]), secs(r["total_age_s"]),
-                         r["owner"] or "-", f"{r['prefill_blocks']}/{r['decode_blocks']}", str(r["output_tokens"]),
+                         r["owner"] or "-", f"{r['prefill_actor'] or '-'}/{r['decode_actor'] or '-'}",
+                         f"{r['prefill_blocks']}/{r['decode_blocks']}", str(r["output_tokens"]),
                          secs(left), style="red" if left < 0 else "")
     settings = Table(title="config (timeouts, and every value not at its default)", title_justify="left")
     for column in ("field", "value", "source"):
@@ -208,6 +237,25 @@ def render(snapshot: dict[str, Any]):
         if entry["source"] != "default" or name.endswith("_timeout_s") or name in ("monitor_tick_s", "stuck_gauge_s"):
             settings.add_row(name, str(entry["value"]), entry["source"])
     return Group(head, watchdog, views, actors, gauges, requests, settings)
+
+
+def list_lines(engine_ids: list[str], now_unix_s: float | None = None) -> list[str]:
+    """``--list``: one line per engine: id, supervisor pid, URL, model, uptime (from its manifest); an engine whose
+    manifest cannot be read is listed by id alone."""
+    from ipc.manifest import read_manifest
+
+    now_unix_s = time.time() if now_unix_s is None else now_unix_s
+    lines = [f"{'engine':10} {'pid':>8}  {'url':28} {'model':32} uptime"] if engine_ids else []
+    for eid in engine_ids:
+        try:
+            m = read_manifest(eid)
+        except (FileNotFoundError, ValueError):
+            lines.append(f"{eid:10} {'?':>8}  (manifest unreadable)")
+            continue
+        uptime_s = now_unix_s - float(m.get("created_unix_s", now_unix_s))
+        lines.append(f"{eid:10} {m.get('pid', '?'):>8}  {m.get('url', '?'):28} "
+                     f"{m.get('served_model_name', '?'):32} {uptime_s:.0f}s")
+    return lines
 
 
 def _choose_engine(engine_id: str | None) -> str | None:
@@ -234,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 140)
     if args.list:
         engines = running_engines()
-        for eid in engines:
-            print(eid)
+        for line in list_lines(engines):
+            print(line)
         return EXIT_OK if engines else EXIT_NO_ENGINE
     engine_id = _choose_engine(args.engine_id)
     if engine_id is None:

@@ -105,7 +105,7 @@ class FakeTransfers:
         self.released: list[int] = []
         self.next_handle = 1
 
-    def start(self, request_id, src, dst, num_tokens) -> int:
+    def start(self, request_id, src, dst, num_tokens, peer: int = -1) -> int:
         handle = self.next_handle
         self.next_handle += 1
         self.started[handle] = (request_id, list(src), list(dst), num_tokens)

@@ -117,3 +117,38 @@ def test_dead_versus_hung_actors():
     assert classify_actor(123, True, False, now - 60 * S_NS, now, 5) == ActorHealth.OK  # still loading
     assert classify_actor(123, True, True, now - 1 * S_NS, now, 5) == ActorHealth.OK
     assert classify_actor(0, False, False, 0, now, 5) == ActorHealth.UNKNOWN
+
+
+# ---- N x M: a dead actor's rows are the ones naming it ------------------------------------------------------
+def test_a_dead_decode_actor_holds_only_the_rows_that_name_it():
+    from actors.base import Topology
+    from actors.monitor import held_mask
+
+    topo = Topology(2, 2)   # prefill0=0, prefill1=1, decode0=2, decode1=3, api=4
+    table = rows((S.DECODING, 1.0, {"prefill_actor": 0, "decode_actor": 2}),
+                 (S.DECODING, 1.0, {"prefill_actor": 0, "decode_actor": 3}),
+                 (S.BOOTSTRAP, 1.0, {"prefill_actor": 1, "decode_actor": 3}),
+                 (S.QUEUED, 1.0, {"prefill_actor": 1, "decode_actor": 3}),
+                 (S.FINISHED, 1.0, {"prefill_actor": 1, "decode_actor": 3}))
+    assert np.flatnonzero(held_mask(table, topo, 3)).tolist() == [1, 2]   # QUEUED is held by prefill only
+    assert np.flatnonzero(held_mask(table, topo, 2)).tolist() == [0]
+    assert np.flatnonzero(held_mask(table, topo, 1)).tolist() == [2, 3]   # BOOTSTRAP: prefill1 holds the KV
+    assert np.flatnonzero(held_mask(table, topo, 0)).tolist() == []       # DECODING rows left prefill0 behind
+    assert np.flatnonzero(held_mask(table, topo, 4)).tolist() == [0, 1, 2, 3]   # the API holds every live row
+
+
+def test_a_colocated_decode_actor_holds_its_own_queued_rows():
+    from actors.base import Topology
+    from actors.monitor import held_mask
+
+    table = rows((S.QUEUED, 1.0, {"decode_actor": 0}), (S.PREFILLING, 1.0, {"decode_actor": 1}))
+    assert np.flatnonzero(held_mask(table, Topology(0, 2), 0)).tolist() == [0]
+
+
+def test_the_table_counts_every_unreleased_row_on_both_of_its_actors():
+    from actors.monitor import table_counts_by_actor
+
+    table = rows((S.DECODING, 1.0, {"prefill_actor": 0, "decode_actor": 2}),
+                 (S.FINISHED, 1.0, {"prefill_actor": 1, "decode_actor": 2}),   # final, not yet released
+                 (S.FREE, 1.0, {"prefill_actor": 1, "decode_actor": 3}))
+    assert table_counts_by_actor(table, (0, 1, 2, 3)) == {0: 1, 1: 1, 2: 2, 3: 0}
