@@ -53,20 +53,12 @@ class _SharedStateCollector:
     def __init__(self, owner: "EngineMetrics"):
         self.owner = owner
 
-    def collect(self):
-        client = self.owner.client
-        for name, value in queue_gauges(client.table.count_by_state()).items():
-            yield _gauge(f"pdserve_{name}", name.replace("_", " "), value)
-        rows = client.actors.rows()
-        total = sum(int(r["kv_blocks_total"]) for r in rows)
-        free = sum(int(r["kv_blocks_free"]) for r in rows)
-        yield _gauge("pdserve_kv_cache_usage_ratio", "fraction of KV blocks in use, all pools",
-                     (total - free) / total if total else 0.0)
+    def _per_actor(self, client, rows):
+        """The families labelled by actor: KV, heartbeat, health, restarts, router counts, own gauges."""
         free_family = _gauge("pdserve_kv_blocks_free", "free KV blocks per actor pool", labels=["actor"])
         age = _gauge("pdserve_actor_heartbeat_age_seconds", "time since each actor's last loop iteration",
                      labels=["actor"])
         health = _gauge("pdserve_actor_up", "1 = actor ok; 0 = dead, hung or starting", labels=["actor", "state"])
-        status = client.status.snapshot()
         restarts = CounterMetricFamily("pdserve_actor_restarts", "actor restarts by the supervisor",
                                        labels=["actor"])
         done = CounterMetricFamily("pdserve_actor_requests_done", "requests an engine actor finished its part of "
@@ -98,6 +90,18 @@ class _SharedStateCollector:
                 if value >= 0:
                     own.add_metric([name, gauge], value)
         yield from (free_family, age, health, restarts, done, routed, mismatches, own)
+
+    def collect(self):
+        client = self.owner.client
+        for name, value in queue_gauges(client.table.count_by_state()).items():
+            yield _gauge(f"pdserve_{name}", name.replace("_", " "), value)
+        rows = client.actors.rows()
+        total = sum(int(r["kv_blocks_total"]) for r in rows)
+        free = sum(int(r["kv_blocks_free"]) for r in rows)
+        yield _gauge("pdserve_kv_cache_usage_ratio", "fraction of KV blocks in use, all pools",
+                     (total - free) / total if total else 0.0)
+        yield from self._per_actor(client, rows)
+        status = client.status.snapshot()
         ticks = CounterMetricFamily("pdserve_watchdog_ticks", "heartbeat monitor ticks")
         ticks.add_metric([], status["watchdog_ticks"])
         yield ticks

@@ -197,6 +197,61 @@ class LlamaModel:
 
     # -- forward -----------------------------------------------------------------------------------------
 
+    def _prefill_table(self, kv: torch.Tensor, token_ids: list[int], block_table: list[int],
+                       start_pos: int) -> list[int]:
+        """Validate a prefill's arguments (see ``prefill``'s Raises) and return the block ids positions
+        ``0 .. start_pos + len(token_ids) - 1`` use; extends the RoPE tables to cover them."""
+        T = len(token_ids)
+        if T == 0:
+            raise ValueError("prefill needs at least one token")
+        if start_pos < 0:
+            raise ValueError(f"start_pos must be >= 0, got {start_pos}")
+        self._check_pool(kv)
+        end = start_pos + T  # exclusive
+        self._check_tokens(token_ids, end - 1)
+        bt_size = kv.shape[3]
+        n_blocks = (end - 1) // bt_size + 1
+        if len(block_table) < n_blocks:
+            raise ValueError(f"block table has {len(block_table)} blocks; positions 0..{end - 1} need "
+                             f"{n_blocks} of {bt_size} tokens")
+        table = block_table[:n_blocks]
+        if min(table) < 0 or max(table) >= kv.shape[2]:
+            raise ValueError(f"block ids must be in [0, {kv.shape[2]}); got {table}")
+        self._ensure_rope(end)
+        return table
+
+    def _decode_tables(self, kv: torch.Tensor, token_ids: list[int], positions: list[int],
+                       block_tables: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        """Validate a decode step's arguments (see ``decode``'s Raises); returns each sequence's block table
+        padded to the longest (with its first block: masked keys then read finite, written values) and the
+        block each new token is written to. Extends the RoPE tables to the longest position."""
+        B = len(token_ids)
+        if B == 0 or len(positions) != B or len(block_tables) != B:
+            raise ValueError(f"decode needs equal, non-zero numbers of token_ids ({B}), positions "
+                             f"({len(positions)}) and block_tables ({len(block_tables)})")
+        self._check_pool(kv)
+        max_pos = max(positions)
+        if min(positions) < 0:
+            raise ValueError(f"positions must be >= 0, got {positions}")
+        self._check_tokens(token_ids, max_pos)
+        bt_size, n_pool = kv.shape[3], kv.shape[2]
+        n_blk = max_pos // bt_size + 1
+        padded: list[list[int]] = []
+        w_blk_l: list[int] = []
+        for b in range(B):
+            p, tbl = positions[b], block_tables[b]
+            need = p // bt_size + 1
+            if len(tbl) < need:
+                raise ValueError(f"sequence {b}: block table has {len(tbl)} blocks; position {p} "
+                                 f"needs {need}")
+            used = tbl[:need]
+            if min(used) < 0 or max(used) >= n_pool:
+                raise ValueError(f"sequence {b}: block ids must be in [0, {n_pool}); got {used}")
+            padded.append(used + [used[0]] * (n_blk - need))
+            w_blk_l.append(used[-1])
+        self._ensure_rope(max_pos + 1)
+        return padded, w_blk_l
+
     @torch.inference_mode()
     def prefill(self, kv: torch.Tensor, token_ids: list[int], block_table: list[int], *, start_pos: int = 0,
                 all_logits: bool = False) -> torch.Tensor:
@@ -220,22 +275,9 @@ class LlamaModel:
         """
         c = self.config
         T = len(token_ids)
-        if T == 0:
-            raise ValueError("prefill needs at least one token")
-        if start_pos < 0:
-            raise ValueError(f"start_pos must be >= 0, got {start_pos}")
-        self._check_pool(kv)
         end = start_pos + T  # exclusive
-        self._check_tokens(token_ids, end - 1)
+        table = self._prefill_table(kv, token_ids, block_table, start_pos)
         bt_size = kv.shape[3]
-        n_blocks = (end - 1) // bt_size + 1
-        if len(block_table) < n_blocks:
-            raise ValueError(f"block table has {len(block_table)} blocks; positions 0..{end - 1} need "
-                             f"{n_blocks} of {bt_size} tokens")
-        table = block_table[:n_blocks]
-        if min(table) < 0 or max(table) >= kv.shape[2]:
-            raise ValueError(f"block ids must be in [0, {kv.shape[2]}); got {table}")
-        self._ensure_rope(end)
         dev = self.device
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
 
@@ -311,32 +353,9 @@ class LlamaModel:
         """
         c = self.config
         B = len(token_ids)
-        if B == 0 or len(positions) != B or len(block_tables) != B:
-            raise ValueError(f"decode needs equal, non-zero numbers of token_ids ({B}), positions "
-                             f"({len(positions)}) and block_tables ({len(block_tables)})")
-        self._check_pool(kv)
-        max_pos = max(positions)
-        if min(positions) < 0:
-            raise ValueError(f"positions must be >= 0, got {positions}")
-        self._check_tokens(token_ids, max_pos)
-        bt_size, n_pool = kv.shape[3], kv.shape[2]
-        S = max_pos + 1  # keys per sequence after padding
-        n_blk = (S - 1) // bt_size + 1
-        padded: list[list[int]] = []
-        w_blk_l: list[int] = []
-        for b in range(B):
-            p, tbl = positions[b], block_tables[b]
-            need = p // bt_size + 1
-            if len(tbl) < need:
-                raise ValueError(f"sequence {b}: block table has {len(tbl)} blocks; position {p} "
-                                 f"needs {need}")
-            used = tbl[:need]
-            if min(used) < 0 or max(used) >= n_pool:
-                raise ValueError(f"sequence {b}: block ids must be in [0, {n_pool}); got {used}")
-            # Pad with the sequence's first block: masked keys then read finite, already-written values.
-            padded.append(used + [used[0]] * (n_blk - need))
-            w_blk_l.append(used[-1])
-        self._ensure_rope(S)
+        padded, w_blk_l = self._decode_tables(kv, token_ids, positions, block_tables)
+        bt_size = kv.shape[3]
+        S = max(positions) + 1  # keys per sequence after padding
         dev = self.device
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
 
@@ -345,7 +364,7 @@ class LlamaModel:
         w_slot = torch.tensor(w_blk_l, dtype=torch.long, device=dev) * bt_size + pos_t % bt_size  # [B]
         ctx = torch.arange(S, device=dev)  # [S]
         r_blk = torch.tensor(padded, dtype=torch.long, device=dev)[:, ctx // bt_size]  # [B, S]
-        if min(positions) == max_pos:  # every sequence has the same length: no padding, no mask
+        if min(positions) == S - 1:  # every sequence has the same length: no padding, no mask
             mask = None
             r_slot = (r_blk * bt_size + ctx % bt_size).reshape(-1)  # [B S]
         else:

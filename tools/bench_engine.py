@@ -320,7 +320,7 @@ def profile_decode(steps: int = 8, batches: tuple[int, ...] = (1, 16)) -> str:
 # --------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tools.bench_engine", description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-url", default="", help="use this running pdserve (serving the default model)")
     ap.add_argument("--engine-args", default="--max-num-seqs 32 --kv-pool-tokens 4096",
@@ -333,7 +333,84 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--no-in-process", action="store_true", help="skip pdserve's model driven in process")
     ap.add_argument("--profile", action="store_true", help="only profile LlamaModel.decode and exit")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _summarize(runs: dict, weight_bytes: int, threads: int, n: int, concurrency: int,
+               same) -> tuple[dict, float, float]:
+    """Medians over the repetitions, per-repetition ratios, and the GEMV bandwidth and its tok/s ceiling."""
+    def med(key: str, field: str = "tok_s") -> float:
+        return statistics.median(r[field] for r in runs[key]) if runs[key] else float("nan")
+
+    bw = med("bw", "bytes_s")
+    ceiling = bw / weight_bytes
+    res = {
+        "weight_bytes": weight_bytes, "gemv_gb_s": bw / 1e9, "gemv_all_threads_gb_s": med("bw", "all_bytes_s") / 1e9,
+        "ceiling_tok_s": ceiling, "threads": threads,
+        "pdserve_1_tok_s": med("pd1"), "hf_1_tok_s": med("hf1"), "inproc_1_tok_s": med("us1"),
+        "pdserve_N_tok_s": med("pdN"), "hf_N_tok_s": med("hfN"), "inproc_N_tok_s": med("usN"),
+        "pdserve_ttft_s": med("pd1", "ttft_s"), "hf_prefill_s": med("hfpre", "s"),
+        "inproc_prefill_s": med("us1", "prefill_s"), "pdserve_1_decode_tok_s": med("pd1", "decode_tok_s"),
+        "inproc_1_decode_tok_s": med("us1", "decode_tok_s"),
+        "hf_1_decode_tok_s": (n - 1) / (med("hf1", "wall_s") - med("hfpre", "s")),
+        "matmul_floor_1_tok_s": 1 / med("mm1", "s"), "matmul_floor_N_tok_s": concurrency / med("mmN", "s"),
+        "concurrency": concurrency, "output_len": n,
+        "same_greedy_text_as_hf": same,
+    }
+
+    def per_rep(a: str, b: str) -> list[float]:
+        return [x["tok_s"] / y["tok_s"] for x, y in zip(runs[a], runs[b])]
+
+    res["per_rep_ratios"] = {"pdserve_1_vs_hf": per_rep("pd1", "hf1"),
+                             "pdserve_N_vs_hf_batched": per_rep("pdN", "hfN"),
+                             "inproc_N_vs_hf_batched": per_rep("usN", "hfN"),
+                             "pdserve_N_vs_inproc_N": per_rep("pdN", "usN")}
+    res["per_rep_tok_s"] = {k: [round(r["tok_s"], 2) for r in runs[k]]
+                            for k in ("pd1", "hf1", "us1", "pdN", "hfN", "usN")}
+    return res, bw, ceiling
+
+
+def _report(res: dict, weight_bytes: int, bw: float, ceiling: float, threads: int, N: int, same) -> str:
+    """bench_engine's printed table: rates, ratios to HF and to the bandwidth ceiling, TTFT, targets."""
+    lines = [
+        f"\nweights {weight_bytes / 1e9:.3f} GB fp32; torch.mv over {weight_bytes / 1e9:.2f} GB streams "
+        f"{bw / 1e9:.1f} GB/s on {threads} thread(s) -> bandwidth ceiling at 1 request {ceiling:.1f} tok/s "
+        f"(on all {os.cpu_count()} threads: {res['gemv_all_threads_gb_s']:.1f} GB/s, "
+        f"{res['gemv_all_threads_gb_s'] * 1e9 / weight_bytes:.1f} tok/s)",
+        f"{'':34} {'tok/s':>8} {'vs HF':>7} {'decode-only tok/s':>18} {'vs HF':>7} {'vs ceiling':>11}",
+    ]
+    for label, a, d in (("1 request   pdserve (HTTP)", "pdserve_1_tok_s", "pdserve_1_decode_tok_s"),
+                        ("1 request   pdserve model in-proc", "inproc_1_tok_s", "inproc_1_decode_tok_s"),
+                        ("1 request   HF generate", "hf_1_tok_s", "hf_1_decode_tok_s")):
+        lines.append(f"{label:34} {res[a]:>8.1f} {res[a] / res['hf_1_tok_s']:>6.2f}x {res[d]:>18.1f} "
+                     f"{res[d] / res['hf_1_decode_tok_s']:>6.2f}x {res[d] / ceiling:>10.2f}x")
+    lines.append(f"{'1 request   matmuls only (floor)':34} {'':>8} {'':>7} {res['matmul_floor_1_tok_s']:>18.1f} "
+                 f"{res['matmul_floor_1_tok_s'] / res['hf_1_decode_tok_s']:>6.2f}x "
+                 f"{res['matmul_floor_1_tok_s'] / ceiling:>10.2f}x")
+    lines += [
+        f"{f'{N} concurrent matmuls only (floor)':34} {res['matmul_floor_N_tok_s']:>8.1f} "
+        f"{res['matmul_floor_N_tok_s'] / res['hf_N_tok_s']:>6.2f}x",
+        f"{f'{N} concurrent pdserve (HTTP)':34} {res['pdserve_N_tok_s']:>8.1f} "
+        f"{res['pdserve_N_tok_s'] / res['hf_N_tok_s']:>6.2f}x",
+        f"{f'{N} concurrent pdserve model in-proc':34} {res['inproc_N_tok_s']:>8.1f} "
+        f"{res['inproc_N_tok_s'] / res['hf_N_tok_s']:>6.2f}x",
+        f"{f'{N} concurrent HF batched generate':34} {res['hf_N_tok_s']:>8.1f} {1:>6.2f}x",
+        f"TTFT at 1 request: pdserve {1e3 * res['pdserve_ttft_s']:.0f} ms (HTTP, queue, prefill actor, KV handoff, "
+        f"decode actor) vs in-process prefill {1e3 * res['inproc_prefill_s']:.0f} ms "
+        f"({res['pdserve_ttft_s'] / res['inproc_prefill_s']:.2f}x) vs HF prefill forward "
+        f"{1e3 * res['hf_prefill_s']:.0f} ms ({res['pdserve_ttft_s'] / res['hf_prefill_s']:.2f}x)",
+        "ratios within each repetition (robust to load changing between repetitions): "
+        + "; ".join(f"{k} " + " ".join(f"{v:.2f}x" for v in vs) for k, vs in res["per_rep_ratios"].items()),
+        f"greedy text of pdserve equal to HF's: {same}; decode-only = (tokens - 1) / (e2e - TTFT or prefill)",
+        f"targets: pdserve >= 1.8x HF at 1 request -> {res['pdserve_1_tok_s'] / res['hf_1_tok_s']:.2f}x; "
+        f">= 3x HF batched at {N} -> {res['pdserve_N_tok_s'] / res['hf_N_tok_s']:.2f}x; "
+        f"colocated mode: not built (no disaggregation-overhead figure)",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parse_args(argv)
 
     m = re.search(r"--torch-threads[ =](\d+)", args.engine_args)
     threads = args.hf_threads or (int(m.group(1)) if m else 1)
@@ -401,70 +478,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if engine is not None:
             engine.stop()
 
-    def med(key: str, field: str = "tok_s") -> float:
-        return statistics.median(r[field] for r in runs[key]) if runs[key] else float("nan")
-
-    bw = med("bw", "bytes_s")
-    ceiling = bw / weight_bytes
-    res = {
-        "weight_bytes": weight_bytes, "gemv_gb_s": bw / 1e9, "gemv_all_threads_gb_s": med("bw", "all_bytes_s") / 1e9,
-        "ceiling_tok_s": ceiling, "threads": threads,
-        "pdserve_1_tok_s": med("pd1"), "hf_1_tok_s": med("hf1"), "inproc_1_tok_s": med("us1"),
-        "pdserve_N_tok_s": med("pdN"), "hf_N_tok_s": med("hfN"), "inproc_N_tok_s": med("usN"),
-        "pdserve_ttft_s": med("pd1", "ttft_s"), "hf_prefill_s": med("hfpre", "s"),
-        "inproc_prefill_s": med("us1", "prefill_s"), "pdserve_1_decode_tok_s": med("pd1", "decode_tok_s"),
-        "inproc_1_decode_tok_s": med("us1", "decode_tok_s"),
-        "hf_1_decode_tok_s": (n - 1) / (med("hf1", "wall_s") - med("hfpre", "s")),
-        "matmul_floor_1_tok_s": 1 / med("mm1", "s"), "matmul_floor_N_tok_s": args.concurrency / med("mmN", "s"),
-        "concurrency": args.concurrency, "output_len": n,
-        "same_greedy_text_as_hf": same,
-    }
+    res, bw, ceiling = _summarize(runs, weight_bytes, threads, n, args.concurrency, same)
     N = args.concurrency
-
-    def per_rep(a: str, b: str) -> list[float]:
-        return [x["tok_s"] / y["tok_s"] for x, y in zip(runs[a], runs[b])]
-
-    res["per_rep_ratios"] = {"pdserve_1_vs_hf": per_rep("pd1", "hf1"),
-                             "pdserve_N_vs_hf_batched": per_rep("pdN", "hfN"),
-                             "inproc_N_vs_hf_batched": per_rep("usN", "hfN"),
-                             "pdserve_N_vs_inproc_N": per_rep("pdN", "usN")}
-    res["per_rep_tok_s"] = {k: [round(r["tok_s"], 2) for r in runs[k]]
-                            for k in ("pd1", "hf1", "us1", "pdN", "hfN", "usN")}
-    lines = [
-        f"\nweights {weight_bytes / 1e9:.3f} GB fp32; torch.mv over {weight_bytes / 1e9:.2f} GB streams "
-        f"{bw / 1e9:.1f} GB/s on {threads} thread(s) -> bandwidth ceiling at 1 request {ceiling:.1f} tok/s "
-        f"(on all {os.cpu_count()} threads: {res['gemv_all_threads_gb_s']:.1f} GB/s, "
-        f"{res['gemv_all_threads_gb_s'] * 1e9 / weight_bytes:.1f} tok/s)",
-        f"{'':34} {'tok/s':>8} {'vs HF':>7} {'decode-only tok/s':>18} {'vs HF':>7} {'vs ceiling':>11}",
-    ]
-    for label, a, d in (("1 request   pdserve (HTTP)", "pdserve_1_tok_s", "pdserve_1_decode_tok_s"),
-                        ("1 request   pdserve model in-proc", "inproc_1_tok_s", "inproc_1_decode_tok_s"),
-                        ("1 request   HF generate", "hf_1_tok_s", "hf_1_decode_tok_s")):
-        lines.append(f"{label:34} {res[a]:>8.1f} {res[a] / res['hf_1_tok_s']:>6.2f}x {res[d]:>18.1f} "
-                     f"{res[d] / res['hf_1_decode_tok_s']:>6.2f}x {res[d] / ceiling:>10.2f}x")
-    lines.append(f"{'1 request   matmuls only (floor)':34} {'':>8} {'':>7} {res['matmul_floor_1_tok_s']:>18.1f} "
-                 f"{res['matmul_floor_1_tok_s'] / res['hf_1_decode_tok_s']:>6.2f}x "
-                 f"{res['matmul_floor_1_tok_s'] / ceiling:>10.2f}x")
-    lines += [
-        f"{f'{N} concurrent matmuls only (floor)':34} {res['matmul_floor_N_tok_s']:>8.1f} "
-        f"{res['matmul_floor_N_tok_s'] / res['hf_N_tok_s']:>6.2f}x",
-        f"{f'{N} concurrent pdserve (HTTP)':34} {res['pdserve_N_tok_s']:>8.1f} "
-        f"{res['pdserve_N_tok_s'] / res['hf_N_tok_s']:>6.2f}x",
-        f"{f'{N} concurrent pdserve model in-proc':34} {res['inproc_N_tok_s']:>8.1f} "
-        f"{res['inproc_N_tok_s'] / res['hf_N_tok_s']:>6.2f}x",
-        f"{f'{N} concurrent HF batched generate':34} {res['hf_N_tok_s']:>8.1f} {1:>6.2f}x",
-        f"TTFT at 1 request: pdserve {1e3 * res['pdserve_ttft_s']:.0f} ms (HTTP, queue, prefill actor, KV handoff, "
-        f"decode actor) vs in-process prefill {1e3 * res['inproc_prefill_s']:.0f} ms "
-        f"({res['pdserve_ttft_s'] / res['inproc_prefill_s']:.2f}x) vs HF prefill forward "
-        f"{1e3 * res['hf_prefill_s']:.0f} ms ({res['pdserve_ttft_s'] / res['hf_prefill_s']:.2f}x)",
-        "ratios within each repetition (robust to load changing between repetitions): "
-        + "; ".join(f"{k} " + " ".join(f"{v:.2f}x" for v in vs) for k, vs in res["per_rep_ratios"].items()),
-        f"greedy text of pdserve equal to HF's: {same}; decode-only = (tokens - 1) / (e2e - TTFT or prefill)",
-        f"targets: pdserve >= 1.8x HF at 1 request -> {res['pdserve_1_tok_s'] / res['hf_1_tok_s']:.2f}x; "
-        f">= 3x HF batched at {N} -> {res['pdserve_N_tok_s'] / res['hf_N_tok_s']:.2f}x; "
-        f"colocated mode: not built (no disaggregation-overhead figure)",
-    ]
-    print("\n".join(lines))
+    print(_report(res, weight_bytes, bw, ceiling, threads, N, same))
     if args.json:
         print(json.dumps(res))
     return res
