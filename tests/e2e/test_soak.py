@@ -57,7 +57,8 @@ def test_soak_every_request_gets_a_final_answer_and_nothing_leaks(tmp_path):
         assert code == 0, engine.log_text()[-2000:]
         wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                                    for p in child_pids), 10, message="no engine process left")
-        assert shm_segments(engine.engine_id) == [], "the engine left shm segments behind"
+        leftover = shm_segments(engine.engine_id)
+        assert leftover == [], f"the engine left shm segments behind: {leftover}"
     finally:
         probe.close()
         cleanup_engine(engine)
