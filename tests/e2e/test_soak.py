@@ -39,11 +39,11 @@ def test_soak_every_request_gets_a_final_answer_and_nothing_leaks(tmp_path):
         bad = [o for o in outcomes if isinstance(o, tuple)]
         kinds = {k: sum(1 for o in outcomes if o == k) for k in set(outcomes) if isinstance(k, str)}
         assert len(outcomes) == REQUESTS
-        reasons = sorted({(status, text[:40]) for _, status, text in bad})
+        reasons = sorted({(status, text.split(":")[0][:40]) for _, status, text in bad})
         assert not bad and "hang" not in kinds, (kinds, f"{len(bad)} bad answers, e.g.", reasons[:4])
         assert kinds.get("ok", 0) > REQUESTS // 2, kinds
         # the faults fired: dropped/stuck transfers timed out in stage transfer, rejections came back as 503s
-        assert kinds.get("transfer_timeout", 0) > 0 and kinds.get("retryable", 0) > 0, kinds
+        assert kinds.get("transfer_timeout", 0) > 0 and kinds.get("retryable", 0) > 0, ("no fault showed", kinds)
         log = engine.log_text()
         assert "fault drop_transfer_done" in log and "fault decode_reject" in log, "a fault never fired"
         # decode0 was killed and the supervisor restarted it
@@ -57,7 +57,8 @@ def test_soak_every_request_gets_a_final_answer_and_nothing_leaks(tmp_path):
         assert code == 0, engine.log_text()[-2000:]
         wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                                    for p in child_pids), 10, message="no engine process left")
-        assert shm_segments(engine.engine_id) == [], "the engine left shm segments behind"
+        leftover = shm_segments(engine.engine_id)
+        assert leftover == [], f"the engine left shm segments behind: {leftover}"
     finally:
         probe.close()
         cleanup_engine(engine)
