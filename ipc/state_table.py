@@ -332,30 +332,7 @@ class StateTable(_shm.ShmSegment):
         Raises ValueError for another field (``state`` changes only through ``transition``), OverflowError
         for a value outside the field's type, PermissionError if read-only.
         """
-        self._writable()
-        slot = self._check_slot(slot)
-        bad = set(fields) - UPDATABLE_FIELDS
-        if bad:
-            raise ValueError(f"update() cannot set {sorted(bad)}; it sets {sorted(UPDATABLE_FIELDS)} "
-                             f"(state changes only through transition())")
-        for k, v in fields.items():  # range-check before touching the row
-            lo, hi = _RANGES[k]
-            if not lo <= int(v) <= hi:
-                raise OverflowError(f"{k}={v} outside {ROW_DTYPE[k]} range [{lo}, {hi}]")
-        c = self._c
-        self._acquire()
-        try:
-            if int(c["generation"][slot]) != generation or c["state"][slot] == RequestState.FREE:
-                return False
-            self._begin_write(slot)
-            try:
-                for k, v in fields.items():
-                    c[k][slot] = v
-            finally:
-                self._end_write(slot)
-            return True
-        finally:
-            self._release()
+        return self.update_many([(slot, generation, fields)]) == 1
 
     def update_many(self, updates: Iterable[tuple[int, int, dict]]) -> int:
         """``update`` for many rows under one lock round trip (a decode step's token counts and renewals):
@@ -366,8 +343,9 @@ class StateTable(_shm.ShmSegment):
         for slot, generation, fields in updates:
             bad = set(fields) - UPDATABLE_FIELDS
             if bad:
-                raise ValueError(f"update_many() cannot set {sorted(bad)}; it sets {sorted(UPDATABLE_FIELDS)}")
-            for k, v in fields.items():
+                raise ValueError(f"update() cannot set {sorted(bad)}; it sets {sorted(UPDATABLE_FIELDS)} "
+                                 f"(state changes only through transition())")
+            for k, v in fields.items():  # range-check before touching any row
                 lo, hi = _RANGES[k]
                 if not lo <= int(v) <= hi:
                     raise OverflowError(f"{k}={v} outside {ROW_DTYPE[k]} range [{lo}, {hi}]")
