@@ -87,7 +87,7 @@ def test_inspect_never_writes_to_the_engine(fault_engine):
             view.status.rec["watchdog_ticks"] = 0
         before = view.actors.row(0)
         with pytest.raises(PermissionError):
-            view.actors.set(0, pid=1)
+            view.actors.spawned(0, 1)
         with pytest.raises(ValueError):
             view.actors.beat(0)
         assert view.actors.row(0)["pid"] == before["pid"] != 1
