@@ -201,7 +201,7 @@ class RowTrace:
 
 
 def send_and_trace(probe: "EngineProbe", request_id: str, send, timeout_s: float = 120.0,
-                   interval_s: float = 0.005, on_poll=None):
+                   interval_s: float = 0.01, on_poll=None):
     """Run ``send()`` (which sends request ``request_id``) in a thread and poll the state table for its rows
     until it returns, calling ``on_poll()`` (if given) at each poll. Returns ``(send's result, monotonic ns
     when it returned, RowTrace)``: deadlines are measured from the row's own stamps, so time queued on a
