@@ -41,7 +41,10 @@ def test_soak_every_request_gets_a_final_answer_and_nothing_leaks(tmp_path):
         assert len(outcomes) == REQUESTS
         reasons = sorted({(status, text.split(":")[0][:40]) for _, status, text in bad})
         assert not bad and "hang" not in kinds, (kinds, f"{len(bad)} bad answers, e.g.", reasons[:4])
-        assert kinds.get("ok", 0) > REQUESTS // 2, kinds
+        # while decode0 restarts, the router has no serving decode actor and answers 503 + Retry-After at once
+        # (issue 12) instead of queueing: those are correct answers, judged above; most of the rest must succeed
+        assert kinds.get("ok", 0) > REQUESTS // 4, kinds
+        assert kinds.get("ok", 0) + kinds.get("retryable", 0) > REQUESTS // 2, kinds
         # the faults fired: dropped/stuck transfers timed out in stage transfer, rejections came back as 503s
         assert kinds.get("transfer_timeout", 0) > 0 and kinds.get("retryable", 0) > 0, ("no fault showed", kinds)
         log = engine.log_text()
