@@ -420,14 +420,7 @@ class ShmQueue(_shm.ShmSegment):
             if num_slots - (tail - q8[I_HEAD]) < k and not self._spsc_wait(
                     lambda: num_slots - (tail - q8[I_HEAD]) >= k, I_PRODUCER_WAITING, self._free, timeout_s):
                 raise self._full_error(timeout_s)
-            mm, slot_bytes = self._mm, self.slot_bytes
-            for data in frames:
-                off = HEADER_BYTES + (tail % num_slots) * slot_bytes
-                n = len(data)
-                LEN.pack_into(mm, off, n)
-                mm[off + 4:off + 4 + n] = data
-                tail += 1
-            q8[I_TAIL] = tail  # the commit
+            q8[I_TAIL] = self._write_slots(tail, frames)  # the commit: payloads first, then the tail
         finally:
             mutex.release()  # a locked instruction: the commit is visible before we read the flag
         q4 = self._q4
