@@ -97,12 +97,13 @@ class DecodeCore:
     def reap(self) -> None:
         """Drop every entry whose row turned final elsewhere and free what it held."""
         for name in ("bootstrap", "transferring", "decode_waiting", "decoding"):
-            entries = getattr(self, name)
-            keep = [e for e in entries if self._live(e.key)]
+            entries, keep = getattr(self, name), []
+            for entry in entries:   # one read per row: a row turning final between two reads must not be kept
+                if self._live(entry.key):
+                    keep.append(entry)
+                else:
+                    self._release(entry)
             if len(keep) != len(entries):
-                for entry in entries:
-                    if not self._live(entry.key):
-                        self._release(entry)
                 setattr(self, name, keep)
 
     def start_transfers(self) -> None:
