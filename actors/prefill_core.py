@@ -17,11 +17,12 @@ from typing import Any, Callable
 
 from actors.messages import KVReady, PrefillRequest, TransferDone
 from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort
-from ipc.lifecycle import LIVE_STATES
+from ipc.lifecycle import LIVE_STATES, held_by
 from ipc.lifecycle import RequestState as S
 from pdserve.errors import OutOfKVBlocksError
 
 Key = tuple[int, int]   # (state-table slot, generation)
+PREFILL_HELD = held_by("prefill")   # states in which prefill still holds a row's prompt KV (ipc/lifecycle.py)
 
 
 def request_rows(request: PrefillRequest) -> list[Key]:
@@ -115,7 +116,7 @@ class PrefillCore:
             if self.prefilling is not None and any(key == k for _, k in self.prefilling.rows):
                 continue
             row = self.table.read(*key)
-            if row is None or int(row["state"]) not in (S.BOOTSTRAP, S.TRANSFERRING):
+            if row is None or int(row["state"]) not in PREFILL_HELD:   # final, or decode holds its own copy
                 self._free(key)
 
     def next_work(self) -> PrefillWork | None:
