@@ -187,14 +187,19 @@ def leave_signals_to_the_supervisor(name: str, on_parent_death: Callable[[], Non
 
 
 def exit_now() -> None:
-    """End a child that has stopped cleanly at once: flush the logs and std streams, then ``os._exit(0)``.
+    """End a child that has stopped cleanly at once: run multiprocessing's exit finalizers, flush the logs and std
+    streams, then ``os._exit(0)``.
 
-    The interpreter's own teardown has nothing left to do here (every shm segment and semaphore belongs to the
-    supervisor; the kernel unmaps ours) but takes seconds once torch is imported (2-7 s measured on a loaded 2-core
-    machine), long enough for the supervisor's stop to hit STOP_JOIN_TIMEOUT_S and SIGKILL the child.
+    The interpreter's own teardown takes seconds once torch is imported (2-7 s measured on a loaded 2-core
+    machine), long enough for the supervisor's stop to hit STOP_JOIN_TIMEOUT_S and SIGKILL the child. The
+    finalizers are what multiprocessing's own child bootstrap runs before its ``os._exit``: they unlink the named
+    semaphores a library made here (tqdm's lock in the model loader), which the resource tracker otherwise
+    reports as leaked at shutdown.
     """
+    import multiprocessing.util
     import sys
 
+    multiprocessing.util._exit_function()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -114,6 +114,9 @@ class HeartbeatMonitor(Actor):
         self.mismatch_since_ns = [0] * len(GAUGES)
         self.topology_engine = self.topology.prefill + self.topology.decode
         self.router_mismatch_ticks = {i: 0 for i in self.topology_engine}
+        # our last verdict per actor: the table's health reads UNKNOWN until a new process calls ``starting``,
+        # so comparing with it would log the same verdict every tick while an actor starts
+        self.logged_health: dict[int, int] = {}
 
     def run_once(self) -> None:
         delay_ns = self.next_tick_ns - time.monotonic_ns()
@@ -189,7 +192,8 @@ class HeartbeatMonitor(Actor):
             pid = int(row["pid"])
             health = classify_actor(pid, pid > 0 and pid_alive(pid), int(row["status"]) == ActorStatus.READY,
                                     int(row["heartbeat_ns"]), now_ns, self.config.actor_hang_timeout_s)
-            if health != row["health"]:
+            if health != self.logged_health.get(index):
+                self.logged_health[index] = health
                 level = logging.INFO if health in (ActorHealth.OK, ActorHealth.UNKNOWN) else logging.ERROR
                 log.log(level, "actor %s (pid %d) is %s", self.topology.names[index], pid, health.name.lower())
             self.actors.set_health(index, health)

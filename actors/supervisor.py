@@ -245,9 +245,13 @@ class Supervisor:
             self._create_segments()
             topo = self.topology
             engine_actors = [topo.monitor, *topo.prefill, *topo.decode]
+            log.info("engine %s: starting %s; the prefill and decode actors load the model %s and warm up "
+                     "(up to actor_ready_timeout_s=%.0f s)", self.engine_id, ", ".join(topo.names[i] for i in engine_actors),
+                     self.layout.model_path or "(embedded default)", self.layout.config.actor_ready_timeout_s)
             for index in engine_actors:
                 self._spawn(index)
             self._wait_ready(engine_actors)
+            log.info("engine actors ready; starting the HTTP server")
             self._spawn(topo.api)
             self._wait_ready([topo.api])
         except BaseException:

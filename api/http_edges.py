@@ -281,3 +281,16 @@ def answer_cancelled_requests(app):
             raise
 
     return wrapped
+
+
+def ignore_cancelled_connection_callbacks(loop) -> None:
+    """Install a loop exception handler that drops the CancelledError raised by asyncio's stream-reader callback
+    when the server stops with a connection task still open (CPython gh-113538, fixed after 3.11.7: the callback
+    calls ``task.exception()`` on a cancelled task and the loop logs a traceback for nothing). Every other error
+    goes to the loop's default handler."""
+    def handler(loop, context) -> None:
+        if isinstance(context.get("exception"), asyncio.CancelledError):
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)

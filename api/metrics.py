@@ -208,7 +208,10 @@ class EngineMetrics:
         actors, problems = {}, []
         for r in self.client.actors.rows():
             name, index = r["name"], r["index"]
-            if not name or index == self.client.topology.api:
+            if not name:
+                continue
+            if index == self.client.topology.api:   # this process, answering: up by construction
+                actors[name] = "ok"
                 continue
             state = actor_state(r, r["health"], now_ns, self.client.config.monitor_tick_s)
             actors[name] = state

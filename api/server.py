@@ -53,8 +53,8 @@ class ApiActor(Actor):
 
         from api.app import build_app
         from api.engine_client import EngineClient
-        from api.http_edges import (answer_cancelled_requests, install_idle_close, install_refused_streams,
-                                    keep_alive_config)
+        from api.http_edges import (answer_cancelled_requests, ignore_cancelled_connection_callbacks,
+                                    install_idle_close, install_refused_streams, keep_alive_config)
         from api.metrics import EngineMetrics
         from api.middleware import load_api_keys
         from api.protocol import RequestParser
@@ -83,6 +83,7 @@ class ApiActor(Actor):
         hconfig.graceful_timeout = 1.0
         install_idle_close()
         install_refused_streams()
+        ignore_cancelled_connection_callbacks(asyncio.get_running_loop())
         certfile = getattr(self.config, "ssl_certfile", "") or ""
         keyfile = getattr(self.config, "ssl_keyfile", "") or ""
         if certfile or keyfile:

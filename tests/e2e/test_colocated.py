@@ -24,7 +24,7 @@ def test_colocated_engine_answers_without_a_prefill_actor_or_a_handoff(engine):
     probe = EngineProbe(engine.engine_id)
     try:
         health = httpx.get(engine.base_url + "/health", timeout=10).json()
-        assert health["status"] == "ok" and "prefill0" not in health["actors"]
+        assert health["status"] == "ok" and "prefill0" not in health["actors"] and health["actors"]["api"] == "ok"
         answer = httpx.post(engine.base_url + "/v1/chat/completions", timeout=120,
                             json={"messages": FRANCE, "temperature": 0, "max_tokens": 32}).json()
         assert answer["choices"][0]["message"]["content"].startswith("The capital of France is Paris.")
