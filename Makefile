@@ -2,7 +2,7 @@
 PY ?= python3
 PIP = $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: install run test bench
+.PHONY: install run test bench install-mooncake test-mooncake
 install:
 	# torch first, pinned to the CPU build these machines carry on disk (a range would pull a CUDA build)
 	$(PIP) "torch==2.13.0" || $(PIP) "torch>=2.4,<2.15"
@@ -15,3 +15,13 @@ run: install
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The optional Mooncake KV transport (kv_transport mooncake): Debian's RDMA/NUMA libraries, which the library
+# loads even for TCP, and the non-CUDA wheel; then its tests (they skip, saying why, where it is missing).
+install-mooncake: install
+	apt-get install -y --no-install-recommends libibverbs1 librdmacm1 libnuma1 || \
+		sudo apt-get install -y --no-install-recommends libibverbs1 librdmacm1 libnuma1
+	$(PIP) -e ".[test,mooncake]"
+
+test-mooncake: install-mooncake
+	$(PY) -m pytest -q -p no:cacheprovider tests/ipc/test_ipc_mooncake_transport.py $(PYTEST_ARGS)

@@ -32,6 +32,7 @@ class PrefillActor(Actor):
         from gpu.model import LlamaModel
         from gpu.sampling import Sampler
         from ipc.kv_pool import KVPool
+        from ipc.kv_transport import publish_source
         from ipc.shm_queue import ShmQueue
         from ipc.state_table import StateTable
         from pdserve.faults import FaultPlan
@@ -43,6 +44,8 @@ class PrefillActor(Actor):
         warm_up(self.model, self.pool)
         self.pool.reset()  # a restarted actor starts from an empty pool; its old requests were failed
         self.kv = self.pool.tensor()
+        # mooncake: register the pool with this process's transfer engine, publish where it lives (else None)
+        self.kv_source = publish_source(self.config.kv_transport, self.pool)
         self.inbox = ShmQueue.attach(self.layout.segment(topo.segment("q", self.index)))
         self.faults = FaultPlan(self.config.faults, self.name)
         queues = {j: ShmQueue.attach(self.layout.segment(topo.segment("q", j))) for j in topo.decode}

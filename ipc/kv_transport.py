@@ -4,8 +4,12 @@ The decode actor pulls: it owns a ``KVTransport`` built over its own pool (the d
 prefill actor's pool once as the source (``open_peer``), and for each request copies the prefill blocks into
 the blocks it reserved. Block ids and the token count travel in messages; the data never does.
 
-Implementations: ``cpu-shm`` (here; every test runs on it). ``cuda-ipc`` and cross-node ones register with
-``register_transport`` from their own packages, so the deadlines and the lifecycle above them stay the same.
+Implementations: ``cpu-shm`` (here; every test runs on it). ``cuda-ipc`` (ipc/cuda_ipc.py) and ``mooncake``
+(ipc/mooncake_transport.py, the Mooncake Transfer Engine over TCP; an optional extra) register with
+``register_transport`` from their own modules, so the deadlines and the lifecycle above them stay the same.
+A transport whose source side must do something at start (mooncake: register the prefill pool with its engine
+and publish where it lives) also registers a source factory, which the prefill actor runs through
+``publish_source``.
 """
 from __future__ import annotations
 
@@ -212,21 +216,47 @@ def register_transport(kind: str, factory: Callable[[KVPool], KVTransport]) -> N
     _TRANSPORTS[kind] = factory
 
 
-# Transports that live in their own module (heavy imports, device-only) and register on import.
-_PLUGIN_MODULES = {"cuda-ipc": "ipc.cuda_ipc"}
+_SOURCES: dict[str, Callable[[KVPool], object]] = {}
+
+
+def register_source(kind: str, factory: Callable[[KVPool], object]) -> None:
+    """Make ``publish_source(kind, pool)`` call ``factory(pool)`` in the prefill actor. Raises ValueError if
+    ``kind`` already has another source factory."""
+    if _SOURCES.get(kind, factory) is not factory:
+        raise ValueError(f"KV transport source {kind!r} is already registered")
+    _SOURCES[kind] = factory
+
+
+# Transports that live in their own module (heavy or optional imports) and register on import.
+_PLUGIN_MODULES = {"cuda-ipc": "ipc.cuda_ipc", "mooncake": "ipc.mooncake_transport"}
 
 
 def known_transports() -> list[str]:
     return sorted(set(_TRANSPORTS) | set(_PLUGIN_MODULES))
 
 
-def make_transport(kind: str, local_pool: KVPool) -> KVTransport:
-    """A transport of ``kind`` whose destination is ``local_pool``. Raises ValueError naming the known kinds
-    for an unknown one."""
+def _load(kind: str) -> None:
     if kind not in _TRANSPORTS and kind in _PLUGIN_MODULES:
         importlib.import_module(_PLUGIN_MODULES[kind])
+
+
+def make_transport(kind: str, local_pool: KVPool) -> KVTransport:
+    """A transport of ``kind`` whose destination is ``local_pool``. Raises ValueError naming the known kinds
+    for an unknown one; ImportError if its optional library is missing."""
+    _load(kind)
     try:
         factory = _TRANSPORTS[kind]
     except KeyError:
         raise ValueError(f"unknown KV transport {kind!r}; known: {', '.join(known_transports())}") from None
     return factory(local_pool)
+
+
+def publish_source(kind: str, pool: KVPool) -> object | None:
+    """Run ``kind``'s source-side start-up on the prefill actor's ``pool`` (mooncake: register it, publish
+    its descriptor); returns the object to ``close`` at exit, or None for transports without one (cpu-shm).
+    Raises ValueError for an unknown kind; ImportError if its optional library is missing."""
+    if kind not in known_transports():
+        raise ValueError(f"unknown KV transport {kind!r}; known: {', '.join(known_transports())}")
+    _load(kind)
+    factory = _SOURCES.get(kind)
+    return None if factory is None else factory(pool)

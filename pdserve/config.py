@@ -74,7 +74,9 @@ class EngineConfig:
                                    "(e.g. 2,3; sets decode_actors); empty = decode_actors on device 0")
     torch_threads: int = _setting(1, "torch intra-op threads per actor (prefill and decode run in parallel)",
                                   _positive, "> 0")
-    kv_transport: str = _setting("cpu-shm", "KV handoff transport", choices=("cpu-shm",))
+    kv_transport: str = _setting("cpu-shm", "KV handoff transport: cpu-shm (one host, shared memory) or mooncake "
+                                 "(the Mooncake Transfer Engine over TCP; pip install .[mooncake], see README)",
+                                 choices=("cpu-shm", "mooncake"))
     autotune_cache: str = _setting("", "target_ctas autotune cache file (JSON; see docs/gpu.md); empty = "
                                    "~/.cache/pdserve/autotune.json")
     # KV cache and batching
@@ -217,11 +219,28 @@ def load_config(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] |
 
     parse_faults(values["faults"])  # an unknown fault is a start-up error, never silently ignored
     config = EngineConfig(**values)
+    _check_kv_transport(config)
     api_keys(config)   # an unreadable or empty key file is a start-up error, not an open server
     if config.chat_template and not os.path.isfile(config.chat_template):
         raise ConfigError(f"config field chat_template={config.chat_template!r}: no such file",
                           param="chat_template")   # whether it compiles: actors.supervisor.plan_layout
     return LoadedConfig(config, sources)
+
+
+def _check_kv_transport(config: EngineConfig) -> None:
+    """Raises ConfigError if the chosen KV transport cannot run (its optional library missing, or mooncake
+    asked for in colocated mode, where there is no handoff to carry)."""
+    if config.kv_transport != "mooncake":
+        return
+    if config.colocated:
+        raise ConfigError("config field kv_transport='mooncake': colocated mode has no KV handoff; use cpu-shm",
+                          param="kv_transport")
+    try:
+        import mooncake.engine  # noqa: F401  (what ipc/mooncake_transport.py needs; importing ipc here is a cycle)
+    except ImportError as exc:
+        raise ConfigError(f"config field kv_transport='mooncake' needs the Mooncake Transfer Engine: pip install "
+                          f".[mooncake] and apt-get install libibverbs1 librdmacm1 libnuma1 ({exc})",
+                          param="kv_transport") from None
 
 
 def api_keys(config: EngineConfig) -> tuple[str, ...]:

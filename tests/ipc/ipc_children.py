@@ -238,3 +238,26 @@ def kv_read_peer(pool, block_ids, results) -> None:
     writable = pool.array().flags.writeable
     results.put((sums, pool.owner_slots().tolist(), pool.num_free, pool.readonly, writable))
     pool.close()
+
+
+def kv_mooncake_source(pool_name: str, geometry: dict, seed: int, ready, done) -> None:
+    """Create a pool, fill it with seeded random data, publish it through Mooncake (``MooncakeSource``),
+    signal, keep serving reads until ``done``."""
+    import torch
+
+    from ipc.kv_pool import KVPool
+    from ipc.mooncake_transport import MooncakeSource
+    pool = KVPool.create(pool_name, **geometry)
+    source = None
+    try:
+        g = torch.Generator().manual_seed(seed)
+        t = pool.tensor()
+        t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype))
+        source = MooncakeSource(pool)
+        ready.set()
+        done.wait(JOIN_TIMEOUT_S * 3)
+    finally:
+        if source is not None:
+            source.close(unlink=True)
+        pool.close()
+        pool.unlink()
