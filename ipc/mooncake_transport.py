@@ -44,6 +44,10 @@ from ipc.kv_transport import (KVTransport, TransferStatus, _contiguous_runs, reg
                               validate_copy)
 
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")   # the library's INFO lines (per connection) flood actor logs
+# A request's batch is (runs x layers x K/V) entries, each cut into slices: the default per-peer queue rejects a
+# 128-token request ("TCP lane queue-full rejection"); 65535 is what vLLM/Dynamo deployments set.
+for _knob in ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER"):
+    os.environ.setdefault(_knob, "65535")
 try:
     from mooncake.engine import TransferEngine
 except ImportError as exc:  # the package, or a shared library it loads (libibverbs.so.1, libnuma.so.1...)
