@@ -5,8 +5,8 @@ libnuma1`` (loaded by the library even for TCP); importing this module without t
 
 How the pieces fit:
 
-* One ``TransferEngine`` per process (``process_engine``), initialised on first use with the local host
-  (``127.0.0.1`` unless ``PDSERVE_MOONCAKE_HOST`` says otherwise), its session id ``host:rpc_port``.
+* One ``TransferEngine`` per process (``process_engine``), initialised on first use on ``LOCAL_HOST``
+  (loopback: one host; node roles will pass each node's address), its session id ``host:rpc_port``.
 * The prefill actor calls ``publish_source(pool)`` once at start (``ipc.kv_transport.publish_source``): the
   pool's data section (the numpy view of its POSIX shm mapping) is registered with the engine, and a
   ``PeerDescriptor`` (session id, base address, length, geometry, pool epoch) is written as JSON to the small
@@ -58,7 +58,7 @@ DESCRIPTOR_SUFFIX = ".mc"
 DESCRIPTOR_BYTES = 4096
 _HEADER = struct.Struct("<4sIQQ")   # magic b"PDMC", version, seq (+1 per publish), payload_len; JSON after
 _MAGIC = b"PDMC"
-HOST_ENV = "PDSERVE_MOONCAKE_HOST"
+LOCAL_HOST = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -129,13 +129,13 @@ _ENGINE: _ProcessEngine | None = None
 _ENGINE_LOCK = threading.Lock()
 
 
-def process_engine() -> _ProcessEngine:
-    """This process's Mooncake engine, started on first call on ``$PDSERVE_MOONCAKE_HOST`` (default
-    127.0.0.1). Raises RuntimeError if it does not initialise."""
+def process_engine(host: str = LOCAL_HOST) -> _ProcessEngine:
+    """This process's Mooncake engine, started on first call listening on ``host`` (later calls return it
+    whatever their ``host``). Raises RuntimeError if it does not initialise."""
     global _ENGINE
     with _ENGINE_LOCK:
         if _ENGINE is None:
-            _ENGINE = _ProcessEngine(os.environ.get(HOST_ENV, "127.0.0.1"))
+            _ENGINE = _ProcessEngine(host)
         return _ENGINE
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,13 @@ def test_fault_fraction_is_reproducible_with_a_seed():
     runs = [[f.fires() for f in parse_faults("decode_reject:fraction=0.3,seed=5") for _ in range(50)]
             for _ in range(2)]
     assert runs[0] == runs[1] and 0 < sum(runs[0]) < 50
+
+
+def test_the_mooncake_transport_is_refused_at_start_up_where_it_cannot_run(monkeypatch):
+    with pytest.raises(ConfigError, match="colocated mode has no KV handoff"):
+        load_config({"kv_transport": "mooncake", "colocated": True}, {})
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)   # as where the optional extra is not installed
+    with pytest.raises(ConfigError, match=r"pip install \.\[mooncake\].*libibverbs1") as info:
+        load_config({"kv_transport": "mooncake"}, {})
+    assert info.value.param == "kv_transport"
+    assert load_config({"kv_transport": "cpu-shm"}, {}).config.kv_transport == "cpu-shm"

@@ -7,7 +7,8 @@ import torch
 
 import ipc_children as kids
 from ipc.kv_pool import KVPool
-from ipc.kv_transport import CpuShmTransport, KVTransport, TransferStatus, make_transport
+from ipc.kv_transport import (CpuShmTransport, KVTransport, TransferStatus, known_transports, make_transport,
+                              publish_source)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -145,3 +146,15 @@ def test_copies_allocate_no_temporary_of_the_blocks(name, layout):
         for p in (src, dst):
             p.close()
             p.unlink()
+
+
+def test_a_source_side_start_up_only_for_transports_that_declare_one(name):
+    pool = KVPool.create(name("s"), **GEOMETRY)
+    try:
+        assert publish_source("cpu-shm", pool) is None   # the decode side attaches the shm pool by name
+        assert "mooncake" in known_transports()
+        with pytest.raises(ValueError, match="known: cpu-shm"):
+            publish_source("carrier-pigeon", pool)
+    finally:
+        pool.close()
+        pool.unlink()
