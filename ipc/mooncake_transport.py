@@ -56,7 +56,8 @@ except ImportError as exc:  # the package, or a shared library it loads (libibve
 
 DESCRIPTOR_SUFFIX = ".mc"
 DESCRIPTOR_BYTES = 4096
-_HEADER = struct.Struct("<4sIQQ")   # magic b"PDMC", version, seq (+1 per publish), payload_len; JSON after
+_HEADER = struct.Struct("<4sIQQ")   # magic b"PDMC", version, seq, payload_len; the JSON descriptor after
+_SEQ = struct.Struct("<Q")           # at offset 8: a seqlock, odd while the publisher writes, +2 per publish
 _MAGIC = b"PDMC"
 LOCAL_HOST = "127.0.0.1"
 
@@ -175,9 +176,10 @@ class MooncakeSource:
         if _HEADER.size + len(payload) > DESCRIPTOR_BYTES:
             raise ValueError(f"Mooncake descriptor of {len(payload)} bytes does not fit {self.name!r}")
         magic, _, seq, _ = _HEADER.unpack_from(self._mm, 0)
-        seq = seq + 1 if magic == _MAGIC else 1
+        seq = seq + (seq & 1) if magic == _MAGIC else 0   # even: a publisher that died mid-write left it odd
+        _HEADER.pack_into(self._mm, 0, _MAGIC, 1, seq + 1, 0)
         self._mm[_HEADER.size:_HEADER.size + len(payload)] = payload
-        _HEADER.pack_into(self._mm, 0, _MAGIC, 1, seq, len(payload))  # readers check seq and length
+        _HEADER.pack_into(self._mm, 0, _MAGIC, 1, seq + 2, len(payload))
 
     def close(self, unlink: bool = False) -> None:
         if self._mm is None:
@@ -189,16 +191,16 @@ class MooncakeSource:
             _shm.unlink_segment_quiet(self.name)
 
 
-def read_descriptor(pool_name: str) -> tuple[int, PeerDescriptor]:
-    """``(seq, descriptor)`` published for ``pool_name``. Raises FileNotFoundError if it is not published."""
-    mm = _shm.attach_segment(descriptor_name(pool_name), readonly=True)
-    try:
-        magic, _, seq, length = _HEADER.unpack_from(mm, 0)
-        if magic != _MAGIC or not 0 < length <= DESCRIPTOR_BYTES - _HEADER.size:
-            raise FileNotFoundError(f"Mooncake descriptor {descriptor_name(pool_name)!r} is not written yet")
-        return seq, PeerDescriptor.from_json(bytes(mm[_HEADER.size:_HEADER.size + length]).decode())
-    finally:
-        _shm.close_mapping(mm)
+def read_descriptor(mm, name: str = "") -> tuple[int, PeerDescriptor]:
+    """``(seq, descriptor)`` from the mapped descriptor segment ``mm``. Raises FileNotFoundError if it is not
+    published, or being rewritten (seq odd or moved while reading: try again later)."""
+    magic, _, seq, length = _HEADER.unpack_from(mm, 0)
+    if magic != _MAGIC or seq & 1 or not 0 < length <= DESCRIPTOR_BYTES - _HEADER.size:
+        raise FileNotFoundError(f"Mooncake descriptor {name!r} is not published yet")
+    payload = bytes(mm[_HEADER.size:_HEADER.size + length])
+    if _SEQ.unpack_from(mm, 8)[0] != seq:
+        raise FileNotFoundError(f"Mooncake descriptor {name!r} is being republished")
+    return seq, PeerDescriptor.from_json(payload.decode())
 
 
 class MooncakeTransport(KVTransport):
@@ -219,6 +221,7 @@ class MooncakeTransport(KVTransport):
         self.peer: PeerDescriptor | None = None
         self._peer_name: str | None = None
         self._peer_seq = -1
+        self._desc_mm = None   # the peer's descriptor segment, mapped once found
         self._futures: dict[int, concurrent.futures.Future] = {}
         self._orphans: list[concurrent.futures.Future] = []  # released while in flight
         self._nbytes: dict[int, int] = {}
@@ -258,7 +261,12 @@ class MooncakeTransport(KVTransport):
 
     def _refresh_peer(self) -> None:
         """Re-read the local descriptor when it was republished (a restarted prefill actor)."""
-        seq, descriptor = read_descriptor(self._peer_name)
+        name = descriptor_name(self._peer_name)
+        if self._desc_mm is None:
+            self._desc_mm = _shm.attach_segment(name, readonly=True)
+        if _SEQ.unpack_from(self._desc_mm, 8)[0] == self._peer_seq:
+            return
+        seq, descriptor = read_descriptor(self._desc_mm, name)
         if seq != self._peer_seq:
             self.open_remote(descriptor)
             self._peer_seq = seq
@@ -364,6 +372,8 @@ class MooncakeTransport(KVTransport):
         self._errors.clear()
         self._nbytes.clear()
         self.peer, self._peer_name, self._peer_seq = None, None, -1
+        _shm.close_mapping(self._desc_mm)
+        self._desc_mm = None
         if self._registered:
             self._registered = False
             self._engine.unregister(self._addr)

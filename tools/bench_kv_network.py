@@ -6,7 +6,8 @@ extra: ``make install-mooncake``). A source process owns a KV pool of the defaul
 30 layers, 3 KV heads of 64, fp32, 16-token blocks: 720 KiB a block), publishes it through Mooncake, and serves a
 socket. For one request of 128/512/2048 tokens (consecutive and scattered block ids) the parent times:
 
-* ``mooncake``: ``MooncakeTransport.start_copy`` then ``poll`` until DONE (one batched read, a worker thread);
+* ``mooncake``: ``MooncakeTransport.start_copy`` then ``poll`` every 0.5 ms until DONE (one batched read, a
+  worker thread);
 * ``cpu-shm``: ``CpuShmTransport.start_copy`` of the same ids from the same pool (one host: shm);
 * ``socket``: the source sends the same number of bytes straight from its pool over a loopback TCP socket and
   the parent ``recv_into``s them into its pool (no framing, one stream: the floor of a TCP handoff).
@@ -84,7 +85,7 @@ def _mooncake_copy(xfer, s_ids, d_ids, tokens) -> None:
 
     h = xfer.start_copy(s_ids, d_ids, num_tokens=tokens)
     while (status := xfer.poll(h)) is TransferStatus.IN_PROGRESS:
-        time.sleep(0)
+        time.sleep(0.0005)   # the decode actor polls every ~1 ms; spinning would take a core from Mooncake's I/O
     xfer.release(h)
     if status is not TransferStatus.DONE:
         raise RuntimeError(f"mooncake transfer {status.name}")

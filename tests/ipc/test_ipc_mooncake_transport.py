@@ -180,3 +180,31 @@ def test_a_released_in_flight_transfer_lands_before_the_next_one_into_the_same_b
     assert torch.equal(dst.tensor()[:, :, [8, 9, 10]], want[:, :, [12, 13, 14]])
     assert xfer.bytes_moved_total == 4 * dst.block_bytes   # the released transfer counts for nothing
     xfer.close(timeout_s=DEADLINE_S)
+
+
+def test_a_republished_descriptor_is_read_whole_and_a_half_written_one_not_at_all(name):
+    from ipc import _shm
+    from ipc.mooncake_transport import MooncakeSource, read_descriptor
+
+    pool = KVPool.create(name("kvs"), **GEOMETRY)
+    first = second = None
+    try:
+        first = MooncakeSource(pool)   # a prefill actor's start
+        mm = _shm.attach_segment(first.name)
+        seq1, desc1 = read_descriptor(mm, first.name)
+        assert desc1 == first.descriptor and desc1.epoch == pool.epoch and seq1 % 2 == 0
+        first.close()
+        pool.reset()   # what a restarted prefill actor does before it publishes again
+        second = MooncakeSource(pool)
+        seq2, desc2 = read_descriptor(mm, first.name)
+        assert seq2 == seq1 + 2 and desc2.epoch == desc1.epoch + 1
+        mm[8:16] = (seq2 + 1).to_bytes(8, "little")   # as if a publisher were mid-write (or died there)
+        with pytest.raises(FileNotFoundError, match="not published"):
+            read_descriptor(mm, first.name)
+        _shm.close_mapping(mm)
+    finally:
+        for source in (first, second):
+            if source is not None:
+                source.close(unlink=True)
+        pool.close()
+        pool.unlink()
