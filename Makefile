@@ -17,11 +17,13 @@ test: install
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # The optional Mooncake KV transport (kv_transport mooncake): Debian's RDMA/NUMA libraries, which the library
-# loads even for TCP, and the non-CUDA wheel; then its tests (they skip, saying why, where it is missing).
+# loads even for TCP, and the non-CUDA wheel; then its tests (`make test` skips them, saying why, without these).
 install-mooncake: install
 	apt-get install -y --no-install-recommends libibverbs1 librdmacm1 libnuma1 || \
 		sudo apt-get install -y --no-install-recommends libibverbs1 librdmacm1 libnuma1
 	$(PIP) -e ".[test,mooncake]"
 
 test-mooncake: install-mooncake
-	$(PY) -m pytest -q -p no:cacheprovider tests/ipc/test_ipc_mooncake_transport.py $(PYTEST_ARGS)
+	$(PY) -c "import ipc.mooncake_transport"   # fails loudly here rather than letting the tests skip
+	$(PY) -m pytest -q -p no:cacheprovider tests/ipc/test_ipc_mooncake_transport.py tests/tools/test_bench_kv_network.py \
+		tests/e2e/test_mooncake.py $(PYTEST_ARGS)

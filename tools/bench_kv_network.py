@@ -105,7 +105,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench(reps: int) -> list[dict]:
+def bench(reps: int, tokens_list: tuple[int, ...] = TOKENS) -> list[dict]:
     from ipc import naming
     from ipc.kv_pool import KVPool
     from ipc.kv_transport import CpuShmTransport
@@ -130,7 +130,7 @@ def bench(reps: int) -> list[dict]:
         sink = memoryview(dst.array().reshape(-1).view(np.uint8))
         rng = np.random.default_rng(0)
         for layout in ("consecutive", "scattered"):
-            for tokens in TOKENS:
+            for tokens in tokens_list:
                 rows.append(_bench_one(tokens, layout, rng, mc, shm, conn, sink, dst, reps))
     finally:
         if conn is not None:
@@ -190,10 +190,11 @@ def report(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m tools.bench_kv_network", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions per contender (x4 at 128 tokens)")
+    ap.add_argument("--tokens", type=int, action="append", choices=TOKENS, help="request sizes (default all)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON after the table")
     args = ap.parse_args(argv)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {os.cpu_count()} CPUs", flush=True)
-    rows = bench(args.reps)
+    rows = bench(args.reps, tuple(args.tokens or TOKENS))
     print(report(rows))
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
