@@ -25,7 +25,9 @@ How the pieces fit:
   decode writes a block only after the transfer that filled it is DONE.
 * Failure: a dead peer fails the read within milliseconds (connection refused/EOF -> FAILED); a stalled one
   fails after Mooncake's ``MC_TRANSFER_TIMEOUT`` (seconds, read at engine start; 30 by default), while the
-  decode core's own deadline fires first and releases the transfer.
+  decode core's own deadline fires first and releases the transfer. Caveat: a read Mooncake gave up on by its
+  timeout is not cancelled inside the library (its sync call frees the batch while slices may be queued), so
+  a stalled peer that wakes up later could still deliver into those blocks; a dead one cannot.
 """
 from __future__ import annotations
 
