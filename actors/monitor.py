@@ -32,9 +32,11 @@ HELD_STATES = {"prefill": held_by("prefill"), "decode": held_by("decode"), "api"
 
 
 def held_mask(rows: np.ndarray, topology: Topology, index: int) -> np.ndarray:
-    """Rows (a state-table snapshot) that actor ``index`` holds: in a state its role holds a request in, and
-    naming it as the row's actor of that role (``prefill_actor`` / ``decode_actor``; the API holds every live
-    row). In colocated mode a decode actor also holds the prefill states of its own rows. Shape (num_rows,)."""
+    """Rows (a state-table snapshot) that actor ``index`` holds or is due to take: in a state its role holds a
+    request in, and naming it as the row's actor of that role (``prefill_actor`` / ``decode_actor``; the API
+    holds every live row). A decode actor also answers for its rows still at prefill: in colocated mode it
+    prefills them itself; otherwise their KVReady would wait in its dead inbox until its restart or the
+    bootstrap deadline (the router chose it at admission and cannot move them). Shape (num_rows,)."""
     role = topology.role(index)
     states = rows["state"]
 
@@ -45,9 +47,7 @@ def held_mask(rows: np.ndarray, topology: Topology, index: int) -> np.ndarray:
     if role == "prefill":
         return held(HELD_STATES["prefill"]) & (rows["prefill_actor"] == index)
     if role == "decode":
-        colocated = topology.num_prefill == 0
-        states_held = HELD_STATES["decode"] | (HELD_STATES["prefill"] if colocated else frozenset())
-        return held(states_held) & (rows["decode_actor"] == index)
+        return held(HELD_STATES["decode"] | HELD_STATES["prefill"]) & (rows["decode_actor"] == index)
     return np.zeros(len(rows), dtype=bool)
 
 

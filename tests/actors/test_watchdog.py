@@ -130,7 +130,8 @@ def test_a_dead_decode_actor_holds_only_the_rows_that_name_it():
                  (S.BOOTSTRAP, 1.0, {"prefill_actor": 1, "decode_actor": 3}),
                  (S.QUEUED, 1.0, {"prefill_actor": 1, "decode_actor": 3}),
                  (S.FINISHED, 1.0, {"prefill_actor": 1, "decode_actor": 3}))
-    assert np.flatnonzero(held_mask(table, topo, 3)).tolist() == [1, 2]   # QUEUED is held by prefill only
+    # decode1 also answers for the QUEUED row routed to it: its KVReady would wait for decode1's restart
+    assert np.flatnonzero(held_mask(table, topo, 3)).tolist() == [1, 2, 3]
     assert np.flatnonzero(held_mask(table, topo, 2)).tolist() == [0]
     assert np.flatnonzero(held_mask(table, topo, 1)).tolist() == [2, 3]   # BOOTSTRAP: prefill1 holds the KV
     assert np.flatnonzero(held_mask(table, topo, 0)).tolist() == []       # DECODING rows left prefill0 behind
