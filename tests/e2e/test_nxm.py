@@ -181,6 +181,8 @@ def test_a_killed_decode_actor_fails_only_its_requests_and_the_others_serve_on(e
 def test_a_stopped_decode_actor_is_declared_hung_fails_only_its_requests_and_is_replaced(engine, probe):
     from ipc.actor_table import ActorHealth, ActorStatus
 
+    # (stopped inside a critical section of the state table or q_api, a few us per decode step, it would block
+    # the other actors too: the "live holder that is stopped" limit in ipc/_shm.py and ipc/shm_queue.py)
     ids, victim = [f"stop-{i}" for i in range(8)], "decode0"
     victim_index, pid_before = probe.actors.find(victim), probe.pid(victim)
 
