@@ -28,7 +28,7 @@ class DecodeActor(Actor):
 
         from actors.decode_core import DecodeCore
         from actors.fault_ports import FaultyOutbox, FaultyTransfers
-        from actors.model_runner import DecodeRunner, warm_up
+        from actors.model_runner import DecodeRunner, PrefillRunner, warm_up
         from actors.ports import PeerTransfers, QueueOutbox, TransportTransfers
         from actors.prefill_core import PrefillCore
         from gpu.grammar import GrammarCompiler
@@ -75,7 +75,10 @@ class DecodeActor(Actor):
         if colocated:   # the local cores talk directly; only the API stays behind a queue
             self.prefill_core = PrefillCore(self.table, self.pool, self.outbox, time.monotonic_ns,
                                             actor_index=self.index,
-                                            on_late=lambda: self.actors.count_late_message(self.index))
+                                            on_late=lambda: self.actors.count_late_message(self.index),
+                                            batch_tokens=self.config.max_prefill_batch_tokens,
+                                            chunk_tokens=self.config.prefill_chunk_tokens)
+            self.prefill_runner = PrefillRunner(self.model, self.kv, self.sampler, self.outbox, self.grammars)
             self.queues["prefill"], self.queues["decode"] = self.prefill_core, self.core
         self._published_free = -1
         self._published_done = 0
@@ -116,15 +119,12 @@ class DecodeActor(Actor):
                 log.warning("decode: unexpected message %r dropped", message)
 
     def _prefill_here(self) -> None:
-        """Colocated mode: the prefill core's next forward pass, into this actor's own pool."""
-        from actors.model_runner import run_prefill
-
+        """Colocated mode: the prefill core's next packed forward pass (one per loop iteration, between decode
+        steps), into this actor's own pool."""
         self.prefill_core.reap()
-        work = self.prefill_core.next_work()
-        if work is not None:
-            run_prefill(self.prefill_core, work, self.model, self.kv, self.sampler, self.outbox,
-                        self.config.prefill_chunk_tokens, lambda: self.actors.beat(self.index, iterations_delta=0),
-                        self.grammars)
+        chunks = self.prefill_core.next_batch()
+        if chunks:
+            self.prefill_runner.run(self.prefill_core, chunks)
 
     def _publish(self) -> None:
         gauges = self.core.own_gauges()

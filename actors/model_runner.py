@@ -27,29 +27,6 @@ def logprobs_to_wire(lp) -> list | None:
     return [float(lp.logprob), [[int(t), float(v)] for t, v in lp.top]]
 
 
-def chunked_prefill(model, kv, ids: list[int], blocks: list[int], chunk_tokens: int, chunk_done: Callable[[], bool],
-                    prompt_top_n: int | None = None, prompt_entries: list | None = None):
-    """Run a prompt through ``model.prefill`` in chunks of ``chunk_tokens``, writing its KV at ``blocks``; after
-    each chunk call ``chunk_done()`` (heartbeat, inbox, renewal) and stop early (return None) once it returns
-    False (every row aborted or timed out meanwhile). Returns the last position's logits ``[vocab]``.
-
-    With ``prompt_entries`` (a list), every chunk's logits ``[T, vocab]`` are kept long enough to append each
-    prompt token's wire log-probabilities (``prompt_top_n`` alternatives; None for position 0) to it.
-    """
-    logits = None
-    for start in range(0, len(ids), chunk_tokens):
-        chunk = ids[start:start + chunk_tokens]
-        if prompt_entries is None:
-            logits = model.prefill(kv, chunk, blocks, start_pos=start)
-        else:
-            chunk_logits = model.prefill(kv, chunk, blocks, start_pos=start, all_logits=True)  # [T, vocab]
-            prompt_entries.extend(_prompt_logprobs_of_chunk(logits, chunk_logits, chunk, prompt_top_n or 0))
-            logits = chunk_logits[-1]
-        if not chunk_done():
-            return None
-    return logits
-
-
 def _prompt_logprobs_of_chunk(before, chunk_logits, chunk: list[int], top_n: int) -> list:
     """Wire log-probabilities of ``chunk``'s tokens: token ``i`` is scored by the logits of the position before
     it (``before``, the previous chunk's last logits ``[vocab]``, for the chunk's first token; None = the
@@ -95,28 +72,48 @@ def first_tokens(sampler, logits, prompt_ids: list[int], samplings: list,
             for t, lp in zip(tokens, token_logprobs(batch, tokens, [p.logprobs for p in params]))]
 
 
-def run_prefill(core, work, model, kv, sampler, outbox, chunk_tokens: int, between_chunks: Callable[[], None],
-                grammars=None) -> None:
-    """Carry out one PrefillWork of ``core`` (actors/prefill_core.py): the chunked forward pass, the prompt's
-    log-probabilities (echo) and each row's first token (masked by its grammar, if any: ``grammars``); then hand
-    the result back to the core."""
-    request = work.request
-    top_n = request.sampling.prompt_logprobs
-    prompt_entries = [] if top_n is not None else None
+class PrefillRunner:
+    """Runs the forward passes a PrefillCore plans (actors/prefill_core.py): one packed forward per batch of
+    chunks (``LlamaModel.prefill_packed``), the prompt log-probabilities of requests that echo them, and the
+    first token of each prompt completed, sampled with its own settings (seed, grammar, logprobs).
 
-    def chunk_done() -> bool:
-        between_chunks()
-        return core.chunk_done(work)
+    ``grammars``: the actor's gpu.grammar.GrammarCompiler (requests with a grammar need one).
+    """
 
-    logits = chunked_prefill(model, kv, request.prompt_ids, work.blocks, chunk_tokens, chunk_done, top_n,
-                             prompt_entries)
-    if logits is None:   # every row aborted (or timed out) between two chunks: stop working on it now
-        core.abandon(work)
-        return
-    firsts = first_tokens(sampler, logits, request.prompt_ids, work.samplings, grammars)
-    if prompt_entries is not None:   # to the first live row's handle; the API shares them among the choices
-        send_prompt_logprobs(outbox, *work.rows[0][1], prompt_entries, top_n)
-    core.finish(work, firsts)
+    def __init__(self, model, kv, sampler, outbox, grammars=None):
+        self.model, self.kv, self.sampler, self.outbox, self.grammars = model, kv, sampler, outbox, grammars
+        # per request echoing its prompt's log-probabilities: (wire entries so far, last chunk's last logits)
+        self.echo: dict[tuple[int, int], tuple[list, object]] = {}
+
+    def run(self, core, chunks, after_forward: Callable[[list], None] = lambda chunks: None) -> None:
+        """One forward pass over ``chunks`` (from ``core.next_batch()``), then ``after_forward(chunks)`` (the
+        shell's per-chunk fault hooks), then ``core.batch_done`` and ``core.finish`` for each completed prompt."""
+        echoes = [c.work.request.sampling.prompt_logprobs is not None for c in chunks]
+        logits = self.model.prefill_packed(
+            self.kv, [c.work.request.prompt_ids[c.start:c.end] for c in chunks], [c.work.blocks for c in chunks],
+            [c.start for c in chunks], echoes)   # per chunk: [T, vocab] if it echoes, else [vocab]
+        lasts = {}
+        for chunk, chunk_logits, echo in zip(chunks, logits, echoes):
+            key = (chunk.work.request.slot, chunk.work.request.generation)
+            if echo:
+                entries, before = self.echo.get(key, ([], None))
+                top_n = chunk.work.request.sampling.prompt_logprobs
+                entries.extend(_prompt_logprobs_of_chunk(before, chunk_logits,
+                                                         chunk.work.request.prompt_ids[chunk.start:chunk.end], top_n))
+                self.echo[key] = (entries, chunk_logits[-1])
+                chunk_logits = chunk_logits[-1]
+            lasts[key] = chunk_logits
+        after_forward(chunks)
+        for work in core.batch_done(chunks):
+            key = (work.request.slot, work.request.generation)
+            firsts = first_tokens(self.sampler, lasts[key], work.request.prompt_ids, work.samplings, self.grammars)
+            if key in self.echo:   # to the first live row's handle; the API shares them among the choices
+                send_prompt_logprobs(self.outbox, *work.rows[0][1], self.echo.pop(key)[0],
+                                     work.request.sampling.prompt_logprobs)
+            core.finish(work, firsts)
+        live = {(w.request.slot, w.request.generation) for w in core.prefilling}
+        for key in [k for k in self.echo if k not in live]:   # aborted meanwhile
+            del self.echo[key]
 
 
 def warm_up(model, pool) -> None:

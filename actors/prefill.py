@@ -25,7 +25,7 @@ class PrefillActor(Actor):
         import torch
 
         from actors.fault_ports import FaultyOutbox
-        from actors.model_runner import warm_up
+        from actors.model_runner import PrefillRunner, warm_up
         from actors.ports import QueueOutbox
         from actors.prefill_core import PrefillCore
         from gpu.grammar import GrammarCompiler
@@ -56,23 +56,28 @@ class PrefillActor(Actor):
         self.grammars.warm_up()   # llguidance's tokenizer view (~2 s), off the loop
         self.core = PrefillCore(StateTable.attach(self.layout.segment("state")), self.pool, self.outbox,
                                 time.monotonic_ns, actor_index=self.index, handoff_from=self.index,
-                                on_late=lambda: self.actors.count_late_message(self.index))
+                                on_late=lambda: self.actors.count_late_message(self.index),
+                                batch_tokens=self.config.max_prefill_batch_tokens,
+                                chunk_tokens=self.config.prefill_chunk_tokens)
+        self.runner = PrefillRunner(self.model, self.kv, self.sampler, self.outbox, self.grammars)
         self._published_free = -1
         self._published_done = 0
         self._publish()
 
     def run_once(self) -> None:
+        """One packed forward pass (if any work): the loop beats its heartbeat and reads the inbox between
+        two, so a long prompt or a large batch never blocks it for longer than one pass."""
         from actors.fault_ports import apply_actor_faults
-        from actors.model_runner import run_prefill
 
         self._take(self.inbox.get_many(64, 0.0 if self.core.has_work() else self.idle_wait_s))
         self.core.reap()
-        work = self.core.next_work()
-        if work is not None:
+        chunks = self.core.next_batch()
+        if chunks:
             self._publish()
-            apply_actor_faults(self.faults, self.name, work.request.request_id)
-            run_prefill(self.core, work, self.model, self.kv, self.sampler, self.outbox,
-                        self.config.prefill_chunk_tokens, self._between_chunks, self.grammars)
+            for chunk in chunks:
+                if chunk.work.chunks_done == 0:   # the actor takes this request now
+                    apply_actor_faults(self.faults, self.name, chunk.work.request.request_id)
+            self.runner.run(self.core, chunks, self._after_forward)
         self.outbox.flush()
         self._publish()
 
@@ -81,20 +86,18 @@ class PrefillActor(Actor):
             if not self.core.on_message(message):
                 log.warning("prefill: unexpected message %r dropped", message)
 
-    def _between_chunks(self) -> None:
-        """Between two chunks of a long prefill: beat, take new messages (a TransferDone must not wait for the
-        whole prompt) and refresh the gauges, so none of them goes stale for a whole prompt."""
+    def _after_forward(self, chunks) -> None:
+        """After a forward pass, before its rows are renewed: the injected prefill faults of each chunk's
+        request (slow_prefill, stall_prefill), which beat the heartbeat while they hold the loop."""
         from actors.fault_ports import prefill_chunk_faults
 
-        work = self.core.prefilling
-        if self.faults and work is not None:
-            work.chunks_done += 1
-            prefill_chunk_faults(self.faults, work.request.request_id, work.chunks_done == 1,
+        if not self.faults:
+            return
+        for chunk in chunks:
+            work = chunk.work
+            prefill_chunk_faults(self.faults, work.request.request_id, work.chunks_done == 0,
                                  lambda: self.core.any_live(work),
                                  lambda: self.actors.beat(self.index, iterations_delta=0))
-        self.actors.beat(self.index, iterations_delta=0)
-        self._take(self.inbox.get_many(64, 0.0))
-        self._publish()
 
     def _publish(self) -> None:
         self.actors.set_own_gauges(self.index, **self.core.own_gauges())

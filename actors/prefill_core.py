@@ -2,7 +2,11 @@
 fault code. The shell (actors/prefill.py, or actors/decode.py in colocated mode) feeds it messages, runs the
 forward pass it asks for and publishes its counts.
 
-Rows it moves: QUEUED -> PREFILLING (blocks allocated, forward starts) -> BOOTSTRAP (KVReady sent; the row is
+Batched prefill: each forward pass packs chunks of several prompts (``next_batch``), FIFO, up to
+``batch_tokens`` prompt tokens and at most ``chunk_tokens`` of any one prompt, so a long prompt advances a chunk per
+forward beside short ones and the shell beats its heartbeat and reads its inbox between forwards.
+
+Rows it moves: QUEUED -> PREFILLING (blocks allocated, first chunk packed) -> BOOTSTRAP (KVReady sent; the row is
 in the *prefill inflight queue*, its blocks held here). Decode moves the row on (TRANSFERRING, DECODE_WAITING).
 Prefill frees its blocks once decode holds a copy: on TransferDone, or on seeing the row past TRANSFERRING (so
 a lost TransferDone costs one loop iteration, not a pinned request), or when the row turns final; it records
@@ -48,10 +52,11 @@ class SharedBlocks:
     holders: set
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)   # identity: the core keeps and removes these by object
 class PrefillWork:
-    """A forward pass the shell must run: ``request.prompt_ids`` into ``blocks`` (prompt KV), then sample one
-    first token per entry of ``rows`` (``(child index, key)``, the rows still live when it started)."""
+    """One request being prefilled: ``request.prompt_ids`` into ``blocks`` (prompt KV) over one or more
+    forward passes, then one first token sampled per entry of ``rows`` (``(child index, key)``, the rows still
+    live when it started). ``done_tokens``: prompt tokens whose KV is written."""
 
     request: PrefillRequest
     blocks: list[int]
@@ -59,10 +64,25 @@ class PrefillWork:
     start_ns: int
     created_ns: int
     chunks_done: int = 0
+    done_tokens: int = 0
 
     @property
     def samplings(self) -> list:
         return [child_sampling(self.request.sampling, index) for index, _ in self.rows]
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    """Prompt tokens ``start:end`` of ``work`` in the next forward pass; ``last``: the prompt ends with it (the
+    shell samples the first tokens)."""
+
+    work: PrefillWork
+    start: int
+    end: int
+
+    @property
+    def last(self) -> bool:
+        return self.end == len(self.work.request.prompt_ids)
 
 
 class PrefillCore:
@@ -71,19 +91,21 @@ class PrefillCore:
     ``on_late`` is called for a message about a request already cleaned up (counted by the shell).
     ``handoff_from``: the actor index KVReady names as the holder of the blocks (a decode actor pulls from that
     actor's pool and sends it TransferDone); -1 (colocated mode) = the outbox's "prefill". KVReady goes to the
-    request's ``decode_actor`` (-1 = the outbox's "decode").
+    request's ``decode_actor`` (-1 = the outbox's "decode"). ``batch_tokens``: most prompt tokens one forward
+    pass packs; ``chunk_tokens``: most tokens of one prompt in it.
     """
 
     def __init__(self, table: TablePort, allocator: AllocatorPort, outbox: OutboxPort, clock: Clock, *,
                  actor_index: int, renew_interval_s: float = 1.0, on_late: Callable[[], None] = lambda: None,
-                 handoff_from: int = -1):
+                 handoff_from: int = -1, batch_tokens: int = 512, chunk_tokens: int = 128):
         self.table, self.allocator, self.outbox, self.clock = table, allocator, outbox, clock
         self.actor_index = actor_index
         self.handoff_from = handoff_from
         self.renew_interval_ns = int(renew_interval_s * 1e9)
         self.on_late = on_late
+        self.batch_tokens, self.chunk_tokens = batch_tokens, chunk_tokens
         self.queued: collections.deque[PrefillRequest] = collections.deque()
-        self.prefilling: PrefillWork | None = None
+        self.prefilling: list[PrefillWork] = []   # admitted (PREFILLING), prompt not yet done; admission order
         self.inflight: dict[Key, SharedBlocks] = {}   # rows whose prompt KV is held here (BOOTSTRAP/TRANSFERRING)
         self.blocked = False   # the head request waits for free blocks: do not spin on it
         self.handed_off = 0    # rows whose KVReady it sent (a per-actor work counter)
@@ -105,26 +127,69 @@ class PrefillCore:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.queued) and not self.blocked
+        return bool(self.prefilling) or (bool(self.queued) and not self.blocked)
 
     def reap(self) -> None:
-        """Drop queued requests whose rows all turned final; free the blocks of inflight rows that turned final
-        or that decode already moved past TRANSFERRING (it holds its own copy)."""
+        """Drop queued requests whose rows all turned final, and prompts being prefilled whose rows all did
+        (their blocks freed: the next forward pass leaves them out); free the blocks of inflight rows that
+        turned final or that decode already moved past TRANSFERRING (it holds its own copy)."""
         if self.queued:
             self.queued = collections.deque(r for r in self.queued if any(self._live(k) for k in request_rows(r)))
+        for work in [w for w in self.prefilling if not self.any_live(w)]:
+            self.abandon(work)
+        prefilling = {key for work in self.prefilling for _, key in work.rows}
         for key in list(self.inflight):
-            if self.prefilling is not None and any(key == k for _, k in self.prefilling.rows):
+            if key in prefilling:
                 continue
             row = self.table.read(*key)
             if row is None or int(row["state"]) not in PREFILL_HELD:   # final, or decode holds its own copy
                 self._free(key)
 
-    def next_work(self) -> PrefillWork | None:
-        """Allocate the head request's prompt blocks and move its live rows to PREFILLING; None if there is
-        nothing to do or no room (the request stays QUEUED until inflight requests free blocks)."""
-        if not self.queued:
-            return None
-        request = self.queued[0]
+    def next_batch(self) -> list[PrefillChunk]:
+        """Plan the next forward pass: first the next chunk of every prompt being prefilled, then the queued
+        requests in arrival order, each admitted (blocks allocated, live rows PREFILLING) while the token budget
+        lasts. A request that finds no free blocks stays QUEUED, and so do those behind it (FIFO) until inflight
+        requests free blocks. Empty if there is nothing to do."""
+        budget, chunks = self.batch_tokens, []
+        for work in self.prefilling:
+            if budget <= 0:
+                break
+            chunks.append(self._chunk(work, budget))
+            budget -= chunks[-1].end - chunks[-1].start
+        while budget > 0 and self.queued:
+            work = self._admit(self.queued[0])
+            if self.blocked:
+                break
+            self.queued.popleft()
+            if work is not None:
+                self.prefilling.append(work)
+                chunks.append(self._chunk(work, budget))
+                budget -= chunks[-1].end - chunks[-1].start
+        return chunks
+
+    def batch_done(self, chunks: list[PrefillChunk]) -> list[PrefillWork]:
+        """A forward pass wrote ``chunks``' KV: renew their PREFILLING rows (the deadline measures a prefill that
+        stopped moving, not a long prompt), drop (and free) prompts whose rows all turned final meanwhile.
+        Returns the prompts now complete: the shell samples their first tokens and calls ``finish``."""
+        now_ns = self.clock()
+        self.table.update_many([(*key, {"last_progress_ns": now_ns}) for c in chunks for _, key in c.work.rows])
+        complete = []
+        for chunk in chunks:
+            work = chunk.work
+            work.done_tokens, work.chunks_done = chunk.end, work.chunks_done + 1
+            if not self.any_live(work):
+                self.abandon(work)
+            elif chunk.last:
+                complete.append(work)
+        return complete
+
+    def _chunk(self, work: PrefillWork, budget: int) -> PrefillChunk:
+        left = len(work.request.prompt_ids) - work.done_tokens
+        return PrefillChunk(work, work.done_tokens, work.done_tokens + min(left, self.chunk_tokens, budget))
+
+    def _admit(self, request: PrefillRequest) -> PrefillWork | None:
+        """Allocate ``request``'s prompt blocks and move its live rows to PREFILLING. None (and ``blocked``) if
+        no blocks are free; None if no row is live any more."""
         try:
             blocks = self.allocator.allocate(math.ceil(len(request.prompt_ids) / self.allocator.block_tokens),
                                              request.slot)
@@ -132,7 +197,6 @@ class PrefillCore:
             self.blocked = True
             return None
         self.blocked = False
-        self.queued.popleft()
         shared = SharedBlocks(request.slot, blocks, set())
         rows = []
         for index, key in enumerate(request_rows(request)):
@@ -146,15 +210,7 @@ class PrefillCore:
             return None
         row = self.table.read(*rows[0][1])
         now_ns = self.clock()
-        self.prefilling = PrefillWork(request, blocks, rows, now_ns, int(row["created_ns"]) if row else now_ns)
-        return self.prefilling
-
-    def chunk_done(self, work: PrefillWork) -> bool:
-        """A prompt chunk finished: renew the PREFILLING rows (their deadline measures a prefill that stopped
-        moving, not a long prompt). Returns False once every row turned final (stop working on it)."""
-        now_ns = self.clock()
-        self.table.update_many([(*key, {"last_progress_ns": now_ns}) for _, key in work.rows])
-        return self.any_live(work)
+        return PrefillWork(request, blocks, rows, now_ns, int(row["created_ns"]) if row else now_ns)
 
     def any_live(self, work: PrefillWork) -> bool:
         return any(self._live(key) for _, key in work.rows)
@@ -162,7 +218,7 @@ class PrefillCore:
     def finish(self, work: PrefillWork, firsts: list[tuple[int, list | None]]) -> None:
         """The forward pass ended with each row's first token (``(token_id, wire logprobs or None)`` per entry
         of ``work.rows``): move each live row to BOOTSTRAP and send decode its KVReady."""
-        self.prefilling = None
+        self.prefilling.remove(work)
         request = work.request
         now_ns = self.clock()
         queue_s, prefill_s = (work.start_ns - work.created_ns) / 1e9, (now_ns - work.start_ns) / 1e9
@@ -179,8 +235,9 @@ class PrefillCore:
         self.renew_queued()
 
     def abandon(self, work: PrefillWork) -> None:
-        """The forward pass stopped early (every row turned final between chunks): free its blocks."""
-        self.prefilling = None
+        """Stop prefilling ``work`` (every row turned final between chunks): free its blocks."""
+        if work in self.prefilling:
+            self.prefilling.remove(work)
         for _, key in work.rows:
             self._free(key)
 
@@ -198,13 +255,13 @@ class PrefillCore:
     def own_gauges(self) -> dict[str, int]:
         """This role's own counts, cross-checked by the monitor against the table: QUEUED rows, rows in the
         inflight queue (held blocks, minus the rows being prefilled now) and PREFILLING rows."""
-        prefilling = len(self.prefilling.rows) if self.prefilling else 0
+        prefilling = sum(len(work.rows) for work in self.prefilling)
         return {"queued": sum(1 + len(r.children) for r in self.queued),
                 "prefill_inflight": len(self.inflight) - prefilling, "running": prefilling}
 
     def stop(self) -> None:
         """Free everything held (the actor stops; queued requests are failed by the supervisor)."""
-        self.prefilling = None
+        self.prefilling = []
         for key in list(self.inflight):
             self._free(key)
 

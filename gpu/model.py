@@ -259,6 +259,7 @@ class LlamaModel:
 
         Writes their K/V into ``kv`` at the slots ``block_table`` maps them to, and attends causally over
         positions ``0 ..`` (positions ``< start_pos`` are read from the pool: chunked prefill / prefix reuse).
+        A one-sequence :meth:`prefill_packed`.
 
         Args:
             kv: ``[num_layers, 2, num_blocks, block_tokens, num_kv_heads, head_dim]`` pool on the model's
@@ -273,43 +274,106 @@ class LlamaModel:
             ValueError: empty ``token_ids``, an id outside the vocabulary, a block table too short or with ids
                 outside the pool, a position past the context length, or a pool of the wrong shape.
         """
+        return self.prefill_packed(kv, [token_ids], [block_table], [start_pos], [all_logits])[0]
+
+    @torch.inference_mode()
+    def prefill_packed(self, kv: torch.Tensor, token_ids: list[list[int]], block_tables: list[list[int]],
+                       start_positions: list[int], all_logits: list[bool] | None = None) -> list[torch.Tensor]:
+        """Prefill ``B`` sequences (or chunks of them) in one forward pass (varlen packing, as vLLM and
+        SGLang pack prefills): their ``N = sum(T_b)`` tokens are concatenated, so every linear layer runs once
+        over ``[N, hidden]``; attention runs per sequence over its own causal context (block-diagonal),
+        sequence ``b`` at positions ``start_positions[b] ..`` reading positions before that from its blocks.
+
+        Args:
+            kv: the pool (see :meth:`prefill`).
+            token_ids: ``B`` lists of ``T_b >= 1`` ids.
+            block_tables: ``B`` block-id lists, list ``b`` covering ``start_positions[b] + T_b`` positions.
+                Sequences must not share the blocks they write.
+            start_positions: ``[B]`` position of each list's first id.
+            all_logits: ``[B]`` flags: sequence ``b`` gets every position's logits (default: none does).
+        Returns:
+            ``B`` float32 tensors: ``[T_b, vocab]`` where ``all_logits[b]``, else the last token's ``[vocab]``.
+        Raises:
+            ValueError: mismatched list lengths, no sequences, or any sequence's bad argument (see
+                :meth:`prefill`).
+        """
+        B = len(token_ids)
+        flags = [False] * B if all_logits is None else list(all_logits)
+        if B == 0 or len(block_tables) != B or len(start_positions) != B or len(flags) != B:
+            raise ValueError(f"prefill_packed needs equal, non-zero numbers of token_ids ({B}), block_tables "
+                             f"({len(block_tables)}), start_positions ({len(start_positions)}) and all_logits")
         c = self.config
-        T = len(token_ids)
-        end = start_pos + T  # exclusive
-        table = self._prefill_table(kv, token_ids, block_table, start_pos)
-        bt_size = kv.shape[3]
-        dev = self.device
+        tables = [self._prefill_table(kv, ids, tbl, s) for ids, tbl, s in zip(token_ids, block_tables,
+                                                                              start_positions)]
+        N = sum(len(ids) for ids in token_ids)
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
-
         kv_flat = self._flat_pool(kv)  # [L, 2, slots, Hkv, D]
-        table_t = torch.tensor(table, dtype=torch.long, device=dev)  # [n_blocks]
-        pos = torch.arange(start_pos, end, device=dev)  # [T]
-        w_slot = table_t[pos // bt_size] * bt_size + pos % bt_size  # [T] slot of each new token
-        if start_pos > 0:
-            ctx = torch.arange(end, device=dev)  # [S]
-            r_slot = table_t[ctx // bt_size] * bt_size + ctx % bt_size  # [S]
-            # mask[i, j]: the query at position start_pos + i sees the key at position j <= start_pos + i
-            mask = ctx[None, :] <= pos[:, None]  # [T, S]
-        cos = self._cos[start_pos:end].unsqueeze(1)  # [T, 1, D]
-        sin = self._sin[start_pos:end].unsqueeze(1)  # [T, 1, D]
+        seqs, w_slot, pos = self._packed_layout(kv, token_ids, tables, start_positions)
+        cos = self._cos[pos].unsqueeze(1)  # [N, 1, D]
+        sin = self._sin[pos].unsqueeze(1)  # [N, 1, D]
 
-        ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        x = F.embedding(ids, self.embed)  # x: [T, hidden]
+        ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=self.device)
+        x = F.embedding(ids, self.embed)  # x: [N, hidden]
         eps = c.rms_norm_eps
         for li, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (c.hidden_size,), layer.ln_attn, eps)  # h: [T, hidden]
-            qkv = F.linear(h, layer.w_qkv)  # qkv: [T, (H + 2 Hkv) D]
-            qk = self._rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # qk: [T, H + Hkv, D]
-            q, k = qk[:, :H], qk[:, H:]  # q: [T, H, D]; k: [T, Hkv, D]
-            v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)  # v: [T, Hkv, D]
+            h = F.rms_norm(x, (c.hidden_size,), layer.ln_attn, eps)  # h: [N, hidden]
+            qkv = F.linear(h, layer.w_qkv)  # qkv: [N, (H + 2 Hkv) D]
+            qk = self._rope(qkv[:, :(H + Hkv) * D].view(N, H + Hkv, D), cos, sin)  # qk: [N, H + Hkv, D]
+            q, k = qk[:, :H], qk[:, H:]  # q: [N, H, D]; k: [N, Hkv, D]
+            v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)  # v: [N, Hkv, D]
             k_pool, v_pool = kv_flat[li, 0], kv_flat[li, 1]  # [slots, Hkv, D] each
             k_pool.index_copy_(0, w_slot, k.to(kv.dtype))
             v_pool.index_copy_(0, w_slot, v.to(kv.dtype))
-            qh = q.transpose(0, 1).unsqueeze(0).contiguous()  # qh: [1, H, T, D]
-            if start_pos == 0:
+            o = self._attend_packed(q, k, v, k_pool, v_pool, seqs)  # o: [N, H D]
+            x = x + F.linear(o, layer.w_o)
+            h = F.rms_norm(x, (c.hidden_size,), layer.ln_mlp, eps)
+            gu = F.linear(h, layer.w_gate_up)  # gu: [N, 2 I]
+            gate, up = gu.chunk(2, dim=-1)  # [N, I] each
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)  # x: [N, hidden]
+        # only the rows whose logits are asked for go through the norm and the LM head
+        rows = [range(a, b) if f else range(b - 1, b) for (a, b, _, _), f in zip(seqs, flags)]
+        x = x[torch.tensor([i for r in rows for i in r], dtype=torch.long, device=self.device)]
+        x = F.rms_norm(x, (c.hidden_size,), self.norm, eps)
+        logits = F.linear(x, self.lm_head).float()  # logits: [rows, vocab]
+        parts = logits.split([len(r) for r in rows])
+        return [part if f else part[0] for part, f in zip(parts, flags)]
+
+    def _packed_layout(self, kv: torch.Tensor, token_ids: list[list[int]], tables: list[list[int]],
+                       start_positions: list[int]) -> tuple[list[tuple], torch.Tensor, torch.Tensor]:
+        """Index tensors of a packed prefill. Returns ``seqs`` (per sequence: its rows ``a:b`` of the packed
+        tokens, then None if it starts at position 0, else its context's pool slots ``[S]`` and causal mask
+        ``[T, S]``), the pool slot of every packed token ``[N]`` and every token's position ``[N]``."""
+        bt_size, dev = kv.shape[3], self.device
+        seqs, w_slots, positions = [], [], []
+        a = 0
+        for ids, table, start in zip(token_ids, tables, start_positions):
+            end = start + len(ids)  # exclusive
+            table_t = torch.tensor(table, dtype=torch.long, device=dev)  # [n_blocks]
+            pos = torch.arange(start, end, device=dev)  # [T]
+            w_slots.append(table_t[pos // bt_size] * bt_size + pos % bt_size)  # [T] slot of each new token
+            positions.append(pos)
+            r_slot = mask = None
+            if start > 0:
+                ctx = torch.arange(end, device=dev)  # [S]
+                r_slot = table_t[ctx // bt_size] * bt_size + ctx % bt_size  # [S]
+                # mask[i, j]: the query at position start + i sees the key at position j <= start + i
+                mask = ctx[None, :] <= pos[:, None]  # [T, S]
+            seqs.append((a, a + len(ids), r_slot, mask))
+            a += len(ids)
+        return seqs, torch.cat(w_slots), torch.cat(positions)
+
+    def _attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                       v_pool: torch.Tensor, seqs: list[tuple]) -> torch.Tensor:
+        """Causal attention of each packed sequence over its own context; q ``[N, H, D]``, k/v ``[N, Hkv, D]``
+        (already written to ``k_pool``/``v_pool`` ``[slots, Hkv, D]``). Returns ``[N, H * D]``."""
+        pool_dtype = k_pool.dtype
+        outs = []
+        for a, b, r_slot, mask in seqs:
+            qh = q[a:b].transpose(0, 1).unsqueeze(0).contiguous()  # qh: [1, H, T, D]
+            if r_slot is None:
                 # The values the pool now holds (rounded through the pool dtype when it differs).
-                kc = k.to(kv.dtype).to(self.dtype).transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hkv, T, D]
-                vc = v.to(kv.dtype).to(self.dtype).transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hkv, T, D]
+                kc = k[a:b].to(pool_dtype).to(self.dtype).transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hkv, T, D]
+                vc = v[a:b].to(pool_dtype).to(self.dtype).transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hkv, T, D]
                 o = F.scaled_dot_product_attention(qh, kc, vc, is_causal=True, scale=self._scale,
                                                    enable_gqa=True)  # o: [1, H, T, D]
             else:
@@ -318,17 +382,8 @@ class LlamaModel:
                 # kc, vc: [1, Hkv, S, D]
                 o = F.scaled_dot_product_attention(qh, kc, vc, attn_mask=mask, scale=self._scale,
                                                    enable_gqa=True)  # o: [1, H, T, D]
-            o = o[0].transpose(0, 1).reshape(T, H * D)  # o: [T, H D]
-            x = x + F.linear(o, layer.w_o)
-            h = F.rms_norm(x, (c.hidden_size,), layer.ln_mlp, eps)
-            gu = F.linear(h, layer.w_gate_up)  # gu: [T, 2 I]
-            gate, up = gu.chunk(2, dim=-1)  # [T, I] each
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)  # x: [T, hidden]
-        if not all_logits:
-            x = x[-1:]
-        x = F.rms_norm(x, (c.hidden_size,), self.norm, eps)
-        logits = F.linear(x, self.lm_head).float()  # logits: [T or 1, vocab]
-        return logits if all_logits else logits[0]
+            outs.append(o[0].transpose(0, 1).reshape(b - a, -1))  # [T, H D]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @torch.inference_mode()
     def decode(self, kv: torch.Tensor, token_ids: list[int], positions: list[int],

@@ -84,9 +84,12 @@ class EngineConfig:
     kv_pool_tokens: int = _setting(8192, "tokens each actor's KV pool holds", _positive, "> 0")
     max_model_len: int = _setting(0, "longest prompt + output in tokens; 0 = min(model context, pool)",
                                   _non_negative, ">= 0")
-    prefill_chunk_tokens: int = _setting(128, "prompt tokens per prefill forward pass; between chunks the prefill "
-                                         "actor beats its heartbeat and drops requests aborted meanwhile",
+    prefill_chunk_tokens: int = _setting(128, "most tokens of one prompt in one prefill forward pass (a longer "
+                                         "prompt advances a chunk per pass, beside other prompts)",
                                          _positive, "> 0")
+    max_prefill_batch_tokens: int = _setting(512, "most prompt tokens one prefill forward pass packs (over all "
+                                             "queued prompts, FIFO); between passes the prefill actor beats its "
+                                             "heartbeat and drops requests aborted meanwhile", _positive, "> 0")
     max_num_seqs: int = _setting(32, "most requests in the decode batch", _positive, "> 0")
     max_queued_requests: int = _setting(256, "admitted but unfinished sequences (each of n choices counts) before 503",
                                         _positive, "> 0")

@@ -38,10 +38,10 @@ class Pair:
         self.late += 1
 
     def prefill_step(self, first_token: int = 5) -> None:
+        """One forward pass of the prefill shell: every prompt it completes gets ``first_token`` on each row."""
         self.prefill.reap()
-        work = self.prefill.next_work()
-        if work is not None:
-            assert self.prefill.chunk_done(work)
+        chunks = self.prefill.next_batch()
+        for work in self.prefill.batch_done(chunks):
             self.prefill.finish(work, [(first_token, None)] * len(work.rows))
 
     def deliver_to_decode(self) -> list[KVReady]:
@@ -88,6 +88,18 @@ def abort(pair: Pair, key) -> None:
     assert pair.table.transition(*key, S.ABORTED)
 
 
+def prefill_one(core: PrefillCore):
+    """Plan a forward pass that holds exactly one whole prompt and report it done; returns the prompt's work."""
+    [chunk] = core.next_batch()
+    assert chunk.start == 0 and chunk.last
+    assert core.batch_done([chunk]) == [chunk.work]
+    return chunk.work
+
+
+def spans(chunks) -> list[tuple[str, int, int]]:
+    return [(c.work.request.request_id, c.start, c.end) for c in chunks]
+
+
 def test_a_request_goes_through_every_state_and_both_pools_end_free():
     pair = Pair()
     request = prefill_request(pair.table, "r1", prompt_tokens=20, max_tokens=3)
@@ -125,14 +137,15 @@ def test_an_abort_in_each_stage_frees_both_sides_once_and_sends_nothing_more(sta
     if state == S.QUEUED:
         abort(pair, key)
     else:
-        work = pair.prefill.next_work()
+        [chunk] = pair.prefill.next_batch()
         assert pair.table.state(key) == S.PREFILLING
         if state == S.PREFILLING:
             abort(pair, key)
-            assert not pair.prefill.chunk_done(work)   # the shell stops between chunks
-            pair.prefill.abandon(work)
+            assert pair.prefill.batch_done([chunk]) == []   # not finished: its blocks are freed now
+            assert not pair.prefill.prefilling
         else:
-            pair.prefill.finish(work, [(5, None)])
+            assert pair.prefill.batch_done([chunk]) == [chunk.work]
+            pair.prefill.finish(chunk.work, [(5, None)])
             pair.deliver_to_decode()
             if state != S.BOOTSTRAP:
                 pair.decode.start_transfers()
@@ -222,7 +235,7 @@ def test_n_children_share_one_prefill_and_each_gets_its_own_decode_sequence():
     pair = Pair()
     request = prefill_request(pair.table, "n3", prompt_tokens=20, max_tokens=2, n=3, seed=11)
     pair.prefill.on_message(request)
-    work = pair.prefill.next_work()
+    work = prefill_one(pair.prefill)
     assert len(work.rows) == 3 and pair.prefill_pool.num_free == 30   # one prompt's blocks for all three
     assert [s.seed for s in work.samplings] == [11, 12, 13]
     pair.prefill.finish(work, [(5, None), (6, None), (8, None)])
@@ -287,7 +300,7 @@ def test_colocated_mode_runs_the_same_prefill_core_over_the_decode_pool():
     local.update(prefill=prefill, decode=decode)
     request = prefill_request(table, "colo", prompt_tokens=20, max_tokens=2, n=2)
     prefill.on_message(request)
-    work = prefill.next_work()
+    work = prefill_one(prefill)
     prefill.finish(work, [(5, None), (6, None)])
     decode.start_transfers()   # each child: its own blocks, the prompt copied in from the shared prompt blocks
     decode.poll_transfers()
@@ -303,20 +316,101 @@ def test_colocated_mode_runs_the_same_prefill_core_over_the_decode_pool():
     assert all(i[4]["timings"]["transfer_bytes"] == 0 for i in items if len(i) > 4)
 
 
-def test_the_prefill_core_renews_each_chunk_and_reports_when_every_row_is_gone():
+def test_the_prefill_core_renews_each_chunk_and_drops_a_prompt_whose_rows_are_gone():
     pair = Pair()
-    request = prefill_request(pair.table, "long")
+    request = prefill_request(pair.table, "long", prompt_tokens=300)   # chunks of 128, 128, 44
     key = (request.slot, request.generation)
     pair.prefill.on_message(request)
-    work = pair.prefill.next_work()
+    chunks = pair.prefill.next_batch()
+    assert spans(chunks) == [("long", 0, 128)] and not chunks[0].last
     assert pair.prefill.own_gauges() == {"queued": 0, "prefill_inflight": 0, "running": 1}
     pair.clock.advance(3.0)
-    assert pair.prefill.chunk_done(work)
+    assert pair.prefill.batch_done(chunks) == []   # not complete yet
     assert pair.table.rows[key[0]]["last_progress_ns"] == pair.clock()
-    abort(pair, key)
-    assert not pair.prefill.chunk_done(work)
-    pair.prefill.abandon(work)
+    assert spans(pair.prefill.next_batch()) == [("long", 128, 256)]
+    abort(pair, key)   # between two forward passes
+    pair.prefill.reap()
+    assert pair.prefill.next_batch() == [] and not pair.prefill.has_work()
     assert pair.prefill_pool.num_free == 32 and not pair.prefill.inflight
+
+
+def batching_pair(batch_tokens: int, chunk_tokens: int, prefill_blocks: int = 32) -> Pair:
+    pair = Pair(prefill_blocks=prefill_blocks)
+    pair.prefill.batch_tokens, pair.prefill.chunk_tokens = batch_tokens, chunk_tokens
+    return pair
+
+
+def test_one_forward_packs_queued_prompts_in_arrival_order_up_to_the_token_budget():
+    pair = batching_pair(batch_tokens=64, chunk_tokens=32)
+    for name, n in [("a", 10), ("b", 20), ("c", 50), ("d", 5), ("e", 7)]:
+        pair.prefill.on_message(prefill_request(pair.table, name, prompt_tokens=n))
+    first = pair.prefill.next_batch()
+    # c is cut at chunk_tokens; d gets the 2 tokens left of the budget; e waits QUEUED
+    assert spans(first) == [("a", 0, 10), ("b", 0, 20), ("c", 0, 32), ("d", 0, 2)]
+    assert [c.last for c in first] == [True, True, False, False]
+    assert [pair.table.state((r.slot, r.generation)) for r in pair.prefill.queued] == [S.QUEUED]
+    assert pair.prefill.own_gauges() == {"queued": 1, "prefill_inflight": 0, "running": 4}
+    assert [w.request.request_id for w in pair.prefill.batch_done(first)] == ["a", "b"]
+    for work in [c.work for c in first[:2]]:
+        pair.prefill.finish(work, [(5, None)])
+    second = pair.prefill.next_batch()   # the prompts begun come first, then the queue
+    assert spans(second) == [("c", 32, 50), ("d", 2, 5), ("e", 0, 7)]
+    assert [w.request.request_id for w in pair.prefill.batch_done(second)] == ["c", "d", "e"]
+    for work in [c.work for c in second]:
+        pair.prefill.finish(work, [(5, None)])
+    assert [r.request_id for r in pair.to_decode.take("decode")] == ["a", "b", "c", "d", "e"]
+    assert pair.prefill.next_batch() == [] and not pair.prefill.prefilling
+
+
+def test_a_long_prompt_advances_a_chunk_per_forward_beside_short_prompts_that_arrive_later():
+    pair = batching_pair(batch_tokens=48, chunk_tokens=32)
+    long = prefill_request(pair.table, "long", prompt_tokens=100)
+    pair.prefill.on_message(long)
+    first = pair.prefill.next_batch()
+    assert spans(first) == [("long", 0, 32)] and pair.prefill.batch_done(first) == []
+    pair.prefill.on_message(prefill_request(pair.table, "s1", prompt_tokens=6))
+    pair.prefill.on_message(prefill_request(pair.table, "s2", prompt_tokens=12))
+    chunks = pair.prefill.next_batch()
+    assert spans(chunks) == [("long", 32, 64), ("s1", 0, 6), ("s2", 0, 10)]
+    assert [w.request.request_id for w in pair.prefill.batch_done(chunks)] == ["s1"]
+    pair.run(6)
+    assert pair.table.state((long.slot, long.generation)) == S.FINISHED
+    pair.assert_all_free()
+
+
+def test_an_aborted_prompt_is_dropped_from_the_next_forward_and_the_others_go_on():
+    pair = batching_pair(batch_tokens=96, chunk_tokens=32)
+    keep, gone = prefill_request(pair.table, "keep", prompt_tokens=70), prefill_request(pair.table, "gone",
+                                                                                        prompt_tokens=70)
+    for r in (keep, gone):
+        pair.prefill.on_message(r)
+    chunks = pair.prefill.next_batch()
+    assert spans(chunks) == [("keep", 0, 32), ("gone", 0, 32)]
+    pair.prefill.batch_done(chunks)
+    abort(pair, (gone.slot, gone.generation))
+    pair.prefill.reap()
+    assert spans(pair.prefill.next_batch()) == [("keep", 32, 64)]
+    assert [o for o in pair.prefill_pool.owner.values() if o is not None] == [keep.slot] * 5   # gone's are free
+    assert pair.table.rows[gone.slot]["prefill_blocks"] == 0
+    pair.run(6)
+    assert pair.table.state((keep.slot, keep.generation)) == S.FINISHED
+    assert pair.table.state((gone.slot, gone.generation)) == S.ABORTED
+    assert {t[0] for t in pair.tokens} == {keep.slot}
+    pair.assert_all_free()
+
+
+def test_a_request_that_finds_no_free_blocks_holds_the_queue_behind_it():
+    pair = batching_pair(batch_tokens=512, chunk_tokens=128, prefill_blocks=4)
+    big, small = prefill_request(pair.table, "big", prompt_tokens=64), prefill_request(pair.table, "small",
+                                                                                      prompt_tokens=5)
+    pair.prefill.on_message(prefill_request(pair.table, "first", prompt_tokens=20))   # 2 of the 4 blocks
+    pair.prefill.on_message(big)     # needs all 4
+    pair.prefill.on_message(small)   # would fit, but arrived after big (FIFO: no overtaking)
+    assert spans(pair.prefill.next_batch()) == [("first", 0, 20)]
+    assert pair.prefill.blocked and [r.request_id for r in pair.prefill.queued] == ["big", "small"]
+    pair.run(8)
+    assert all(pair.table.state((r.slot, r.generation)) == S.FINISHED for r in (big, small))
+    pair.assert_all_free()
 
 
 def test_a_full_prefill_pool_keeps_requests_queued_without_spinning():
@@ -325,7 +419,7 @@ def test_a_full_prefill_pool_keeps_requests_queued_without_spinning():
     pair.prefill.on_message(first)
     pair.prefill.on_message(second)
     pair.prefill_step()
-    assert pair.prefill.next_work() is None and pair.prefill.blocked and not pair.prefill.has_work()
+    assert pair.prefill.next_batch() == [] and pair.prefill.blocked and not pair.prefill.has_work()
     assert pair.table.state((second.slot, second.generation)) == S.QUEUED
     pair.deliver_to_decode()
     pair.decode_step()
