@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                                      num_prompts=args.num_prompts if c > 1 else 4)
                     runs[name][c].append(result)
                     print(f"# rep {rep + 1} {name:<9} concurrency {c:>2}: TTFT p50 {result['ttft_ms']['p50']:.0f} ms, "
-                          f"output {result['output_throughput']:.1f} tok/s", flush=True)
+                          f"output {result['output_throughput']:.1f} tok/s, {result['failed']} failed", flush=True)
     print(f"\n# batched prefill vs one prompt per forward, {time.strftime('%Y-%m-%d %H:%M:%S')}, input "
           f"{args.input_len} tokens, output {args.output_len}, greedy with ignore_eos, median of {args.repeats}")
     print(f"{'concurrency':<13}{'TTFT p50 ms (batched / base)':>31}{'ratio':>8}{'output tok/s (batched / base)':>33}"
