@@ -246,8 +246,9 @@ class Supervisor:
             topo = self.topology
             engine_actors = [topo.monitor, *topo.prefill, *topo.decode]
             log.info("engine %s: starting %s; the prefill and decode actors load the model %s and warm up "
-                     "(up to actor_ready_timeout_s=%.0f s)", self.engine_id, ", ".join(topo.names[i] for i in engine_actors),
-                     self.layout.model_path or "(embedded default)", self.layout.config.actor_ready_timeout_s)
+                     "(up to actor_ready_timeout_s=%.0f s)", self.engine_id,
+                     ", ".join(topo.names[i] for i in engine_actors), self.layout.model_path or "(embedded default)",
+                     self.layout.config.actor_ready_timeout_s)
             for index in engine_actors:
                 self._spawn(index)
             self._wait_ready(engine_actors)
