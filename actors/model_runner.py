@@ -28,16 +28,20 @@ def logprobs_to_wire(lp) -> list | None:
 
 
 def chunked_prefill(model, kv, ids: list[int], blocks: list[int], chunk_tokens: int, chunk_done: Callable[[], bool],
-                    prompt_top_n: int | None = None, prompt_entries: list | None = None):
+                    prompt_top_n: int | None = None, prompt_entries: list | None = None, start_pos: int = 0):
     """Run a prompt through ``model.prefill`` in chunks of ``chunk_tokens``, writing its KV at ``blocks``; after
     each chunk call ``chunk_done()`` (heartbeat, inbox, renewal) and stop early (return None) once it returns
     False (every row aborted or timed out meanwhile). Returns the last position's logits ``[vocab]``.
+    ``start_pos`` (< ``len(ids)``): the KV of positions before it is in ``blocks`` already (a cached prefix);
+    only ``ids[start_pos:]`` are computed. Prompt log-probabilities need ``start_pos == 0``.
 
     With ``prompt_entries`` (a list), every chunk's logits ``[T, vocab]`` are kept long enough to append each
     prompt token's wire log-probabilities (``prompt_top_n`` alternatives; None for position 0) to it.
     """
+    if prompt_entries is not None and start_pos:
+        raise ValueError("prompt log-probabilities need the whole prompt computed (start_pos 0)")
     logits = None
-    for start in range(0, len(ids), chunk_tokens):
+    for start in range(start_pos, len(ids), chunk_tokens):
         chunk = ids[start:start + chunk_tokens]
         if prompt_entries is None:
             logits = model.prefill(kv, chunk, blocks, start_pos=start)
@@ -109,7 +113,7 @@ def run_prefill(core, work, model, kv, sampler, outbox, chunk_tokens: int, betwe
         return core.chunk_done(work)
 
     logits = chunked_prefill(model, kv, request.prompt_ids, work.blocks, chunk_tokens, chunk_done, top_n,
-                             prompt_entries)
+                             prompt_entries, start_pos=work.cached_tokens)
     if logits is None:   # every row aborted (or timed out) between two chunks: stop working on it now
         core.abandon(work)
         return
