@@ -3,6 +3,8 @@ reservation, transfer, abort and clean-up rule without a process. Each case chec
 sides and the messages sent."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from actors.decode_core import DecodeCore
@@ -439,3 +441,31 @@ def test_under_pressure_cached_blocks_are_evicted_for_new_prompts_and_never_whil
     pair.prefill.finish(work, [(5, None)])
     pair.run(2)
     pair.assert_all_free()
+
+
+def test_colocated_mode_shares_one_caching_allocator_and_decode_reservations_evict_the_cache():
+    clock = FakeClock()
+    table = FakeTable(clock)
+    pool = CachingAllocator(FakeAllocator(8))
+    outbox = QueueOutbox({"api": type("ApiQueue", (), {"put": lambda self, frame, timeout_s: None})()}, 1.0)
+    prefill = PrefillCore(table, pool, outbox, clock, actor_index=DECODE)
+    decode = DecodeCore(table, pool, FakeTransfers(local=True), outbox, clock, actor_index=DECODE, eos_ids=[EOS],
+                        max_num_seqs=4, block_bytes=100)
+    outbox.queues.update(prefill=prefill, decode=decode)
+
+    def serve(request_id: str, max_tokens: int, offset: int = 0) -> None:
+        request = prefill_request(table, request_id, prompt_tokens=40, max_tokens=max_tokens)
+        prefill.on_message(dataclasses.replace(request, prompt_ids=[t + offset for t in request.prompt_ids]))
+        prefill.finish(prefill.next_work(), [(5, None)])
+        decode.start_transfers()
+        decode.poll_transfers()
+        decode.admit()
+        while decode.batch():
+            decode.step_done(decode.batch(), [7] * len(decode.batch()), [None] * len(decode.batch()))
+        decode.flush()
+
+    serve("a", max_tokens=1)
+    assert pool.cached_blocks == 2 and pool.num_free == 8
+    serve("b", max_tokens=24, offset=100)   # another prompt: 3 new blocks + decode's 4 need one of a's
+    assert pool.evicted_blocks == 1 and pool.num_free == 8 and pool.cached_blocks_in_use == 0
+    assert pool.cached_blocks == 1 + 2 and table.state((1, 1)) == S.FINISHED
