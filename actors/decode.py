@@ -13,6 +13,7 @@ import time
 
 from actors.base import DECODE_INDEX, Actor
 from actors.messages import KVReady, parse_frames
+from actors.prefill import publish_prefix_cache
 
 log = logging.getLogger("pdserve.decode")
 
@@ -31,6 +32,7 @@ class DecodeActor(Actor):
         from actors.model_runner import DecodeRunner, PrefillRunner, warm_up
         from actors.ports import PeerTransfers, QueueOutbox, TransportTransfers
         from actors.prefill_core import PrefillCore
+        from actors.prefix_cache import CachingAllocator
         from gpu.grammar import GrammarCompiler
         from gpu.model import LlamaModel
         from gpu.sampling import Sampler
@@ -67,13 +69,15 @@ class DecodeActor(Actor):
         transfers = FaultyTransfers(PeerTransfers(
             {peer: TransportTransfers(t, synchronous, local=colocated) for peer, t in self.transports.items()},
             synchronous, local=colocated), self.faults)
-        self.core = DecodeCore(self.table, self.pool, transfers, self.outbox, time.monotonic_ns,
+        # colocated: both cores allocate through the prefill core's prefix cache (decode's allocations evict it)
+        self.allocator = CachingAllocator(self.pool, enabled=colocated and self.config.prefix_cache)
+        self.core = DecodeCore(self.table, self.allocator, transfers, self.outbox, time.monotonic_ns,
                                actor_index=self.index, eos_ids=self.model.config.eos_token_ids,
                                max_num_seqs=self.config.max_num_seqs, block_bytes=self.pool.block_bytes)
         self.runner = DecodeRunner(self.model, self.kv, self.sampler, self.grammars)
         self.prefill_core = None
         if colocated:   # the local cores talk directly; only the API stays behind a queue
-            self.prefill_core = PrefillCore(self.table, self.pool, self.outbox, time.monotonic_ns,
+            self.prefill_core = PrefillCore(self.table, self.allocator, self.outbox, time.monotonic_ns,
                                             actor_index=self.index,
                                             on_late=lambda: self.actors.count_late_message(self.index),
                                             batch_tokens=self.config.max_prefill_batch_tokens,
@@ -82,6 +86,7 @@ class DecodeActor(Actor):
             self.queues["prefill"], self.queues["decode"] = self.prefill_core, self.core
         self._published_free = -1
         self._published_done = 0
+        self._published_cache = (0, 0, 0)
         self._publish()
 
     def run_once(self) -> None:
@@ -135,9 +140,10 @@ class DecodeActor(Actor):
         if self.core.finished != self._published_done:
             self.actors.count_requests_done(self.index, self.core.finished - self._published_done)
             self._published_done = self.core.finished
-        if self.pool.num_free != self._published_free:
-            self._published_free = self.pool.num_free
+        if self.allocator.num_free != self._published_free:   # evictable cached blocks count as free
+            self._published_free = self.allocator.num_free
             self.actors.set_kv_blocks(self.index, total=self.pool.num_blocks, free=self._published_free)
+        self._published_cache = publish_prefix_cache(self.actors, self.index, self.allocator, self._published_cache)
 
     def on_stop(self) -> None:
         if self.prefill_core is not None:

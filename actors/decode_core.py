@@ -224,7 +224,8 @@ class DecodeCore:
         ready = entry.ready
         entry.timings = {"queue_s": ready.queue_s, "prefill_s": ready.prefill_s,
                          "transfer_s": (self.clock() - entry.transfer_start_ns) / 1e9,
-                         "transfer_bytes": 0 if self.transfers.local else len(ready.src_block_ids) * self.block_bytes}
+                         "transfer_bytes": 0 if self.transfers.local else len(ready.src_block_ids) * self.block_bytes,
+                         "cached_tokens": ready.cached_tokens}
         self.outbox.send(ready.prefill_actor if ready.prefill_actor >= 0 else "prefill", TransferDone(*entry.key),
                          ready.request_id)
         if self.table.transition(*entry.key, S.DECODE_WAITING, owner=self.actor_index):

@@ -81,6 +81,7 @@ class KVReady:
     first_logprobs: list | None = None   # [logprob, [[token_id, logprob], ...]] when sampling.logprobs is set
     prompt_ids: list[int] = dataclasses.field(default_factory=list)   # sent only for a repetition penalty
     prefill_actor: int = -1   # the prefill actor holding the blocks (its pool, its TransferDone); -1 = "prefill"
+    cached_tokens: int = 0    # leading prompt tokens whose KV came from prefill's prefix cache (not recomputed)
 
 
 # ---- to the API -------------------------------------------------------------------------------------

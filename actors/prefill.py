@@ -15,6 +15,19 @@ from actors.messages import parse_frames
 log = logging.getLogger("pdserve.prefill")
 
 
+def publish_prefix_cache(actors, index: int, allocator, published: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Write what changed of ``allocator``'s prefix cache (actors/prefix_cache.CachingAllocator) to actor
+    ``index``'s row: counter deltas since ``published`` (query tokens, hit tokens, evicted blocks) and the
+    cached-block gauges. Returns the counters now published. Nothing when the cache is off."""
+    if not allocator.enabled:
+        return published
+    now = (allocator.query_tokens, allocator.hit_tokens, allocator.evicted_blocks)
+    if now != published:
+        actors.count_prefix_cache(index, *(a - b for a, b in zip(now, published)))
+    actors.set_prefix_cache(index, allocator.cached_blocks, allocator.cached_blocks_in_use)
+    return now
+
+
 class PrefillActor(Actor):
     role = "prefill"
 
@@ -28,6 +41,7 @@ class PrefillActor(Actor):
         from actors.model_runner import PrefillRunner, warm_up
         from actors.ports import QueueOutbox
         from actors.prefill_core import PrefillCore
+        from actors.prefix_cache import CachingAllocator
         from gpu.grammar import GrammarCompiler
         from gpu.model import LlamaModel
         from gpu.sampling import Sampler
@@ -43,6 +57,8 @@ class PrefillActor(Actor):
         self.pool = KVPool.attach(self.layout.segment(topo.segment("kv", self.index)))
         warm_up(self.model, self.pool)
         self.pool.reset()  # a restarted actor starts from an empty pool; its old requests were failed
+        # created after the reset: warm-up's block and a predecessor's cache are never served from it
+        self.allocator = CachingAllocator(self.pool, enabled=self.config.prefix_cache)
         self.kv = self.pool.tensor()
         # mooncake: register the pool with this process's transfer engine, publish where it lives (else None)
         self.kv_source = publish_source(self.config.kv_transport, self.pool)
@@ -54,7 +70,7 @@ class PrefillActor(Actor):
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(self.layout.model_path)
         self.grammars.warm_up()   # llguidance's tokenizer view (~2 s), off the loop
-        self.core = PrefillCore(StateTable.attach(self.layout.segment("state")), self.pool, self.outbox,
+        self.core = PrefillCore(StateTable.attach(self.layout.segment("state")), self.allocator, self.outbox,
                                 time.monotonic_ns, actor_index=self.index, handoff_from=self.index,
                                 on_late=lambda: self.actors.count_late_message(self.index),
                                 batch_tokens=self.config.max_prefill_batch_tokens,
@@ -62,6 +78,7 @@ class PrefillActor(Actor):
         self.runner = PrefillRunner(self.model, self.kv, self.sampler, self.outbox, self.grammars)
         self._published_free = -1
         self._published_done = 0
+        self._published_cache = (0, 0, 0)
         self._publish()
 
     def run_once(self) -> None:
@@ -104,9 +121,10 @@ class PrefillActor(Actor):
         if self.core.handed_off != self._published_done:
             self.actors.count_requests_done(self.index, self.core.handed_off - self._published_done)
             self._published_done = self.core.handed_off
-        if self.pool.num_free != self._published_free:
-            self._published_free = self.pool.num_free
+        if self.allocator.num_free != self._published_free:   # evictable cached blocks count as free
+            self._published_free = self.allocator.num_free
             self.actors.set_kv_blocks(self.index, total=self.pool.num_blocks, free=self._published_free)
+        self._published_cache = publish_prefix_cache(self.actors, self.index, self.allocator, self._published_cache)
 
     def on_stop(self) -> None:
         self.core.stop()

@@ -11,16 +11,20 @@ in the *prefill inflight queue*, its blocks held here). Decode moves the row on 
 Prefill frees its blocks once decode holds a copy: on TransferDone, or on seeing the row past TRANSFERRING (so
 a lost TransferDone costs one loop iteration, not a pinned request), or when the row turns final; it records
 the fact in the row (``prefill_blocks = 0``). Every path frees each block exactly once.
+
+Prompt blocks go through the allocator's prefix cache (actors/prefix_cache.py ``CachingAllocator``): a request
+reuses the cached blocks of its longest cached prefix and prefills only the tokens after it; its full blocks are
+cached once its forward pass is done; "freeing" drops its references to cached blocks (kept until evicted).
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 from typing import Any, Callable
 
 from actors.messages import KVReady, PrefillRequest, TransferDone
 from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort
+from actors.prefix_cache import CachingAllocator, PromptBlocks
 from ipc.lifecycle import LIVE_STATES, held_by
 from ipc.lifecycle import RequestState as S
 from pdserve.errors import OutOfKVBlocksError
@@ -44,27 +48,39 @@ def child_sampling(sampling, index: int):
 
 @dataclasses.dataclass
 class SharedBlocks:
-    """Prefill blocks that one or more rows (an ``n > 1`` request's children) hold together; freed when the
+    """Prefill blocks that one or more rows (an ``n > 1`` request's children) hold together; released when the
     last holder leaves the inflight queue."""
 
-    owner_slot: int
-    blocks: list[int]
+    prompt: PromptBlocks
     holders: set
+
+    @property
+    def blocks(self) -> list[int]:
+        return self.prompt.blocks
 
 
 @dataclasses.dataclass(eq=False)   # identity: the core keeps and removes these by object
 class PrefillWork:
     """One request being prefilled: ``request.prompt_ids`` into ``blocks`` (prompt KV) over one or more
     forward passes, then one first token sampled per entry of ``rows`` (``(child index, key)``, the rows still
-    live when it started). ``done_tokens``: prompt tokens whose KV is written."""
+    live when it started). ``done_tokens``: prompt tokens whose KV is written; it starts at ``cached_tokens``
+    (that prefix's KV is in the blocks already, from the prefix cache)."""
 
     request: PrefillRequest
-    blocks: list[int]
+    prompt: PromptBlocks
     rows: list[tuple[int, Key]]
     start_ns: int
     created_ns: int
     chunks_done: int = 0
     done_tokens: int = 0
+
+    @property
+    def blocks(self) -> list[int]:
+        return self.prompt.blocks
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.prompt.cached_tokens
 
     @property
     def samplings(self) -> list:
@@ -92,12 +108,15 @@ class PrefillCore:
     ``handoff_from``: the actor index KVReady names as the holder of the blocks (a decode actor pulls from that
     actor's pool and sends it TransferDone); -1 (colocated mode) = the outbox's "prefill". KVReady goes to the
     request's ``decode_actor`` (-1 = the outbox's "decode"). ``batch_tokens``: most prompt tokens one forward
-    pass packs; ``chunk_tokens``: most tokens of one prompt in it.
+    pass packs; ``chunk_tokens``: most tokens of one prompt in it. ``allocator``: a CachingAllocator (its prefix
+    cache on or off), or a plain allocator, which gets one with the cache off.
     """
 
     def __init__(self, table: TablePort, allocator: AllocatorPort, outbox: OutboxPort, clock: Clock, *,
                  actor_index: int, renew_interval_s: float = 1.0, on_late: Callable[[], None] = lambda: None,
                  handoff_from: int = -1, batch_tokens: int = 512, chunk_tokens: int = 128):
+        if not isinstance(allocator, CachingAllocator):
+            allocator = CachingAllocator(allocator, enabled=False)
         self.table, self.allocator, self.outbox, self.clock = table, allocator, outbox, clock
         self.actor_index = actor_index
         self.handoff_from = handoff_from
@@ -190,14 +209,15 @@ class PrefillCore:
     def _admit(self, request: PrefillRequest) -> PrefillWork | None:
         """Allocate ``request``'s prompt blocks and move its live rows to PREFILLING. None (and ``blocked``) if
         no blocks are free; None if no row is live any more."""
-        try:
-            blocks = self.allocator.allocate(math.ceil(len(request.prompt_ids) / self.allocator.block_tokens),
-                                             request.slot)
+        try:   # echo with logprobs needs every prompt position's logits: no cached prefix
+            prompt = self.allocator.acquire(request.prompt_ids, request.slot,
+                                            use_cache=request.sampling.prompt_logprobs is None)
         except OutOfKVBlocksError:
             self.blocked = True
             return None
         self.blocked = False
-        shared = SharedBlocks(request.slot, blocks, set())
+        shared = SharedBlocks(prompt, set())
+        blocks = prompt.blocks
         rows = []
         for index, key in enumerate(request_rows(request)):
             if self.table.transition(*key, S.PREFILLING, owner=self.actor_index):
@@ -206,11 +226,12 @@ class PrefillCore:
                 self.inflight[key] = shared
                 self.table.update(*key, prefill_blocks=len(blocks))
         if not rows:
-            self.allocator.free(blocks, request.slot)
+            self.allocator.release(prompt)
             return None
         row = self.table.read(*rows[0][1])
         now_ns = self.clock()
-        return PrefillWork(request, blocks, rows, now_ns, int(row["created_ns"]) if row else now_ns)
+        return PrefillWork(request, prompt, rows, now_ns, int(row["created_ns"]) if row else now_ns,
+                           done_tokens=prompt.cached_tokens)
 
     def any_live(self, work: PrefillWork) -> bool:
         return any(self._live(key) for _, key in work.rows)
@@ -219,6 +240,7 @@ class PrefillCore:
         """The forward pass ended with each row's first token (``(token_id, wire logprobs or None)`` per entry
         of ``work.rows``): move each live row to BOOTSTRAP and send decode its KVReady."""
         self.prefilling.remove(work)
+        self.allocator.commit(work.prompt)   # its KV is complete: later prompts may reuse its full blocks
         request = work.request
         now_ns = self.clock()
         queue_s, prefill_s = (work.start_ns - work.created_ns) / 1e9, (now_ns - work.start_ns) / 1e9
@@ -230,7 +252,8 @@ class PrefillCore:
             dest = request.decode_actor if request.decode_actor >= 0 else "decode"
             self.outbox.send(dest, KVReady(key[0], key[1], request.request_id, work.blocks,
                                            len(request.prompt_ids), token, sampling, queue_s, prefill_s,
-                                           logprobs, history, self.handoff_from), request.request_id)
+                                           logprobs, history, self.handoff_from, work.cached_tokens),
+                             request.request_id)
             self.handed_off += 1
         self.renew_queued()
 
@@ -277,4 +300,4 @@ class PrefillCore:
         self.table.update(*key, prefill_blocks=0)
         shared.holders.discard(key)
         if not shared.holders:   # the last row holding the prompt's KV has left the inflight queue
-            self.allocator.free(shared.blocks, shared.owner_slot)
+            self.allocator.release(shared.prompt)

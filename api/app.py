@@ -49,6 +49,12 @@ class JSONResponse(Response):
         return orjson.dumps(content)
 
 
+def cached_prompt_tokens(handles: list[RequestHandle]) -> int:
+    """Prompt tokens the prefill actor found in its prefix cache (from the first token's timings; the ``n``
+    choices share one prefill)."""
+    return max((int((h.timings or {}).get("cached_tokens", 0)) for h in handles), default=0)
+
+
 def error_response(error: PdserveError, request_id: str | None = None) -> JSONResponse:
     """OpenAI error JSON; ``request_id`` (else RequestIdMiddleware's) goes in ``x-request-id``."""
     headers = {}
@@ -405,7 +411,8 @@ class Routes:
                 self.finished(handles, reasons, exc.http_status)
                 return error_response(exc, req.request_id)
             self.finished(handles, reasons)
-            return JSONResponse(full_response(req, choices, sum(h.completion_tokens for h in handles)),
+            return JSONResponse(full_response(req, choices, sum(h.completion_tokens for h in handles),
+                                              cached_prompt_tokens(handles)),
                                 headers={"x-request-id": req.request_id})
         finally:
             for task in (work, watch):
@@ -444,7 +451,8 @@ class Routes:
                 status = 200
                 if req.include_usage:
                     body = chunk(req, None, None, usage_body=usage(len(req.prompt_ids),
-                                                                   sum(h.completion_tokens for h in handles)))
+                                                                   sum(h.completion_tokens for h in handles),
+                                                                   cached_prompt_tokens(handles)))
                     yield b"data: " + orjson.dumps(body) + b"\n\n"
             except PdserveError as exc:
                 log.warning("request %s: %d %s", req.request_id, exc.http_status, exc.message)   # the whole id

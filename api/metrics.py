@@ -101,6 +101,7 @@ class _SharedStateCollector:
         yield _gauge("pdserve_kv_cache_usage_ratio", "fraction of KV blocks in use, all pools",
                      (total - free) / total if total else 0.0)
         yield from self._per_actor(client, rows)
+        yield from _prefix_cache_families(rows)
         status = client.status.snapshot()
         ticks = CounterMetricFamily("pdserve_watchdog_ticks", "heartbeat monitor ticks")
         ticks.add_metric([], status["watchdog_ticks"])
@@ -140,6 +141,30 @@ class _SharedStateCollector:
         yield handoffs
         yield _gauge("pdserve_api_active_requests", "requests the API process is waiting on",
                      client.num_active())
+
+
+def _prefix_cache_families(rows):
+    """Per actor with a prefix cache (actors/prefix_cache.py): prompt tokens looked up and found cached
+    (counters over every incarnation), blocks cached now and those of them requests hold."""
+    query = CounterMetricFamily("pdserve_prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache",
+                                labels=["actor"])
+    hit = CounterMetricFamily("pdserve_prefix_cache_hit_tokens", "prompt tokens whose KV the prefix cache held "
+                              "(not recomputed)", labels=["actor"])
+    evicted = CounterMetricFamily("pdserve_prefix_cache_evicted_blocks", "cached blocks evicted to make room",
+                                  labels=["actor"])
+    cached = _gauge("pdserve_prefix_cache_cached_blocks", "KV blocks in the prefix cache (held by requests or "
+                    "evictable)", labels=["actor"])
+    in_use = _gauge("pdserve_prefix_cache_cached_blocks_in_use", "cached KV blocks that requests hold now",
+                    labels=["actor"])
+    for r in rows:
+        if r["name"] and (r["prefix_query_tokens"] or r["prefix_cached_blocks"] >= 0):
+            query.add_metric([r["name"]], r["prefix_query_tokens"])
+            hit.add_metric([r["name"]], r["prefix_hit_tokens"])
+            evicted.add_metric([r["name"]], r["prefix_evicted_blocks"])
+        if r["name"] and r["prefix_cached_blocks"] >= 0:
+            cached.add_metric([r["name"]], r["prefix_cached_blocks"])
+            in_use.add_metric([r["name"]], r["prefix_cached_in_use"])
+    yield from (query, hit, evicted, cached, in_use)
 
 
 class EngineMetrics:

@@ -544,9 +544,12 @@ def _max_token_chars(tokenizer) -> int:
         return 64
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI ``usage``; ``prompt_tokens_details.cached_tokens``: leading prompt tokens whose KV the prefill
+    actor's prefix cache held (not recomputed)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _logprob_entry(tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
@@ -601,7 +604,8 @@ class ChoiceResult:
     tool_calls: list[dict] | None = None   # chat with tools: OpenAI ``message.tool_calls`` entries
 
 
-def full_response(req: GenerationRequest, choices: list[ChoiceResult], completion_tokens: int) -> dict:
+def full_response(req: GenerationRequest, choices: list[ChoiceResult], completion_tokens: int,
+                  cached_tokens: int = 0) -> dict:
     """The non-streamed body: one choice per ``n``, in index order; usage counts the prompt once."""
     out = []
     for c in sorted(choices, key=lambda c: c.index):
@@ -615,7 +619,7 @@ def full_response(req: GenerationRequest, choices: list[ChoiceResult], completio
             out.append({"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason})
     obj = "chat.completion" if req.kind == "chat" else "text_completion"
     return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": out, "usage": usage(len(req.prompt_ids), completion_tokens)}
+            "choices": out, "usage": usage(len(req.prompt_ids), completion_tokens, cached_tokens)}
 
 
 def chunk(req: GenerationRequest, text: str | None, finish_reason: str | None, *, first: bool = False,

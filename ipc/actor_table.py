@@ -8,13 +8,13 @@ Shared-memory layout of segment ``name``::
 
     offset  size  field
     0       4     magic        b"PDAT"
-    4       4     version      u4 = 3
+    4       4     version      u4 = 4
     8       4     num_actors   u4
-    12      4     row_bytes    u4 = ROW_DTYPE.itemsize (128)
+    12      4     row_bytes    u4 = ROW_DTYPE.itemsize (192)
     16      8     rows_offset  u8 = HEADER_BYTES
     128     ...   num_actors rows of ROW_DTYPE
 
-Row (``ROW_DTYPE``, 128 bytes: two cache lines, so actors beating in their own rows do not share a line;
+Row (``ROW_DTYPE``, 192 bytes: three cache lines, so actors beating in their own rows do not share a line;
 fields aligned to their size, so a reader never sees half of one). Each field has exactly one writer, and
 writes only through the method named::
 
@@ -45,6 +45,14 @@ writes only through the method named::
     120     router_mismatches u4    monitor (set_router_mismatch)  disagreements flagged so far
     124     requests_done    u4     actor (count_requests_done)    requests it finished its part of (prefill:
                                                                    KVReady sent; decode: FINISHED), all incarnations
+    128     prefix_query_tokens  u8 actor (count_prefix_cache)     prompt tokens looked up in its prefix cache
+    136     prefix_hit_tokens    u8 actor (count_prefix_cache)     of them, tokens whose KV it found cached
+    144     prefix_evicted_blocks u8 actor (count_prefix_cache)    cached blocks it evicted to make room
+                                                                   (these three: all incarnations)
+    152     prefix_cached_blocks i4 actor (starting,               blocks in its prefix cache now; -1 = it has
+                                    set_prefix_cache)              no prefix cache
+    156     prefix_cached_in_use i4 actor (starting,               of them, blocks requests hold now (the rest
+                                    set_prefix_cache)              are evictable and count as free)
 
 Incarnations: the supervisor never rewrites an actor's fields when it restarts one. The actor-written fields
 belong to the process the supervisor last spawned only while ``actor_pid == pid``; until the new process
@@ -96,14 +104,16 @@ ROW_FIELDS = [  # (name, dtype, offset)
     ("active_requests", "<i4", 60), ("own_gauges", ("<i4", (len(GAUGES),)), 64), ("status", "u1", 80),
     ("health", "u1", 81), ("name", "S16", 82), ("device", "S16", 98), ("router_mismatch", "u1", 114),
     ("routed_requests", "<i4", 116), ("router_mismatches", "<u4", 120), ("requests_done", "<u4", 124),
+    ("prefix_query_tokens", "<u8", 128), ("prefix_hit_tokens", "<u8", 136), ("prefix_evicted_blocks", "<u8", 144),
+    ("prefix_cached_blocks", "<i4", 152), ("prefix_cached_in_use", "<i4", 156),
 ]
 ROW_DTYPE = np.dtype({"names": [f[0] for f in ROW_FIELDS], "formats": [f[1] for f in ROW_FIELDS],
-                      "offsets": [f[2] for f in ROW_FIELDS], "itemsize": 128})
+                      "offsets": [f[2] for f in ROW_FIELDS], "itemsize": 192})
 assert ROW_DTYPE.fields["own_gauges"][0].itemsize <= 16, "own_gauges outgrew its 16 bytes: new layout version"
 STR_BYTES = 16
 
 MAGIC = b"PDAT"
-VERSION = 3
+VERSION = 4
 HEADER_BYTES = 128
 HEADER = struct.Struct("<4sIIIQ")  # magic, version, num_actors, row_bytes, rows_offset
 MAX_ACTORS = 4096
@@ -143,6 +153,8 @@ class ActorTable(_shm.ShmSegment):
             rows["own_gauges"] = -1
             rows["active_requests"] = -1
             rows["routed_requests"] = -1
+            rows["prefix_cached_blocks"] = -1
+            rows["prefix_cached_in_use"] = -1
 
         return cls._create(name, HEADER_BYTES + num_actors * ROW_DTYPE.itemsize, init)
 
@@ -213,6 +225,8 @@ class ActorTable(_shm.ShmSegment):
         rec["kv_blocks_free"] = rec["kv_blocks_total"]
         rec["own_gauges"] = -1
         rec["active_requests"] = -1
+        rec["prefix_cached_blocks"] = -1
+        rec["prefix_cached_in_use"] = -1
         rec["actor_pid"] = pid
 
     def set_status(self, index: int, status: ActorStatus) -> None:
@@ -257,6 +271,20 @@ class ActorTable(_shm.ShmSegment):
     def count_requests_done(self, index: int, n: int) -> None:
         """Actor ``index`` finished its part of ``n`` more requests."""
         self._row_for_write(index)["requests_done"] += n
+
+    def count_prefix_cache(self, index: int, query_tokens: int, hit_tokens: int, evicted_blocks: int) -> None:
+        """Actor ``index``'s prefix cache looked up ``query_tokens`` more prompt tokens, found ``hit_tokens`` of
+        them cached, and evicted ``evicted_blocks`` more blocks."""
+        rec = self._row_for_write(index)
+        rec["prefix_query_tokens"] += query_tokens
+        rec["prefix_hit_tokens"] += hit_tokens
+        rec["prefix_evicted_blocks"] += evicted_blocks
+
+    def set_prefix_cache(self, index: int, cached_blocks: int, in_use: int) -> None:
+        """Actor ``index``'s prefix cache holds ``cached_blocks`` blocks, ``in_use`` of them held by requests."""
+        rec = self._row_for_write(index)
+        rec["prefix_cached_blocks"] = cached_blocks
+        rec["prefix_cached_in_use"] = in_use
 
     def count_late_message(self, index: int, n: int = 1) -> None:
         """``n`` more messages for final or stale requests were dropped by actor ``index``."""
@@ -344,6 +372,7 @@ def _row_dict(rec: np.void, index: int) -> dict:
         d["kv_blocks_free"] = d["kv_blocks_total"]
         d["own_gauges"] = [-1] * len(GAUGES)
         d["active_requests"] = -1
+        d["prefix_cached_blocks"] = d["prefix_cached_in_use"] = -1
     d["status"] = ActorStatus(d["status"]) if d["status"] in ActorStatus._value2member_map_ else d["status"]
     d["health"] = ActorHealth(d["health"]) if d["health"] in ActorHealth._value2member_map_ else d["health"]
     d["index"] = index

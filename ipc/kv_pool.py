@@ -155,6 +155,19 @@ class BlockAllocator:
             raise err
         return len(good)
 
+    def reassign(self, block_ids: Iterable[int], owner_slot: int, new_owner_slot: int) -> None:
+        """Hand blocks held by ``owner_slot`` to ``new_owner_slot`` (>= 0) as they are: same ids, same
+        generations, data untouched (a prompt's blocks joining the prefix cache). All or nothing: raises
+        KVBlockStateError (changing nothing) if any is not held by ``owner_slot``."""
+        idx = np.array([int(b) for b in block_ids], dtype=np.int64)
+        if new_owner_slot < 0:
+            raise ValueError(f"reassign(new_owner_slot={new_owner_slot}): must be >= 0")
+        if idx.size and (idx.min() < 0 or idx.max() >= self.num_blocks
+                         or not np.all(self._owner[idx] == owner_slot)):
+            raise KVBlockStateError(f"reassign by slot {owner_slot} of blocks {idx.tolist()[:8]} it does not all "
+                                    f"hold (a bug); nothing changed")
+        self._owner[idx] = new_owner_slot
+
     def free_owned_by(self, owner_slot: int) -> int:
         """Free every block held by ``owner_slot`` (cleanup of a timed-out/failed request); returns the count.
         O(pool), vectorized."""
@@ -332,6 +345,10 @@ class KVPool(_shm.ShmSegment):
         KVBlockStateError (after freeing the valid ones) for a block already free, held by another slot,
         listed twice, or of a stale generation (if ``generations`` given). See ``BlockAllocator.free``."""
         return self._allocator().free(block_ids, owner_slot, generations)
+
+    def reassign(self, block_ids: Iterable[int], owner_slot: int, new_owner_slot: int) -> None:
+        """Hand blocks from ``owner_slot`` to ``new_owner_slot`` unchanged (see ``BlockAllocator.reassign``)."""
+        self._allocator().reassign(block_ids, owner_slot, new_owner_slot)
 
     def free_owned_by(self, owner_slot: int) -> int:
         """Free every block ``owner_slot`` holds; returns how many (cleanup of timed-out/failed requests)."""

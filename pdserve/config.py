@@ -84,6 +84,8 @@ class EngineConfig:
     kv_pool_tokens: int = _setting(8192, "tokens each actor's KV pool holds", _positive, "> 0")
     max_model_len: int = _setting(0, "longest prompt + output in tokens; 0 = min(model context, pool)",
                                   _non_negative, ">= 0")
+    prefix_cache: bool = _setting(True, "keep full blocks of prompt KV in the prefill pool after a request ends and "
+                                  "reuse them for prompts that start with the same tokens (--no-prefix-cache: off)")
     prefill_chunk_tokens: int = _setting(128, "most tokens of one prompt in one prefill forward pass (a longer "
                                          "prompt advances a chunk per pass, beside other prompts)",
                                          _positive, "> 0")
@@ -192,12 +194,16 @@ def check_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--field-name`` flag per config field (default None so we can tell 'not given')."""
+    """Add one ``--field-name`` flag per config field (default None so we can tell 'not given'); a bool field
+    that defaults to true also gets ``--no-field-name`` (the same as ``--field-name false``)."""
     for f in _fields():
         flag = "--" + f.name.replace("_", "-")
         default = "" if f.metadata.get("secret") else repr(f.default)
         parser.add_argument(flag, dest=f.name, default=None, help=f"{f.metadata['help']} [{default}]",
                             action="append" if f.metadata.get("repeatable") else "store")
+        if f.default is True:
+            parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_const",
+                                const="false", help=f"same as {flag} false")
 
 
 def load_config(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> LoadedConfig:

@@ -251,14 +251,15 @@ QUEUE_GAUGES = ("pdserve_num_running_reqs", "pdserve_num_queue_reqs", "pdserve_n
 
 
 def assert_recovered(engine: EngineProcess, probe: EngineProbe, timeout_s: float = 10.0) -> None:
-    """The after-every-scenario rule: queue gauges 0, every pool's blocks free, no live row, /health 200,
-    and one ordinary request succeeds."""
+    """The after-every-scenario rule: queue gauges 0, every pool's blocks free (cached prefix blocks count as
+    free once no request holds them), no live row, /health 200, and one ordinary request succeeds."""
     import httpx
 
     def settled():
         metrics = scrape(engine.base_url)
         return (all(metrics[g] == 0 for g in QUEUE_GAUGES) and not probe.live_rows()
                 and all(free == total for free, total in probe.free_blocks().values())
+                and all(int(r["prefix_cached_in_use"]) <= 0 for r in probe.actors.rows())
                 and httpx.get(engine.base_url + "/health", timeout=5).status_code == 200)
 
     wait_until(settled, timeout_s, 0.1, "gauges 0, KV blocks free, no live row, /health 200")

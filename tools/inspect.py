@@ -18,7 +18,9 @@ JSON snapshot schema (``--json``; version 1; times in seconds, ``null`` = unknow
                  "loop_iterations_per_s", "restarts", "late_messages", "kv_blocks_free", "kv_blocks_total",
                  "load": {gauge: the actor's own count} (engine actors), "requests_done",
                  "router_count": int|null (the router's count for it), "table_count": int|null (the state
-                 table's), "router_mismatch": bool (flagged by the monitor), "router_mismatches": int}],
+                 table's), "router_mismatch": bool (flagged by the monitor), "router_mismatches": int,
+                 "prefix_cache": null (none) | {"cached_blocks", "in_use_blocks", "query_tokens", "hit_tokens",
+                                 "hit_ratio": float|null, "evicted_blocks"}}],
      "gauges": [{"name", "metric", "value", "nonzero_for_s", "since_last_move_s", "stuck", "mismatch",
                  "actors_count"}],
      "requests": [{"request_id", "slot", "stage", "age_in_stage_s", "total_age_s", "owner", "prefill_actor",
@@ -177,8 +179,19 @@ def _actor_entries(actor_rows: list[dict], first_iterations: dict, now_ns: int, 
             else None,
             "table_count": table_counts.get(r["index"]),
             "router_mismatch": bool(r["router_mismatch"]), "router_mismatches": int(r["router_mismatches"]),
+            "prefix_cache": _prefix_cache_entry(r),
         })
     return actors
+
+
+def _prefix_cache_entry(r: dict) -> dict | None:
+    """An actor row's prefix cache (actors/prefix_cache.py), or None when it has none (or is restarting)."""
+    if r["prefix_cached_blocks"] < 0:
+        return None
+    query, hit = int(r["prefix_query_tokens"]), int(r["prefix_hit_tokens"])
+    return {"cached_blocks": int(r["prefix_cached_blocks"]), "in_use_blocks": int(r["prefix_cached_in_use"]),
+            "query_tokens": query, "hit_tokens": hit, "hit_ratio": hit / query if query else None,
+            "evicted_blocks": int(r["prefix_evicted_blocks"])}
 
 
 def render(snapshot: dict[str, Any]):
@@ -202,17 +215,20 @@ def render(snapshot: dict[str, Any]):
                  + ("" if active["agree"] else "   <-- DISAGREE"), style="" if active["agree"] else "bold red")
     actors = Table(title="actors", title_justify="left")
     for column in ("actor", "role", "pid", "device", "status", "health", "heartbeat", "loops/s", "restarts",
-                   "late msgs", "KV free", "load", "done", "router/table"):
+                   "late msgs", "KV free", "prefix cache", "load", "done", "router/table"):
         actors.add_column(column)
     for a in snapshot["actors"]:
         kv = f"{a['kv_blocks_free']}/{a['kv_blocks_total']}" if a["kv_blocks_total"] else "-"
         load = " ".join(f"{k}={v}" for k, v in a["load"].items() if v) or "-"
+        pc = a["prefix_cache"]
+        cache = "-" if pc is None else (f"{pc['cached_blocks']} blk ({pc['in_use_blocks']} used) hit "
+                                        + ("-" if pc["hit_ratio"] is None else f"{pc['hit_ratio']:.0%}"))
         counts = "-" if a["table_count"] is None else \
             f"{a['router_count']}/{a['table_count']}" + (" MISMATCH" if a["router_mismatch"] else "")
         style = "red" if a["health"] in ("hung", "dead") or a["router_mismatch"] else ""
         actors.add_row(a["name"], a["role"], str(a["pid"]), a["device"] or "-", a["status"], a["health"],
                        secs(a["heartbeat_age_s"]), f"{a['loop_iterations_per_s']:.0f}", str(a["restarts"]),
-                       str(a["late_messages"]), kv, load, str(a["requests_done"]), counts, style=style)
+                       str(a["late_messages"]), kv, cache, load, str(a["requests_done"]), counts, style=style)
     gauges = Table(title="queues", title_justify="left")
     for column in ("gauge", "value", "non-zero for", "since last move", "stuck", "actors' count"):
         gauges.add_column(column)

@@ -38,6 +38,7 @@ class Round:
     status: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0   # usage.prompt_tokens_details.cached_tokens (the server's prefix cache)
     error: str = ""
     hang: bool = False
     injected: bool = False
@@ -89,14 +90,12 @@ async def one_round(client: httpx.AsyncClient, args, session: Session, r: int, m
             result.error = f"HTTP {response.status_code}: {response.text[:300]}"
         elif args.stream:
             text, usage = parse_stream(response.text)
-            result.prompt_tokens, result.completion_tokens = usage.get("prompt_tokens", 0), \
-                usage.get("completion_tokens", 0)
             messages.append({"role": "assistant", "content": text})
+            take_usage(result, usage)
         else:
             data = response.json()
             messages.append({"role": "assistant", "content": data["choices"][0]["message"]["content"]})
-            result.prompt_tokens = data["usage"]["prompt_tokens"]
-            result.completion_tokens = data["usage"]["completion_tokens"]
+            take_usage(result, data["usage"])
     except (asyncio.TimeoutError, httpx.TimeoutException):
         result.hang = True
         result.error = f"no answer within {args.round_timeout_s} s (hang)"
@@ -107,6 +106,18 @@ async def one_round(client: httpx.AsyncClient, args, session: Session, r: int, m
     if result.error and messages and messages[-1]["role"] == "user":
         messages.pop()   # the failed turn is not part of the conversation; the next round asks again
     return result
+
+
+def take_usage(result: Round, usage: dict) -> None:
+    result.prompt_tokens = usage.get("prompt_tokens", 0)
+    result.completion_tokens = usage.get("completion_tokens", 0)
+    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+def cached_share(rounds: list[Round]) -> float | None:
+    """Cached prompt tokens over prompt tokens of ``rounds`` (None: no prompt tokens)."""
+    prompt = sum(r.prompt_tokens for r in rounds)
+    return sum(r.cached_tokens for r in rounds) / prompt if prompt else None
 
 
 def parse_stream(text: str) -> tuple[str, dict]:
@@ -180,6 +191,8 @@ async def run(args) -> dict:
         "latency_s": {"p50": percentile(latencies, 0.5), "p90": percentile(latencies, 0.9),
                       "p99": percentile(latencies, 0.99), "max": max(latencies, default=0.0)},
         "slowest": asdict(slowest) if slowest else None,
+        "cached_share": cached_share(ok), "cached_share_after_first_round": cached_share([r for r in ok if r.round]),
+        "cached_share_by_round": [cached_share([r for r in ok if r.round == i]) for i in range(args.rounds)],
         "slow_rounds": [asdict(r) for r in rounds if r.slow],
         "errors": [asdict(r) for r in failures],
         "expected_errors": [asdict(r) for r in rounds if r.error and r.injected and not r.hang],
@@ -194,6 +207,10 @@ def print_report(report: dict, slow_s: float) -> None:
           f"{report['connections_opened']} connections opened, {report['wall_s']:.1f} s")
     print(f"round latency p50 {lat['p50']:.3f} s  p90 {lat['p90']:.3f} s  p99 {lat['p99']:.3f} s  "
           f"max {lat['max']:.3f} s")
+    if report["cached_share"] is not None:
+        after = report["cached_share_after_first_round"]
+        print(f"cached prompt tokens: {report['cached_share']:.1%} of all, "
+              + (f"{after:.1%} after each session's first round" if after is not None else "-"))
     if report["slowest"]:
         s = report["slowest"]
         print(f"slowest: session {s['session']} round {s['round']} {s['latency_s']:.3f} s "

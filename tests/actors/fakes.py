@@ -88,10 +88,16 @@ class FakeAllocator:
         return free[:n]
 
     def free(self, block_ids, owner_slot: int) -> int:
+        block_ids = list(block_ids)
         for b in block_ids:
             assert self.owner[b] == owner_slot, f"block {b} freed by slot {owner_slot} but held by {self.owner[b]}"
             self.owner[b] = None
         return len(block_ids)
+
+    def reassign(self, block_ids, owner_slot: int, new_owner_slot: int) -> None:
+        for b in block_ids:
+            assert self.owner[b] == owner_slot, f"block {b} reassigned by {owner_slot} but held by {self.owner[b]}"
+            self.owner[b] = new_owner_slot
 
 
 class FakeTransfers:

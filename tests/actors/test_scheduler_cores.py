@@ -3,12 +3,15 @@ reservation, transfer, abort and clean-up rule without a process. Each case chec
 sides and the messages sent."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from actors.decode_core import DecodeCore
-from actors.messages import KVReady, PromptLogprobs, from_wire, RequestError, TokenBatch, TransferDone
+from actors.messages import KVReady, PrefillRequest, PromptLogprobs, from_wire, RequestError, TokenBatch, TransferDone
 from actors.ports import QueueOutbox
 from actors.prefill_core import PrefillCore
+from actors.prefix_cache import CACHE_OWNER, CachingAllocator
 from ipc.lifecycle import RequestState as S
 from tests.actors.fakes import FakeAllocator, FakeClock, FakeTable, FakeTransfers, Outbox, prefill_request
 
@@ -20,13 +23,15 @@ class Pair:
     """One prefill core and one decode core sharing a table, each with its own pool; ``run()`` plays the shells'
     loops (the forward passes give fixed first tokens and next tokens)."""
 
-    def __init__(self, prefill_blocks: int = 32, decode_blocks: int = 32, max_num_seqs: int = 8):
+    def __init__(self, prefill_blocks: int = 32, decode_blocks: int = 32, max_num_seqs: int = 8,
+                 prefix_cache: bool = False):
         self.clock = FakeClock()
         self.table = FakeTable(self.clock)
         self.prefill_pool, self.decode_pool = FakeAllocator(prefill_blocks), FakeAllocator(decode_blocks)
+        self.cache = CachingAllocator(self.prefill_pool, enabled=prefix_cache)
         self.to_decode, self.to_prefill_and_api = Outbox(), Outbox()
         self.late = 0
-        self.prefill = PrefillCore(self.table, self.prefill_pool, self.to_decode, self.clock, actor_index=PREFILL,
+        self.prefill = PrefillCore(self.table, self.cache, self.to_decode, self.clock, actor_index=PREFILL,
                                    on_late=self._late)
         self.transfers = FakeTransfers()
         self.decode = DecodeCore(self.table, self.decode_pool, self.transfers, self.to_prefill_and_api, self.clock,
@@ -77,7 +82,8 @@ class Pair:
             self.deliver_to_prefill()
 
     def assert_all_free(self) -> None:
-        assert self.prefill_pool.num_free == self.prefill_pool.num_blocks
+        """Every block free; with the prefix cache, free or cached with no request holding it."""
+        assert self.cache.num_free == self.prefill_pool.num_blocks and self.cache.cached_blocks_in_use == 0
         assert self.decode_pool.num_free == self.decode_pool.num_blocks
         assert not self.prefill.inflight and not self.prefill.queued
         assert not (self.decode.bootstrap or self.decode.transferring or self.decode.decode_waiting
@@ -123,9 +129,10 @@ def test_a_request_goes_through_every_state_and_both_pools_end_free():
     pair.assert_all_free()
 
 
+@pytest.mark.parametrize("prefix_cache", [False, True], ids=["no-cache", "cache"])
 @pytest.mark.parametrize("state", [S.QUEUED, S.PREFILLING, S.BOOTSTRAP, S.TRANSFERRING, S.DECODE_WAITING])
-def test_an_abort_in_each_stage_frees_both_sides_once_and_sends_nothing_more(state):
-    pair = Pair(max_num_seqs=1)
+def test_an_abort_in_each_stage_frees_both_sides_once_and_sends_nothing_more(state, prefix_cache):
+    pair = Pair(max_num_seqs=1, prefix_cache=prefix_cache)
     blocker = prefill_request(pair.table, "blocker", max_tokens=50)   # holds the only batch slot
     request = prefill_request(pair.table, "victim")
     key = (request.slot, request.generation)
@@ -139,6 +146,7 @@ def test_an_abort_in_each_stage_frees_both_sides_once_and_sends_nothing_more(sta
     else:
         [chunk] = pair.prefill.next_batch()
         assert pair.table.state(key) == S.PREFILLING
+        assert work.cached_tokens == (16 if prefix_cache else 0)   # the blocker's prompt is the same
         if state == S.PREFILLING:
             abort(pair, key)
             assert pair.prefill.batch_done([chunk]) == []   # not finished: its blocks are freed now
@@ -157,6 +165,7 @@ def test_an_abort_in_each_stage_frees_both_sides_once_and_sends_nothing_more(sta
     held_by_victim = [b for b, o in pair.prefill_pool.owner.items() if o == key[0]]
     held_by_victim += [b for b, o in pair.decode_pool.owner.items() if o == key[0]]
     assert held_by_victim == []
+    assert pair.cache.cached_blocks_in_use == 0
     if state == S.TRANSFERRING:
         assert pair.transfers.released, "the transfer handle was not released"
     abort(pair, (blocker.slot, blocker.generation))
@@ -459,3 +468,98 @@ def test_a_request_whose_grammar_is_complete_ends_with_stop_before_max_tokens():
     reasons = [t[3] for t in pair.tokens]
     assert reasons[-1] == "stop" and reasons[:-1] == [None] * (len(reasons) - 1) and len(reasons) < 50
     pair.assert_all_free()
+
+
+# ---- prefix cache ---------------------------------------------------------------------------------------------
+def test_a_repeated_prompt_prefills_only_after_its_cached_prefix_and_ships_every_block():
+    pair = Pair(prefix_cache=True)
+    first = prefill_request(pair.table, "r1", prompt_tokens=40, max_tokens=1)   # blocks of 16: two full, one part
+    pair.prefill.on_message(first)
+    pair.run(2)
+    assert pair.cache.cached_blocks == 2 and pair.cache.num_free == 32
+    second = prefill_request(pair.table, "r2", prompt_tokens=40, max_tokens=1)
+    pair.prefill.on_message(second)
+    work = pair.prefill.next_work()
+    assert work.cached_tokens == 32 and work.blocks[:2] == [b for b, o in pair.prefill_pool.owner.items()
+                                                             if o == CACHE_OWNER]
+    pair.prefill.finish(work, [(5, None)])
+    [ready] = pair.deliver_to_decode()
+    assert ready.cached_tokens == 32 and ready.src_block_ids == work.blocks and len(work.blocks) == 3
+    pair.decode_step()
+    assert pair.tokens[-1][4]["timings"]["cached_tokens"] == 32
+    pair.deliver_to_prefill()
+    assert (pair.cache.query_tokens, pair.cache.hit_tokens) == (80, 32)
+    pair.assert_all_free()
+
+
+@pytest.mark.parametrize("end", ["timeout", "stop"])
+def test_a_timed_out_request_and_a_stopping_actor_release_their_references_to_cached_blocks(end):
+    """The monitor times out a request that holds cached blocks while its copy runs; or the actor stops (a
+    restart: the shell calls stop()): no cached block stays held."""
+    pair = Pair(prefix_cache=True)
+    warm = prefill_request(pair.table, "warm", prompt_tokens=40, max_tokens=1)
+    pair.prefill.on_message(warm)
+    pair.run(2)
+    stuck = prefill_request(pair.table, "stuck", prompt_tokens=40)
+    pair.transfers.script["stuck"] = 0   # IN_PROGRESS forever
+    pair.prefill.on_message(stuck)
+    pair.run(2)
+    assert pair.table.state((stuck.slot, stuck.generation)) == S.TRANSFERRING
+    assert pair.cache.cached_blocks_in_use == 2
+    if end == "timeout":
+        assert pair.table.transition(stuck.slot, stuck.generation, S.TIMED_OUT)   # the monitor
+        pair.run(1)
+    else:
+        pair.prefill.stop()
+        pair.decode.stop()
+    assert pair.cache.cached_blocks_in_use == 0 and pair.cache.cached_blocks == 2
+    pair.assert_all_free()
+
+
+def test_under_pressure_cached_blocks_are_evicted_for_new_prompts_and_never_while_held():
+    pair = Pair(prefill_blocks=4, prefix_cache=True)
+    a = prefill_request(pair.table, "a", prompt_tokens=33, max_tokens=1)   # 3 blocks, 2 cached after
+    pair.prefill.on_message(a)
+    pair.run(2)
+    assert pair.cache.cached_blocks == 2
+    b = prefill_request(pair.table, "b", prompt_tokens=64, max_tokens=1)   # 4 blocks: evicts both of a's
+    b = PrefillRequest(b.slot, b.generation, "b", [t + 1000 for t in b.prompt_ids], b.sampling)
+    pair.prefill.on_message(b)
+    pair.run(2)
+    assert pair.table.state((b.slot, b.generation)) == S.FINISHED
+    assert pair.cache.evicted_blocks == 2 and pair.cache.cached_blocks == 4
+    again = prefill_request(pair.table, "a2", prompt_tokens=33, max_tokens=1)
+    pair.prefill.on_message(again)
+    work = pair.prefill.next_work()
+    assert work.cached_tokens == 0   # a's blocks were evicted: computed again, into evicted blocks of b
+    pair.prefill.finish(work, [(5, None)])
+    pair.run(2)
+    pair.assert_all_free()
+
+
+def test_colocated_mode_shares_one_caching_allocator_and_decode_reservations_evict_the_cache():
+    clock = FakeClock()
+    table = FakeTable(clock)
+    pool = CachingAllocator(FakeAllocator(8))
+    outbox = QueueOutbox({"api": type("ApiQueue", (), {"put": lambda self, frame, timeout_s: None})()}, 1.0)
+    prefill = PrefillCore(table, pool, outbox, clock, actor_index=DECODE)
+    decode = DecodeCore(table, pool, FakeTransfers(local=True), outbox, clock, actor_index=DECODE, eos_ids=[EOS],
+                        max_num_seqs=4, block_bytes=100)
+    outbox.queues.update(prefill=prefill, decode=decode)
+
+    def serve(request_id: str, max_tokens: int, offset: int = 0) -> None:
+        request = prefill_request(table, request_id, prompt_tokens=40, max_tokens=max_tokens)
+        prefill.on_message(dataclasses.replace(request, prompt_ids=[t + offset for t in request.prompt_ids]))
+        prefill.finish(prefill.next_work(), [(5, None)])
+        decode.start_transfers()
+        decode.poll_transfers()
+        decode.admit()
+        while decode.batch():
+            decode.step_done(decode.batch(), [7] * len(decode.batch()), [None] * len(decode.batch()))
+        decode.flush()
+
+    serve("a", max_tokens=1)
+    assert pool.cached_blocks == 2 and pool.num_free == 8
+    serve("b", max_tokens=24, offset=100)   # another prompt: 3 new blocks + decode's 4 need one of a's
+    assert pool.evicted_blocks == 1 and pool.num_free == 8 and pool.cached_blocks_in_use == 0
+    assert pool.cached_blocks == 1 + 2 and table.state((1, 1)) == S.FINISHED

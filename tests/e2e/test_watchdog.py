@@ -31,7 +31,13 @@ def probe(fault_probe):
 
 
 
-def complete(engine, request_id: str, prompt: str = "Tell me a story about a robot.", max_tokens: int = 8,
+# long enough for two full KV blocks: after the first request, every fault below hits a request holding cached
+# prefix blocks, which its timeout, abort or failure must release (assert_recovered checks none stays held)
+STORY = ("Tell me a story about a robot who lives in a lighthouse by the sea, keeps the lamp burning every night "
+         "and writes letters to the ships that pass.")
+
+
+def complete(engine, request_id: str, prompt: str = STORY, max_tokens: int = 8,
              **extra) -> tuple[httpx.Response, float]:
     start = time.monotonic()
     response = httpx.post(engine.base_url + "/v1/completions", headers={"X-Request-Id": request_id},

@@ -21,7 +21,7 @@ def actors(name):
 
 
 def test_rows_start_empty_and_take_what_their_writers_set(actors):
-    assert ROW_DTYPE.itemsize == 128
+    assert ROW_DTYPE.itemsize == 192
     assert [r["status"] for r in actors.rows()] == [ActorStatus.EMPTY] * 3
     actors.register(1, "prefill0", "cpu")                # the supervisor
     actors.spawned(1, 4242)
@@ -33,6 +33,13 @@ def test_rows_start_empty_and_take_what_their_writers_set(actors):
     assert (row["name"], row["device"], row["pid"], row["status"], row["kv_blocks_free"], row["health"]) == (
         "prefill0", "cpu", 4242, ActorStatus.READY, 60, ActorHealth.OK)
     assert 0 < row["started_ns"] <= time.monotonic_ns()
+    assert (row["prefix_cached_blocks"], row["prefix_query_tokens"]) == (-1, 0)   # no prefix cache published
+    actors.set_prefix_cache(1, cached_blocks=12, in_use=3)
+    actors.count_prefix_cache(1, query_tokens=100, hit_tokens=64, evicted_blocks=2)
+    actors.count_prefix_cache(1, query_tokens=50, hit_tokens=32, evicted_blocks=0)
+    row = actors.row(1)
+    assert (row["prefix_cached_blocks"], row["prefix_cached_in_use"], row["prefix_query_tokens"],
+            row["prefix_hit_tokens"], row["prefix_evicted_blocks"]) == (12, 3, 150, 96, 2)
     assert actors.find("prefill0") == 1 and actors.find("nobody") is None
     with pytest.raises(ValueError, match="unknown"):
         actors.set_own_gauges(1, colour=1)

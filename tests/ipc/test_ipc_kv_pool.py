@@ -111,6 +111,19 @@ def test_free_owned_by_returns_every_block_of_a_slot(pool):
     del a
 
 
+def test_reassign_hands_blocks_over_unchanged_all_or_nothing(pool):
+    ids = pool.allocate(3, owner_slot=4)
+    gens = pool.generations(ids)
+    pool.reassign(ids[:2], 4, 2**31 - 1)   # the prefix cache's owner (actors/prefix_cache.CACHE_OWNER)
+    assert pool.blocks_of(2**31 - 1) == sorted(ids[:2]) and pool.blocks_of(4) == [ids[2]]
+    assert pool.generations(ids) == gens and pool.num_free == 8 - 3
+    with pytest.raises(KVBlockStateError):
+        pool.reassign(ids, 4, 5)   # two of them are not slot 4's any more: nothing changes
+    assert pool.blocks_of(4) == [ids[2]] and pool.blocks_of(5) == []
+    assert pool.free(ids[:2], 2**31 - 1) == 2
+    pool.audit()
+
+
 def test_reset_frees_everything_and_bumps_the_epoch(pool):
     pool.allocate(5, owner_slot=1)
     assert pool.epoch == 1

@@ -1,0 +1,151 @@
+"""The prefix cache (actors/prefix_cache.py) as plain code: chain keys, longest-prefix reuse, reference counts,
+least-recently-released eviction, and a property test against a model that tracks what each block holds."""
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from actors.prefix_cache import CACHE_OWNER, CachingAllocator, block_keys
+from pdserve.errors import KVBlockStateError, OutOfKVBlocksError
+from tests.actors.fakes import FakeAllocator
+
+BT = 4   # tokens per block in these tests
+
+
+def cache(num_blocks: int = 16) -> CachingAllocator:
+    return CachingAllocator(FakeAllocator(num_blocks, block_tokens=BT))
+
+
+def test_chain_keys_cover_full_blocks_and_depend_on_everything_before():
+    a = block_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], BT)
+    b = block_keys([1, 2, 3, 4, 5, 6, 7, 8], BT)
+    c = block_keys([0, 2, 3, 4, 5, 6, 7, 8], BT)
+    assert len(a) == 2 and a == b   # the partial third block has no key
+    assert c[0] != a[0] and c[1] != a[1]   # same second block's tokens, other prefix: another key
+    assert block_keys([5, 6, 7, 8], BT)[0] != a[1]
+
+
+def test_a_second_prompt_reuses_the_first_ones_full_blocks_and_computes_the_rest():
+    alloc = cache()
+    first = alloc.acquire(list(range(10)), owner_slot=0)            # blocks: 4 + 4 + 2 tokens
+    assert first.cached_tokens == 0 and len(first.blocks) == 3
+    assert alloc.commit(first) == 2                                  # the two full blocks
+    alloc.release(first)
+    assert alloc.cached_blocks == 2 and alloc.num_free == 16         # cached blocks nobody holds count as free
+    second = alloc.acquire(list(range(9)) + [99, 98], owner_slot=1)   # shares 9 tokens: 2 full blocks
+    assert second.cached_tokens == 8 and second.blocks[:2] == first.blocks[:2]
+    assert alloc.cache.refs(second.blocks[0]) == 1 and alloc.cached_blocks_in_use == 2
+    assert (alloc.query_tokens, alloc.hit_tokens) == (10 + 11, 8)
+
+
+def test_a_prompt_fully_cached_still_computes_its_last_block_so_there_are_logits():
+    alloc = cache()
+    prompt = list(range(8))
+    first = alloc.acquire(prompt, 0)
+    alloc.commit(first)
+    alloc.release(first)
+    again = alloc.acquire(prompt, 1)
+    assert again.cached_tokens == 4 and again.in_cache == [True, False]   # block 2 recomputed into its own block
+    assert alloc.commit(again) == 0                                        # its key is cached already
+    alloc.release(again)
+    assert alloc.base.num_free == 16 - 2 and alloc.num_free == 16
+
+
+def test_eviction_takes_the_least_recently_released_tail_first_and_only_blocks_nobody_holds():
+    alloc = cache(num_blocks=6)
+    a = alloc.acquire(list(range(12)), 0)        # 3 full blocks
+    alloc.commit(a)
+    alloc.release(a)
+    b = alloc.acquire([50 + t for t in range(8)], 1)   # 2 more
+    alloc.commit(b)
+    assert alloc.num_free == 6 - 2                # a's 3 evictable + 1 free
+    own = alloc.allocate(2, owner_slot=7)         # needs one eviction: a's tail block goes first
+    assert alloc.evicted_blocks == 1 and alloc.cache.match(block_keys(list(range(12)), BT)) == a.blocks[:2]
+    with pytest.raises(OutOfKVBlocksError):
+        alloc.allocate(3, owner_slot=7)           # b's blocks are held: only a's two are evictable
+    assert alloc.evicted_blocks == 1, "a refused allocation evicted something"
+    alloc.free(own, 7)
+    alloc.release(b)
+    assert alloc.clear() == 4 and alloc.base.num_free == 6
+
+
+def test_a_refused_acquire_holds_nothing_and_a_double_release_is_a_bug():
+    alloc = cache(num_blocks=3)
+    a = alloc.acquire(list(range(8)), 0)
+    alloc.commit(a)
+    with pytest.raises(OutOfKVBlocksError):
+        alloc.acquire(list(range(8)) + list(range(100, 108)), 1)   # 1 cached (held) + 3 new > 1 free
+    assert alloc.cache.refs(a.blocks[0]) == 1
+    alloc.release(a)
+    with pytest.raises(KVBlockStateError):
+        alloc.release(a)
+
+
+def test_with_the_cache_off_nothing_is_looked_up_or_kept():
+    alloc = CachingAllocator(FakeAllocator(8, block_tokens=BT), enabled=False)
+    for slot in (0, 1):
+        p = alloc.acquire(list(range(9)), slot)
+        assert p.cached_tokens == 0 and alloc.commit(p) == 0
+        alloc.release(p)
+    assert alloc.cached_blocks == 0 and alloc.base.num_free == 8 and alloc.query_tokens == 0
+
+
+def test_cached_blocks_belong_to_the_cache_owner_in_the_pool():
+    base = FakeAllocator(8, block_tokens=BT)
+    alloc = CachingAllocator(base)
+    p = alloc.acquire(list(range(6)), 3)
+    alloc.commit(p)
+    assert [base.owner[b] for b in p.blocks] == [CACHE_OWNER, 3]
+
+
+# ---- property test: what each block holds -----------------------------------------------------------------
+prompts = st.lists(st.integers(0, 2), min_size=1, max_size=14)   # a tiny alphabet: many shared prefixes
+ops = st.lists(st.tuples(st.sampled_from(["acquire", "finish", "abort"]), prompts, st.integers(0, 7)),
+               max_size=40)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, num_blocks=st.integers(4, 12))
+def test_every_reused_block_holds_exactly_the_prompts_prefix_and_every_block_is_accounted_for(ops, num_blocks):
+    """A model of the KV: each block remembers the token prefix it was computed for (KV depends on every token
+    before). A request reading a cached block must find its own prefix there; no block a request holds is ever
+    handed to another; after everything is released, every block is free or evictable."""
+    base = FakeAllocator(num_blocks, block_tokens=BT)
+    alloc = CachingAllocator(base)
+    holds: dict[int, tuple] = {}     # block -> the token prefix (up to the block's end) its KV was computed for
+    live: list = []                  # (prompt ids, PromptBlocks)
+    owners_seen = {}
+    for op, prompt, pick in ops:
+        if op == "acquire":
+            try:
+                p = alloc.acquire(prompt, owner_slot=len(owners_seen))
+            except OutOfKVBlocksError:
+                assert alloc.num_free < -(-len(prompt) // BT)
+                continue
+            owners_seen[len(owners_seen)] = True
+            held = {b for _, q in live for b in q.blocks}
+            for i, b in enumerate(p.blocks):
+                end = min((i + 1) * BT, len(prompt))
+                if i < p.cached_tokens // BT:
+                    assert holds[b] == tuple(prompt[:end]), "a cached block holds another prefix's KV"
+                else:
+                    assert b not in held, "a block some request holds was handed out again"
+                    holds[b] = tuple(prompt[:end])   # the forward pass writes it
+            assert p.cached_tokens < len(prompt)
+            live.append((prompt, p))
+        elif live:
+            prompt, p = live.pop(pick % len(live))
+            if op == "finish":
+                alloc.commit(p)
+            alloc.release(p)
+        cached = set(alloc.cache.by_block)
+        in_use = {b for _, q in live for b in q.blocks}
+        assert base.num_free + len(cached) + len({b for b in in_use if b not in cached}) == num_blocks
+        assert all(alloc.cache.refs(b) == sum(b in q.blocks for _, q in live) for b in cached)
+        assert alloc.num_free == base.num_free + sum(1 for b in cached if alloc.cache.refs(b) == 0)
+    for _, p in live:
+        alloc.release(p)
+    assert alloc.num_free == num_blocks and alloc.cached_blocks_in_use == 0
+    alloc.clear()
+    assert base.num_free == num_blocks
