@@ -95,9 +95,10 @@ def abort(pair: Pair, key) -> None:
 
 
 def prefill_one(core: PrefillCore):
-    """Plan a forward pass that holds exactly one whole prompt and report it done; returns the prompt's work."""
+    """Plan a forward pass that holds exactly one whole prompt (after its cached prefix, if any) and report it
+    done; returns the prompt's work."""
     [chunk] = core.next_batch()
-    assert chunk.start == 0 and chunk.last
+    assert chunk.start == chunk.work.cached_tokens and chunk.last
     assert core.batch_done([chunk]) == [chunk.work]
     return chunk.work
 
@@ -146,7 +147,7 @@ def test_an_abort_in_each_stage_frees_both_sides_once_and_sends_nothing_more(sta
     else:
         [chunk] = pair.prefill.next_batch()
         assert pair.table.state(key) == S.PREFILLING
-        assert work.cached_tokens == (16 if prefix_cache else 0)   # the blocker's prompt is the same
+        assert chunk.work.cached_tokens == (16 if prefix_cache else 0)   # the blocker's prompt is the same
         if state == S.PREFILLING:
             abort(pair, key)
             assert pair.prefill.batch_done([chunk]) == []   # not finished: its blocks are freed now
@@ -479,7 +480,7 @@ def test_a_repeated_prompt_prefills_only_after_its_cached_prefix_and_ships_every
     assert pair.cache.cached_blocks == 2 and pair.cache.num_free == 32
     second = prefill_request(pair.table, "r2", prompt_tokens=40, max_tokens=1)
     pair.prefill.on_message(second)
-    work = pair.prefill.next_work()
+    work = prefill_one(pair.prefill)
     assert work.cached_tokens == 32 and work.blocks[:2] == [b for b, o in pair.prefill_pool.owner.items()
                                                              if o == CACHE_OWNER]
     pair.prefill.finish(work, [(5, None)])
@@ -530,7 +531,7 @@ def test_under_pressure_cached_blocks_are_evicted_for_new_prompts_and_never_whil
     assert pair.cache.evicted_blocks == 2 and pair.cache.cached_blocks == 4
     again = prefill_request(pair.table, "a2", prompt_tokens=33, max_tokens=1)
     pair.prefill.on_message(again)
-    work = pair.prefill.next_work()
+    work = prefill_one(pair.prefill)
     assert work.cached_tokens == 0   # a's blocks were evicted: computed again, into evicted blocks of b
     pair.prefill.finish(work, [(5, None)])
     pair.run(2)
@@ -550,7 +551,7 @@ def test_colocated_mode_shares_one_caching_allocator_and_decode_reservations_evi
     def serve(request_id: str, max_tokens: int, offset: int = 0) -> None:
         request = prefill_request(table, request_id, prompt_tokens=40, max_tokens=max_tokens)
         prefill.on_message(dataclasses.replace(request, prompt_ids=[t + offset for t in request.prompt_ids]))
-        prefill.finish(prefill.next_work(), [(5, None)])
+        prefill.finish(prefill_one(prefill), [(5, None)])
         decode.start_transfers()
         decode.poll_transfers()
         decode.admit()

@@ -1,6 +1,6 @@
 """Greedy output with the prefix cache equals greedy output without it, on the real model and a NaN-filled pool
 (a slot read before it was written poisons the logits): the prefill actor's path (CachingAllocator.acquire,
-chunked_prefill from the cached prefix, commit, release) driven in process, against the same path with the
+packed prefill forwards from the cached prefix on, commit, release) driven in process, against the same path with the
 cache off. Cases: the same prompt again, a shared prefix ending mid-block and one ending on a block boundary,
 a chunk boundary inside the computed part, and a cache evicted under pressure in a small pool."""
 from __future__ import annotations
@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 
-from actors.model_runner import chunked_prefill
 from actors.prefix_cache import CachingAllocator
 from gpu.model import kv_pool_shape
 from tests.actors.fakes import FakeAllocator
@@ -24,7 +23,9 @@ def greedy_through(model, kv, alloc: CachingAllocator, prompt: list[int], slot: 
     greedily into the request's own blocks. Returns (tokens, cached prompt tokens)."""
     p = alloc.acquire(prompt, slot)
     extra = alloc.allocate(math.ceil((len(prompt) + NEW_TOKENS) / BT) - len(p.blocks), slot)
-    logits = chunked_prefill(model, kv, prompt, p.blocks, chunk_tokens, lambda: True, start_pos=p.cached_tokens)
+    logits = None
+    for start in range(p.cached_tokens, len(prompt), chunk_tokens):   # one chunk per forward, as the actor runs it
+        [logits] = model.prefill_packed(kv, [prompt[start:start + chunk_tokens]], [p.blocks], [start])
     alloc.commit(p)
     table, out, pos = p.blocks + extra, [], len(prompt)
     while len(out) < NEW_TOKENS:
