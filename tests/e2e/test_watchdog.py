@@ -162,11 +162,34 @@ def engine_transports() -> tuple[str, ...]:
     return tuple(EngineConfig.__dataclass_fields__["kv_transport"].metadata["choices"])
 
 
-@pytest.mark.parametrize("transport", engine_transports())
-def test_s2_decode_never_registers_fails_at_the_bootstrap_deadline(engine, probe, transport):
+@pytest.fixture
+def transport_engine(request, fault_engine, fault_probe, tmp_path):
+    """(engine, probe) running KV transport ``request.param``: the shared fault engine for cpu-shm, an S2 engine
+    of its own (the same deadlines, the bootstrap_silent fault) for any other."""
+    transport = request.param
+    if transport == "cpu-shm":
+        yield fault_engine, fault_probe
+        return
+    if transport == "mooncake":   # an optional extra (pip install .[mooncake]): absent on a plain install
+        pytest.importorskip("mooncake.engine", reason="the mooncake extra is not installed (make test-mooncake)")
+    from tests.conftest import EngineProbe, cleanup_engine, start_engine
+    from tests.e2e.conftest import FAULTS
+
+    eng = start_engine(tmp_path, "--kv-pool-tokens", "1024", "--kv-transport", transport,
+                       env={"PDSERVE_FAULTS": FAULTS, "PDSERVE_BOOTSTRAP_TIMEOUT_S": str(BOOTSTRAP_TIMEOUT_S),
+                            "PDSERVE_MONITOR_TICK_S": str(TICK_S),
+                            "PDSERVE_ACTOR_HANG_TIMEOUT_S": str(HANG_TIMEOUT_S)})
+    try:
+        yield eng, EngineProbe(eng.engine_id)
+    finally:
+        cleanup_engine(eng)
+
+
+@pytest.mark.parametrize("transport_engine", engine_transports(), indirect=True)
+def test_s2_decode_never_registers_fails_at_the_bootstrap_deadline(transport_engine):
     """Against every transport the engine can run (the cuda-ipc transport is not an engine choice yet; its own
     tests are in tests/gpu/test_cuda_ipc.py, gated on CUDA)."""
-    assert transport == "cpu-shm", f"the fault engine runs cpu-shm: give {transport} an S2 engine of its own"
+    engine, probe = transport_engine
     response, elapsed = complete_timed_from_stage(engine, probe, "silent-s2", S.BOOTSTRAP)
     assert response.status_code == 504, response.text
     assert "stage bootstrap" in response.json()["error"]["message"]
