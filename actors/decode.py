@@ -117,7 +117,7 @@ class DecodeActor(Actor):
 
         for message in parse_frames(frames, log):
             if isinstance(message, KVReady):
-                apply_actor_faults(self.faults, self.name, message.request_id)
+                apply_actor_faults(self.faults, self.name, message.request_id, self.table)
                 if accept_kv_ready(self.faults, message, self.table, self.outbox, self.index):
                     self.core.on_message(message)
             elif self.prefill_core is None or not self.prefill_core.on_message(message):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 
 from actors.messages import RequestError, TransferDone
@@ -16,9 +17,10 @@ log = logging.getLogger("pdserve.faults")
 UNKNOWN_TRANSFER_STATUS = 7   # a value TransferStatus does not define
 
 
-def apply_actor_faults(faults, actor_name: str, request_id: str) -> None:
+def apply_actor_faults(faults, actor_name: str, request_id: str, table=None) -> None:
     """Checked when an actor takes a request: ``stall`` blocks the loop (a hang the monitor must detect),
-    ``crash`` ends the process abruptly (a dead actor the supervisor restarts)."""
+    ``crash`` ends the process abruptly (a dead actor the supervisor restarts), ``stop_holding_lock`` stops it
+    holding ``table``'s lock (the actor's StateTable; a stuck holder every other writer waits on)."""
     stall = faults.fires("stall", request_id)
     if stall is not None:
         log.warning("fault stall: %s blocks for %.1f s", actor_name, stall.number("seconds"))
@@ -26,6 +28,19 @@ def apply_actor_faults(faults, actor_name: str, request_id: str) -> None:
     if faults.fires("crash", request_id):
         log.warning("fault crash: %s exits now", actor_name)
         os._exit(70)
+    if table is not None and faults.fires("stop_holding_lock", request_id):
+        log.warning("fault stop_holding_lock: %s takes the state table lock and stops (SIGSTOP)", actor_name)
+        stop_holding_lock(table)
+
+
+def stop_holding_lock(table) -> None:
+    """Take the state table's lock and SIGSTOP this process; releases it only if continued (SIGCONT).
+    Reaches into the table's private lock on purpose: no real code path holds it outside one row write."""
+    table._acquire()
+    try:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    finally:
+        table._release()
 
 
 def prefill_chunk_faults(faults, request_id: str, first_chunk: bool, is_live, beat) -> None:

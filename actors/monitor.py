@@ -9,7 +9,9 @@ Each tick it reads the shm state table and the actor table and:
 3. tracks stuck queue gauges and cross-checks the actors' own counts against the table;
 4. releases final rows nobody released (the API died before answering).
 It blocks on nothing but its timer: every put is non-blocking and every lock wait is bounded, so it
-keeps ticking while every other actor is stopped, hung or dead.
+keeps ticking while every other actor is stopped, hung or dead. A lock held past its timeout by a stopped or hung
+process (ShmLockTimeoutError) ends that tick only: every actor's health was written before the first lock wait,
+so the holder is still marked hung (and killed by the supervisor), and the next tick retries.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from actors.base import MONITOR_INDEX, Actor, Topology
 from actors.messages import RequestError, to_wire
 from ipc.lifecycle import FINAL_STATES, LIVE_STATES, held_by
 from ipc.lifecycle import RequestState as S
+from pdserve.errors import ShmLockTimeoutError
 
 log = logging.getLogger("pdserve.monitor")
 
@@ -57,19 +60,28 @@ def fail_requests_held_by(table, status, to_api, topology: Topology, index: int,
 
     Used by the monitor for dead or hung actors and by the supervisor the moment it sees an actor's process
     exit (before restarting it, so a fast restart cannot hide the death from the monitor's next tick). Every
-    put is non-blocking: the caller never waits on the API.
+    put is non-blocking; after one put timed out on the API inbox's lock (a stopped producer holds it) the rest
+    are skipped, so a call waits at most one lock timeout there (the API's own deadline answers those clients).
+
+    Raises:
+        ShmLockTimeoutError: a live process holds the state table lock past its timeout (the rows not yet
+            failed stay as they are; call again later).
     """
     rows = table.snapshot() if rows is None else rows
     failed = 0
+    api_lock_stuck = False
     for slot in np.flatnonzero(held_mask(rows, topology, index)):
         slot, generation = int(slot), int(rows["generation"][slot])
         stage = int(rows["state"][slot])
         if table.transition(slot, generation, S.FAILED, owner=by):
             failed += 1
             status.rec["actor_failures"][stage] += 1
+            if api_lock_stuck:
+                continue
             try:
                 to_api.put(to_wire(RequestError(slot, generation, 503, "engine_error", message)), timeout_s=0)
             except Exception as exc:  # noqa: BLE001 - API inbox full or gone: the API's own deadline answers
+                api_lock_stuck = isinstance(exc, ShmLockTimeoutError)
                 log.warning("could not notify the API about slot %d: %s", slot, exc)
     return failed
 
@@ -89,6 +101,7 @@ ROUTER_MISMATCH_TICKS = 2
 
 
 FINAL_ROW_RECLAIM_S = 30.0
+LOCK_STUCK_LOG_INTERVAL_S = 30.0   # ticks cut short by one stuck lock are logged once, then this often
 MISMATCH_MIN_S = 5.0  # a disagreement must persist this long (counts race by a loop iteration or a message)
 
 
@@ -117,6 +130,8 @@ class HeartbeatMonitor(Actor):
         # our last verdict per actor: the table's health reads UNKNOWN until a new process calls ``starting``,
         # so comparing with it would log the same verdict every tick while an actor starts
         self.logged_health: dict[int, int] = {}
+        self.lock_stuck_since_ns = 0      # first tick of the current run of ticks cut short by a stuck lock
+        self.lock_stuck_logged_ns = 0
 
     def run_once(self) -> None:
         delay_ns = self.next_tick_ns - time.monotonic_ns()
@@ -126,6 +141,9 @@ class HeartbeatMonitor(Actor):
         cpu_start = time.thread_time_ns()
         try:
             self.tick()
+            self.lock_freed()
+        except ShmLockTimeoutError as exc:
+            self.lock_stuck(exc)
         except Exception:  # noqa: BLE001 - the watchdog must survive its own bugs and keep ticking
             log.exception("watchdog tick failed")
         rec = self.status.rec
@@ -133,6 +151,21 @@ class HeartbeatMonitor(Actor):
         rec["watchdog_ticks"] += 1
         rec["watchdog_last_tick_ns"] = time.monotonic_ns()
         rec["watchdog_last_tick_s"] = time.time()
+
+    def lock_stuck(self, exc: ShmLockTimeoutError) -> None:
+        """A tick ended on a lock a live process holds past its timeout: log once per incident (then every
+        LOCK_STUCK_LOG_INTERVAL_S), retry on the next tick."""
+        now_ns = time.monotonic_ns()
+        self.lock_stuck_since_ns = self.lock_stuck_since_ns or now_ns
+        if not self.lock_stuck_logged_ns or now_ns - self.lock_stuck_logged_ns >= LOCK_STUCK_LOG_INTERVAL_S * 1e9:
+            self.lock_stuck_logged_ns = now_ns
+            log.error("watchdog tick cut short, retried every tick until the lock frees: %s", exc)
+
+    def lock_freed(self) -> None:
+        if self.lock_stuck_since_ns:
+            log.warning("watchdog ticks complete again after %.1f s of a stuck lock",
+                        (time.monotonic_ns() - self.lock_stuck_since_ns) / 1e9)
+            self.lock_stuck_since_ns = self.lock_stuck_logged_ns = 0
 
     # ---- one tick -----------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -185,7 +218,8 @@ class HeartbeatMonitor(Actor):
         from ipc.actor_table import ActorHealth, ActorStatus
 
         actor_rows = self.actors.rows()
-        for index in range(len(self.topology.names)):
+        verdicts = {}
+        for index in range(len(self.topology.names)):   # every verdict first: failing requests may wait on a lock
             if index == self.topology.monitor:
                 continue
             row = actor_rows[index]
@@ -197,8 +231,9 @@ class HeartbeatMonitor(Actor):
                 level = logging.INFO if health in (ActorHealth.OK, ActorHealth.UNKNOWN) else logging.ERROR
                 log.log(level, "actor %s (pid %d) is %s", self.topology.names[index], pid, health.name.lower())
             self.actors.set_health(index, health)
+            verdicts[index] = (health, (now_ns - int(row["heartbeat_ns"])) / 1e9)
+        for index, (health, age_s) in verdicts.items():
             if health in (ActorHealth.DEAD, ActorHealth.HUNG):
-                age_s = (now_ns - int(row["heartbeat_ns"])) / 1e9
                 why = ("dead (its process exited)" if health == ActorHealth.DEAD
                        else f"hung (no heartbeat for {age_s:.1f} s)")
                 self.fail_held(rows, index, f"actor {self.topology.names[index]} is {why}; the request was dropped, "

@@ -18,12 +18,16 @@ from typing import Any
 
 from actors.base import ENGINE_STOP_SIGNALS, EngineLayout, ModelShape, run_actor, topology
 from pdserve.config import LoadedConfig
-from pdserve.errors import ConfigError, PdserveError
+from pdserve.errors import ConfigError, PdserveError, ShmLockTimeoutError
 
 log = logging.getLogger("pdserve.supervisor")
 
 STOP_JOIN_TIMEOUT_S = 5.0
 RESTART_MIN_INTERVAL_S = 1.0   # an actor that keeps dying is restarted at most this often
+LOCK_STUCK_LOG_INTERVAL_S = 30.0   # a restart held back by a stuck shm lock is logged once, then this often
+# the monitor does not judge itself; the supervisor kills it after actor_hang_timeout_s plus this without a
+# heartbeat (one tick may wait a lock timeout before it gives up: docs/architecture.md, "Shared memory")
+MONITOR_HANG_SLACK_S = 5.0
 
 # Who puts into each engine queue (each has one consumer: the actor or api named by the queue). A queue with
 # one producer gets the mutex-free single-producer/single-consumer ring; the others the MPMC one.
@@ -129,6 +133,33 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
                         config_sources=dict(loaded.sources))
 
 
+def fail_held_for_restart(state, status, to_api, topo, index: int, exitcode) -> int:
+    """Fail (503) the requests the dead actor ``index`` holds before it is restarted; returns how many.
+
+    Raises:
+        ShmLockTimeoutError: a live process (stopped or hung) holds the state table lock or the API inbox's
+            producer lock; nothing is restarted until it frees (the caller retries on its next pass).
+    """
+    from actors.monitor import fail_requests_held_by
+
+    name = topo.names[index]
+    return fail_requests_held_by(state, status, to_api, topo, index,
+                                 f"actor {name} is dead (its process exited with code {exitcode}); "
+                                 "the request was dropped, retry it", by=-1)
+
+
+def monitor_is_hung(row, alive: bool, now_ns: int, config) -> bool:
+    """The supervisor's verdict on the monitor (which nobody else judges): alive and READY but no heartbeat for
+    ``actor_hang_timeout_s + monitor_tick_s + MONITOR_HANG_SLACK_S``. ``row`` is its ActorTable row."""
+    from actors.watchdog import classify_actor
+    from ipc.actor_table import ActorHealth, ActorStatus
+
+    pid = int(row["pid"])
+    limit_s = config.actor_hang_timeout_s + config.monitor_tick_s + MONITOR_HANG_SLACK_S
+    return classify_actor(pid, alive, int(row["status"]) == ActorStatus.READY, int(row["heartbeat_ns"]), now_ns,
+                          limit_s) == ActorHealth.HUNG
+
+
 class Supervisor:
     """Owns the engine's segments and processes. ``start()``, then ``run()`` until ``request_stop()``."""
 
@@ -147,6 +178,9 @@ class Supervisor:
         self.started_at: dict[int, float] = {}
         self.queues: dict[str, Any] = {}
         self._owned: list[Any] = []
+        # actor index -> when its restart was last logged as held back by a stuck shm lock (rate-limits the log)
+        self.lock_stuck_logged: dict[int, float] = {}
+        self.lock_stuck_since: dict[int, float] = {}
 
     # ---- segments -----------------------------------------------------------------------------------
     def _create_segments(self) -> None:
@@ -265,39 +299,64 @@ class Supervisor:
 
     def run(self) -> int:
         """Watch the actors until a stop is requested, restarting dead ones and killing hung ones (the
-        monitor says which); then drain. Returns the exit status (0 after a clean stop)."""
-        from ipc.actor_table import ActorHealth
-
+        monitor says which; the supervisor judges the monitor itself); then drain. Returns the exit status (0
+        after a clean stop). A stuck shm lock (ShmLockTimeoutError) holds a restart back, never stops the loop."""
         while not self.shutdown.is_set():
             sentinels = {p.sentinel: i for i, p in self.processes.items()}
             for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=0.2):
                 index = sentinels[sentinel]
                 self.processes[index].join(timeout=1)  # reap it, so its exit code is known
-                log.error("actor %s is dead (exit code %s); restarting it", self.topology.names[index],
-                          self.processes[index].exitcode)
+                if index not in self.lock_stuck_since:   # a held-back restart was logged already
+                    log.error("actor %s is dead (exit code %s); restarting it", self.topology.names[index],
+                              self.processes[index].exitcode)
                 self._restart(index)
-            for index, process in list(self.processes.items()):
-                if self.actors.row(index)["health"] == ActorHealth.HUNG and process.is_alive() \
-                        and time.monotonic() - self.started_at[index] > self.layout.config.actor_hang_timeout_s:
-                    log.error("actor %s (pid %d) is hung; killing it to restart it", self.topology.names[index],
-                              process.pid)
-                    process.kill()
+            self._kill_hung()
         self.drain()
         return 0
 
-    def _restart(self, index: int) -> None:
-        from actors.monitor import fail_requests_held_by
+    def _kill_hung(self) -> None:
+        """SIGKILL every live actor the monitor marked HUNG (and the monitor if its own heartbeat stopped); the
+        next pass restarts it. A kill also frees any shm lock it held (the next waiter takes it over)."""
+        from ipc.actor_table import ActorHealth
 
+        for index, process in list(self.processes.items()):
+            if not process.is_alive() or time.monotonic() - self.started_at[index] \
+                    <= self.layout.config.actor_hang_timeout_s:
+                continue
+            row = self.actors.row(index)
+            if index == self.topology.monitor:
+                hung = monitor_is_hung(row, True, time.monotonic_ns(), self.layout.config)
+            else:
+                hung = row["health"] == ActorHealth.HUNG
+            if hung:
+                log.error("actor %s (pid %d) is hung; killing it to restart it", self.topology.names[index],
+                          process.pid)
+                process.kill()
+
+    def _restart(self, index: int) -> None:
         process = self.processes[index]
         process.join(timeout=1)
         name = self.topology.names[index]
         if index != self.topology.monitor:
-            failed = fail_requests_held_by(
-                self.state, self.status, self.queues["q_api"], self.topology, index,
-                f"actor {name} is dead (its process exited with code {process.exitcode}); "
-                "the request was dropped, retry it", by=-1)
+            try:
+                failed = fail_held_for_restart(self.state, self.status, self.queues["q_api"], self.topology,
+                                               index, process.exitcode)
+            except ShmLockTimeoutError as exc:
+                # the dead process's sentinel stays ready: the next pass retries, after _kill_hung
+                now = time.monotonic()
+                self.lock_stuck_since.setdefault(index, now)
+                if now - self.lock_stuck_logged.get(index, -LOCK_STUCK_LOG_INTERVAL_S) >= LOCK_STUCK_LOG_INTERVAL_S:
+                    self.lock_stuck_logged[index] = now
+                    log.error("actor %s is dead (exit code %s) but its requests cannot be failed yet: %s; its "
+                              "restart waits until the lock frees (the monitor marks a stuck holder hung, the "
+                              "supervisor kills it)", name, process.exitcode, exc)
+                return
             if failed:
                 log.error("failed %d requests held by the dead actor %s", failed, name)
+        since = self.lock_stuck_since.pop(index, None)
+        self.lock_stuck_logged.pop(index, None)
+        if since is not None:
+            log.warning("the lock is free again; restarting actor %s after %.1f s", name, time.monotonic() - since)
         wait_s = self.started_at[index] + RESTART_MIN_INTERVAL_S - time.monotonic()
         if wait_s > 0 and self.shutdown.wait(wait_s):
             return
@@ -319,7 +378,12 @@ class Supervisor:
             return
         for slot in live:
             row = self.state.row(slot)
-            if self.state.transition(slot, int(row["generation"]), RequestState.ABORTED):
+            try:
+                aborted = self.state.transition(slot, int(row["generation"]), RequestState.ABORTED)
+            except ShmLockTimeoutError as exc:   # a stopped or hung holder: stop() kills every actor next
+                log.error("drain: cannot abort the %d live requests: %s", len(live), exc)
+                return
+            if aborted:
                 try:
                     self.queues["q_api"].put(to_wire(RequestError(
                         slot, int(row["generation"]), 503, "engine_error",

@@ -18,6 +18,7 @@ header, so a test or an operator can aim a fault at one request).
 | ``stall_prefill:seconds=S`` | prefill | after its first chunk the prompt makes no progress for S seconds (still heartbeating) |
 | ``stall:actor=NAME,seconds=S`` | that actor | its loop blocks S seconds (a hang), once per eligible request |
 | ``crash:actor=NAME`` | that actor | the process exits abruptly (os._exit) when it takes an eligible request |
+| ``stop_holding_lock:actor=decodeJ`` | decode | takes the state table lock and SIGSTOPs itself (a stuck holder) |
 | ``router_count_drift:count_delta=K`` | api | on admitting an eligible request, the router's per-actor active counts drift K off for good (the monitor flags it) |
 
 Example: ``PDSERVE_FAULTS="drop_transfer_done:count=1;stall:actor=decode0,seconds=20,count=1"``.
@@ -41,6 +42,7 @@ FAULT_KEYS = {
     "stall_prefill": {"seconds"},
     "stall": {"actor", "seconds"},
     "crash": {"actor"},
+    "stop_holding_lock": {"actor"},
     "router_count_drift": {"count_delta"},
 }
 COMMON_KEYS = {"count", "fraction", "seed", "match"}
@@ -97,6 +99,9 @@ def parse_faults(spec: str) -> list[Fault]:
         if "actor" in params and not ACTOR_NAME_RE.match(params["actor"]):
             raise ConfigError(f"config field faults: {name} actor must be an engine actor (prefill<i> or "
                               f"decode<j>), not {params['actor']!r}", param="faults")
+        if name == "stop_holding_lock" and not params["actor"].startswith("decode"):
+            raise ConfigError(f"config field faults: {name} is wired in decode actors only (on taking a KVReady), "
+                              f"not {params['actor']!r}", param="faults")
         try:
             fault = Fault(name, params,
                           remaining=int(params["count"]) if "count" in params else None,

@@ -66,6 +66,7 @@ def test_config_is_frozen():
 @pytest.mark.parametrize("spec,message", [("explode", "unknown fault"), ("stall:seconds=1", "needs"),
                                           ("drop_transfer_done:colour=red", "takes"),
                                           ("crash:actor=gpu7", "actor must be"),
+                                          ("stop_holding_lock:actor=prefill0", "decode actors only"),
                                           ("drop_transfer_done:fraction=2", "fraction"),
                                           ("delay_transfer_done:seconds=soon", "bad number")])
 def test_bad_fault_specs_are_rejected_at_start_up(spec, message):

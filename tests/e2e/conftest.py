@@ -21,6 +21,7 @@ FAULTS = ";".join([
     "bootstrap_silent:match=silent-",
     "decode_reject:match=reject-",
     "stall:actor=decode0,seconds=120,match=hang-",
+    "stop_holding_lock:actor=decode0,match=lockstop-",
     "stall:actor=prefill0,seconds=120,match=hold-",
     "stall:actor=prefill0,seconds=1.5,match=slowp-",
     "slow_prefill:seconds=1.5,match=longp-",

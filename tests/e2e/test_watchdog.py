@@ -352,3 +352,41 @@ def test_s9_s10_dead_actor_holding_kv_blocks_is_cleaned_up_and_restarted(engine,
     wait_until(lambda: probe.pid("prefill0") not in (0, pid_before), 10, message="prefill restarted")
     assert_recovered(engine, probe, timeout_s=120)
     assert scrape(engine.base_url)["pdserve_actor_restarts_total{actor=prefill0}"] >= 1
+
+
+def test_an_actor_stopped_holding_the_state_table_lock_is_killed_and_the_engine_lives_on(engine, probe):
+    """stop_holding_lock: decode0 takes the state table lock and SIGSTOPs itself on taking the request's KVReady;
+    then prefill0 dies (SIGKILL) while the lock is stuck. Failing prefill0's requests needs the lock: the
+    supervisor holds its restart back instead of exiting, the monitor still marks decode0 hung, the supervisor
+    kills it (the lock is taken over), the request fails with a 503 (not a hang), both actors restart."""
+    decode_before, prefill_before = probe.pid("decode0"), probe.pid("prefill0")
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            task = asyncio.ensure_future(client.post(engine.base_url + "/v1/completions",
+                                                     headers={"X-Request-Id": "lockstop-1"},
+                                                     json={"prompt": "Hi", "max_tokens": 4}))
+            await asyncio.to_thread(wait_until, lambda: psutil.Process(decode_before).status()
+                                    == psutil.STATUS_STOPPED, 60, 0.005, "decode0 to stop holding the lock")
+            os.kill(prefill_before, signal.SIGKILL)
+            still_stopped = psutil.Process(decode_before).status() == psutil.STATUS_STOPPED
+            start = time.monotonic()
+            response = await task
+            return response, time.monotonic() - start, still_stopped
+
+    response, elapsed, still_stopped = asyncio.run(run())
+    assert still_stopped, "decode0 was killed before prefill0 died: the stuck lock was not exercised"
+    assert response.status_code == 503, response.text
+    assert "dead" in response.json()["error"]["message"] or "hung" in response.json()["error"]["message"]
+    assert elapsed < HANG_TIMEOUT_S + 30, elapsed   # hung after HANG_TIMEOUT_S, then killed on the next pass
+    assert engine.proc.poll() is None, "the supervisor exited"
+    wait_until(lambda: probe.pid("decode0") not in (0, decode_before)
+               and probe.pid("prefill0") not in (0, prefill_before), 30, message="decode0 and prefill0 restarted")
+    for pid in (decode_before, prefill_before):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert_recovered(engine, probe, timeout_s=120)
+    assert engine.proc.poll() is None
+    log_text = engine.log_text()
+    assert "actor prefill0 is dead (exit code -9) but its requests cannot be failed yet" in log_text
+    assert log_text.count("cannot be failed yet") == 1   # once per incident, not once per retry
+    assert "watchdog tick cut short" in log_text and "decode0 (pid %d) is hung; killing it" % decode_before in log_text

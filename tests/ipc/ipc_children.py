@@ -202,6 +202,13 @@ def st_die_holding_lock(table_name: str) -> None:
     os._exit(0)
 
 
+def st_stop_holding_lock(table_name: str) -> None:
+    """The ``stop_holding_lock`` fault in a child: take the table's lock and SIGSTOP (killed by the test)."""
+    from actors.fault_ports import stop_holding_lock
+    from ipc.state_table import StateTable
+    stop_holding_lock(StateTable.attach(table_name))
+
+
 def at_beater(table_name: str, index: int, beats: int) -> None:
     from ipc.actor_table import ActorTable
     t = ActorTable.attach(table_name)
