@@ -186,6 +186,16 @@ class Supervisor:
             "url": f"http://{cfg.host}:{lay.http_port}", "segments": lay.segments, "actors": list(topo.names),
             "config": lay.effective_config()}))
 
+    def _prepare_model(self) -> None:
+        """Build the prepared-model file once (gpu/prepared.py) so the actors only memory-map it; on a warm
+        cache this is a check of its key."""
+        from gpu.prepared import ensure_prepared
+
+        cfg = self.layout.config
+        started = time.monotonic()
+        path = ensure_prepared(self.layout.model_path or None, cfg.weights, cfg.device, cfg.model_cache_dir or None)
+        log.info("prepared model %s (%.1f s)", path or "cache off", time.monotonic() - started)
+
     def _unlink_segments(self) -> None:
         from ipc.naming import unlink_all
 
@@ -242,6 +252,7 @@ class Supervisor:
         self.topology = topology(self.layout.config)
         self.devices = actor_device_map(self.layout.config, self.topology)
         try:
+            self._prepare_model()
             self._create_segments()
             topo = self.topology
             engine_actors = [topo.monitor, *topo.prefill, *topo.decode]
