@@ -157,6 +157,12 @@ class QuantLinear:
         return self.fn(x)
 
     @property
+    def in_features(self) -> int:
+        t = self.tensors
+        return {"dense": lambda: t["weight"].shape[1], "int4": lambda: t["packed"].shape[1] * 2,
+                "int8": lambda: t["codes"].shape[0] * t["codes"].shape[2]}[self.kind]()
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes ``fn`` reads per call (the packed weight and its scales; not the dense copy)."""
         return sum(t.numel() * t.element_size() for k, t in self.tensors.items() if k != "dense" or
