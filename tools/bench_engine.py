@@ -413,6 +413,21 @@ def _report(res: dict, weight_bytes: int, bw: float, ceiling: float, threads: in
     return "\n".join(lines)
 
 
+def _start_engine(engine_args: str, path: Path, weights: str) -> Engine:
+    """Start the engine and print how long it took to answer /health 200, and whether the prepared-model
+    cache was warm."""
+    from gpu.model import resolve_weights_mode
+    from gpu.prepared import cache_path, default_cache_dir, prepared_key
+
+    warm = cache_path(default_cache_dir(), prepared_key(path, resolve_weights_mode(weights))).is_file()
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_engine_{os.getpid()}.log"
+    print(f"starting: python -m pdserve.cli serve {engine_args}  (log {log})", flush=True)
+    engine = Engine(engine_args.split(), log)
+    print(f"start-up: /health 200 {engine.ready_s:.1f} s after the process started (prepared-model cache "
+          f"{'warm' if warm else 'cold: built during this start'}; target <= 10 s warm)", flush=True)
+    return engine
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
 
@@ -420,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     threads = args.hf_threads or (int(m.group(1)) if m else 1)
     torch.set_num_threads(threads)
     m = re.search(r"--weights[ =](\S+)", args.engine_args)
-    weights = m.group(1) if m else os.environ.get("PDSERVE_WEIGHTS", "auto")
+    weights = m.group(1) if m else "auto"   # the engine's default (the Engine subprocess drops PDSERVE_* vars)
     if args.profile:
         print(profile_decode(weights=weights))
         return {}
@@ -443,16 +458,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine = None
     start_up_s = float("nan")
     if not args.base_url:
-        from gpu.prepared import cache_path, default_cache_dir, prepared_key
-        from gpu.model import resolve_weights_mode
-
-        warm = cache_path(default_cache_dir(), prepared_key(path, resolve_weights_mode(weights))).is_file()
-        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_engine_{os.getpid()}.log"
-        print(f"starting: python -m pdserve.cli serve {args.engine_args}  (log {log})", flush=True)
-        engine = Engine(args.engine_args.split(), log)
+        engine = _start_engine(args.engine_args, path, weights)
         start_up_s = engine.ready_s
-        print(f"start-up: /health 200 {start_up_s:.1f} s after the process started (prepared-model cache "
-              f"{'warm' if warm else 'cold: built during this start'}; target <= 10 s warm)", flush=True)
         args.base_url = engine.base_url
     try:
         hf = load_hf(path)
