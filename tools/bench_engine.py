@@ -325,7 +325,7 @@ def profile_decode(steps: int = 8, batches: tuple[int, ...] = (1, 16), weights: 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tools.bench_engine", description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-url", default="", help="use this running pdserve (serving the default model)")
-    ap.add_argument("--engine-args", default="--max-num-seqs 32 --kv-pool-tokens 4096",
+    ap.add_argument("--engine-args", default="--max-num-seqs 32 --kv-pool-tokens 4096 --weights auto",
                     help="flags for the engine this tool starts")
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=16)
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     threads = args.hf_threads or (int(m.group(1)) if m else 1)
     torch.set_num_threads(threads)
     m = re.search(r"--weights[ =](\S+)", args.engine_args)
-    weights = m.group(1) if m else "auto"   # the engine's default (the Engine subprocess drops PDSERVE_* vars)
+    weights = m.group(1) if m else "float32"   # the engine's default (the Engine subprocess drops PDSERVE_* vars)
     if args.profile:
         print(profile_decode(weights=weights))
         return {}
