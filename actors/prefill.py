@@ -43,7 +43,7 @@ class PrefillActor(Actor):
         from actors.prefill_core import PrefillCore
         from actors.prefix_cache import CachingAllocator
         from gpu.grammar import GrammarCompiler
-        from gpu.model import LlamaModel
+        from gpu.prepared import prepared_model
         from gpu.sampling import Sampler
         from ipc.kv_pool import KVPool
         from ipc.kv_transport import publish_source
@@ -52,7 +52,8 @@ class PrefillActor(Actor):
         from pdserve.faults import FaultPlan
 
         torch.set_num_threads(self.config.torch_threads)
-        self.model = LlamaModel.from_path(self.layout.model_path or None, device=self.config.device, progress=False)
+        self.model = prepared_model(self.layout.model_path or None, self.config.weights, self.config.device,
+                                    self.config.model_cache_dir or None)
         topo = self.topology
         self.pool = KVPool.attach(self.layout.segment(topo.segment("kv", self.index)))
         warm_up(self.model, self.pool)

@@ -220,6 +220,16 @@ class Supervisor:
             "url": f"http://{cfg.host}:{lay.http_port}", "segments": lay.segments, "actors": list(topo.names),
             "config": lay.effective_config()}))
 
+    def _prepare_model(self) -> None:
+        """Build the prepared-model file once (gpu/prepared.py) so the actors only memory-map it; on a warm
+        cache this is a check of its key."""
+        from gpu.prepared import ensure_prepared
+
+        cfg = self.layout.config
+        started = time.monotonic()
+        path = ensure_prepared(self.layout.model_path or None, cfg.weights, cfg.device, cfg.model_cache_dir or None)
+        log.info("prepared model %s (%.1f s)", path or "cache off", time.monotonic() - started)
+
     def _unlink_segments(self) -> None:
         from ipc.naming import unlink_all
 
@@ -276,19 +286,19 @@ class Supervisor:
         self.topology = topology(self.layout.config)
         self.devices = actor_device_map(self.layout.config, self.topology)
         try:
+            self._prepare_model()
             self._create_segments()
             topo = self.topology
-            engine_actors = [topo.monitor, *topo.prefill, *topo.decode]
-            log.info("engine %s: starting %s; the prefill and decode actors load the model %s and warm up "
+            # the API starts alongside the engine actors (its tokenizer and grammar set-up overlap their model
+            # loads); its /health stays 503 and its router refuses work until every actor reads READY
+            every_actor = [topo.monitor, *topo.prefill, *topo.decode, topo.api]
+            log.info("engine %s: starting %s; the prefill and decode actors map the prepared model %s and warm up "
                      "(up to actor_ready_timeout_s=%.0f s)", self.engine_id,
-                     ", ".join(topo.names[i] for i in engine_actors), self.layout.model_path or "(embedded default)",
+                     ", ".join(topo.names[i] for i in every_actor), self.layout.model_path or "(embedded default)",
                      self.layout.config.actor_ready_timeout_s)
-            for index in engine_actors:
+            for index in every_actor:
                 self._spawn(index)
-            self._wait_ready(engine_actors)
-            log.info("engine actors ready; starting the HTTP server")
-            self._spawn(topo.api)
-            self._wait_ready([topo.api])
+            self._wait_ready(every_actor)
         except BaseException:
             self.stop()
             raise

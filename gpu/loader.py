@@ -345,8 +345,10 @@ def load_weights(
     *,
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a model's config and all its weights, dequantized, with Hugging Face names and layout.
+    native: bool = False,
+) -> tuple[ModelConfig, dict[str, Any]]:
+    """Read a model's config and all its weights with Hugging Face names and layout, dequantized unless
+    ``native``.
 
     Args:
         path: a ``.gguf`` file (llama.cpp, ``general.architecture = 'llama'``), a Hugging Face directory
@@ -354,8 +356,11 @@ def load_weights(
             (:func:`gpu.model_files.default_model_path`).
         dtype: dtype of every returned tensor.
         progress: show a tqdm bar over tensors on stderr.
+        native: keep a GGUF's Q4_0/Q4_1 linear weights as :class:`gpu.quant.Int4Groups` and its Q8_0 ones as
+            :class:`gpu.quant.Int8Groups` (its own codes); every other tensor is dequantized to ``dtype``.
     Returns:
-        ``(config, weights)``; weights maps HF names to CPU tensors, linear weights ``[out, in]``, norms
+        ``(config, weights)``; weights maps HF names to CPU tensors (or packed weights, see ``native``),
+        linear weights ``[out, in]``, norms
         ``[hidden]``, ``model.embed_tokens.weight`` ``[vocab, hidden]``; ``lm_head.weight`` only when the
         model has its own; ``rope_freqs`` ``[head_dim // 2]`` only for GGUF files that carry it.
     Raises:
@@ -366,15 +371,14 @@ def load_weights(
         config = _hf_config(p)
         weights = _load_safetensors(p, dtype, progress)
     else:
-        config, weights = _load_gguf(p, dtype, progress)
+        config, weights = _load_gguf(p, dtype, progress, native)
     _check_weights(config, weights, p)
     return config, weights
 
 
 def _load_gguf(
-    p: pathlib.Path, dtype: torch.dtype, progress: bool
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from gguf.quants import dequantize
+    p: pathlib.Path, dtype: torch.dtype, progress: bool, native: bool = False
+) -> tuple[ModelConfig, dict[str, Any]]:
     from tqdm import tqdm
 
     from .gguf_meta import open_gguf, read_gguf_metadata
@@ -386,19 +390,18 @@ def _load_gguf(
     if unknown:
         raise ModelLoadError(f"{p}: unsupported tensors for a Llama model: {unknown[:5]}"
                              f"{' ...' if len(unknown) > 5 else ''}")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Any] = {}
     for t in tqdm(reader.tensors, desc=f"loading {p.name}", unit="tensor", disable=not progress):
         hf_name = _gguf_to_hf_name(t.name)
-        try:
-            arr = dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise ModelLoadError(f"{p}: tensor {t.name} has quantization {t.tensor_type.name}, which "
-                                 "gguf.quants cannot dequantize") from None
-        arr = np.asarray(arr, dtype=np.float32)
-        if hf_name.endswith("q_proj.weight"):
-            arr = unpermute_gguf_qk(arr, config.num_heads)
-        elif hf_name.endswith("k_proj.weight"):
-            arr = unpermute_gguf_qk(arr, config.num_kv_heads)
+        heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}.get(
+            hf_name.rsplit(".", 2)[-2] + ".weight")
+        packed = _native_weight(t, hf_name, heads) if native else None
+        if packed is not None:
+            weights[hf_name] = packed
+            continue
+        arr = _dequantize(t, p)
+        if heads is not None:
+            arr = unpermute_gguf_qk(arr, heads)
         if not (arr.flags.writeable and arr.flags.c_contiguous and arr.flags.owndata):
             arr = np.array(arr, dtype=np.float32, order="C")  # detach from the file's memory map
         weights[hf_name] = torch.from_numpy(arr).to(dtype)
@@ -407,6 +410,39 @@ def _load_gguf(
     if "model.embed_tokens.weight" in weights:
         config = _with(config, vocab_size=int(weights["model.embed_tokens.weight"].shape[0]))
     return config, weights
+
+
+def _dequantize(t, p: pathlib.Path) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    try:
+        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    except NotImplementedError:
+        raise ModelLoadError(f"{p}: tensor {t.name} has quantization {t.tensor_type.name}, which "
+                             "gguf.quants cannot dequantize") from None
+
+
+def _native_weight(t, hf_name: str, heads: int | None):
+    """A GGUF linear weight kept quantized (Q4_0/Q4_1 -> Int4Groups, Q8_0 -> Int8Groups), Q/K rows unpermuted;
+    None for norms and every other type (the caller dequantizes those)."""
+    from .quant import Q4_TYPES, Int4Groups, int4_groups_from_gguf, int8_groups_from_float
+
+    kind = t.tensor_type.name
+    shape = tuple(int(n) for n in reversed(t.shape))  # [out, in]
+    if len(shape) != 2 or hf_name.endswith("norm.weight") or kind not in Q4_TYPES + ("Q8_0",):
+        return None
+    if kind == "Q8_0":
+        from gguf.quants import dequantize
+
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if heads is not None:
+            w = unpermute_gguf_qk(w, heads)
+        return int8_groups_from_float(torch.from_numpy(np.ascontiguousarray(w)))
+    groups: Int4Groups = int4_groups_from_gguf(t.data, kind, shape)
+    if heads is not None:
+        order = unpermute_gguf_qk(np.arange(shape[0]), heads)  # the row order the float path ends with
+        groups = groups.take_rows(order)
+    return groups
 
 
 def _load_safetensors(d: pathlib.Path, dtype: torch.dtype, progress: bool) -> dict[str, torch.Tensor]:

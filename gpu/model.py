@@ -3,7 +3,8 @@
 The model is the Hugging Face ``LlamaForCausalLM`` computation
 (``transformers/models/llama/modeling_llama.py``): RMSNorm, RoPE in the ``rotate_half`` convention,
 grouped-query attention, SwiGLU MLP, optional tied embeddings. Weights are kept in ``[out, in]`` layout so
-every projection is one ``F.linear``; Q/K/V and gate/up are concatenated, so a layer is four matmuls.
+every projection is one call (``gpu.quant.QuantLinear``: a dense ``F.linear`` or, with native GGUF weights, an
+int4/int8 weight-only kernel); Q/K/V and gate/up are concatenated, so a layer is four matmuls.
 
 Paged KV cache (the layout of vLLM's PagedAttention, Kwon et al. 2023). The caller owns the pool::
 
@@ -15,16 +16,20 @@ positions ``< position`` it attends to, so unwritten (even NaN) memory elsewhere
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .loader import ModelConfig, load_weights
+from .loader import ModelConfig, RopeScaling, load_weights
+from .quant import Int4Groups, Int8Groups, QuantLinear, int8_groups_from_float
 
-__all__ = ["LlamaModel", "from_path", "kv_bytes_per_token", "kv_pool_shape", "rope_inv_freq"]
+__all__ = ["LlamaModel", "WEIGHT_MODES", "from_path", "kv_bytes_per_token", "kv_pool_shape", "resolve_weights_mode",
+           "rope_inv_freq"]
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -72,11 +77,41 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None)
 @dataclass
 class _Layer:
     ln_attn: torch.Tensor  # [hidden]
-    w_qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    w_o: torch.Tensor  # [hidden, heads * head_dim]
+    qkv: QuantLinear  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o: QuantLinear  # [hidden, heads * head_dim]
     ln_mlp: torch.Tensor  # [hidden]
-    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    w_down: torch.Tensor  # [hidden, intermediate]
+    gate_up: QuantLinear  # [2 * intermediate, hidden]
+    down: QuantLinear  # [hidden, intermediate]
+
+
+WEIGHT_MODES = ("auto", "float32", "bfloat16")
+DENSE_MIN_TOKENS = 16  # native weights: forwards of >= this many tokens use the float32 copies (see QuantLinear)
+
+
+def resolve_weights_mode(mode: str, device: str | torch.device = "cpu") -> str:
+    """``"native"`` (GGUF Q4_0/Q4_1/Q8_0 kept packed, bfloat16 activations; CPU only) for ``"auto"`` on a CPU,
+    else ``"float32"`` or ``"bfloat16"`` (every weight dequantized to that dtype).
+
+    Raises:
+        ValueError: a mode outside :data:`WEIGHT_MODES`.
+    """
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"weights mode {mode!r}: must be one of {', '.join(WEIGHT_MODES)}")
+    if mode == "auto":
+        return "native" if torch.device(device).type == "cpu" else "float32"
+    return mode
+
+
+def _linear(parts: list, native: bool, dtype: torch.dtype, device: torch.device) -> QuantLinear:
+    """One linear over ``parts`` stacked along the output dim (fused QKV, gate-up). Natively: int4 when every part
+    is Q4 groups, int8 when every part is int8 groups (each with its float32 copy for large batches); anything
+    else is dequantized into a dense ``dtype`` weight."""
+    if native and all(isinstance(p, Int4Groups) for p in parts):
+        return QuantLinear.int4(Int4Groups.cat(parts))
+    if native and all(isinstance(p, Int8Groups) for p in parts):
+        return QuantLinear.int8(Int8Groups.cat(parts))
+    dense = [p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]
+    return QuantLinear.dense(torch.cat([d.to(device=device, dtype=dtype) for d in dense]))
 
 
 class LlamaModel:
@@ -84,60 +119,168 @@ class LlamaModel:
 
     Args:
         config: from :func:`gpu.loader.load_weights`.
-        weights: HF-named tensors from :func:`gpu.loader.load_weights`; their dtype becomes the compute dtype.
+        weights: HF-named weights from :func:`gpu.loader.load_weights`: tensors (their dtype becomes the compute
+            dtype unless ``native``), or with ``native`` also :class:`gpu.quant.Int4Groups` /
+            :class:`gpu.quant.Int8Groups` for GGUF-quantized linears, kept packed.
         device: where the weights (and every ``kv`` pool passed in) live.
+        native: run packed weights with torch's CPU weight-only kernels (``weights="auto"`` in the engine) when a
+            forward has fewer than ``dense_min_tokens`` tokens (decode), their float32 copies otherwise
+            (prefill); activations stay float32. False = the dense path in the tensors' dtype.
 
     Calls keep no per-request state (the pool holds it all). ``prefill``/``decode`` run under
     ``torch.inference_mode()``, so the logits they return are inference tensors: modify them in place only
     inside ``torch.inference_mode()`` (or work on a copy made there).
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: str | torch.device = "cpu"):
-        self.config = config
-        self.device = torch.device(device)
+    def __init__(self, config: ModelConfig, weights: dict[str, Any],
+                 device: str | torch.device = "cpu", native: bool = False):
+        if native and torch.device(device).type != "cpu":
+            raise ValueError("native low-bit weights run on CPU only; use float32 or bfloat16 on other devices")
         embed = weights["model.embed_tokens.weight"]
-        self.dtype = embed.dtype
-        dev = self.device
+        dtype = torch.float32 if native else embed.dtype
+        dev = torch.device(device)
 
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=dev, dtype=self.dtype).contiguous()
+            return weights[name].to(device=dev, dtype=dtype).contiguous()
 
-        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
-        if config.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = self.embed  # [vocab, hidden]
-        else:
-            self.lm_head = w("lm_head.weight")
-        self.norm = w("model.norm.weight")  # [hidden]
-        self.layers: list[_Layer] = []
+        def lin(*names: str) -> QuantLinear:
+            return _linear([weights[n] for n in names], native, dtype, dev)
+
+        layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            self.layers.append(_Layer(
+            layers.append(_Layer(
                 ln_attn=w(p + "input_layernorm.weight"),
-                w_qkv=torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                                 w(p + "self_attn.v_proj.weight")], dim=0).contiguous(),
-                w_o=w(p + "self_attn.o_proj.weight"),
+                qkv=lin(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+                o=lin(p + "self_attn.o_proj.weight"),
                 ln_mlp=w(p + "post_attention_layernorm.weight"),
-                w_gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")],
-                                    dim=0).contiguous(),
-                w_down=w(p + "mlp.down_proj.weight"),
+                gate_up=lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=lin(p + "mlp.down_proj.weight"),
             ))
-        self._inv_freq = rope_inv_freq(config, weights.get("rope_freqs"))  # [head_dim // 2] float32, cpu
+        if native:  # int8 groups (a tied output projection shares them) + the float32 table for lookups
+            rows = embed if isinstance(embed, Int8Groups) else int8_groups_from_float(
+                embed if isinstance(embed, torch.Tensor) else embed.dequantize())
+            embedding = QuantLinear.int8(rows)
+        else:
+            embedding = QuantLinear.dense(w("model.embed_tokens.weight"))
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        lm_head = embedding if tied else lin("lm_head.weight")
+        self._setup(config, dev, dtype, native, embedding, lm_head, w("model.norm.weight"), layers,
+                    rope_inv_freq(config, weights.get("rope_freqs")))
+
+    def _setup(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, native: bool,
+               embedding: QuantLinear, lm_head: QuantLinear, norm: torch.Tensor, layers: list[_Layer],
+               inv_freq: torch.Tensor) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype  # activations (and dense weights)
+        self.native = native
+        # a forward of at least this many tokens runs each linear's float32 weight (``QuantLinear.big``)
+        self.dense_min_tokens = DENSE_MIN_TOKENS
+        self.embedding = embedding  # [vocab, hidden]: a dense weight, or int8 groups (native)
+        self.lm_head = lm_head  # [vocab, hidden]; the embedding itself when tied
+        self.norm = norm  # [hidden]
+        self.layers = layers
+        self._inv_freq = inv_freq  # [head_dim // 2] float32, cpu
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
         self._ensure_rope(min(config.max_position_embeddings, 4096))
         self._scale = 1.0 / math.sqrt(config.head_dim)
 
+    @property
+    def weights_mode(self) -> str:
+        """``"native"``, ``"float32"`` or ``"bfloat16"``."""
+        return "native" if self.native else str(self.dtype).removeprefix("torch.")
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads (every layer's linears, the output projection, the norms)."""
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        norms = [t for layer in self.layers for t in (layer.ln_attn, layer.ln_mlp)] + [self.norm]
+        return sum(lin.weight_bytes for lin in linears + [self.lm_head]) + sum(
+            t.numel() * t.element_size() for t in norms)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, hidden]`` in the activation dtype for ``ids`` ``[T]``."""
+        t = self.embedding.tensors
+        if "dense" in t or "weight" in t:  # a gather touches only these rows, even of a memory-mapped table
+            return F.embedding(ids, t.get("dense", t.get("weight")))
+        return t["codes"].index_select(0, ids).to(self.dtype) * t["scale"].index_select(0, ids)[:, None].float()
+
+    # -- prepared state (gpu/prepared.py caches it on disk) ------------------------------------------------
+
+    _LINEARS = ("qkv", "o", "gate_up", "down")
+
+    def to_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The built model as ``(meta, tensors)``: JSON-able ``meta`` (config, mode, each linear's kind) and flat
+        CPU ``tensors`` (packed weights as they run), so :meth:`from_state` rebuilds it without the model file."""
+        tensors: dict[str, torch.Tensor] = {"norm": self.norm, "inv_freq": self._inv_freq}
+        kinds: dict[str, str] = {}
+
+        def put(name: str, lin: QuantLinear) -> None:
+            kinds[name] = lin.kind
+            tensors.update({f"{name}.{k}": v for k, v in lin.tensors.items()})
+
+        put("embedding", self.embedding)
+        if self.lm_head is not self.embedding:
+            put("lm_head", self.lm_head)
+        for i, layer in enumerate(self.layers):
+            tensors[f"layers.{i}.ln_attn"], tensors[f"layers.{i}.ln_mlp"] = layer.ln_attn, layer.ln_mlp
+            for name in self._LINEARS:
+                put(f"layers.{i}.{name}", getattr(layer, name))
+        config = dataclasses.asdict(self.config)
+        meta = {"config": config, "native": self.native, "dtype": str(self.dtype).removeprefix("torch."),
+                "kinds": kinds}
+        return meta, tensors
+
+    @classmethod
+    def from_state(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+                   device: str | torch.device = "cpu") -> "LlamaModel":
+        """Rebuild a model from :meth:`to_state`'s output (tensors used as given, e.g. memory-mapped).
+
+        Raises:
+            KeyError, ValueError, TypeError: ``meta`` or ``tensors`` are incomplete or inconsistent.
+        """
+        cfg = dict(meta["config"])
+        if cfg.get("rope_scaling") is not None:
+            cfg["rope_scaling"] = RopeScaling(**cfg["rope_scaling"])
+        cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
+        config = ModelConfig(**cfg)
+        dev = torch.device(device)
+        kinds = meta["kinds"]
+
+        def lin(name: str) -> QuantLinear:
+            prefix = name + "."
+            return QuantLinear.from_tensors(kinds[name], {k[len(prefix):]: v.to(dev) for k, v in tensors.items()
+                                                           if k.startswith(prefix)})
+
+        layers = [_Layer(ln_attn=tensors[f"layers.{i}.ln_attn"].to(dev), qkv=lin(f"layers.{i}.qkv"),
+                         o=lin(f"layers.{i}.o"), ln_mlp=tensors[f"layers.{i}.ln_mlp"].to(dev),
+                         gate_up=lin(f"layers.{i}.gate_up"), down=lin(f"layers.{i}.down"))
+                  for i in range(config.num_layers)]
+        embedding = lin("embedding")
+        lm_head = lin("lm_head") if "lm_head" in kinds else embedding
+        model = cls.__new__(cls)
+        model._setup(config, dev, getattr(torch, meta["dtype"]), bool(meta["native"]), embedding, lm_head,
+                     tensors["norm"].to(dev), layers, tensors["inv_freq"])
+        return model
+
     @classmethod
     def from_path(cls, path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
-                  progress: bool = True, dtype: torch.dtype = torch.float32) -> "LlamaModel":
+                  progress: bool = True, dtype: torch.dtype = torch.float32, weights: str = "") -> "LlamaModel":
         """Load weights with :func:`gpu.loader.load_weights` (None = the default model) and build the model.
+
+        ``weights``: ``"auto"``, ``"float32"`` or ``"bfloat16"`` (see :func:`resolve_weights_mode`); empty =
+        dense in ``dtype``.
 
         Raises:
             ModelLoadError: see :func:`gpu.loader.load_weights`.
+            ValueError: an unknown ``weights`` mode.
         """
-        config, weights = load_weights(path, dtype=dtype, progress=progress)
-        return cls(config, weights, device=device)
+        mode = resolve_weights_mode(weights, device) if weights else str(dtype).removeprefix("torch.")
+        native = mode == "native"
+        load_dtype = torch.float32 if native else getattr(torch, mode)
+        config, tensors = load_weights(path, dtype=load_dtype, progress=progress, native=native)
+        return cls(config, tensors, device=device, native=native)
 
     # -- RoPE tables -------------------------------------------------------------------------------------
 
@@ -313,11 +456,12 @@ class LlamaModel:
         sin = self._sin[pos].unsqueeze(1)  # [N, 1, D]
 
         ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=self.device)
-        x = F.embedding(ids, self.embed)  # x: [N, hidden]
+        x = self._embed(ids)  # x: [N, hidden]
+        big = N >= self.dense_min_tokens
         eps = c.rms_norm_eps
         for li, layer in enumerate(self.layers):
             h = F.rms_norm(x, (c.hidden_size,), layer.ln_attn, eps)  # h: [N, hidden]
-            qkv = F.linear(h, layer.w_qkv)  # qkv: [N, (H + 2 Hkv) D]
+            qkv = (layer.qkv.big if big else layer.qkv.fn)(h)  # qkv: [N, (H + 2 Hkv) D]
             qk = self._rope(qkv[:, :(H + Hkv) * D].view(N, H + Hkv, D), cos, sin)  # qk: [N, H + Hkv, D]
             q, k = qk[:, :H], qk[:, H:]  # q: [N, H, D]; k: [N, Hkv, D]
             v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)  # v: [N, Hkv, D]
@@ -325,16 +469,17 @@ class LlamaModel:
             k_pool.index_copy_(0, w_slot, k.to(kv.dtype))
             v_pool.index_copy_(0, w_slot, v.to(kv.dtype))
             o = self._attend_packed(q, k, v, k_pool, v_pool, seqs)  # o: [N, H D]
-            x = x + F.linear(o, layer.w_o)
+            x = x + (layer.o.big if big else layer.o.fn)(o)
             h = F.rms_norm(x, (c.hidden_size,), layer.ln_mlp, eps)
-            gu = F.linear(h, layer.w_gate_up)  # gu: [N, 2 I]
+            gu = (layer.gate_up.big if big else layer.gate_up.fn)(h)  # gu: [N, 2 I]
             gate, up = gu.chunk(2, dim=-1)  # [N, I] each
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)  # x: [N, hidden]
+            x = x + (layer.down.big if big else layer.down.fn)(F.silu(gate) * up)  # x: [N, hidden]
         # only the rows whose logits are asked for go through the norm and the LM head
         rows = [range(a, b) if f else range(b - 1, b) for (a, b, _, _), f in zip(seqs, flags)]
         x = x[torch.tensor([i for r in rows for i in r], dtype=torch.long, device=self.device)]
         x = F.rms_norm(x, (c.hidden_size,), self.norm, eps)
-        logits = F.linear(x, self.lm_head).float()  # logits: [rows, vocab]
+        head = self.lm_head.big if len(x) >= self.dense_min_tokens else self.lm_head.fn
+        logits = head(x).float()  # logits: [rows, vocab]
         parts = logits.split([len(r) for r in rows])
         return [part if f else part[0] for part, f in zip(parts, flags)]
 
@@ -431,11 +576,12 @@ class LlamaModel:
         sin = self._sin[pos_t].unsqueeze(1)  # [B, 1, D]
 
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        x = F.embedding(ids, self.embed)  # x: [B, hidden]
+        x = self._embed(ids)  # x: [B, hidden]
+        big = B >= self.dense_min_tokens
         eps = c.rms_norm_eps
         for li, layer in enumerate(self.layers):
             h = F.rms_norm(x, (c.hidden_size,), layer.ln_attn, eps)  # h: [B, hidden]
-            qkv = F.linear(h, layer.w_qkv)  # qkv: [B, (H + 2 Hkv) D]
+            qkv = (layer.qkv.big if big else layer.qkv.fn)(h)  # qkv: [B, (H + 2 Hkv) D]
             qk = self._rope(qkv[:, :(H + Hkv) * D].view(B, H + Hkv, D), cos, sin)  # qk: [B, H + Hkv, D]
             q, k = qk[:, :H], qk[:, H:]  # q: [B, H, D]; k: [B, Hkv, D]
             v = qkv[:, (H + Hkv) * D:].view(B, Hkv, D)  # v: [B, Hkv, D]
@@ -448,13 +594,13 @@ class LlamaModel:
             qh = q.unsqueeze(2).contiguous()  # qh: [B, H, 1, D]
             o = F.scaled_dot_product_attention(qh, kc, vc, attn_mask=mask, scale=self._scale,
                                                enable_gqa=True)  # o: [B, H, 1, D]
-            x = x + F.linear(o.reshape(B, H * D), layer.w_o)  # x: [B, hidden]
+            x = x + (layer.o.big if big else layer.o.fn)(o.reshape(B, H * D))  # x: [B, hidden]
             h = F.rms_norm(x, (c.hidden_size,), layer.ln_mlp, eps)
-            gu = F.linear(h, layer.w_gate_up)  # gu: [B, 2 I]
+            gu = (layer.gate_up.big if big else layer.gate_up.fn)(h)  # gu: [B, 2 I]
             gate, up = gu.chunk(2, dim=-1)  # [B, I] each
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)  # x: [B, hidden]
+            x = x + (layer.down.big if big else layer.down.fn)(F.silu(gate) * up)  # x: [B, hidden]
         x = F.rms_norm(x, (c.hidden_size,), self.norm, eps)
-        return F.linear(x, self.lm_head).float()  # [B, vocab]
+        return (self.lm_head.big if len(x) >= self.dense_min_tokens else self.lm_head.fn)(x).float()  # [B, vocab]
 
 
 def from_path(path: str | os.PathLike | None = None, device: str | torch.device = "cpu",

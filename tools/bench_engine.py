@@ -80,6 +80,7 @@ class Engine:
     def __init__(self, args: list[str], log_path: Path, ready_timeout_s: float = 240.0):
         import httpx
 
+        started = time.monotonic()
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -94,6 +95,7 @@ class Engine:
             if re.search(r"pdserve engine \w+ serving", log_path.read_text(errors="replace")):
                 try:
                     if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                        self.ready_s = time.monotonic() - started   # process start -> /health 200
                         return
                 except httpx.HTTPError:
                     pass
@@ -251,17 +253,16 @@ def matmul_floor_s(model, batch: int, reps: int = 3) -> float:
     """Seconds per decode step of only the step's matrix products (every layer's QKV, O, gate-up and down
     projections and the LM head, on ``model``'s own weights) for ``batch`` tokens: what a step costs in bare
     torch before attention, norms, RoPE, sampling and Python. The floor for this eager-torch design."""
-    import torch.nn.functional as F
-
-    ws = [w for layer in model.layers for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)]
-    ws.append(model.lm_head)
-    xs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in ws}
+    lins = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    lins.append(model.lm_head)
+    big = batch >= model.dense_min_tokens   # the path LlamaModel.decode takes at this batch size
+    xs = {lin.in_features: torch.randn(batch, lin.in_features) for lin in lins}
     times = []
     with torch.inference_mode():
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            for w in ws:
-                F.linear(xs[w.shape[1]], w)
+            for lin in lins:
+                (lin.big if big else lin.fn)(xs[lin.in_features])
             times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
@@ -269,7 +270,7 @@ def matmul_floor_s(model, batch: int, reps: int = 3) -> float:
 # --------------------------------------------------------------------------- profile
 
 
-def profile_decode(steps: int = 8, batches: tuple[int, ...] = (1, 16)) -> str:
+def profile_decode(steps: int = 8, batches: tuple[int, ...] = (1, 16), weights: str = "auto") -> str:
     """torch.profiler and cProfile over LlamaModel.decode at each batch size; returns a text report."""
     import cProfile
     import io
@@ -281,9 +282,10 @@ def profile_decode(steps: int = 8, batches: tuple[int, ...] = (1, 16)) -> str:
 
     path = default_model_path()
     tok = Tokenizer.load(path)
-    model = LlamaModel.from_path(path, progress=False)
+    model = LlamaModel.from_path(path, progress=False, weights=weights)
     prompts = [tok.encode(p) for p in PROMPTS]
-    out = [f"# decode profile, torch threads {torch.get_num_threads()}, {steps} steps after a warm-up"]
+    out = [f"# decode profile, weights {model.weights_mode}, torch threads {torch.get_num_threads()}, {steps} steps "
+           "after a warm-up"]
     for B in batches:
         ps = prompts[:B]
         per = (max(len(p) for p in ps) + steps + 8) // 16 + 1
@@ -323,7 +325,7 @@ def profile_decode(steps: int = 8, batches: tuple[int, ...] = (1, 16)) -> str:
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tools.bench_engine", description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-url", default="", help="use this running pdserve (serving the default model)")
-    ap.add_argument("--engine-args", default="--max-num-seqs 32 --kv-pool-tokens 4096",
+    ap.add_argument("--engine-args", default="--max-num-seqs 32 --kv-pool-tokens 4096 --weights auto",
                     help="flags for the engine this tool starts")
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=16)
@@ -402,11 +404,28 @@ def _report(res: dict, weight_bytes: int, bw: float, ceiling: float, threads: in
         "ratios within each repetition (robust to load changing between repetitions): "
         + "; ".join(f"{k} " + " ".join(f"{v:.2f}x" for v in vs) for k, vs in res["per_rep_ratios"].items()),
         f"greedy text of pdserve equal to HF's: {same}; decode-only = (tokens - 1) / (e2e - TTFT or prefill)",
-        f"targets: pdserve >= 1.8x HF at 1 request -> {res['pdserve_1_tok_s'] / res['hf_1_tok_s']:.2f}x; "
+        f"pdserve weights {res['weights']}: {res['pdserve_weight_bytes'] / 1e6:.0f} MB read per decode step "
+        f"(HF fp32: {weight_bytes / 1e6:.0f} MB); start-up to /health 200: {res['start_up_s']:.1f} s",
+        f"targets: pdserve >= 3x HF at 1 request -> {res['pdserve_1_tok_s'] / res['hf_1_tok_s']:.2f}x; "
         f">= 3x HF batched at {N} -> {res['pdserve_N_tok_s'] / res['hf_N_tok_s']:.2f}x "
         f"(disaggregated vs colocated TTFT: python -m tools.bench_colocated)",
     ]
     return "\n".join(lines)
+
+
+def _start_engine(engine_args: str, path: Path, weights: str) -> Engine:
+    """Start the engine and print how long it took to answer /health 200, and whether the prepared-model
+    cache was warm."""
+    from gpu.model import resolve_weights_mode
+    from gpu.prepared import cache_path, default_cache_dir, prepared_key
+
+    warm = cache_path(default_cache_dir(), prepared_key(path, resolve_weights_mode(weights))).is_file()
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_engine_{os.getpid()}.log"
+    print(f"starting: python -m pdserve.cli serve {engine_args}  (log {log})", flush=True)
+    engine = Engine(engine_args.split(), log)
+    print(f"start-up: /health 200 {engine.ready_s:.1f} s after the process started (prepared-model cache "
+          f"{'warm' if warm else 'cold: built during this start'}; target <= 10 s warm)", flush=True)
+    return engine
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -415,8 +434,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     m = re.search(r"--torch-threads[ =](\d+)", args.engine_args)
     threads = args.hf_threads or (int(m.group(1)) if m else 1)
     torch.set_num_threads(threads)
+    m = re.search(r"--weights[ =](\S+)", args.engine_args)
+    weights = m.group(1) if m else "float32"   # the engine's default (the Engine subprocess drops PDSERVE_* vars)
     if args.profile:
-        print(profile_decode())
+        print(profile_decode(weights=weights))
         return {}
 
     from gpu.model_files import default_model_path
@@ -429,15 +450,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     one = [prompts[0]]
     print(f"# bench_engine {time.strftime('%Y-%m-%d %H:%M:%S')} host {os.uname().nodename}, "
           f"{os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.2f}; model {path.name} (fp32); {n} output tokens per request; "
+          f"load average {os.getloadavg()[0]:.2f}; model {path.name} (pdserve weights {weights}, HF fp32); "
+          f"{n} output tokens per request; "
           f"prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens; HF/in-process torch threads "
           f"{threads}; torch {torch.__version__}", flush=True)
 
     engine = None
+    start_up_s = float("nan")
     if not args.base_url:
-        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_engine_{os.getpid()}.log"
-        print(f"starting: python -m pdserve.cli serve {args.engine_args}  (log {log})", flush=True)
-        engine = Engine(args.engine_args.split(), log)
+        engine = _start_engine(args.engine_args, path, weights)
+        start_up_s = engine.ready_s
         args.base_url = engine.base_url
     try:
         hf = load_hf(path)
@@ -446,7 +468,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not args.no_in_process:
             from gpu.model import LlamaModel
 
-            ours = LlamaModel.from_path(path, progress=False)
+            ours = LlamaModel.from_path(path, progress=False, weights=weights)
         pad = tok.eos_token_ids[0] if tok.eos_token_ids else 0
         # warm-up (first-call allocations, connection setup)
         pdserve_run(args.base_url, one, 4)
@@ -479,6 +501,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engine.stop()
 
     res, bw, ceiling = _summarize(runs, weight_bytes, threads, n, args.concurrency, same)
+    res.update(start_up_s=start_up_s, weights=weights,
+               pdserve_weight_bytes=ours.weight_bytes() if ours is not None else float("nan"))
     N = args.concurrency
     print(_report(res, weight_bytes, bw, ceiling, threads, N, same))
     if args.json:
