@@ -129,3 +129,14 @@ def test_figures_from_summary_count_cached_tokens_after_the_first_rounds():
     assert fig["output_tok_s"] == pytest.approx(10.0)
     assert fig["ttft_p50_ms"] == pytest.approx(100.0)
     assert ba.figures_from_summary(bs.summarize(rs[:1], 1.0))["cached_share"] is None
+
+
+def test_the_build_script_refuses_to_build_in_ci(tmp_path):
+    import subprocess
+
+    env = {**os.environ, "CI": "true", "PDSERVE_ANCHORS_CACHE": str(tmp_path)}
+    out = subprocess.run(["bash", str(ba.ROOT / "tools" / "build_llama_server.sh")], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2
+    assert "refusing to build llama.cpp in CI" in out.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing fetched or unpacked
