@@ -403,7 +403,8 @@ def _run_part(ctx: dict, args, part: str, rep: int, runs: dict) -> None:
         for phase in phases:
             fig = serving_run(url, sessions, conc, tok, args.timeout_s)
             runs.setdefault(f"{part} {phase}".strip(), {}).setdefault(system, []).append(fig)
-            print(f" {phase or 'run'} {fig['output_tok_s']:.1f} tok/s", end="", flush=True)
+            failed = f" ({fig['failed']} failed: {'; '.join(fig['errors'])[:200]})" if fig["failed"] else ""
+            print(f" {phase or 'run'} {fig['output_tok_s']:.1f} tok/s{failed}", end="", flush=True)
         print(flush=True)
 
 
