@@ -168,11 +168,16 @@ def pdserve_help() -> str:
 def figures_from_summary(summary: dict[str, Any], first_round_prompt_tokens: int = 0) -> dict[str, Any]:
     """The figures of one bench_serving run (``bs.summarize``'s dict). ``cached_share`` = cached prompt tokens
     over the prompt tokens after each session's first round (``first_round_prompt_tokens`` of them are left
-    out); None when the server reports no cached tokens at all."""
+    out); None when the server reports no cached tokens at all. Every figure is None when no request completed."""
     cached = summary.get("total_cached_tokens")
     later = summary["total_input_tokens"] - first_round_prompt_tokens
-    return {"output_tok_s": summary["output_throughput"], "ttft_p50_ms": summary["ttft_ms"]["p50"],
-            "itl_p50_ms": summary["itl_ms"]["p50"], "e2e_p50_ms": summary["e2e_ms"]["p50"],
+    done = summary["completed"] > 0  # a run where every request failed has no figures, not zeros
+
+    def fig(value: float) -> float | None:
+        return value if done and value == value else None
+
+    return {"output_tok_s": fig(summary["output_throughput"]), "ttft_p50_ms": fig(summary["ttft_ms"]["p50"]),
+            "itl_p50_ms": fig(summary["itl_ms"]["p50"]), "e2e_p50_ms": fig(summary["e2e_ms"]["p50"]),
             "cached_share": (cached / later) if cached and later > 0 else None,
             "completed": summary["completed"], "failed": summary["failed"], "errors": summary["errors"]}
 
@@ -404,7 +409,8 @@ def _run_part(ctx: dict, args, part: str, rep: int, runs: dict) -> None:
             fig = serving_run(url, sessions, conc, tok, args.timeout_s)
             runs.setdefault(f"{part} {phase}".strip(), {}).setdefault(system, []).append(fig)
             failed = f" ({fig['failed']} failed: {'; '.join(fig['errors'])[:200]})" if fig["failed"] else ""
-            print(f" {phase or 'run'} {fig['output_tok_s']:.1f} tok/s{failed}", end="", flush=True)
+            rate = "-" if fig["output_tok_s"] is None else f"{fig['output_tok_s']:.1f}"
+            print(f" {phase or 'run'} {rate} tok/s{failed}", end="", flush=True)
         print(flush=True)
 
 

@@ -140,3 +140,13 @@ def test_the_build_script_refuses_to_build_in_ci(tmp_path):
     assert out.returncode == 2
     assert "refusing to build llama.cpp in CI" in out.stderr
     assert list(tmp_path.iterdir()) == []  # nothing fetched or unpacked
+
+
+def test_a_run_where_every_request_failed_has_no_figures_and_no_ratios():
+    failed = [bs.RequestResult(ok=False, error="HTTP 503: no prefill actor is serving")] * 2
+    fig = ba.figures_from_summary(bs.summarize(failed, 1.0))
+    assert fig["output_tok_s"] is None and fig["ttft_p50_ms"] is None and fig["failed"] == 2
+    rows = ba.ratio_rows({"single cold": {"pdserve": ba.median_figures([fig]),
+                                          ba.LLAMA: ba.median_figures([_fig(80.0, 100.0, 12.5)])}}, ["pdserve"])
+    assert rows[0]["ratios"] == {}
+    assert "2 failed: HTTP 503" in ba.format_table(rows)
