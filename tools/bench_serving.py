@@ -71,6 +71,7 @@ class RequestResult:
     start: float = 0.0           # perf_counter at send, relative to the benchmark start
     text: str = ""
     usage_reported: bool = False
+    cached_tokens: int = 0       # usage.prompt_tokens_details.cached_tokens (prompt tokens the server reused)
 
     @property
     def tpot(self) -> float | None:
@@ -139,6 +140,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float, *, slo_ttft_m
         "duration_s": duration_s,
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
+        "total_cached_tokens": sum(r.cached_tokens for r in ok),
         "request_throughput": len(ok) / duration_s,
         "input_throughput": total_in / duration_s,
         "output_throughput": total_out / duration_s,
@@ -333,6 +335,7 @@ async def send_request(client, base_url: str, endpoint: str, model: str, history
                     res.output_len = int(usage.get("completion_tokens") or 0)
                     if usage.get("prompt_tokens") is not None:
                         res.prompt_len = int(usage["prompt_tokens"])
+                    res.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                 text = _chunk_text(obj, endpoint)
                 if text:
                     now = time.perf_counter()
@@ -467,6 +470,7 @@ def format_report(s: dict[str, Any], title: str = "Serving benchmark") -> str:
     row("Benchmark duration (s):", s["duration_s"])
     row("Total input tokens:", s["total_input_tokens"], "{}")
     row("Total output tokens:", s["total_output_tokens"], "{}")
+    row("Cached prompt tokens (server-reported):", s.get("total_cached_tokens", 0), "{}")
     row("Request throughput (req/s):", s["request_throughput"])
     row("Output token throughput (tok/s):", s["output_throughput"])
     row("Total token throughput (tok/s):", s["total_token_throughput"])
