@@ -338,19 +338,16 @@ def hf_generate(model, prompts: list[list[int]], n: int, pad_id: int) -> tuple[f
     (TTFT s = call to first new token, step gaps in s, new tokens)."""
     import torch
 
+    from tools.bench_engine import left_padded
+
     clock = _StepClock()
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = left_padded(prompts, pad_id)
     with torch.inference_mode():
         t0 = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
                              pad_token_id=pad_id, streamer=clock)
     steps = clock.times[1:]
-    return steps[0] - t0, [b - a for a, b in zip(steps, steps[1:])], int(out[:, width:].numel())
+    return steps[0] - t0, [b - a for a, b in zip(steps, steps[1:])], int(out[:, ids.shape[1]:].numel())
 
 
 def hf_run(model, prompts: list[list[int]], n: int, pad_id: int, batched: bool) -> dict[str, Any]:

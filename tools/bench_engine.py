@@ -173,20 +173,26 @@ def load_hf(path: Path):
                                                              torch_dtype=torch.float32).eval()
 
 
-def hf_run(model, prompts: list[list[int]], n: int, pad_id: int) -> dict[str, Any]:
-    """One ``generate`` over all prompts (left padded when there are several)."""
+def left_padded(prompts: list[list[int]], pad_id: int):
+    """HF's batch input for ``prompts``: (ids ``[B, max_len]`` left padded with ``pad_id``, attention mask)."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def hf_run(model, prompts: list[list[int]], n: int, pad_id: int) -> dict[str, Any]:
+    """One ``generate`` over all prompts (left padded when there are several)."""
+    ids, mask = left_padded(prompts, pad_id)
     with torch.inference_mode():
         t0 = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
                              pad_token_id=pad_id)
         wall = time.perf_counter() - t0
-    new = out[:, width:]
+    new = out[:, ids.shape[1]:]
     return {"wall_s": wall, "tokens": int(new.numel()), "tok_s": new.numel() / wall, "ids": new.tolist()}
 
 

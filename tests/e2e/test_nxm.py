@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import EngineProbe, assert_recovered, cleanup_engine, scrape, start_engine, wait_until
+from tests.conftest import assert_recovered, cleanup_engine, probe_fixture, scrape, start_engine, wait_until
 from tools import inspect as inspect_tool
 
 TICK_S = 0.5
@@ -46,11 +46,7 @@ def engine(tmp_path_factory):
     cleanup_engine(eng)
 
 
-@pytest.fixture(scope="module")
-def probe(engine):
-    p = EngineProbe(engine.engine_id)
-    yield p
-    p.close()
+probe = probe_fixture()
 
 
 def done_by_actor(base_url: str) -> dict[str, float]:

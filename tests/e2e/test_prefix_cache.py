@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.conftest import EngineProbe, assert_recovered, cleanup_engine, scrape, start_engine
+from tests.conftest import assert_recovered, cleanup_engine, probe_fixture, scrape, start_engine
 from tools import inspect
 
 BT = 16
@@ -23,11 +23,7 @@ def engine(tmp_path_factory):
     cleanup_engine(eng)
 
 
-@pytest.fixture(scope="module")
-def probe(engine):
-    p = EngineProbe(engine.engine_id)
-    yield p
-    p.close()
+probe = probe_fixture()
 
 
 def complete(engine, prompt: list[int], **extra) -> dict:
