@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("single", "concurrent", "multiround")
 LLAMA = "llama-server"
 HF = "hf"
-CACHE_DIR = Path(os.environ.get("PDSERVE_ANCHORS_CACHE", Path.home() / ".cache" / "pdserve-anchors"))
+CACHE_DIR = Path(os.environ.get("LLAMA_ANCHORS_CACHE", Path.home() / ".cache" / "pdserve-anchors"))
 BUILD_HINT = "bash tools/build_llama_server.sh   (builds it once into ~/.cache/pdserve-anchors; never in CI)"
 FIGURES = ("output_tok_s", "ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms", "cached_share")
 # ratio names: (figure, pdserve is better when the ratio is) -- tokens/s higher, times lower
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts among {', '.join(PARTS)}")
     ap.add_argument("--reps", type=int, default=1, help="interleaved repetitions (medians reported)")
     ap.add_argument("--llama-server", default="", help="llama-server binary; default: $LLAMA_SERVER, else the "
-                    "newest build under $PDSERVE_ANCHORS_CACHE (~/.cache/pdserve-anchors)")
+                    "newest build under $LLAMA_ANCHORS_CACHE (~/.cache/pdserve-anchors)")
     ap.add_argument("--llama-threads", type=int, default=2, help="llama-server -t and -tb")
     ap.add_argument("--llama-ctx", type=int, default=16384, help="llama-server -c (one KV cache for all slots)")
     ap.add_argument("--pdserve-args", default="", help="flags for every pdserve engine")
@@ -130,7 +130,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def find_llama_server(explicit: str = "") -> Path | None:
     """The llama-server to use: ``explicit``, else ``$LLAMA_SERVER``, else the newest
-    ``$PDSERVE_ANCHORS_CACHE/llama.cpp-*/build/bin/llama-server``; None when that is not an executable file."""
+    ``$LLAMA_ANCHORS_CACHE/llama.cpp-*/build/bin/llama-server``; None when that is not an executable file."""
     given = explicit or os.environ.get("LLAMA_SERVER", "")
     if given:
         return Path(given) if os.access(given, os.X_OK) and Path(given).is_file() else None

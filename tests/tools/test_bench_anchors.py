@@ -134,7 +134,7 @@ def test_figures_from_summary_count_cached_tokens_after_the_first_rounds():
 def test_the_build_script_refuses_to_build_in_ci(tmp_path):
     import subprocess
 
-    env = {**os.environ, "CI": "true", "PDSERVE_ANCHORS_CACHE": str(tmp_path)}
+    env = {**os.environ, "CI": "true", "LLAMA_ANCHORS_CACHE": str(tmp_path)}
     out = subprocess.run(["bash", str(ba.ROOT / "tools" / "build_llama_server.sh")], env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2
