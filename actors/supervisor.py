@@ -241,6 +241,7 @@ class Supervisor:
                 log.exception("unlinking %r failed", segment)
         self._owned.clear()
         unlink_all(self.engine_id)
+        log.info("engine %s: every shared-memory segment unlinked", self.engine_id)
 
     # ---- processes ----------------------------------------------------------------------------------
     def _spawn(self, index: int) -> None:
@@ -321,6 +322,8 @@ class Supervisor:
                               self.processes[index].exitcode)
                 self._restart(index)
             self._kill_hung()
+        log.info("stop requested: draining (new requests get 503; running ones have drain_timeout_s=%.0f s)",
+                 self.layout.config.drain_timeout_s)
         self.drain()
         return 0
 
