@@ -408,10 +408,7 @@ class CudaIpcTransport(KVTransport):
         return (sid, staging, staged, did)
 
     def poll(self, handle: int) -> TransferStatus:
-        try:
-            status = self._handles[handle]
-        except KeyError:
-            raise KeyError(f"unknown KV transfer handle {handle!r} (never issued, or released)") from None
+        status = self._recorded_status(handle)
         if status is TransferStatus.IN_PROGRESS:
             pending = self._pending[handle]
             if pending.done.query():

@@ -50,6 +50,14 @@ class KVTransport(abc.ABC):
     def poll(self, handle: int) -> TransferStatus:
         """Status of transfer ``handle``. Raises KeyError for a handle never issued or already released."""
 
+    def _recorded_status(self, handle: int) -> TransferStatus:
+        """The status last recorded in ``self._handles`` (every implementation keeps one there per issued handle).
+        Raises KeyError naming the handle if it was never issued or was released."""
+        try:
+            return self._handles[handle]
+        except KeyError:
+            raise KeyError(f"unknown KV transfer handle {handle!r} (never issued, or released)") from None
+
     @abc.abstractmethod
     def release(self, handle: int) -> None:
         """Forget transfer ``handle`` (idempotent: releasing an unknown/released handle does nothing)."""
@@ -180,10 +188,7 @@ class CpuShmTransport(KVTransport):
         return handle
 
     def poll(self, handle: int) -> TransferStatus:
-        try:
-            return self._handles[handle]
-        except KeyError:
-            raise KeyError(f"unknown KV transfer handle {handle!r} (never issued, or released)") from None
+        return self._recorded_status(handle)
 
     def release(self, handle: int) -> None:
         self._handles.pop(handle, None)

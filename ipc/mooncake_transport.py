@@ -313,10 +313,7 @@ class MooncakeTransport(KVTransport):
         return handle
 
     def poll(self, handle: int) -> TransferStatus:
-        try:
-            status = self._handles[handle]
-        except KeyError:
-            raise KeyError(f"unknown KV transfer handle {handle!r} (never issued, or released)") from None
+        status = self._recorded_status(handle)
         if status is TransferStatus.IN_PROGRESS:
             future = self._futures[handle]
             if not future.done():
