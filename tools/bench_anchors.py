@@ -44,7 +44,6 @@ import json
 import os
 import random
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -255,9 +254,7 @@ def llama_server(binary: Path, model: Path, threads: int, ctx_tokens: int, slots
     Raises:
         RuntimeError: it exited or was not ready within ``ready_timeout_s`` (the message names its log).
     """
-    import httpx
-
-    from tools.engine_process import _free_port
+    from tools.engine_process import _free_port, healthy, terminate
 
     port = _free_port()
     log_path = f"/tmp/pdserve_anchors_llama_{port}.log"
@@ -273,18 +270,12 @@ def llama_server(binary: Path, model: Path, threads: int, ctx_tokens: int, slots
                 raise RuntimeError(f"llama-server exited ({proc.returncode}); see {log_path}")
             if time.monotonic() - t0 > ready_timeout_s:
                 raise RuntimeError(f"llama-server not ready in {ready_timeout_s} s; see {log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
+            if healthy(base):
+                break
             time.sleep(0.2)
         yield base, time.monotonic() - t0
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        terminate(proc, 30)
 
 
 @contextlib.contextmanager

@@ -28,6 +28,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def healthy(base_url: str) -> bool:
+    """GET ``base_url``/health answered 200 (a refused or timed-out connection is False)."""
+    try:
+        return httpx.get(base_url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM ``proc``, wait up to ``timeout_s``, then SIGKILL and reap it (no zombie left)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 @contextlib.contextmanager
 def engine(*flags: str, env: dict[str, str] | None = None, ready_timeout_s: float = 300.0, cwd: str | None = None):
     """A `pdserve serve` subprocess on a free port with ``flags`` and extra ``env`` (PDSERVE_* from the caller's
@@ -56,20 +74,13 @@ def engine(*flags: str, env: dict[str, str] | None = None, ready_timeout_s: floa
             match = re.search(r"pdserve engine (\w+) serving", open(log_path, errors="replace").read())
             if match:
                 engine_id = match.group(1)
-                try:
-                    if httpx.get(base + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
+                if healthy(base):
+                    break
             time.sleep(0.2)
         else:
             raise RuntimeError(f"engine not ready in {ready_timeout_s} s; see {log_path}")
         yield RunningEngine(base, engine_id, log_path)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        terminate(proc, 60)
         if engine_id:
             unlink_all(engine_id)
