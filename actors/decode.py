@@ -12,7 +12,7 @@ import logging
 import time
 
 from actors.base import DECODE_INDEX, Actor
-from actors.messages import KVReady, parse_frames
+from actors.messages import REMOTE_ACTOR, KVReady, RequestError, parse_frames
 from actors.prefill import publish_prefix_cache
 
 log = logging.getLogger("pdserve.decode")
@@ -37,7 +37,7 @@ class DecodeActor(Actor):
         from gpu.prepared import prepared_model
         from gpu.sampling import Sampler
         from ipc.kv_pool import KVPool
-        from ipc.kv_transport import make_transport
+        from ipc.kv_transport import make_transport, set_transport_host
         from ipc.shm_queue import ShmQueue
         from ipc.state_table import StateTable
         from pdserve.faults import FaultPlan
@@ -51,6 +51,7 @@ class DecodeActor(Actor):
         self.pool.reset()
         self.kv = self.pool.tensor()
         colocated = self.config.colocated
+        set_transport_host(self.config.kv_transport, self.config.kv_transfer_host)
         # one transport per source pool (each prefill actor's; colocated: its own pool, KVReady naming no peer)
         self.transports = {}
         for peer in (-1,) if colocated else topo.prefill:
@@ -67,9 +68,11 @@ class DecodeActor(Actor):
         self.grammars = GrammarCompiler(self.layout.model_path)
         self.grammars.warm_up()   # llguidance's tokenizer view (~2 s), off the loop
         synchronous = self.config.kv_transport == "cpu-shm"   # its copy is done when start_copy returns
-        transfers = FaultyTransfers(PeerTransfers(
+        self.peer_transfers = PeerTransfers(
             {peer: TransportTransfers(t, synchronous, local=colocated) for peer, t in self.transports.items()},
-            synchronous, local=colocated), self.faults)
+            synchronous, local=colocated)
+        self.remote_peers: dict[str, int] = {}   # a prefill node's pool (descriptor JSON) -> its PeerTransfers key
+        transfers = FaultyTransfers(self.peer_transfers, self.faults)
         # colocated: both cores allocate through the prefill core's prefix cache (decode's allocations evict it)
         self.allocator = CachingAllocator(self.pool, enabled=colocated and self.config.prefix_cache)
         self.core = DecodeCore(self.table, self.allocator, transfers, self.outbox, time.monotonic_ns,
@@ -117,12 +120,47 @@ class DecodeActor(Actor):
         from actors.fault_ports import accept_kv_ready, apply_actor_faults
 
         for message in parse_frames(frames, log):
+            if isinstance(message, KVReady) and message.prefill_actor == REMOTE_ACTOR:
+                message = self._remote_ready(message)
+                if message is None:
+                    continue
             if isinstance(message, KVReady):
                 apply_actor_faults(self.faults, self.name, message.request_id, self.table)
                 if accept_kv_ready(self.faults, message, self.table, self.outbox, self.index):
                     self.core.on_message(message)
             elif self.prefill_core is None or not self.prefill_core.on_message(message):
                 log.warning("decode: unexpected message %r dropped", message)
+
+    def _remote_ready(self, ready: KVReady) -> KVReady | None:
+        """A KVReady from a prefill node (its API relayed it): pull from the pool its ``peer`` descriptor names,
+        through one transport per remote pool (opened on first use, kept; a republished pool is a new peer), and
+        send TransferDone back through this node's API. A descriptor that cannot feed this pool fails the request
+        (502) and returns None."""
+        from dataclasses import replace
+
+        from actors.ports import TransportTransfers
+        from ipc.kv_transport import make_transport
+        from ipc.mooncake_transport import PeerDescriptor
+        from ipc.state_table import RequestState
+
+        key = self.remote_peers.get(ready.peer)
+        if key is None:
+            try:
+                transport = make_transport(self.config.kv_transport, self.pool)
+                transport.open_remote(PeerDescriptor.from_json(ready.peer))
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                log.error("request %s: unusable prefill peer: %s", ready.request_id, exc)
+                if self.table.transition(ready.slot, ready.generation, RequestState.FAILED, owner=self.index):
+                    self.outbox.send("api", RequestError(ready.slot, ready.generation, 502, "bad_gateway",
+                                                         f"the prefill node's KV pool cannot feed {self.name}: "
+                                                         f"{exc}"))
+                return None
+            key = -100 - len(self.remote_peers)   # below every local index and REMOTE_ACTOR
+            self.remote_peers[ready.peer] = key
+            self.transports[key] = transport
+            self.peer_transfers.by_peer[key] = TransportTransfers(transport, synchronous=False)
+            self.queues[key] = self.queues["api"]   # its TransferDone: through the API to the prefill node
+        return replace(ready, prefill_actor=key)
 
     def _prefill_here(self) -> None:
         """Colocated mode: the prefill core's next packed forward pass (one per loop iteration, between decode

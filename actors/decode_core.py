@@ -226,7 +226,7 @@ class DecodeCore:
                          "transfer_s": (self.clock() - entry.transfer_start_ns) / 1e9,
                          "transfer_bytes": 0 if self.transfers.local else len(ready.src_block_ids) * self.block_bytes,
                          "cached_tokens": ready.cached_tokens}
-        self.outbox.send(ready.prefill_actor if ready.prefill_actor >= 0 else "prefill", TransferDone(*entry.key),
+        self.outbox.send("prefill" if ready.prefill_actor == -1 else ready.prefill_actor, TransferDone(*entry.key),
                          ready.request_id)
         if self.table.transition(*entry.key, S.DECODE_WAITING, owner=self.actor_index):
             self.decode_waiting.append(entry)

@@ -10,6 +10,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+# ``PrefillRequest.decode_actor`` / ``KVReady.prefill_actor`` value for the other side on another node (role
+# prefill or decode): the message goes to this node's API, which carries it across (api/node_api.py)
+REMOTE_ACTOR = -2
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -47,7 +51,8 @@ class PrefillRequest:
     # further rows of an ``n > 1`` request: ``[[slot, generation], ...]``; they share this one prefill (one KV
     # computation, one set of prefill blocks) and each gets its own first token and its own decode sequence
     children: list[list[int]] = dataclasses.field(default_factory=list)
-    decode_actor: int = -1   # the decode actor (actor-table index) the router chose; -1 = the outbox's "decode"
+    decode_actor: int = -1   # the decode actor (actor-table index) the router chose; -1 = the outbox's "decode";
+    # REMOTE_ACTOR = a decode node elsewhere (KVReady to the API)
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,8 @@ class KVReady:
     prompt_ids: list[int] = dataclasses.field(default_factory=list)   # sent only for a repetition penalty
     prefill_actor: int = -1   # the prefill actor holding the blocks (its pool, its TransferDone); -1 = "prefill"
     cached_tokens: int = 0    # leading prompt tokens whose KV came from prefill's prefix cache (not recomputed)
+    # across nodes (prefill_actor REMOTE_ACTOR): the source pool's ipc.mooncake_transport.PeerDescriptor JSON
+    peer: str = ""
 
 
 # ---- to the API -------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ def parse_devices(text: str, field: str) -> tuple[int, ...]:
 
 
 def role_counts(config: EngineConfig) -> tuple[int, int]:
-    """``(prefill actors, decode actors)`` (colocated: no prefill actor). Raises ConfigError for device lists
+    """``(prefill actors, decode actors)`` (colocated or ``role`` decode: no prefill actor; ``role`` prefill: no
+    decode actor). Raises ConfigError for device lists
     with ``device=cpu``, a list whose length contradicts an explicit actor count, or prefill devices in colocated
     mode."""
     counts = []
@@ -51,6 +52,10 @@ def role_counts(config: EngineConfig) -> tuple[int, int]:
         if parse_devices(config.prefill_devices, "prefill_devices"):
             raise ConfigError("config field prefill_devices: colocated mode has no prefill actor",
                               param="prefill_devices")
+        counts[0] = 0
+    if config.role == "prefill":   # a prefill node: its KVReady goes to a decode node through the API
+        counts[1] = 0
+    elif config.role == "decode":   # a decode node: KVReady arrives from a prefill node through the API
         counts[0] = 0
     return counts[0], counts[1]
 

@@ -10,7 +10,7 @@ import logging
 import time
 
 from actors.base import PREFILL_INDEX, Actor
-from actors.messages import parse_frames
+from actors.messages import REMOTE_ACTOR, parse_frames
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -46,7 +46,7 @@ class PrefillActor(Actor):
         from gpu.prepared import prepared_model
         from gpu.sampling import Sampler
         from ipc.kv_pool import KVPool
-        from ipc.kv_transport import publish_source
+        from ipc.kv_transport import publish_source, set_transport_host
         from ipc.shm_queue import ShmQueue
         from ipc.state_table import StateTable
         from pdserve.faults import FaultPlan
@@ -62,11 +62,13 @@ class PrefillActor(Actor):
         self.allocator = CachingAllocator(self.pool, enabled=self.config.prefix_cache)
         self.kv = self.pool.tensor()
         # mooncake: register the pool with this process's transfer engine, publish where it lives (else None)
+        set_transport_host(self.config.kv_transport, self.config.kv_transfer_host)
         self.kv_source = publish_source(self.config.kv_transport, self.pool)
         self.inbox = ShmQueue.attach(self.layout.segment(topo.segment("q", self.index)))
         self.faults = FaultPlan(self.config.faults, self.name)
         queues = {j: ShmQueue.attach(self.layout.segment(topo.segment("q", j))) for j in topo.decode}
         queues["api"] = ShmQueue.attach(self.layout.segment("q_api"))
+        queues[REMOTE_ACTOR] = queues["api"]   # a prefill node: KVReady for a decode node goes through the API
         self.outbox = FaultyOutbox(QueueOutbox(queues, self.queue_put_timeout_s), self.faults)
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(self.layout.model_path)

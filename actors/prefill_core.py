@@ -249,7 +249,7 @@ class PrefillCore:
                 self._free(key)
                 continue
             history = request.prompt_ids if sampling.repetition_penalty != 1.0 else []
-            dest = request.decode_actor if request.decode_actor >= 0 else "decode"
+            dest = "decode" if request.decode_actor == -1 else request.decode_actor
             self.outbox.send(dest, KVReady(key[0], key[1], request.request_id, work.blocks,
                                            len(request.prompt_ids), token, sampling, queue_s, prefill_s,
                                            logprobs, history, self.handoff_from, work.cached_tokens),

@@ -37,8 +37,9 @@ def queue_producers(queue: str, topo, colocated: bool) -> tuple[str, ...]:
         return ("prefill", "decode", "monitor", "supervisor")
     if queue.startswith("q_prefill"):   # the api's PrefillRequest; every decode actor's TransferDone
         return ("api",) + tuple(topo.names[i] for i in topo.decode)
-    # a decode inbox: KVReady from every prefill actor (colocated: the api's PrefillRequest)
-    return ("api",) if colocated else tuple(topo.names[i] for i in topo.prefill)
+    # a decode inbox: KVReady from every prefill actor (colocated: the api's PrefillRequest; a decode node: the
+    # api's KVReady from a prefill node)
+    return ("api",) if colocated or not topo.prefill else tuple(topo.names[i] for i in topo.prefill)
 
 
 def queue_mode(producers: tuple[str, ...]) -> str:

@@ -306,12 +306,14 @@ def parse_request(parser: RequestParser, kind: str, raw: bytes, request_id: str 
         raise InvalidRequestError(f"the request could not be validated ({type(exc).__name__})") from None
 
 
-def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics, api_keys: tuple[str, ...] = ()):
-    """The ASGI app: the routes, behind api.middleware's API-key check (``api_keys``: none = open) and
-    ``x-request-id`` on every response."""
+def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics, api_keys: tuple[str, ...] = (),
+              extra_routes: tuple = ()):
+    """The ASGI app: the routes (plus ``extra_routes``, Starlette ``Route``s: a node's ``/internal/*``), behind
+    api.middleware's API-key check (``api_keys``: none = open) and ``x-request-id`` on every response."""
     from api.middleware import ApiKeyMiddleware, RequestIdMiddleware
 
-    return RequestIdMiddleware(ApiKeyMiddleware(Routes(client, tokenizer, parser, metrics).app(), api_keys))
+    app = Routes(client, tokenizer, parser, metrics).app(extra_routes)
+    return RequestIdMiddleware(ApiKeyMiddleware(app, api_keys))
 
 
 class Routes:
@@ -495,8 +497,8 @@ class Routes:
         log.exception("unhandled error on %s", request.url.path, exc_info=exc)
         return JSONResponse(error_body("internal error; see the server log", "internal_error"), status_code=500)
 
-    def app(self) -> Starlette:
-        routes = [
+    def app(self, extra_routes: tuple = ()) -> Starlette:
+        routes = [*extra_routes,
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.base import EngineLayout, topology
-from actors.messages import PrefillRequest, PromptLogprobs, RequestError, TokenBatch, parse_frames, to_wire
+from actors.messages import (REMOTE_ACTOR, KVReady, PrefillRequest, PromptLogprobs, RequestError, TokenBatch,
+                             TransferDone, parse_frames, to_wire)
 from api.protocol import GenerationRequest
 from pdserve.errors import (EngineOverloadedError, InvalidRequestError, MessageTooLargeError, PdserveError,
                             QueueFullError, StateTableFullError)
@@ -31,7 +33,8 @@ class RequestHandle:
     events arrive on.
 
     Events: ``("token", token_id, finish_reason|None, logprobs|None)`` (logprobs on the wire form ``[logprob,
-    [[token_id, logprob], ...]]``) or ``("error", PdserveError)``.
+    [[token_id, logprob], ...]]``) or ``("error", PdserveError)``; on a prefill node ``("kv_ready", KVReady)``,
+    on a decode node ``("transfer_done",)`` (api/node_api.py carries both to the router).
     """
 
     request: GenerationRequest
@@ -49,6 +52,7 @@ class RequestHandle:
     decode_actor: int = -1
     reserve_blocks: int = 0        # decode blocks the request will reserve (prompt + max_tokens)
     prefilled: bool = False        # a token arrived: its prompt is off the prefill queue, its blocks reserved
+    handed_across: bool = False    # a prefill node: its KVReady went to the router; the row ends by its messages
 
     @property
     def key(self) -> tuple[int, int]:
@@ -130,9 +134,18 @@ class EngineClient:
             if handle is None:
                 self.stale_messages[message.kind] += 1
                 return
+            if handle.handed_across:   # nobody waits on it here any more (a deadline after the handoff)
+                self.finish(handle)
+                return
             error = PdserveError(message.message)
             error.http_status, error.error_type = message.http_status, message.error_type
             handle.events.put_nowait(("error", error))
+        elif isinstance(message, (KVReady, TransferDone)):   # node roles: for the router (api/node_api.py)
+            handle = self.handles.get((message.slot, message.generation))
+            if handle is None:
+                self.stale_messages[message.kind] += 1
+                return
+            handle.events.put_nowait(("kv_ready", message) if isinstance(message, KVReady) else ("transfer_done",))
 
     # ---- admission and completion -------------------------------------------------------------------
     def num_active(self) -> int:
@@ -146,7 +159,7 @@ class EngineClient:
         counts = {i: self.count_drift for i in self.topology.prefill + self.topology.decode}
         for handle in self.handles.values():
             for index in (handle.prefill_actor, handle.decode_actor):
-                if index >= 0:
+                if index >= 0:   # REMOTE_ACTOR: the other side is another node's
                     counts[index] += 1
         return counts
 
@@ -183,7 +196,32 @@ class EngineClient:
                              block_tokens=self.config.kv_block_tokens)
         return [load(i) for i in self.topology.prefill], [load(j) for j in self.topology.decode]
 
-    def submit(self, request: GenerationRequest, timeout_s: float | None = None) -> list[RequestHandle]:
+    def _choose(self, request: GenerationRequest, remote_decode: bool) -> tuple[int, int]:
+        """``(prefill actor, decode actor)`` for a request (api/router.py); prefill -1 = colocated, decode
+        REMOTE_ACTOR = the router's decode node. Raises EngineOverloadedError (none serving), InvalidRequestError
+        for a prompt sent to a node of one side (only ``pdserve router`` talks to those)."""
+        from api.router import pick_prefill, route
+
+        role = self.config.role
+        if (role == "prefill") != remote_decode or role == "decode":
+            raise InvalidRequestError(f"this node runs the {role} side only; send requests to `pdserve router`"
+                                      if role != "both" else "this engine runs both sides; it takes no "
+                                      "request for a remote decode node")
+        prefill_loads, decode_loads = self.actor_loads()
+        if remote_decode:
+            return pick_prefill(prefill_loads, request.prompt_ids).index, REMOTE_ACTOR
+        chosen = route(prefill_loads, decode_loads, request.prompt_ids, request.sampling.max_tokens)
+        return -1 if chosen.prefill is None else chosen.prefill, chosen.decode
+
+    def _deadline_s(self, request: GenerationRequest, timeout_s: float | None) -> float:
+        """The request's timeout: ``timeout_s``, else the request's own, else ``request_timeout_s``; capped at it."""
+        if timeout_s is None:
+            timeout_s = getattr(request, "timeout_s", None)
+        limit_s = self.config.request_timeout_s
+        return limit_s if timeout_s is None else min(float(timeout_s), limit_s)
+
+    def submit(self, request: GenerationRequest, timeout_s: float | None = None,
+               remote_decode: bool = False) -> list[RequestHandle]:
         """Allocate the request's rows (QUEUED; one per choice, ``request.n``) and send it to the prefill actor.
 
         The ``n`` rows travel in one PrefillRequest: the prompt is prefilled once and each row gets its own
@@ -208,15 +246,8 @@ class EngineClient:
         if len(self.handles) + n > self.config.max_queued_requests:
             raise EngineOverloadedError(f"{len(self.handles)} sequences in flight, {n} more asked for "
                                         f"(max_queued_requests={self.config.max_queued_requests}); retry")
-        if timeout_s is None:
-            timeout_s = getattr(request, "timeout_s", None)
-        limit_s = self.config.request_timeout_s
-        timeout_s = limit_s if timeout_s is None else min(float(timeout_s), limit_s)
-        from api.router import route
-
-        prefill_loads, decode_loads = self.actor_loads()
-        chosen = route(prefill_loads, decode_loads, request.prompt_ids, request.sampling.max_tokens)
-        prefill_actor = -1 if chosen.prefill is None else chosen.prefill
+        timeout_s = self._deadline_s(request, timeout_s)
+        prefill_actor, decode_actor = self._choose(request, remote_decode)
         block_tokens = self.config.kv_block_tokens
         reserve = -(-(len(request.prompt_ids) + request.sampling.max_tokens) // block_tokens)
         now_ns = time.monotonic_ns()
@@ -226,10 +257,10 @@ class EngineClient:
             for index in range(n):
                 slot, generation = self.table.allocate(request.request_id, prompt_tokens=len(request.prompt_ids),
                                                        deadline_ns=deadline_ns, prefill_actor=prefill_actor,
-                                                       decode_actor=chosen.decode)
+                                                       decode_actor=decode_actor)
                 self.table.update(slot, generation, owner=self.index)
                 handle = RequestHandle(request, slot, generation, index, deadline_s=time.monotonic() + timeout_s,
-                                       prefill_actor=prefill_actor, decode_actor=chosen.decode,
+                                       prefill_actor=prefill_actor, decode_actor=decode_actor,
                                        reserve_blocks=reserve)
                 self.handles[handle.key] = handle
                 handles.append(handle)
@@ -238,11 +269,11 @@ class EngineClient:
             raise EngineOverloadedError(f"request table full: {exc.message}") from None
         try:
             first = handles[0]
-            colocated = chosen.prefill is None   # the decode actor prefills itself: KVReady stays inside it
+            colocated = prefill_actor < 0   # the decode actor prefills itself: KVReady stays inside it
             message = PrefillRequest(first.slot, first.generation, request.request_id, request.prompt_ids,
                                      request.sampling, [[h.slot, h.generation] for h in handles[1:]],
-                                     -1 if colocated else chosen.decode)
-            self.intake[chosen.decode if colocated else chosen.prefill].put(
+                                     -1 if colocated else decode_actor)
+            self.intake[decode_actor if colocated else prefill_actor].put(
                 to_wire(message), timeout_s=self.config.admission_put_timeout_s)
         except QueueFullError:
             self.finish_all(handles)
@@ -256,6 +287,61 @@ class EngineClient:
             self.count_drift += int(drift.number("count_delta"))
         self.publish_routed()
         return handles
+
+    def admit_prefilled(self, request: GenerationRequest, ready: KVReady, timeout_s: float | None = None
+                        ) -> RequestHandle:
+        """A decode node: admit a request a prefill node prefilled (``ready``: its KVReady with the source pool's
+        descriptor in ``peer``). Its row starts at BOOTSTRAP on the decode actor api/router.py picks; the KVReady,
+        renamed to that row, goes to the actor's inbox. Raises InvalidRequestError (not a decode node, or no
+        ``peer``), EngineOverloadedError (none serving, table or inbox full)."""
+        from api.router import pick_decode
+
+        if self.config.role != "decode":
+            raise InvalidRequestError(f"this node runs role {self.config.role}; only a decode node takes prefilled "
+                                      "requests")
+        if not ready.peer:
+            raise InvalidRequestError("a prefilled request needs the prefill pool's descriptor ('peer')")
+        if len(self.handles) + 1 > self.config.max_queued_requests:
+            raise EngineOverloadedError(f"{len(self.handles)} sequences in flight; retry")
+        timeout_s = self._deadline_s(request, timeout_s)
+        decode_actor = pick_decode(self.actor_loads()[1], ready.num_tokens, ready.sampling.max_tokens).index
+        try:
+            slot, generation = self.table.allocate(
+                ready.request_id, prompt_tokens=ready.num_tokens, decode_actor=decode_actor, state=self.S.BOOTSTRAP,
+                deadline_ns=time.monotonic_ns() + int(timeout_s * 1e9))
+        except StateTableFullError as exc:
+            raise EngineOverloadedError(f"request table full: {exc.message}") from None
+        self.table.update(slot, generation, owner=self.index)
+        reserve = -(-(ready.num_tokens + ready.sampling.max_tokens) // self.config.kv_block_tokens)
+        handle = RequestHandle(request, slot, generation, deadline_s=time.monotonic() + timeout_s,
+                               decode_actor=decode_actor, reserve_blocks=reserve)
+        self.handles[handle.key] = handle
+        message = dataclasses.replace(ready, slot=slot, generation=generation, prefill_actor=REMOTE_ACTOR)
+        try:
+            self.intake[decode_actor].put(to_wire(message), timeout_s=self.config.admission_put_timeout_s)
+        except (QueueFullError, MessageTooLargeError) as exc:
+            self.finish(handle)
+            raise EngineOverloadedError(f"decode actor {decode_actor}'s inbox refused the request ({exc}); retry") \
+                from None
+        self.publish_routed()
+        return handle
+
+    def remote_transfer_done(self, slot: int, generation: int) -> bool:
+        """A prefill node: the decode node holds its copy of row ``(slot, generation)``'s KV. The row ends
+        FINISHED here, its prefill actor is woken to free the blocks (it also frees on seeing the row final), the
+        row is released. Returns False for a row this API no longer holds (already ended: a late message)."""
+        handle = self.handles.get((slot, generation))
+        if handle is None:
+            self.stale_messages["transfer_done"] += 1
+            return False
+        self.table.transition(slot, generation, self.S.FINISHED, owner=self.index)
+        try:
+            self.intake[handle.prefill_actor].put(to_wire(TransferDone(slot, generation)),
+                                                  timeout_s=self.config.admission_put_timeout_s)
+        except QueueFullError:   # the wake-up only: the actor frees on seeing the row final anyway
+            log.warning("prefill actor %d inbox full: its TransferDone wake-up is dropped", handle.prefill_actor)
+        self.finish(handle)
+        return True
 
     def stop_generation(self, handle: RequestHandle) -> None:
         """A stop string matched: the request is done; the decode actor frees its blocks."""
@@ -276,18 +362,23 @@ class EngineClient:
             self.finish(handle)
 
     async def next_event(self, handle: RequestHandle) -> tuple:
-        """Wait for the request's next event, never past its deadline.
+        """The request's next event, never past its deadline (``wait_event``)."""
+        return await wait_event(handle, self.config.request_timeout_s)
 
-        Raises:
-            PdserveError (504): the deadline passed with no event (the monitor should have fired first).
-        """
-        remaining = handle.deadline_s - time.monotonic()
-        try:
-            return await asyncio.wait_for(handle.events.get(), timeout=max(remaining, 0.0) + 1.0)
-        except asyncio.TimeoutError:
-            from pdserve.errors import RequestTimeoutError
 
-            limit = handle.request.timeout_s or self.config.request_timeout_s
-            raise RequestTimeoutError(f"request {handle.request.request_id} passed its deadline of "
-                                      f"{min(limit, self.config.request_timeout_s)} s (request_timeout_s or the "
-                                      "request's 'timeout')") from None
+async def wait_event(handle: RequestHandle, request_timeout_s: float) -> tuple:
+    """Wait for ``handle``'s next event, never past its deadline.
+
+    Raises:
+        PdserveError (504): the deadline passed with no event (the monitor should have fired first).
+    """
+    remaining = handle.deadline_s - time.monotonic()
+    try:
+        return await asyncio.wait_for(handle.events.get(), timeout=max(remaining, 0.0) + 1.0)
+    except asyncio.TimeoutError:
+        from pdserve.errors import RequestTimeoutError
+
+        limit = handle.request.timeout_s or request_timeout_s
+        raise RequestTimeoutError(f"request {handle.request.request_id} passed its deadline of "
+                                  f"{min(limit, request_timeout_s)} s (request_timeout_s or the "
+                                  "request's 'timeout')") from None

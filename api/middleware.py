@@ -18,7 +18,7 @@ from pdserve.errors import PdserveError
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
-PROTECTED_PREFIX = "/v1/"   # /health and /metrics stay open (as vLLM does)
+PROTECTED_PREFIX = ("/v1/", "/internal/")   # /health and /metrics stay open (as vLLM does)
 
 
 def _header(scope: dict, name: bytes) -> str | None:
@@ -58,7 +58,8 @@ class RequestIdMiddleware:
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` required on ``/v1/*`` when keys are configured.
+    """``Authorization: Bearer <key>`` required on ``/v1/*`` and the node-to-router ``/internal/*`` routes when
+    keys are configured.
 
     Keys are compared in constant time: the SHA-256 digests of the offered and of every configured key go through
     ``hmac.compare_digest`` (equal lengths whatever the offered key's length), all of them, without an early

@@ -256,6 +256,18 @@ def make_transport(kind: str, local_pool: KVPool) -> KVTransport:
     return factory(local_pool)
 
 
+def set_transport_host(kind: str, host: str) -> None:
+    """Start ``kind``'s network engine of this process listening on ``host`` (mooncake: its TransferEngine,
+    whose session id peers dial); a no-op for the local transports. Call it before the first transport or source
+    of the process is made. Raises ImportError if the optional library is missing, RuntimeError if the engine
+    does not start."""
+    if kind == "mooncake":
+        _load(kind)
+        from ipc.mooncake_transport import process_engine
+
+        process_engine(host)
+
+
 def publish_source(kind: str, pool: KVPool) -> object | None:
     """Run ``kind``'s source-side start-up on the prefill actor's ``pool`` (mooncake: register it, publish
     its descriptor); returns the object to ``close`` at exit, or None for transports without one (cpu-shm).

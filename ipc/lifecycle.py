@@ -59,7 +59,7 @@ LIFECYCLE: tuple[StateSpec, ...] = (
     StateSpec(S.PREFILLING, "prefill", "prefill_timeout_s", "own", ("running",), ("prefill",), ("prefill",),
               (S.BOOTSTRAP,) + _ENDINGS, "prompt forward pass running; each finished chunk renews the deadline"),
     StateSpec(S.BOOTSTRAP, "bootstrap", "bootstrap_timeout_s", "queue", ("prefill_inflight",),
-              ("prefill", "decode"), ("prefill",), (S.TRANSFERRING,) + _ENDINGS,
+              ("prefill", "decode"), ("prefill", "api"), (S.TRANSFERRING, S.FINISHED) + _ENDINGS,
               "prefill holds the KV and sent KVReady; decode reserves blocks for prompt + max_tokens"),
     StateSpec(S.TRANSFERRING, "transfer", "inflight_timeout_s", "own", ("prefill_inflight", "decode_transfer"),
               ("prefill", "decode"), ("decode",), (S.DECODE_WAITING,) + _ENDINGS,
@@ -69,7 +69,8 @@ LIFECYCLE: tuple[StateSpec, ...] = (
               "decode holds its copy of the KV (prefill frees its own blocks); waiting for a batch slot"),
     StateSpec(S.DECODING, "decode", "decode_stall_timeout_s", "own", ("running",), ("decode",), ("decode",),
               (S.FINISHED,) + _ENDINGS, "in the running batch; each token renews the deadline"),
-    StateSpec(S.FINISHED, None, None, None, (), (), ("decode",), (), "EOS, stop token or max_tokens"),
+    StateSpec(S.FINISHED, None, None, None, (), (), ("decode", "api"), (),
+              "EOS, stop token or max_tokens; on a prefill node: the decode node holds its copy of the KV"),
     StateSpec(S.ABORTED, None, None, None, (), (), ("api", "supervisor"), (),
               "the client left, a stop string ended it, or the engine stopped"),
     StateSpec(S.TIMED_OUT, None, None, None, (), (), ("monitor",), (), "a stage or request deadline passed (504)"),
@@ -77,6 +78,9 @@ LIFECYCLE: tuple[StateSpec, ...] = (
               "an actor failed it, or its actor died or hung (503)"),
 )
 
+# the states allocate() may start a row in: QUEUED (a new request) and BOOTSTRAP (a decode node admits a request a
+# prefill node has prefilled: its KVReady arrived with it)
+ALLOCATE_STATES: frozenset[RequestState] = frozenset({S.QUEUED, S.BOOTSTRAP})
 SPEC: dict[RequestState, StateSpec] = {spec.state: spec for spec in LIFECYCLE}
 ALLOWED: dict[RequestState, frozenset[RequestState]] = {spec.state: frozenset(spec.next) for spec in LIFECYCLE}
 FINAL_STATES: frozenset[RequestState] = frozenset(s.state for s in LIFECYCLE if s.state is not S.FREE and not s.next)

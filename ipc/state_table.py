@@ -63,7 +63,7 @@ import numpy as np
 
 from ipc import _shm
 from ipc._shm import RobustLock
-from ipc.lifecycle import ALLOWED, FINAL_STATES, LIVE_STATES, RequestState, check_transition  # noqa: F401
+from ipc.lifecycle import ALLOCATE_STATES, ALLOWED, FINAL_STATES, LIVE_STATES, RequestState, check_transition  # noqa: F401
 from pdserve.errors import StateTableFullError
 
 
@@ -223,8 +223,9 @@ class StateTable(_shm.ShmSegment):
     # ------------------------------------------------------------------ writers
 
     def allocate(self, request_id: str, *, prompt_tokens: int, deadline_ns: int = 0, prefill_actor: int = -1,
-                 decode_actor: int = -1) -> tuple[int, int]:
-        """Take a FREE row for ``request_id`` in state QUEUED; returns ``(slot, generation)``.
+                 decode_actor: int = -1, state: RequestState = RequestState.QUEUED) -> tuple[int, int]:
+        """Take a FREE row for ``request_id`` in ``state`` (QUEUED; BOOTSTRAP for a decode node admitting a
+        request prefilled on another node: ``ipc.lifecycle.ALLOCATE_STATES``); returns ``(slot, generation)``.
 
         ``prefill_actor`` / ``decode_actor``: the actor indices the router chose (-1 = none), kept for the row's
         life.
@@ -234,6 +235,9 @@ class StateTable(_shm.ShmSegment):
         PermissionError if read-only, ShmLockTimeoutError if the lock is held by a live process too long.
         """
         self._writable()
+        if state not in ALLOCATE_STATES:
+            raise ValueError(f"a row cannot start in {RequestState(state).name}; allocate() starts one in "
+                             f"{', '.join(sorted(s.name for s in ALLOCATE_STATES))}")
         rid = request_id.encode("ascii")[:REQUEST_ID_BYTES]  # UnicodeEncodeError is a ValueError
         c = self._c
         self._acquire()
@@ -270,7 +274,7 @@ class StateTable(_shm.ShmSegment):
                 rec["decode_actor"] = decode_actor
                 rec["request_id"] = rid
                 rec["generation"] = gen
-                rec["state"] = RequestState.QUEUED  # last: a crash before this leaves the row FREE
+                rec["state"] = state  # last: a crash before this leaves the row FREE
             finally:
                 self._end_write(slot)
             U4.pack_into(self._mm, OFF_CURSOR, (slot + 1) % self.num_rows)

@@ -84,6 +84,12 @@ class EngineConfig:
     kv_transport: str = _setting("cpu-shm", "KV handoff transport: cpu-shm (one host, shared memory) or mooncake "
                                  "(the Mooncake Transfer Engine over TCP; pip install .[mooncake], see README)",
                                  choices=("cpu-shm", "mooncake"))
+    role: str = _setting("both", "what this node runs: both = prefill and decode actors (one host); prefill or "
+                         "decode = one side of a multi-node deployment, reached by `pdserve router` (its KV goes "
+                         "over kv_transport=mooncake)", choices=("both", "prefill", "decode"))
+    kv_transfer_host: str = _setting("127.0.0.1", "address this node's Mooncake transfer engine listens on and "
+                                     "advertises (kv_transport=mooncake): the node's data-network address when "
+                                     "prefill and decode run on different hosts")
     autotune_cache: str = _setting("", "target_ctas autotune cache file (JSON; see docs/gpu.md); empty = "
                                    "~/.cache/pdserve/autotune.json")
     # KV cache and batching
@@ -246,6 +252,12 @@ def load_config(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] |
 def _check_kv_transport(config: EngineConfig) -> None:
     """Raises ConfigError if the chosen KV transport cannot run (its optional library missing, or mooncake
     asked for in colocated mode, where there is no handoff to carry)."""
+    if config.role != "both" and config.kv_transport != "mooncake":
+        raise ConfigError(f"config field role={config.role!r}: a node of one side moves KV across hosts; give "
+                          "kv_transport=mooncake", param="role")
+    if config.role != "both" and config.colocated:
+        raise ConfigError(f"config field role={config.role!r}: colocated mode runs both sides on one node",
+                          param="role")
     if config.kv_transport != "mooncake":
         return
     if config.colocated:

@@ -44,11 +44,20 @@ def test_the_lifecycle_map_matches_the_design():
     assert LIVE_STATES == set(HAPPY_PATH[:-1])
     for a, b in zip(HAPPY_PATH, HAPPY_PATH[1:]):
         assert b in ALLOWED[a]
-    for s in LIVE_STATES:
-        assert {S.ABORTED, S.TIMED_OUT, S.FAILED} <= ALLOWED[s] and len(ALLOWED[s]) == 4
+    for s in LIVE_STATES:   # one way forward; BOOTSTRAP also ends FINISHED on a prefill node (handed across)
+        assert {S.ABORTED, S.TIMED_OUT, S.FAILED} <= ALLOWED[s] and len(ALLOWED[s]) == 4 + (s == S.BOOTSTRAP)
+    assert S.FINISHED in ALLOWED[S.BOOTSTRAP]
     for s in FINAL_STATES | {S.FREE}:
         assert ALLOWED[s] == frozenset()
     assert [is_final(s) for s in S] == [s in FINAL_STATES for s in S]
+
+
+def test_a_row_starts_queued_or_at_bootstrap_and_nowhere_else(table):
+    slot, gen = table.allocate("remote-1", prompt_tokens=5, state=S.BOOTSTRAP, decode_actor=1)
+    assert table.row(slot)["state"] == S.BOOTSTRAP and table.transition(slot, gen, S.TRANSFERRING)
+    for state in (S.FREE, S.PREFILLING, S.DECODING, S.FINISHED):
+        with pytest.raises(ValueError, match="cannot start in"):
+            table.allocate("nope", prompt_tokens=1, state=state)
 
 
 def test_a_request_walks_the_happy_path_with_fresh_stamps(table):

@@ -1,0 +1,364 @@
+"""`pdserve router`'s view of the nodes: the EngineClient interface api/app.py serves from, over the nodes'
+``/internal/*`` routes (api/node_api.py) instead of shared memory.
+
+Per request: ``POST /internal/prefill`` on a prefill node (it answers once every choice's KV is ready, with the
+KVReady frames and the source pool's Mooncake descriptor), then per choice a streamed ``POST /internal/decode``
+on a decode node (it pulls the KV straight from the prefill node over Mooncake and streams tokens back); the
+decode node's ``transfer_done`` line is relayed to the prefill node as ``POST /internal/transfer_done`` (it frees
+the blocks), a request that ends any other way before that gets ``POST /internal/abort`` there.
+
+Deadlines: each node's monitor enforces the stages it holds; the router enforces the whole request's deadline
+(``next_event``) and watches the nodes: each is polled every ``monitor_tick_s`` (``GET /internal/status``); one
+that has not answered for ``actor_hang_timeout_s`` is marked dead and its requests fail at once (503), the other
+node's part of them is aborted. Every call has a timeout; the HTTP client reconnects by itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from api.engine_client import RequestHandle, wait_event
+from api.node_api import request_wire
+from api.protocol import GenerationRequest
+from pdserve.errors import EngineOverloadedError, InvalidRequestError, PdserveError
+
+log = logging.getLogger("pdserve.router")
+
+
+def node_error(message: str, http_status: int = 503, error_type: str = "service_unavailable") -> PdserveError:
+    error = PdserveError(message)
+    error.http_status, error.error_type = http_status, error_type
+    return error
+
+
+@dataclass
+class Node:
+    """One node as the router sees it. ``in_flight``: the router's own count of its requests there."""
+
+    url: str
+    role: str               # "prefill" or "decode"
+    healthy: bool = False   # answered /internal/status with healthy true at the last poll
+    dead: bool = False      # no answer for actor_hang_timeout_s
+    last_ok: float = 0.0    # time.monotonic() of the last answer (0 = never)
+    last_error: str = ""
+    engine_id: str = ""
+    reported_active: int = 0
+    kv_blocks_free: int = 0
+    in_flight: int = 0
+    mismatch_ticks: int = 0
+    mismatches_total: int = 0
+
+    def view(self, now: float) -> dict[str, Any]:
+        return {"url": self.url, "role": self.role, "healthy": self.healthy and not self.dead, "dead": self.dead,
+                "engine_id": self.engine_id, "last_ok_age_s": round(now - self.last_ok, 3) if self.last_ok else None,
+                "last_error": self.last_error, "in_flight": self.in_flight, "reported_active": self.reported_active,
+                "kv_blocks_free": self.kv_blocks_free, "count_mismatches_total": self.mismatches_total}
+
+
+@dataclass
+class Flight:
+    """One choice of a request on its way through two nodes."""
+
+    handle: RequestHandle
+    prefill: Node
+    decode: Node
+    prefill_row: list[int] | None = None   # [slot, generation] on the prefill node once it answered
+    transfer_done: bool = False            # the prefill node was told (or the row is gone there)
+    stage: str = "prefill"                 # prefill -> decode -> done (for the router's view)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    ended: bool = False
+
+
+def pick_node(nodes: list[Node], role: str) -> Node:
+    """The serving node of ``role`` with the fewest of the router's requests in flight (then list order).
+    Raises EngineOverloadedError when none is serving."""
+    serving = [n for n in nodes if n.role == role and n.healthy and not n.dead]
+    if not serving:
+        raise EngineOverloadedError(f"no {role} node is serving (unreachable, dead or unhealthy); retry")
+    return min(serving, key=lambda n: n.in_flight)
+
+
+class RouterClient:
+    """What api/app.py's Routes need of an engine (``submit``, ``next_event``, ``finish``, ``finish_all``,
+    ``stop_generation``, ``num_active``, ``config``), over prefill and decode nodes."""
+
+    def __init__(self, config, prefill_urls: list[str], decode_urls: list[str], api_key: str = ""):
+        if not prefill_urls or not decode_urls:
+            raise InvalidRequestError("the router needs at least one --prefill-node and one --decode-node")
+        self.config = config
+        self.nodes = [Node(u.rstrip("/"), "prefill") for u in prefill_urls] + \
+                     [Node(u.rstrip("/"), "decode") for u in decode_urls]
+        self.handles: dict[tuple[int, int], RequestHandle] = {}
+        self.flights: dict[tuple[int, int], Flight] = {}
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._ids = itertools.count(1)
+        self._poller: asyncio.Task | None = None
+        self.http = None
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        import httpx
+
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+        self.http = httpx.AsyncClient(limits=limits, headers=self.headers, timeout=httpx.Timeout(5.0))
+        await self.poll_nodes()
+        self._poller = asyncio.create_task(self._poll_loop())
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        for flight in list(self.flights.values()):
+            self._end(flight)
+        if self.http is not None:
+            await self.http.aclose()
+
+    # ---- node health --------------------------------------------------------------------------------
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.monitor_tick_s)
+            try:
+                await self.poll_nodes()
+            except Exception:   # the poller must outlive any one bad answer
+                log.exception("node poll failed")
+
+    async def poll_nodes(self) -> None:
+        await asyncio.gather(*(self._poll(node) for node in self.nodes))
+
+    async def _poll(self, node: Node) -> None:
+        import httpx
+
+        before = node.in_flight
+        timeout_s = min(2.0, self.config.actor_hang_timeout_s / 2)
+        try:
+            resp = await self.http.get(node.url + "/internal/status", timeout=timeout_s)
+            report = resp.json()
+            if resp.status_code != 200:
+                raise ValueError(f"HTTP {resp.status_code}: {str(report)[:200]}")
+        except (httpx.HTTPError, ValueError) as exc:
+            node.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            node.healthy = False
+            silent_s = time.monotonic() - node.last_ok if node.last_ok else None
+            if not node.dead and silent_s is not None and silent_s > self.config.actor_hang_timeout_s:
+                self._node_died(node, silent_s)
+            return
+        if node.dead:
+            log.warning("%s node %s answers again", node.role, node.url)
+        was_healthy = node.healthy
+        node.last_ok, node.dead, node.last_error = time.monotonic(), False, ""
+        node.healthy = bool(report.get("healthy")) and report.get("role") == node.role
+        if node.healthy != was_healthy:
+            log.info("%s node %s is %s%s", node.role, node.url, "serving" if node.healthy else "not serving",
+                     "" if node.healthy else f": {report.get('problems') or report.get('role')}")
+        node.engine_id = str(report.get("engine_id", ""))
+        node.reported_active = int(report.get("active", 0))
+        node.kv_blocks_free = int(report.get("kv_blocks_free", 0))
+        self._cross_check(node, before)
+
+    def _cross_check(self, node: Node, before: int) -> None:
+        """Router vs node request counts, as the monitor checks router vs table within a node: compared only when
+        the router's count did not move during the poll, flagged after two disagreeing polls in a row."""
+        if node.in_flight != before:
+            return
+        if node.reported_active == node.in_flight:
+            node.mismatch_ticks = 0
+            return
+        node.mismatch_ticks += 1
+        if node.mismatch_ticks == 2:
+            node.mismatches_total += 1
+            log.warning("%s node %s reports %d requests, the router holds %d there", node.role, node.url,
+                        node.reported_active, node.in_flight)
+
+    def _node_died(self, node: Node, silent_s: float) -> None:
+        node.dead = True
+        flights = [f for f in self.flights.values() if node in (f.prefill, f.decode) and not f.ended]
+        log.error("%s node %s has not answered for %.1f s: marked dead, failing its %d requests", node.role,
+                  node.url, silent_s, len(flights))
+        for flight in flights:
+            self._fail(flight, node_error(f"{node.role} node {node.url} stopped answering ({silent_s:.1f} s > "
+                                          f"actor_hang_timeout_s={self.config.actor_hang_timeout_s}); retry"))
+
+    # ---- admission ----------------------------------------------------------------------------------
+    def num_active(self) -> int:
+        return len(self.handles)
+
+    def submit(self, request: GenerationRequest, timeout_s: float | None = None) -> list[RequestHandle]:
+        """Route a request to a prefill and a decode node (one handle per choice) and start it. Raises
+        EngineOverloadedError (no node of a role serving, or too many sequences in flight)."""
+        if len(self.handles) + request.n > self.config.max_queued_requests:
+            raise EngineOverloadedError(f"{len(self.handles)} sequences in flight, {request.n} more asked for "
+                                        f"(max_queued_requests={self.config.max_queued_requests}); retry")
+        prefill, decode = pick_node(self.nodes, "prefill"), pick_node(self.nodes, "decode")
+        limit_s = self.config.request_timeout_s
+        timeout_s = timeout_s if timeout_s is not None else request.timeout_s
+        timeout_s = limit_s if timeout_s is None else min(float(timeout_s), limit_s)
+        request_id = next(self._ids)
+        handles = []
+        for index in range(request.n):
+            handle = RequestHandle(request, request_id, index + 1, index, deadline_s=time.monotonic() + timeout_s)
+            self.handles[handle.key] = handle
+            self.flights[handle.key] = Flight(handle, prefill, decode)
+            prefill.in_flight += 1
+            decode.in_flight += 1
+            handles.append(handle)
+        task = asyncio.create_task(self._prefill([self.flights[h.key] for h in handles], timeout_s))
+        for handle in handles:
+            self.flights[handle.key].tasks.append(task)
+        return handles
+
+    async def next_event(self, handle: RequestHandle) -> tuple:
+        return await wait_event(handle, self.config.request_timeout_s)
+
+    # ---- one request's way through the nodes --------------------------------------------------------
+    async def _call(self, node: Node, path: str, body: dict, timeout_s: float) -> dict:
+        """POST ``body`` to ``node``; the answer's JSON. Raises PdserveError: the node's own error (its status),
+        or 503 when it cannot be reached or times out."""
+        import httpx
+
+        try:
+            resp = await self.http.post(node.url + path, content=orjson.dumps(body), timeout=timeout_s,
+                                        headers={"content-type": "application/json"})
+        except httpx.HTTPError as exc:
+            raise node_error(f"{node.role} node {node.url}: {type(exc).__name__} on {path}: {exc}") from None
+        return self._answer(node, path, resp.status_code, resp.content)
+
+    def _answer(self, node: Node, path: str, status: int, content: bytes) -> dict:
+        try:
+            answer = orjson.loads(content)
+        except orjson.JSONDecodeError:
+            answer = None
+        if status != 200 or not isinstance(answer, dict):
+            error = (answer or {}).get("error") if isinstance(answer, dict) else None
+            if isinstance(error, dict):
+                raise node_error(f"{node.role} node: {error.get('message')}", status,
+                                 str(error.get("type") or "service_unavailable"))
+            raise node_error(f"{node.role} node {node.url} answered HTTP {status} on {path}", 502, "bad_gateway")
+        return answer
+
+    async def _prefill(self, flights: list[Flight], timeout_s: float) -> None:
+        first = flights[0]
+        request = first.handle.request
+        try:
+            answer = await self._call(first.prefill, "/internal/prefill", {"request": request_wire(request)},
+                                      timeout_s)
+            rows, readies, peer = answer["rows"], answer["kv_ready"], answer["peer"]
+        except PdserveError as exc:
+            for flight in flights:
+                self._fail(flight, exc)
+            return
+        for flight, row, ready in zip(flights, rows, readies):
+            flight.prefill_row = row
+            flight.handle.prompt_logprobs = answer.get("prompt_logprobs") or []
+            if flight.ended:   # the client left or a node died while prefill ran: free the KV there
+                self._abort_prefill(flight)
+                continue
+            flight.stage = "decode"
+            flight.tasks.append(asyncio.create_task(self._decode(flight, ready, peer)))
+
+    async def _decode(self, flight: Flight, ready: list, peer: str) -> None:
+        import httpx
+
+        handle, node = flight.handle, flight.decode
+        body = {"request": request_wire(handle.request), "kv_ready": ready, "peer": peer,
+                "timeout_s": max(handle.deadline_s - time.monotonic(), 0.001)}
+        timeout = httpx.Timeout(5.0, read=max(handle.deadline_s - time.monotonic(), 0.0) + 5.0)
+        try:
+            async with self.http.stream("POST", node.url + "/internal/decode", content=orjson.dumps(body),
+                                        timeout=timeout, headers={"content-type": "application/json"}) as resp:
+                if resp.status_code != 200:
+                    self._answer(node, "/internal/decode", resp.status_code, await resp.aread())
+                async for line in resp.aiter_lines():
+                    if line and self._on_line(flight, orjson.loads(line)):
+                        return
+            raise node_error(f"decode node {node.url} closed the stream before the last token", 502, "bad_gateway")
+        except PdserveError as exc:
+            self._fail(flight, exc)
+        except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
+            self._fail(flight, node_error(f"decode node {node.url}: {type(exc).__name__}: {exc}"))
+
+    def _on_line(self, flight: Flight, line: dict) -> bool:
+        """One line of a decode stream; True when the sequence is over (a finish reason or an error)."""
+        handle = flight.handle
+        if line.get("transfer_done"):
+            flight.transfer_done = True
+            flight.tasks.append(asyncio.create_task(self._tell_prefill(flight, "/internal/transfer_done", {
+                "slot": flight.prefill_row[0], "generation": flight.prefill_row[1]})))
+            return False
+        if "error" in line:
+            error = line["error"]
+            handle.events.put_nowait(("error", node_error(error.get("message", "decode node error"),
+                                                          int(error.get("status", 502)),
+                                                          str(error.get("type", "bad_gateway")))))
+            return True
+        token, reason, logprobs = line["token"]
+        if line.get("timings"):
+            handle.timings = line["timings"]
+        handle.prefilled = True
+        handle.events.put_nowait(("token", token, reason, logprobs))
+        return reason is not None
+
+    async def _tell_prefill(self, flight: Flight, path: str, body: dict) -> None:
+        try:
+            await self._call(flight.prefill, path, body, timeout_s=min(5.0, self.config.actor_hang_timeout_s))
+        except PdserveError as exc:   # its own deadline frees the blocks: a lost message costs time, not KV
+            log.warning("request %s: %s failed: %s", flight.handle.request.request_id, path, exc.message)
+
+    def _abort_prefill(self, flight: Flight) -> None:
+        if flight.prefill_row is not None and not flight.transfer_done and not flight.prefill.dead:
+            flight.transfer_done = True
+            asyncio.get_running_loop().create_task(
+                self._tell_prefill(flight, "/internal/abort", {"rows": [flight.prefill_row]}))
+
+    def _fail(self, flight: Flight, error: PdserveError) -> None:
+        if not flight.ended:
+            flight.handle.events.put_nowait(("error", error))
+        self._end(flight)
+
+    def _end(self, flight: Flight) -> None:
+        """The flight's work stops: its tasks are cancelled (closing a decode stream aborts the row there), the
+        prefill node's row is aborted unless the decode node already holds the KV."""
+        if flight.ended:
+            return
+        flight.ended = True
+        flight.stage = "done"
+        flight.prefill.in_flight -= 1
+        flight.decode.in_flight -= 1
+        current = asyncio.current_task()
+        for task in flight.tasks:
+            if task is not current and not task.done() and all(f.ended for f in self.flights.values()
+                                                                 if task in f.tasks):
+                task.cancel()
+        self._abort_prefill(flight)
+
+    # ---- completion ---------------------------------------------------------------------------------
+    def stop_generation(self, handle: RequestHandle) -> None:
+        """A stop string matched: end the sequence (the decode node aborts its row when the stream closes)."""
+        flight = self.flights.get(handle.key)
+        if flight is not None:
+            self._end(flight)
+
+    def finish(self, handle: RequestHandle) -> None:
+        if self.handles.pop(handle.key, None) is None:
+            return
+        flight = self.flights.pop(handle.key, None)
+        if flight is not None:
+            self._end(flight)
+
+    def finish_all(self, handles: list[RequestHandle]) -> None:
+        for handle in handles:
+            self.finish(handle)
+
+    # ---- views --------------------------------------------------------------------------------------
+    def view(self) -> dict[str, Any]:
+        """The router's part of tools/inspect's ``--url`` document: its nodes and its requests in flight."""
+        now = time.monotonic()
+        requests = [{"request_id": f.handle.request.request_id, "choice": f.handle.index,
+                     "prefill_node": f.prefill.url, "decode_node": f.decode.url, "stage": f.stage,
+                     "age_s": round(now - f.handle.admitted_ns / 1e9, 3)}
+                    for f in self.flights.values() if not f.ended]
+        return {"requests": requests, "nodes": [n.view(now) for n in self.nodes]}

@@ -1,0 +1,169 @@
+"""`pdserve router --prefill-node URL --decode-node URL ...`: the OpenAI API in front of prefill and decode nodes.
+
+One process: the same Starlette routes as a node's API (api/app.py: parsing, tokenization, chat templates, stop
+strings, streaming) over ``RouterClient`` (api/router_client.py) instead of shared memory; /health is 200 while at
+least one node of each role serves; /metrics has the router's request counts and latencies and one gauge set per
+node; ``GET /debug/state`` is the router's view plus each node's own (``tools/inspect --url``). SIGTERM or SIGINT
+stops it gracefully.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from api.router_client import RouterClient
+
+log = logging.getLogger("pdserve.router")
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _NodeCollector:
+    def __init__(self, client: RouterClient):
+        self.client = client
+
+    def collect(self):
+        up = GaugeMetricFamily("pdserve_router_node_up", "1 while the node answers and reports healthy",
+                               labels=["node", "role"])
+        flying = GaugeMetricFamily("pdserve_router_node_requests", "requests the router has in flight on the node",
+                                   labels=["node", "role"])
+        reported = GaugeMetricFamily("pdserve_router_node_reported_requests",
+                                     "requests the node's API reports holding (last poll)", labels=["node", "role"])
+        mismatch = CounterMetricFamily("pdserve_router_node_count_mismatch",
+                                       "polls where router and node counts disagreed twice in a row",
+                                       labels=["node", "role"])
+        for n in self.client.nodes:
+            labels = [n.url, n.role]
+            up.add_metric(labels, float(n.healthy and not n.dead))
+            flying.add_metric(labels, n.in_flight)
+            reported.add_metric(labels, n.reported_active)
+            mismatch.add_metric(labels, n.mismatches_total)
+        yield from (up, flying, reported, mismatch)
+
+
+class RouterMetrics:
+    """The ``metrics`` object api/app.py's Routes call (``on_admitted``, ``on_token``, ``on_finished``,
+    ``render``, ``health``), for the router process."""
+
+    def __init__(self, client: RouterClient):
+        self.client = client
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pdserve_requests", "finished requests", ["finish_reason", "status"], registry=r)
+        self.admitted = Counter("pdserve_requests_admitted", "requests admitted by the router", registry=r)
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "admission to first token",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "admission to last token",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "time between two output tokens",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        r.register(_NodeCollector(client))
+
+    def on_admitted(self) -> None:
+        self.admitted.inc()
+
+    def on_token(self, gap_s: float) -> None:
+        self.itl.observe(gap_s)
+
+    def on_finished(self, handle, reason: str | None, status: int = 200) -> None:
+        self.requests.labels(reason or "unknown", str(status)).inc()
+        if reason in ("stop", "length", "tool_calls") and handle.first_token_ns:
+            self.ttft.observe((handle.first_token_ns - handle.admitted_ns) / 1e9)
+            self.e2e.observe((time.monotonic_ns() - handle.admitted_ns) / 1e9)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def health(self) -> dict[str, Any]:
+        """ok while at least one node of each role serves; the problems name the others."""
+        nodes, problems = {}, []
+        for n in self.client.nodes:
+            state = "ok" if n.healthy and not n.dead else ("dead" if n.dead else "unavailable")
+            nodes[n.url] = f"{n.role} {state}"
+            if state != "ok":
+                problems.append(f"{n.role} node {n.url} is {state}" + (f": {n.last_error}" if n.last_error else ""))
+        for role in ("prefill", "decode"):
+            if not any(n.role == role and n.healthy and not n.dead for n in self.client.nodes):
+                problems.insert(0, f"no {role} node is serving")
+        serving = not any(p.startswith("no ") for p in problems)
+        return {"status": "ok" if serving else "unavailable", "problems": problems, "nodes": nodes}
+
+
+def debug_route(client: RouterClient) -> Route:
+    """``GET /debug/state``: ``{"router": client.view(), "nodes": [each node's /debug/state, or {"url", "error"}]}``
+    (the document tools/inspect --url renders)."""
+    async def debug_state(request: Request) -> Response:
+        async def one(node) -> dict:
+            try:
+                resp = await client.http.get(node.url + "/debug/state", timeout=2.0)
+                if resp.status_code == 200:
+                    return {"url": node.url, **resp.json()}
+                return {"url": node.url, "error": f"HTTP {resp.status_code}"}
+            except Exception as exc:   # any failure of one node is shown, never raised
+                return {"url": node.url, "error": f"{type(exc).__name__}: {exc}"}
+        nodes = await asyncio.gather(*(one(n) for n in client.nodes))
+        return JSONResponse({"router": client.view(), "nodes": list(nodes)})
+    return Route("/debug/state", debug_state, methods=["GET"])
+
+
+def run_router(loaded, prefill_urls: list[str], decode_urls: list[str]) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit status. Raises ConfigError / ModelLoadError before serving."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # a line per node poll otherwise
+    from actors.supervisor import plan_layout
+
+    layout = plan_layout(loaded, "router")   # model metadata and sizes only: the same limits the nodes apply
+    asyncio.run(_serve(layout, prefill_urls, decode_urls))
+    return 0
+
+
+async def _serve(layout, prefill_urls: list[str], decode_urls: list[str]) -> None:
+    from hypercorn.asyncio import serve
+
+    from api.app import build_app
+    from api.http_edges import (answer_cancelled_requests, ignore_cancelled_connection_callbacks,
+                                install_idle_close, install_refused_streams, keep_alive_config)
+    from api.middleware import load_api_keys
+    from api.protocol import RequestParser
+    from gpu.grammar import GrammarCompiler
+    from gpu.tokenizer import Tokenizer
+    from pdserve.config import api_keys
+
+    config = layout.config
+    tokenizer = Tokenizer.load(layout.model_path or None)
+    if config.chat_template:
+        import pathlib
+
+        tokenizer.set_chat_template(pathlib.Path(config.chat_template).read_text(encoding="utf-8"))
+    grammars = GrammarCompiler(tokenizer=tokenizer)
+    keys = api_keys(config)
+    client = RouterClient(config, prefill_urls, decode_urls, api_key=keys[0] if keys else "")
+    await client.start()
+    parser = RequestParser(tokenizer, layout.served_model_name, layout.max_context_tokens,
+                           config.default_max_tokens, layout.kv_blocks_per_pool, config.kv_block_tokens, grammars)
+    app = build_app(client, tokenizer, parser, RouterMetrics(client), load_api_keys(config), (debug_route(client),))
+    hconfig = keep_alive_config(config.keep_alive_timeout_s)
+    hconfig.bind = [f"{config.host}:{layout.http_port}"]
+    hconfig.accesslog = None
+    hconfig.graceful_timeout = 1.0
+    install_idle_close()
+    install_refused_streams()
+    loop = asyncio.get_running_loop()
+    ignore_cancelled_connection_callbacks(loop)
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    log.info("pdserve router serving on http://%s:%d (prefill nodes %s; decode nodes %s)", config.host,
+             layout.http_port, ", ".join(prefill_urls), ", ".join(decode_urls))
+    try:
+        await serve(answer_cancelled_requests(app), hconfig, shutdown_trigger=stop.wait)
+    finally:
+        await client.stop()
+        log.info("pdserve router stopped")
