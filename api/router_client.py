@@ -106,7 +106,9 @@ class RouterClient:
         import httpx
 
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-        self.http = httpx.AsyncClient(limits=limits, headers=self.headers, timeout=httpx.Timeout(5.0))
+        # trust_env=False: node-to-node traffic never goes through an HTTP(S)_PROXY meant for the outside
+        self.http = httpx.AsyncClient(limits=limits, headers=self.headers, timeout=httpx.Timeout(5.0),
+                                      trust_env=False)
         await self.poll_nodes()
         self._poller = asyncio.create_task(self._poll_loop())
 

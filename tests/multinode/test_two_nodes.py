@@ -1,0 +1,213 @@
+"""Issue 15: a prefill node and a decode node in two network namespaces, KV over Mooncake TCP on the data veth,
+`pdserve router` in the root namespace. One cluster for the module (node start-up dominates); the tests run in
+file order and the last one kills the decode node.
+
+The nodes share this host's /dev/shm (network namespaces do not separate it), which lets the test read each
+node's state table and pools through ``EngineProbe``; the nodes themselves exchange nothing through it.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import ROOT, EngineProbe, cleanup_engine, free_port, start_engine, wait_until
+from tests.multinode.netns import start_in_namespace, stop_process, wait_http_ok
+
+NODE_PORT = 8000
+TICK_S = 0.5
+INFLIGHT_TIMEOUT_S = 5.0
+BOOTSTRAP_TIMEOUT_S = 10.0
+NODE_HANG_S = 4.0
+COMMON = ["--kv-pool-tokens", "4096", "--monitor-tick-s", str(TICK_S), "--actor-hang-timeout-s", "30"]
+NODE_FLAGS = COMMON + ["--kv-transport", "mooncake", "--inflight-timeout-s", str(INFLIGHT_TIMEOUT_S),
+                       "--bootstrap-timeout-s", str(BOOTSTRAP_TIMEOUT_S)]
+PROMPTS = [f"Question {i}: name a colour, a number and an animal." if i % 2 else
+           f"Write one short sentence about the number {i * 7}." for i in range(16)]
+
+
+class Node:
+    """One `pdserve serve --role ROLE` inside a namespace."""
+
+    def __init__(self, net, role: str, log_dir: Path, faults: str = ""):
+        self.role = role
+        ns = net.prefill_ns if role == "prefill" else net.decode_ns
+        self.addr = net.prefill_addr if role == "prefill" else net.decode_addr
+        data_addr = net.prefill_data_addr if role == "prefill" else net.decode_data_addr
+        self.log_path = log_dir / f"{role}.log"
+        argv = [sys.executable, "-m", "pdserve.cli", "serve", "--role", role, "--host", self.addr, "--port",
+                str(NODE_PORT), "--kv-transfer-host", data_addr, *NODE_FLAGS] + (["--faults", faults] if faults else [])
+        # a read that stopped answering (link down) holds Mooncake's worker up to this many seconds (default 30)
+        self.proc = start_in_namespace(ns, argv, self.log_path, env={"MC_TRANSFER_TIMEOUT": "5"})
+        self.engine_id = ""
+        self.pids: list[int] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.addr}:{NODE_PORT}"
+
+    def wait_ready(self, timeout_s: float = 400.0) -> None:
+        wait_http_ok(self.url + "/health", timeout_s, self.proc)
+        self.engine_id = re.search(r"pdserve engine (\w+) serving", self.log_path.read_text()).group(1)
+        self.pids = [self.proc.pid] + [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+
+    def status(self) -> dict:
+        return httpx.get(self.url + "/internal/status", timeout=5, trust_env=False).json()
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        for pid in self.pids:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+        if self.engine_id:
+            from ipc.naming import unlink_all
+
+            unlink_all(self.engine_id)
+
+
+def complete(base_url: str, prompt: str, request_id: str = "", max_tokens: int = 16, timeout_s: float = 120.0):
+    headers = {"x-request-id": request_id} if request_id else {}
+    return httpx.post(base_url + "/v1/completions", headers=headers, timeout=timeout_s, trust_env=False,
+                      json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+
+
+def answers(base_url: str, prompts: list[str]) -> list[str]:
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        responses = list(pool.map(lambda p: complete(base_url, p), prompts))
+    assert [r.status_code for r in responses] == [200] * len(prompts), [r.text[:200] for r in responses]
+    return [r.json()["choices"][0]["text"] for r in responses]
+
+
+@pytest.fixture(scope="module")
+def cluster(two_host_net, tmp_path_factory):
+    """(router URL, prefill Node, decode Node, the single-node engine's answers to PROMPTS)."""
+    log_dir = tmp_path_factory.mktemp("multinode")
+    net = two_host_net
+    nodes = [Node(net, "prefill", log_dir),
+             Node(net, "decode", log_dir, faults="transfer_stuck:match=stuck-;drop_transfer_done:match=nodone-")]
+    router = None
+    single = None
+    try:
+        single = start_engine(log_dir, *COMMON)   # the reference: one node, both sides, same model and flags
+        reference = answers(single.base_url, PROMPTS)
+        cleanup_engine(single)
+        single = None
+        for node in nodes:
+            node.wait_ready()
+        port = free_port()
+        router_log = open(log_dir / "router.log", "wb")
+        router = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "router", "--port", str(port),
+                                   "--prefill-node", nodes[0].url, "--decode-node", nodes[1].url,
+                                   "--monitor-tick-s", str(TICK_S), "--actor-hang-timeout-s", str(NODE_HANG_S)],
+                                  cwd=ROOT, stdout=router_log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        wait_http_ok(base + "/health", 120, router)
+        yield base, nodes[0], nodes[1], reference
+    finally:
+        if router is not None:
+            stop_process(router)
+        if single is not None:
+            cleanup_engine(single)
+        for node in nodes:
+            node.stop()
+
+
+def settled(node: Node) -> bool:
+    """No live row, every block free (the prefix cache's blocks count as free)."""
+    probe = EngineProbe(node.engine_id)
+    try:
+        return not probe.live_rows() and all(free == total for free, total in probe.free_blocks().values())
+    finally:
+        probe.close()
+
+
+def test_sixteen_concurrent_greedy_requests_equal_the_single_node_answers(cluster):
+    base, prefill, decode, reference = cluster
+    assert answers(base, PROMPTS) == reference
+    for node in (prefill, decode):
+        wait_until(lambda n=node: settled(n), 10, 0.1, f"the {node.role} node to settle")
+    metrics = httpx.get(base + "/metrics", trust_env=False).text
+    assert re.search(r'pdserve_router_node_up\{node="%s",role="prefill"\} 1\.0' % re.escape(prefill.url), metrics)
+    view = httpx.get(base + "/health", trust_env=False).json()
+    assert view["status"] == "ok", view
+
+
+def test_a_stuck_transfer_across_hosts_is_a_504_naming_the_stage_and_frees_both_sides(cluster):
+    base, prefill, decode, _ = cluster
+    start = time.monotonic()
+    resp = complete(base, "A transfer that never completes", request_id="stuck-1")
+    took_s = time.monotonic() - start
+    assert resp.status_code == 504, resp.text
+    assert "transfer" in resp.json()["error"]["message"]
+    assert took_s < INFLIGHT_TIMEOUT_S + BOOTSTRAP_TIMEOUT_S, took_s   # the decode node's deadline, not the request's
+    for node in (prefill, decode):
+        wait_until(lambda n=node: settled(n), BOOTSTRAP_TIMEOUT_S + 2 * TICK_S, 0.1, f"the {node.role} node to free")
+    assert complete(base, "After the stuck one").status_code == 200
+
+
+def test_a_dropped_transfer_done_leaves_nothing_pinned_on_the_prefill_node(cluster):
+    base, prefill, decode, _ = cluster
+    resp = complete(base, "The decode node never says it is done", request_id="nodone-1")
+    assert resp.status_code == 200, resp.text   # the client has its answer: only the prefill side's message is lost
+    # the router aborts the prefill row when the request ends, whichever message went missing
+    wait_until(lambda: settled(prefill), BOOTSTRAP_TIMEOUT_S + 2 * TICK_S, 0.1, "the prefill node to free")
+
+
+def test_the_data_link_down_longer_than_the_inflight_timeout_errors_then_recovers(cluster, two_host_net):
+    base, prefill, decode, _ = cluster
+    two_host_net.data_link(False)
+    try:
+        start = time.monotonic()
+        resp = complete(base, "Sent while the data link is down")
+        took_s = time.monotonic() - start
+        assert resp.status_code in (503, 504), resp.text
+        assert took_s < INFLIGHT_TIMEOUT_S + BOOTSTRAP_TIMEOUT_S + 2 * TICK_S, took_s
+        if took_s < INFLIGHT_TIMEOUT_S:   # failed fast (no route): keep the link down past the inflight timeout
+            wait_until(lambda: time.monotonic() - start > INFLIGHT_TIMEOUT_S + TICK_S, 30, 0.1, "the timeout")
+    finally:
+        two_host_net.data_link(True)
+    for node in (prefill, decode):
+        wait_until(lambda n=node: settled(n), BOOTSTRAP_TIMEOUT_S + 2 * TICK_S, 0.1, f"the {node.role} node to free")
+
+    def served() -> bool:
+        return complete(base, "After the link came back", max_tokens=4).status_code == 200
+    wait_until(served, 30, 0.5, "a request to succeed after the link came back")
+
+
+def test_the_decode_node_killed_mid_transfer_fails_fast_and_the_prefill_node_frees(cluster):
+    base, prefill, decode, _ = cluster
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(complete, base, "Killed while transferring", "stuck-kill")
+
+        def transferring() -> bool:
+            probe = EngineProbe(decode.engine_id)
+            try:
+                return any(int(r["state"]) == 4 for r in probe.rows_with_id("stuck-kill"))
+            finally:
+                probe.close()
+        wait_until(transferring, 60, 0.05, "the request to be transferring on the decode node")
+        killed_at = time.monotonic()
+        for pid in decode.pids:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+        resp = pending.result(timeout=NODE_HANG_S + 30)
+    assert resp.status_code in (502, 503), resp.text
+    assert time.monotonic() - killed_at < NODE_HANG_S + 5
+    wait_until(lambda: settled(prefill), BOOTSTRAP_TIMEOUT_S + 2 * TICK_S, 0.1, "the prefill node to free")
+
+    def decode_marked_dead() -> bool:
+        return "dead" in httpx.get(base + "/health", trust_env=False).json()["nodes"][decode.url]
+    wait_until(decode_marked_dead, NODE_HANG_S + 5, 0.2, "the router to mark the decode node dead")
+    resp = complete(base, "No decode node left")
+    assert resp.status_code == 503 and "no decode node" in resp.json()["error"]["message"]
