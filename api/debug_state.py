@@ -2,8 +2,9 @@
 ``python -m tools.inspect --json`` (segments mapped read-only from the local host) and ``GET /debug/state`` on the
 API (the segments the API process already holds). The JSON schema is in tools/inspect.py's docstring.
 
-Plain code over raw reads: no lock is taken (each table is copied once; rows may be mutually inconsistent by a
-few microseconds, which a human reading ages in seconds does not see).
+Plain code over raw reads: no lock is taken. Each table is copied once, one after the other, so two tables (or a
+row caught mid-write) may disagree by what changed in the microseconds between copies; ages are shown in tenths
+of a second.
 """
 from __future__ import annotations
 
