@@ -1,7 +1,8 @@
-"""Starlette app: OpenAI-compatible routes, /health and /metrics.
+"""Starlette app: OpenAI-compatible routes, /health, /metrics and /debug/state.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models, GET /health,
-GET /metrics. Errors are OpenAI error JSON with the right status; nothing raises out of a handler.
+GET /metrics, GET /debug/state (tools/inspect's snapshot, api/debug_state.py). Errors are OpenAI error JSON with
+the right status; nothing raises out of a handler.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from api.debug_state import DebugState
 from api.engine_client import EngineClient, RequestHandle
 from api.protocol import (ChoiceResult, GenerationRequest, RequestParser, chat_logprobs, chunk, completion_logprobs,
                           error_body, full_response, usage)
@@ -322,7 +324,7 @@ class Routes:
     def __init__(self, client: EngineClient, tokenizer, parser: RequestParser, metrics):
         self.client, self.tokenizer, self.parser, self.metrics = client, tokenizer, parser, metrics
         self.served = parser.served_model_name
-
+        self.debug = DebugState(client)
 
     async def run_request(self, request: Request, kind: str) -> Response:
         rid = request.headers.get("x-request-id")
@@ -484,6 +486,14 @@ class Routes:
         data, content_type = self.metrics.render()
         return Response(data, media_type=content_type)
 
+    async def debug_state(self, request: Request) -> Response:
+        try:
+            sample_s = self.debug.sample_s(request.query_params.get("sample_s"))
+            # copies of the tables plus a loop-rate sample: a worker thread, never the event loop
+            return JSONResponse(await asyncio.to_thread(self.debug.snapshot, sample_s))
+        except PdserveError as exc:
+            return error_response(exc)
+
     async def not_found(self, request: Request, exc: Exception) -> Response:
         return JSONResponse(error_body(f"no route {request.method} {request.url.path}", "not_found_error"),
                             status_code=404)
@@ -504,6 +514,7 @@ class Routes:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_route, methods=["GET"]),
+            Route("/debug/state", self.debug_state, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={404: self.not_found, 405: self.method_not_allowed,
                                                             500: self.server_error})

@@ -1,4 +1,5 @@
-"""ASGI middleware around the Starlette app: API keys on ``/v1/*`` and ``x-request-id`` on every response.
+"""ASGI middleware around the Starlette app: API keys on ``/v1/*``, ``/debug/*`` and ``/internal/*``;
+``x-request-id`` on every response.
 
 Both are plain ASGI (not Starlette's BaseHTTPMiddleware, which buffers streamed bodies and hides client
 disconnects from the handlers): they look at the request's headers and add or answer with response headers.
@@ -18,7 +19,7 @@ from pdserve.errors import PdserveError
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
-PROTECTED_PREFIX = ("/v1/", "/internal/")   # /health and /metrics stay open (as vLLM does)
+PROTECTED_PREFIXES = ("/v1/", "/debug/", "/internal/")   # /health and /metrics stay open (as vLLM does)
 
 
 def _header(scope: dict, name: bytes) -> str | None:
@@ -58,8 +59,8 @@ class RequestIdMiddleware:
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` required on ``/v1/*`` and the node-to-router ``/internal/*`` routes when
-    keys are configured.
+    """``Authorization: Bearer <key>`` required on ``/v1/*``, ``/debug/*`` and the router-to-node ``/internal/*``
+    when keys are configured.
 
     Keys are compared in constant time: the SHA-256 digests of the offered and of every configured key go through
     ``hmac.compare_digest`` (equal lengths whatever the offered key's length), all of them, without an early
@@ -85,7 +86,7 @@ class ApiKeyMiddleware:
         return match
 
     async def __call__(self, scope: dict, receive, send) -> None:
-        if (scope["type"] != "http" or not self.digests or not scope.get("path", "").startswith(PROTECTED_PREFIX)
+        if (scope["type"] != "http" or not self.digests or not scope.get("path", "").startswith(PROTECTED_PREFIXES)
                 or self.authorized(_header(scope, b"authorization"))):
             await self.app(scope, receive, send)
             return

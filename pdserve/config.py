@@ -56,8 +56,9 @@ class EngineConfig:
     ssl_certfile: str = _setting("", "TLS certificate (PEM); with ssl_keyfile serves HTTP/2 (ALPN h2) and "
                                      "HTTP/1.1 over TLS")
     ssl_keyfile: str = _setting("", "TLS private key (PEM)")
-    api_key: str = _setting("", "API key(s) required as 'Authorization: Bearer KEY' on /v1/* (comma-separated, or "
-                                "the flag repeated); empty (and no api_key_file) = no authentication",
+    api_key: str = _setting("", "API key(s) required as 'Authorization: Bearer KEY' on /v1/* and "
+                                "/debug/state (comma-separated, or the flag repeated); empty (and no api_key_file) = "
+                                "no authentication",
                             secret=True, repeatable=True)
     api_key_file: str = _setting("", "file of API keys, one per line ('#' starts a comment); added to api_key")
     chat_template: str = _setting("", "jinja2 chat template file replacing the model's own (e.g. one that "

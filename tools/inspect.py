@@ -1,17 +1,23 @@
-"""tools/inspect: read-only live state of a running pdserve engine, straight from its POSIX shared memory.
+"""tools/inspect: read-only live state of running pdserve engines: straight from a local engine's POSIX shared
+memory, or over HTTP from any number of nodes (and routers) through their ``GET /debug/state``.
 
     python -m tools.inspect                 # the only running engine (or the list, if several)
     python -m tools.inspect --list          # running engines on this host
     python -m tools.inspect ENGINE_ID --json
     python -m tools.inspect ENGINE_ID --watch [--interval-s 1]
+    python -m tools.inspect --url http://10.0.0.5:8000 --url http://10.0.0.6:8000 [--json] [--watch]
 
-It never goes through HTTP and never writes: every segment is mapped read-only, so it answers while the API
-process is wedged and cannot disturb the engine. Exit status: 0 healthy, 1 something stuck, hung, dead or
-mismatched, 2 no engine found.
+Local mode never goes through HTTP and never writes: every segment is mapped read-only, so it answers while the
+API process is wedged and cannot disturb the engine. ``--url`` asks each URL's ``/debug/state`` (the same snapshot,
+built by the same code: api/debug_state.py) with ``--timeout-s`` per call and ``--api-key`` (default: the first
+of ``$PDSERVE_API_KEY``) when the node has keys; a node that does not answer is shown as unreachable with the
+error. Exit status: 0 healthy, 1 something stuck, hung, dead or mismatched (``--url``: or a URL unreachable),
+2 no engine found (``--url``: no URL answered).
 
 JSON snapshot schema (``--json``; version 1; times in seconds, ``null`` = unknown)::
 
-    {"schema": 1, "engine_id": str, "url": str, "taken_unix_s": float, "healthy": bool, "problems": [str],
+    {"schema": 1, "engine_id": str, "url": str, "role": "prefill"|"decode"|"both" (config field ``role``),
+     "taken_unix_s": float, "healthy": bool, "problems": [str],
      "config": {field: {"value": any, "source": "default"|"env"|"flag"}},
      "actors": [{"name", "role": "prefill"|"decode"|"api"|"monitor", "pid", "device", "status",
                  "health": "ok"|"hung"|"dead"|"starting"|"restarting"|..., "heartbeat_age_s",
@@ -29,6 +35,17 @@ JSON snapshot schema (``--json``; version 1; times in seconds, ``null`` = unknow
      "watchdog": {"ticks", "last_tick_age_s", "tick_cpu_ms", "timeouts_by_stage": {stage: n},
                   "actor_failures_by_stage": {stage: n}},
      "active_requests": {"api": int, "engine": int, "agree": bool}}
+
+A router answers ``/debug/state`` with its own view and its nodes' snapshots (``age_s``, ``last_ok_age_s``:
+seconds; ``in_flight``: the router's count of requests it sent that node; a node the router could not read is
+``{"url", "error": str}`` in ``nodes``)::
+
+    {"router": {"requests": [{"request_id", "prefill_node": url, "decode_node": url, "stage", "age_s"}],
+                "nodes": [{"url", "role", "healthy": bool, "last_ok_age_s": float|null, "in_flight": int}]},
+     "nodes": [<a node's snapshot, as above>, ...]}
+
+``--url ... --json`` prints ``{"schema": 1, "sources": [{"url": the URL asked, "ok": bool, "error": str|null,
+"state": the document it answered (either shape) or null}]}``.
 """
 from __future__ import annotations
 
@@ -39,7 +56,8 @@ from typing import Any
 
 import orjson
 
-SCHEMA_VERSION = 1
+from api.debug_state import SCHEMA_VERSION, take_snapshot
+
 EXIT_OK, EXIT_PROBLEM, EXIT_NO_ENGINE = 0, 1, 2
 
 
@@ -65,133 +83,7 @@ class EngineView:
 
     def snapshot(self, sample_s: float = 0.2) -> dict[str, Any]:
         """One consistent-enough snapshot; samples the actor table twice ``sample_s`` apart for loop rates."""
-        first = {r["index"]: (r["loop_iterations"], time.monotonic()) for r in self.actors.rows()}
-        time.sleep(sample_s)
-        return build_snapshot(self.manifest, self.state.snapshot(), self.actors.rows(), self.status.snapshot(),
-                              first, time.monotonic_ns())
-
-
-def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, first_iterations: dict,
-                   now_ns: int) -> dict[str, Any]:
-    """Assemble the JSON snapshot from raw reads (plain code; see the module docstring for the schema)."""
-    from ipc.actor_table import sum_own_gauges
-    from ipc.engine_status import GAUGE_METRIC, GAUGES
-    from ipc.lifecycle import (GAUGE_STATES, LIVE_STATES, RENEWABLE_STATES, STAGE_NAME, STAGE_TIMEOUT_FIELD,
-                               RequestState)
-
-    config = manifest["config"]
-    names = manifest["actors"]
-    actors = _actor_entries(actor_rows, first_iterations, now_ns, float(config["monitor_tick_s"]["value"]), rows)
-    problems = [f"actor {a['name']} is {a['health']}" for a in actors if a["health"] != "ok"]
-    problems += [f"actor {a['name']}: the router counts {a['router_count']} requests on it, the state table "
-                 f"{a['table_count']}" for a in actors if a["router_mismatch"]]
-    state = rows["state"]
-    own = sum_own_gauges(actor_rows)
-    gauges = []
-    for i, gauge in enumerate(GAUGES):
-        value = int(sum(int((state == int(s)).sum()) for s in GAUGE_STATES[gauge]))
-        since = int(status["gauge_nonzero_since_ns"][i])
-        moved = int(status["gauge_moved_ns"][i])
-        gauges.append({"name": gauge, "metric": GAUGE_METRIC[gauge], "value": value,
-                       "nonzero_for_s": (now_ns - since) / 1e9 if value and since else 0.0,
-                       "since_last_move_s": (now_ns - moved) / 1e9 if value and moved else 0.0,
-                       "stuck": bool(status["stuck"][i]), "mismatch": bool(status["mismatch"][i]),
-                       "actors_count": own[i]})
-        if status["stuck"][i]:
-            problems.append(f"gauge {gauge} is stuck at {value}")
-        if status["mismatch"][i]:
-            problems.append(f"gauge {gauge}: actors count {own[i]}, the state table {value}")
-    requests = []
-    for slot in [int(s) for s in (i for i in range(len(rows)) if int(state[i]) in LIVE_STATES)]:
-        row = rows[slot]
-        stage = RequestState(int(row["state"]))
-        since_ns = int(row["state_since_ns"])
-        limit_s = float(config[STAGE_TIMEOUT_FIELD[stage]]["value"])
-        if stage in RENEWABLE_STATES:   # the stage deadline runs from the last renewal (actors/watchdog.py)
-            since_ns = max(since_ns, int(row["last_progress_ns"]))
-        owner = int(row["owner"])
-        deadline_ns = int(row["deadline_ns"])
-        requests.append({
-            "request_id": row["request_id"].decode(errors="replace"), "slot": slot, "stage": STAGE_NAME[stage],
-            "age_in_stage_s": (now_ns - int(row["state_since_ns"])) / 1e9,
-            "total_age_s": (now_ns - int(row["created_ns"])) / 1e9,
-            "owner": names[owner] if 0 <= owner < len(names) else None,
-            "prefill_actor": _name(names, int(row["prefill_actor"])),
-            "decode_actor": _name(names, int(row["decode_actor"])),
-            "prefill_blocks": int(row["prefill_blocks"]), "decode_blocks": int(row["decode_blocks"]),
-            "output_tokens": int(row["output_tokens"]),
-            "stage_deadline_left_s": limit_s - (now_ns - since_ns) / 1e9,
-            "request_deadline_left_s": (deadline_ns - now_ns) / 1e9 if deadline_ns else None,
-        })
-    requests.sort(key=lambda r: -r["total_age_s"])
-    tick_ns = int(status["watchdog_last_tick_ns"])
-    tick_age_s = (now_ns - tick_ns) / 1e9 if tick_ns else None
-    tick_s = float(config["monitor_tick_s"]["value"])
-    if tick_age_s is None or tick_age_s > 3 * tick_s + 1:
-        problems.append(f"the watchdog has not ticked for {tick_age_s if tick_age_s is not None else 'ever'} s")
-    api_active = sum(max(int(r["active_requests"]), 0) for r in actor_rows)  # -1 = keeps no such count
-    engine_active = len(requests)
-    return {
-        "schema": SCHEMA_VERSION, "engine_id": manifest["engine_id"], "url": manifest.get("url"),
-        "taken_unix_s": time.time(), "healthy": not problems, "problems": problems, "config": config,
-        "actors": actors, "gauges": gauges, "requests": requests,
-        "watchdog": {"ticks": int(status["watchdog_ticks"]), "last_tick_age_s": tick_age_s,
-                     "tick_cpu_ms": status["watchdog_tick_cpu_ns"] / 1e6,
-                     "timeouts_by_stage": {STAGE_NAME[s]: int(status["timeouts"][int(s)]) for s in STAGE_NAME},
-                     "actor_failures_by_stage": {STAGE_NAME[s]: int(status["actor_failures"][int(s)])
-                                                 for s in STAGE_NAME}},
-        "active_requests": {"api": api_active, "engine": engine_active, "agree": api_active == engine_active},
-    }
-
-
-def _name(names: list[str], index: int) -> str | None:
-    return names[index] if 0 <= index < len(names) else None
-
-
-def _actor_entries(actor_rows: list[dict], first_iterations: dict, now_ns: int, monitor_tick_s: float,
-                   rows) -> list[dict]:
-    """The snapshot's "actors" list: one entry per named row of the actor table (``rows``: the state table)."""
-    from actors.monitor import table_counts_by_actor
-    from actors.watchdog import actor_state
-    from ipc.engine_status import GAUGES
-
-    engine = [r["index"] for r in actor_rows if r["name"].rstrip("0123456789") in ("prefill", "decode")]
-    table_counts = table_counts_by_actor(rows, engine)
-    actors = []
-    for r in actor_rows:
-        if not r["name"]:
-            continue
-        hb_ns = int(r["heartbeat_ns"])
-        prev_iter, prev_t = first_iterations.get(r["index"], (r["loop_iterations"], time.monotonic()))
-        elapsed = max(time.monotonic() - prev_t, 1e-6)
-        actors.append({
-            "name": r["name"], "pid": int(r["pid"]), "device": r["device"],
-            "status": getattr(r["status"], "name", str(r["status"])).lower(),
-            "health": actor_state(r, r["health"], now_ns, monitor_tick_s),
-            "heartbeat_age_s": (now_ns - hb_ns) / 1e9 if hb_ns else None,
-            "loop_iterations_per_s": (int(r["loop_iterations"]) - int(prev_iter)) / elapsed,
-            "restarts": int(r["restarts"]), "late_messages": int(r["late_messages"]),
-            "kv_blocks_free": int(r["kv_blocks_free"]), "kv_blocks_total": int(r["kv_blocks_total"]),
-            "role": r["name"].rstrip("0123456789"),
-            "load": {g: v for g, v in zip(GAUGES, r["own_gauges"]) if v >= 0},
-            "requests_done": int(r["requests_done"]),
-            "router_count": int(r["routed_requests"]) if r["index"] in table_counts and r["routed_requests"] >= 0
-            else None,
-            "table_count": table_counts.get(r["index"]),
-            "router_mismatch": bool(r["router_mismatch"]), "router_mismatches": int(r["router_mismatches"]),
-            "prefix_cache": _prefix_cache_entry(r),
-        })
-    return actors
-
-
-def _prefix_cache_entry(r: dict) -> dict | None:
-    """An actor row's prefix cache (actors/prefix_cache.py), or None when it has none (or is restarting)."""
-    if r["prefix_cached_blocks"] < 0:
-        return None
-    query, hit = int(r["prefix_query_tokens"]), int(r["prefix_hit_tokens"])
-    return {"cached_blocks": int(r["prefix_cached_blocks"]), "in_use_blocks": int(r["prefix_cached_in_use"]),
-            "query_tokens": query, "hit_tokens": hit, "hit_ratio": hit / query if query else None,
-            "evicted_blocks": int(r["prefix_evicted_blocks"])}
+        return take_snapshot(self.manifest, self.state, self.actors, self.status, sample_s)
 
 
 def render(snapshot: dict[str, Any]):
@@ -203,7 +95,8 @@ def render(snapshot: dict[str, Any]):
     def secs(value) -> str:
         return "-" if value is None else f"{value:.1f}s"
 
-    head = Text(f"pdserve engine {snapshot['engine_id']}  {snapshot['url']}  ", style="bold")
+    head = Text(f"pdserve engine {snapshot['engine_id']} (role {snapshot.get('role', 'both')})  {snapshot['url']}  ",
+                style="bold")
     head.append("HEALTHY" if snapshot["healthy"] else "PROBLEM: " + "; ".join(snapshot["problems"]),
                 style="green" if snapshot["healthy"] else "bold red")
     wd = snapshot["watchdog"]
@@ -283,6 +176,153 @@ def _choose_engine(engine_id: str | None) -> str | None:
     return engines[0] if len(engines) == 1 else None
 
 
+STATE_PATH = "/debug/state"
+MAX_STATE_BYTES = 64 * 1024 * 1024   # a larger answer is refused: no node's snapshot comes near it
+
+
+def state_url(url: str) -> str:
+    """``url`` (a node's or router's base URL, or its full /debug/state URL) -> the /debug/state URL."""
+    url = url.rstrip("/")
+    return url if url.endswith(STATE_PATH) else url + STATE_PATH
+
+
+def fetch_state(url: str, timeout_s: float, api_key: str | None = None) -> dict[str, Any]:
+    """One ``--url`` source: ``{"url", "ok", "error", "state"}`` (schema in the module doc). Never raises: a
+    refused connection, a timeout (``timeout_s`` for the connect and for each read), an HTTP error status (its
+    OpenAI error message) or an answer that is not a /debug/state document is ``ok: false`` with the error."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"Accept": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(urllib.request.Request(state_url(url), headers=headers),
+                                    timeout=timeout_s) as response:
+            body = response.read(MAX_STATE_BYTES + 1)
+        if len(body) > MAX_STATE_BYTES:
+            raise ValueError(f"the answer is over {MAX_STATE_BYTES} bytes")
+        state = orjson.loads(body)
+        if not isinstance(state, dict) or not ("engine_id" in state or "router" in state):
+            raise ValueError("the answer is not a pdserve /debug/state document")
+        return {"url": url, "ok": True, "error": None, "state": state}
+    except urllib.error.HTTPError as exc:
+        return {"url": url, "ok": False, "error": f"HTTP {exc.code}: {_error_message(exc)}", "state": None}
+    except (OSError, ValueError) as exc:   # URLError, timeouts and refused connections are OSErrors
+        reason = getattr(exc, "reason", None) or exc
+        return {"url": url, "ok": False, "error": f"{type(exc).__name__}: {reason}", "state": None}
+
+
+def _error_message(exc) -> str:
+    try:
+        return str(orjson.loads(exc.read(65536))["error"]["message"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return str(exc.reason)
+
+
+def source_healthy(source: dict[str, Any]) -> bool:
+    """A fetched source is healthy when it answered and every node in it (and, for a router, every node it lists)
+    is healthy."""
+    state = source["state"]
+    if not source["ok"]:
+        return False
+    if "router" not in state:
+        return bool(state["healthy"])
+    return all(n["healthy"] for n in state["router"]["nodes"]) and \
+        all(n.get("healthy", False) for n in state["nodes"])
+
+
+def render_router(state: dict[str, Any]):
+    """A rich renderable of a router's /debug/state document (shape in the module doc): its nodes, its requests
+    in flight, then each node's section."""
+    from rich.console import Group
+    from rich.table import Table
+
+    def secs(value) -> str:
+        return "-" if value is None else f"{value:.1f}s"
+
+    router = state["router"]
+    nodes = Table(title=f"router nodes ({len(router['nodes'])})", title_justify="left")
+    for column in ("node", "role", "health", "last ok", "in flight"):
+        nodes.add_column(column)
+    for n in router["nodes"]:
+        nodes.add_row(n["url"], n["role"], "ok" if n["healthy"] else "UNHEALTHY", secs(n["last_ok_age_s"]),
+                      str(n["in_flight"]), style="" if n["healthy"] else "bold red")
+    requests = Table(title=f"router requests in flight ({len(router['requests'])})", title_justify="left")
+    for column in ("request", "stage", "age", "prefill node", "decode node"):
+        requests.add_column(column)
+    for r in sorted(router["requests"], key=lambda r: -r["age_s"])[:30]:
+        requests.add_row(r["request_id"], r["stage"], secs(r["age_s"]), r["prefill_node"] or "-",
+                         r["decode_node"] or "-")
+    sections = [render_node(n.get("url") or "?", {"ok": "error" not in n, "error": n.get("error"), "state": n})
+                for n in state["nodes"]]
+    return Group(nodes, requests, *sections)
+
+
+def render_node(title: str, source: dict[str, Any]):
+    """One node's section: a rule titled ``title`` with its engine id and role, then its tables (or the error)."""
+    from rich.console import Group
+    from rich.rule import Rule
+    from rich.text import Text
+
+    if not source["ok"]:
+        return Group(Rule(f"node {title}", align="left"), Text(f"UNREACHABLE: {source['error']}", style="bold red"))
+    state = source["state"]
+    return Group(Rule(f"node {title}  engine {state['engine_id']}  role {state.get('role', 'both')}",
+                      align="left"), render(state))
+
+
+def render_sources(sources: list[dict[str, Any]]):
+    """The ``--url`` screen: one section per URL asked (a router's answer: its tables then its nodes')."""
+    from rich.console import Group
+    from rich.rule import Rule
+
+    parts = []
+    for source in sources:
+        if source["ok"] and "router" in source["state"]:
+            parts += [Rule(f"router {source['url']}", align="left", style="bold"), render_router(source["state"])]
+        else:
+            parts.append(render_node(source["url"], source))
+    return Group(*parts)
+
+
+def fetch_all(urls: list[str], timeout_s: float, api_key: str | None) -> list[dict[str, Any]]:
+    """Every URL's source, asked concurrently (one slow node costs ``timeout_s``, not the sum)."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max(len(urls), 1)) as pool:
+        return list(pool.map(lambda u: fetch_state(u, timeout_s, api_key), urls))
+
+
+def urls_exit_status(sources: list[dict[str, Any]]) -> int:
+    if not any(s["ok"] for s in sources):
+        return EXIT_NO_ENGINE
+    return EXIT_OK if all(source_healthy(s) for s in sources) else EXIT_PROBLEM
+
+
+def _main_urls(args, console) -> int:
+    import os
+
+    api_key = args.api_key or (os.environ.get("PDSERVE_API_KEY", "").split(",")[0].strip() or None)
+    sources = fetch_all(args.url, args.timeout_s, api_key)
+    if args.json:
+        sys.stdout.write(orjson.dumps({"schema": SCHEMA_VERSION, "sources": sources},
+                                      option=orjson.OPT_INDENT_2).decode() + "\n")
+        return urls_exit_status(sources)
+    if not args.watch:
+        console.print(render_sources(sources))
+        return urls_exit_status(sources)
+    from rich.live import Live
+
+    with Live(render_sources(sources), console=console, screen=False, auto_refresh=False) as live:
+        try:
+            while True:
+                time.sleep(args.interval_s)
+                sources = fetch_all(args.url, args.timeout_s, api_key)
+                live.update(render_sources(sources), refresh=True)
+        except KeyboardInterrupt:
+            pass
+    return urls_exit_status(sources)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve-inspect", description=__doc__.split("\n\n")[0])
     parser.add_argument("engine_id", nargs="?", help="engine id (default: the only running engine)")
@@ -290,12 +330,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON snapshot (schema in the module doc)")
     parser.add_argument("--watch", action="store_true", help="refresh in place, like top")
     parser.add_argument("--interval-s", type=float, default=1.0, help="--watch refresh period")
+    parser.add_argument("--url", action="append", metavar="URL",
+                        help="a node's or router's base URL (repeatable): read its /debug/state over HTTP")
+    parser.add_argument("--timeout-s", type=float, default=5.0, help="--url: limit of each HTTP call")
+    parser.add_argument("--api-key", help="--url: the nodes' API key (default: the first of $PDSERVE_API_KEY)")
     args = parser.parse_args(argv)
+    if args.url and (args.engine_id or args.list):
+        parser.error("--url reads nodes over HTTP: it takes no engine id and no --list")
     from rich.console import Console
 
     from ipc.manifest import running_engines
 
     console = Console(width=None if sys.stdout.isatty() else 140)
+    if args.url:
+        return _main_urls(args, console)
     if args.list:
         engines = running_engines()
         for line in list_lines(engines):

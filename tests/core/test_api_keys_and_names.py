@@ -82,3 +82,28 @@ def test_a_chat_template_file_that_does_not_compile_or_exist_stops_start_up(tmp_
 ])
 def test_the_default_served_name_is_the_model_files_own_name(path, name):
     assert model_file_name(path) == name
+
+
+@pytest.mark.parametrize("path,header,status", [
+    ("/debug/state", None, 401), ("/debug/state", b"Bearer sk-wrong", 401), ("/debug/state", b"Bearer sk-right", 200),
+    ("/v1/models", None, 401), ("/health", None, 200), ("/metrics", None, 200),
+])
+def test_keys_guard_the_v1_and_debug_routes_and_leave_health_and_metrics_open(path, header, status):
+    import asyncio
+
+    async def app(scope, receive, send):   # the routes behind the middleware: answer 200
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    scope = {"type": "http", "path": path, "method": "GET",
+             "headers": [] if header is None else [(b"authorization", header)]}
+    asyncio.run(ApiKeyMiddleware(app, ["sk-right"])(scope, receive, send))
+    assert sent[0]["status"] == status

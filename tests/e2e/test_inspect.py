@@ -1,6 +1,7 @@
 """tools/inspect against the shared fault engine: a pinned transfer shows up with its stage and a growing age
 and exit status 1; once the monitor aborts it the request is gone and the status is 0; it answers while the
-API process is SIGSTOPped; it never writes to the engine."""
+API process is SIGSTOPped; it never writes to the engine; GET /debug/state serves the same snapshot over HTTP,
+which ``--url`` renders."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -13,6 +14,7 @@ import httpx
 import orjson
 
 from tests.conftest import ROOT, wait_until
+from tests.tools.test_inspect_render import refused_url
 from tools import inspect
 
 
@@ -93,3 +95,50 @@ def test_inspect_never_writes_to_the_engine(fault_engine):
         assert view.actors.row(0)["pid"] == before["pid"] != 1
     finally:
         view.close()
+
+
+def shape(value):
+    """The keys of a JSON document, nested (a list: its first element's keys)."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shape(value[0])] if value else []
+    return None
+
+
+def test_debug_state_serves_the_json_snapshot_over_http_and_inspect_url_renders_it(fault_engine, capsys):
+    eid, url = fault_engine.engine_id, fault_engine.base_url
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "pinned", "max_tokens": 4},
+                             headers={"X-Request-Id": "stuck-debug-state"}, timeout=60)
+
+        def pinned_in_both():
+            answer = httpx.get(url + "/debug/state", params={"sample_s": "0"}, timeout=10)
+            _, local = run_inspect(capsys, eid)
+            remote = answer.json()
+            stages = [[r["stage"] for r in s["requests"] if r["request_id"] == "stuck-debug-state"]
+                      for s in (remote, local)]
+            if answer.status_code == 200 and stages[0] == ["transfer"] and stages[1]:
+                return remote, local
+        remote, local = wait_until(pinned_in_both, 30, 0.05, "/debug/state and --json to show the pinned request")
+        assert shape(remote) == shape(local)
+        [row] = [r for r in remote["requests"] if r["request_id"] == "stuck-debug-state"]
+        assert row["total_age_s"] >= row["age_in_stage_s"] > 0
+        assert remote["engine_id"] == eid and remote["role"] == local["role"] == "both"
+        assert future.result(timeout=60).status_code == 504
+
+    assert inspect.main(["--url", url]) in (inspect.EXIT_OK, inspect.EXIT_PROBLEM)
+    screen = capsys.readouterr().out
+    assert f"node {url}  engine {eid}  role both" in screen
+    assert all(part in screen for part in (f"pdserve engine {eid} (role both)", "actors", "queues", "live requests ("))
+    code = inspect.main(["--url", url, "--json"])
+    [source] = orjson.loads(capsys.readouterr().out)["sources"]
+    assert source["ok"] and source["state"]["engine_id"] == eid
+    assert code == (inspect.EXIT_OK if source["state"]["healthy"] else inspect.EXIT_PROBLEM)
+    gone = refused_url()   # a node that does not answer: shown unreachable, the others still shown, exit status 1
+    assert inspect.main(["--url", url, "--url", gone, "--json", "--timeout-s", "5"]) == inspect.EXIT_PROBLEM
+    answered, refused = orjson.loads(capsys.readouterr().out)["sources"]
+    assert answered["ok"] and answered["state"]["engine_id"] == eid
+    assert refused["url"] == gone and not refused["ok"] and "refused" in refused["error"].lower()
+    bad = httpx.get(url + "/debug/state", params={"sample_s": "soon"}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "sample_s"
