@@ -284,6 +284,18 @@ def render_sources(sources: list[dict[str, Any]]):
     return Group(*parts)
 
 
+def default_api_key() -> str | None:
+    """The first key the engine's own config gives (PDSERVE_API_KEY / PDSERVE_API_KEY_FILE), else None."""
+    from pdserve.config import api_keys, load_config
+    from pdserve.errors import ConfigError
+
+    try:
+        keys = api_keys(load_config({}).config)
+    except ConfigError:
+        return None
+    return keys[0] if keys else None
+
+
 def fetch_all(urls: list[str], timeout_s: float, api_key: str | None) -> list[dict[str, Any]]:
     """Every URL's source, asked concurrently (one slow node costs ``timeout_s``, not the sum)."""
     import concurrent.futures
@@ -299,9 +311,8 @@ def urls_exit_status(sources: list[dict[str, Any]]) -> int:
 
 
 def _main_urls(args, console) -> int:
-    import os
 
-    api_key = args.api_key or (os.environ.get("PDSERVE_API_KEY", "").split(",")[0].strip() or None)
+    api_key = args.api_key or default_api_key()
     sources = fetch_all(args.url, args.timeout_s, api_key)
     if args.json:
         sys.stdout.write(orjson.dumps({"schema": SCHEMA_VERSION, "sources": sources},
