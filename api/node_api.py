@@ -52,15 +52,42 @@ def generation_request(body: Any) -> GenerationRequest:
         raise InvalidRequestError("'prompt_ids' must be a non-empty list of token ids", param="prompt_ids")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise InvalidRequestError("'n' must be a positive integer", param="n")
-    try:
-        sampling = Sampling(*body["sampling"])
-        sampling = dataclasses.replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids))
-    except (KeyError, TypeError) as exc:
-        raise InvalidRequestError(f"'sampling' must be a Sampling wire list ({exc})", param="sampling") from None
+    sampling = sampling_from_wire(body.get("sampling"))
     timeout_s = body.get("timeout_s")
     if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
         raise InvalidRequestError("'timeout_s' must be a positive number", param="timeout_s")
     return GenerationRequest("completion", rid, "", prompt_ids, sampling, n=n, timeout_s=timeout_s)
+
+
+_OPTIONAL_INT = ("seed", "logprobs", "prompt_logprobs")
+
+
+def _field_ok(name: str, default: Any, value: Any) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if name in _OPTIONAL_INT:
+        return value is None or (isinstance(value, int) and not isinstance(value, bool))
+    if name == "grammar":
+        return value is None or isinstance(value, str)
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, float):
+        return number
+    return isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def sampling_from_wire(values: Any) -> Sampling:
+    """A ``Sampling`` from its wire list (``dataclasses.astuple`` order), every field type-checked: the actors
+    trust what reaches them. Raises InvalidRequestError naming the first bad field."""
+    fields = dataclasses.fields(Sampling)
+    if not isinstance(values, list) or len(values) != len(fields):
+        raise InvalidRequestError(f"'sampling' must be a list of {len(fields)} values", param="sampling")
+    for f, value in zip(fields, values):
+        if not _field_ok(f.name, f.default, value):
+            raise InvalidRequestError(f"'sampling' field {f.name} has a bad value {value!r}", param="sampling")
+    sampling = Sampling(*values)
+    return dataclasses.replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids))
 
 
 def request_wire(request: GenerationRequest) -> dict:

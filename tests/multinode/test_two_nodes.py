@@ -141,10 +141,26 @@ def test_sixteen_concurrent_greedy_requests_equal_the_single_node_answers(cluste
     assert view["status"] == "ok", view
 
 
+def stuck_where(base: str, request_id: str) -> list[tuple[str, str]]:
+    """(node role, stage) of ``request_id``'s live rows, from the router's /debug/state (tools/inspect --url)."""
+    doc = httpx.get(base + "/debug/state", timeout=10, trust_env=False).json()
+    return [(node.get("role"), r["stage"]) for node in doc["nodes"] for r in node.get("requests", [])
+            if r["request_id"] == request_id]
+
+
 def test_a_stuck_transfer_across_hosts_is_a_504_naming_the_stage_and_frees_both_sides(cluster):
     base, prefill, decode, _ = cluster
     start = time.monotonic()
-    resp = complete(base, "A transfer that never completes", request_id="stuck-1")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(complete, base, "A transfer that never completes", "stuck-1")
+        # one command answers "which request is stuck where": the router's view holds both nodes' rows
+        where = wait_until(lambda: ("decode", "transfer") in stuck_where(base, "stuck-1")
+                           and stuck_where(base, "stuck-1"), INFLIGHT_TIMEOUT_S, 0.1, "the stuck row in the view")
+        assert ("prefill", "bootstrap") in where
+        shown = subprocess.run([sys.executable, "-m", "tools.inspect", "--url", base], cwd=ROOT, timeout=60,
+                               capture_output=True, text=True)
+        assert "stuck-1" in shown.stdout and prefill.engine_id in shown.stdout and decode.engine_id in shown.stdout
+        resp = pending.result(timeout=60)
     took_s = time.monotonic() - start
     assert resp.status_code == 504, resp.text
     assert "transfer" in resp.json()["error"]["message"]
