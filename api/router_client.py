@@ -39,7 +39,8 @@ def node_error(message: str, http_status: int = 503, error_type: str = "service_
 
 @dataclass
 class Node:
-    """One node as the router sees it. ``in_flight``: the router's own count of its requests there."""
+    """One node as the router sees it. ``in_flight``: the router's own count of its rows there (a prefill node
+    holds a row until the decode node has the KV, a decode node while its stream is open)."""
 
     url: str
     role: str               # "prefill" or "decode"
@@ -71,6 +72,8 @@ class Flight:
     prefill_row: list[int] | None = None   # [slot, generation] on the prefill node once it answered
     transfer_done: bool = False            # the prefill node was told (or the row is gone there)
     stage: str = "prefill"                 # prefill -> decode -> done (for the router's view)
+    on_prefill: bool = True                # counted in prefill.in_flight (the node holds its row)
+    on_decode: bool = False                # counted in decode.in_flight
     tasks: list[asyncio.Task] = field(default_factory=list)
     ended: bool = False
 
@@ -106,9 +109,10 @@ class RouterClient:
         import httpx
 
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-        # trust_env=False: node-to-node traffic never goes through an HTTP(S)_PROXY meant for the outside
+        # HTTP/2 only (h2c prior knowledge on http://, ALPN h2 on https://): every call to a node is a stream on
+        # one connection per node; trust_env=False: node traffic never goes through an HTTP(S)_PROXY
         self.http = httpx.AsyncClient(limits=limits, headers=self.headers, timeout=httpx.Timeout(5.0),
-                                      trust_env=False)
+                                      trust_env=False, http1=False, http2=True)
         await self.poll_nodes()
         self._poller = asyncio.create_task(self._poll_loop())
 
@@ -206,7 +210,6 @@ class RouterClient:
             self.handles[handle.key] = handle
             self.flights[handle.key] = Flight(handle, prefill, decode)
             prefill.in_flight += 1
-            decode.in_flight += 1
             handles.append(handle)
         task = asyncio.create_task(self._prefill([self.flights[h.key] for h in handles], timeout_s))
         for handle in handles:
@@ -260,6 +263,8 @@ class RouterClient:
                 self._abort_prefill(flight)
                 continue
             flight.stage = "decode"
+            flight.on_decode = True
+            flight.decode.in_flight += 1
             flight.tasks.append(asyncio.create_task(self._decode(flight, ready, peer)))
 
     async def _decode(self, flight: Flight, ready: list, peer: str) -> None:
@@ -288,6 +293,7 @@ class RouterClient:
         handle = flight.handle
         if line.get("transfer_done"):
             flight.transfer_done = True
+            self._leave_prefill(flight)
             flight.tasks.append(asyncio.create_task(self._tell_prefill(flight, "/internal/transfer_done", {
                 "slot": flight.prefill_row[0], "generation": flight.prefill_row[1]})))
             return False
@@ -310,6 +316,12 @@ class RouterClient:
         except PdserveError as exc:   # its own deadline frees the blocks: a lost message costs time, not KV
             log.warning("request %s: %s failed: %s", flight.handle.request.request_id, path, exc.message)
 
+    @staticmethod
+    def _leave_prefill(flight: Flight) -> None:
+        if flight.on_prefill:
+            flight.on_prefill = False
+            flight.prefill.in_flight -= 1
+
     def _abort_prefill(self, flight: Flight) -> None:
         if flight.prefill_row is not None and not flight.transfer_done and not flight.prefill.dead:
             flight.transfer_done = True
@@ -328,8 +340,10 @@ class RouterClient:
             return
         flight.ended = True
         flight.stage = "done"
-        flight.prefill.in_flight -= 1
-        flight.decode.in_flight -= 1
+        self._leave_prefill(flight)
+        if flight.on_decode:
+            flight.on_decode = False
+            flight.decode.in_flight -= 1
         current = asyncio.current_task()
         for task in flight.tasks:
             if task is not current and not task.done() and all(f.ended for f in self.flights.values()

@@ -126,8 +126,9 @@ def render(snapshot: dict[str, Any]):
     for column in ("gauge", "value", "non-zero for", "since last move", "stuck", "actors' count"):
         gauges.add_column(column)
     for g in snapshot["gauges"]:
+        kept = str(g["actors_count"]) if g["actors_count"] >= 0 else "-"   # -1: no actor here keeps that count
         gauges.add_row(g["metric"], str(g["value"]), secs(g["nonzero_for_s"]), secs(g["since_last_move_s"]),
-                       "STUCK" if g["stuck"] else "", str(g["actors_count"]) + (" MISMATCH" if g["mismatch"] else ""),
+                       "STUCK" if g["stuck"] else "", kept + (" MISMATCH" if g["mismatch"] else ""),
                        style="red" if g["stuck"] or g["mismatch"] else "")
     requests = Table(title=f"live requests ({len(snapshot['requests'])})", title_justify="left")
     for column in ("request", "stage", "in stage", "total", "owner", "prefill/decode", "KV P/D", "tokens",
