@@ -113,6 +113,8 @@ class RouterClient:
         # one connection per node; trust_env=False: node traffic never goes through an HTTP(S)_PROXY
         self.http = httpx.AsyncClient(limits=limits, headers=self.headers, timeout=httpx.Timeout(5.0),
                                       trust_env=False, http1=False, http2=True)
+        # node polls on connections of their own: a stream stalled on a frozen node must not delay the verdict
+        self.poll_http = httpx.AsyncClient(headers=self.headers, trust_env=False)
         await self.poll_nodes()
         self._poller = asyncio.create_task(self._poll_loop())
 
@@ -123,6 +125,7 @@ class RouterClient:
             self._end(flight)
         if self.http is not None:
             await self.http.aclose()
+            await self.poll_http.aclose()
 
     # ---- node health --------------------------------------------------------------------------------
     async def _poll_loop(self) -> None:
@@ -141,14 +144,15 @@ class RouterClient:
 
         before = node.in_flight
         timeout_s = min(2.0, self.config.actor_hang_timeout_s / 2)
-        try:
-            resp = await self.http.get(node.url + "/internal/status", timeout=timeout_s)
+        try:   # wait_for: a hard bound on the whole call, whatever the client library waits on inside
+            resp = await asyncio.wait_for(self.poll_http.get(node.url + "/internal/status", timeout=timeout_s),
+                                          timeout_s + 0.5)
             report = resp.json()
             if resp.status_code != 200:
                 raise ValueError(f"HTTP {resp.status_code}: {str(report)[:200]}")
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, asyncio.TimeoutError) as exc:
+            # one slow or lost answer is not a verdict: the node keeps its last one until actor_hang_timeout_s
             node.last_error = f"{type(exc).__name__}: {exc}"[:300]
-            node.healthy = False
             silent_s = time.monotonic() - node.last_ok if node.last_ok else None
             if not node.dead and silent_s is not None and silent_s > self.config.actor_hang_timeout_s:
                 self._node_died(node, silent_s)
@@ -226,9 +230,11 @@ class RouterClient:
         import httpx
 
         try:
-            resp = await self.http.post(node.url + path, content=orjson.dumps(body), timeout=timeout_s,
-                                        headers={"content-type": "application/json"})
-        except httpx.HTTPError as exc:
+            resp = await asyncio.wait_for(self.http.post(node.url + path, content=orjson.dumps(body),
+                                                         timeout=timeout_s,
+                                                         headers={"content-type": "application/json"}),
+                                          timeout_s + 1.0)
+        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
             raise node_error(f"{node.role} node {node.url}: {type(exc).__name__} on {path}: {exc}") from None
         return self._answer(node, path, resp.status_code, resp.content)
 

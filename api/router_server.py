@@ -103,7 +103,7 @@ def debug_route(client: RouterClient) -> Route:
     async def debug_state(request: Request) -> Response:
         async def one(node) -> dict:
             try:
-                resp = await client.http.get(node.url + "/debug/state", timeout=2.0)
+                resp = await asyncio.wait_for(client.poll_http.get(node.url + "/debug/state", timeout=2.0), 2.5)
                 if resp.status_code == 200:
                     return {"url": node.url, **resp.json()}
                 return {"url": node.url, "error": f"HTTP {resp.status_code}"}

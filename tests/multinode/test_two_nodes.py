@@ -21,6 +21,8 @@ import pytest
 from tests.conftest import ROOT, EngineProbe, cleanup_engine, free_port, start_engine, wait_until
 from tests.multinode.netns import start_in_namespace, stop_process, wait_http_ok
 
+# the first test also waits for three engines to start and a reference run (minutes when the machine is busy)
+pytestmark = pytest.mark.timeout(900)
 NODE_PORT = 8000
 TICK_S = 0.5
 INFLIGHT_TIMEOUT_S = 5.0
@@ -134,7 +136,7 @@ def test_sixteen_concurrent_greedy_requests_equal_the_single_node_answers(cluste
     base, prefill, decode, reference = cluster
     assert answers(base, PROMPTS) == reference
     for node in (prefill, decode):
-        wait_until(lambda n=node: settled(n), 10, 0.1, f"the {node.role} node to settle")
+        wait_until(lambda n=node: settled(n), 30, 0.1, f"the {node.role} node to settle")
     metrics = httpx.get(base + "/metrics", trust_env=False).text
     assert re.search(r'pdserve_router_node_up\{node="%s",role="prefill"\} 1\.0' % re.escape(prefill.url), metrics)
     view = httpx.get(base + "/health", trust_env=False).json()
@@ -199,24 +201,55 @@ def test_the_data_link_down_longer_than_the_inflight_timeout_errors_then_recover
     wait_until(served, 30, 0.5, "a request to succeed after the link came back")
 
 
+def signal_node(node: Node, signum: int) -> None:
+    for pid in node.pids:
+        try:
+            psutil.Process(pid).send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def wait_transferring(decode: Node, request_id: str) -> None:
+    def transferring() -> bool:
+        probe = EngineProbe(decode.engine_id)
+        try:
+            return any(int(r["state"]) == 4 for r in probe.rows_with_id(request_id))
+        finally:
+            probe.close()
+    wait_until(transferring, 60, 0.05, f"{request_id} to be transferring on the decode node")
+
+
+def test_a_decode_node_that_stops_answering_is_marked_dead_and_its_requests_fail_fast(cluster):
+    import signal
+
+    base, prefill, decode, _ = cluster
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(complete, base, "The whole decode node freezes", "stuck-stop")
+        wait_transferring(decode, "stuck-stop")
+        stopped_at = time.monotonic()
+        signal_node(decode, signal.SIGSTOP)   # no reset, no answer: only the router's node poll can tell
+        try:
+            resp = pending.result(timeout=NODE_HANG_S + 30)
+            failed_after_s = time.monotonic() - stopped_at
+        finally:
+            signal_node(decode, signal.SIGCONT)
+    assert resp.status_code == 503 and "stopped answering" in resp.json()["error"]["message"], resp.text
+    assert failed_after_s < NODE_HANG_S + 3 * TICK_S + 2, failed_after_s
+    wait_until(lambda: settled(prefill), BOOTSTRAP_TIMEOUT_S + 2 * TICK_S, 0.1, "the prefill node to free")
+    wait_until(lambda: settled(decode), 30, 0.1, "the decode node to free after it resumed")
+
+    def served() -> bool:
+        return complete(base, "After the decode node resumed", max_tokens=4).status_code == 200
+    wait_until(served, 30, 0.5, "a request to succeed on the resumed node")
+
+
 def test_the_decode_node_killed_mid_transfer_fails_fast_and_the_prefill_node_frees(cluster):
     base, prefill, decode, _ = cluster
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(complete, base, "Killed while transferring", "stuck-kill")
-
-        def transferring() -> bool:
-            probe = EngineProbe(decode.engine_id)
-            try:
-                return any(int(r["state"]) == 4 for r in probe.rows_with_id("stuck-kill"))
-            finally:
-                probe.close()
-        wait_until(transferring, 60, 0.05, "the request to be transferring on the decode node")
+        wait_transferring(decode, "stuck-kill")
         killed_at = time.monotonic()
-        for pid in decode.pids:
-            try:
-                psutil.Process(pid).kill()
-            except psutil.NoSuchProcess:
-                pass
+        signal_node(decode, 9)
         resp = pending.result(timeout=NODE_HANG_S + 30)
     assert resp.status_code in (502, 503), resp.text
     assert time.monotonic() - killed_at < NODE_HANG_S + 5
