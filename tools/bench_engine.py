@@ -6,6 +6,7 @@ Run from the repository root (about 2-3 minutes on a 2-core VM)::
     python -m tools.bench_engine                      # starts its own engine on a free port, stops it after
     python -m tools.bench_engine --base-url http://127.0.0.1:8000   # an engine you started (same model!)
     python -m tools.bench_engine --profile            # where LlamaModel.decode spends its time (no engine)
+    python -m tools.bench_engine --start-up-only      # time to /health 200 with the caches warm, median of 3
 
 What it measures (medians of interleaved repetitions, so load from neighbours hits both sides alike):
 - **1 request**: output tokens/s end to end (request sent -> last token; the prompt's prefill included) of one
@@ -19,6 +20,11 @@ What it measures (medians of interleaved repetitions, so load from neighbours hi
 - **ceiling**: a torch fp32 matrix-vector product over a matrix as large as the model's weights (same torch
   thread count as the decode actor) gives the streaming bandwidth B; decode at 1 request reads every weight once
   per token, so ``B / weight_bytes`` tokens/s is the memory-bandwidth ceiling printed next to the figures.
+
+- **start-up** (``--start-ups K`` or ``--start-up-only``): one unmeasured start warms the model cache (prepared
+  model, GGUF header) and the page cache, then K starts (default 3) are timed from process start to /health 200,
+  each stopped before the next; the median is printed with the load average before each start and as a ratio to
+  ``python -c "import torch"`` timed just before each start (the floor every engine actor pays).
 
 Every request asks for exactly ``--output-len`` tokens (``ignore_eos`` on pdserve, ``min_new_tokens`` on HF) and
 sends the prompt as token ids, so both sides see the same ids. HF runs with ``torch.set_num_threads`` equal to the
@@ -340,6 +346,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "0 = the engine's --torch-threads (1 unless set in --engine-args)")
     ap.add_argument("--no-in-process", action="store_true", help="skip pdserve's model driven in process")
     ap.add_argument("--profile", action="store_true", help="only profile LlamaModel.decode and exit")
+    ap.add_argument("--start-ups", type=int, default=0, help="time this many warm starts of the engine (median; "
+                    "after one unmeasured start that warms the caches) before the throughput runs")
+    ap.add_argument("--start-up-only", action="store_true", help="only the warm start-up measurement "
+                    "(--start-ups, default 3), then exit")
     ap.add_argument("--json", action="store_true")
     return ap.parse_args(argv)
 
@@ -434,9 +444,51 @@ def _start_engine(engine_args: str, path: Path, weights: str) -> Engine:
     return engine
 
 
+def torch_import_s() -> float:
+    """Seconds a fresh interpreter takes to ``import torch`` (each engine actor pays at least this)."""
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.monotonic() - started
+
+
+def start_up_runs(engine_args: str, starts: int) -> dict[str, Any]:
+    """Time ``starts`` warm starts of the engine (process start -> /health 200), after one unmeasured start that
+    fills the model cache and the page cache; prints each and the median."""
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_engine_start_up_{os.getpid()}.log"
+    print(f"start-up: python -m pdserve.cli serve {engine_args}  (log {log}); one start to warm the caches",
+          flush=True)
+    Engine(engine_args.split(), log).stop()
+    healthy_s, floor_s, loads = [], [], []
+    for i in range(starts):
+        loads.append(os.getloadavg()[0])
+        floor_s.append(torch_import_s())
+        engine = Engine(engine_args.split(), log)
+        engine.stop()
+        healthy_s.append(engine.ready_s)
+        print(f"  start {i + 1}/{starts}: /health 200 after {engine.ready_s:.1f} s (`import torch` alone "
+              f"{floor_s[-1]:.1f} s; load average {loads[-1]:.2f})", flush=True)
+    res = {"start_up_warm_s": statistics.median(healthy_s), "start_up_warm_each_s": healthy_s,
+           "torch_import_s": statistics.median(floor_s), "start_up_load_avg": loads}
+    print(f"start-up with the caches warm, median of {starts}: {res['start_up_warm_s']:.1f} s to /health 200 "
+          f"({res['start_up_warm_s'] / res['torch_import_s']:.1f}x a bare `import torch`, "
+          f"{res['torch_import_s']:.1f} s, in the same run); load average {min(loads):.2f}-{max(loads):.2f}; "
+          f"target <= 10 s", flush=True)
+    return res
+
+
+def _start_up_only(args: argparse.Namespace) -> dict[str, Any]:
+    print(f"# bench_engine --start-up-only {time.strftime('%Y-%m-%d %H:%M:%S')} host {os.uname().nodename}, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}", flush=True)
+    res = start_up_runs(args.engine_args, args.start_ups or 3)
+    if args.json:
+        print(json.dumps(res))
+    return res
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
-
+    if args.start_up_only:
+        return _start_up_only(args)
     m = re.search(r"--torch-threads[ =](\d+)", args.engine_args)
     threads = args.hf_threads or (int(m.group(1)) if m else 1)
     torch.set_num_threads(threads)
@@ -454,13 +506,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n = args.output_len
     prompts = [tok.encode(p) for p in (PROMPTS * (args.concurrency // len(PROMPTS) + 1))[:args.concurrency]]
     one = [prompts[0]]
-    print(f"# bench_engine {time.strftime('%Y-%m-%d %H:%M:%S')} host {os.uname().nodename}, "
-          f"{os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.2f}; model {path.name} (pdserve weights {weights}, HF fp32); "
-          f"{n} output tokens per request; "
-          f"prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens; HF/in-process torch threads "
-          f"{threads}; torch {torch.__version__}", flush=True)
+    print(f"# bench_engine {time.strftime('%Y-%m-%d %H:%M:%S')} host {os.uname().nodename}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.2f}; model {path.name} (pdserve weights {weights}, HF fp32); {n} output "
+          f"tokens per request; prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens; HF/in-process "
+          f"torch threads {threads}; torch {torch.__version__}", flush=True)
 
+    start_ups = start_up_runs(args.engine_args, args.start_ups) if args.start_ups > 0 else {}
     engine = None
     start_up_s = float("nan")
     if not args.base_url:
@@ -507,7 +558,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engine.stop()
 
     res, bw, ceiling = _summarize(runs, weight_bytes, threads, n, args.concurrency, same)
-    res.update(start_up_s=start_up_s, weights=weights,
+    res.update(start_ups, start_up_s=start_up_s, weights=weights,
                pdserve_weight_bytes=ours.weight_bytes() if ours is not None else float("nan"))
     N = args.concurrency
     print(_report(res, weight_bytes, bw, ceiling, threads, N, same))
