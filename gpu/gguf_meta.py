@@ -4,9 +4,9 @@
 array element); we read each file once per process and keep the result (``functools.lru_cache``). With a
 ``cache_dir`` (the engine's model cache) the header is also kept across processes and runs: a JSON file
 ``<cache_dir>/<file stem>-header-<16 hex digits of sha256(key)>.json`` holding ``{"key", "meta", "tensors"}``,
-the key being (resolved path, size, mtime in ns, :data:`HEADER_FORMAT_VERSION`), written to a temporary file
-and renamed into place; reading it takes ~20 ms. A cache file that does not parse or carries another key is
-logged and rewritten, never trusted. Values come from ``ReaderField.contents()``: scalars as int/float/bool/str,
+the key being (resolved path, size, mtime in ns, the ``gguf`` package's version, :data:`HEADER_FORMAT_VERSION`),
+written to a temporary file and renamed into place; reading it takes ~20 ms. A cache file that does not parse or
+carries another key is logged and rewritten, never trusted. Values come from ``ReaderField.contents()``: scalars as int/float/bool/str,
 arrays as lists; all survive JSON unchanged.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -93,7 +94,7 @@ def header_cache_path(path: str | os.PathLike, cache_dir: str | os.PathLike) -> 
     except OSError:
         raise ModelLoadError(f"{p}: no such GGUF file") from None
     key = json.dumps({"format": HEADER_FORMAT_VERSION, "model": str(p), "size": st.st_size,
-                      "mtime_ns": st.st_mtime_ns}, sort_keys=True)
+                      "mtime_ns": st.st_mtime_ns, "gguf": importlib.metadata.version("gguf")}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return pathlib.Path(cache_dir) / f"{p.name.removesuffix('.gguf')}-header-{digest}.json", key
 
