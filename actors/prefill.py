@@ -43,6 +43,7 @@ class PrefillActor(Actor):
         from actors.prefill_core import PrefillCore
         from actors.prefix_cache import CachingAllocator
         from gpu.grammar import GrammarCompiler
+        from gpu.model_files import model_cache_dir
         from gpu.prepared import prepared_model
         from gpu.sampling import Sampler
         from ipc.kv_pool import KVPool
@@ -71,8 +72,8 @@ class PrefillActor(Actor):
         queues[REMOTE_ACTOR] = queues["api"]   # a prefill node: KVReady for a decode node goes through the API
         self.outbox = FaultyOutbox(QueueOutbox(queues, self.queue_put_timeout_s), self.faults)
         self.sampler = Sampler()
-        self.grammars = GrammarCompiler(self.layout.model_path)
-        self.grammars.warm_up()   # llguidance's tokenizer view (~2 s), off the loop
+        self.grammars = GrammarCompiler(self.layout.model_path, cache_dir=model_cache_dir(self.config.model_cache_dir))
+        self.grammars.warm_up()   # llguidance's tokenizer view (~0.5 s, the GGUF header cached), off the loop
         self.core = PrefillCore(StateTable.attach(self.layout.segment("state")), self.allocator, self.outbox,
                                 time.monotonic_ns, actor_index=self.index, handoff_from=self.index,
                                 on_late=lambda: self.actors.count_late_message(self.index),

@@ -100,7 +100,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
         ModelLoadError: the model cannot be read.
     """
     from gpu.loader import load_config as read_model_config
-    from gpu.model_files import model_file_name
+    from gpu.model_files import model_cache_dir, model_file_name
     from ipc.naming import segment_name
 
     config = loaded.config
@@ -109,7 +109,8 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
         check_chat_template(config.chat_template)
     check_device(config.device)
     model_path = config.model or ""
-    model_config = read_model_config(model_path or None)
+    # the GGUF header from the model cache (3-4 s to parse the file; saved there on the first start)
+    model_config = read_model_config(model_path or None, model_cache_dir(config.model_cache_dir))
     shape = ModelShape(model_config.name, model_config.num_layers, model_config.num_kv_heads,
                        model_config.head_dim, model_config.max_position_embeddings)
     blocks = config.kv_pool_tokens // config.kv_block_tokens

@@ -28,12 +28,14 @@ import collections
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from pdserve.errors import InvalidRequestError
+
+if TYPE_CHECKING:   # torch is imported where a mask becomes a tensor: the API process checks grammars without it
+    import torch
 
 log = logging.getLogger("pdserve.grammar")
 
@@ -149,13 +151,17 @@ class GrammarCompiler:
 
     Args:
         model_path: GGUF file or HF directory of the served model ("" or None: the embedded default); its
-            tokenizer is loaded on first use (about a second), or ahead of time by :meth:`warm_up` in a thread.
+            tokenizer is loaded on first use (0.5 s with the model cache's GGUF header, ~4 s without;
+            llguidance's view of it ~0.3 s of that), or ahead of time by :meth:`warm_up` in a thread.
         tokenizer: an already loaded gpu.tokenizer.Tokenizer (the API process has one); replaces model_path.
+        cache_dir: the model cache holding the GGUF header (``gpu.model_files.model_cache_dir``; None = read
+            the model file) when the tokenizer is loaded from ``model_path``.
     """
 
-    def __init__(self, model_path: str | None = None, tokenizer=None):
+    def __init__(self, model_path: str | None = None, tokenizer=None, cache_dir=None):
         self._model_path = model_path or None
         self._tokenizer = tokenizer
+        self._cache_dir = cache_dir
         self._lock = threading.Lock()
         self._ll = None
         self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
@@ -176,7 +182,7 @@ class GrammarCompiler:
 
                 from gpu.tokenizer import Tokenizer
 
-                tok = self._tokenizer or Tokenizer.load(self._model_path)
+                tok = self._tokenizer or Tokenizer.load(self._model_path, self._cache_dir)
                 ll = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=tok.vocab_size,
                                             eos_token=list(tok.eos_token_ids))
                 self.vocab_size = ll.vocab_size
@@ -276,6 +282,8 @@ def batch_allowed(matchers: Sequence[GrammarMatcher | None], vocab_size: int,
     for i in rows:
         matchers[i].fill_bitmask(bits[i], None if tokens_left is None else tokens_left[i])
     unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little").view(bool)  # [B, words * 32]
+    import torch
+
     allowed = torch.from_numpy(unpacked)
     width = words * 32
     if vocab_size <= width:

@@ -108,8 +108,9 @@ def resolve_model_path(path: str | os.PathLike | None) -> pathlib.Path:
 # Config
 
 
-def load_config(path: str | os.PathLike | None) -> ModelConfig:
+def load_config(path: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None) -> ModelConfig:
     """The :class:`ModelConfig` of a model without reading its weights (fast enough for the API process).
+    ``cache_dir``: the model cache holding a GGUF's header (``gpu.gguf_meta.read_gguf_header``); None = read it.
 
     Raises:
         ModelLoadError: the path is missing or unreadable, or the model is not a supported Llama.
@@ -119,7 +120,7 @@ def load_config(path: str | os.PathLike | None) -> ModelConfig:
         return _hf_config(p)
     from .gguf_meta import read_gguf_header
 
-    meta, tensors = read_gguf_header(p)
+    meta, tensors = read_gguf_header(p, cache_dir=cache_dir)
     shapes = {t.name: t.shape for t in tensors}
     config = _gguf_config(meta, p)
     if "output.weight" in shapes or "token_embd.weight" in shapes:

