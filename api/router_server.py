@@ -133,11 +133,12 @@ async def _serve(layout, prefill_urls: list[str], decode_urls: list[str]) -> Non
     from api.middleware import load_api_keys
     from api.protocol import RequestParser
     from gpu.grammar import GrammarCompiler
+    from gpu.model_files import model_cache_dir
     from gpu.tokenizer import Tokenizer
     from pdserve.config import api_keys
 
     config = layout.config
-    tokenizer = Tokenizer.load(layout.model_path or None)
+    tokenizer = Tokenizer.load(layout.model_path or None, model_cache_dir(config.model_cache_dir))
     if config.chat_template:
         import pathlib
 
