@@ -34,9 +34,8 @@ def parse_devices(text: str, field: str) -> tuple[int, ...]:
 
 def role_counts(config: EngineConfig) -> tuple[int, int]:
     """``(prefill actors, decode actors)`` (colocated or ``role`` decode: no prefill actor; ``role`` prefill: no
-    decode actor). Raises ConfigError for device lists
-    with ``device=cpu``, a list whose length contradicts an explicit actor count, or prefill devices in colocated
-    mode."""
+    decode actor). Raises ConfigError for device lists with ``device=cpu``, a list whose length contradicts an
+    explicit actor count, or prefill devices in colocated mode."""
     counts = []
     for role, count in (("prefill", config.prefill_actors), ("decode", config.decode_actors)):
         field = f"{role}_devices"
