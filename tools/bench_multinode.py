@@ -12,7 +12,8 @@ every repetition, so a neighbour's burst hits both alike): per repetition and co
 random prompts of ``--input-len`` tokens (bench_serving's sampler; the same texts for both systems),
 ``--output-len`` tokens out, greedy, ``ignore_eos``, streaming. Printed: TTFT p50/p90, ITL p50 (ms) and output
 tok/s per system (medians over repetitions), the ratios two-node / single-node (TTFT and ITL: lower is better
-for the two-node setup; tok/s: higher) and the per-repetition TTFT p50 ratios, which show the noise.
+for the two-node setup; tok/s: higher) and the per-repetition TTFT p50 ratios (each pair ran back to back)
+with their median, which show the noise.
 Every process is stopped, the namespaces deleted and the engines' shm unlinked whatever happens (SIGTERM too).
 """
 from __future__ import annotations
@@ -96,7 +97,8 @@ def _ratio(mine: float | None, base: float | None) -> float | None:
 def build_rows(runs: dict[int, dict[str, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
     """One row per concurrency from ``runs[concurrency][system]`` = that system's figures per repetition (same
     order for both systems): per system the median of each figure over repetitions (None ones left out) and the
-    failures summed; ``ratios[figure]`` = two-node median / single-node median; ``ttft_p50_ratio_per_rep``."""
+    failures summed; ``ratios[figure]`` = two-node median / single-node median; ``ttft_p50_ratio_per_rep`` and
+    their median, ``ttft_p50_ratio_paired_median`` (steadier than the ratio of medians when the load drifts)."""
     rows = []
     for concurrency, by_system in runs.items():
         row: dict[str, Any] = {"concurrency": concurrency}
@@ -110,8 +112,11 @@ def build_rows(runs: dict[int, dict[str, list[dict[str, Any]]]]) -> list[dict[st
             med["errors"] = sorted({e for r in reps for e in r.get("errors", [])})[:3]
             row[system] = med
         row["ratios"] = {fig: _ratio(row["two-node"][fig], row["single-node"][fig]) for fig in FIGURES}
-        row["ttft_p50_ratio_per_rep"] = [_ratio(b.get("ttft_p50_ms"), a.get("ttft_p50_ms"))
-                                         for a, b in zip(by_system["single-node"], by_system["two-node"])]
+        per_rep = [_ratio(b.get("ttft_p50_ms"), a.get("ttft_p50_ms"))
+                   for a, b in zip(by_system["single-node"], by_system["two-node"])]
+        row["ttft_p50_ratio_per_rep"] = per_rep
+        paired = [x for x in per_rep if x is not None]   # each repetition's pair ran back to back: same load
+        row["ttft_p50_ratio_paired_median"] = statistics.median(paired) if paired else None
         rows.append(row)
     return rows
 
@@ -135,7 +140,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
                      f"{num(r['ttft_p90_ms'], '{:.2f}x'):>11} {num(r['itl_p50_ms'], '{:.2f}x'):>10} "
                      f"{num(r['output_tok_s'], '{:.2f}x'):>9}")
         per_rep = ", ".join(num(x, "{:.2f}x") for x in row["ttft_p50_ratio_per_rep"])
-        lines.append(f"{'':>11}  TTFT p50 two / single per repetition: {per_rep}")
+        lines.append(f"{'':>11}  TTFT p50 two / single per repetition: {per_rep} (median "
+                     f"{num(row['ttft_p50_ratio_paired_median'], '{:.2f}x')})")
     return "\n".join(lines)
 
 

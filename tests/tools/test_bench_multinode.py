@@ -59,10 +59,11 @@ def test_rows_hold_medians_over_repetitions_and_two_node_over_single_node_ratios
     assert one["single-node"]["ttft_p50_ms"] == 200 and one["two-node"]["ttft_p50_ms"] == 240   # None left out
     assert one["ratios"]["ttft_p50_ms"] == pytest.approx(1.2) and one["two-node"]["failed"] == 4
     assert one["ttft_p50_ratio_per_rep"] == [pytest.approx(1.5), pytest.approx(1.1), None]
+    assert one["ttft_p50_ratio_paired_median"] == pytest.approx(1.3)   # the failed repetition has no ratio
     assert eight["ratios"] == {"ttft_p50_ms": 1.5, "ttft_p90_ms": 1.5, "itl_p50_ms": 1.5, "output_tok_s": 0.75}
     table = bm.format_table(rows)
     assert "two / single" in table and "1.50x" in table and "0.75x" in table
-    assert "TTFT p50 two / single per repetition: 1.50x, 1.10x, -" in table
+    assert "TTFT p50 two / single per repetition: 1.50x, 1.10x, - (median 1.30x)" in table
     assert "[4 failed: HTTP 504]" in table
 
 
