@@ -13,22 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tools.engine_process import wait_until
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, message: str = "condition"):
-    """Poll ``predicate`` until it returns a truthy value or the deadline passes (then AssertionError)."""
-    deadline = time.monotonic() + timeout_s
-    last_error = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except Exception as exc:  # noqa: BLE001 - retried until the deadline
-            last_error = exc
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {message} (last error: {last_error!r})")
 
 
 def free_port() -> int:

@@ -1,58 +1,70 @@
-"""bench_kv_network: KV handoff bandwidth of the ``mooncake`` transport (Mooncake Transfer Engine, TCP) between
-two processes on loopback, next to the ``cpu-shm`` transport and a plain TCP socket copy of the same bytes.
+"""bench_kv_network: KV handoff bandwidth of the ``mooncake`` transport (Mooncake Transfer Engine, TCP) next to
+the ``cpu-shm`` transport and a plain TCP socket copy of the same bytes: between two processes on loopback, or
+(``--netns``) between two network namespaces over their data veth, a prefill "host" and a decode "host".
 
-Run from the repository root: ``python -m tools.bench_kv_network [--reps 5] [--json]`` (needs the mooncake
-extra: ``make install-mooncake``). A source process owns a KV pool of the default model's geometry (SmolLM2-135M:
-30 layers, 3 KV heads of 64, fp32, 16-token blocks: 720 KiB a block), publishes it through Mooncake, and serves a
-socket. For one request of 128/512/2048 tokens (consecutive and scattered block ids) the parent times:
+Run from the repository root: ``python -m tools.bench_kv_network [--reps 5] [--netns] [--json]`` (needs the
+mooncake extra: ``make install-mooncake``; ``--netns`` needs root, tools/netns.py). A source process owns a KV
+pool of the default model's geometry (SmolLM2-135M: 30 layers, 3 KV heads of 64, fp32, 16-token blocks: 720 KiB a
+block), publishes it through Mooncake on its address, and serves a socket there. A reader process (this one on
+loopback; one started in the decode namespace with ``--netns``, the source in the prefill namespace) times, for one
+request of 128/512/2048 tokens (consecutive and scattered block ids):
 
 * ``mooncake``: ``MooncakeTransport.start_copy`` then ``poll`` every 0.5 ms until DONE (one batched read, a
-  worker thread);
-* ``cpu-shm``: ``CpuShmTransport.start_copy`` of the same ids from the same pool (one host: shm);
-* ``socket``: the source sends the same number of bytes straight from its pool over a loopback TCP socket and
-  the parent ``recv_into``s them into its pool (no framing, one stream: the floor of a TCP handoff).
+  worker thread); with ``--netns`` the bytes cross the data veth (10.78.k.2 -> 10.78.k.3);
+* ``cpu-shm``: ``CpuShmTransport.start_copy`` of the same ids from the same pool (one host: /dev/shm, which
+  network namespaces share, so this is the same-host baseline in both modes);
+* ``socket``: the source sends the same number of bytes straight from its pool over one TCP connection (on the
+  data veth with ``--netns``) and the reader ``recv_into``s them into its pool (no framing, one stream: the floor
+  of a TCP handoff).
 
 Repetitions are interleaved and the median is reported; ratios are what to compare on a shared machine.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import multiprocessing as mp
 import os
 import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
+
+from tools.engine_process import terminate, wait_until
 
 GEOMETRY = dict(num_layers=30, num_blocks=160, block_tokens=16, num_kv_heads=3, head_dim=64)
 TOKENS = (128, 512, 2048)
 
 
-def _source(pool_name: str, ready, done, port_out) -> None:
-    """The prefill-like side: a filled pool published through Mooncake, and a socket that sends ``n`` bytes of
-    the pool's data section per 8-byte request (n = 0 ends)."""
+def serve_source(pool_name: str, host: str, port_file: str) -> None:
+    """The prefill-like side (``--serve-source``): a filled pool published through Mooncake on ``host``, and a
+    TCP server on ``host`` (port written to ``port_file`` once both are up) that sends ``n`` bytes of the pool's
+    data section per 8-byte little-endian request; n = 0 or the reader closing ends it. Unlinks its segments."""
     from ipc.kv_pool import KVPool
-    from ipc.mooncake_transport import MooncakeSource
+    from ipc.mooncake_transport import MooncakeSource, process_engine
 
+    process_engine(host)   # the session id readers dial: this namespace's data address
     pool = KVPool.create(pool_name, **GEOMETRY)
     source = None
     try:
         pool.array()[:] = np.random.default_rng(1).standard_normal(pool.shape, dtype=np.float32)
         source = MooncakeSource(pool)
         data = memoryview(pool.array().reshape(-1).view(np.uint8))
-        with socket.create_server(("127.0.0.1", 0)) as server:
-            port_out.put(server.getsockname()[1])
-            ready.set()
+        with socket.create_server((host, 0)) as server:
+            tmp = port_file + ".tmp"
+            Path(tmp).write_text(str(server.getsockname()[1]))
+            os.replace(tmp, port_file)   # atomic: the parent never reads half a number
             conn, _ = server.accept()
             with conn:
-                while True:
-                    n = int.from_bytes(_recv_exact(conn, 8), "little")
-                    if n == 0:
-                        break
+                while (n := int.from_bytes(_recv_exact(conn, 8), "little")) > 0:
                     conn.sendall(data[:n])
-        done.wait(60)
+    except ConnectionError:
+        pass   # the reader went away: nothing more to serve
     finally:
         if source is not None:
             source.close(unlink=True)
@@ -105,25 +117,23 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench(reps: int, tokens_list: tuple[int, ...] = TOKENS) -> list[dict]:
+def read_side(src_name: str, src_addr: tuple[str, int], host: str, engine_id: str, reps: int,
+              tokens_list: tuple[int, ...] = TOKENS) -> list[dict]:
+    """The decode-like side: its own pool, Mooncake on ``host``, the cpu-shm transport on the source's pool
+    ``src_name`` and a socket to ``src_addr``; one row per (layout, tokens). Its pool is named after
+    ``engine_id`` (``naming.unlink_all(engine_id)`` removes it). Raises AssertionError if a Mooncake copy
+    differs from the source blocks, RuntimeError if a transfer fails."""
     from ipc import naming
     from ipc.kv_pool import KVPool
     from ipc.kv_transport import CpuShmTransport
-    from ipc.mooncake_transport import MooncakeTransport
+    from ipc.mooncake_transport import MooncakeTransport, process_engine
 
-    ctx = mp.get_context("spawn")
-    eid = naming.new_engine_id()
-    ready, done, port_q = ctx.Event(), ctx.Event(), ctx.Queue()
-    src_name = naming.segment_name(eid, "kvsrc")
-    proc = ctx.Process(target=_source, args=(src_name, ready, done, port_q))
-    proc.start()
-    dst = conn = mc = shm = None
+    process_engine(host)
+    dst = KVPool.create(naming.segment_name(engine_id, "kvdst"), **GEOMETRY)
+    conn = mc = shm = None
     rows = []
     try:
-        if not ready.wait(120):
-            raise RuntimeError("the source process did not start")
-        dst = KVPool.create(naming.segment_name(eid, "kvdst"), **GEOMETRY)
-        conn = socket.create_connection(("127.0.0.1", port_q.get(timeout=10)))
+        conn = socket.create_connection(src_addr, timeout=60)
         mc, shm = MooncakeTransport(dst), CpuShmTransport(dst)
         mc.open_peer(src_name)
         shm.open_peer(src_name)
@@ -134,20 +144,72 @@ def bench(reps: int, tokens_list: tuple[int, ...] = TOKENS) -> list[dict]:
                 rows.append(_bench_one(tokens, layout, rng, mc, shm, conn, sink, dst, reps))
     finally:
         if conn is not None:
-            conn.sendall((0).to_bytes(8, "little"))
+            with contextlib.suppress(OSError):
+                conn.sendall((0).to_bytes(8, "little"))
             conn.close()
         for xfer in (mc, shm):
             if xfer is not None:
                 xfer.close()
-        done.set()
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
-        if dst is not None:
-            dst.close()
-        naming.unlink_all(eid)
+        dst.close()
+        dst.unlink()
     return rows
+
+
+def _module_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tools.bench_kv_network", *args]
+
+
+def _start_source(src_name: str, host: str, log_dir: str, ns: str | None = None) -> tuple[subprocess.Popen, int]:
+    """The source process (inside network namespace ``ns`` if given) and its socket's port, once it is up.
+    Raises RuntimeError (naming its log) if it exits or takes over 180 s."""
+    from tools.netns import ROOT, start_in_namespace
+
+    port_file, log_path = os.path.join(log_dir, "port"), os.path.join(log_dir, "source.log")
+    argv = _module_argv("--serve-source", src_name, "--host", host, "--port-file", port_file)
+    if ns is not None:
+        proc = start_in_namespace(ns, argv, log_path)
+    else:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: proc.poll() is not None or os.path.exists(port_file), 180, 0.05, "the source")
+    except AssertionError:
+        terminate(proc, 10)
+        raise RuntimeError(f"the source process did not start in 180 s; see {log_path}") from None
+    if proc.poll() is not None:
+        raise RuntimeError(f"the source process exited ({proc.returncode}): {Path(log_path).read_text()[-2000:]}")
+    return proc, int(Path(port_file).read_text())
+
+
+def bench(reps: int, tokens_list: tuple[int, ...] = TOKENS, netns: bool = False) -> list[dict]:
+    """Start the source, run ``read_side`` (here, or in the decode namespace with ``netns``), stop everything;
+    the rows. Raises RuntimeError if a process fails (its output in the message), NetnsError from tools/netns."""
+    from ipc import naming
+
+    eid = naming.new_engine_id()
+    src_name = naming.segment_name(eid, "kvsrc")
+    proc = None
+    with tempfile.TemporaryDirectory(prefix="pdserve-kvnet-") as log_dir, contextlib.ExitStack() as stack:
+        stack.callback(naming.unlink_all, eid)   # runs last: whatever a killed process left
+        try:
+            if not netns:
+                proc, port = _start_source(src_name, "127.0.0.1", log_dir)
+                return read_side(src_name, ("127.0.0.1", port), "127.0.0.1", eid, reps, tokens_list)
+            from tools.netns import TwoHostNet, exec_argv
+
+            net = stack.enter_context(TwoHostNet())
+            proc, port = _start_source(src_name, net.prefill_data_addr, log_dir, net.prefill_ns)
+            argv = _module_argv("--read", src_name, "--source-addr", f"{net.prefill_data_addr}:{port}", "--host",
+                                net.decode_data_addr, "--engine-id", eid, "--reps", str(reps),
+                                *(f"--tokens={t}" for t in tokens_list))
+            done = subprocess.run(exec_argv(net.decode_ns, argv), capture_output=True, text=True, timeout=1800)
+            if done.returncode != 0:
+                raise RuntimeError(f"the reader in {net.decode_ns} failed ({done.returncode}): "
+                                   f"{done.stderr[-3000:]}")
+            return json.loads(done.stdout.strip().splitlines()[-1])
+        finally:
+            if proc is not None:
+                terminate(proc, 30)
 
 
 def _bench_one(tokens, layout, rng, mc, shm, conn, sink, dst, reps) -> dict:
@@ -187,14 +249,55 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tools.bench_kv_network", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions per contender (x4 at 128 tokens)")
     ap.add_argument("--tokens", type=int, action="append", choices=TOKENS, help="request sizes (default all)")
+    ap.add_argument("--netns", action="store_true",
+                    help="source in one network namespace, reader in another, over their data veth (needs root)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON after the table")
-    args = ap.parse_args(argv)
-    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {os.cpu_count()} CPUs", flush=True)
-    rows = bench(args.reps, tuple(args.tokens or TOKENS))
+    internal = ap.add_argument_group("internal (the processes this tool starts)")
+    internal.add_argument("--serve-source", metavar="POOL", help="run the source side with a pool of this name")
+    internal.add_argument("--read", metavar="POOL", help="run the reader side against this source pool; "
+                          "prints its rows as one JSON line")
+    internal.add_argument("--host", default="127.0.0.1", help="address this side's Mooncake engine listens on")
+    internal.add_argument("--port-file", help="--serve-source: where to write its socket's port")
+    internal.add_argument("--source-addr", help="--read: the source's socket, HOST:PORT")
+    internal.add_argument("--engine-id", help="--read: names its pool (the parent unlinks it)")
+    return ap
+
+
+def skip_reason(netns: bool) -> str:
+    """Why this run cannot happen here ("" if it can): the mooncake extra missing, or (``netns``) no root."""
+    try:
+        import ipc.mooncake_transport  # noqa: F401
+    except ImportError as exc:
+        return f"the mooncake extra is missing: {exc}"
+    if netns:
+        from tools.netns import can_create_netns
+
+        return can_create_netns()[1]
+    return ""
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    tokens = tuple(args.tokens or TOKENS)
+    if args.serve_source:
+        serve_source(args.serve_source, args.host, args.port_file)
+        return []
+    if args.read:
+        host, port = args.source_addr.rsplit(":", 1)
+        rows = read_side(args.read, (host, int(port)), args.host, args.engine_id, args.reps, tokens)
+        print(json.dumps(rows))
+        return rows
+    if reason := skip_reason(args.netns):
+        print(f"bench_kv_network skipped: {reason}", flush=True)
+        return []
+    where = "between two network namespaces over the data veth" if args.netns else "two processes on loopback"
+    print(f"KV handoff {where}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
+          f"{os.cpu_count()} CPUs", flush=True)
+    rows = bench(args.reps, tokens, args.netns)
     print(report(rows))
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:

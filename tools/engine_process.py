@@ -1,5 +1,6 @@
 """Start a `pdserve serve` subprocess for a tool: free port, readiness by /health, SIGTERM and a segment sweep
-on exit. Used by tools/bench_detection.py and tools/bench_colocated.py (tests use tests/conftest.py)."""
+on exit; ``wait_until``, the polling-with-deadline helper of the tools and the tests. Used by
+tools/bench_detection.py, tools/bench_colocated.py and others (tests start engines with tests/conftest.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -34,6 +35,26 @@ def healthy(base_url: str) -> bool:
         return httpx.get(base_url + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, message: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value (returned) or the deadline passes.
+
+    Raises:
+        AssertionError: ``timeout_s`` seconds passed; the message names ``message`` and the last exception
+            ``predicate`` raised (exceptions are retried until the deadline).
+    """
+    deadline = time.monotonic() + timeout_s
+    last_error = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 - retried until the deadline
+            last_error = exc
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {message} (last error: {last_error!r})")
 
 
 def terminate(proc: subprocess.Popen, timeout_s: float) -> None:

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from tests.conftest import ROOT, EngineProbe, cleanup_engine, free_port, start_engine, wait_until
-from tests.multinode.netns import start_in_namespace, stop_process, wait_http_ok
+from tools.netns import start_in_namespace, stop_process, wait_http_ok
 
 # the first test also waits for three engines to start and a reference run (minutes when the machine is busy)
 pytestmark = pytest.mark.timeout(900)

@@ -1,4 +1,6 @@
-"""Two network namespaces on this machine standing in for a prefill host and a decode host (issue 15).
+"""Two network namespaces on this machine standing in for a prefill host and a decode host (issue 15); used by
+the multinode tests (tests/multinode) and the benchmarks that cross them (tools/bench_kv_network ``--netns``,
+tools/bench_multinode).
 
 Layout (``k`` picked so that neither 10.77.k.0/24 nor 10.78.k.0/24 overlaps an address or route of the machine)::
 
@@ -26,8 +28,7 @@ import warnings
 import weakref
 from pathlib import Path
 
-from tests.conftest import ROOT, wait_until
-from tools.engine_process import terminate
+from tools.engine_process import terminate, wait_until
 
 NS_PREFIX = "pdsv-"
 BRIDGE_PREFIX = "pdbr"
@@ -39,6 +40,7 @@ _STALE_LINK = re.compile(r"^(?:pdbr|pdc)(\d+)x\d+[pd]?$")
 _COUNTER = itertools.count()
 _IP_TIMEOUT_S = 20.0
 _LOCK_PATH = Path(tempfile.gettempdir()) / "pdsv-netns.lock"   # serialises picking k between processes
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class NetnsError(RuntimeError):
