@@ -11,7 +11,7 @@ Shared-memory layout of segment ``name`` (little endian; ``HEADER`` and the ``OF
 
     offset  size  field
     0       4     magic            b"PDSQ"
-    4       4     version          u4 = 2
+    4       4     version          u4 = 3
     8       4     num_slots        u4
     12      4     slot_bytes       u4  (a slot = u4 payload length + payload; payload <= slot_bytes - 4)
     16      8     slots_offset     u8  = HEADER_BYTES
@@ -22,14 +22,18 @@ Shared-memory layout of segment ``name`` (little endian; ``HEADER`` and the ``OF
     80      8     tail_at_lock     u8  mpmc: tail when the current producer took the mutex (for repair)
     88      4     frees_at_lock    u4  mpmc: "free" tokens the current producer holds (for repair)
     92      4     producer_pid     u4  spsc: the process holding the producer role, 0 = none
-    96      4     producer_waiting u4  spsc: 1 = the producer sleeps on _fr waiting for room
     128     8     head             u8  messages ever taken (mpmc: under the consumer mutex; spsc: consumer)
     136     8     consumer lock record
     144     8     head_at_lock     u8  mpmc: head when the current consumer took the mutex (for repair)
     152     4     items_at_lock    u4  mpmc: "items" tokens the current consumer holds (for repair)
     156     4     consumer_pid     u4  spsc: the process holding the consumer role, 0 = none
-    160     4     consumer_waiting u4  spsc: 1 = the consumer sleeps on _it waiting for messages
+    192     4     consumer_waiting u4  spsc: 1 = the consumer sleeps on _it waiting for messages
+    196     4     producer_waiting u4  spsc: 1 = the producer sleeps on _fr waiting for room
     256     ...   num_slots slots of slot_bytes each; message i lives in slot i % num_slots
+
+Each side's counter has a 64-byte cache line of its own (tail at 64, head at 128) and the two waiter flags share
+a third that is written only when a side goes to sleep, so a spsc put or get that reads the flag of the other
+side does not pull in the line the other side writes on every message.
 
 Semaphores (all ``name`` + suffix, mode 0600): ``_it`` items, ``_fr`` free slots, ``_pm`` producer mutex,
 ``_cm`` consumer mutex, ``_rp`` lock-repair mutex. In spsc mode ``_it`` and ``_fr`` only wake sleepers (both
@@ -44,10 +48,13 @@ spsc put_many(k):  room = num_slots - (tail - head); if short: wait for room -> 
                    post _it
 spsc get_many(k):  avail = tail - head; if 0: wait for messages -> read min(k, avail) slots -> head += that
                    -> full barrier -> if producer_waiting: clear it, post _fr
+spsc put / get of one frame (the claimed side's fast path, a closure built at claim time): the same steps with
+                   the other side's counter read from a private copy (a lower bound: counters only grow), which
+                   is re-read from shm only when it says "full" / "empty"
 spsc wait (the consumer's for messages; the producer's for room mirrors it): spin up to ``spin_s`` re-reading
-                   tail (sched_yield between reads) -> consumer_waiting = 1 -> full barrier -> re-read tail (a commit that raced the
-                   flag is seen here, or its producer sees the flag: no lost wake-up) -> sleep on _it for at
-                   most RECHECK_S -> consumer_waiting = 0 -> re-read tail.
+                   tail (sched_yield between reads) -> consumer_waiting = 1 -> full barrier -> re-read tail (a
+                   commit that raced the flag is seen here, or its producer sees the flag: no lost wake-up) ->
+                   sleep on _it for at most RECHECK_S -> consumer_waiting = 0 -> re-read tail.
 
 The spsc ordering argument needs total store order (x86-64: stores become visible in program order, so the
 slot bytes are visible before the tail that commits them) and a full barrier between each side's store and
@@ -94,7 +101,7 @@ from ipc._shm import RobustLock, ShmLockTimeoutError
 from pdserve.errors import MessageTooLargeError, QueueClosedError, QueueFullError, QueueRoleError
 
 MAGIC = b"PDSQ"
-VERSION = 2
+VERSION = 3
 HEADER_BYTES = 256
 HEADER = struct.Struct("<4sIIIQII")  # magic, version, num_slots, slot_bytes, slots_offset, lock_timeout_ms, mode
 MODE_MPMC, MODE_SPSC = 0, 1
@@ -104,15 +111,16 @@ OFF_PRODUCER_LOCK = 72
 OFF_TAIL_AT_LOCK = 80
 OFF_FREES_AT_LOCK = 88
 OFF_PRODUCER_PID = 92
-OFF_PRODUCER_WAITING = 96
 OFF_HEAD = 128
 OFF_CONSUMER_LOCK = 136
 OFF_HEAD_AT_LOCK = 144
 OFF_ITEMS_AT_LOCK = 152
 OFF_CONSUMER_PID = 156
-OFF_CONSUMER_WAITING = 160
+OFF_CONSUMER_WAITING = 192
+OFF_PRODUCER_WAITING = 196
 # indices into the header viewed as u8 words (counters) and as u4 words (pids, flags, repair counts)
-I_TAIL, I_HEAD, I_TAIL_AT_LOCK, I_HEAD_AT_LOCK = OFF_TAIL // 8, OFF_HEAD // 8, OFF_TAIL_AT_LOCK // 8, OFF_HEAD_AT_LOCK // 8
+I_TAIL, I_HEAD = OFF_TAIL // 8, OFF_HEAD // 8
+I_TAIL_AT_LOCK, I_HEAD_AT_LOCK = OFF_TAIL_AT_LOCK // 8, OFF_HEAD_AT_LOCK // 8
 I_FREES_AT_LOCK, I_ITEMS_AT_LOCK = OFF_FREES_AT_LOCK // 4, OFF_ITEMS_AT_LOCK // 4
 I_PRODUCER_PID, I_PRODUCER_WAITING = OFF_PRODUCER_PID // 4, OFF_PRODUCER_WAITING // 4
 I_CONSUMER_PID, I_CONSUMER_WAITING = OFF_CONSUMER_PID // 4, OFF_CONSUMER_WAITING // 4
@@ -123,6 +131,7 @@ DEFAULT_LOCK_TIMEOUT_S = 1.0
 RECHECK_S = 1.0  # a waiter re-checks (dead mutex holder; spsc: a commit whose post never came) this often
 DEFAULT_SPIN_S = 50e-6  # a spsc waiter re-reads the counter this long before it sleeps (a wake-up costs ~10 us)
 ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+_dumps, _loads = orjson.dumps, orjson.loads
 SPSC_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 _PRODUCER, _CONSUMER = "producer", "consumer"
@@ -196,6 +205,7 @@ class ShmQueue(_shm.ShmSegment):
         self._is_producer = self._is_consumer = False
         self._put_mutex = self._get_mutex = None
         self._fence_lock = threading.Lock()
+        self._bind_paths()
 
     @classmethod
     def create(cls, name: str, *, num_slots: int = 256, slot_bytes: int = 65536,
@@ -259,10 +269,6 @@ class ShmQueue(_shm.ShmSegment):
                                  f"producer mutex of queue {self.name!r}", self.lock_timeout_s)
         self._clock = RobustLock(self._cm_sem, self._repair, mm, OFF_CONSUMER_LOCK,
                                  f"consumer mutex of queue {self.name!r}", self.lock_timeout_s)
-        if self.mode == "spsc":
-            self._put_frames, self._take = self._spsc_put, self._spsc_take
-        else:
-            self._put_frames, self._take = self._mpmc_put, self._mpmc_take
         self._forget_process_state()
         _instances.add(self)
 
@@ -275,6 +281,7 @@ class ShmQueue(_shm.ShmSegment):
             self._unclaim(_CONSUMER, I_CONSUMER_PID)
         self._is_producer = self._is_consumer = False
         _instances.discard(self)
+        self._bind_paths()  # closed: drops the fast paths' closures (they hold the views)
         self._items = self._free = self._pm_sem = self._cm_sem = self._repair = None
         self._plock = self._clock = None
         self._q8 = self._q4 = None
@@ -287,6 +294,26 @@ class ShmQueue(_shm.ShmSegment):
         self._put_mutex = _side_mutex(self.name, _PRODUCER)
         self._get_mutex = _side_mutex(self.name, _CONSUMER)
         self._fence_lock = threading.Lock()
+        self._bind_paths()
+
+    def _bind_paths(self) -> None:
+        """Point the per-call paths ``_put_one(frame, timeout_s)``, ``_put_frames(frames, timeout_s)``,
+        ``_take_one(timeout_s) -> frame | None`` and ``_take(max_items, timeout_s) -> frames`` at what this
+        instance's state needs: closed (they raise QueueClosedError), mpmc, spsc with a role this process has
+        not claimed (claim, then go on), or a claimed spsc role (the fast closures). Re-run on every change."""
+        if self._closed:
+            self._put_one = self._put_frames = self._take_one = self._take = self._raise_closed
+        elif self.mode == "mpmc":
+            self._put_one, self._put_frames = self._mpmc_put_one, self._mpmc_put
+            self._take_one, self._take = self._mpmc_take_one, self._mpmc_take
+        else:
+            self._put_one, self._put_frames = ((self._spsc_put_one_path(), self._spsc_put) if self._is_producer
+                                               else (self._claim_put_one, self._claim_put))
+            self._take_one, self._take = ((self._spsc_take_one_path(), self._spsc_take) if self._is_consumer
+                                          else (self._claim_take_one, self._claim_take))
+
+    def _raise_closed(self, *_args) -> Any:
+        raise QueueClosedError(f"queue {self.name!r} is closed in this process")
 
     def _repr_fields(self) -> str:
         return f", mode={self.mode}, num_slots={self.num_slots}, slot_bytes={self.slot_bytes}"
@@ -303,20 +330,11 @@ class ShmQueue(_shm.ShmSegment):
         process holds; TypeError (orjson.JSONEncodeError) if ``obj`` is not serializable; QueueClosedError
         after ``close()``.
         """
-        data = orjson.dumps(obj, option=ORJSON_OPTIONS)
-        if self._closed:
-            self._check_open()
-        if len(data) > self.max_message_bytes:
-            raise self._too_large(len(data))
-        self._put_frames((data,), timeout_s)
+        self._put_one(_dumps(obj, option=ORJSON_OPTIONS), timeout_s)
 
     def put_bytes(self, data: bytes, timeout_s: float | None = 5.0) -> None:
         """Enqueue one raw frame ``data`` (bytes-like, at most ``slot_bytes - 4`` bytes). Errors: as put."""
-        if self._closed:
-            self._check_open()
-        if len(data) > self.max_message_bytes:
-            raise self._too_large(len(data))
-        self._put_frames((data,), timeout_s)
+        self._put_one(data, timeout_s)
 
     def put_many(self, objs: Iterable[Any], timeout_s: float | None = 5.0) -> None:
         """Encode and enqueue every object of ``objs`` in order, committed at once: all or none of them.
@@ -324,7 +342,7 @@ class ShmQueue(_shm.ShmSegment):
         Waits at most ``timeout_s`` for room for all of them. Raises ValueError for more objects than
         ``num_slots``; the other errors as ``put`` (nothing is enqueued when it raises).
         """
-        self.put_many_bytes([orjson.dumps(o, option=ORJSON_OPTIONS) for o in objs], timeout_s)
+        self.put_many_bytes([_dumps(o, option=ORJSON_OPTIONS) for o in objs], timeout_s)
 
     def put_many_bytes(self, frames: Iterable[bytes], timeout_s: float | None = 5.0) -> None:
         """Raw-frame variant of ``put_many``."""
@@ -360,6 +378,11 @@ class ShmQueue(_shm.ShmSegment):
         return tail
 
     # mpmc ----------------------------------------------------------------
+
+    def _mpmc_put_one(self, data, timeout_s: float | None) -> None:
+        if len(data) > self.max_message_bytes:
+            raise self._too_large(len(data))
+        self._mpmc_put((data,), timeout_s)
 
     def _mpmc_put(self, frames, timeout_s: float | None) -> None:
         k = len(frames)
@@ -407,9 +430,53 @@ class ShmQueue(_shm.ShmSegment):
 
     # spsc ----------------------------------------------------------------
 
+    def _claim_put_one(self, data, timeout_s: float | None) -> None:
+        if len(data) > self.max_message_bytes:
+            raise self._too_large(len(data))
+        self._claim(_PRODUCER)  # rebinds _put_one to the fast path
+        self._put_one(data, timeout_s)
+
+    def _claim_put(self, frames, timeout_s: float | None) -> None:
+        self._claim(_PRODUCER)
+        self._spsc_put(frames, timeout_s)
+
+    def _spsc_put_one_path(self):
+        """The claimed spsc producer's put of one frame, a closure over the views, sizes and bound methods:
+        with the in-process side mutex free and room in the ring it is one length store, one memcpy and the
+        tail store (the commit), then the flag check; otherwise (another thread inside, a full ring) it goes
+        through ``_spsc_put``. Raises MessageTooLargeError, and what ``_spsc_put`` raises."""
+        mm, q8, q4, limit = self._mm, self._q8, self._q4, self.max_message_bytes
+        num_slots, slot_bytes = self.num_slots, self.slot_bytes
+        acquire, release = self._put_mutex.acquire, self._put_mutex.release
+        pack_len, wake, put_frames, too_large = LEN.pack_into, self._items.release, self._spsc_put, self._too_large
+        head_seen = q8[I_HEAD]  # a lower bound of head (it only grows): re-read from shm only when it says full
+
+        def put_one(data, timeout_s: float | None) -> None:
+            nonlocal head_seen
+            n = len(data)
+            if n > limit:
+                raise too_large(n)
+            if acquire(False):
+                try:
+                    tail = q8[I_TAIL]
+                    room = tail - head_seen < num_slots or tail - (head_seen := q8[I_HEAD]) < num_slots
+                    if room:
+                        off = HEADER_BYTES + tail % num_slots * slot_bytes
+                        pack_len(mm, off, n)
+                        mm[off + 4:off + 4 + n] = data
+                        q8[I_TAIL] = tail + 1  # the commit: payload first, then the tail
+                finally:
+                    release()  # a locked instruction: the commit is visible before we read the flag
+                if room:
+                    if q4[I_CONSUMER_WAITING]:
+                        q4[I_CONSUMER_WAITING] = 0
+                        wake()
+                    return
+            put_frames((data,), timeout_s)
+
+        return put_one
+
     def _spsc_put(self, frames, timeout_s: float | None) -> None:
-        if not self._is_producer:
-            self._claim(_PRODUCER)
         k = len(frames)
         mutex = self._put_mutex
         if not mutex.acquire(False) and not mutex.acquire(timeout=-1 if timeout_s is None else max(0.0, timeout_s)):
@@ -484,6 +551,7 @@ class ShmQueue(_shm.ShmSegment):
                 self._is_producer = True
             else:
                 self._is_consumer = True
+            self._bind_paths()
         finally:
             lock.release()
 
@@ -509,22 +577,17 @@ class ShmQueue(_shm.ShmSegment):
         QueueRoleError if this is a spsc queue whose consumer role another live process holds,
         QueueClosedError after ``close()``, orjson.JSONDecodeError on a corrupt frame.
         """
-        if self._closed:
-            self._check_open()
-        data = self._take(1, timeout_s)
-        return orjson.loads(data[0]) if data else None
+        data = self._take_one(timeout_s)
+        return None if data is None else _loads(data)
 
     def get_bytes(self, timeout_s: float | None) -> bytes | None:
         """Dequeue one raw frame; None on timeout. Semantics and errors as ``get``."""
-        if self._closed:
-            self._check_open()
-        data = self._take(1, timeout_s)
-        return data[0] if data else None
+        return self._take_one(timeout_s)
 
     def get_many(self, max_items: int, timeout_s: float | None) -> list[Any]:
         """Up to ``max_items`` decoded messages: waits at most ``timeout_s`` for the first, then takes what is
         already there without waiting. Returns [] on timeout. Errors as ``get``. (Actors batch with this.)"""
-        return [orjson.loads(b) for b in self.get_many_bytes(max_items, timeout_s)]
+        return [_loads(b) for b in self.get_many_bytes(max_items, timeout_s)]
 
     def get_many_bytes(self, max_items: int, timeout_s: float | None) -> list[bytes]:
         """Raw-frame variant of ``get_many``."""
@@ -534,22 +597,61 @@ class ShmQueue(_shm.ShmSegment):
         return self._take(max_items, timeout_s)
 
     def _read_slots(self, head: int, k: int) -> list[bytes]:
+        """Copies of the ``k`` frames from message ``head`` on (a corrupt length reads as an empty frame)."""
         mm, num_slots, slot_bytes, limit = self._mm, self.num_slots, self.slot_bytes, self.max_message_bytes
+        unpack_len = LEN.unpack_from
         out = []
-        for _ in range(k):
-            off = HEADER_BYTES + (head % num_slots) * slot_bytes
-            n = LEN.unpack_from(mm, off)[0]
-            if n > limit:  # corrupt slot: never read past it
-                n = 0
-            out.append(mm[off + 4:off + 4 + n])
-            head += 1
+        append = out.append
+        for i in range(head, head + k):
+            off = HEADER_BYTES + i % num_slots * slot_bytes
+            n = unpack_len(mm, off)[0]
+            append(mm[off + 4:off + 4 + (n if n <= limit else 0)])
         return out
 
     # spsc ----------------------------------------------------------------
 
+    def _claim_take_one(self, timeout_s: float | None) -> bytes | None:
+        self._claim(_CONSUMER)  # rebinds _take_one to the fast path
+        return self._take_one(timeout_s)
+
+    def _claim_take(self, max_items: int, timeout_s: float | None) -> list[bytes]:
+        self._claim(_CONSUMER)
+        return self._spsc_take(max_items, timeout_s)
+
+    def _spsc_take_one_path(self):
+        """The claimed spsc consumer's take of one frame (bytes, or None on timeout), a closure like
+        ``_spsc_put_one_path``'s: with the side mutex free and a message committed, one length load, one
+        slice copy and the head store, then the flag check; otherwise through ``_spsc_take``."""
+        mm, q8, q4, limit = self._mm, self._q8, self._q4, self.max_message_bytes
+        num_slots, slot_bytes = self.num_slots, self.slot_bytes
+        acquire, release = self._get_mutex.acquire, self._get_mutex.release
+        unpack_len, wake, take = LEN.unpack_from, self._free.release, self._spsc_take
+        tail_seen = q8[I_TAIL]  # a lower bound of tail: re-read from shm only when it says empty
+
+        def take_one(timeout_s: float | None) -> bytes | None:
+            nonlocal tail_seen
+            if acquire(False):
+                try:
+                    head = q8[I_HEAD]
+                    ready = head < tail_seen or head < (tail_seen := q8[I_TAIL])
+                    if ready:
+                        off = HEADER_BYTES + head % num_slots * slot_bytes
+                        n = unpack_len(mm, off)[0]
+                        data = mm[off + 4:off + 4 + (n if n <= limit else 0)]  # a corrupt length: empty
+                        q8[I_HEAD] = head + 1
+                finally:
+                    release()  # a locked instruction: the new head is visible before we read the flag
+                if ready:
+                    if q4[I_PRODUCER_WAITING]:
+                        q4[I_PRODUCER_WAITING] = 0
+                        wake()
+                    return data
+            out = take(1, timeout_s)
+            return out[0] if out else None
+
+        return take_one
+
     def _spsc_take(self, max_items: int, timeout_s: float | None) -> list[bytes]:
-        if not self._is_consumer:
-            self._claim(_CONSUMER)
         mutex = self._get_mutex
         if not mutex.acquire(False) and not mutex.acquire(timeout=-1 if timeout_s is None else max(0.0, timeout_s)):
             return []
@@ -561,16 +663,9 @@ class ShmQueue(_shm.ShmSegment):
                 if not self._spsc_wait(lambda: q8[I_TAIL] != head, I_CONSUMER_WAITING, self._items, timeout_s):
                     return []
                 avail = q8[I_TAIL] - head
-            if avail == 1 or max_items == 1:
-                mm = self._mm
-                off = HEADER_BYTES + (head % self.num_slots) * self.slot_bytes
-                n = LEN.unpack_from(mm, off)[0]
-                out = [mm[off + 4:off + 4 + (n if n <= self.max_message_bytes else 0)]]
-                q8[I_HEAD] = head + 1
-            else:
-                k = min(max_items, avail)
-                out = self._read_slots(head, k)
-                q8[I_HEAD] = head + k
+            k = min(max_items, avail)
+            out = self._read_slots(head, k)
+            q8[I_HEAD] = head + k
         finally:
             mutex.release()  # a locked instruction: the new head is visible before we read the flag
         q4 = self._q4
@@ -580,6 +675,10 @@ class ShmQueue(_shm.ShmSegment):
         return out
 
     # mpmc ----------------------------------------------------------------
+
+    def _mpmc_take_one(self, timeout_s: float | None) -> bytes | None:
+        out = self._mpmc_take(1, timeout_s)
+        return out[0] if out else None
 
     def _mpmc_take(self, max_items: int, timeout_s: float | None) -> list[bytes]:
         if not self._wait_items(timeout_s):

@@ -6,12 +6,14 @@ shared and noisy: compare ratios, not absolute rates. Repetitions are interleave
 median is reported, so a burst of load from a neighbour hits every contender alike.
 
 1. **queue**: messages/s, one producer process -> one consumer process, 64 B / 1 KiB / 64 KiB orjson messages:
-   ``ipc.shm_queue.ShmQueue`` (put(dict) -> get, orjson inside; "ShmQueue" is the single-producer/single-consumer
-   mode the engine's one-producer queues use, "ShmQueue mpmc" the mode for several producers) vs
-   ``multiprocessing.Queue`` and
+   ``ipc.shm_queue.ShmQueue`` used as the engine uses it (``put(dict)`` per message, as ``actors.ports.QueueOutbox``
+   does, and ``get_many(64, timeout_s)``, as the prefill and decode actors' loops do; orjson inside): "ShmQueue" is
+   the single-producer/single-consumer mode the engine's one-producer queues use, "ShmQueue get()" the same queue
+   read one ``get()`` at a time, "ShmQueue mpmc" the mode for several producers; vs ``multiprocessing.Queue`` and
    ``multiprocessing.Pipe`` carrying the same orjson bytes (encoded before send, decoded after receive, so every
    contender does the same serialization work). All queues bounded to the same number of slots.
-2. **rtt**: round trip (ping -> echo -> pong) latency p50/p99 for the same messages and contenders, plus a bare
+2. **rtt**: round trip (ping -> echo -> pong) latency p50/p99 for the same messages and contenders (a round trip
+   carries one message each way, so ``get_many`` returns one), plus a bare
    ``posix_ipc`` semaphore ping-pong (no payload) as the floor of any kernel-semaphore design.
 3. **kv**: ``ipc.kv_transport.CpuShmTransport.start_copy`` of one request's blocks (scattered and consecutive
    ids, 128/512/2048 tokens) between two ``ipc.kv_pool.KVPool`` shm segments of the default model's geometry,
@@ -40,8 +42,11 @@ import orjson
 
 SIZES = {"64 B": 64, "1 KiB": 1024, "64 KiB": 65536}
 QUEUE_SLOTS = 256
-# ShmQueue contenders: the engine's one-producer/one-consumer mode, and the mode for several producers
-SHM_KINDS = {"ShmQueue": "spsc", "ShmQueue mpmc": "mpmc"}
+# ShmQueue contenders: the engine's one-producer/one-consumer mode read as the actors read it (get_many), the
+# same read one get() at a time, and the mode for several producers
+SHM_KINDS = {"ShmQueue": "spsc", "ShmQueue get()": "spsc", "ShmQueue mpmc": "mpmc"}
+ONE_BY_ONE = {"ShmQueue get()"}
+ENGINE_BATCH = 64  # what actors/prefill.py and actors/decode.py pass to get_many
 
 
 def make_message(nbytes: int) -> dict:
@@ -85,13 +90,14 @@ def _pipe_producer(conn, n: int, nbytes: int, ready, start) -> None:
         conn.send_bytes(orjson.dumps(msg))
 
 
-def _shm_echo(in_name: str, out_name: str, n: int, ready, start) -> None:
+def _shm_echo(in_name: str, out_name: str, n: int, one_by_one: bool, ready, start) -> None:
     from ipc.shm_queue import ShmQueue
 
     qi, qo = ShmQueue.attach(in_name), ShmQueue.attach(out_name)
+    receive = _shm_receiver(qi, one_by_one)
     _child_ready(ready, start)
     for _ in range(n):
-        qo.put(_delivered(qi.get(timeout_s=30)), timeout_s=30)
+        qo.put(receive(), timeout_s=30)
     qi.close()
     qo.close()
 
@@ -157,6 +163,36 @@ def _delivered(message):
     return message
 
 
+def _shm_receiver(q, one_by_one: bool) -> Callable[[], Any]:
+    """A function returning the next message of ``q`` (for a ping-pong: one is in flight at a time), read with
+    ``get`` or, as the actors read, ``get_many(ENGINE_BATCH)``; RuntimeError if none arrives within 30 s."""
+    if one_by_one:
+        return lambda: _delivered(q.get(timeout_s=30))
+
+    def receive():
+        got = q.get_many(ENGINE_BATCH, timeout_s=30)
+        if len(got) != 1:
+            raise RuntimeError(f"a ping-pong ShmQueue get_many returned {len(got)} messages, not 1")
+        return got[0]
+
+    return receive
+
+
+def _shm_drain(q, n: int, one_by_one: bool) -> None:
+    """Take and decode ``n`` messages from ``q`` (``get`` each, or ``get_many(ENGINE_BATCH)`` as the actors
+    do); RuntimeError if the producer's next message does not arrive within 30 s."""
+    if one_by_one:
+        for _ in range(n):
+            _delivered(q.get(timeout_s=30))
+        return
+    got = 0
+    while got < n:
+        batch = q.get_many(ENGINE_BATCH, timeout_s=30)
+        if not batch:
+            _delivered(None)
+        got += len(batch)
+
+
 def throughput(ctx, kind: str, nbytes: int, n: int) -> float:
     """Messages/s received by this process from one producer process."""
     from ipc import naming
@@ -171,8 +207,7 @@ def throughput(ctx, kind: str, nbytes: int, n: int) -> float:
             p, start = _spawn(ctx, _shm_producer, q.name, n, nbytes)
             start.set()
             t0 = time.perf_counter()
-            for _ in range(n):
-                _delivered(q.get(timeout_s=30))
+            _shm_drain(q, n, kind in ONE_BY_ONE)
             dt = time.perf_counter() - t0
             _join(p)
         finally:
@@ -231,9 +266,9 @@ def round_trips(ctx, kind: str, nbytes: int, n: int) -> list[float]:
                              mode=SHM_KINDS[kind])
         p = None
         try:
-            p, start = _spawn(ctx, _shm_echo, qa.name, qb.name, n)
+            p, start = _spawn(ctx, _shm_echo, qa.name, qb.name, n, kind in ONE_BY_ONE)
             start.set()
-            out = _ping_pong(lambda: qa.put(msg, timeout_s=30), lambda: _delivered(qb.get(timeout_s=30)), n)
+            out = _ping_pong(lambda: qa.put(msg, timeout_s=30), _shm_receiver(qb, kind in ONE_BY_ONE), n)
             _join(p)
         finally:
             _kill(p)
@@ -289,7 +324,7 @@ def _median_best_of(fn: Callable[[], float], reps: int) -> float:
 def bench_queue(ctx, reps: int, scale: float) -> list[dict]:
     rows = []
     counts = {64: 20000, 1024: 20000, 65536: 2000}
-    kinds = ("ShmQueue", "ShmQueue mpmc", "mp.Queue", "mp.Pipe")
+    kinds = ("ShmQueue", "ShmQueue get()", "ShmQueue mpmc", "mp.Queue", "mp.Pipe")
     for label, nbytes in SIZES.items():
         n = max(200, int(counts[nbytes] * scale))
         rates: dict[str, list[float]] = {k: [] for k in kinds}
@@ -307,7 +342,7 @@ def bench_queue(ctx, reps: int, scale: float) -> list[dict]:
 def bench_rtt(ctx, reps: int, scale: float) -> list[dict]:
     rows = []
     counts = {64: 3000, 1024: 3000, 65536: 1000}
-    kinds = ("ShmQueue", "ShmQueue mpmc", "mp.Queue", "mp.Pipe", "posix_ipc sem")
+    kinds = ("ShmQueue", "ShmQueue get()", "ShmQueue mpmc", "mp.Queue", "mp.Pipe", "posix_ipc sem")
     for label, nbytes in SIZES.items():
         n = max(100, int(counts[nbytes] * scale))
         lat: dict[str, list[float]] = {k: [] for k in kinds}
@@ -469,9 +504,9 @@ def report(results: dict[str, list[dict]]) -> str:
     out = []
     if results.get("queue"):
         out.append("## 1. Queue throughput (1 producer -> 1 consumer process, msgs/s, median of interleaved runs)")
-        out.append(f"{'size':>7} {'contender':<13} {'msgs/s':>10} {'vs mp.Queue':>12} {'vs mp.Pipe':>11}")
+        out.append(f"{'size':>7} {'contender':<14} {'msgs/s':>10} {'vs mp.Queue':>12} {'vs mp.Pipe':>11}")
         for r in results["queue"]:
-            out.append(f"{r['size']:>7} {r['contender']:<13} {r['msgs_per_s']:>10,.0f} "
+            out.append(f"{r['size']:>7} {r['contender']:<14} {r['msgs_per_s']:>10,.0f} "
                        f"{r['ratio_vs_mp_queue']:>11.2f}x {r['ratio_vs_pipe']:>10.2f}x")
         one = next(r for r in results["queue"] if r["size"] == "1 KiB" and r["contender"] == "ShmQueue")
         out.append(f"target: ShmQueue >= 10x mp.Queue at 1 KiB -> measured {one['ratio_vs_mp_queue']:.2f}x "
