@@ -6,6 +6,7 @@ import pickle
 import random
 import signal
 import stat
+import threading
 import time
 
 import ipc_children as kids
@@ -110,6 +111,18 @@ def test_put_many_commits_every_message_at_once_or_none(queue):
     assert queue.qsize() == 0
     queue.put_many_bytes([b"x", b"y"])
     assert queue.get_many_bytes(5, timeout_s=0) == [b"x", b"y"]
+
+
+def test_every_entry_point_of_a_closed_queue_raises_queue_closed(queue):
+    queue.put("claims both spsc roles for this process")
+    assert queue.get(timeout_s=0) == "claims both spsc roles for this process"
+    queue.close()
+    calls = (lambda: queue.put(1), lambda: queue.put_bytes(b"x"), lambda: queue.put_many([1]),
+             lambda: queue.get(0), lambda: queue.get_bytes(0), lambda: queue.get_many(1, 0))
+    for call in calls:
+        with pytest.raises(QueueClosedError, match="is closed in this process"):
+            call()
+    assert queue.qsize() == 0 and queue.role_pids() == (0, 0)
 
 
 def test_create_refuses_an_unknown_mode(name):
@@ -314,6 +327,40 @@ def test_a_second_live_process_on_one_side_of_a_spsc_queue_is_refused_and_a_dead
     finally:
         release.send(b"go")
         kids.join_all(procs, 5)
+        q.close()
+        q.unlink()
+
+
+@SPSC
+def test_threads_and_instances_of_one_process_share_each_spsc_role_and_lose_nothing(name):
+    # three producer threads over two instances (each with its own cached copy of head) into 8 slots, so puts
+    # often find the side mutex taken or the ring full; the consumer alternates instances too
+    q = ShmQueue.create(name("th"), num_slots=8, slot_bytes=128, mode="spsc")
+    other = ShmQueue.attach(q.name)
+    per = 2000
+
+    def produce(instance, tag):
+        for i in range(per):
+            instance.put([tag, i], timeout_s=10)
+
+    threads = [threading.Thread(target=produce, args=(inst, tag)) for tag, inst in enumerate((q, other, q))]
+    try:
+        for t in threads:
+            t.start()
+        got = []
+        deadline = time.monotonic() + 30
+        while len(got) < 3 * per and time.monotonic() < deadline:
+            if len(got) % 2:
+                got += q.get_many(5, timeout_s=1)
+            elif (one := other.get(timeout_s=1)) is not None:
+                got.append(one)
+        for tag in range(3):
+            assert [i for t, i in got if t == tag] == list(range(per))  # complete, unique, in order
+        assert len(got) == 3 * per and q.role_pids() == (os.getpid(), os.getpid())
+    finally:
+        for t in threads:
+            t.join(30)
+        other.close()
         q.close()
         q.unlink()
 
