@@ -13,7 +13,7 @@ import ipc_children as kids
 import pytest
 
 from ipc import naming
-from ipc.shm_queue import RECHECK_S, SPSC_SUPPORTED, QueueLockTimeoutError, ShmQueue
+from ipc.shm_queue import GET_MANY_BYTES, RECHECK_S, SPSC_SUPPORTED, QueueLockTimeoutError, ShmQueue
 from pdserve.errors import MessageTooLargeError, QueueClosedError, QueueFullError, QueueRoleError
 from tests.conftest import wait_until
 
@@ -361,6 +361,19 @@ def test_threads_and_instances_of_one_process_share_each_spsc_role_and_lose_noth
         for t in threads:
             t.join(30)
         other.close()
+        q.close()
+        q.unlink()
+
+
+@SPSC
+def test_a_spsc_get_many_of_large_frames_stops_at_get_many_bytes(name):
+    q = ShmQueue.create(name("big"), num_slots=8, slot_bytes=GET_MANY_BYTES // 2, mode="spsc")
+    try:
+        third = b"x" * (GET_MANY_BYTES // 3 + 1)
+        q.put_many_bytes([third] * 5 + [b"small"])
+        assert [len(f) for f in q.get_many_bytes(10, timeout_s=0)] == [len(third)] * 3  # 3 thirds reach it
+        assert q.get_many_bytes(10, timeout_s=0) == [third, third, b"small"]
+    finally:
         q.close()
         q.unlink()
 
