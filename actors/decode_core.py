@@ -5,6 +5,9 @@ publishes its counts.
 Rows it moves, each collection named after the state its entries are in:
     bootstrap       KVReady received (BOOTSTRAP): reserve blocks for prompt + max_tokens, in arrival order
     transferring    TRANSFERRING: pulling the prompt's KV; blocks arriving renew the stage deadline
+The children of an ``n > 1`` request hold the prompt's full blocks once (``SharedPrompt``, keyed by
+``prompt_key``): the first to be reserved pulls them, each child owns its partial last block and its generation
+blocks, and the last holder to leave frees them (docs/architecture.md, "`n` > 1: children share one prefill").
     decode_waiting  DECODE_WAITING: copy done (TransferDone sent to prefill, which frees its own blocks)
     decoding        DECODING: the running batch, one token per step -> FINISHED (EOS, stop token, max_tokens)
 A row that turns final elsewhere (client abort, stop string, monitor timeout) is dropped by ``reap`` and its
@@ -26,12 +29,42 @@ from pdserve.errors import OutOfKVBlocksError
 Key = tuple[int, int]
 
 
+def prompt_key(ready: KVReady, block_tokens: int) -> tuple | None:
+    """What identifies the prompt KV ``ready`` points at, for sharing its full blocks in the decode pool: the
+    prefill actor (or remote pool) holding it, the request's first row on the prefill side (``prompt_row``: unique
+    among live requests, as its generation changes at every reuse of the row), its source block ids and token count.
+    None when there is nothing to share (a prompt shorter than one block, or no ``prompt_row``)."""
+    if len(ready.prompt_row) != 2 or ready.num_tokens < block_tokens:
+        return None
+    return (ready.prefill_actor, *ready.prompt_row, tuple(ready.src_block_ids), ready.num_tokens)
+
+
+@dataclass(eq=False)
+class SharedPrompt:
+    """The full blocks of one prompt's KV in the decode pool (``num_tokens // block_tokens`` of them), held once by
+    every child of the request (reference count: ``holders``). Written only by ``pull``, before any holder leaves
+    TRANSFERRING; read-only after. Freed (under ``owner_slot``, the first holder's) when the last holder leaves."""
+
+    key: tuple
+    blocks: list[int]
+    owner_slot: int
+    holders: set = field(default_factory=set)   # keys of the entries holding the blocks
+    pull: int | None = None      # transfer handle filling them, and the first holder's partial last block
+    puller: Key | None = None    # the entry that started ``pull``
+    done: bool = False           # ``pull`` finished: the blocks hold the prompt's KV
+    failure: str = ""            # ``pull`` failed (why): every holder fails
+    received: int = 0            # blocks ``pull`` reported so far
+    parked: list[int] = field(default_factory=list)   # the puller's partial block after it left, until ``pull`` ends
+
+
 @dataclass
 class DecodeEntry:
     """A request held by the decode role."""
 
     ready: KVReady
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)   # block table: ``shared.blocks`` first, then its own blocks
+    shared: SharedPrompt | None = None
+    pulled_blocks: int = 0            # blocks its transfers moved (the shared ones only for the puller)
     position: int = 0          # position of ``last_token``, whose KV is not in the pool yet
     last_token: int = 0
     output_tokens: int = 0
@@ -67,6 +100,7 @@ class DecodeCore:
         self.transferring: list[DecodeEntry] = []
         self.decode_waiting: list[DecodeEntry] = []
         self.decoding: list[DecodeEntry] = []
+        self.prompts: dict[tuple, SharedPrompt] = {}   # by prompt_key: prompt blocks held by at least one entry
         self.renewed_ns = 0
         self.finished = 0   # rows it moved to FINISHED (a per-actor work counter)
         self._items: list[list[Any]] = []                 # this step's TokenBatch rows
@@ -108,49 +142,110 @@ class DecodeCore:
 
     def start_transfers(self) -> None:
         """Reserve blocks for prompt + max_tokens in arrival order (the head waits in BOOTSTRAP while the pool is
-        full) and start pulling each request's KV (TRANSFERRING)."""
+        full; a child whose prompt blocks another child holds reserves only its own) and start pulling each
+        request's KV (TRANSFERRING)."""
+        bt = self.allocator.block_tokens
         while self.bootstrap:
             entry = self.bootstrap[0]
             ready = entry.ready
-            needed = math.ceil((ready.num_tokens + ready.sampling.max_tokens) / self.allocator.block_tokens)
+            key = prompt_key(ready, bt)
+            shared = self.prompts.get(key) if key is not None else None
+            needed = math.ceil((ready.num_tokens + ready.sampling.max_tokens) / bt) - (len(shared.blocks) if shared
+                                                                                        else 0)
             try:
-                entry.blocks = self.allocator.allocate(needed, ready.slot)
+                own = self.allocator.allocate(needed, ready.slot)
             except OutOfKVBlocksError:
                 return
             self.bootstrap.pop(0)
             row = self.table.read(*entry.key)
             if row is None or not self.table.transition(*entry.key, S.TRANSFERRING, owner=self.actor_index):
-                self._release(entry)
+                self.allocator.free(own, ready.slot)
                 continue
+            if key is not None and shared is None:   # the first holder: the prompt's full blocks come off its own
+                full = ready.num_tokens // bt
+                shared = self.prompts[key] = SharedPrompt(key, own[:full], ready.slot)
+                own = own[full:]
+            entry.shared = shared
+            entry.blocks = (shared.blocks if shared is not None else []) + own
+            if shared is not None:
+                shared.holders.add(entry.key)
             handoffs = int(row["n_transfers"]) + (0 if self.transfers.local else 1)   # a copy inside one pool is none
             self.table.update(*entry.key, decode_blocks=len(entry.blocks), n_transfers=handoffs)
-            src = list(ready.src_block_ids)
             entry.transfer_start_ns = self.clock()
-            entry.transfer_handle = self.transfers.start(ready.request_id, src, entry.blocks[:len(src)],
-                                                         ready.num_tokens, peer=ready.prefill_actor)
+            self._start_pull(entry)
             self.transferring.append(entry)
+
+    def _start_pull(self, entry: DecodeEntry) -> None:
+        """Start the transfer of every prompt block (unshared, or the first holder of a shared prompt: one transfer
+        that fills the shared blocks and its own partial one), else of its partial last block alone (none when the
+        prompt ends on a block boundary): the shared blocks are being pulled, or are in, already."""
+        ready, shared = entry.ready, entry.shared
+        src = list(ready.src_block_ids)
+        if shared is None or (shared.pull is None and not shared.done):
+            handle = self.transfers.start(ready.request_id, src, entry.blocks[:len(src)], ready.num_tokens,
+                                          peer=ready.prefill_actor)
+            if shared is None:
+                entry.transfer_handle = handle
+            else:
+                shared.pull, shared.puller = handle, entry.key
+            entry.pulled_blocks = len(src)
+            return
+        full = len(shared.blocks)
+        if len(src) > full:
+            entry.transfer_handle = self.transfers.start(
+                ready.request_id, src[full:], entry.blocks[full:len(src)],
+                ready.num_tokens - full * self.allocator.block_tokens, peer=ready.prefill_actor)
+        entry.pulled_blocks = len(src) - full
 
     def poll_transfers(self) -> None:
         """Finished pulls move on to DECODE_WAITING (this role moves its own rows) and tell prefill; failed ones
-        fail the request (503, retryable); blocks arriving renew the transfer deadline."""
+        fail the request (503, retryable), a failed shared pull every holder of the prompt; blocks arriving renew
+        the transfer deadline (a shared pull's, of every holder)."""
+        pulling = {id(e.shared): e.shared for e in self.transferring if e.shared is not None}
+        for shared in pulling.values():
+            if shared.pull is not None:
+                self._poll_shared(shared)
         keep = []
         for entry in self.transferring:
-            status, received = self.transfers.poll(entry.transfer_handle)
-            if status == TransferStatus.IN_PROGRESS:
-                if received > entry.blocks_received:
-                    entry.blocks_received = received
-                    self._updates.append((*entry.key, {"last_progress_ns": self.clock()}))
-                keep.append(entry)
-                continue
-            self.transfers.release(entry.transfer_handle)
-            entry.transfer_handle = None
-            if status == TransferStatus.DONE:
+            shared = entry.shared
+            failure = shared.failure if shared is not None else ""
+            if not failure and entry.transfer_handle is not None:
+                status, received = self.transfers.poll(entry.transfer_handle)
+                if status == TransferStatus.IN_PROGRESS:
+                    if received > entry.blocks_received:
+                        entry.blocks_received = received
+                        self._updates.append((*entry.key, {"last_progress_ns": self.clock()}))
+                    keep.append(entry)
+                    continue
+                self.transfers.release(entry.transfer_handle)
+                entry.transfer_handle = None
+                if status != TransferStatus.DONE:
+                    failure = _transfer_failure(status)
+            if failure:
+                self._fail(entry, 503, "engine_error", f"KV transfer (stage transfer) {failure}; retry the request")
+            elif shared is not None and not shared.done:
+                keep.append(entry)   # its own part is in; the shared prompt blocks are still arriving
+            else:
                 self._transfer_done(entry)
-                continue
-            known = status in TransferStatus.__members__.values()
-            reason = "failed" if known else f"reported the unknown status {status!r}"
-            self._fail(entry, 503, "engine_error", f"KV transfer (stage transfer) {reason}; retry the request")
         self.transferring = keep
+
+    def _poll_shared(self, shared: SharedPrompt) -> None:
+        status, received = self.transfers.poll(shared.pull)
+        if status == TransferStatus.IN_PROGRESS:
+            if received > shared.received:
+                shared.received = received
+                now_ns = self.clock()
+                self._updates.extend((*key, {"last_progress_ns": now_ns}) for key in shared.holders)
+            return
+        self.transfers.release(shared.pull)
+        shared.pull = None
+        if shared.parked:   # no transfer writes the departed puller's partial block any more
+            self.allocator.free(shared.parked, shared.owner_slot)
+            shared.parked = []
+        if status == TransferStatus.DONE:
+            shared.done = True
+        else:
+            shared.failure = _transfer_failure(status)
 
     def admit(self) -> list[DecodeEntry]:
         """Move waiting requests into the running batch (between steps) and emit their first token (sampled by
@@ -207,13 +302,35 @@ class DecodeCore:
         return row is not None and int(row["state"]) in LIVE_STATES
 
     def _release(self, entry: DecodeEntry) -> None:
+        """Free what ``entry`` holds, once: its transfer, its own blocks, its reference to a shared prompt (the
+        last holder frees the prompt's blocks; the puller's partial block waits for a shared pull still running)."""
         if entry.transfer_handle is not None:
             self.transfers.release(entry.transfer_handle)
             entry.transfer_handle = None
+        shared, entry.shared = entry.shared, None
         if entry.blocks:
-            self.allocator.free(entry.blocks, entry.ready.slot)
+            own = entry.blocks[len(shared.blocks):] if shared is not None else entry.blocks
+            if shared is not None and shared.pull is not None and shared.puller == entry.key:
+                cut = len(entry.ready.src_block_ids) - len(shared.blocks)
+                shared.parked, own = own[:cut], own[cut:]
+            if own:
+                self.allocator.free(own, entry.ready.slot)
             entry.blocks = []
             self.table.update(*entry.key, decode_blocks=0)
+        if shared is not None:
+            shared.holders.discard(entry.key)
+            if not shared.holders:
+                self._drop(shared)
+
+    def _drop(self, shared: SharedPrompt) -> None:
+        """The last holder left: stop the pull if it still runs and free the prompt's blocks."""
+        if shared.pull is not None:
+            self.transfers.release(shared.pull)
+            shared.pull = None
+        self.allocator.free(shared.blocks + shared.parked, shared.owner_slot)
+        shared.blocks, shared.parked = [], []
+        if self.prompts.get(shared.key) is shared:
+            del self.prompts[shared.key]
 
     def _fail(self, entry: DecodeEntry, http_status: int, error_type: str, message: str) -> None:
         if self.table.transition(*entry.key, S.FAILED, owner=self.actor_index):
@@ -224,7 +341,7 @@ class DecodeCore:
         ready = entry.ready
         entry.timings = {"queue_s": ready.queue_s, "prefill_s": ready.prefill_s,
                          "transfer_s": (self.clock() - entry.transfer_start_ns) / 1e9,
-                         "transfer_bytes": 0 if self.transfers.local else len(ready.src_block_ids) * self.block_bytes,
+                         "transfer_bytes": 0 if self.transfers.local else entry.pulled_blocks * self.block_bytes,
                          "cached_tokens": ready.cached_tokens}
         self.outbox.send("prefill" if ready.prefill_actor == -1 else ready.prefill_actor, TransferDone(*entry.key),
                          ready.request_id)
@@ -279,3 +396,8 @@ class DecodeCore:
             return
         self.renewed_ns = now_ns
         self._updates.extend((*e.key, {"last_progress_ns": now_ns}) for e in self.bootstrap + self.decode_waiting)
+
+
+def _transfer_failure(status: int) -> str:
+    """How a transfer that ended other than DONE is named in the request's error."""
+    return "failed" if status in TransferStatus.__members__.values() else f"reported the unknown status {status!r}"

@@ -69,8 +69,9 @@ class TransferDone:
 class KVReady:
     """Prefill -> decode (bootstrap): the prompt's KV sits in prefill's pool at ``src_block_ids``.
 
-    Decode reserves blocks for ``num_tokens + sampling.max_tokens`` tokens, pulls the blocks through
-    its KVTransport, answers TransferDone, then emits ``first_token`` (sampled by prefill) and decodes.
+    Decode reserves blocks for ``num_tokens + sampling.max_tokens`` tokens (the full prompt blocks once for all
+    KVReadies naming the same ``prompt_row``), pulls the blocks through its KVTransport, answers TransferDone,
+    then emits ``first_token`` (sampled by prefill) and decodes.
     """
 
     kind: ClassVar[str] = "kv_ready"
@@ -89,6 +90,9 @@ class KVReady:
     cached_tokens: int = 0    # leading prompt tokens whose KV came from prefill's prefix cache (not recomputed)
     # across nodes (prefill_actor REMOTE_ACTOR): the source pool's ipc.mooncake_transport.PeerDescriptor JSON
     peer: str = ""
+    # ``[slot, generation]`` of the request's first row on the prefill side: the same in every KVReady of an
+    # ``n > 1`` request's children, so decode holds their full prompt blocks once (actors/decode_core.py)
+    prompt_row: list[int] = dataclasses.field(default_factory=list)
 
 
 # ---- to the API -------------------------------------------------------------------------------------

@@ -252,7 +252,8 @@ class PrefillCore:
             dest = "decode" if request.decode_actor == -1 else request.decode_actor
             self.outbox.send(dest, KVReady(key[0], key[1], request.request_id, work.blocks,
                                            len(request.prompt_ids), token, sampling, queue_s, prefill_s,
-                                           logprobs, history, self.handoff_from, work.cached_tokens),
+                                           logprobs, history, self.handoff_from, work.cached_tokens,
+                                           prompt_row=[request.slot, request.generation]),
                              request.request_id)
             self.handed_off += 1
         self.renew_queued()

@@ -101,12 +101,14 @@ class FakeAllocator:
 
 
 class FakeTransfers:
-    """Transfers that finish at once (``synchronous``), unless ``script[request_id]`` names a status to report."""
+    """Transfers that finish at once (``synchronous``), unless ``by_handle[handle]`` or ``script[request_id]``
+    names a status to report (the children of an ``n > 1`` request share one request id: script them by handle)."""
 
     def __init__(self, local: bool = False):
         self.synchronous = True
         self.local = local
         self.script: dict[str, int] = {}
+        self.by_handle: dict[int, int] = {}
         self.started: dict[int, tuple] = {}
         self.released: list[int] = []
         self.next_handle = 1
@@ -119,7 +121,7 @@ class FakeTransfers:
 
     def poll(self, handle: int) -> tuple[int, int]:
         request_id, src, _, _ = self.started[handle]
-        status = self.script.get(request_id, int(TransferStatus.DONE))
+        status = self.by_handle.get(handle, self.script.get(request_id, int(TransferStatus.DONE)))
         return status, len(src) if status == TransferStatus.DONE else 0
 
     def release(self, handle: int) -> None:

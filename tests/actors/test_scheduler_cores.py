@@ -312,9 +312,9 @@ def test_colocated_mode_runs_the_same_prefill_core_over_the_decode_pool():
     prefill.on_message(request)
     work = prefill_one(prefill)
     prefill.finish(work, [(5, None), (6, None)])
-    decode.start_transfers()   # each child: its own blocks, the prompt copied in from the shared prompt blocks
+    decode.start_transfers()   # the full prompt block once for both children, each its own partial block
     decode.poll_transfers()
-    assert not prefill.inflight and pool.num_free == 16 - 2 * 2   # prompt blocks freed by the local TransferDone
+    assert not prefill.inflight and pool.num_free == 16 - (1 + 2)   # prompt blocks freed by the local TransferDone
     decode.admit()
     batch = decode.batch()
     decode.step_done(batch, [7] * len(batch), [None] * len(batch))
@@ -564,3 +564,156 @@ def test_colocated_mode_shares_one_caching_allocator_and_decode_reservations_evi
     serve("b", max_tokens=24, offset=100)   # another prompt: 3 new blocks + decode's 4 need one of a's
     assert pool.evicted_blocks == 1 and pool.num_free == 8 and pool.cached_blocks_in_use == 0
     assert pool.cached_blocks == 1 + 2 and table.state((1, 1)) == S.FINISHED
+
+
+# ---- n > 1: the children hold the prompt's full blocks once in the decode pool ----------------------------------
+IN_PROGRESS, FAILED = 0, 2   # TransferStatus values the fake transfers report
+
+
+def children_in_transfer(pair: Pair, prompt_tokens: int, max_tokens: int, n: int = 3, stuck: bool = False):
+    """Prefill one ``n``-choice request and reserve its children in decode (their pulls IN_PROGRESS when
+    ``stuck``); returns (row keys, the shared prompt, the children's decode entries in arrival order)."""
+    request = prefill_request(pair.table, "kids", prompt_tokens=prompt_tokens, max_tokens=max_tokens, n=n)
+    if stuck:
+        pair.transfers.script["kids"] = IN_PROGRESS
+    pair.prefill.on_message(request)
+    pair.prefill_step()
+    readies = pair.deliver_to_decode()
+    pair.decode.start_transfers()
+    [shared] = pair.decode.prompts.values()
+    keys = [(r.slot, r.generation) for r in readies]
+    assert [e.key for e in pair.decode.transferring] == keys and shared.holders == set(keys)
+    return keys, shared, list(pair.decode.transferring)
+
+
+@pytest.mark.parametrize("prompt_tokens, partial", [(40, True), (32, False)], ids=["partial-block", "whole-blocks"])
+def test_n_children_hold_the_prompts_full_blocks_once_and_each_pulls_only_its_partial_block(prompt_tokens, partial):
+    pair = Pair(decode_blocks=5)   # 3 children x 3 blocks = 9 without sharing; 2 shared + 3 x 1 own with it
+    keys, shared, entries = children_in_transfer(pair, prompt_tokens, max_tokens=4)
+    assert pair.decode_pool.num_free == 0 and len(shared.blocks) == 2
+    assert all(e.blocks[:2] == shared.blocks for e in entries)
+    assert len({e.blocks[2] for e in entries}) == 3   # each child writes its tokens into a block of its own
+    assert {b for b, o in pair.decode_pool.owner.items() if o is not None} == set(shared.blocks) | {
+        e.blocks[2] for e in entries}
+    src = pair.prefill.inflight[keys[0]].blocks
+    started = [(s[1], s[2], s[3]) for s in pair.transfers.started.values()]
+    first = (src, entries[0].blocks[:len(src)], prompt_tokens)   # the first child pulls the whole prompt
+    partials = [(src[2:], e.blocks[2:3], prompt_tokens - 32) for e in entries[1:]] if partial else []
+    assert started == [first] + partials
+    assert [pair.table.rows[k[0]]["decode_blocks"] for k in keys] == [3, 3, 3]   # each row's block table
+    pair.decode_step()
+    timings = {t[0]: t[4]["timings"] for t in pair.tokens if len(t) > 4}
+    assert [timings[k[0]]["transfer_bytes"] for k in keys] == [len(src) * 100] + [(len(src) - 2) * 100] * 2
+    assert len(pair.deliver_to_prefill()) == 3 and pair.prefill_pool.num_free == 32
+    pair.run(4)
+    assert all(pair.table.state(k) == S.FINISHED for k in keys) and not pair.decode.prompts
+    pair.assert_all_free()
+
+
+@pytest.mark.parametrize("end", [S.ABORTED, S.TIMED_OUT])
+def test_the_first_child_leaving_mid_pull_leaves_the_pull_running_for_its_siblings(end):
+    pair = Pair()
+    keys, shared, entries = children_in_transfer(pair, prompt_tokens=40, max_tokens=20, stuck=True)
+    puller_partial, puller_generation = entries[0].blocks[2], entries[0].blocks[3]
+    assert shared.puller == keys[0]
+    assert pair.table.transition(*keys[0], end)   # the client or the monitor
+    pair.decode_step()
+    # its generation block is free; its partial block is still a target of the running pull: held, not reused
+    assert pair.decode_pool.owner[puller_generation] is None and pair.decode_pool.owner[puller_partial] == keys[0][0]
+    assert shared.holders == set(keys[1:]) and shared.pull is not None and shared.parked == [puller_partial]
+    assert all(pair.table.state(k) == S.TRANSFERRING for k in keys[1:])
+    del pair.transfers.script["kids"]   # the pull (and the siblings' partial pulls) complete
+    pair.run(24)
+    assert [pair.table.state(k) for k in keys] == [end, S.FINISHED, S.FINISHED]
+    assert {t[0] for t in pair.tokens} == {k[0] for k in keys[1:]}
+    pair.assert_all_free()
+    assert not pair.decode.prompts
+
+
+def test_every_child_leaving_mid_pull_stops_the_pull_and_frees_every_block_once():
+    pair = Pair()
+    keys, shared, _ = children_in_transfer(pair, prompt_tokens=40, max_tokens=20, stuck=True)
+    for key in reversed(keys):   # the puller last: it holds the pull's blocks to the end
+        assert pair.table.transition(*key, S.ABORTED)
+        pair.decode_step()
+    assert set(pair.transfers.released) == set(pair.transfers.started)   # the shared pull and the 2 partial ones
+    assert not pair.decode.prompts and not pair.tokens
+    pair.run(2)
+    pair.assert_all_free()
+
+
+@pytest.mark.parametrize("which", ["shared", "partial"])
+def test_a_failed_shared_pull_fails_every_child_and_a_failed_partial_pull_only_its_own(which):
+    pair = Pair()
+    keys, shared, entries = children_in_transfer(pair, prompt_tokens=40, max_tokens=2, stuck=True)
+    failing = shared.pull if which == "shared" else entries[1].transfer_handle
+    pair.transfers.by_handle[failing] = FAILED
+    del pair.transfers.script["kids"]
+    pair.run(4)
+    failed = keys if which == "shared" else [keys[1]]
+    assert sorted((e.slot, e.generation) for e in pair.errors) == sorted(failed)
+    assert all(e.http_status == 503 and "stage transfer" in e.message for e in pair.errors)
+    assert [pair.table.state(k) for k in keys] == [S.FAILED if k in failed else S.FINISHED for k in keys]
+    pair.assert_all_free()
+    assert not pair.decode.prompts
+
+
+@pytest.mark.parametrize("when", ["mid-pull", "decoding"])
+def test_stopping_the_actors_frees_shared_prompt_blocks_exactly_once(when):
+    pair = Pair()
+    keys, shared, _ = children_in_transfer(pair, prompt_tokens=40, max_tokens=20, stuck=when == "mid-pull")
+    if when == "decoding":
+        pair.decode_step()
+        assert all(pair.table.state(k) == S.DECODING for k in keys) and shared.done
+    pair.prefill.stop()
+    pair.decode.stop()   # FakeAllocator.free raises on a block freed twice or by a slot not holding it
+    assert not pair.decode.prompts
+    pair.assert_all_free()
+
+
+@pytest.mark.parametrize("sibling", ["holding", "gone"])
+def test_a_child_reserved_late_joins_its_siblings_blocks_or_pulls_the_prompt_again_once_they_left(sibling):
+    """The decode pool is full when the second child's KVReady comes: it waits in BOOTSTRAP. If its sibling still
+    holds the prompt's blocks it reserves and pulls only its own; if the sibling finished, the prompt's blocks were
+    freed and it pulls the whole prompt again (prefill holds it until every child's TransferDone)."""
+    pair = Pair(decode_blocks=8)
+    holding = sibling == "holding"
+    blocker = prefill_request(pair.table, "blocker", prompt_tokens=40, max_tokens=4 if holding else 30)
+    pair.prefill.on_message(blocker)   # 3 blocks, done before the first child (or 5, done after it)
+    pair.run(1)
+    request = prefill_request(pair.table, "kids", prompt_tokens=40, max_tokens=30 if holding else 3, n=2)
+    keys = [(request.slot, request.generation), tuple(request.children[0])]
+    pair.prefill.on_message(request)
+    pair.run(1)   # first child: 2 shared + 3 (or 1) own blocks; the pool is full
+    assert [pair.table.state(k) for k in keys] == [S.DECODING, S.BOOTSTRAP] and pair.decode_pool.num_free == 0
+    src = pair.prefill.inflight[keys[1]].blocks
+    pair.run(3)
+    assert pair.table.state(keys[1]) in (S.DECODING, S.FINISHED)
+    [(_, pulled, _, _)] = [s for s in pair.transfers.started.values() if s[0] == "kids"][1:]
+    assert pulled == (src[2:] if holding else src)
+    pair.run(30)
+    assert all(pair.table.state(k) == S.FINISHED for k in keys)
+    pair.assert_all_free()
+
+
+def test_a_later_request_on_the_same_prefill_blocks_and_request_id_does_not_share_an_earlier_ones_prompt():
+    """The key is the request's first row (slot, generation), not its id (a client may reuse an X-Request-Id) nor
+    its source blocks (freed by prefill once decode holds a copy, then given to the next prompt)."""
+    pair = Pair()
+    first = prefill_request(pair.table, "same-id", prompt_tokens=40, max_tokens=20, n=2)
+    pair.prefill.on_message(first)
+    pair.run(2)
+    assert pair.prefill_pool.num_free == 32   # both children hold their copy: prefill freed the source blocks
+    [earlier] = pair.decode.prompts.values()
+    second = prefill_request(pair.table, "same-id", prompt_tokens=40, max_tokens=20)
+    pair.prefill.on_message(second)
+    pair.prefill_step()
+    [ready] = pair.deliver_to_decode()
+    assert (ready.request_id, ready.src_block_ids) == ("same-id", pair.transfers.started[1][1])   # what collides
+    pair.decode_step()
+    assert len(pair.decode.prompts) == 2 and earlier.holders == {(first.slot, first.generation),
+                                                                 tuple(first.children[0])}
+    later = pair.transfers.started[max(pair.transfers.started)]
+    assert later[1] == ready.src_block_ids and not set(later[2]) & set(earlier.blocks)   # a full pull of its own
+    pair.run(24)
+    pair.assert_all_free()
