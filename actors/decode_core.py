@@ -5,14 +5,14 @@ publishes its counts.
 Rows it moves, each collection named after the state its entries are in:
     bootstrap       KVReady received (BOOTSTRAP): reserve blocks for prompt + max_tokens, in arrival order
     transferring    TRANSFERRING: pulling the prompt's KV; blocks arriving renew the stage deadline
-The children of an ``n > 1`` request hold the prompt's full blocks once (``SharedPrompt``, keyed by
-``prompt_key``): the first to be reserved pulls them, each child owns its partial last block and its generation
-blocks, and the last holder to leave frees them (docs/architecture.md, "`n` > 1: children share one prefill").
     decode_waiting  DECODE_WAITING: copy done (TransferDone sent to prefill, which frees its own blocks)
     decoding        DECODING: the running batch, one token per step -> FINISHED (EOS, stop token, max_tokens)
 A row that turns final elsewhere (client abort, stop string, monitor timeout) is dropped by ``reap`` and its
 blocks freed once. Per step, the table writes of the whole batch (token counts, renewals) go in one
 ``update_many`` (one lock round trip).
+The children of an ``n > 1`` request hold the prompt's full blocks once (``SharedPrompt``, keyed by
+``prompt_key``): the first to be reserved pulls them, each child owns its partial last block and its generation
+blocks, and the last holder to leave frees them (docs/architecture.md, "`n` > 1: children share one prefill").
 """
 from __future__ import annotations
 

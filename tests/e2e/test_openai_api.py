@@ -637,6 +637,28 @@ def test_S13_sixty_four_children_share_one_prefill_and_an_abort_frees_every_one(
     assert_recovered(engine, probe)
 
 
+def test_greedy_children_hold_the_prompts_full_blocks_once_and_answer_as_the_request_alone(engine, http, probe):
+    """n > 1 over the real transport: the children hold the prompt's two full blocks once in the decode pool and
+    each pulls its partial last block (a 40-token prompt: 32 + 8 tokens); greedy children equal the request alone."""
+    body = {"prompt": [TOKEN + i for i in range(40)], "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    single = http.post(COMP, json=body).json()["choices"][0]["text"]
+    _, total = probe.free_blocks()["decode0"]
+    shared_held = 2 + 3 * (5 - 2)   # ceil((40 + 40) / 16) = 5 blocks per child, 2 of them shared: 11, not 15
+    texts = ["", "", ""]
+    with http.stream("POST", COMP, json={**body, "n": 3, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in orjson.loads(line[6:])["choices"]:
+                    texts[choice["index"]] += choice["text"]
+                if all(texts) and shared_held:   # all three decoding: 40 steps left to look at the pool
+                    wait_until(lambda: total - probe.free_blocks()["decode0"][0] == shared_held, 10, 0.01,
+                               f"the decode pool to hold {shared_held} blocks for the three children")
+                    shared_held = 0
+    assert shared_held == 0 and texts == [single] * 3
+    assert_recovered(engine, probe)
+
+
 # ---- keep-alive -----------------------------------------------------------------------------------------------
 def read_http1_response(sock: socket.socket) -> bytes:
     data = b""

@@ -198,15 +198,16 @@ def test_s2_decode_never_registers_fails_at_the_bootstrap_deadline(transport_eng
 
 
 def test_s3_full_pool_then_silence_all_abort_then_a_probe_succeeds(engine, probe):
-    """One request whose choices take the whole decode pool (each choice reserves its own blocks, and one
-    prefill serves them all, so the pool fills within the transfer deadline even on a loaded machine), every
-    transfer stuck, nothing else sent: all are failed at the transfer deadline, then a probe succeeds."""
+    """One request whose choices take the whole decode pool (one prefill serves them all, so the pool fills within
+    the transfer deadline even on a loaded machine; a prompt shorter than one block has no full block for the
+    choices to share, so each reserves all of its own), every transfer stuck, nothing else sent: all are failed at
+    the transfer deadline, then a probe succeeds."""
     free, total = probe.free_blocks()["decode0"]
     assert free == total
-    prompt = "word " * 120  # ~ 121 tokens + 4 to generate = 8 blocks of 16 per choice
+    prompt = "word " * 8  # ~ 9 tokens + 112 to generate = 8 blocks of 16 per choice
     free_seen: list[int] = []
     (response, _), answered_ns, trace = send_and_trace(
-        probe, "stuck-s3", lambda: complete(engine, "stuck-s3", prompt=prompt, max_tokens=4, n=total // 8),
+        probe, "stuck-s3", lambda: complete(engine, "stuck-s3", prompt=prompt, max_tokens=112, n=total // 8),
         on_poll=lambda: free_seen.append(probe.free_blocks()["decode0"][0]))
     least_free = min(free_seen, default=total)
     assert least_free == 0, f"the decode pool was never full (at least {least_free} of {total} blocks free)"
@@ -225,22 +226,22 @@ def test_waiting_for_kv_room_behind_a_progressing_batch_is_queueing_not_a_bootst
 
     free, total = probe.free_blocks()["decode0"]
     assert free == total
-    # two choices of ~426 + 80 tokens: 32 blocks of 16 each, the whole 64-block decode pool, for 80 decode steps
-    # (~8 s on 2 cores; the assertion below says if the pool freed too soon to test anything)
-    fill_body = {"prompt": "word " * 425, "max_tokens": 80, "ignore_eos": True, "n": 2}
+    # two requests of ~426 + 80 tokens: 32 blocks of 16 each, the whole 64-block decode pool, for 80 decode steps
+    # (~8 s on 2 cores; the assertion below says if the pool freed too soon to test anything). Two requests, not
+    # n=2: two choices would hold the prompt's full blocks once
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        fill = pool.submit(complete, engine, "kvfill-1", **{k: v for k, v in fill_body.items() if k != "prompt"},
-                           prompt=fill_body["prompt"])
-        wait_until(lambda: probe.free_blocks()["decode0"][0] == 0 or fill.done(), 60, 0.02,
-                   "the two choices to take the whole decode pool")
-        assert not fill.done(), fill.result()[0].text
+        fills = [pool.submit(complete, engine, f"kvfill-{i}", prompt="word " * 425, max_tokens=80, ignore_eos=True)
+                 for i in (1, 2)]
+        wait_until(lambda: probe.free_blocks()["decode0"][0] == 0 or any(f.done() for f in fills), 60, 0.02,
+                   "the two requests to take the whole decode pool")
+        assert not any(f.done() for f in fills), [f.result()[0].text for f in fills if f.done()]
         (response, _), _, trace = send_and_trace(probe, "kvwait-1",
                                                  lambda: complete(engine, "kvwait-1", prompt="Hi", max_tokens=4))
-        filled, _ = fill.result(timeout=120)
+        filled = [f.result(timeout=120)[0] for f in fills]
     # the row's own BOOTSTRAP stamp to the last poll that still saw it there: a lower bound of its wait
     entered_ns = trace.since_ns(S.BOOTSTRAP)
     waited_s = (trace.last_seen_ns[S.BOOTSTRAP] - entered_ns) / 1e9
-    assert filled.status_code == 200, filled.text
+    assert all(f.status_code == 200 for f in filled), [f.text for f in filled]
     assert response.status_code == 200, response.text
     assert waited_s > BOOTSTRAP_TIMEOUT_S + TICK_S, f"the pool freed after {waited_s:.1f} s: nothing was exercised"
     assert_recovered(engine, probe)
