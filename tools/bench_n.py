@@ -2,15 +2,19 @@
 same ``n`` sequences sent as ``n`` concurrent single requests (``n`` prefills of the same prompt), one engine,
 one invocation, alternating the two shapes so machine noise hits both alike.
 
-Reports the median wall time of each shape, time to the first byte of the streamed response, and the ratio
-``single / shared`` (above 1 = sharing the prefill is faster).
+Reports the median wall time of each shape, time to the first byte of the streamed response, the most decode KV
+blocks the shape held at once (the decode actors' free-block count in the engine's actor table, read from shm as
+tools/inspect does, every few ms; the pool is otherwise idle) and the ratio ``single / shared`` (above 1 = sharing
+the prefill is faster). ``--baseline-root DIR`` also runs the engine of the checkout in DIR (e.g. main before a
+change) in the same invocation, interleaved, and prints this checkout's figures against it.
 
-    python -m tools.bench_n [--n 8] [--input-len 512] [--output-len 8] [--reps 3]
+    python -m tools.bench_n [--n 8] [--input-len 512] [--output-len 8] [--reps 3] [--baseline-root DIR]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import sys
 import time
@@ -20,6 +24,23 @@ import httpx
 from tools.engine_process import engine
 
 TOKEN_IDS = (1000, 2000, 3000, 4000)   # in-vocabulary ids; a prompt of an exact length is built from them
+SAMPLE_S = 0.002                       # how often the decode pool's free blocks are read while a shape runs
+
+
+class DecodePoolWatch:
+    """The free KV blocks of an engine's decode actors (their actor-table rows, mapped read-only)."""
+
+    def __init__(self, engine_id: str):
+        from ipc.actor_table import ActorTable
+        from ipc.naming import segment_name
+
+        self.actors = ActorTable.attach(segment_name(engine_id, "actors"), readonly=True)
+
+    def free(self) -> int:
+        return sum(int(r["kv_blocks_free"]) for r in self.actors.rows() if str(r["name"]).startswith("decode"))
+
+    def close(self) -> None:
+        self.actors.close()
 
 
 async def timed(client: httpx.AsyncClient, base: str, body: dict) -> tuple[float, float]:
@@ -34,18 +55,58 @@ async def timed(client: httpx.AsyncClient, base: str, body: dict) -> tuple[float
     return first, time.perf_counter() - start
 
 
-async def run(base: str, args) -> dict[str, list[tuple[float, float]]]:
+async def most_held(watch: DecodePoolWatch, work) -> tuple[object, int]:
+    """Run ``work`` (a coroutine) while sampling the decode pool; returns (its result, the most blocks held at
+    once beyond what was held before it started)."""
+    idle_free = least_free = watch.free()
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        least_free = min(least_free, watch.free())
+        await asyncio.sleep(SAMPLE_S)
+    return task.result(), idle_free - least_free
+
+
+async def run(engines: dict[str, tuple[str, DecodePoolWatch]], args) -> dict[str, dict[str, list[tuple]]]:
+    """Per engine label, per shape: one (first byte s, all done s, decode blocks held) per repetition."""
     prompt = [TOKEN_IDS[i % len(TOKEN_IDS)] for i in range(args.input_len)]
     body = {"prompt": prompt, "max_tokens": args.output_len, "ignore_eos": True, "temperature": 0}
-    results: dict[str, list[tuple[float, float]]] = {"shared": [], "single": []}
+    results = {label: {"shared": [], "single": []} for label in engines}
+
+    async def singles(client, base):
+        start = time.perf_counter()
+        parts = await asyncio.gather(*(timed(client, base, body) for _ in range(args.n)))
+        return min(p[0] for p in parts), time.perf_counter() - start
+
     async with httpx.AsyncClient(timeout=600) as client:
-        await timed(client, base, {**body, "max_tokens": 1})   # warm-up
+        for base, _ in engines.values():
+            await timed(client, base, {**body, "max_tokens": 1})   # warm-up
         for _ in range(args.reps):
-            results["shared"].append(await timed(client, base, {**body, "n": args.n}))
-            start = time.perf_counter()
-            parts = await asyncio.gather(*(timed(client, base, body) for _ in range(args.n)))
-            results["single"].append((min(p[0] for p in parts), time.perf_counter() - start))
+            for label, (base, watch) in engines.items():
+                (first, total), held = await most_held(watch, timed(client, base, {**body, "n": args.n}))
+                results[label]["shared"].append((first, total, held))
+                (first, total), held = await most_held(watch, singles(client, base))
+                results[label]["single"].append((first, total, held))
     return results
+
+
+def report(results: dict[str, dict[str, list[tuple]]], args) -> None:
+    med = {label: {shape: [statistics.median(r[i] for r in rows) for i in range(3)] for shape, rows in by.items()}
+           for label, by in results.items()}
+    print(f"\n# n={args.n} choices in one request vs {args.n} concurrent requests, {time.strftime('%Y-%m-%d %H:%M')}, "
+          f"prompt {args.input_len} tokens, {args.output_len} output tokens each, greedy, {args.reps} reps (median)")
+    print(f"{'engine':<10}{'shape':<34}{'first byte s':>14}{'all done s':>12}{'decode blocks held':>20}")
+    for label, by in med.items():
+        for shape, name in (("shared", f"one request, n={args.n} (one prefill)"),
+                            ("single", f"{args.n} requests, n=1 ({args.n} prefills)")):
+            first, total, held = by[shape]
+            print(f"{label:<10}{name:<34}{first:>14.3f}{total:>12.3f}{held:>20.0f}")
+    for label, by in med.items():
+        print(f"{label}: ratio single / shared: all done {by['single'][1] / by['shared'][1]:.2f}x, "
+              f"decode blocks held {by['single'][2] / max(by['shared'][2], 1):.2f}x")
+    if "baseline" in med:
+        this, base = med["this"]["shared"], med["baseline"]["shared"]
+        print(f"one request n={args.n}, this / baseline: decode blocks held {this[2] / max(base[2], 1):.2f}x, "
+              f"all done {this[1] / base[1]:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,20 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--baseline-root", default="", help="also run the engine of the checkout in this directory")
     args = parser.parse_args(argv)
-    with engine("--kv-pool-tokens", "8192") as running:
-        results = asyncio.run(run(running.base_url, args))
-    shared_first = statistics.median(r[0] for r in results["shared"])
-    shared_total = statistics.median(r[1] for r in results["shared"])
-    single_first = statistics.median(r[0] for r in results["single"])
-    single_total = statistics.median(r[1] for r in results["single"])
-    print(f"\n# n={args.n} choices in one request vs {args.n} concurrent requests, {time.strftime('%Y-%m-%d %H:%M')}, "
-          f"prompt {args.input_len} tokens, {args.output_len} output tokens each, greedy, {args.reps} reps (median)")
-    print(f"{'shape':<34}{'first byte s':>14}{'all done s':>12}")
-    print(f"{'one request, n=' + str(args.n) + ' (one prefill)':<34}{shared_first:>14.3f}{shared_total:>12.3f}")
-    print(f"{str(args.n) + ' requests, n=1 (' + str(args.n) + ' prefills)':<34}{single_first:>14.3f}"
-          f"{single_total:>12.3f}")
-    print(f"ratio single / shared: all done {single_total / shared_total:.2f}x")
+    roots = {"this": None, **({"baseline": args.baseline_root} if args.baseline_root else {})}
+    with contextlib.ExitStack() as stack:
+        engines = {}
+        for label, root in roots.items():
+            running = stack.enter_context(engine("--kv-pool-tokens", "8192", cwd=root))
+            watch = DecodePoolWatch(running.engine_id)
+            stack.callback(watch.close)
+            engines[label] = (running.base_url, watch)
+        results = asyncio.run(run(engines, args))
+    report(results, args)
     return 0
 
 
