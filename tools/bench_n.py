@@ -80,8 +80,9 @@ async def run(engines: dict[str, tuple[str, DecodePoolWatch]], args) -> dict[str
     async with httpx.AsyncClient(timeout=600) as client:
         for base, _ in engines.values():
             await timed(client, base, {**body, "max_tokens": 1})   # warm-up
-        for _ in range(args.reps):
-            for label, (base, watch) in engines.items():
+        for rep in range(args.reps):
+            order = list(engines.items())
+            for label, (base, watch) in order[::-1] if rep % 2 else order:   # each engine first every other rep
                 (first, total), held = await most_held(watch, timed(client, base, {**body, "n": args.n}))
                 results[label]["shared"].append((first, total, held))
                 (first, total), held = await most_held(watch, singles(client, base))
