@@ -142,14 +142,19 @@ class QuantLinear:
     ``big`` are the same), ``"int4"`` and ``"int8"`` (``fn`` runs the weight-only kernel on bfloat16 copies of
     ``x``; ``big`` runs ``F.linear`` on the float32 weight ``tensors["dense"]`` when it is there: these kernels
     are compute-bound on CPUs without native bfloat16 and lose to MKL's fp32 GEMM at prefill sizes, see
-    docs/performance.md). ``tensors`` is what the prepared-model cache stores (:meth:`from_tensors`).
+    docs/performance.md). ``raw`` is ``fn`` without the final cast: ``x`` float32 or bfloat16, ``y`` in the
+    kernel's output dtype (bfloat16 for int4, else float32); upcasting bfloat16 is exact, so a caller that adds
+    or multiplies ``y`` into float32 tensors gets ``fn``'s values with one op fewer (the decode loop does).
+    ``tensors`` is what the prepared-model cache stores (:meth:`from_tensors`).
     """
 
-    __slots__ = ("kind", "tensors", "out_features", "fn", "big")
+    __slots__ = ("kind", "tensors", "out_features", "fn", "big", "raw")
 
     def __init__(self, kind: str, tensors: dict[str, torch.Tensor], out_features: int):
         self.kind, self.tensors, self.out_features = kind, tensors, out_features
-        self.fn = _bind(kind, tensors)  # the kernel with its weights bound: hot loops call ``linear.fn(x)``
+        self.raw = _bind(kind, tensors)  # the kernel with its weights bound: hot loops call ``linear.raw(x)``
+        raw = self.raw
+        self.fn = (lambda x: raw(x).float()) if kind == "int4" else raw
         dense = tensors.get("weight" if kind == "dense" else "dense")
         self.big = self.fn if dense is None else (lambda x: torch.nn.functional.linear(x, dense))
 
@@ -212,7 +217,7 @@ class QuantLinear:
 def _bind(kind: str, t: dict[str, torch.Tensor]):
     if kind == "int4":
         op, packed, scale_zero = torch.ops.aten._weight_int4pack_mm_for_cpu, t["packed"], t["scale_zero"]
-        return lambda x: op(x.to(torch.bfloat16), packed, GROUP_SIZE, scale_zero).float()
+        return lambda x: op(x.to(torch.bfloat16), packed, GROUP_SIZE, scale_zero)  # [M, N] bfloat16
     if kind == "int8":
         op, codes, scale = torch.ops.aten._weight_int8pack_mm, t["codes"], t["scale"]
         groups, width = codes.shape[0], codes.shape[2]

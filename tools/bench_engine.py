@@ -267,16 +267,19 @@ def matmul_floor_s(model, batch: int, reps: int = 3) -> float:
     """Seconds per decode step of only the step's matrix products (every layer's QKV, O, gate-up and down
     projections and the LM head, on ``model``'s own weights) for ``batch`` tokens: what a step costs in bare
     torch before attention, norms, RoPE, sampling and Python. The floor for this eager-torch design."""
-    lins = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    lins.append(model.lm_head)
-    big = batch >= model.dense_min_tokens   # the path LlamaModel.decode takes at this batch size
-    xs = {lin.in_features: torch.randn(batch, lin.in_features) for lin in lins}
+    # the paths LlamaModel.decode takes at this batch size
+    layers = batch >= model.dense_min_tokens
+    calls = [(lin.big if layers else lin.raw, lin.in_features) for layer in model.layers
+             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    head = model.lm_head
+    calls.append((head.big if batch >= model.head_dense_min_rows else head.fn, head.in_features))
+    xs = {k: torch.randn(batch, k) for _, k in calls}
     times = []
     with torch.inference_mode():
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            for lin in lins:
-                (lin.big if big else lin.fn)(xs[lin.in_features])
+            for fn, k in calls:
+                fn(xs[k])
             times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 

@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ids = ids[:args.max_tokens]
     reference = LlamaModel.from_path(path, progress=False, weights="float32")
     candidate = LlamaModel.from_path(path, progress=False, weights=args.weights)
-    candidate.dense_min_tokens = 1 << 30  # every forward on the low-bit kernels: the numerics decode steps get
+    # every forward on the low-bit kernels: the numerics of a decode step at batch < HEAD_DENSE_MIN_ROWS
+    candidate.dense_min_tokens = candidate.head_dense_min_rows = 1 << 30
     res = compare(reference, candidate, ids, args.chunk)
     res.update(candidate_mode=candidate.weights_mode, reference_weight_bytes=reference.weight_bytes(),
                candidate_weight_bytes=candidate.weight_bytes(), load_average=os.getloadavg()[0],

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from gpu.model import DENSE_MIN_TOKENS, LlamaModel, kv_pool_shape
+from gpu.model import DENSE_MIN_TOKENS, HEAD_DENSE_MIN_ROWS, LlamaModel, kv_pool_shape
 from gpu.prepared import cache_path, ensure_prepared, load_prepared, prepared_key, prepared_model
 from gpu.quant import Int4Groups, QuantLinear, int4_groups_from_gguf, int8_groups_from_float
 
@@ -53,6 +53,10 @@ def test_int4_and_int8_kernels_match_a_float32_linear_within_bfloat16_rounding()
     ref8 = F.linear(x, torch.from_numpy(w))
     assert torch.allclose(int8.fn(x), ref8, rtol=0.02, atol=0.02 * ref8.abs().max().item())
     assert int4.fn(x).dtype == int8.fn(x).dtype == torch.float32
+    # ``raw`` skips only the final cast: the decode loop promotes its bfloat16 output itself, exactly
+    assert int4.raw(x).dtype == torch.bfloat16 and torch.equal(int4.raw(x).float(), int4.fn(x))
+    assert torch.equal(int4.raw(x.bfloat16()), int4.raw(x))
+    assert torch.equal(int8.raw(x), int8.fn(x))
 
 
 def test_permuted_and_stacked_q4_rows_stay_the_same_rows():
@@ -72,11 +76,12 @@ def test_native_weights_agree_with_float32_on_most_next_tokens_of_english_text(m
     from tools.bench_quality import DEFAULT_TEXT, compare
 
     ids = tok.encode(DEFAULT_TEXT.read_text(encoding="utf-8"))[:257]
-    native_model.dense_min_tokens = 1 << 30   # the low-bit kernels on every forward, as decode steps run them
+    # the low-bit kernels on every forward, as decode steps of a few rows run them
+    native_model.dense_min_tokens = native_model.head_dense_min_rows = 1 << 30
     try:
         res = compare(model, native_model, ids, chunk_tokens=128)
     finally:
-        native_model.dense_min_tokens = DENSE_MIN_TOKENS
+        native_model.dense_min_tokens, native_model.head_dense_min_rows = DENSE_MIN_TOKENS, HEAD_DENSE_MIN_ROWS
     assert native_model.weights_mode == "native" and res["tokens"] == 256
     assert res["top1_agreement"] >= 0.95, res
     assert res["ppl_candidate"] <= 1.05 * res["ppl_reference"], res
