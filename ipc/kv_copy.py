@@ -1,12 +1,10 @@
 """The CPU KV handoff's copy loop: whole blocks between two pools' byte views, compiled with numba.
 
-``ipc.kv_transport.CpuShmTransport`` calls ``copy_blocks``; this module is imported only there (numba's import
-and the cached machine code load cost ~1 s, paid once at actor start, not on a request's path). The loop and why
-it is shaped this way are in docs/performance.md §2.
+``ipc.kv_transport.CpuShmTransport`` calls ``copy_blocks`` (and tools/bench_ipc, to compare); only they import
+this module: numba's import and loading the cached machine code cost 1-3 s, paid at actor start, not on a
+request's path. The loop and why it is shaped this way (measured): docs/performance.md §2.
 """
 from __future__ import annotations
-
-import os
 
 import numba
 import numpy as np
@@ -15,18 +13,6 @@ from numba.core import types
 from numba.extending import intrinsic
 
 STREAM_ALIGN_BYTES = 64   # one cache line: the unit of a streaming (non-temporal) store below
-
-
-def default_stream_min_bytes() -> int:
-    """Copies of at least this many bytes use non-temporal stores: half the last-level cache (sysconf's L3 size,
-    16 MiB where it is unknown). Below it the copied blocks stay in cache for the decode step that reads them next;
-    above it they would be evicted before that step anyway, and streaming saves the destination's read-for-
-    ownership (a third of the copy's memory traffic)."""
-    try:
-        l3_bytes = os.sysconf("SC_LEVEL3_CACHE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        l3_bytes = 0
-    return l3_bytes // 2 if l3_bytes > 0 else 16 << 20
 
 
 @intrinsic
@@ -67,7 +53,7 @@ def copy_blocks(src, dst, src_ids, dst_ids, stream):
     int64 ``[n]``, already validated (no bounds checks here), best sorted by source id. Plane-outer, block-inner:
     the pieces read one after another lie in one plane, so their page-table entries are neighbours.
     ``stream``: copy with non-temporal stores; the caller sets it only when piece_bytes and both views' data
-    are ``STREAM_ALIGN_BYTES``-aligned.
+    are ``STREAM_ALIGN_BYTES``-aligned. Raises numba's TypingError for arrays of another dtype or rank.
     """
     piece = src.shape[2]
     for p in range(src.shape[0]):
