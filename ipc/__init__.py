@@ -10,6 +10,7 @@ Modules (import them directly; nothing is imported here, so children stay light)
 - ``manifest``      ``Manifest``: the engine's layout and effective config as JSON, for tools/inspect
 - ``kv_pool``       ``KVPool`` / ``BlockAllocator``: one actor's paged KV cache and its block allocator
 - ``kv_transport``  ``KVTransport``, ``CpuShmTransport``, ``make_transport``: the KV handoff
+- ``kv_copy``       ``copy_blocks``: cpu-shm's compiled copy loop (imports numba; only that transport uses it)
 - ``_shm``          ``ShmSegment``, the base of every shm object above (create/attach/close/unlink, magic and
                     layout version); semaphore waits; the dead-holder-safe lock
 """

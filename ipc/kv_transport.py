@@ -126,23 +126,17 @@ def _contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int
     return runs
 
 
-def _block_view(pool: KVPool) -> np.ndarray:
-    """``pool``'s data as ``[num_layers * 2, num_blocks, block_tokens * num_kv_heads * head_dim]`` (a view)."""
-    kv = pool.array()  # [layers, 2, blocks, block_tokens, kv_heads, head_dim]
-    return kv.reshape(kv.shape[0] * kv.shape[1], kv.shape[2], -1)
-
-
 class CpuShmTransport(KVTransport):
     """KV handoff between two POSIX shm pools on one host: a synchronous copy between numpy views.
 
-    ``start_copy`` copies before it returns (its handle polls DONE, or FAILED if the copy raised). The ids are
-    split into runs where source and destination ids both advance by one; each run is one slice assignment
-    between the two pools' views, all layers and K/V at once (``dst[:, b0:b0+n] = src[:, a0:a0+n]`` over the
-    pools seen as ``[layers * 2, blocks, block_elems]``), so a scattered id is a run of one block. No gathered
-    temporary: every byte is read once and written once, as in a plain copy (the fancy-index gather this
-    replaces read and wrote everything twice and reached 0.4-0.5x of a numpy copy). The Python loop costs one
-    slice assignment per run; a block is ``block_bytes`` (720 KiB for the default model), so that is noise. The
-    copy is bytewise, so every pool dtype (bf16 included) is exact.
+    ``start_copy`` copies before it returns (its handle polls DONE, or FAILED if the copy raised). The copy is
+    ``ipc.kv_copy.copy_blocks``, a numba loop over the pools seen as uint8 ``[layers * 2, blocks, piece_bytes]``:
+    plane-outer, block-inner, ids sorted by source, each piece (one block of one layer's K or V) copied with
+    non-temporal stores when pieces are 64-byte aligned (every real geometry), with a plain loop otherwise. No
+    temporary: every byte is read once and written once. Bytewise, so every pool dtype (bf16 included) is exact.
+    ``open_peer`` compiles the loop (or loads it from numba's cache): at actor start, not on a request's path,
+    and sets ``streaming`` (True: this pair of pools is copied with non-temporal stores).
+    Why this shape (4 KiB shm pages, 12 KiB pieces 3 MiB apart, glibc's memmove): docs/performance.md §2.
     """
 
     kind = "cpu-shm"
@@ -150,10 +144,14 @@ class CpuShmTransport(KVTransport):
     def __init__(self, local_pool: KVPool):
         if local_pool.readonly:
             raise ValueError(f"the local (destination) pool {local_pool.name!r} must be attached writable")
+        from ipc import kv_copy  # numba: imported by the actors that copy, not by every importer of this module
+
+        self._kv_copy = kv_copy
         self.local = local_pool
         self.peer: KVPool | None = None
-        self._dst = _block_view(local_pool)  # carrier dtype (uint16 for bf16): bytewise copy
+        self._dst = kv_copy.byte_planes(local_pool.array())
         self._src: np.ndarray | None = None
+        self.streaming = False
         self._handles: dict[int, TransferStatus] = {}
         self._errors: dict[int, str] = {}
         self._ids = itertools.count(1)
@@ -165,8 +163,12 @@ class CpuShmTransport(KVTransport):
                 return
             raise ValueError(f"transport already attached to peer {self.peer.name!r}; close() it first")
         peer = attach_peer_pool(self.local, peer_pool_name)
-        self.peer = peer
-        self._src = _block_view(peer)
+        src = self._kv_copy.byte_planes(peer.array())
+        self.streaming = all(x % self._kv_copy.STREAM_ALIGN_BYTES == 0
+                           for x in (src.shape[2], src.ctypes.data, self._dst.ctypes.data))
+        no_ids = np.zeros(0, dtype=np.int64)
+        self._kv_copy.copy_blocks(src, self._dst, no_ids, no_ids, self.streaming)  # compile now, not per request
+        self.peer, self._src = peer, src
 
     def start_copy(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], *,
                    num_tokens: int) -> int:
@@ -176,9 +178,8 @@ class CpuShmTransport(KVTransport):
                                  src_blocks=self.peer.num_blocks, dst_blocks=self.local.num_blocks)
         handle = next(self._ids)
         try:
-            s_arr, d_arr = self._src, self._dst
-            for s0, d0, n in sorted(_contiguous_runs(src.tolist(), dst.tolist())):  # ascending source reads
-                d_arr[:, d0:d0 + n] = s_arr[:, s0:s0 + n]
+            order = np.argsort(src, kind="stable")  # ascending source reads
+            self._kv_copy.copy_blocks(self._src, self._dst, src[order], dst[order], self.streaming)
         except Exception as exc:  # a vanished/short mapping, MemoryError...
             self._handles[handle] = TransferStatus.FAILED
             self._errors[handle] = f"{type(exc).__name__}: {exc}"

@@ -98,19 +98,22 @@ def test_bad_copies_are_refused_before_touching_data(name):
             p.unlink()
 
 
-def test_runs_of_consecutive_blocks_are_copied_exactly_by_slices(name):
-    src = KVPool.create(name("s"), **GEOMETRY)
-    dst = KVPool.create(name("d"), **GEOMETRY)
+@pytest.mark.parametrize("head_dim, streaming", [(8, True), (3, False)])  # pieces of 256 B / 96 B (unaligned)
+def test_runs_and_scattered_ids_are_copied_exactly_with_and_without_streaming_stores(name, head_dim, streaming):
+    geometry = {**GEOMETRY, "head_dim": head_dim}
+    src = KVPool.create(name("s"), **geometry)
+    dst = KVPool.create(name("d"), **geometry)
     try:
         src.tensor().copy_(torch.randn(src.shape))
         xfer = CpuShmTransport(dst)
         xfer.open_peer(src.name)
-        src_ids = [0, 1, 2, 3, 4, 5, 9, 10, 11, 12]   # two runs on the source side
-        dst_ids = [6, 7, 8, 9, 10, 11, 0, 1, 2, 3]    # and on the destination side
-        h = xfer.start_copy(src_ids, dst_ids, num_tokens=len(src_ids) * GEOMETRY["block_tokens"])
+        assert xfer.streaming is streaming
+        src_ids = [9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 14]   # runs on the source side, given out of order
+        dst_ids = [0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 13]    # and on the destination side
+        h = xfer.start_copy(src_ids, dst_ids, num_tokens=len(src_ids) * geometry["block_tokens"])
         assert xfer.poll(h) == TransferStatus.DONE
         assert torch.equal(dst.tensor()[:, :, dst_ids], src.tensor()[:, :, src_ids])
-        untouched = [b for b in range(GEOMETRY["num_blocks"]) if b not in dst_ids]
+        untouched = [b for b in range(geometry["num_blocks"]) if b not in dst_ids]
         assert not dst.tensor()[:, :, untouched].any()
         xfer.close()
     finally:

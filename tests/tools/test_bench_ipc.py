@@ -30,7 +30,8 @@ def test_semaphore_floor_ping_pongs():
 @pytest.mark.timeout(120)
 def test_kv_and_monitor_parts_report_ratios_against_their_baselines():
     results = {"kv": bench_ipc.bench_kv(1), "monitor": bench_ipc.bench_monitor(1, num_rows=2000)}
-    assert all(r["ratio_vs_numpy"] > 0 and r["transport_gb_s"] > 0 for r in results["kv"])
+    assert all(r["ratio_vs_numpy"] > 0 and r["transport_gb_s"] > 0 and r["run_slices_ratio_vs_numpy"] > 0
+               and r["cached_stores_ratio_vs_numpy"] > 0 for r in results["kv"])
     assert {r["what"] for r in results["monitor"]} >= {"snapshot only (floor)"}
     text = bench_ipc.report(results)
     assert "target: >= 0.90x the numpy copy" in text and "target: tick < 5 ms CPU" in text
