@@ -400,15 +400,18 @@ class RequestParser:
 
     def _n(self, body: dict, prompt_len: int, sampling: Sampling) -> int:
         """``n`` choices (1..128). All of them decode at once, so together they must fit in the decode KV pool:
-        ``n * ceil((prompt + max_tokens) / block_tokens)`` blocks; more is a 400 rather than a request that
-        could never be held."""
+        the prompt's full blocks once (the choices share them, actors/decode_core.py) plus, per choice,
+        ``ceil((prompt + max_tokens) / block_tokens)`` less those; more is a 400 rather than a request that could
+        never be held."""
         n = _integer(body, "n", 1, 1, MAX_N)
         if n > 1 and self.kv_pool_blocks:
             per_choice = -(-(prompt_len + sampling.max_tokens) // self.kv_block_tokens)
-            if n * per_choice > self.kv_pool_blocks:
+            shared = prompt_len // self.kv_block_tokens
+            needed = shared + n * (per_choice - shared)
+            if needed > self.kv_pool_blocks:
                 raise InvalidRequestError(
                     f"n={n} choices of prompt ({prompt_len}) + max_tokens ({sampling.max_tokens}) tokens need "
-                    f"{n * per_choice} KV blocks; the engine's decode pool holds {self.kv_pool_blocks}. "
+                    f"{needed} KV blocks; the engine's decode pool holds {self.kv_pool_blocks}. "
                     "Lower n or max_tokens", param="n")
         return n
 

@@ -138,6 +138,10 @@ def test_n_choices_must_fit_together_in_the_decode_pool():
     assert small.completion(completion_body(n=64, max_tokens=10)).n == 64
     error = rejected(small.completion, completion_body(n=65, max_tokens=10), "n")
     assert "64" in error.message and "65" in error.message
+    # a 40-token prompt's 2 full blocks are held once for all choices: each adds 1 block (8 prompt + 8 output)
+    assert small.completion(completion_body(prompt=[1] * 40, n=62, max_tokens=8)).n == 62
+    error = rejected(small.completion, completion_body(prompt=[1] * 40, n=63, max_tokens=8), "n")
+    assert "65 KV blocks" in error.message
 
 
 @pytest.mark.parametrize("name,value", [
