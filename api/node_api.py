@@ -11,7 +11,9 @@ Prefill node:
         this node's monitor fails them at their deadline.
 Decode node:
     ``POST /internal/decode`` ``{"request": REQUEST, "kv_ready": KVReady wire frame, "peer": descriptor JSON}``
-        -> admits the prefilled request at BOOTSTRAP and streams NDJSON lines: ``{"transfer_done": true}`` once the
+        -> admits the prefilled request at BOOTSTRAP and streams NDJSON lines: ``{"row": [slot, generation]}``
+        first (the router aborts it there by ``/internal/abort`` when it ends the request early), ``{"transfer_done":
+        true}`` once the
         KV is pulled, ``{"token": [token_id, finish_reason, logprobs], "timings": {...}}`` per token (timings with
         the first), ``{"error": {"message", "type", "status"}}``. Closing the stream aborts the row.
 Both: ``GET /internal/status`` -> ``{"engine_id", "role", "healthy", "problems", "active", "kv_blocks_free"}``.
@@ -40,8 +42,10 @@ from pdserve.errors import InvalidRequestError, PdserveError
 log = logging.getLogger("pdserve.api")
 
 
-def generation_request(body: Any) -> GenerationRequest:
-    """The REQUEST object of an internal call. Raises InvalidRequestError naming the bad field."""
+def generation_request(body: Any, limits: "NodeLimits | None" = None) -> GenerationRequest:
+    """The REQUEST object of an internal call, checked as the public parser checks a request (token ids in the
+    vocabulary, prompt + max_tokens within the context: ``limits``). Raises InvalidRequestError naming the bad
+    field."""
     if not isinstance(body, dict):
         raise InvalidRequestError("'request' must be an object")
     rid, prompt_ids, n = body.get("request_id"), body.get("prompt_ids"), body.get("n", 1)
@@ -53,6 +57,10 @@ def generation_request(body: Any) -> GenerationRequest:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise InvalidRequestError("'n' must be a positive integer", param="n")
     sampling = sampling_from_wire(body.get("sampling"))
+    if limits is not None:
+        limits.check_prompt(len(prompt_ids), max(prompt_ids), sampling.max_tokens)
+    if n > 128:
+        raise InvalidRequestError("'n' must be at most 128", param="n")
     timeout_s = body.get("timeout_s")
     if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
         raise InvalidRequestError("'timeout_s' must be a positive number", param="timeout_s")
@@ -77,6 +85,13 @@ def _field_ok(name: str, default: Any, value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
+# (low, high) of each numeric Sampling field, as api/protocol.py's parser bounds them (None: no bound)
+_SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (1e-12, 1.0), "top_k": (-1, 1 << 20), "min_p": (0.0, 1.0),
+                    "max_tokens": (1, 2**31 - 1), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
+                    "repetition_penalty": (1e-12, 10.0), "logprobs": (0, 20), "prompt_logprobs": (0, 20),
+                    "seed": (-(2**63), 2**63 - 1)}
+
+
 def sampling_from_wire(values: Any) -> Sampling:
     """A ``Sampling`` from its wire list (``dataclasses.astuple`` order), every field type-checked: the actors
     trust what reaches them. Raises InvalidRequestError naming the first bad field."""
@@ -84,10 +99,79 @@ def sampling_from_wire(values: Any) -> Sampling:
     if not isinstance(values, list) or len(values) != len(fields):
         raise InvalidRequestError(f"'sampling' must be a list of {len(fields)} values", param="sampling")
     for f, value in zip(fields, values):
-        if not _field_ok(f.name, f.default, value):
+        low, high = _SAMPLING_RANGES.get(f.name, (None, None))
+        if not _field_ok(f.name, f.default, value) or (value is not None and low is not None
+                                                         and not low <= value <= high) \
+                or (f.name == "top_k" and value == 0):
             raise InvalidRequestError(f"'sampling' field {f.name} has a bad value {value!r}", param="sampling")
     sampling = Sampling(*values)
     return dataclasses.replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeLimits:
+    """What this node can hold: the vocabulary, the context (prompt + output tokens), the KV block size."""
+
+    vocab_size: int
+    max_context_tokens: int
+    block_tokens: int
+
+    def check_prompt(self, prompt_tokens: int, max_token_id: int, max_tokens: int) -> None:
+        if max_token_id >= self.vocab_size:
+            raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})", param="prompt_ids")
+        if prompt_tokens + max_tokens > self.max_context_tokens:
+            raise InvalidRequestError(f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) exceed the context "
+                                      f"({self.max_context_tokens})", param="max_tokens")
+
+    def check_kv_ready(self, ready: KVReady) -> None:
+        """A KVReady's numbers before any actor sees them: a prompt that fits, one block id per block of it,
+        ids within the source pool (``ready.peer``'s descriptor), a first token in the vocabulary. Raises
+        InvalidRequestError."""
+        ids = ready.src_block_ids
+        if not isinstance(ready.num_tokens, int) or isinstance(ready.num_tokens, bool) or ready.num_tokens < 1:
+            raise InvalidRequestError("'kv_ready' num_tokens must be a positive integer", param="kv_ready")
+        self.check_prompt(ready.num_tokens, 0, ready.sampling.max_tokens)
+        if not isinstance(ids, list) or len(ids) != -(-ready.num_tokens // self.block_tokens):
+            raise InvalidRequestError("'kv_ready' needs one source block id per block of the prompt",
+                                      param="kv_ready")
+        try:
+            # ipc.mooncake_transport.PeerDescriptor's JSON (read here without importing the optional library)
+            num_blocks = orjson.loads(ready.peer)["num_blocks"]
+            if not isinstance(num_blocks, int):
+                raise TypeError(f"num_blocks {num_blocks!r}")
+        except (orjson.JSONDecodeError, TypeError, KeyError) as exc:
+            raise InvalidRequestError(f"'peer' is not a KV pool descriptor ({exc})", param="peer") from None
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_blocks for i in ids):
+            raise InvalidRequestError(f"'kv_ready' block ids must be in [0, {num_blocks})", param="kv_ready")
+        token = ready.first_token
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < self.vocab_size:
+            raise InvalidRequestError(f"'kv_ready' first_token must be in [0, {self.vocab_size})", param="kv_ready")
+
+        def ints(values, low: int, high: int) -> bool:
+            return isinstance(values, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                    and low <= v < high for v in values)
+        checks = {"request_id": isinstance(ready.request_id, str) and 0 < len(ready.request_id) <= 256,
+                  "queue_s": _seconds(ready.queue_s), "prefill_s": _seconds(ready.prefill_s),
+                  "prompt_ids": ints(ready.prompt_ids, 0, self.vocab_size)
+                  and len(ready.prompt_ids) in (0, ready.num_tokens),
+                  "cached_tokens": ints([ready.cached_tokens], 0, ready.num_tokens + 1),
+                  "prompt_row": ints(ready.prompt_row, 0, 2**32) and len(ready.prompt_row) in (0, 2),
+                  "first_logprobs": ready.first_logprobs is None or _logprob_entry(ready.first_logprobs)}
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise InvalidRequestError(f"'kv_ready' has bad {', '.join(bad)}", param="kv_ready")
+
+
+def _seconds(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e9
+
+
+def _logprob_entry(entry: Any) -> bool:
+    """``[logprob, [[token_id, logprob], ...]]``"""
+    def pair(p: Any) -> bool:
+        return isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and isinstance(p[1], (int, float))
+    return (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], (int, float))
+            and isinstance(entry[1], list) and all(pair(p) for p in entry[1]))
 
 
 def request_wire(request: GenerationRequest) -> dict:
@@ -110,8 +194,8 @@ class NodeRoutes:
     """The ``/internal/*`` handlers over this node's EngineClient; ``health`` is the node's /health report
     (api.metrics.EngineMetrics.health), ``engine_id`` names the node in every answer."""
 
-    def __init__(self, client: EngineClient, health, engine_id: str):
-        self.client, self.health, self.engine_id = client, health, engine_id
+    def __init__(self, client: EngineClient, health, engine_id: str, limits: NodeLimits):
+        self.client, self.health, self.engine_id, self.limits = client, health, engine_id, limits
         self._descriptors: dict[int, Any] = {}
 
     def routes(self) -> list[Route]:
@@ -146,7 +230,7 @@ class NodeRoutes:
         handles: list[RequestHandle] = []
         done = False
         try:
-            gen = generation_request((await self._body(request)).get("request"))
+            gen = generation_request((await self._body(request)).get("request"), self.limits)
             handles = self.client.submit(gen, remote_decode=True)
             readies = [await self._kv_ready(h, request) for h in handles]
             answer = {"engine_id": self.engine_id, "rows": [list(h.key) for h in handles],
@@ -203,6 +287,10 @@ class NodeRoutes:
         except (TypeError, ValueError):
             return error_json(InvalidRequestError("'rows' must be a list of [slot, generation]"))
         handles = [h for h in (self.client.handles.get(key) for key in rows) if h is not None]
+        for handle in handles:   # a stream or a prefill still waiting on it ends now
+            error = PdserveError("the router aborted the request")
+            error.http_status, error.error_type = 499, "client_closed_request"
+            handle.events.put_nowait(("error", error))
         self.client.finish_all(handles)
         return JSONResponse({"aborted": len(handles)})
 
@@ -210,14 +298,19 @@ class NodeRoutes:
     async def decode(self, request: Request) -> Response:
         try:
             body = await self._body(request)
-            gen = generation_request(body.get("request"))
-            try:
-                ready = from_wire(body.get("kv_ready"))
+            if self.client.config.role != "decode":
+                raise InvalidRequestError(f"this node runs the {self.client.config.role} side; /internal/decode is "
+                                          "a decode node's")
+            gen = generation_request(body.get("request"), self.limits)
+            frame = body.get("kv_ready")
+            if not isinstance(frame, list) or frame[:1] != [KVReady.kind] or not isinstance(body.get("peer"), str):
+                raise InvalidRequestError("'kv_ready' must be a KVReady frame and 'peer' a descriptor string")
+            try:   # the sampling that travels is the request's, checked above
+                ready = dataclasses.replace(from_wire(frame[:7] + [list(dataclasses.astuple(gen.sampling))]
+                                                      + frame[8:]), peer=body["peer"])
             except (ValueError, TypeError) as exc:
                 raise InvalidRequestError(f"'kv_ready' is not a KVReady frame ({exc})") from None
-            if not isinstance(ready, KVReady) or not isinstance(body.get("peer"), str):
-                raise InvalidRequestError("'kv_ready' must be a KVReady frame and 'peer' a descriptor string")
-            ready = dataclasses.replace(ready, peer=body["peer"])
+            self.limits.check_kv_ready(ready)
             handle = self.client.admit_prefilled(gen, ready, gen.timeout_s)
         except PdserveError as exc:
             return error_json(exc)
@@ -226,6 +319,7 @@ class NodeRoutes:
     async def _stream(self, handle: RequestHandle) -> AsyncIterator[bytes]:
         first = True
         try:
+            yield orjson.dumps({"row": list(handle.key)}) + b"\n"   # what the router names in /internal/abort
             while True:
                 try:
                     event = await self.client.next_event(handle)

@@ -70,6 +70,7 @@ class Flight:
     prefill: Node
     decode: Node
     prefill_row: list[int] | None = None   # [slot, generation] on the prefill node once it answered
+    decode_row: list[int] | None = None    # [slot, generation] on the decode node while its stream is open
     transfer_done: bool = False            # the prefill node was told (or the row is gone there)
     stage: str = "prefill"                 # prefill -> decode -> done (for the router's view)
     on_prefill: bool = True                # counted in prefill.in_flight (the node holds its row)
@@ -151,8 +152,11 @@ class RouterClient:
             if resp.status_code != 200:
                 raise ValueError(f"HTTP {resp.status_code}: {str(report)[:200]}")
         except (httpx.HTTPError, ValueError, asyncio.TimeoutError) as exc:
-            # one slow or lost answer is not a verdict: the node keeps its last one until actor_hang_timeout_s
+            # one slow or lost answer is not a verdict: the node keeps its last one until actor_hang_timeout_s;
+            # a refused connection is (nothing listens there): no new request goes to it until it answers again
             node.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            if isinstance(exc, httpx.ConnectError):
+                node.healthy = False
             silent_s = time.monotonic() - node.last_ok if node.last_ok else None
             if not node.dead and silent_s is not None and silent_s > self.config.actor_hang_timeout_s:
                 self._node_died(node, silent_s)
@@ -235,6 +239,8 @@ class RouterClient:
                                                          headers={"content-type": "application/json"}),
                                           timeout_s + 1.0)
         except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+            if isinstance(exc, httpx.ConnectError):   # nothing listens there: route elsewhere until it answers
+                node.healthy = False
             raise node_error(f"{node.role} node {node.url}: {type(exc).__name__} on {path}: {exc}") from None
         return self._answer(node, path, resp.status_code, resp.content)
 
@@ -292,11 +298,16 @@ class RouterClient:
         except PdserveError as exc:
             self._fail(flight, exc)
         except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
+            if isinstance(exc, httpx.ConnectError):
+                node.healthy = False
             self._fail(flight, node_error(f"decode node {node.url}: {type(exc).__name__}: {exc}"))
 
     def _on_line(self, flight: Flight, line: dict) -> bool:
         """One line of a decode stream; True when the sequence is over (a finish reason or an error)."""
         handle = flight.handle
+        if "row" in line:
+            flight.decode_row = line["row"]
+            return False
         if line.get("transfer_done"):
             flight.transfer_done = True
             self._leave_prefill(flight)
@@ -314,13 +325,18 @@ class RouterClient:
             handle.timings = line["timings"]
         handle.prefilled = True
         handle.events.put_nowait(("token", token, reason, logprobs))
+        if reason is not None:   # the decode node ended the row itself
+            flight.decode_row = None
         return reason is not None
 
     async def _tell_prefill(self, flight: Flight, path: str, body: dict) -> None:
+        await self._tell(flight.prefill, path, body, flight.handle.request.request_id)
+
+    async def _tell(self, node: Node, path: str, body: dict, request_id: str) -> None:
         try:
-            await self._call(flight.prefill, path, body, timeout_s=min(5.0, self.config.actor_hang_timeout_s))
-        except PdserveError as exc:   # its own deadline frees the blocks: a lost message costs time, not KV
-            log.warning("request %s: %s failed: %s", flight.handle.request.request_id, path, exc.message)
+            await self._call(node, path, body, timeout_s=min(5.0, self.config.actor_hang_timeout_s))
+        except PdserveError as exc:   # the node's own deadlines free the row: a lost message costs time, not KV
+            log.warning("request %s: %s on %s failed: %s", request_id, path, node.url, exc.message)
 
     @staticmethod
     def _leave_prefill(flight: Flight) -> None:
@@ -350,6 +366,10 @@ class RouterClient:
         if flight.on_decode:
             flight.on_decode = False
             flight.decode.in_flight -= 1
+        if flight.decode_row is not None and not flight.decode.dead:   # ended early (client gone, stop string):
+            row, flight.decode_row = flight.decode_row, None          # the node frees it now, not when it notices
+            asyncio.get_running_loop().create_task(self._tell(flight.decode, "/internal/abort", {"rows": [row]},
+                                                              flight.handle.request.request_id))
         current = asyncio.current_task()
         for task in flight.tasks:
             if task is not current and not task.done() and all(f.ended for f in self.flights.values()

@@ -57,7 +57,7 @@ class ApiActor(Actor):
                                     install_idle_close, install_refused_streams, keep_alive_config)
         from api.metrics import EngineMetrics
         from api.middleware import load_api_keys
-        from api.node_api import NodeRoutes
+        from api.node_api import NodeLimits, NodeRoutes
         from api.protocol import RequestParser
         from gpu.grammar import GrammarCompiler
         from gpu.model_files import model_cache_dir
@@ -76,7 +76,8 @@ class ApiActor(Actor):
                                self.config.default_max_tokens, self.layout.kv_blocks_per_pool,
                                self.config.kv_block_tokens, grammars)
         metrics = EngineMetrics(client, self.layout.served_model_name)
-        node_routes = NodeRoutes(client, metrics.health, self.layout.engine_id).routes()   # for `pdserve router`
+        limits = NodeLimits(tokenizer.vocab_size, self.layout.max_context_tokens, self.config.kv_block_tokens)
+        node_routes = NodeRoutes(client, metrics.health, self.layout.engine_id, limits).routes()   # for the router
         app = build_app(client, tokenizer, parser, metrics, load_api_keys(self.config), node_routes)
 
         # Idle connections close after keep_alive_timeout_s (HTTP/1.1: in stages; HTTP/2: GOAWAY first), announced

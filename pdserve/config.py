@@ -207,10 +207,13 @@ def check_env(env: Mapping[str, str]) -> dict[str, str]:
     return found
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--field-name`` flag per config field (default None so we can tell 'not given'); a bool field
-    that defaults to true also gets ``--no-field-name`` (the same as ``--field-name false``)."""
+def add_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> None:
+    """Add one ``--field-name`` flag per config field (``only``: just those fields; default None so we can tell
+    'not given'); a bool field that defaults to true also gets ``--no-field-name`` (the same as ``--field-name
+    false``)."""
     for f in _fields():
+        if only and f.name not in only:
+            continue
         flag = "--" + f.name.replace("_", "-")
         default = "" if f.metadata.get("secret") else repr(f.default)
         parser.add_argument(flag, dest=f.name, default=None, help=f"{f.metadata['help']} [{default}]",

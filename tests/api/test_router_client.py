@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+import orjson
 import pytest
 
 from actors.messages import Sampling
@@ -102,3 +103,29 @@ def test_a_node_of_one_side_refuses_what_belongs_to_the_other():
         load_config({"role": "prefill"}, env={})
     with pytest.raises(ConfigError, match="colocated"):
         load_config({"role": "decode", "colocated": "true", "kv_transport": "mooncake"}, env={})
+
+
+def test_a_decode_node_checks_every_number_of_a_kv_ready_before_an_actor_sees_it():
+    import dataclasses
+
+    from actors.messages import KVReady
+    from api.node_api import NodeLimits, sampling_from_wire
+    limits = NodeLimits(vocab_size=1000, max_context_tokens=256, block_tokens=16)
+    # an ipc.mooncake_transport.PeerDescriptor's JSON (that module needs the optional library)
+    peer = orjson.dumps({"session_id": "10.0.0.1:1234", "base_addr": 4096, "data_bytes": 10 * 1024, "num_layers": 2,
+                         "num_blocks": 10, "block_tokens": 16, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32",
+                         "elem_bytes": 4, "epoch": 1}).decode()
+    good = KVReady(3, 1, "r-1", [4, 7], 20, 42, Sampling(max_tokens=8), 0.01, 0.2, None, [], -2, 0, peer, [3, 1])
+    limits.check_kv_ready(good)
+    bad = [dict(src_block_ids=[4]), dict(src_block_ids=[4, 10]), dict(src_block_ids=[4, -1]),
+           dict(src_block_ids=[4, "a"]), dict(num_tokens=0), dict(num_tokens=300), dict(first_token=1000),
+           dict(first_token=-1), dict(sampling=Sampling(max_tokens=250)), dict(peer="{}"), dict(peer="x"),
+           dict(prompt_ids=[1] * 19), dict(prompt_ids=[5000] * 20), dict(cached_tokens=21), dict(queue_s="x"),
+           dict(prompt_row=[1]), dict(first_logprobs=["x"]), dict(request_id="")]
+    for change in bad:
+        with pytest.raises(InvalidRequestError):
+            limits.check_kv_ready(dataclasses.replace(good, **change))
+    wire = list(dataclasses.astuple(Sampling(max_tokens=8)))
+    for index, value in ((0, 3.0), (1, 0.0), (2, 0), (5, 0), (5, 2**40), (10, 0.0), (11, 50)):
+        with pytest.raises(InvalidRequestError):
+            sampling_from_wire(wire[:index] + [value] + wire[index + 1:])
