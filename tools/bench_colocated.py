@@ -3,8 +3,9 @@
 
 Both engines are up at once (an idle engine blocks on its queues' semaphores) and tools/bench_serving drives
 them in turn, never together: ``--reps`` repetitions at low load (concurrency 1), the order of the two modes
-alternating per repetition so a drift in the machine's load hits both, then one run each at high load
-(concurrency 16). The report gives TTFT p50 and output throughput with colocated as the baseline, so
+alternating per repetition so a drift in the machine's load hits both, each repetition with new prompts (both
+modes get the same ones; a repeated prompt would be served from the prefix cache), then one run each at high
+load (concurrency 16). The report gives TTFT p50 and output throughput with colocated as the baseline, so
 ``TTFT ratio 1.05x`` = disaggregation costs 5% more time to first token; at low load the ratio of each
 repetition and their median, with the load average (1 min) before and after.
 
@@ -24,13 +25,15 @@ from tools.engine_process import engine
 MODES = (("disaggregated", ()), ("colocated", ("--colocated", "true")))
 
 
-def measure(base: str, args, concurrency: int) -> dict:
+def measure(base: str, args, concurrency: int, seed: int) -> dict:
+    """One bench_serving run; ``seed`` picks the random prompts (a new seed per repetition: a repeated prompt
+    would be served from the prefix cache)."""
     from tools import bench_serving
 
     return bench_serving.main([
         "--base-url", base, "--num-prompts", str(args.num_prompts if concurrency == 1 else args.num_prompts * 2),
         "--max-concurrency", str(concurrency), "--input-len", str(args.input_len), "--output-len",
-        str(args.output_len), "--ignore-eos", "--seed", "1", "--disable-progress", "--json"])
+        str(args.output_len), "--ignore-eos", "--seed", str(seed), "--disable-progress", "--json"])
 
 
 def low_load_rows(low: list[dict]) -> list[tuple[float, float, float]]:
@@ -57,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         low = []
         for rep in range(args.reps):
             order = [m for m, _ in MODES] if rep % 2 == 0 else [m for m, _ in reversed(MODES)]
-            low.append({mode: measure(bases[mode], args, 1) for mode in order})
-        high = {mode: measure(bases[mode], args, 16) for mode, _ in MODES}
+            low.append({mode: measure(bases[mode], args, 1, seed=1 + rep) for mode in order})
+        high = {mode: measure(bases[mode], args, 16, seed=1000) for mode, _ in MODES}
     load_after = os.getloadavg()[0]
     print(f"\n# disaggregated vs colocated, {time.strftime('%Y-%m-%d %H:%M:%S')}, input {args.input_len} "
           f"tokens, output {args.output_len}, greedy with ignore_eos; load average (1 min) {load_before:.1f} "
