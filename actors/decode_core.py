@@ -9,7 +9,8 @@ Rows it moves, each collection named after the state its entries are in:
     decoding        DECODING: the running batch, one token per step -> FINISHED (EOS, stop token, max_tokens)
 A row that turns final elsewhere (client abort, stop string, monitor timeout) is dropped by ``reap`` and its
 blocks freed once. Per step, the table writes of the whole batch (token counts, renewals) go in one
-``update_many`` (one lock round trip).
+``update_many`` (one lock round trip); an admission writes and sends its first tokens in one more, before the
+step.
 The children of an ``n > 1`` request hold the prompt's full blocks once (``SharedPrompt``, keyed by
 ``prompt_key``): the first to be reserved pulls them, each child owns its partial last block and its generation
 blocks, and the last holder to leave frees them (docs/architecture.md, "`n` > 1: children share one prefill").
@@ -249,7 +250,9 @@ class DecodeCore:
 
     def admit(self) -> list[DecodeEntry]:
         """Move waiting requests into the running batch (between steps) and emit their first token (sampled by
-        prefill). Returns the entries that joined the batch (the shell prepares their sampling state)."""
+        prefill) at once: ``flush`` sends them before the shell runs the next decode step, which would hold them
+        for a whole step (~0.1 s on a 2-core CPU, docs/performance.md §6). Returns the entries that joined the
+        batch (the shell prepares their sampling state)."""
         joined = []
         while self.decode_waiting and len(self.decoding) < self.max_num_seqs:
             entry = self.decode_waiting.pop(0)
@@ -260,6 +263,8 @@ class DecodeCore:
             if not self._emit(entry, entry.ready.first_token, entry.ready.first_logprobs):
                 self.decoding.append(entry)
                 joined.append(entry)
+        if self._items:
+            self.flush()
         return joined
 
     def step_done(self, batch: list[DecodeEntry], tokens: list[int], logprobs: list) -> None:

@@ -130,6 +130,33 @@ def test_a_request_goes_through_every_state_and_both_pools_end_free():
     pair.assert_all_free()
 
 
+def test_first_tokens_go_out_at_admission_and_each_step_writes_the_batch_in_one_round_trip():
+    pair = Pair()
+    requests = [prefill_request(pair.table, f"r{i}", prompt_tokens=20, max_tokens=3) for i in range(3)]
+    keys = [(r.slot, r.generation) for r in requests]
+    for request in requests:
+        pair.prefill.on_message(request)
+    pair.prefill_step()
+    pair.deliver_to_decode()
+    pair.decode.reap()
+    pair.decode.start_transfers()
+    pair.decode.poll_transfers()
+    round_trips = []
+    pair.table.update_many = lambda updates, real=pair.table.update_many: round_trips.append(len(updates)) or \
+        real(updates)
+    joined = pair.decode.admit()
+    # before any decode step: the API holds every first token (sampled by prefill), the table counts it
+    [first] = pair.to_prefill_and_api.take("api", TokenBatch)
+    assert [(i[0], i[1], i[2], i[3]) for i in first.items] == [(*k, 5, None) for k in keys]
+    assert all("timings" in i[4] for i in first.items) and round_trips == [3]
+    assert all(pair.table.rows[k[0]]["output_tokens"] == 1 for k in keys)
+    pair.decode.step_done(joined, [7] * 3, [None] * 3)
+    pair.decode.flush()
+    [second] = pair.to_prefill_and_api.take("api", TokenBatch)
+    assert [i[2] for i in second.items] == [7, 7, 7] and round_trips == [3, 3]   # the whole batch: one update_many
+    assert all(pair.table.rows[k[0]]["output_tokens"] == 2 for k in keys)
+
+
 @pytest.mark.parametrize("prefix_cache", [False, True], ids=["no-cache", "cache"])
 @pytest.mark.parametrize("state", [S.QUEUED, S.PREFILLING, S.BOOTSTRAP, S.TRANSFERRING, S.DECODE_WAITING])
 def test_an_abort_in_each_stage_frees_both_sides_once_and_sends_nothing_more(state, prefix_cache):
