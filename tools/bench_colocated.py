@@ -36,6 +36,13 @@ def measure(base: str, args, concurrency: int, seed: int) -> dict:
         str(args.output_len), "--ignore-eos", "--seed", str(seed), "--disable-progress", "--json"])
 
 
+def low_load_plan(reps: int) -> list[list[tuple[str, int]]]:
+    """Per repetition, the ``(mode, prompt seed)`` runs in the order they go: the two modes alternate which goes
+    first; both get the repetition's seed, a new one each repetition."""
+    modes = [mode for mode, _ in MODES]
+    return [[(mode, 1 + rep) for mode in (modes if rep % 2 == 0 else modes[::-1])] for rep in range(reps)]
+
+
 def low_load_rows(low: list[dict]) -> list[tuple[float, float, float]]:
     """Per repetition ``(disaggregated TTFT p50 ms, colocated TTFT p50 ms, ratio)``; ``low``: one
     ``{mode: bench_serving result}`` per repetition."""
@@ -58,9 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         bases = {mode: stack.enter_context(engine("--kv-pool-tokens", "4096", *flags)).base_url
                  for mode, flags in MODES}
         low = []
-        for rep in range(args.reps):
-            order = [m for m, _ in MODES] if rep % 2 == 0 else [m for m, _ in reversed(MODES)]
-            low.append({mode: measure(bases[mode], args, 1, seed=1 + rep) for mode in order})
+        for runs in low_load_plan(args.reps):
+            low.append({mode: measure(bases[mode], args, 1, seed) for mode, seed in runs})
         high = {mode: measure(bases[mode], args, 16, seed=1000) for mode, _ in MODES}
     load_after = os.getloadavg()[0]
     print(f"\n# disaggregated vs colocated, {time.strftime('%Y-%m-%d %H:%M:%S')}, input {args.input_len} "
