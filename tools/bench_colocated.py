@@ -1,15 +1,15 @@
 """bench_colocated: disaggregated pdserve (prefill actor -> KV handoff -> decode actor) vs colocated pdserve
 (``--colocated true``: the decode actor also prefills, no handoff), same prompts, one invocation.
 
-Both engines are up at once (an idle engine blocks on its queues' semaphores) and tools/bench_serving drives
-them in turn, never together: ``--reps`` repetitions at low load (concurrency 1), the order of the two modes
-alternating per repetition so a drift in the machine's load hits both, each repetition with new prompts (both
-modes get the same ones; a repeated prompt would be served from the prefix cache), then one run each at high
-load (concurrency 16). The report gives TTFT p50 and output throughput with colocated as the baseline, so
-``TTFT ratio 1.05x`` = disaggregation costs 5% more time to first token; at low load the ratio of each
-repetition and their median, with the load average (1 min) before and after.
+All engines are up at once (an idle engine blocks on its queues' semaphores) and tools/bench_serving drives them
+in turn, never together. Low load (concurrency 1) is interleaved request by request: prompt ``i`` (its own
+seed) goes to every engine in turn, the order rotating per prompt, so the machine's drift (a busy shared host
+changes speed within seconds) hits both modes alike; the report gives each mode's TTFT p50 and the per-prompt
+ratios disaggregated / colocated (median and quartiles). Then one run per engine at high load (concurrency 16):
+TTFT p50 and output throughput. ``--baseline-root DIR`` also starts both modes from another checkout (e.g. the
+code before a change) and interleaves them with the same prompts. Load average (1 min) before and after.
 
-    python -m tools.bench_colocated [--reps 5] [--num-prompts 12] [--input-len 64] [--output-len 16]
+    python -m tools.bench_colocated [--num-prompts 16] [--input-len 64] [--output-len 16] [--baseline-root DIR]
 """
 from __future__ import annotations
 
@@ -25,65 +25,71 @@ from tools.engine_process import engine
 MODES = (("disaggregated", ()), ("colocated", ("--colocated", "true")))
 
 
-def measure(base: str, args, concurrency: int, seed: int) -> dict:
-    """One bench_serving run; ``seed`` picks the random prompts (a new seed per repetition: a repeated prompt
-    would be served from the prefix cache)."""
+def run_serving(base: str, args, concurrency: int, num_prompts: int, seed: int, warmup: int) -> dict:
+    """One bench_serving run; ``seed`` picks the random prompts (a repeated prompt would be served from the
+    prefix cache)."""
     from tools import bench_serving
 
     return bench_serving.main([
-        "--base-url", base, "--num-prompts", str(args.num_prompts if concurrency == 1 else args.num_prompts * 2),
-        "--max-concurrency", str(concurrency), "--input-len", str(args.input_len), "--output-len",
-        str(args.output_len), "--ignore-eos", "--seed", str(seed), "--disable-progress", "--json"])
+        "--base-url", base, "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+        "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--ignore-eos",
+        "--seed", str(seed), "--warmup-requests", str(warmup), "--disable-progress", "--json"])
 
 
-def low_load_plan(reps: int) -> list[list[tuple[str, int]]]:
-    """Per repetition, the ``(mode, prompt seed)`` runs in the order they go: the two modes alternate which goes
-    first; both get the repetition's seed, a new one each repetition."""
-    modes = [mode for mode, _ in MODES]
-    return [[(mode, 1 + rep) for mode in (modes if rep % 2 == 0 else modes[::-1])] for rep in range(reps)]
+def low_load_plan(num_prompts: int, labels: list[str]) -> list[list[tuple[str, int]]]:
+    """Per prompt, the ``(engine label, prompt seed)`` requests in the order they go: every engine gets the
+    prompt's seed, the order rotating by one engine per prompt."""
+    return [[(labels[(i + j) % len(labels)], 1 + i) for j in range(len(labels))] for i in range(num_prompts)]
 
 
-def low_load_rows(low: list[dict]) -> list[tuple[float, float, float]]:
-    """Per repetition ``(disaggregated TTFT p50 ms, colocated TTFT p50 ms, ratio)``; ``low``: one
-    ``{mode: bench_serving result}`` per repetition."""
-    rows = []
-    for rep in low:
-        d, k = rep["disaggregated"]["ttft_ms"]["p50"], rep["colocated"]["ttft_ms"]["p50"]
-        rows.append((d, k, d / k))
-    return rows
+def ratio_summary(dis_ms: list[float], col_ms: list[float]) -> dict:
+    """Paired per-prompt TTFT ratios disaggregated / colocated: ``{"median", "q1", "q3"}``, and each mode's p50
+    in ms (``dis_p50``, ``col_p50``)."""
+    ratios = [d / c for d, c in zip(dis_ms, col_ms)]
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return {"median": statistics.median(ratios), "q1": q1, "q3": q3,
+            "dis_p50": statistics.median(dis_ms), "col_p50": statistics.median(col_ms)}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=16, help="concurrency-1 prompts, each to every engine")
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--baseline-root", default="", help="another checkout whose two modes run beside these")
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=5, help="low-load repetitions per mode (interleaved)")
-    parser.add_argument("--num-prompts", type=int, default=12)
-    parser.add_argument("--input-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=16)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
+    roots = {"": None} if not args.baseline_root else {"": None, "baseline ": args.baseline_root}
     load_before = os.getloadavg()[0]
     with contextlib.ExitStack() as stack:
-        bases = {mode: stack.enter_context(engine("--kv-pool-tokens", "4096", *flags)).base_url
-                 for mode, flags in MODES}
-        low = []
-        for runs in low_load_plan(args.reps):
-            low.append({mode: measure(bases[mode], args, 1, seed) for mode, seed in runs})
-        high = {mode: measure(bases[mode], args, 16, seed=1000) for mode, _ in MODES}
+        bases = {prefix + mode: stack.enter_context(engine("--kv-pool-tokens", "4096", *flags, cwd=root)).base_url
+                 for prefix, root in roots.items() for mode, flags in MODES}
+        labels = list(bases)
+        for label in labels:   # first requests pay one-off costs
+            run_serving(bases[label], args, 1, 1, seed=10_000, warmup=1)
+        ttft_ms = {label: [] for label in labels}
+        for runs in low_load_plan(args.num_prompts, labels):
+            for label, seed in runs:
+                ttft_ms[label].append(run_serving(bases[label], args, 1, 1, seed, warmup=0)["ttft_ms"]["p50"])
+        high = {label: run_serving(bases[label], args, 16, 2 * args.num_prompts, seed=1000, warmup=1)
+                for label in labels}
     load_after = os.getloadavg()[0]
     print(f"\n# disaggregated vs colocated, {time.strftime('%Y-%m-%d %H:%M:%S')}, input {args.input_len} "
           f"tokens, output {args.output_len}, greedy with ignore_eos; load average (1 min) {load_before:.1f} "
           f"before, {load_after:.1f} after")
-    rows = low_load_rows(low)
-    print(f"{'concurrency 1, rep':<22}{'TTFT p50 ms (dis / col)':>28}{'ratio':>8}")
-    for i, (d, k, ratio) in enumerate(rows):
-        print(f"{i:<22}{d:>14.0f} / {k:<11.0f}{ratio:>7.2f}x")
-    median_d = statistics.median(r[0] for r in rows)
-    median_k = statistics.median(r[1] for r in rows)
-    print(f"{'median':<22}{median_d:>14.0f} / {median_k:<11.0f}{statistics.median(r[2] for r in rows):>7.2f}x"
-          "  (median of the per-repetition ratios)")
-    d, k = high["disaggregated"], high["colocated"]
-    print(f"concurrency 16: TTFT p50 {d['ttft_ms']['p50']:.0f} / {k['ttft_ms']['p50']:.0f} ms "
-          f"({d['ttft_ms']['p50'] / k['ttft_ms']['p50']:.2f}x), output tok/s {d['output_throughput']:.1f} / "
-          f"{k['output_throughput']:.1f} ({d['output_throughput'] / k['output_throughput']:.2f}x)")
+    for prefix in roots:
+        low = ratio_summary(ttft_ms[prefix + "disaggregated"], ttft_ms[prefix + "colocated"])
+        d, k = high[prefix + "disaggregated"], high[prefix + "colocated"]
+        print(f"{prefix or 'this checkout '}concurrency 1 ({args.num_prompts} prompts, interleaved): TTFT p50 "
+              f"{low['dis_p50']:.0f} / {low['col_p50']:.0f} ms; per-prompt ratio median {low['median']:.2f}x "
+              f"(quartiles {low['q1']:.2f}-{low['q3']:.2f}x)")
+        print(f"{prefix or 'this checkout '}concurrency 16: TTFT p50 {d['ttft_ms']['p50']:.0f} / "
+              f"{k['ttft_ms']['p50']:.0f} ms ({d['ttft_ms']['p50'] / k['ttft_ms']['p50']:.2f}x), output tok/s "
+              f"{d['output_throughput']:.1f} / {k['output_throughput']:.1f} "
+              f"({d['output_throughput'] / k['output_throughput']:.2f}x)")
     print("target (issue 13): disaggregated TTFT p50 <= 1.05x colocated at concurrency 1")
     return 0
 

@@ -1,21 +1,26 @@
-"""tools/bench_colocated: the order and prompts of the interleaved low-load runs and the per-repetition ratios
-(no server is started here; the benchmark's own figures are never asserted)."""
+"""tools/bench_colocated: the order and prompts of the interleaved low-load requests and the paired ratios (no
+server is started here; the benchmark's own figures are never asserted)."""
 from __future__ import annotations
+
+import pytest
 
 from tools import bench_colocated as bc
 
 
-def test_modes_alternate_which_goes_first_and_share_a_new_seed_each_repetition():
-    plan = bc.low_load_plan(4)
-    assert [[mode for mode, _ in runs] for runs in plan] == [["disaggregated", "colocated"],
-                                                             ["colocated", "disaggregated"]] * 2
-    seeds = [{seed for _, seed in runs} for runs in plan]
-    assert all(len(s) == 1 for s in seeds) and len(set.union(*seeds)) == 4
+def test_every_engine_gets_each_prompt_and_the_order_rotates():
+    labels = ["disaggregated", "colocated", "baseline disaggregated", "baseline colocated"]
+    plan = bc.low_load_plan(4, labels)
+    assert [runs[0][0] for runs in plan] == labels   # each engine goes first once in four prompts
+    assert all(sorted(label for label, _ in runs) == sorted(labels) for runs in plan)
+    assert [{seed for _, seed in runs} for runs in plan] == [{1}, {2}, {3}, {4}]
 
 
-def test_each_repetition_gives_its_own_ratio_of_the_two_ttft_medians():
-    def result(p50_ms):
-        return {"ttft_ms": {"p50": p50_ms}}
-    low = [{"disaggregated": result(440.0), "colocated": result(400.0)},
-           {"colocated": result(500.0), "disaggregated": result(450.0)}]
-    assert bc.low_load_rows(low) == [(440.0, 400.0, 1.1), (450.0, 500.0, 0.9)]
+def test_ratios_pair_the_two_modes_prompt_by_prompt():
+    summary = bc.ratio_summary([440.0, 450.0, 330.0], [400.0, 500.0, 300.0])
+    assert summary["median"] == pytest.approx(1.1) and summary["q1"] == pytest.approx(0.9)
+    assert (summary["dis_p50"], summary["col_p50"]) == (440.0, 400.0)
+
+
+def test_defaults_are_16_prompts_of_64_tokens_and_16_output_tokens_with_no_baseline():
+    args = bc.parse_args([])
+    assert (args.num_prompts, args.input_len, args.output_len, args.baseline_root) == (16, 64, 16, "")
