@@ -251,7 +251,7 @@ class DecodeCore:
     def admit(self) -> list[DecodeEntry]:
         """Move waiting requests into the running batch (between steps) and emit their first token (sampled by
         prefill) at once: ``flush`` sends them before the shell runs the next decode step, which would hold them
-        for a whole step (~0.1 s on a 2-core CPU, docs/performance.md §6). Returns the entries that joined the
+        for a whole step (50-130 ms on a 2-core host, docs/performance.md §6). Returns the entries that joined the
         batch (the shell prepares their sampling state)."""
         joined = []
         while self.decode_waiting and len(self.decoding) < self.max_num_seqs:
