@@ -167,27 +167,57 @@ def _prefix_cache_families(rows):
     yield from (query, hit, evicted, cached, in_use)
 
 
-class EngineMetrics:
-    """Per-API-process registry: histograms and counters, plus the scrape-time shared-state collector."""
+class RequestMetrics:
+    """The request counters and latency histograms every OpenAI front end keeps (a node's API process and
+    `pdserve router`): what api/app.py's Routes call, ``on_admitted``, ``on_token``, ``on_finished``, ``render``."""
 
-    def __init__(self, client, served_model_name: str):
-        self.client = client
-        self.handoffs = 0
+    def __init__(self, admitted_doc: str):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_requests", "ended requests by finish reason (stop, length, abort, "
                                 "error) and HTTP status", ["finish_reason", "status"], registry=r)
-        self.admitted = Counter("pdserve_requests_admitted", "requests admitted to the engine", registry=r)
+        self.admitted = Counter("pdserve_requests_admitted", admitted_doc, registry=r)
+        self.ttft = self.latency("pdserve_time_to_first_token_seconds", "admission to first token")
+        self.e2e = self.latency("pdserve_e2e_request_latency_seconds", "admission to last token")
+        self.tpot = self.latency("pdserve_time_per_output_token_seconds", "mean time between output tokens")
+        self.itl = self.latency("pdserve_inter_token_latency_seconds", "time between two output tokens")
 
-        def latency(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, buckets=LATENCY_BUCKETS_S, registry=r)
+    def latency(self, name: str, doc: str) -> Histogram:
+        return Histogram(name, doc, buckets=LATENCY_BUCKETS_S, registry=self.registry)
 
-        self.ttft = latency("pdserve_time_to_first_token_seconds", "admission to first token")
-        self.e2e = latency("pdserve_e2e_request_latency_seconds", "admission to last token")
-        self.tpot = latency("pdserve_time_per_output_token_seconds", "mean time between output tokens")
-        self.itl = latency("pdserve_inter_token_latency_seconds", "time between two output tokens")
-        self.queue_time = latency("pdserve_queue_time_seconds", "admission to prefill start")
-        self.prefill_time = latency("pdserve_prefill_time_seconds", "prompt forward pass")
+    def on_admitted(self) -> None:
+        self.admitted.inc()
+
+    def on_token(self, gap_s: float) -> None:
+        self.itl.observe(gap_s)
+
+    def on_finished(self, handle, reason: str | None, status: int = 200) -> bool:
+        """Count the request (each of its ``n`` choices); latency histograms only for choices that completed
+        (stop, length, tool_calls): returns whether it did."""
+        self.requests.labels(reason or "unknown", str(status)).inc()
+        if reason not in ("stop", "length", "tool_calls") or not handle.first_token_ns:
+            return False
+        now = time.monotonic_ns()
+        self.ttft.observe((handle.first_token_ns - handle.admitted_ns) / 1e9)
+        self.e2e.observe((now - handle.admitted_ns) / 1e9)
+        if handle.completion_tokens > 1:
+            self.tpot.observe((now - handle.first_token_ns) / 1e9 / (handle.completion_tokens - 1))
+        return True
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class EngineMetrics(RequestMetrics):
+    """Per-API-process registry: histograms and counters, plus the scrape-time shared-state collector."""
+
+    def __init__(self, client, served_model_name: str):
+        super().__init__("requests admitted to the engine")
+        self.client = client
+        self.handoffs = 0
+        r = self.registry
+        self.queue_time = self.latency("pdserve_queue_time_seconds", "admission to prefill start")
+        self.prefill_time = self.latency("pdserve_prefill_time_seconds", "prompt forward pass")
         self.transfer_time = Histogram("pdserve_kv_transfer_seconds", "KV handoff prefill -> decode",
                                        buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
                                        registry=r)
@@ -197,34 +227,20 @@ class EngineMetrics:
         r.register(_SharedStateCollector(self))
         self.served_model_name = served_model_name
 
-    def on_admitted(self) -> None:
-        self.admitted.inc()
-
-    def on_token(self, gap_s: float) -> None:
-        self.itl.observe(gap_s)
-
-    def on_finished(self, handle, reason: str | None, status: int = 200) -> None:
-        """Count the request; latency histograms only for requests that completed (stop, length, tool_calls)."""
-        self.requests.labels(reason or "unknown", str(status)).inc()
+    def on_finished(self, handle, reason: str | None, status: int = 200) -> bool:
+        """``RequestMetrics.on_finished``, plus handoffs and the stage timings decode sent with the first token."""
         row = self.client.table.read(handle.slot, handle.generation)
         if row is not None and int(row["n_transfers"]) > 0:
             self.handoffs += 1
-        if reason in ("stop", "length", "tool_calls") and handle.first_token_ns:
-            now = time.monotonic_ns()
-            self.ttft.observe((handle.first_token_ns - handle.admitted_ns) / 1e9)
-            self.e2e.observe((now - handle.admitted_ns) / 1e9)
-            if handle.completion_tokens > 1:
-                self.tpot.observe((now - handle.first_token_ns) / 1e9 / (handle.completion_tokens - 1))
-            timings = handle.timings or {}
-            if timings:
-                self.queue_time.observe(timings["queue_s"])
-                self.prefill_time.observe(timings["prefill_s"])
-                self.transfer_time.observe(timings["transfer_s"])
-                self.transfer_size.observe(timings["transfer_bytes"])
-                self.transfer_bytes.inc(timings["transfer_bytes"])
-
-    def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        completed = super().on_finished(handle, reason, status)
+        timings = handle.timings or {}
+        if completed and timings:
+            self.queue_time.observe(timings["queue_s"])
+            self.prefill_time.observe(timings["prefill_s"])
+            self.transfer_time.observe(timings["transfer_s"])
+            self.transfer_size.observe(timings["transfer_bytes"])
+            self.transfer_bytes.inc(timings["transfer_bytes"])
+        return completed
 
     def health(self) -> dict[str, Any]:
         """200-worthy only when every actor is up and the engine is not draining; else the reasons."""

@@ -11,20 +11,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from api.metrics import RequestMetrics
 from api.router_client import RouterClient
 
 log = logging.getLogger("pdserve.router")
-LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class _NodeCollector:
@@ -50,37 +47,14 @@ class _NodeCollector:
         yield from (up, flying, reported, mismatch)
 
 
-class RouterMetrics:
-    """The ``metrics`` object api/app.py's Routes call (``on_admitted``, ``on_token``, ``on_finished``,
-    ``render``, ``health``), for the router process."""
+class RouterMetrics(RequestMetrics):
+    """The router's /metrics (api.metrics.RequestMetrics: requests, TTFT, e2e, TPOT, ITL, each ``n`` choice
+    counted) plus one gauge set per node, and its /health."""
 
     def __init__(self, client: RouterClient):
+        super().__init__("requests admitted by the router")
         self.client = client
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter("pdserve_requests", "finished requests", ["finish_reason", "status"], registry=r)
-        self.admitted = Counter("pdserve_requests_admitted", "requests admitted by the router", registry=r)
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "admission to first token",
-                              buckets=LATENCY_BUCKETS_S, registry=r)
-        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "admission to last token",
-                             buckets=LATENCY_BUCKETS_S, registry=r)
-        self.itl = Histogram("pdserve_inter_token_latency_seconds", "time between two output tokens",
-                             buckets=LATENCY_BUCKETS_S, registry=r)
-        r.register(_NodeCollector(client))
-
-    def on_admitted(self) -> None:
-        self.admitted.inc()
-
-    def on_token(self, gap_s: float) -> None:
-        self.itl.observe(gap_s)
-
-    def on_finished(self, handle, reason: str | None, status: int = 200) -> None:
-        self.requests.labels(reason or "unknown", str(status)).inc()
-        if reason in ("stop", "length", "tool_calls") and handle.first_token_ns:
-            self.ttft.observe((handle.first_token_ns - handle.admitted_ns) / 1e9)
-            self.e2e.observe((time.monotonic_ns() - handle.admitted_ns) / 1e9)
-
-    def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        self.registry.register(_NodeCollector(client))
 
     def health(self) -> dict[str, Any]:
         """ok while at least one node of each role serves; the problems name the others."""

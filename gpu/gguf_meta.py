@@ -11,7 +11,6 @@ as int/float/bool/str, arrays as lists; all survive JSON unchanged.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -19,7 +18,6 @@ import json
 import logging
 import os
 import pathlib
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,16 +139,6 @@ def _read_cached(cache_file: pathlib.Path, key: str) -> tuple[dict[str, Any], li
 
 
 def _write_atomically(target: pathlib.Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``target``, fsync, rename: readers see all of it or none."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    from gpu.model_files import write_atomically
+
+    write_atomically(target, lambda f: f.write(data))

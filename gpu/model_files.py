@@ -6,10 +6,13 @@ imports ``llm`` and ``llama_cpp``, which pdserve does not need and usually does 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import re
 import pathlib
+import tempfile
+from typing import BinaryIO, Callable
 
 from pdserve.errors import ModelLoadError
 
@@ -73,3 +76,20 @@ def model_cache_dir(setting: str | None) -> pathlib.Path | None:
     if setting == "off":
         return None
     return pathlib.Path(setting).expanduser() if setting else default_cache_dir()
+
+
+def write_atomically(target: pathlib.Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write(f)`` into a temporary file beside ``target``, fsync, rename: readers see all of it or none (a file
+    mapped by a reader is never rewritten in place). Raises OSError when the directory cannot be written."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -10,13 +10,11 @@ start-up. A file that cannot be read (truncated, corrupt, from another key) is r
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 import pathlib
-import tempfile
 from typing import Any
 
 import torch
@@ -60,19 +58,10 @@ def save_prepared(model, path: pathlib.Path, key: str) -> None:
     Raises:
         OSError: the directory cannot be created or written.
     """
+    from gpu.model_files import write_atomically
+
     meta, tensors = model.to_state()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"key": key, "meta": json.dumps(meta), "tensors": tensors}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomically(path, lambda f: torch.save({"key": key, "meta": json.dumps(meta), "tensors": tensors}, f))
 
 
 def _read(path: pathlib.Path, key: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
