@@ -102,20 +102,30 @@ def start_engine(tmp_dir: Path, *args: str, env: dict | None = None, ready_timeo
     return engine
 
 
-def cleanup_engine(engine: EngineProcess) -> None:
-    """Stop the engine and, whatever happened, kill leftovers and unlink its segments."""
+def signal_pids(pids: list[int], signum: int) -> None:
+    """Send ``signum`` to each of ``pids`` still alive."""
     import psutil
 
-    engine.stop()
-    for pid in engine.child_pids:
+    for pid in pids:
         try:
-            psutil.Process(pid).kill()
+            psutil.Process(pid).send_signal(signum)
         except psutil.NoSuchProcess:
             pass
-    if engine.engine_id:
+
+
+def sweep_engine(pids: list[int], engine_id: str) -> None:
+    """After an engine's stop, whatever happened: SIGKILL its processes still alive, unlink its segments."""
+    signal_pids(pids, signal.SIGKILL)
+    if engine_id:
         from ipc.naming import unlink_all
 
-        unlink_all(engine.engine_id)
+        unlink_all(engine_id)
+
+
+def cleanup_engine(engine: EngineProcess) -> None:
+    """Stop the engine and, whatever happened, kill leftovers and unlink its segments."""
+    engine.stop()
+    sweep_engine(engine.child_pids, engine.engine_id)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +19,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import ROOT, EngineProbe, cleanup_engine, free_port, start_engine, wait_until
+from tests.conftest import (ROOT, EngineProbe, cleanup_engine, free_port, signal_pids, start_engine, sweep_engine,
+                            wait_until)
 from tools.netns import start_in_namespace, stop_process, wait_http_ok
 
 # the first test also waits for three engines to start and a reference run (minutes when the machine is busy)
@@ -60,20 +62,9 @@ class Node:
         self.engine_id = re.search(r"pdserve engine (\w+) serving", self.log_path.read_text()).group(1)
         self.pids = [self.proc.pid] + [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
 
-    def status(self) -> dict:
-        return httpx.get(self.url + "/internal/status", timeout=5, trust_env=False).json()
-
     def stop(self) -> None:
         stop_process(self.proc)
-        for pid in self.pids:
-            try:
-                psutil.Process(pid).kill()
-            except psutil.NoSuchProcess:
-                pass
-        if self.engine_id:
-            from ipc.naming import unlink_all
-
-            unlink_all(self.engine_id)
+        sweep_engine(self.pids, self.engine_id)
 
 
 def complete(base_url: str, prompt: str, request_id: str = "", max_tokens: int = 16, timeout_s: float = 120.0):
@@ -207,14 +198,6 @@ def test_the_data_link_down_longer_than_the_inflight_timeout_errors_then_recover
     wait_until(served, 30, 0.5, "a request to succeed after the link came back")
 
 
-def signal_node(node: Node, signum: int) -> None:
-    for pid in node.pids:
-        try:
-            psutil.Process(pid).send_signal(signum)
-        except psutil.NoSuchProcess:
-            pass
-
-
 def wait_transferring(decode: Node, request_id: str) -> None:
     def transferring() -> bool:
         probe = EngineProbe(decode.engine_id)
@@ -225,20 +208,28 @@ def wait_transferring(decode: Node, request_id: str) -> None:
     wait_until(transferring, 60, 0.05, f"{request_id} to be transferring on the decode node")
 
 
-def test_a_decode_node_that_stops_answering_is_marked_dead_and_its_requests_fail_fast(cluster):
-    import signal
-
-    base, prefill, decode, _ = cluster
+def signal_mid_transfer(base: str, decode: Node, request_id: str, signum: int, resume: int = 0):
+    """Send a request pinned in TRANSFERRING on the decode node (fault ``transfer_stuck``), signal every process of
+    that node once it is, and return (the answer, seconds from the signal to it); ``resume``: a signal sent after
+    the answer, whatever happened (SIGCONT after a SIGSTOP)."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(complete, base, "The whole decode node freezes", "stuck-stop")
-        wait_transferring(decode, "stuck-stop")
-        stopped_at = time.monotonic()
-        signal_node(decode, signal.SIGSTOP)   # no reset, no answer: only the router's node poll can tell
+        pending = pool.submit(lambda: (complete(base, f"Frozen or killed while transferring ({request_id})",
+                                                request_id), time.monotonic()))
+        wait_transferring(decode, request_id)
+        signalled_at = time.monotonic()
+        signal_pids(decode.pids, signum)
         try:
-            resp = pending.result(timeout=NODE_HANG_S + 30)
-            failed_after_s = time.monotonic() - stopped_at
+            resp, answered_at = pending.result(timeout=NODE_HANG_S + 30)
         finally:
-            signal_node(decode, signal.SIGCONT)
+            if resume:
+                signal_pids(decode.pids, resume)
+    return resp, answered_at - signalled_at
+
+
+def test_a_decode_node_that_stops_answering_is_marked_dead_and_its_requests_fail_fast(cluster):
+    base, prefill, decode, _ = cluster
+    # no reset, no answer: only the router's node poll can tell
+    resp, failed_after_s = signal_mid_transfer(base, decode, "stuck-stop", signal.SIGSTOP, resume=signal.SIGCONT)
     assert resp.status_code == 503 and "stopped answering" in resp.json()["error"]["message"], resp.text
     assert failed_after_s < NODE_HANG_S + 3 * TICK_S + 2, failed_after_s
     wait_until(lambda: settled(prefill), BOOTSTRAP_TIMEOUT_S + 2 * TICK_S, 0.1, "the prefill node to free")
@@ -251,14 +242,9 @@ def test_a_decode_node_that_stops_answering_is_marked_dead_and_its_requests_fail
 
 def test_the_decode_node_killed_mid_transfer_fails_fast_and_the_prefill_node_frees(cluster):
     base, prefill, decode, _ = cluster
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(complete, base, "Killed while transferring", "stuck-kill")
-        wait_transferring(decode, "stuck-kill")
-        killed_at = time.monotonic()
-        signal_node(decode, 9)
-        resp = pending.result(timeout=NODE_HANG_S + 30)
+    resp, failed_after_s = signal_mid_transfer(base, decode, "stuck-kill", signal.SIGKILL)
     assert resp.status_code in (502, 503), resp.text
-    assert time.monotonic() - killed_at < NODE_HANG_S + 5
+    assert failed_after_s < NODE_HANG_S + 5, failed_after_s
     wait_until(lambda: settled(prefill), BOOTSTRAP_TIMEOUT_S + 2 * TICK_S, 0.1, "the prefill node to free")
 
     def decode_marked_dead() -> bool:
