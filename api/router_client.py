@@ -75,7 +75,9 @@ class Flight:
     stage: str = "prefill"                 # prefill -> decode -> done (for the router's view)
     on_prefill: bool = True                # counted in prefill.in_flight (the node holds its row)
     on_decode: bool = False                # counted in decode.in_flight
-    tasks: list[asyncio.Task] = field(default_factory=list)
+    prefill_task: asyncio.Task | None = None   # shared by the request's choices (one /internal/prefill call)
+    decode_task: asyncio.Task | None = None
+    siblings: list["Flight"] = field(default_factory=list)   # every choice of the request, this one included
     ended: bool = False
 
 
@@ -103,6 +105,7 @@ class RouterClient:
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._ids = itertools.count(1)
         self._poller: asyncio.Task | None = None
+        self._messages: set[asyncio.Task] = set()   # transfer_done / abort calls in flight (_background)
         self.http = None
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -219,9 +222,10 @@ class RouterClient:
             self.flights[handle.key] = Flight(handle, prefill, decode)
             prefill.in_flight += 1
             handles.append(handle)
-        task = asyncio.create_task(self._prefill([self.flights[h.key] for h in handles], timeout_s))
-        for handle in handles:
-            self.flights[handle.key].tasks.append(task)
+        flights = [self.flights[h.key] for h in handles]
+        task = asyncio.create_task(self._prefill(flights, timeout_s))
+        for flight in flights:
+            flight.prefill_task, flight.siblings = task, flights
         return handles
 
     async def next_event(self, handle: RequestHandle) -> tuple:
@@ -277,7 +281,7 @@ class RouterClient:
             flight.stage = "decode"
             flight.on_decode = True
             flight.decode.in_flight += 1
-            flight.tasks.append(asyncio.create_task(self._decode(flight, ready, peer)))
+            flight.decode_task = asyncio.create_task(self._decode(flight, ready, peer))
 
     async def _decode(self, flight: Flight, ready: list, peer: str) -> None:
         import httpx
@@ -311,8 +315,8 @@ class RouterClient:
         if line.get("transfer_done"):
             flight.transfer_done = True
             self._leave_prefill(flight)
-            flight.tasks.append(asyncio.create_task(self._tell_prefill(flight, "/internal/transfer_done", {
-                "slot": flight.prefill_row[0], "generation": flight.prefill_row[1]})))
+            self._background(self._tell_prefill(flight, "/internal/transfer_done", {
+                "slot": flight.prefill_row[0], "generation": flight.prefill_row[1]}))
             return False
         if "error" in line:
             error = line["error"]
@@ -347,8 +351,7 @@ class RouterClient:
     def _abort_prefill(self, flight: Flight) -> None:
         if flight.prefill_row is not None and not flight.transfer_done and not flight.prefill.dead:
             flight.transfer_done = True
-            asyncio.get_running_loop().create_task(
-                self._tell_prefill(flight, "/internal/abort", {"rows": [flight.prefill_row]}))
+            self._background(self._tell_prefill(flight, "/internal/abort", {"rows": [flight.prefill_row]}))
 
     def _fail(self, flight: Flight, error: PdserveError) -> None:
         if not flight.ended:
@@ -368,14 +371,20 @@ class RouterClient:
             flight.decode.in_flight -= 1
         if flight.decode_row is not None and not flight.decode.dead:   # ended early (client gone, stop string):
             row, flight.decode_row = flight.decode_row, None          # the node frees it now, not when it notices
-            asyncio.get_running_loop().create_task(self._tell(flight.decode, "/internal/abort", {"rows": [row]},
-                                                              flight.handle.request.request_id))
+            self._background(self._tell(flight.decode, "/internal/abort", {"rows": [row]},
+                                        flight.handle.request.request_id))
         current = asyncio.current_task()
-        for task in flight.tasks:
-            if task is not current and not task.done() and all(f.ended for f in self.flights.values()
-                                                                 if task in f.tasks):
+        for task in (flight.decode_task, flight.prefill_task if all(f.ended for f in flight.siblings) else None):
+            if task is not None and task is not current and not task.done():
                 task.cancel()
         self._abort_prefill(flight)
+
+    def _background(self, coro) -> None:
+        """Run a message to a node to its end (its own timeout bounds it), whatever happens to the request that
+        sent it: a finished request must not cancel the transfer_done that frees the prefill node's blocks."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._messages.add(task)   # a strong reference until it is done (the loop keeps only weak ones)
+        task.add_done_callback(self._messages.discard)
 
     # ---- completion ---------------------------------------------------------------------------------
     def stop_generation(self, handle: RequestHandle) -> None:
