@@ -4,7 +4,7 @@ The model is the Hugging Face ``LlamaForCausalLM`` computation
 (``transformers/models/llama/modeling_llama.py``): RMSNorm, RoPE in the ``rotate_half`` convention,
 grouped-query attention, SwiGLU MLP, optional tied embeddings. Weights are kept in ``[out, in]`` layout so
 every projection is one call (``gpu.quant.QuantLinear``: a dense ``F.linear`` or, with native GGUF weights, an
-int4/int8 weight-only kernel); Q/K/V and gate/up are concatenated, so a layer is four matmuls.
+int4/int8 GEMV over int8-quantized activations); Q/K/V and gate/up are concatenated, so a layer is four matmuls.
 
 Paged KV cache (the layout of vLLM's PagedAttention, Kwon et al. 2023). The caller owns the pool::
 
@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -86,14 +87,14 @@ class _Layer:
 
 WEIGHT_MODES = ("auto", "float32", "bfloat16")
 DENSE_MIN_TOKENS = 16  # native weights: forwards of >= this many tokens use the float32 copies (see QuantLinear)
-# native weights: the output projection over >= this many rows uses its float32 copy (int8 groups are 18 kernel
-# calls; decode steps measured here: int8 faster at 6 rows, even at 8, 1.3x slower at 10; docs/performance.md §4)
-HEAD_DENSE_MIN_ROWS = 8
+# native weights: the output projection over >= this many rows uses its float32 copy (decode steps measured with
+# lowbit_cpu: the int8 GEMV cheaper at every batch of 1-15 rows; docs/performance.md §4)
+HEAD_DENSE_MIN_ROWS = 16
 
 
 def resolve_weights_mode(mode: str, device: str | torch.device = "cpu") -> str:
-    """``"native"`` (GGUF Q4_0/Q4_1/Q8_0 kept packed, bfloat16 activations; CPU only) for ``"auto"`` on a CPU,
-    else ``"float32"`` or ``"bfloat16"`` (every weight dequantized to that dtype).
+    """``"native"`` (GGUF Q4_0/Q4_1/Q8_0 kept in low bits, int8-quantized activations; CPU only) for ``"auto"``
+    on a CPU, else ``"float32"`` or ``"bfloat16"`` (every weight dequantized to that dtype).
 
     Raises:
         ValueError: a mode outside :data:`WEIGHT_MODES`.
@@ -126,7 +127,7 @@ class LlamaModel:
             dtype unless ``native``), or with ``native`` also :class:`gpu.quant.Int4Groups` /
             :class:`gpu.quant.Int8Groups` for GGUF-quantized linears, kept packed.
         device: where the weights (and every ``kv`` pool passed in) live.
-        native: run packed weights with torch's CPU weight-only kernels (``weights="auto"`` in the engine) when a
+        native: run packed weights with gpu/lowbit_cpu.py's GEMV (``weights="auto"`` in the engine) when a
             forward has fewer than ``dense_min_tokens`` tokens (decode), their float32 copies otherwise
             (prefill); the output projection likewise below ``head_dense_min_rows`` rows; activations stay
             float32. False = the dense path in the tensors' dtype.
@@ -191,6 +192,7 @@ class LlamaModel:
         self._cos = self._sin = torch.empty(0)
         self._ensure_rope(min(config.max_position_embeddings, 4096))
         self._scale = 1.0 / math.sqrt(config.head_dim)
+        self._stacked: tuple | None = None  # the Q4 layers stacked for lowbit_cpu.decode_layers (_stack_layers)
 
     @property
     def weights_mode(self) -> str:
@@ -209,7 +211,8 @@ class LlamaModel:
         t = self.embedding.tensors
         if "dense" in t or "weight" in t:  # a gather touches only these rows, even of a memory-mapped table
             return F.embedding(ids, t.get("dense", t.get("weight")))
-        return t["codes"].index_select(0, ids).to(self.dtype) * t["scale"].index_select(0, ids)[:, None].float()
+        from .lowbit_cpu import q8_rows  # noqa: PLC0415
+        return q8_rows(ids, t["tiles"], t["tile_scale"]).to(self.dtype)
 
     # -- prepared state (gpu/prepared.py caches it on disk) ------------------------------------------------
 
@@ -220,9 +223,10 @@ class LlamaModel:
         CPU ``tensors`` (packed weights as they run), so :meth:`from_state` rebuilds it without the model file."""
         tensors: dict[str, torch.Tensor] = {"norm": self.norm, "inv_freq": self._inv_freq}
         kinds: dict[str, str] = {}
+        outputs: dict[str, int] = {}
 
         def put(name: str, lin: QuantLinear) -> None:
-            kinds[name] = lin.kind
+            kinds[name], outputs[name] = lin.kind, lin.out_features
             tensors.update({f"{name}.{k}": v for k, v in lin.tensors.items()})
 
         put("embedding", self.embedding)
@@ -234,7 +238,7 @@ class LlamaModel:
                 put(f"layers.{i}.{name}", getattr(layer, name))
         config = dataclasses.asdict(self.config)
         meta = {"config": config, "native": self.native, "dtype": str(self.dtype).removeprefix("torch."),
-                "kinds": kinds}
+                "kinds": kinds, "out_features": outputs}
         return meta, tensors
 
     @classmethod
@@ -256,7 +260,7 @@ class LlamaModel:
         def lin(name: str) -> QuantLinear:
             prefix = name + "."
             return QuantLinear.from_tensors(kinds[name], {k[len(prefix):]: v.to(dev) for k, v in tensors.items()
-                                                           if k.startswith(prefix)})
+                                                           if k.startswith(prefix)}, meta["out_features"][name])
 
         layers = [_Layer(ln_attn=tensors[f"layers.{i}.ln_attn"].to(dev), qkv=lin(f"layers.{i}.qkv"),
                          o=lin(f"layers.{i}.o"), ln_mlp=tensors[f"layers.{i}.ln_mlp"].to(dev),
@@ -536,6 +540,40 @@ class LlamaModel:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @torch.inference_mode()
+    def _stack_layers(self) -> tuple | None:
+        """Every layer's norms and Q4 tiles stacked along a new first axis (numpy, for
+        ``lowbit_cpu.decode_layers``), built once; the layers' own linears then run on views of the stacks, so
+        the tiles are not held twice. None unless native with every layer linear in Q4 tiles."""
+        names, keys = ("qkv", "o", "gate_up", "down"), ("tiles", "tile_scale", "tile_min")
+        if self._stacked is None:
+            if not self.native or any(getattr(lay, n).kind != "int4" for lay in self.layers for n in names):
+                self._stacked = ()
+                return None
+            stacks = {}
+            for n in names:
+                lins = [getattr(lay, n) for lay in self.layers]
+                parts = {k: torch.stack([lin.tensors[k] for lin in lins]) for k in keys}
+                for li, (lay, lin) in enumerate(zip(self.layers, lins)):
+                    own = {k: lin.tensors[k] for k in lin.tensors if k not in parts} | {k: v[li] for k, v in
+                                                                                          parts.items()}
+                    setattr(lay, n, QuantLinear(lin.kind, own, lin.out_features))
+                stacks[n] = tuple(parts[k].numpy() for k in keys)
+            norms = [torch.stack([getattr(lay, n) for lay in self.layers]).numpy() for n in ("ln_attn", "ln_mlp")]
+            self._stacked = (*norms, *(stacks[n] for n in names))
+        return self._stacked or None
+
+    def _decode_stacked(self, kv: torch.Tensor, token_ids: list[int], positions: list[int], padded: list[list[int]],
+                        stacked: tuple) -> torch.Tensor:
+        """``decode`` through ``lowbit_cpu.decode_layers`` (one numba call for all layers): logits ``[B, vocab]``."""
+        from .lowbit_cpu import decode_layers  # noqa: PLC0415
+        c = self.config
+        x = self._embed(torch.tensor(token_ids, dtype=torch.long))  # [B, hidden], fresh: updated in place
+        decode_layers(x.numpy(), *stacked, self._flat_pool(kv).numpy(), kv.shape[3], np.asarray(padded, np.int64),
+                      np.asarray(positions, np.int64), self._cos.numpy(), self._sin.numpy(), c.num_heads,
+                      c.intermediate_size, c.rms_norm_eps, self._scale)
+        x = F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
+        return (self.lm_head.big if len(token_ids) >= self.head_dense_min_rows else self.lm_head.fn)(x).float()
+
     def decode(self, kv: torch.Tensor, token_ids: list[int], positions: list[int],
                block_tables: list[list[int]]) -> torch.Tensor:
         """One decode step for ``B`` sequences at once (continuous batching).
@@ -559,6 +597,8 @@ class LlamaModel:
         c = self.config
         B = len(token_ids)
         padded, w_blk_l = self._decode_tables(kv, token_ids, positions, block_tables)
+        if B < self.dense_min_tokens and kv.dtype == torch.float32 and (stacked := self._stack_layers()):
+            return self._decode_stacked(kv, token_ids, positions, padded, stacked)
         bt_size = kv.shape[3]
         S = max(positions) + 1  # keys per sequence after padding
         dev = self.device
@@ -586,8 +626,7 @@ class LlamaModel:
         eps, hidden = c.rms_norm_eps, (c.hidden_size,)
         for li, layer in enumerate(self.layers):
             h = F.rms_norm(x, hidden, layer.ln_attn, eps)  # h: [B, hidden]
-            # ``raw``: bfloat16 out of the int4 kernel, promoted to float32 exactly by RoPE's and SiLU's first op
-            qkv = (layer.qkv.big if big else layer.qkv.raw)(h)  # qkv: [B, (H + 2 Hkv) D]
+            qkv = (layer.qkv.big if big else layer.qkv.fn)(h)  # qkv: [B, (H + 2 Hkv) D]
             qk = self._rope(qkv[:, :(H + Hkv) * D].view(B, H + Hkv, D), cos, sin)  # qk: [B, H + Hkv, D]
             q, k = qk[:, :H], qk[:, H:]  # q: [B, H, D]; k: [B, Hkv, D]
             v = qkv[:, (H + Hkv) * D:].view(B, Hkv, D)  # v: [B, Hkv, D]
@@ -602,8 +641,8 @@ class LlamaModel:
                                                enable_gqa=True)  # o: [B, H, 1, D]
             x.add_((layer.o.big if big else layer.o.fn)(o.reshape(B, H * D)))  # x: [B, hidden]
             h = F.rms_norm(x, hidden, layer.ln_mlp, eps)
-            gate, up = (layer.gate_up.big if big else layer.gate_up.raw)(h).chunk(2, dim=-1)  # [B, I] each
-            x.add_((layer.down.big if big else layer.down.fn)(F.silu(gate.to(self.dtype)) * up))  # x: [B, hidden]
+            gate, up = (layer.gate_up.big if big else layer.gate_up.fn)(h).chunk(2, dim=-1)  # [B, I] each
+            x.add_((layer.down.big if big else layer.down.fn)(F.silu(gate) * up))  # x: [B, hidden]
         x = F.rms_norm(x, hidden, self.norm, eps)
         return (self.lm_head.big if B >= self.head_dense_min_rows else self.lm_head.fn)(x).float()  # [B, vocab]
 

@@ -1,19 +1,16 @@
-"""GGUF-quantized linear weights kept in low-bit form and run with torch's CPU weight-only kernels.
+"""GGUF-quantized linear weights kept in low-bit form, run by gpu/lowbit_cpu.py's int8-activation GEMV.
 
-Two packed forms; their kernels get bfloat16 copies of the float32 activations (the kernels' fp32-activation
-paths are scalar and ~10x slower than a dense fp32 ``F.linear``):
+Two weight forms, both in groups of 32 inputs as GGUF stores them:
 
-- :class:`Int4Groups`: 4-bit codes with a scale and a zero per group of 32 inputs, as GGUF's Q4_0 and Q4_1 store
-  them. ``torch.ops.aten._weight_int4pack_mm_for_cpu`` computes ``w = (q - 8) * scale + zero`` per group (probed
-  on torch 2.13: exact against a float reference with fp32 scales), so Q4_1's ``d * q + m`` is scale ``d``, zero
-  ``m + 8 d``, and Q4_0's ``d * (q - 8)`` is scale ``d``, zero 0. The only rounding is of the scales and zeros
-  to bfloat16.
-- :class:`Int8Groups`: 8-bit codes with a scale per group of 32 inputs, GGUF's Q8_0 exactly (used for the token
-  embedding / output projection). ``torch.ops.aten._weight_int8pack_mm`` takes one scale per output row, so the
-  kernel runs once per group of 32 inputs and the partial products are summed in float32; re-quantizing Q8_0
-  per row instead costs far more quality (top-1 agreement 0.96 instead of 0.99 on tools/bench_quality's text).
+- :class:`Int4Groups`: 4-bit codes with a scale and a zero per group, ``w = (q - 8) * scale + zero``: Q4_1's
+  ``d * q + m`` is scale ``d``, zero ``m + 8 d``; Q4_0's ``d * (q - 8)`` is scale ``d``, zero 0. Exact.
+- :class:`Int8Groups`: 8-bit codes with a scale per group, GGUF's Q8_0 exactly (used for the token embedding /
+  output projection; re-quantizing Q8_0 per row instead costs quality: top-1 agreement 0.96 instead of 0.99 on
+  tools/bench_quality's text).
 
-Block layouts follow ggml (``block_q4_0``, ``block_q4_1``, ``block_q8_0`` in ggml-common.h) and mirror
+:class:`QuantLinear` runs them on activations quantized to int8 per group (llama.cpp's method; the only rounding
+is of the activations) for decode-sized batches, and on an exact float32 copy for prefill-sized ones. Block
+layouts follow ggml (``block_q4_0``, ``block_q4_1``, ``block_q8_0`` in ggml-common.h) and mirror
 ``gguf.quants.Q4_0/Q4_1.dequantize_blocks``; ``tests/gpu/test_quant.py`` checks them against
 ``gguf.quants.dequantize``.
 """
@@ -139,22 +136,17 @@ class QuantLinear:
     """``y = x @ w.T`` over one weight ``[N, K]``: ``linear.fn(x)`` for few rows, ``linear.big(x)`` for many.
 
     ``x`` and ``y`` are float32 ``[M, K]`` / ``[M, N]`` on every path. Kinds: ``"dense"`` (``F.linear``; ``fn`` and
-    ``big`` are the same), ``"int4"`` and ``"int8"`` (``fn`` runs the weight-only kernel on bfloat16 copies of
-    ``x``; ``big`` runs ``F.linear`` on the float32 weight ``tensors["dense"]`` when it is there: these kernels
-    are compute-bound on CPUs without native bfloat16 and lose to MKL's fp32 GEMM at prefill sizes, see
-    docs/performance.md). ``raw`` is ``fn`` without the final cast: ``x`` float32 or bfloat16, ``y`` in the
-    kernel's output dtype (bfloat16 for int4, else float32); upcasting bfloat16 is exact, so a caller that adds
-    or multiplies ``y`` into float32 tensors gets ``fn``'s values with one op fewer (the decode loop does).
-    ``tensors`` is what the prepared-model cache stores (:meth:`from_tensors`).
+    ``big`` are the same), ``"int4"`` and ``"int8"`` (``fn`` runs gpu/lowbit_cpu.py's GEMV on int8-quantized
+    ``x``, its cost linear in ``M``; ``big`` runs ``F.linear`` on the exact float32 weight ``tensors["dense"]``
+    when it is there: MKL's fp32 GEMM wins at prefill sizes, see docs/performance.md). ``tensors`` is what the
+    prepared-model cache stores (:meth:`from_tensors`).
     """
 
-    __slots__ = ("kind", "tensors", "out_features", "fn", "big", "raw")
+    __slots__ = ("kind", "tensors", "out_features", "fn", "big")
 
     def __init__(self, kind: str, tensors: dict[str, torch.Tensor], out_features: int):
         self.kind, self.tensors, self.out_features = kind, tensors, out_features
-        self.raw = _bind(kind, tensors)  # the kernel with its weights bound: hot loops call ``linear.raw(x)``
-        raw = self.raw
-        self.fn = (lambda x: raw(x).float()) if kind == "int4" else raw
+        self.fn = _bind(kind, tensors, out_features)  # the kernel with its weights bound
         dense = tensors.get("weight" if kind == "dense" else "dense")
         self.big = self.fn if dense is None else (lambda x: torch.nn.functional.linear(x, dense))
 
@@ -164,34 +156,34 @@ class QuantLinear:
     @property
     def in_features(self) -> int:
         t = self.tensors
-        return {"dense": lambda: t["weight"].shape[1], "int4": lambda: t["packed"].shape[1] * 2,
-                "int8": lambda: t["codes"].shape[0] * t["codes"].shape[2]}[self.kind]()
+        if self.kind == "dense":
+            return t["weight"].shape[1]
+        return t["tile_scale"].shape[1] * GROUP_SIZE
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes ``fn`` reads per call (the packed weight and its scales; not the dense copy)."""
+        """Bytes ``fn`` reads per call (the tiled weight and its scales; not the dense copy)."""
         return sum(t.numel() * t.element_size() for k, t in self.tensors.items() if k != "dense" or
                    self.kind == "dense")
 
     @classmethod
     def int4(cls, w: Int4Groups, dense: bool = True) -> "QuantLinear":
-        """Pack ``w`` for ``_weight_int4pack_mm_for_cpu``: codes ``[N, K / 2]`` uint8, scales and zeros
-        ``[K / 32, N, 2]`` bfloat16; with ``dense``, also the exact float32 weight for ``big``."""
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32).contiguous(), 1)
-        scale_zero = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-        tensors = {"packed": packed, "scale_zero": scale_zero}
+        """Tile ``w`` for ``lowbit_cpu.q4_linear`` (codes ``[T, K / 32, 16, 32]`` uint8, scales and mins
+        ``[T, K / 32, 32]`` float32, ``T = ceil(N / 32)``); with ``dense``, also the exact float32 weight for
+        ``big``."""
+        from . import lowbit_cpu  # noqa: PLC0415  (numba: only processes that run the model pay its import)
+        tensors = lowbit_cpu.q4_tiles(w.codes, w.scale, w.zero)
         if dense:
             tensors["dense"] = w.dequantize().contiguous()
         return cls("int4", tensors, w.shape[0])
 
     @classmethod
     def int8(cls, w: Int8Groups, dense: bool = True) -> "QuantLinear":
-        """Codes ``[K / 32, N, 32]`` int8 and scales ``[K / 32, N]`` bfloat16 (group ``g``'s codes and scales are
-        contiguous ``[N, 32]`` / ``[N]`` blocks, one ``_weight_int8pack_mm`` call each); with ``dense``, the float32
-        weight for ``big`` (``w.source`` when known, so the dense path is not rounded)."""
-        n, k = w.shape
-        codes = w.codes.view(n, k // GROUP_SIZE, GROUP_SIZE).transpose(0, 1).contiguous()
-        tensors = {"codes": codes, "scale": w.scale.t().to(torch.bfloat16).contiguous()}
+        """Tile ``w`` for ``lowbit_cpu.q8_linear`` (codes ``[T, K / 32, 32, 32]`` int8, scales
+        ``[T, K / 32, 32]`` float32); with ``dense``, the float32 weight for ``big`` (``w.source`` when known, so
+        the dense path is not rounded)."""
+        from . import lowbit_cpu  # noqa: PLC0415
+        tensors = lowbit_cpu.q8_tiles(w.codes, w.scale)
         if dense:
             tensors["dense"] = w.dequantize().float().contiguous()
         return cls("int8", tensors, w.shape[0])
@@ -201,35 +193,30 @@ class QuantLinear:
         return cls("dense", {"weight": w.contiguous()}, w.shape[0])
 
     @classmethod
-    def from_tensors(cls, kind: str, tensors: dict[str, torch.Tensor]) -> "QuantLinear":
-        """Rebuild from :attr:`tensors` (already packed, e.g. memory-mapped from the prepared-model cache).
+    def from_tensors(cls, kind: str, tensors: dict[str, torch.Tensor], out_features: int) -> "QuantLinear":
+        """Rebuild from :attr:`tensors` (already tiled, e.g. memory-mapped from the prepared-model cache).
 
         Raises:
-            ValueError: an unknown ``kind`` or missing tensors.
+            ValueError: an unknown ``kind``, missing tensors, or ``out_features`` beyond the tiles' rows.
         """
-        need = {"int4": ("packed", "scale_zero"), "int8": ("codes", "scale"), "dense": ("weight",)}
+        need = {"int4": ("tiles", "tile_scale", "tile_min"), "int8": ("tiles", "tile_scale"), "dense": ("weight",)}
         if kind not in need or any(k not in tensors for k in need[kind]):
             raise ValueError(f"linear of kind {kind!r} with tensors {sorted(tensors)}")
-        n = tensors["weight"].shape[0] if kind == "dense" else tensors[need[kind][1]].shape[1]
-        return cls(kind, tensors, n)
+        rows = tensors["weight"].shape[0] if kind == "dense" else tensors["tiles"].shape[0] * tensors[
+            "tiles"].shape[-1]
+        if not 0 < out_features <= rows or (kind == "dense" and out_features != rows):
+            raise ValueError(f"linear of kind {kind!r} with {rows} rows cannot have {out_features} outputs")
+        return cls(kind, tensors, out_features)
 
 
-def _bind(kind: str, t: dict[str, torch.Tensor]):
+def _bind(kind: str, t: dict[str, torch.Tensor], n: int):
     if kind == "int4":
-        op, packed, scale_zero = torch.ops.aten._weight_int4pack_mm_for_cpu, t["packed"], t["scale_zero"]
-        return lambda x: op(x.to(torch.bfloat16), packed, GROUP_SIZE, scale_zero)  # [M, N] bfloat16
+        from .lowbit_cpu import q4_linear  # noqa: PLC0415
+        tiles, scale, mins = t["tiles"], t["tile_scale"], t["tile_min"]
+        return lambda x: q4_linear(x, n, tiles, scale, mins)
     if kind == "int8":
-        op, codes, scale = torch.ops.aten._weight_int8pack_mm, t["codes"], t["scale"]
-        groups, width = codes.shape[0], codes.shape[2]
-
-        def int8_groups(x: torch.Tensor) -> torch.Tensor:
-            # xg: [K/32, M, 32]; y = sum over groups of x_g @ (codes_g * scale_g).T, accumulated in float32
-            xg = x.to(torch.bfloat16).view(len(x), groups, width).transpose(0, 1).contiguous()
-            y = op(xg[0], codes[0], scale[0]).float()
-            for g in range(1, groups):
-                y.add_(op(xg[g], codes[g], scale[g]))
-            return y
-
-        return int8_groups
+        from .lowbit_cpu import q8_linear  # noqa: PLC0415
+        tiles, scale = t["tiles"], t["tile_scale"]
+        return lambda x: q8_linear(x, n, tiles, scale)
     weight = t["weight"]
     return lambda x: torch.nn.functional.linear(x, weight)

@@ -266,10 +266,11 @@ def gemv_bandwidth(weight_bytes: int, reps: int = 5, threads: int = 0) -> float:
 def matmul_floor_s(model, batch: int, reps: int = 3) -> float:
     """Seconds per decode step of only the step's matrix products (every layer's QKV, O, gate-up and down
     projections and the LM head, on ``model``'s own weights) for ``batch`` tokens: what a step costs in bare
-    torch before attention, norms, RoPE, sampling and Python. The floor for this eager-torch design."""
+    torch before attention, norms, RoPE, sampling and Python (below 16 rows a native model runs them inside one
+    numba call with the rest of the step, ``lowbit_cpu.decode_layers``)."""
     # the paths LlamaModel.decode takes at this batch size
     layers = batch >= model.dense_min_tokens
-    calls = [(lin.big if layers else lin.raw, lin.in_features) for layer in model.layers
+    calls = [(lin.big if layers else lin.fn, lin.in_features) for layer in model.layers
              for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     head = model.lm_head
     calls.append((head.big if batch >= model.head_dense_min_rows else head.fn, head.in_features))

@@ -31,9 +31,19 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TEXT = ROOT / "tools" / "data" / "quality_text.txt"
 
 
-def compare(reference, candidate, ids: list[int], chunk_tokens: int = 256, block_tokens: int = 16) -> dict[str, Any]:
+def _forward(model, kv: torch.Tensor, chunk: list[int], table: list[int], start: int, by_decode: bool):
+    """Logits ``[len(chunk), vocab]`` of ``chunk`` at positions ``start..``: one prefill forward, or one decode
+    step per token (``by_decode``: the path a served request's output tokens take)."""
+    if not by_decode:
+        return model.prefill(kv, chunk, table, start_pos=start, all_logits=True)
+    return torch.cat([model.decode(kv, [tok], [start + i], [table]) for i, tok in enumerate(chunk)])
+
+
+def compare(reference, candidate, ids: list[int], chunk_tokens: int = 256, block_tokens: int = 16,
+            candidate_by_decode: bool = False) -> dict[str, Any]:
     """Teacher-force ``ids`` through two ``gpu.model.LlamaModel``s chunk by chunk and compare their next-token
-    distributions at each of the ``len(ids) - 1`` scored positions.
+    distributions at each of the ``len(ids) - 1`` scored positions. ``candidate_by_decode``: the candidate reads
+    the text one decode step per token instead of prefill forwards (the reference always prefills).
 
     Returns ``{"tokens", "top1_agreement", "ppl_reference", "ppl_candidate", "kl_mean", "prefill_s_reference",
     "prefill_s_candidate"}``; the two ``prefill_s`` are seconds per chunk (medians).
@@ -60,7 +70,7 @@ def compare(reference, candidate, ids: list[int], chunk_tokens: int = 256, block
             logps = []
             for i, (model, kv) in enumerate(zip((reference, candidate), pools)):
                 t0 = time.perf_counter()
-                logits = model.prefill(kv, chunk, table, start_pos=start, all_logits=True)  # [T, vocab]
+                logits = _forward(model, kv, chunk, table, start, candidate_by_decode and i == 1)  # [T, vocab]
                 seconds[i].append(time.perf_counter() - t0)
                 logps.append(torch.log_softmax(logits[:len(targets)].float(), dim=-1))  # [n, vocab]
             for i, lp in enumerate(logps):
@@ -80,6 +90,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--text", default=str(DEFAULT_TEXT), help="plain text file to teacher-force")
     ap.add_argument("--weights", default="auto", help="the candidate's weights mode (reference: float32)")
     ap.add_argument("--chunk", type=int, default=256, help="tokens per prefill forward")
+    ap.add_argument("--decode-steps", action="store_true",
+                    help="the candidate reads the text one decode step per token (as output tokens are made)")
     ap.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (0 = all)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--json", action="store_true")
@@ -97,20 +109,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     candidate = LlamaModel.from_path(path, progress=False, weights=args.weights)
     # every forward on the low-bit kernels: the numerics of a decode step at batch < HEAD_DENSE_MIN_ROWS
     candidate.dense_min_tokens = candidate.head_dense_min_rows = 1 << 30
-    res = compare(reference, candidate, ids, args.chunk)
+    res = compare(reference, candidate, ids, args.chunk, candidate_by_decode=args.decode_steps)
     res.update(candidate_mode=candidate.weights_mode, reference_weight_bytes=reference.weight_bytes(),
                candidate_weight_bytes=candidate.weight_bytes(), load_average=os.getloadavg()[0],
                text=Path(args.text).name)
     print(f"# bench_quality {time.strftime('%Y-%m-%d %H:%M:%S')} host {os.uname().nodename}, {os.cpu_count()} CPUs, "
           f"load average {res['load_average']:.2f}; torch {torch.__version__}, {args.threads} thread(s)")
-    print(f"text {res['text']}: {res['tokens']} scored tokens (teacher-forced, chunks of {args.chunk})")
+    how = "decode steps" if args.decode_steps else f"chunks of {args.chunk}"
+    print(f"text {res['text']}: {res['tokens']} scored tokens (teacher-forced; candidate in {how})")
     print(f"weights: float32 {res['reference_weight_bytes'] / 1e6:.0f} MB, {res['candidate_mode']} "
           f"{res['candidate_weight_bytes'] / 1e6:.0f} MB")
     print(f"top-1 agreement {res['candidate_mode']} vs float32: {res['top1_agreement']:.4f}")
     print(f"perplexity: float32 {res['ppl_reference']:.3f}, {res['candidate_mode']} {res['ppl_candidate']:.3f} "
           f"({res['ppl_candidate'] / res['ppl_reference']:.4f}x); mean KL(float32 || {res['candidate_mode']}) "
           f"{res['kl_mean']:.5f} nats")
-    print(f"prefill of {args.chunk} tokens: float32 {1e3 * res['prefill_s_reference']:.0f} ms, "
+    print(f"forward of {args.chunk} tokens: float32 {1e3 * res['prefill_s_reference']:.0f} ms, "
           f"{res['candidate_mode']} {1e3 * res['prefill_s_candidate']:.0f} ms")
     if args.json:
         print(json.dumps(res))

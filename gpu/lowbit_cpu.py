@@ -1,0 +1,339 @@
+"""Low-bit GEMV for CPU decode steps: GGUF Q4 / Q8_0 weights times int8-quantized activations, in numba.
+
+The method is llama.cpp's (``ggml_vec_dot_q4_0_q8_0`` / ``ggml_vec_dot_q8_0_q8_0`` in ggml-cpu): each row of
+the activations is quantized to int8 per group of 32 (``scale = max |x| / 127``, ggml's ``quantize_row_q8_0``),
+the group's dot products run in integers, and one float multiply-add per group applies both scales. Rounding
+the activations costs top-1 agreement only at near ties (docs/performance.md §4 has the measured quality).
+
+Weights are laid out in tiles of :data:`TILE_ROWS` output rows so the integer work runs across rows, one
+vector lane per row, with no horizontal sums (the ``R`` below is ``TILE_ROWS``, ``G = K / 32``)::
+
+    Q4 codes  [N / R, G, 16, R] uint8: byte (t, g, j, r) = code j (low half) | code j + 16 (high half)
+              of row t * R + r in group g (ggml's nibble order); weight = scale * code + min
+    Q8 codes  [N / R, G, 32, R] int8:  weight = scale * code
+    scale, min [N / R, G, R] float32
+
+The inner loop is written in LLVM IR (vectors of ``R`` lanes), so LLVM picks the host's widest vector
+instructions (AVX2 on this project's machines, AVX-512 or SSE elsewhere) with the accumulators held in
+registers; numba's own loops kept them in memory and ran 3x slower. Only the decode path imports this module
+(numba's import and its cached machine code load at actor start, not on a request's path).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+
+__all__ = ["TILE_ROWS", "q4_tiles", "q8_tiles", "q4_linear", "q8_linear", "q8_rows", "decode_layers"]
+
+TILE_ROWS = 32  # output rows per tile = vector lanes of the inner loop
+GROUP = 32      # inputs per scale group (GGUF's Q4_0/Q4_1/Q8_0 block)
+
+_I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+
+
+def _splat(builder, value, vector_type):
+    undef = ir.Constant(vector_type, ir.Undefined)
+    one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, TILE_ROWS), [0] * TILE_ROWS))
+
+
+def _ptr(builder, addr, offset_bytes, pointee):
+    return builder.inttoptr(builder.add(addr, ir.Constant(addr.type, offset_bytes)), pointee.as_pointer())
+
+
+def _apply_scales(builder, int_sums, scale_addr, fx, acc_addr):
+    """acc[r] += scale[r] * fx * int_sums[r] (vectors of R lanes); returns the updated float vector."""
+    vf = ir.VectorType(_F32, TILE_ROWS)
+    acc_p = builder.inttoptr(acc_addr, vf.as_pointer())
+    scale = builder.load(builder.inttoptr(scale_addr, vf.as_pointer()), align=4)
+    term = builder.fmul(builder.fmul(scale, _splat(builder, fx, vf)), builder.sitofp(int_sums, vf))
+    return acc_p, builder.fadd(builder.load(acc_p, align=4), term)
+
+
+@intrinsic
+def _q4_group(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
+    """acc[r] += scale[r] * fx * sum_j code[j, r] * x[j] + min[r] * sx over one group (32 inputs) of one tile.
+
+    codes: 16 x R bytes (two codes each), x: 32 int8, scale/min/acc: R float32; fx = the group's activation
+    scale, sx = fx * sum_j x[j]. Each half's partial sums stay within int16 (16 * 15 * 127 = 30480)."""
+    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.float32, types.float32, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ca, xa, sa, ma, fx, sx, aa = args
+        v8, v16 = ir.VectorType(_I8, TILE_ROWS), ir.VectorType(_I16, TILE_ROWS)
+        low_mask, shift = ir.Constant(v8, [15] * TILE_ROWS), ir.Constant(v8, [4] * TILE_ROWS)
+        acc_lo = acc_hi = ir.Constant(v16, [0] * TILE_ROWS)
+        xp = builder.inttoptr(xa, _I8.as_pointer())
+        for j in range(16):
+            c = builder.load(_ptr(builder, ca, j * TILE_ROWS, v8), align=1)
+            xl = builder.sext(builder.load(builder.gep(xp, [ir.Constant(_I32, j)])), _I16)
+            xh = builder.sext(builder.load(builder.gep(xp, [ir.Constant(_I32, j + 16)])), _I16)
+            acc_lo = builder.add(acc_lo, builder.mul(builder.zext(builder.and_(c, low_mask), v16),
+                                                     _splat(builder, xl, v16)))
+            acc_hi = builder.add(acc_hi, builder.mul(builder.zext(builder.lshr(c, shift), v16),
+                                                     _splat(builder, xh, v16)))
+        v32 = ir.VectorType(_I32, TILE_ROWS)
+        sums = builder.add(builder.sext(acc_lo, v32), builder.sext(acc_hi, v32))
+        acc_p, acc = _apply_scales(builder, sums, sa, fx, aa)
+        vf = ir.VectorType(_F32, TILE_ROWS)
+        mins = builder.load(builder.inttoptr(ma, vf.as_pointer()), align=4)
+        builder.store(builder.fadd(acc, builder.fmul(mins, _splat(builder, sx, vf))), acc_p, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _q8_group(typingctx, codes_addr, x_addr, scale_addr, fx, acc_addr):
+    """acc[r] += scale[r] * fx * sum_j code[j, r] * x[j] over one group of one tile (codes: 32 x R int8).
+    Two products fit int16 (2 * 127 * 127 = 32258); pairs are widened to int32 before they are summed."""
+    sig = types.void(types.intp, types.intp, types.intp, types.float32, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ca, xa, sa, fx, aa = args
+        v8, v16, v32 = (ir.VectorType(t, TILE_ROWS) for t in (_I8, _I16, _I32))
+        sums = ir.Constant(v32, [0] * TILE_ROWS)
+        xp = builder.inttoptr(xa, _I8.as_pointer())
+        for j in range(0, GROUP, 2):
+            pair = ir.Constant(v16, [0] * TILE_ROWS)
+            for jj in (j, j + 1):
+                c = builder.sext(builder.load(_ptr(builder, ca, jj * TILE_ROWS, v8), align=1), v16)
+                x = builder.sext(builder.load(builder.gep(xp, [ir.Constant(_I32, jj)])), _I16)
+                pair = builder.add(pair, builder.mul(c, _splat(builder, x, v16)))
+            sums = builder.add(sums, builder.sext(pair, v32))
+        acc_p, acc = _apply_scales(builder, sums, sa, fx, aa)
+        builder.store(acc, acc_p, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(nogil=True, cache=True, fastmath=True)
+def _quantize_rows(x, xq, fx, sx):
+    """x float32 [M, K] -> xq int8 [M, K], fx [M, G] (scale per group), sx [M, G] (= fx * sum of the codes)."""
+    for b in range(x.shape[0]):
+        for g in range(x.shape[1] // GROUP):
+            amax = np.float32(0.0)
+            for j in range(GROUP):
+                amax = max(amax, abs(x[b, g * GROUP + j]))
+            scale = amax / np.float32(127.0)
+            inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+            total = 0
+            for j in range(GROUP):
+                q = np.int32(np.rint(x[b, g * GROUP + j] * inv))
+                xq[b, g * GROUP + j] = q
+                total += q
+            fx[b, g] = scale
+            sx[b, g] = scale * total
+
+
+@numba.njit(nogil=True, cache=True)
+def _q4_gemv(x, codes, scale, mins, y):
+    """y float32 [M, T * R] = x float32 [M, K] times the Q4 tiles (layout in the module docstring)."""
+    M, K = x.shape
+    T, G = codes.shape[0], codes.shape[1]
+    xq = np.empty((M, K), np.int8)
+    fx = np.empty((M, G), np.float32)
+    sx = np.empty((M, G), np.float32)
+    _quantize_rows(x, xq, fx, sx)
+    acc = np.empty(TILE_ROWS, np.float32)
+    for t in range(T):
+        for b in range(M):
+            acc[:] = 0.0
+            for g in range(G):
+                _q4_group(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, scale[t, g].ctypes.data,
+                          mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc.ctypes.data)
+            y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc
+
+
+@numba.njit(nogil=True, cache=True)
+def _q8_gemv(x, codes, scale, y):
+    """y float32 [M, T * R] = x float32 [M, K] times the Q8 tiles."""
+    M, K = x.shape
+    T, G = codes.shape[0], codes.shape[1]
+    xq = np.empty((M, K), np.int8)
+    fx = np.empty((M, G), np.float32)
+    sx = np.empty((M, G), np.float32)
+    _quantize_rows(x, xq, fx, sx)
+    acc = np.empty(TILE_ROWS, np.float32)
+    for t in range(T):
+        for b in range(M):
+            acc[:] = 0.0
+            for g in range(G):
+                _q8_group(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, scale[t, g].ctypes.data,
+                          fx[b, g], acc.ctypes.data)
+            y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc
+
+
+@numba.njit(nogil=True, cache=True, fastmath=True)
+def _rms_norm(x, weight, eps, out):
+    """out[b] = x[b] / sqrt(mean(x[b] ** 2) + eps) * weight (HF's LlamaRMSNorm, float32)."""
+    for b in range(x.shape[0]):
+        total = np.float32(0.0)
+        for i in range(x.shape[1]):
+            total += x[b, i] * x[b, i]
+        inv = np.float32(1.0) / np.sqrt(total / x.shape[1] + eps)
+        for i in range(x.shape[1]):
+            out[b, i] = x[b, i] * inv * weight[i]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=True)
+def _rope_row(v, cos, sin):
+    """In place on one head's ``v`` [D]: ``v * cos + roll(v, D / 2) * sin`` (``sin`` carries rotate_half's sign,
+    see ``LlamaModel._ensure_rope``)."""
+    half = v.shape[0] // 2
+    for i in range(half):
+        a, b = v[i], v[i + half]
+        v[i] = a * cos[i] + b * sin[i]
+        v[i + half] = b * cos[i + half] + a * sin[i + half]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=True)
+def _attend(q, pool_k, pool_v, table, block_tokens, length, attn_scale, scores, out):
+    """out [H, D] = softmax(q K^T * attn_scale) V over the first ``length`` keys of one sequence; q [H, D];
+    pool_k, pool_v [slots, Hkv, D]; table: the sequence's block ids; heads share K/V in groups of H / Hkv."""
+    group = q.shape[0] // pool_k.shape[1]
+    for h in range(q.shape[0]):
+        kvh = h // group
+        top = np.float32(-np.inf)
+        for s in range(length):
+            slot = table[s // block_tokens] * block_tokens + s % block_tokens
+            dot = np.float32(0.0)
+            for i in range(q.shape[1]):
+                dot += q[h, i] * pool_k[slot, kvh, i]
+            scores[s] = dot * attn_scale
+            top = max(top, scores[s])
+        total = np.float32(0.0)
+        for s in range(length):
+            scores[s] = np.exp(scores[s] - top)
+            total += scores[s]
+        for i in range(q.shape[1]):
+            out[h, i] = 0.0
+        for s in range(length):
+            slot = table[s // block_tokens] * block_tokens + s % block_tokens
+            p = scores[s] / total
+            for i in range(q.shape[1]):
+                out[h, i] += p * pool_v[slot, kvh, i]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=True)
+def decode_layers(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_tokens, tables, positions, cos, sin,
+                  n_heads, inter, eps, attn_scale):
+    """Every decoder layer of one decode step (the HF Llama layer, as ``LlamaModel.decode`` computes it) with
+    Q4-tiled linears, in one call; ``x`` (the residual stream) is updated in place.
+
+    x: float32 [B, hidden] (the new tokens' embeddings in, the last layer's output out); ln_attn, ln_mlp:
+    [L, hidden]; qkv, o, gate_up, down: (tiles, scales, mins) of every layer stacked, [L, ...] each (fused
+    Q/K/V rows, then gate rows 0..inter-1 and up rows); pool: float32 [L, 2, slots, Hkv, D] (slot = block *
+    block_tokens + offset); tables: int64 [B, blocks] (padded); positions: int64 [B] (the new token's = keys
+    already cached); cos, sin: float32 [positions, D] (``LlamaModel._ensure_rope``'s tables). Each row's new K/V
+    are written at its position before it attends over positions 0..its own. Nothing is checked here.
+    """
+    B, hidden = x.shape
+    Hkv, D = pool.shape[3], pool.shape[4]
+    n_rope = n_heads + Hkv
+    h = np.empty((B, hidden), np.float32)
+    y_qkv = np.empty((B, qkv[0].shape[1] * TILE_ROWS), np.float32)
+    y_hidden = np.empty((B, o[0].shape[1] * TILE_ROWS), np.float32)
+    y_gu = np.empty((B, gate_up[0].shape[1] * TILE_ROWS), np.float32)
+    act = np.empty((B, inter), np.float32)
+    attn = np.empty((B, n_heads * D), np.float32)
+    heads = np.empty((n_heads + 2 * Hkv, D), np.float32)
+    head_out = np.empty((n_heads, D), np.float32)
+    scores = np.empty(np.max(positions) + 1, np.float32)
+    for li in range(ln_attn.shape[0]):
+        _rms_norm(x, ln_attn[li], eps, h)
+        _q4_gemv(h, qkv[0][li], qkv[1][li], qkv[2][li], y_qkv)
+        for b in range(B):
+            p = positions[b]
+            for hh in range(n_heads + 2 * Hkv):
+                for i in range(D):
+                    heads[hh, i] = y_qkv[b, hh * D + i]
+            for hh in range(n_rope):
+                _rope_row(heads[hh], cos[p], sin[p])
+            slot = tables[b, p // block_tokens] * block_tokens + p % block_tokens
+            pool[li, 0, slot] = heads[n_heads:n_rope]
+            pool[li, 1, slot] = heads[n_rope:]
+            _attend(heads[:n_heads], pool[li, 0], pool[li, 1], tables[b], block_tokens, p + 1, attn_scale,
+                    scores, head_out)
+            for hh in range(n_heads):
+                for i in range(D):
+                    attn[b, hh * D + i] = head_out[hh, i]
+        _q4_gemv(attn, o[0][li], o[1][li], o[2][li], y_hidden)
+        x += y_hidden[:, :hidden]
+        _rms_norm(x, ln_mlp[li], eps, h)
+        _q4_gemv(h, gate_up[0][li], gate_up[1][li], gate_up[2][li], y_gu)
+        for b in range(B):
+            for i in range(inter):
+                g = y_gu[b, i]
+                act[b, i] = g / (np.float32(1.0) + np.exp(-g)) * y_gu[b, inter + i]
+        _q4_gemv(act, down[0][li], down[1][li], down[2][li], y_hidden)
+        x += y_hidden[:, :hidden]
+
+
+def _tile(a: np.ndarray, pad_value=0) -> np.ndarray:
+    """[N, G, ...] -> [ceil(N / R), G, ..., R]: rows padded to a whole tile, rows moved to the last axis."""
+    n = a.shape[0]
+    pad = -n % TILE_ROWS
+    if pad:
+        a = np.concatenate([a, np.full((pad,) + a.shape[1:], pad_value, a.dtype)])
+    tiled = a.reshape((a.shape[0] // TILE_ROWS, TILE_ROWS) + a.shape[1:])
+    return np.ascontiguousarray(np.moveaxis(tiled, 1, -1))
+
+
+def q4_tiles(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tiles for :func:`q4_linear` from ``gpu.quant.Int4Groups`` fields: codes uint8 ``[N, K]`` in 0..15,
+    scale and zero float32 ``[N, K / 32]`` with ``w = (code - 8) * scale + zero`` (so ``min = zero - 8 scale``).
+
+    Returns ``{"tiles": uint8 [T, G, 16, R], "tile_scale", "tile_min": float32 [T, G, R]}``, ``T = ceil(N / R)``.
+    Raises ValueError if ``K`` is not a multiple of 32."""
+    n, k = codes.shape
+    if k % GROUP:
+        raise ValueError(f"Q4 tiles need K % {GROUP} == 0, got K = {k}")
+    c = codes.numpy().reshape(n, k // GROUP, GROUP)
+    packed = (c[..., :16] | (c[..., 16:] << 4)).astype(np.uint8)  # [N, G, 16]
+    s = scale.float().numpy()
+    return {"tiles": torch.from_numpy(_tile(packed)), "tile_scale": torch.from_numpy(_tile(s)),
+            "tile_min": torch.from_numpy(_tile(zero.float().numpy() - 8.0 * s))}
+
+
+def q8_tiles(codes: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tiles for :func:`q8_linear` from ``gpu.quant.Int8Groups`` fields: codes int8 ``[N, K]``, scale float32
+    ``[N, K / 32]``. Returns ``{"tiles": int8 [T, G, 32, R], "tile_scale": float32 [T, G, R]}``.
+    Raises ValueError if ``K`` is not a multiple of 32."""
+    n, k = codes.shape
+    if k % GROUP:
+        raise ValueError(f"Q8 tiles need K % {GROUP} == 0, got K = {k}")
+    return {"tiles": torch.from_numpy(_tile(codes.numpy().reshape(n, k // GROUP, GROUP))),
+            "tile_scale": torch.from_numpy(_tile(scale.float().numpy()))}
+
+
+def _run(kernel, x: torch.Tensor, n: int, *tiles: torch.Tensor) -> torch.Tensor:
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], tiles[0].shape[0] * TILE_ROWS)
+    kernel(x.numpy(), *(t.numpy() for t in tiles), y.numpy())
+    return y if y.shape[1] == n else y[:, :n]
+
+
+def q4_linear(x: torch.Tensor, n: int, tiles: torch.Tensor, tile_scale: torch.Tensor,
+              tile_min: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for float ``x`` ``[M, K]`` and the Q4 weight ``[n, K]`` in :func:`q4_tiles` form: float32
+    ``[M, n]``. No shape checks (the caller built the tiles for this ``K``)."""
+    return _run(_q4_gemv, x, n, tiles, tile_scale, tile_min)
+
+
+def q8_linear(x: torch.Tensor, n: int, tiles: torch.Tensor, tile_scale: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for float ``x`` ``[M, K]`` and the Q8_0 weight ``[n, K]`` in :func:`q8_tiles` form: float32
+    ``[M, n]``."""
+    return _run(_q8_gemv, x, n, tiles, tile_scale)
+
+
+def q8_rows(ids: torch.Tensor, tiles: torch.Tensor, tile_scale: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` ``[T]`` of a Q8 tiled weight, dequantized: float32 ``[T, K]`` (an embedding lookup)."""
+    t, r = ids // TILE_ROWS, ids % TILE_ROWS
+    codes = tiles[t, :, :, r].float()  # [T, G, 32]
+    return (codes * tile_scale[t, :, r][..., None]).reshape(len(ids), -1)
