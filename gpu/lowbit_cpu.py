@@ -54,6 +54,31 @@ def _apply_scales(builder, int_sums, scale_addr, fx, acc_addr):
     return acc_p, builder.fadd(builder.load(acc_p, align=4), term)
 
 
+def _q4_rows_codegen(builder, codes_addr, scale_addr, min_addr, rows):
+    """IR for :func:`_q4_group` / :func:`_q4_group2`: ``rows`` = [(x_addr, fx, sx, acc_addr)] share one unpack
+    of the group's codes (the and/shift/widen of each code byte is paid once for all of them)."""
+    v8, v16, v32 = (ir.VectorType(t, TILE_ROWS) for t in (_I8, _I16, _I32))
+    vf = ir.VectorType(_F32, TILE_ROWS)
+    low_mask, shift = ir.Constant(v8, [15] * TILE_ROWS), ir.Constant(v8, [4] * TILE_ROWS)
+    zero = ir.Constant(v16, [0] * TILE_ROWS)
+    sums = [[zero, zero] for _ in rows]   # per row: low-half and high-half partial sums
+    xps = [builder.inttoptr(x_addr, _I8.as_pointer()) for x_addr, _, _, _ in rows]
+    for j in range(16):
+        c = builder.load(_ptr(builder, codes_addr, j * TILE_ROWS, v8), align=1)
+        lo = builder.zext(builder.and_(c, low_mask), v16)
+        hi = builder.zext(builder.lshr(c, shift), v16)
+        for r, xp in enumerate(xps):
+            xl = builder.sext(builder.load(builder.gep(xp, [ir.Constant(_I32, j)])), _I16)
+            xh = builder.sext(builder.load(builder.gep(xp, [ir.Constant(_I32, j + 16)])), _I16)
+            sums[r][0] = builder.add(sums[r][0], builder.mul(lo, _splat(builder, xl, v16)))
+            sums[r][1] = builder.add(sums[r][1], builder.mul(hi, _splat(builder, xh, v16)))
+    mins = builder.load(builder.inttoptr(min_addr, vf.as_pointer()), align=4)
+    for (_, fx, sx, acc_addr), (s_lo, s_hi) in zip(rows, sums):
+        total = builder.add(builder.sext(s_lo, v32), builder.sext(s_hi, v32))
+        acc_p, acc = _apply_scales(builder, total, scale_addr, fx, acc_addr)
+        builder.store(builder.fadd(acc, builder.fmul(mins, _splat(builder, sx, vf))), acc_p, align=4)
+
+
 @intrinsic
 def _q4_group(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
     """acc[r] += scale[r] * fx * sum_j code[j, r] * x[j] + min[r] * sx over one group (32 inputs) of one tile.
@@ -64,24 +89,21 @@ def _q4_group(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_a
 
     def codegen(context, builder, signature, args):
         ca, xa, sa, ma, fx, sx, aa = args
-        v8, v16 = ir.VectorType(_I8, TILE_ROWS), ir.VectorType(_I16, TILE_ROWS)
-        low_mask, shift = ir.Constant(v8, [15] * TILE_ROWS), ir.Constant(v8, [4] * TILE_ROWS)
-        acc_lo = acc_hi = ir.Constant(v16, [0] * TILE_ROWS)
-        xp = builder.inttoptr(xa, _I8.as_pointer())
-        for j in range(16):
-            c = builder.load(_ptr(builder, ca, j * TILE_ROWS, v8), align=1)
-            xl = builder.sext(builder.load(builder.gep(xp, [ir.Constant(_I32, j)])), _I16)
-            xh = builder.sext(builder.load(builder.gep(xp, [ir.Constant(_I32, j + 16)])), _I16)
-            acc_lo = builder.add(acc_lo, builder.mul(builder.zext(builder.and_(c, low_mask), v16),
-                                                     _splat(builder, xl, v16)))
-            acc_hi = builder.add(acc_hi, builder.mul(builder.zext(builder.lshr(c, shift), v16),
-                                                     _splat(builder, xh, v16)))
-        v32 = ir.VectorType(_I32, TILE_ROWS)
-        sums = builder.add(builder.sext(acc_lo, v32), builder.sext(acc_hi, v32))
-        acc_p, acc = _apply_scales(builder, sums, sa, fx, aa)
-        vf = ir.VectorType(_F32, TILE_ROWS)
-        mins = builder.load(builder.inttoptr(ma, vf.as_pointer()), align=4)
-        builder.store(builder.fadd(acc, builder.fmul(mins, _splat(builder, sx, vf))), acc_p, align=4)
+        _q4_rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _q4_group2(typingctx, codes_addr, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr, acc1_addr):
+    """:func:`_q4_group` for two activation rows at once (x/fx/sx/acc and x1/fx1/sx1/acc1) over one unpack."""
+    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp, types.float32, types.float32,
+                     types.float32, types.float32, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ca, xa, xa1, sa, ma, fx, sx, fx1, sx1, aa, aa1 = args
+        _q4_rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa), (xa1, fx1, sx1, aa1)])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -140,14 +162,23 @@ def _q4_gemv(x, codes, scale, mins, y):
     fx = np.empty((M, G), np.float32)
     sx = np.empty((M, G), np.float32)
     _quantize_rows(x, xq, fx, sx)
-    acc = np.empty(TILE_ROWS, np.float32)
+    acc = np.empty((2, TILE_ROWS), np.float32)
     for t in range(T):
-        for b in range(M):
+        for b in range(0, M - 1, 2):   # rows in pairs: one unpack of the codes serves both
             acc[:] = 0.0
             for g in range(G):
+                _q4_group2(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, xq[b + 1, g * GROUP:].ctypes.data,
+                           scale[t, g].ctypes.data, mins[t, g].ctypes.data, fx[b, g], sx[b, g], fx[b + 1, g],
+                           sx[b + 1, g], acc[0].ctypes.data, acc[1].ctypes.data)
+            y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
+            y[b + 1, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[1]
+        if M % 2:
+            b = M - 1
+            acc[0] = 0.0
+            for g in range(G):
                 _q4_group(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, scale[t, g].ctypes.data,
-                          mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc.ctypes.data)
-            y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc
+                          mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc[0].ctypes.data)
+            y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
 
 
 @numba.njit(nogil=True, cache=True)

@@ -87,9 +87,11 @@ class _Layer:
 
 WEIGHT_MODES = ("auto", "float32", "bfloat16")
 DENSE_MIN_TOKENS = 16  # native weights: forwards of >= this many tokens use the float32 copies (see QuantLinear)
-# native weights: the output projection over >= this many rows uses its float32 copy (decode steps measured with
-# lowbit_cpu: the int8 GEMV cheaper at every batch of 1-15 rows; docs/performance.md §4)
-HEAD_DENSE_MIN_ROWS = 16
+# native weights: the output projection over >= this many rows uses its float32 copy, and decode steps of fewer
+# rows run lowbit_cpu.decode_layers instead of the float32 copies (measured: cheaper or even at 1-32 rows, the
+# float32 GEMM catching up at 32; docs/performance.md §4)
+HEAD_DENSE_MIN_ROWS = 32
+DECODE_STACKED_MAX_ROWS = 32
 
 
 def resolve_weights_mode(mode: str, device: str | torch.device = "cpu") -> str:
@@ -128,9 +130,10 @@ class LlamaModel:
             :class:`gpu.quant.Int8Groups` for GGUF-quantized linears, kept packed.
         device: where the weights (and every ``kv`` pool passed in) live.
         native: run packed weights with gpu/lowbit_cpu.py's GEMV (``weights="auto"`` in the engine) when a
-            forward has fewer than ``dense_min_tokens`` tokens (decode), their float32 copies otherwise
-            (prefill); the output projection likewise below ``head_dense_min_rows`` rows; activations stay
-            float32. False = the dense path in the tensors' dtype.
+            forward has fewer than ``dense_min_tokens`` tokens, their float32 copies otherwise (prefill); decode
+            steps of fewer than ``decode_stacked_max_rows`` rows run every layer in one numba call
+            (``lowbit_cpu.decode_layers``); the output projection runs low-bit below ``head_dense_min_rows``
+            rows; activations stay float32. False = the dense path in the tensors' dtype.
 
     Calls keep no per-request state (the pool holds it all). ``prefill``/``decode`` run under
     ``torch.inference_mode()``, so the logits they return are inference tensors: modify them in place only
@@ -183,6 +186,7 @@ class LlamaModel:
         # a forward of at least this many tokens runs each linear's float32 weight (``QuantLinear.big``)
         self.dense_min_tokens = DENSE_MIN_TOKENS
         self.head_dense_min_rows = HEAD_DENSE_MIN_ROWS  # the same for the output projection
+        self.decode_stacked_max_rows = DECODE_STACKED_MAX_ROWS  # decode steps below this run decode_layers
         self.embedding = embedding  # [vocab, hidden]: a dense weight, or int8 groups (native)
         self.lm_head = lm_head  # [vocab, hidden]; the embedding itself when tied
         self.norm = norm  # [hidden]
@@ -597,7 +601,7 @@ class LlamaModel:
         c = self.config
         B = len(token_ids)
         padded, w_blk_l = self._decode_tables(kv, token_ids, positions, block_tables)
-        if B < self.dense_min_tokens and kv.dtype == torch.float32 and (stacked := self._stack_layers()):
+        if B < self.decode_stacked_max_rows and kv.dtype == torch.float32 and (stacked := self._stack_layers()):
             return self._decode_stacked(kv, token_ids, positions, padded, stacked)
         bt_size = kv.shape[3]
         S = max(positions) + 1  # keys per sequence after padding
