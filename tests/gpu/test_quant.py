@@ -105,17 +105,24 @@ def test_native_weights_agree_with_float32_on_most_next_tokens_of_english_text(m
 def test_native_greedy_decode_continues_a_prompt_like_float32(model, native_model, tok):
     ids = tok.encode("The capital of France is Paris. The capital of Italy is")
 
-    def greedy(m: LlamaModel, n: int = 6) -> list[int]:
+    def greedy(m: LlamaModel, n: int = 6) -> tuple[list[int], list[float]]:
         kv = torch.zeros(kv_pool_shape(m.config, 8, 16))
         table = list(range(8))
         last = m.prefill(kv, ids, table)
-        out = []
+        out, margins = [], []
         for step in range(n):
+            top2 = last.topk(2).values
             out.append(int(last.argmax()))
+            margins.append(float(top2[0] - top2[1]))
             last = m.decode(kv, [out[-1]], [len(ids) + step], [table])[0]
-        return out
+        return out, margins
 
-    assert tok.decode(greedy(native_model)) == tok.decode(greedy(model))
+    reference, margins = greedy(model)
+    # equal up to float32's first near tie (step 6 here: " Spain" leads " the" by 0.04 logits; the int8 rounding
+    # of activations moves with the float order of the ops before it, which torch's thread count changes)
+    clear = next((i for i, m in enumerate(margins) if m < 0.2), len(margins))
+    assert clear >= 4, margins
+    assert tok.decode(greedy(native_model)[0][:clear]) == tok.decode(reference[:clear])
 
 
 @pytest.fixture(scope="module")
