@@ -154,14 +154,22 @@ def _quantize_rows(x, xq, fx, sx):
 
 
 @numba.njit(nogil=True, cache=True)
+def _quantized(x):
+    """x float32 [M, K] as (int8 codes [M, K], scales [M, K / 32], scale * sum of codes [M, K / 32])."""
+    M, K = x.shape
+    xq = np.empty((M, K), np.int8)
+    fx = np.empty((M, K // GROUP), np.float32)
+    sx = np.empty((M, K // GROUP), np.float32)
+    _quantize_rows(x, xq, fx, sx)
+    return xq, fx, sx
+
+
+@numba.njit(nogil=True, cache=True)
 def _q4_gemv(x, codes, scale, mins, y):
     """y float32 [M, T * R] = x float32 [M, K] times the Q4 tiles (layout in the module docstring)."""
-    M, K = x.shape
+    M = x.shape[0]
     T, G = codes.shape[0], codes.shape[1]
-    xq = np.empty((M, K), np.int8)
-    fx = np.empty((M, G), np.float32)
-    sx = np.empty((M, G), np.float32)
-    _quantize_rows(x, xq, fx, sx)
+    xq, fx, sx = _quantized(x)
     acc = np.empty((2, TILE_ROWS), np.float32)
     for t in range(T):
         for b in range(0, M - 1, 2):   # rows in pairs: one unpack of the codes serves both
@@ -184,12 +192,9 @@ def _q4_gemv(x, codes, scale, mins, y):
 @numba.njit(nogil=True, cache=True)
 def _q8_gemv(x, codes, scale, y):
     """y float32 [M, T * R] = x float32 [M, K] times the Q8 tiles."""
-    M, K = x.shape
+    M = x.shape[0]
     T, G = codes.shape[0], codes.shape[1]
-    xq = np.empty((M, K), np.int8)
-    fx = np.empty((M, G), np.float32)
-    sx = np.empty((M, G), np.float32)
-    _quantize_rows(x, xq, fx, sx)
+    xq, fx, sx = _quantized(x)
     acc = np.empty(TILE_ROWS, np.float32)
     for t in range(T):
         for b in range(M):
