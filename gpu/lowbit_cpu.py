@@ -6,17 +6,20 @@ the group's dot products run in integers, and one float multiply-add per group a
 the activations costs top-1 agreement only at near ties (docs/performance.md §4 has the measured quality).
 
 Weights are laid out in tiles of :data:`TILE_ROWS` output rows so the integer work runs across rows, one
-vector lane per row, with no horizontal sums (the ``R`` below is ``TILE_ROWS``, ``G = K / 32``)::
+vector lane per row (Q4: per row and pair of inputs), with no horizontal sums (``R`` = ``TILE_ROWS``,
+``G = K / 32``)::
 
-    Q4 codes  [N / R, G, 16, R] uint8: byte (t, g, j, r) = code j (low half) | code j + 16 (high half)
-              of row t * R + r in group g (ggml's nibble order); weight = scale * code + min
+    Q4 codes  [N / R, G, 8, 2 R] uint8: byte (t, g, p, 2 r + e) = code 2p + e (low half) | code 16 + 2p + e
+              (high half) of row t * R + r in group g (ggml's nibble order); weight = scale * code + min
     Q8 codes  [N / R, G, 32, R] int8:  weight = scale * code
     scale, min [N / R, G, R] float32
 
-The inner loop is written in LLVM IR (vectors of ``R`` lanes), so LLVM picks the host's widest vector
-instructions (AVX2 on this project's machines, AVX-512 or SSE elsewhere) with the accumulators held in
-registers; numba's own loops kept them in memory and ran 3x slower. Only the decode path imports this module
-(numba's import and its cached machine code load at actor start, not on a request's path).
+The inner loops are written in LLVM IR, so the partial sums stay in registers (numba's own loops kept them in
+memory and ran 3x slower). The Q4 loop multiplies pairs of unsigned codes by pairs of signed activations and adds
+each pair (x86's ``pmaddubsw``, as ggml's AVX2 path does: called directly where the host has AVX2, spelled out
+in portable IR elsewhere, ~3x slower); the Q8 loop is portable IR that LLVM widens to the host's vectors. Only
+the model's processes import this module (numba's import and its cached machine code load at actor start, not on
+a request's path).
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ import numba
 import numpy as np
 import torch
 from llvmlite import ir
-from numba.core import types
+from llvmlite import binding as llvm
+from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 __all__ = ["TILE_ROWS", "q4_tiles", "q8_tiles", "q4_linear", "q8_linear", "q8_rows", "decode_layers"]
@@ -33,12 +37,14 @@ TILE_ROWS = 32  # output rows per tile = vector lanes of the inner loop
 GROUP = 32      # inputs per scale group (GGUF's Q4_0/Q4_1/Q8_0 block)
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+HOST_AVX2 = bool(llvm.get_host_cpu_features().get("avx2"))  # numba compiles for the host CPU (its cache too)
 
 
 def _splat(builder, value, vector_type):
     undef = ir.Constant(vector_type, ir.Undefined)
     one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, TILE_ROWS), [0] * TILE_ROWS))
+    lanes = vector_type.count
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes))
 
 
 def _ptr(builder, addr, offset_bytes, pointee):
@@ -54,28 +60,46 @@ def _apply_scales(builder, int_sums, scale_addr, fx, acc_addr):
     return acc_p, builder.fadd(builder.load(acc_p, align=4), term)
 
 
-def _q4_rows_codegen(builder, codes_addr, scale_addr, min_addr, rows):
+def _pair_madd(builder, codes, x_pairs, x86: bool):
+    """``<32 x i8>`` unsigned codes and signed activations -> ``<16 x i16>``: ``c[2i] x[2i] + c[2i+1] x[2i+1]``
+    (at most 2 * 15 * 127: x86's saturation never applies). ``x86``: ``llvm.x86.avx2.pmadd.ub.sw``."""
+    v8, half = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16)
+    if x86:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(half, [v8, v8]),
+                                            "llvm.x86.avx2.pmadd.ub.sw")
+        return builder.call(fn, [codes, x_pairs])
+    wide = ir.VectorType(_I16, 32)
+    prod = builder.mul(builder.zext(codes, wide), builder.sext(x_pairs, wide))
+    undef = ir.Constant(wide, ir.Undefined)
+    even, odd = (builder.shuffle_vector(prod, undef, ir.Constant(ir.VectorType(_I32, 16), list(range(e, 32, 2))))
+                 for e in (0, 1))
+    return builder.add(even, odd)
+
+
+def _q4_rows_codegen(builder, codes_addr, scale_addr, min_addr, rows, x86: bool = HOST_AVX2):
     """IR for :func:`_q4_group` / :func:`_q4_group2`: ``rows`` = [(x_addr, fx, sx, acc_addr)] share one unpack
-    of the group's codes (the and/shift/widen of each code byte is paid once for all of them)."""
-    v8, v16, v32 = (ir.VectorType(t, TILE_ROWS) for t in (_I8, _I16, _I32))
+    of the group's codes. Per row, four int16 partial sums (low / high nibbles of tile rows 0-15 / 16-31), each at
+    most 8 * 2 * 15 * 127 = 30480."""
+    v8, half, half32 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 16)
+    low_mask, shift = ir.Constant(v8, [15] * 32), ir.Constant(v8, [4] * 32)
+    sums = [[ir.Constant(half, [0] * 16)] * 4 for _ in rows]
+    for p in range(8):   # pairs of inputs 2p, 2p + 1 (low nibbles) and 16 + 2p, 17 + 2p (high nibbles)
+        c = [builder.load(_ptr(builder, codes_addr, p * 2 * TILE_ROWS + 32 * i, v8), align=1) for i in (0, 1)]
+        parts = [builder.and_(c[0], low_mask), builder.and_(c[1], low_mask), builder.lshr(c[0], shift),
+                 builder.lshr(c[1], shift)]
+        for r, (x_addr, _, _, _) in enumerate(rows):
+            pairs = [_splat(builder, builder.load(_ptr(builder, x_addr, off, _I16), align=1), half)
+                     for off in (2 * p, 16 + 2 * p)]   # the two activation bytes, repeated across the lanes
+            x_lo, x_hi = (builder.bitcast(v, v8) for v in pairs)
+            for k, x_pairs in enumerate((x_lo, x_lo, x_hi, x_hi)):
+                sums[r][k] = builder.add(sums[r][k], _pair_madd(builder, parts[k], x_pairs, x86))
     vf = ir.VectorType(_F32, TILE_ROWS)
-    low_mask, shift = ir.Constant(v8, [15] * TILE_ROWS), ir.Constant(v8, [4] * TILE_ROWS)
-    zero = ir.Constant(v16, [0] * TILE_ROWS)
-    sums = [[zero, zero] for _ in rows]   # per row: low-half and high-half partial sums
-    xps = [builder.inttoptr(x_addr, _I8.as_pointer()) for x_addr, _, _, _ in rows]
-    for j in range(16):
-        c = builder.load(_ptr(builder, codes_addr, j * TILE_ROWS, v8), align=1)
-        lo = builder.zext(builder.and_(c, low_mask), v16)
-        hi = builder.zext(builder.lshr(c, shift), v16)
-        for r, xp in enumerate(xps):
-            xl = builder.sext(builder.load(builder.gep(xp, [ir.Constant(_I32, j)])), _I16)
-            xh = builder.sext(builder.load(builder.gep(xp, [ir.Constant(_I32, j + 16)])), _I16)
-            sums[r][0] = builder.add(sums[r][0], builder.mul(lo, _splat(builder, xl, v16)))
-            sums[r][1] = builder.add(sums[r][1], builder.mul(hi, _splat(builder, xh, v16)))
     mins = builder.load(builder.inttoptr(min_addr, vf.as_pointer()), align=4)
-    for (_, fx, sx, acc_addr), (s_lo, s_hi) in zip(rows, sums):
-        total = builder.add(builder.sext(s_lo, v32), builder.sext(s_hi, v32))
-        acc_p, acc = _apply_scales(builder, total, scale_addr, fx, acc_addr)
+    concat = ir.Constant(ir.VectorType(_I32, TILE_ROWS), list(range(TILE_ROWS)))
+    for (_, fx, sx, acc_addr), (lo_a, lo_b, hi_a, hi_b) in zip(rows, sums):
+        rows_a = builder.add(builder.sext(lo_a, half32), builder.sext(hi_a, half32))   # tile rows 0-15
+        rows_b = builder.add(builder.sext(lo_b, half32), builder.sext(hi_b, half32))   # tile rows 16-31
+        acc_p, acc = _apply_scales(builder, builder.shuffle_vector(rows_a, rows_b, concat), scale_addr, fx, acc_addr)
         builder.store(builder.fadd(acc, builder.fmul(mins, _splat(builder, sx, vf))), acc_p, align=4)
 
 
@@ -83,8 +107,8 @@ def _q4_rows_codegen(builder, codes_addr, scale_addr, min_addr, rows):
 def _q4_group(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
     """acc[r] += scale[r] * fx * sum_j code[j, r] * x[j] + min[r] * sx over one group (32 inputs) of one tile.
 
-    codes: 16 x R bytes (two codes each), x: 32 int8, scale/min/acc: R float32; fx = the group's activation
-    scale, sx = fx * sum_j x[j]. Each half's partial sums stay within int16 (16 * 15 * 127 = 30480)."""
+    codes: 8 x 2R bytes (two codes each, module docstring), x: 32 int8, scale/min/acc: R float32; fx = the group's
+    activation scale, sx = fx * sum_j x[j]."""
     sig = types.void(types.intp, types.intp, types.intp, types.intp, types.float32, types.float32, types.intp)
 
     def codegen(context, builder, signature, args):
@@ -325,15 +349,18 @@ def q4_tiles(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> di
     """Tiles for :func:`q4_linear` from ``gpu.quant.Int4Groups`` fields: codes uint8 ``[N, K]`` in 0..15,
     scale and zero float32 ``[N, K / 32]`` with ``w = (code - 8) * scale + zero`` (so ``min = zero - 8 scale``).
 
-    Returns ``{"tiles": uint8 [T, G, 16, R], "tile_scale", "tile_min": float32 [T, G, R]}``, ``T = ceil(N / R)``.
+    Returns ``{"tiles": uint8 [T, G, 8, 2 R], "tile_scale", "tile_min": float32 [T, G, R]}``,
+    ``T = ceil(N / R)``.
     Raises ValueError if ``K`` is not a multiple of 32."""
     n, k = codes.shape
     if k % GROUP:
         raise ValueError(f"Q4 tiles need K % {GROUP} == 0, got K = {k}")
     c = codes.numpy().reshape(n, k // GROUP, GROUP)
-    packed = (c[..., :16] | (c[..., 16:] << 4)).astype(np.uint8)  # [N, G, 16]
+    packed = (c[..., :16] | (c[..., 16:] << 4)).astype(np.uint8).reshape(n, k // GROUP, 8, 2)  # [N, G, p, e]
+    tiles = _tile(packed)   # [T, G, 8, 2, R]
+    tiles = np.ascontiguousarray(tiles.transpose(0, 1, 2, 4, 3)).reshape(tiles.shape[:3] + (2 * TILE_ROWS,))
     s = scale.float().numpy()
-    return {"tiles": torch.from_numpy(_tile(packed)), "tile_scale": torch.from_numpy(_tile(s)),
+    return {"tiles": torch.from_numpy(tiles), "tile_scale": torch.from_numpy(_tile(s)),
             "tile_min": torch.from_numpy(_tile(zero.float().numpy() - 8.0 * s))}
 
 

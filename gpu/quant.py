@@ -168,7 +168,7 @@ class QuantLinear:
 
     @classmethod
     def int4(cls, w: Int4Groups, dense: bool = True) -> "QuantLinear":
-        """Tile ``w`` for ``lowbit_cpu.q4_linear`` (codes ``[T, K / 32, 16, 32]`` uint8, scales and mins
+        """Tile ``w`` for ``lowbit_cpu.q4_linear`` (codes ``[T, K / 32, 8, 64]`` uint8, scales and mins
         ``[T, K / 32, 32]`` float32, ``T = ceil(N / 32)``); with ``dense``, also the exact float32 weight for
         ``big``."""
         from . import lowbit_cpu  # noqa: PLC0415  (numba: only processes that run the model pay its import)
@@ -202,8 +202,8 @@ class QuantLinear:
         need = {"int4": ("tiles", "tile_scale", "tile_min"), "int8": ("tiles", "tile_scale"), "dense": ("weight",)}
         if kind not in need or any(k not in tensors for k in need[kind]):
             raise ValueError(f"linear of kind {kind!r} with tensors {sorted(tensors)}")
-        rows = tensors["weight"].shape[0] if kind == "dense" else tensors["tiles"].shape[0] * tensors[
-            "tiles"].shape[-1]
+        rows = tensors["weight"].shape[0] if kind == "dense" else tensors["tile_scale"].shape[0] * tensors[
+            "tile_scale"].shape[-1]
         if not 0 < out_features <= rows or (kind == "dense" and out_features != rows):
             raise ValueError(f"linear of kind {kind!r} with {rows} rows cannot have {out_features} outputs")
         return cls(kind, tensors, out_features)

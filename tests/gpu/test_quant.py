@@ -194,3 +194,45 @@ def test_one_call_decode_matches_the_op_by_op_decode_on_a_ragged_batch(native_mo
     p, q = one_call.log_softmax(-1), op_by_op.log_softmax(-1)
     assert torch.equal(one_call.argmax(-1), op_by_op.argmax(-1))
     assert (p.exp() * (p - q)).sum(-1).max() < 0.02
+
+
+def test_the_portable_q4_loop_gives_the_same_sums_as_the_one_the_host_runs():
+    # hosts without AVX2 compile the Q4 loop's pair products in portable IR: check it here, where AVX2 is used
+    import numba
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    from gpu import lowbit_cpu as lb
+
+    @intrinsic
+    def portable_group(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
+        sig = types.void(types.intp, types.intp, types.intp, types.intp, types.float32, types.float32, types.intp)
+
+        def codegen(context, builder, signature, args):
+            ca, xa, sa, ma, fx_, sx_, aa = args
+            lb._q4_rows_codegen(builder, ca, sa, ma, [(xa, fx_, sx_, aa)], x86=False)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @numba.njit
+    def portable(x, codes, scale, mins, y):
+        xq, fx, sx = lb._quantized(x)
+        acc = np.empty(lb.TILE_ROWS, np.float32)
+        for t in range(codes.shape[0]):
+            for b in range(x.shape[0]):
+                acc[:] = 0.0
+                for g in range(codes.shape[1]):
+                    portable_group(codes[t, g].ctypes.data, xq[b, g * 32:].ctypes.data, scale[t, g].ctypes.data,
+                                   mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc.ctypes.data)
+                y[b, t * lb.TILE_ROWS:(t + 1) * lb.TILE_ROWS] = acc
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((64, 96)).astype(np.float32)
+    q4 = int4_groups_from_gguf(quantize(w, GGMLQuantizationType.Q4_1), "Q4_1", (64, 96))
+    tiles = lb.q4_tiles(q4.codes, q4.scale, q4.zero)
+    x = torch.from_numpy(rng.standard_normal((3, 96)).astype(np.float32))
+    y = np.empty((3, 64), np.float32)
+    portable(x.numpy(), tiles["tiles"].numpy(), tiles["tile_scale"].numpy(), tiles["tile_min"].numpy(), y)
+    assert torch.equal(torch.from_numpy(y), lb.q4_linear(x, 64, tiles["tiles"], tiles["tile_scale"],
+                                                         tiles["tile_min"]))
