@@ -87,11 +87,12 @@ class _Layer:
 
 WEIGHT_MODES = ("auto", "float32", "bfloat16")
 DENSE_MIN_TOKENS = 16  # native weights: forwards of >= this many tokens use the float32 copies (see QuantLinear)
-# native weights: the output projection over >= this many rows uses its float32 copy, and decode steps of fewer
-# rows run lowbit_cpu.decode_layers instead of the float32 copies (measured: cheaper or even at 1-32 rows, the
-# float32 GEMM catching up at 32; docs/performance.md §4)
+# native weights, decode steps (docs/performance.md §16): the output projection over >= HEAD_DENSE_MIN_ROWS rows
+# uses its float32 copy (the int8 one cheaper up to 32 rows, dearer from 48); steps of fewer than
+# DECODE_STACKED_MAX_ROWS rows run lowbit_cpu.decode_layers (measured 1.5-2.6x cheaper than the float32 copies
+# at 1-64 rows; not measured beyond)
 HEAD_DENSE_MIN_ROWS = 32
-DECODE_STACKED_MAX_ROWS = 32
+DECODE_STACKED_MAX_ROWS = 65
 
 
 def resolve_weights_mode(mode: str, device: str | torch.device = "cpu") -> str:
