@@ -90,6 +90,10 @@ def test_close_deletes_namespaces_veths_bridge_and_their_processes_even_after_an
             tag = net.tag
             assert len(names_of(tag)) >= 5   # 2 namespaces, the bridge, 2 control veths
             sleeper = start_in_namespace(net.prefill_ns, ["sleep", "600"], tmp_path / "sleep.log")
+            # inside the namespace before close(): `ip netns exec` enters it after fork (a race under load)
+            wait_until(lambda: str(sleeper.pid) in subprocess.run(
+                ["ip", "netns", "pids", net.prefill_ns], capture_output=True, text=True).stdout.split(),
+                DEADLINE_S, 0.02, "the sleeper to enter its namespace")
             raise RuntimeError("raised inside the with block")
     try:
         assert sleeper.wait(timeout=DEADLINE_S) < 0   # killed by close(): it would keep the namespace alive
