@@ -4,9 +4,13 @@ mode); the scheduling decisions stay in the cores.
 """
 from __future__ import annotations
 
+import logging
+import time
 from typing import Callable
 
 from actors.messages import PromptLogprobs
+
+log = logging.getLogger("pdserve.actors")
 
 
 def sampling_params(sampling):
@@ -120,11 +124,16 @@ def warm_up(model, pool) -> None:
     """One tiny prefill and decode step into a borrowed block, before the actor reports READY: the first real
     request then pays no lazy initialization (kernel selection, allocations) that could starve the heartbeat.
     The caller resets the pool afterwards."""
+    started = time.monotonic()
+    if getattr(model, "native", False):
+        log.info(
+            "warming up the low-bit kernels (the first start on a machine compiles them: 15-60 s)")
     blocks = pool.allocate(1, 0)
     kv = pool.tensor()
     model.prefill(kv, [1, 2, 3], blocks)
     model.decode(kv, [4], [3], [blocks])
     pool.free(blocks, 0)
+    log.info("warm-up done in %.1f s", time.monotonic() - started)
 
 
 class DecodeRunner:

@@ -86,7 +86,10 @@ class _Layer:
 
 
 WEIGHT_MODES = ("auto", "float32", "bfloat16")
-DENSE_MIN_TOKENS = 16  # native weights: forwards of >= this many tokens use the float32 copies (see QuantLinear)
+# native weights: forwards of >= this many tokens use the float32 copies (see QuantLinear). 1 = every prefill:
+# a prompt's numbers must not depend on how much of it the prefix cache held (a 13-token suffix on the low-bit
+# kernels took 49 ms vs 105 ms, but greedy answers then changed between a first and a repeated request)
+DENSE_MIN_TOKENS = 1
 # native weights, decode steps (docs/performance.md §16): the output projection over >= HEAD_DENSE_MIN_ROWS rows
 # uses its float32 copy (the int8 one cheaper up to 32 rows, dearer from 48); steps of fewer than
 # DECODE_STACKED_MAX_ROWS rows run lowbit_cpu.decode_layers (measured 1.5-2.6x cheaper than the float32 copies
@@ -131,8 +134,8 @@ class LlamaModel:
             :class:`gpu.quant.Int8Groups` for GGUF-quantized linears, kept packed.
         device: where the weights (and every ``kv`` pool passed in) live.
         native: run packed weights with gpu/lowbit_cpu.py's GEMV (``weights="auto"`` in the engine) when a
-            forward has fewer than ``dense_min_tokens`` tokens, their float32 copies otherwise (prefill); decode
-            steps of fewer than ``decode_stacked_max_rows`` rows run every layer in one numba call
+            forward has fewer than ``dense_min_tokens`` tokens, their float32 copies otherwise (every prefill by
+            default); decode steps of fewer than ``decode_stacked_max_rows`` rows run every layer in one numba call
             (``lowbit_cpu.decode_layers``); a decode step's output projection runs low-bit below
             ``head_dense_min_rows`` rows, a prefill's always on float32; activations stay float32. False = the
             dense path in the tensors' dtype.

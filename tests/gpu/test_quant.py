@@ -182,11 +182,12 @@ def test_one_call_decode_matches_the_op_by_op_decode_on_a_ragged_batch(native_mo
     kv_op = kv.clone()
     with torch.inference_mode():
         one_call = m.decode(kv, [7, 8, 9], lengths, tables)
-        stacked, m._stacked = m._stacked, ()   # () = "not applicable": the op-by-op path
+        stacked, m._stacked = m._stacked, ()   # () = "not applicable": the op-by-op path, on the same kernels
+        m.dense_min_tokens = 1 << 30
         try:
             op_by_op = m.decode(kv_op, [7, 8, 9], lengths, tables)
         finally:
-            m._stacked = stacked
+            m._stacked, m.dense_min_tokens = stacked, DENSE_MIN_TOKENS
     assert stacked
     # layer 0 reads the same embeddings through the same kernels: its K/V agree to float rounding
     assert torch.allclose(kv[0], kv_op[0], atol=1e-4)
