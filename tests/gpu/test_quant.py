@@ -235,5 +235,6 @@ def test_the_portable_q4_loop_gives_the_same_sums_as_the_one_the_host_runs():
     x = torch.from_numpy(rng.standard_normal((3, 96)).astype(np.float32))
     y = np.empty((3, 64), np.float32)
     portable(x.numpy(), tiles["tiles"].numpy(), tiles["tile_scale"].numpy(), tiles["tile_min"].numpy(), y)
-    assert torch.equal(torch.from_numpy(y), lb.q4_linear(x, 64, tiles["tiles"], tiles["tile_scale"],
-                                                         tiles["tile_min"]))
+    # the integer sums are the same; the float epilogue may be fused differently (FMA) between compilations
+    host = lb.q4_linear(x, 64, tiles["tiles"], tiles["tile_scale"], tiles["tile_min"])
+    assert torch.allclose(torch.from_numpy(y), host, rtol=1e-6, atol=1e-5 * host.abs().max().item())
