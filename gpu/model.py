@@ -549,7 +549,6 @@ class LlamaModel:
             outs.append(o[0].transpose(0, 1).reshape(b - a, -1))  # [T, H D]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    @torch.inference_mode()
     def _stack_layers(self) -> tuple | None:
         """Every layer's norms and Q4 tiles stacked along a new first axis (numpy, for
         ``lowbit_cpu.decode_layers``), built once; the layers' own linears then run on views of the stacks, so
@@ -584,6 +583,7 @@ class LlamaModel:
         x = F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
         return (self.lm_head.big if len(token_ids) >= self.head_dense_min_rows else self.lm_head.fn)(x).float()
 
+    @torch.inference_mode()
     def decode(self, kv: torch.Tensor, token_ids: list[int], positions: list[int],
                block_tables: list[list[int]]) -> torch.Tensor:
         """One decode step for ``B`` sequences at once (continuous batching).

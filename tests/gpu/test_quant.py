@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from gpu.lowbit_cpu import q8_rows
 from gpu.model import DENSE_MIN_TOKENS, HEAD_DENSE_MIN_ROWS, LlamaModel, kv_pool_shape
 from gpu.prepared import FORMAT_VERSION, cache_path, ensure_prepared, load_prepared, prepared_key, prepared_model
 from gpu.quant import Int4Groups, QuantLinear, int4_groups_from_gguf, int8_groups_from_float
@@ -57,6 +58,12 @@ def test_int4_and_int8_kernels_match_a_float32_linear_within_activation_rounding
     ref8 = F.linear(x, torch.from_numpy(w))
     assert torch.allclose(int8.fn(x), ref8, rtol=0.02, atol=0.02 * ref8.abs().max().item())
     assert int4.fn(x).dtype == int8.fn(x).dtype == torch.float32
+    # an embedding lookup without the float32 table reads its rows back out of the tiles
+    groups = int8_groups_from_float(torch.from_numpy(w))
+    bare = QuantLinear.int8(groups, dense=False)
+    ids = torch.tensor([0, 31, 32, 47])
+    rows = (groups.codes.view(48, -1, 32).float() * groups.scale[..., None]).view(48, 128)[ids]
+    assert torch.equal(q8_rows(ids, bare.tensors["tiles"], bare.tensors["tile_scale"]), rows)
     # rows of a batch are independent: each row's result is the one it gets alone
     assert torch.equal(int4.fn(x)[-1:], int4.fn(x[-1:].clone()))
 
@@ -189,6 +196,8 @@ def test_one_call_decode_matches_the_op_by_op_decode_on_a_ragged_batch(native_mo
         finally:
             m._stacked, m.dense_min_tokens = stacked, DENSE_MIN_TOKENS
     assert stacked
+    # decode runs under inference_mode itself (its docstring), called here outside one
+    assert m.decode(kv.clone(), [7], [lengths[0]], [tables[0]]).is_inference()
     # layer 0 reads the same embeddings through the same kernels: its K/V agree to float rounding
     assert torch.allclose(kv[0], kv_op[0], atol=1e-4)
     # deeper layers differ where an activation's int8 rounding flips; the distributions stay the same
