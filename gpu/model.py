@@ -137,7 +137,7 @@ class LlamaModel:
             forward has fewer than ``dense_min_tokens`` tokens, their float32 copies otherwise (every prefill by
             default); decode steps of fewer than ``decode_stacked_max_rows`` rows run every layer in one numba call
             (``lowbit_cpu.decode_layers``); a decode step's output projection runs low-bit below
-            ``head_dense_min_rows`` rows, a prefill's always on float32; activations stay float32. False = the
+            ``head_dense_min_rows`` rows, a prefill's as its layers do; activations stay float32. False = the
             dense path in the tensors' dtype.
 
     Calls keep no per-request state (the pool holds it all). ``prefill``/``decode`` run under
@@ -496,9 +496,10 @@ class LlamaModel:
         rows = [range(a, b) if f else range(b - 1, b) for (a, b, _, _), f in zip(seqs, flags)]
         x = x[torch.tensor([i for r in rows for i in r], dtype=torch.long, device=self.device)]
         x = F.rms_norm(x, (c.hidden_size,), self.norm, eps)
-        # the exact float32 output projection: a request's first token comes from here, and int8-rounded
-        # activations flip near ties (SmolLM2's "The capital..." vs "L'..." by 0.09 logits); +~8 ms per prefill
-        logits = self.lm_head.big(x).float()  # logits: [rows, vocab]
+        # the output projection follows the layers: float32 in every prefill by default, as a request's first
+        # token comes from here and int8-rounded activations flip near ties (SmolLM2's "The capital..." vs "L'..."
+        # by 0.09 logits)
+        logits = (self.lm_head.big if big else self.lm_head.fn)(x).float()  # logits: [rows, vocab]
         parts = logits.split([len(r) for r in rows])
         return [part if f else part[0] for part, f in zip(parts, flags)]
 

@@ -9,10 +9,9 @@ Both models read the same text teacher-forced (chunked prefill over a paged KV p
 kept), and at every position the tool compares them: **top-1 agreement** (the share of positions where the two
 argmax tokens are equal), **perplexity** of each on the text (``exp`` of the mean negative log-likelihood of the
 next token), and the mean **KL divergence** ``KL(p_float32 || p_native)`` in nats. It also times the prefill
-forward of each (a chunk of ``--chunk`` tokens). The candidate runs every layer of every forward on its
-low-bit kernels (as decode steps do; a native model's large forwards, prefill, use float32 copies of the same
-weights instead), its output projection on float32 as prefill does; ``--decode-steps`` feeds it one decode step
-per token instead, the path output tokens take, int8 output projection included.
+forward of each (a chunk of ``--chunk`` tokens). The candidate runs every forward on its low-bit kernels,
+output projection included (as decode steps do; the engine's prefills use float32 copies of the same weights
+instead); ``--decode-steps`` feeds it one decode step per token instead, the path output tokens take.
 
 The default text (tools/data/quality_text.txt) is plain English prose written for this project (public
 domain), about 2,650 tokens.
@@ -109,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ids = ids[:args.max_tokens]
     reference = LlamaModel.from_path(path, progress=False, weights="float32")
     candidate = LlamaModel.from_path(path, progress=False, weights=args.weights)
-    # every layer on the low-bit kernels, as in a decode step (the output projection stays float32 in prefill)
+    # every forward on the low-bit kernels: the numerics of a decode step (the engine prefills on float32)
     candidate.dense_min_tokens = candidate.head_dense_min_rows = 1 << 30
     res = compare(reference, candidate, ids, args.chunk, candidate_by_decode=args.decode_steps)
     res.update(candidate_mode=candidate.weights_mode, reference_weight_bytes=reference.weight_bytes(),
