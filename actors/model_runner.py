@@ -120,18 +120,21 @@ class PrefillRunner:
             del self.echo[key]
 
 
-def warm_up(model, pool) -> None:
-    """One tiny prefill and decode step into a borrowed block, before the actor reports READY: the first real
-    request then pays no lazy initialization (kernel selection, allocations) that could starve the heartbeat.
-    The caller resets the pool afterwards."""
+def warm_up(model, pool, decode: bool = True) -> None:
+    """One tiny prefill (and with ``decode``, one decode step) into a borrowed block, before the actor reports
+    READY: the first real request then pays no lazy initialization (kernel selection, allocations, numba's
+    compilation or cache load) that could starve the heartbeat. The caller resets the pool afterwards. An actor
+    that never decodes passes ``decode=False``: with native weights a decode step also stacks the layers' tiles
+    (``LlamaModel._stack_layers``, a private copy) and loads the decode kernels."""
     started = time.monotonic()
-    if getattr(model, "native", False):
-        log.info(
-            "warming up the low-bit kernels (the first start on a machine compiles them: 15-60 s)")
+    if decode and getattr(model, "native", False):
+        log.info("warming up the low-bit decode kernels (compiled once per checkout into gpu/__pycache__: "
+                 "15-60 s the first time)")
     blocks = pool.allocate(1, 0)
     kv = pool.tensor()
     model.prefill(kv, [1, 2, 3], blocks)
-    model.decode(kv, [4], [3], [blocks])
+    if decode:
+        model.decode(kv, [4], [3], [blocks])
     pool.free(blocks, 0)
     log.info("warm-up done in %.1f s", time.monotonic() - started)
 

@@ -57,7 +57,7 @@ class PrefillActor(Actor):
                                     self.config.model_cache_dir or None)
         topo = self.topology
         self.pool = KVPool.attach(self.layout.segment(topo.segment("kv", self.index)))
-        warm_up(self.model, self.pool)
+        warm_up(self.model, self.pool, decode=False)   # the prefill actor never decodes
         self.pool.reset()  # a restarted actor starts from an empty pool; its old requests were failed
         # created after the reset: warm-up's block and a predecessor's cache are never served from it
         self.allocator = CachingAllocator(self.pool, enabled=self.config.prefix_cache)
