@@ -266,10 +266,10 @@ def gemv_bandwidth(weight_bytes: int, reps: int = 5, threads: int = 0) -> float:
 def matmul_floor_s(model, batch: int, reps: int = 3) -> float:
     """Seconds per decode step of only the step's matrix products (every layer's QKV, O, gate-up and down
     projections and the LM head, on ``model``'s own weights) for ``batch`` tokens: what a step costs in bare
-    torch before attention, norms, RoPE, sampling and Python (below 16 rows a native model runs them inside one
-    numba call with the rest of the step, ``lowbit_cpu.decode_layers``)."""
-    # the paths LlamaModel.decode takes at this batch size
-    layers = batch >= model.dense_min_tokens
+    torch before attention, norms, RoPE, sampling and Python (a native model's low-bit steps run them inside one
+    numba call with the rest of the step, ``lowbit_cpu.decode_layers``, so its floor is these calls one by one)."""
+    # the paths LlamaModel.decode takes at this batch size: low-bit below decode_stacked_max_rows when native
+    layers = not (model.native and batch < model.decode_stacked_max_rows)
     calls = [(lin.big if layers else lin.fn, lin.in_features) for layer in model.layers
              for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     head = model.lm_head
