@@ -17,7 +17,6 @@ blocks, and the last holder to leave frees them (docs/architecture.md, "`n` > 1:
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +25,7 @@ from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort, TransfersP
 from ipc.lifecycle import LIVE_STATES, TransferStatus
 from ipc.lifecycle import RequestState as S
 from pdserve.errors import OutOfKVBlocksError
+from pdserve.kv_budget import blocks_for
 
 Key = tuple[int, int]
 
@@ -151,8 +151,8 @@ class DecodeCore:
             ready = entry.ready
             key = prompt_key(ready, bt)
             shared = self.prompts.get(key) if key is not None else None
-            needed = math.ceil((ready.num_tokens + ready.sampling.max_tokens) / bt) - (len(shared.blocks) if shared
-                                                                                        else 0)
+            needed = blocks_for(ready.num_tokens, ready.sampling.max_tokens, bt) - (len(shared.blocks) if shared
+                                                                                     else 0)
             try:
                 own = self.allocator.allocate(needed, ready.slot)
             except OutOfKVBlocksError:

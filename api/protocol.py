@@ -15,6 +15,7 @@ from typing import Any
 from actors.messages import Sampling
 from api.tools import ToolPlan, parameters_schema, parse_tools, required_call_grammar, template_messages
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
+from pdserve.kv_budget import blocks_for
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
@@ -405,7 +406,7 @@ class RequestParser:
         never be held."""
         n = _integer(body, "n", 1, 1, MAX_N)
         if n > 1 and self.kv_pool_blocks:
-            per_choice = -(-(prompt_len + sampling.max_tokens) // self.kv_block_tokens)
+            per_choice = blocks_for(prompt_len, sampling.max_tokens, self.kv_block_tokens)
             shared = prompt_len // self.kv_block_tokens
             needed = shared + n * (per_choice - shared)
             if needed > self.kv_pool_blocks:

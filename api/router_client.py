@@ -23,7 +23,8 @@ from typing import Any
 
 import orjson
 
-from api.engine_client import RequestHandle, wait_event
+from api.admission import AdmissionPolicy, RequestHandle
+from api.engine_client import wait_event
 from api.node_api import request_wire
 from api.protocol import GenerationRequest
 from pdserve.errors import EngineOverloadedError, InvalidRequestError, PdserveError
@@ -98,6 +99,7 @@ class RouterClient:
         if not prefill_urls or not decode_urls:
             raise InvalidRequestError("the router needs at least one --prefill-node and one --decode-node")
         self.config = config
+        self.policy = AdmissionPolicy(config.max_queued_requests, config.request_timeout_s)
         self.nodes = [Node(u.rstrip("/"), "prefill") for u in prefill_urls] + \
                      [Node(u.rstrip("/"), "decode") for u in decode_urls]
         self.handles: dict[tuple[int, int], RequestHandle] = {}
@@ -206,14 +208,11 @@ class RouterClient:
 
     def submit(self, request: GenerationRequest, timeout_s: float | None = None) -> list[RequestHandle]:
         """Route a request to a prefill and a decode node (one handle per choice) and start it. Raises
-        EngineOverloadedError (no node of a role serving, or too many sequences in flight)."""
-        if len(self.handles) + request.n > self.config.max_queued_requests:
-            raise EngineOverloadedError(f"{len(self.handles)} sequences in flight, {request.n} more asked for "
-                                        f"(max_queued_requests={self.config.max_queued_requests}); retry")
+        EngineOverloadedError (no node of a role serving, or too many sequences in flight), InvalidRequestError
+        (``n`` alone over max_queued_requests: api/admission.py ``AdmissionPolicy``)."""
+        self.policy.check_room(len(self.handles), request.n)
         prefill, decode = pick_node(self.nodes, "prefill"), pick_node(self.nodes, "decode")
-        limit_s = self.config.request_timeout_s
-        timeout_s = timeout_s if timeout_s is not None else request.timeout_s
-        timeout_s = limit_s if timeout_s is None else min(float(timeout_s), limit_s)
+        timeout_s = self.policy.timeout_s(request, timeout_s)
         request_id = next(self._ids)
         handles = []
         for index in range(request.n):

@@ -1,11 +1,13 @@
-"""In-memory ports for the scheduler cores (actors/ports.py): a state table that enforces the real lifecycle
-(ipc/lifecycle.py), a block allocator that refuses double frees, scripted transfers, a recording outbox and a
-manual clock. Plain Python: the core tests run in microseconds, no process, no shm."""
+"""In-memory ports for the scheduler cores (actors/ports.py) and the API's admission core (api/admission.py): a
+state table that enforces the real lifecycle (ipc/lifecycle.py) and its size, a block allocator that refuses
+double frees, scripted transfers, a recording outbox that can refuse a destination, an actor table and a manual
+clock. Plain Python: the core tests run in microseconds, no process, no shm."""
 from __future__ import annotations
 
 from actors.messages import PrefillRequest, Sampling
-from ipc.lifecycle import FINAL_STATES, RequestState, TransferStatus, check_transition
-from pdserve.errors import OutOfKVBlocksError
+from ipc.actor_table import ActorHealth, ActorStatus
+from ipc.lifecycle import ALLOCATE_STATES, FINAL_STATES, RequestState, TransferStatus, check_transition
+from pdserve.errors import OutOfKVBlocksError, StateTableFullError
 
 
 class FakeClock:
@@ -21,22 +23,39 @@ class FakeClock:
 
 class FakeTable:
     """Rows keyed by slot; ``transition`` applies the real ALLOWED rules and refuses stale generations and final
-    rows, as StateTable does."""
+    rows, as StateTable does; ``allocate`` raises StateTableFullError past ``num_rows`` live rows, ``release``
+    frees a final row only (``released`` lists the keys released)."""
 
-    def __init__(self, clock: FakeClock):
+    def __init__(self, clock: FakeClock, num_rows: int = 1 << 30):
         self.clock = clock
+        self.num_rows = num_rows
         self.rows: dict[int, dict] = {}
+        self.released: list[tuple[int, int]] = []
         self.next_slot = 0
 
-    def allocate(self, request_id: str, prompt_tokens: int = 0) -> tuple[int, int]:
+    def allocate(self, request_id: str, prompt_tokens: int = 0, *, deadline_ns: int = 0, prefill_actor: int = -1,
+                 decode_actor: int = -1, state: RequestState = RequestState.QUEUED) -> tuple[int, int]:
+        if state not in ALLOCATE_STATES:
+            raise ValueError(f"a row cannot start in {RequestState(state).name}")
+        if len(self.rows) >= self.num_rows:
+            raise StateTableFullError(f"all {self.num_rows} rows in use")
         slot = self.next_slot
         self.next_slot += 1
         now = self.clock()
-        self.rows[slot] = {"slot": slot, "generation": 1, "state": RequestState.QUEUED, "request_id": request_id,
+        self.rows[slot] = {"slot": slot, "generation": 1, "state": RequestState(state), "request_id": request_id,
                            "created_ns": now, "state_since_ns": now, "last_progress_ns": now, "owner": -1,
                            "prompt_tokens": prompt_tokens, "output_tokens": 0, "prefill_blocks": 0,
-                           "decode_blocks": 0, "n_transfers": 0}
+                           "decode_blocks": 0, "n_transfers": 0, "deadline_ns": deadline_ns,
+                           "prefill_actor": prefill_actor, "decode_actor": decode_actor}
         return slot, 1
+
+    def release(self, slot: int, generation: int) -> bool:
+        row = self.rows.get(slot)
+        if row is None or row["generation"] != generation or row["state"] not in FINAL_STATES:
+            return False
+        del self.rows[slot]
+        self.released.append((slot, generation))
+        return True
 
     def read(self, slot: int, generation: int) -> dict | None:
         row = self.rows.get(slot)
@@ -129,12 +148,16 @@ class FakeTransfers:
 
 
 class Outbox:
-    """Records every message; ``take(dest)`` hands them over and forgets them."""
+    """Records every message; ``take(dest)`` hands them over and forgets them; ``refuse[dest] = exc`` makes every
+    send there raise ``exc`` (a full or too-small queue)."""
 
     def __init__(self):
         self.sent: list[tuple[str, object]] = []
+        self.refuse: dict = {}
 
     def send(self, dest: str, message, request_id: str = "") -> None:
+        if dest in self.refuse:
+            raise self.refuse[dest]
         self.sent.append((dest, message))
 
     def take(self, dest: str, kind=object) -> list:
@@ -149,3 +172,19 @@ def prefill_request(table: FakeTable, request_id: str, prompt_tokens: int = 20, 
     rows = [table.allocate(request_id, prompt_tokens) for _ in range(n)]
     return PrefillRequest(rows[0][0], rows[0][1], request_id, list(range(1, prompt_tokens + 1)),
                           Sampling(max_tokens=max_tokens, **sampling), [list(k) for k in rows[1:]])
+
+
+class FakeActors:
+    """The actor table as the API reads it: ``rows()`` (name, status, health, kv_blocks_free per index) and the
+    ``routed`` counts the API publishes."""
+
+    def __init__(self, names: list[str], kv_blocks_free: int = 100):
+        self.table = [{"index": i, "name": name, "status": ActorStatus.READY, "health": ActorHealth.OK,
+                       "kv_blocks_free": kv_blocks_free} for i, name in enumerate(names)]
+        self.routed: dict[int, int] = {}
+
+    def rows(self) -> list[dict]:
+        return [dict(r) for r in self.table]
+
+    def set_routed_requests(self, index: int, count: int) -> None:
+        self.routed[index] = count

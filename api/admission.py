@@ -1,0 +1,323 @@
+"""The API's admission core: which requests enter the engine, on which actors, with which rows and reservation.
+Plain code over ports (no shm, queue, HTTP or clock code here); api/engine_client.py passes the real ones,
+tests/api/test_admission.py in-memory ones.
+
+| name              | what                                                                              |
+|-------------------|-----------------------------------------------------------------------------------|
+| `RequestHandle`   | one admitted sequence: its row, reservation, events queue                         |
+| `AdmissionPolicy` | capacity and deadline cap (also `pdserve router`'s, api/router_client.py)         |
+| `Admission`       | admit / admit_prefilled / transfer_done / stop / release over the ports below     |
+| `TablePort` ...   | the table (with allocate/release), outbox, actors' loads and draining flag ports  |
+
+"Admit" is the API's step only: the row enters QUEUED (or BOOTSTRAP on a decode node); prefill's QUEUED ->
+PREFILLING and decode's DECODE_WAITING -> DECODING are the actors' own moves (docs/architecture.md, "Who moves
+which row").
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol
+
+from actors.messages import REMOTE_ACTOR, KVReady, PrefillRequest, TransferDone
+from actors.ports import Clock, OutboxPort
+from api.router import ActorLoad, pick_decode, pick_prefill, route
+from ipc.actor_table import ActorHealth, ActorStatus
+from ipc.lifecycle import RequestState as S
+from pdserve.errors import (EngineOverloadedError, InvalidRequestError, MessageTooLargeError, QueueFullError,
+                            StateTableFullError)
+from pdserve.kv_budget import blocks_for
+
+log = logging.getLogger("pdserve.api")
+
+
+
+@dataclass
+class RequestHandle:
+    """One admitted sequence (a request, or one of the ``n`` choices of one): its row, and the asyncio queue its
+    events arrive on.
+
+    Events: ``("token", token_id, finish_reason|None, logprobs|None)`` (logprobs on the wire form ``[logprob,
+    [[token_id, logprob], ...]]``) or ``("error", PdserveError)``; on a prefill node ``("kv_ready", KVReady)``,
+    on a decode node ``("transfer_done",)`` (api/node_api.py carries both to the router).
+    """
+
+    request: Any                   # api.protocol.GenerationRequest
+    slot: int
+    generation: int
+    index: int = 0                 # the choice's index (0 .. n - 1)
+    deadline_s: float = 0.0        # time.monotonic() after which the handler stops waiting
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    admitted_ns: int = field(default_factory=time.monotonic_ns)
+    first_token_ns: int = 0
+    completion_tokens: int = 0
+    timings: dict | None = None   # queue_s, prefill_s, transfer_s, transfer_bytes (from the decode actor)
+    prompt_logprobs: list = field(default_factory=list)   # echo + logprobs: one wire entry per prompt token
+    prefill_actor: int = -1        # the actors the router chose (actor-table indices; -1 = none, colocated)
+    decode_actor: int = -1
+    reserve_blocks: int = 0        # decode blocks the request will reserve (pdserve.kv_budget.blocks_for)
+    prefilled: bool = False        # a token arrived: its prompt is off the prefill queue, its blocks reserved
+    handed_across: bool = False    # a prefill node: its KVReady went to the router; the row ends by its messages
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.slot, self.generation)
+
+
+class TablePort(Protocol):
+    """The request state table as the API uses it (ipc.state_table.StateTable fits it)."""
+
+    def allocate(self, request_id: str, *, prompt_tokens: int, deadline_ns: int = 0, prefill_actor: int = -1,
+                 decode_actor: int = -1, state: int = S.QUEUED) -> tuple[int, int]: ...
+
+    def update(self, slot: int, generation: int, **fields) -> bool: ...
+
+    def transition(self, slot: int, generation: int, new_state: int, *, owner: int | None = None) -> bool: ...
+
+    def release(self, slot: int, generation: int) -> bool: ...
+
+
+class ActorsPort(Protocol):
+    """The actor table (ipc.actor_table.ActorTable fits it): rows with ``name``, ``status``, ``health``,
+    ``kv_blocks_free``; the API is the one writer of ``routed_requests``."""
+
+    def rows(self) -> list[dict]: ...
+
+    def set_routed_requests(self, index: int, count: int) -> None: ...
+
+
+class AdmissionPolicy:
+    """Capacity and the deadline cap: ``max_queued_requests`` sequences in flight (every choice counts) and
+    ``request_timeout_s`` as the longest deadline a client may ask for."""
+
+    def __init__(self, max_queued_requests: int, request_timeout_s: float):
+        self.max_queued_requests = max_queued_requests
+        self.request_timeout_s = request_timeout_s
+
+    def check_room(self, in_flight: int, n: int) -> None:
+        """Raises InvalidRequestError (``n`` alone is over the limit: a 400, retrying cannot help) or
+        EngineOverloadedError (``in_flight + n`` over it: 503, retry)."""
+        limit = self.max_queued_requests
+        if n > limit:
+            raise InvalidRequestError(f"n={n} choices are more sequences than this server admits at once "
+                                      f"(max_queued_requests={limit}); lower n", param="n")
+        if in_flight + n > limit:
+            raise EngineOverloadedError(f"{in_flight} sequences in flight, {n} more asked for "
+                                        f"(max_queued_requests={limit}); retry")
+
+    def timeout_s(self, request: Any, timeout_s: float | None = None) -> float:
+        """The request's timeout in s: ``timeout_s``, else the request's own, else ``request_timeout_s``; capped
+        at ``request_timeout_s`` so a client cannot hold a row longer than the server allows."""
+        if timeout_s is None:
+            timeout_s = getattr(request, "timeout_s", None)
+        limit_s = self.request_timeout_s
+        return limit_s if timeout_s is None else min(float(timeout_s), limit_s)
+
+
+class Admission:
+    """Admission and release of one API process's requests.
+
+    Ports: ``table`` (TablePort), ``outbox`` (``send(actor index, message)``; raises QueueFullError /
+    MessageTooLargeError), ``actors`` (ActorsPort), ``clock`` (monotonic ns), ``draining`` (() -> bool);
+    ``intake``: the actor indices taking new requests (prefill actors; colocated: decode actors);
+    ``prefill`` / ``decode``: the topology's actor indices; ``faults``: a pdserve.faults.FaultPlan or None.
+    """
+
+    def __init__(self, config, table: TablePort, outbox: OutboxPort, actors: ActorsPort, clock: Clock,
+                 draining: Callable[[], bool], *, owner: int, prefill: Iterable[int], decode: Iterable[int],
+                 faults=None):
+        self.config = config
+        self.policy = AdmissionPolicy(config.max_queued_requests, config.request_timeout_s)
+        self.table, self.outbox, self.actors, self.clock, self.draining = table, outbox, actors, clock, draining
+        self.owner = owner
+        self.prefill, self.decode = list(prefill), list(decode)
+        self.faults = faults
+        self.handles: dict[tuple[int, int], RequestHandle] = {}
+        self.count_drift = 0   # fault router_count_drift: added to every published routed count
+        self.stale_messages: collections.Counter[str] = collections.Counter()   # by message kind, for /metrics
+
+    # ---- loads and routing ------------------------------------------------------------------------------
+    def routed_counts(self) -> dict[int, int]:
+        """The router's own count per engine actor (actor index -> rows it sent there that the API still holds:
+        each row counts on its prefill and its decode actor). The monitor compares it with the table's. The fault
+        ``router_count_drift:count_delta=K`` adds K to each (a router whose bookkeeping went wrong)."""
+        counts = {i: self.count_drift for i in self.prefill + self.decode}
+        for handle in self.handles.values():
+            for index in (handle.prefill_actor, handle.decode_actor):
+                if index >= 0:   # REMOTE_ACTOR: the other side is another node's
+                    counts[index] += 1
+        return counts
+
+    def publish_routed(self) -> None:
+        """Write ``routed_counts`` into the actor table (the API is that field's one writer)."""
+        for index, count in self.routed_counts().items():
+            self.actors.set_routed_requests(index, count)
+
+    def actor_loads(self) -> tuple[list[ActorLoad], list[ActorLoad]]:
+        """``(prefill loads, decode loads)`` for api/router.py: serving = READY, not hung or dead (a restarting
+        row reads as RESTARTING); free blocks from the table less what requests routed there but not yet
+        reserved will take; queued prompt tokens and running requests from the API's own handles."""
+        rows = self.actors.rows()
+        queued_tokens: dict[int, int] = collections.Counter()
+        pending_blocks: dict[int, int] = collections.Counter()
+        running: dict[int, int] = collections.Counter()
+        for handle in self.handles.values():
+            if not handle.prefilled:
+                queued_tokens[handle.prefill_actor] += len(handle.request.prompt_ids)
+                pending_blocks[handle.decode_actor] += handle.reserve_blocks
+            running[handle.decode_actor] += 1
+
+        def load(index: int) -> ActorLoad:
+            r = rows[index]
+            serving = r["status"] == ActorStatus.READY and r["health"] not in (ActorHealth.HUNG, ActorHealth.DEAD)
+            return ActorLoad(index, r["name"], serving, queued_prompt_tokens=queued_tokens[index],
+                             running=running[index],
+                             kv_blocks_free=int(r["kv_blocks_free"]) - pending_blocks[index],
+                             block_tokens=self.config.kv_block_tokens)
+        return [load(i) for i in self.prefill], [load(j) for j in self.decode]
+
+    def _choose(self, request: Any, remote_decode: bool) -> tuple[int, int]:
+        """``(prefill actor, decode actor)``; prefill -1 = colocated, decode REMOTE_ACTOR = the router's decode
+        node. Raises EngineOverloadedError (none serving), InvalidRequestError for a prompt sent to a node of one
+        side (only ``pdserve router`` talks to those)."""
+        role = self.config.role
+        if (role == "prefill") != remote_decode or role == "decode":
+            raise InvalidRequestError(f"this node runs the {role} side only; send requests to `pdserve router`"
+                                      if role != "both" else "this engine runs both sides; it takes no "
+                                      "request for a remote decode node")
+        prefill_loads, decode_loads = self.actor_loads()
+        if remote_decode:
+            return pick_prefill(prefill_loads, request.prompt_ids).index, REMOTE_ACTOR
+        chosen = route(prefill_loads, decode_loads, request.prompt_ids, request.sampling.max_tokens)
+        return -1 if chosen.prefill is None else chosen.prefill, chosen.decode
+
+    # ---- admission ----------------------------------------------------------------------------------------
+    def _open_rows(self, request: Any, n: int, timeout_s: float, *, prompt_tokens: int, max_tokens: int,
+                   prefill_actor: int, decode_actor: int, state: int = S.QUEUED) -> list[RequestHandle]:
+        """Allocate ``n`` rows (owner: the API) and their handles. Raises EngineOverloadedError (table full)
+        with none left allocated."""
+        now_ns = self.clock()
+        reserve = blocks_for(prompt_tokens, max_tokens, self.config.kv_block_tokens)
+        handles: list[RequestHandle] = []
+        try:
+            for index in range(n):
+                slot, generation = self.table.allocate(
+                    request.request_id, prompt_tokens=prompt_tokens, deadline_ns=now_ns + int(timeout_s * 1e9),
+                    prefill_actor=prefill_actor, decode_actor=decode_actor, state=state)
+                self.table.update(slot, generation, owner=self.owner)
+                handle = RequestHandle(request, slot, generation, index, deadline_s=now_ns / 1e9 + timeout_s,
+                                       admitted_ns=now_ns, prefill_actor=prefill_actor, decode_actor=decode_actor,
+                                       reserve_blocks=reserve)
+                self.handles[handle.key] = handle
+                handles.append(handle)
+        except StateTableFullError as exc:
+            self.release_all(handles)
+            raise EngineOverloadedError(f"request table full: {exc.message}") from None
+        return handles
+
+    def admit(self, request: Any, timeout_s: float | None = None, remote_decode: bool = False
+              ) -> list[RequestHandle]:
+        """Allocate the request's rows (QUEUED; one per choice, ``request.n``) and send one PrefillRequest for
+        all of them to the chosen prefill actor (colocated: the decode actor). ``timeout_s`` is capped by
+        ``AdmissionPolicy.timeout_s`` and written into each row, where the monitor enforces it. Returns one
+        handle per choice, in index order.
+
+        Raises:
+            InvalidRequestError: ``n`` alone is over ``max_queued_requests``, a one-sided node, or a message over
+                one queue slot (retrying cannot help).
+            EngineOverloadedError: draining, too many sequences in flight, no actor serving, the table is full,
+                or the intake queue stayed full. Nothing stays allocated when it raises.
+        """
+        if self.draining():
+            raise EngineOverloadedError("the engine is shutting down (draining); retry on another replica")
+        self.policy.check_room(len(self.handles), request.n)
+        timeout_s = self.policy.timeout_s(request, timeout_s)
+        prefill_actor, decode_actor = self._choose(request, remote_decode)
+        handles = self._open_rows(request, request.n, timeout_s, prompt_tokens=len(request.prompt_ids),
+                                  max_tokens=request.sampling.max_tokens, prefill_actor=prefill_actor,
+                                  decode_actor=decode_actor)
+        first = handles[0]
+        colocated = prefill_actor < 0   # the decode actor prefills itself: KVReady stays inside it
+        message = PrefillRequest(first.slot, first.generation, request.request_id, request.prompt_ids,
+                                 request.sampling, [[h.slot, h.generation] for h in handles[1:]],
+                                 -1 if colocated else decode_actor)
+        try:
+            self.outbox.send(decode_actor if colocated else prefill_actor, message, request.request_id)
+        except QueueFullError:
+            self.release_all(handles)
+            raise EngineOverloadedError("the prefill queue is full; retry") from None
+        except MessageTooLargeError as exc:   # prompt + grammar over one queue slot: retrying cannot help
+            self.release_all(handles)
+            raise InvalidRequestError(f"the request is too large for the engine's queues ({exc.message}); send a "
+                                      "shorter prompt or schema, or raise queue_slot_bytes") from None
+        drift = self.faults.fires("router_count_drift", request.request_id) if self.faults else None
+        if drift is not None:   # fault injection: the router's bookkeeping goes wrong from here on
+            self.count_drift += int(drift.number("count_delta"))
+        self.publish_routed()
+        return handles
+
+    def admit_prefilled(self, request: Any, ready: KVReady, timeout_s: float | None = None) -> RequestHandle:
+        """A decode node: admit a request a prefill node prefilled (``ready``: its KVReady with the source pool's
+        descriptor in ``peer``). Its row starts at BOOTSTRAP on the decode actor api/router.py picks; the KVReady,
+        renamed to that row, goes to the actor's inbox. A draining node still takes it (the request is under way,
+        its prompt's KV waits on the prefill node). Raises InvalidRequestError (not a decode node, or no
+        ``peer``), EngineOverloadedError (full, none serving, table or inbox full)."""
+        if self.config.role != "decode":
+            raise InvalidRequestError(f"this node runs role {self.config.role}; only a decode node takes prefilled "
+                                      "requests")
+        if not ready.peer:
+            raise InvalidRequestError("a prefilled request needs the prefill pool's descriptor ('peer')")
+        self.policy.check_room(len(self.handles), 1)
+        timeout_s = self.policy.timeout_s(request, timeout_s)
+        decode_actor = pick_decode(self.actor_loads()[1], ready.num_tokens, ready.sampling.max_tokens).index
+        handle, = self._open_rows(request, 1, timeout_s, prompt_tokens=ready.num_tokens,
+                                  max_tokens=ready.sampling.max_tokens, prefill_actor=-1,
+                                  decode_actor=decode_actor, state=S.BOOTSTRAP)
+        message = dataclasses.replace(ready, slot=handle.slot, generation=handle.generation,
+                                      prefill_actor=REMOTE_ACTOR)
+        try:
+            self.outbox.send(decode_actor, message, ready.request_id)
+        except (QueueFullError, MessageTooLargeError) as exc:
+            self.release(handle)
+            raise EngineOverloadedError(f"decode actor {decode_actor}'s inbox refused the request ({exc}); retry") \
+                from None
+        self.publish_routed()
+        return handle
+
+    # ---- completion -----------------------------------------------------------------------------------------
+    def transfer_done(self, slot: int, generation: int) -> bool:
+        """A prefill node: the decode node holds its copy of row ``(slot, generation)``'s KV. The row ends
+        FINISHED here, its prefill actor is woken to free the blocks (it also frees on seeing the row final), the
+        row is released. Returns False for a row this API no longer holds (already ended: a late message)."""
+        handle = self.handles.get((slot, generation))
+        if handle is None:
+            self.stale_messages["transfer_done"] += 1
+            return False
+        self.table.transition(slot, generation, S.FINISHED, owner=self.owner)
+        try:
+            self.outbox.send(handle.prefill_actor, TransferDone(slot, generation), handle.request.request_id)
+        except QueueFullError:   # the wake-up only: the actor frees on seeing the row final anyway
+            log.warning("prefill actor %d inbox full: its TransferDone wake-up is dropped", handle.prefill_actor)
+        self.release(handle)
+        return True
+
+    def stop(self, handle: RequestHandle) -> None:
+        """A stop string matched: the row is FINISHED; the decode actor sees it and frees its blocks."""
+        self.table.transition(handle.slot, handle.generation, S.FINISHED, owner=self.owner)
+
+    def release(self, handle: RequestHandle) -> None:
+        """The client has its answer (or is gone): abort the row if still live (a no-op on a final row: the
+        transition refuses), then release it; a second call is a no-op."""
+        if self.handles.pop(handle.key, None) is None:
+            return
+        self.table.transition(handle.slot, handle.generation, S.ABORTED, owner=self.owner)
+        self.table.release(handle.slot, handle.generation)
+        self.publish_routed()
+
+    def release_all(self, handles: Iterable[RequestHandle]) -> None:
+        for handle in handles:
+            self.release(handle)

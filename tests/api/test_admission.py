@@ -1,0 +1,274 @@
+"""The API's admission core (api/admission.py) over in-memory ports (tests/actors/fakes.py): every admission,
+routing, reservation, rollback and release rule without a process. Each case checks the rows, the blocks
+reserved and the messages sent."""
+from __future__ import annotations
+
+import pytest
+
+from actors.messages import REMOTE_ACTOR, KVReady, PrefillRequest, Sampling, TransferDone
+from api.admission import Admission, AdmissionPolicy
+from api.protocol import GenerationRequest
+from ipc.actor_table import ActorHealth, ActorStatus
+from ipc.lifecycle import RequestState as S
+from pdserve.config import EngineConfig
+from pdserve.errors import (EngineOverloadedError, InvalidRequestError, MessageTooLargeError, QueueFullError)
+from tests.actors.fakes import FakeActors, FakeClock, FakeTable, Outbox
+
+API = 9
+MAX_QUEUED = 4
+TIMEOUT_S = 30.0
+
+
+class Engine:
+    """One admission core with its fakes: ``prefill`` / ``decode`` actor indices (colocated: no prefill)."""
+
+    def __init__(self, role: str = "both", prefill=(0, 1), decode=(2, 3), num_rows: int = 64,
+                 kv_blocks_free: int = 100):
+        self.clock = FakeClock()
+        self.table = FakeTable(self.clock, num_rows=num_rows)
+        self.outbox = Outbox()
+        names = [f"prefill{i}" for i in range(len(prefill))] + [f"decode{j}" for j in range(len(decode))]
+        self.actors = FakeActors(names, kv_blocks_free)
+        self.draining = False
+        self.config = EngineConfig(role=role, max_queued_requests=MAX_QUEUED, request_timeout_s=TIMEOUT_S,
+                                   kv_block_tokens=16)
+        self.core = Admission(self.config, self.table, self.outbox, self.actors, self.clock, lambda: self.draining,
+                              owner=API, prefill=prefill, decode=decode)
+
+    def live(self) -> dict[int, dict]:
+        return dict(self.table.rows)
+
+
+def request(request_id: str = "r", prompt_tokens: int = 20, max_tokens: int = 12, n: int = 1,
+            timeout_s: float | None = None) -> GenerationRequest:
+    return GenerationRequest("completion", request_id, "m", list(range(1, prompt_tokens + 1)),
+                             Sampling(max_tokens=max_tokens), n=n, timeout_s=timeout_s)
+
+
+def kv_ready(peer: str = '{"pool": 1}', num_tokens: int = 40, max_tokens: int = 24) -> KVReady:
+    return KVReady(5, 7, "r", [1, 2, 3], num_tokens, 11, Sampling(max_tokens=max_tokens), peer=peer,
+                   prefill_actor=0)
+
+
+def assert_nothing_held(engine: Engine) -> None:
+    assert engine.table.rows == {} and engine.core.handles == {} and engine.outbox.sent == []
+    assert set(engine.actors.routed.values()) <= {0}
+
+
+def test_an_accepted_request_has_one_queued_row_per_choice_and_one_prefill_request():
+    engine = Engine()
+    handles = engine.core.admit(request(n=3, prompt_tokens=20, max_tokens=12))
+    assert [h.index for h in handles] == [0, 1, 2]
+    rows = [engine.table.rows[h.slot] for h in handles]
+    assert all(r["state"] == S.QUEUED and r["owner"] == API for r in rows)
+    assert all(r["prefill_actor"] == 0 and r["decode_actor"] == 2 for r in rows)
+    assert all(r["deadline_ns"] == engine.clock() + int(TIMEOUT_S * 1e9) for r in rows)
+    assert all(h.reserve_blocks == 2 for h in handles)           # ceil((20 + 12) / 16)
+    (dest, message), = engine.outbox.sent
+    assert dest == 0 and isinstance(message, PrefillRequest)
+    assert (message.slot, message.generation) == handles[0].key and message.decode_actor == 2
+    assert message.children == [list(h.key) for h in handles[1:]]
+    assert engine.actors.routed == {0: 3, 1: 0, 2: 3, 3: 0}
+
+
+def test_the_deadline_is_the_requests_own_capped_at_request_timeout_s():
+    engine = Engine()
+    short, = engine.core.admit(request("a", timeout_s=2.0))
+    long, = engine.core.admit(request("b", timeout_s=1000.0))
+    assert engine.table.rows[short.slot]["deadline_ns"] == engine.clock() + 2_000_000_000
+    assert engine.table.rows[long.slot]["deadline_ns"] == engine.clock() + int(TIMEOUT_S * 1e9)
+    assert long.deadline_s == pytest.approx(engine.clock() / 1e9 + TIMEOUT_S)
+    assert AdmissionPolicy(4, 30.0).timeout_s(request(timeout_s=None), None) == 30.0
+
+
+def test_n_over_the_limit_is_a_400_and_in_flight_plus_n_over_it_a_503():
+    engine = Engine()
+    with pytest.raises(InvalidRequestError) as exc:
+        engine.core.admit(request(n=MAX_QUEUED + 1))
+    assert exc.value.param == "n"
+    assert_nothing_held(engine)
+    engine.core.admit(request("a", n=3))
+    engine.outbox.sent.clear()
+    with pytest.raises(EngineOverloadedError, match="max_queued_requests"):
+        engine.core.admit(request("b", n=2))
+    assert len(engine.table.rows) == 3 and len(engine.core.handles) == 3 and engine.outbox.sent == []
+
+
+def test_a_reservation_not_yet_made_counts_against_its_decode_pool_until_the_first_token():
+    engine = Engine(kv_blocks_free=10)
+    engine.actors.table[3]["kv_blocks_free"] = 8
+    first, = engine.core.admit(request("a", prompt_tokens=40, max_tokens=24))   # 4 blocks: decode 2 (10 free)
+    assert first.decode_actor == 2 and first.reserve_blocks == 4
+    assert [load.kv_blocks_free for load in engine.core.actor_loads()[1]] == [6, 8]
+    second, = engine.core.admit(request("b", prompt_tokens=40, max_tokens=24))  # 6 < 8 free: decode 3
+    assert second.decode_actor == 3
+    assert engine.core.actor_loads()[0][0].queued_prompt_tokens == 40   # both prompts: prefill 0 then 1
+    first.prefilled = True   # the decode actor reserved them: the table's count has them now
+    assert [load.kv_blocks_free for load in engine.core.actor_loads()[1]] == [10, 4]
+
+
+def test_a_full_pool_still_admits_the_request_to_wait_in_bootstrap():
+    engine = Engine(kv_blocks_free=0)
+    handle, = engine.core.admit(request("a"))
+    assert engine.table.rows[handle.slot]["state"] == S.QUEUED and len(engine.outbox.sent) == 1
+
+
+def test_a_full_table_rolls_back_every_row_it_took():
+    engine = Engine(num_rows=2)
+    with pytest.raises(EngineOverloadedError, match="table full"):
+        engine.core.admit(request(n=3))
+    assert_nothing_held(engine)
+    assert len(engine.table.released) == 2   # both rows it took were aborted and released
+
+
+@pytest.mark.parametrize("refusal, error", [(QueueFullError("full"), EngineOverloadedError),
+                                            (MessageTooLargeError("big"), InvalidRequestError)])
+def test_a_refused_prefill_queue_rolls_back_every_row(refusal, error):
+    engine = Engine()
+    engine.outbox.refuse[0] = refusal
+    with pytest.raises(error):
+        engine.core.admit(request(n=2))
+    assert_nothing_held(engine)
+    assert len(engine.table.released) == 2
+    assert engine.actors.routed == {0: 0, 1: 0, 2: 0, 3: 0}
+
+
+def test_a_draining_engine_refuses_new_requests():
+    engine = Engine()
+    engine.draining = True
+    with pytest.raises(EngineOverloadedError, match="draining"):
+        engine.core.admit(request())
+    assert_nothing_held(engine)
+
+
+@pytest.mark.parametrize("indices, field, value", [((0, 1), "health", ActorHealth.HUNG),
+                                                   ((2, 3), "health", ActorHealth.DEAD),
+                                                   ((0, 1), "status", ActorStatus.RESTARTING)])
+def test_no_actor_serving_a_role_refuses_the_request(indices, field, value):
+    engine = Engine()
+    for i in indices:
+        engine.actors.table[i][field] = value
+    with pytest.raises(EngineOverloadedError, match="serving"):
+        engine.core.admit(request())
+    assert_nothing_held(engine)
+
+
+def test_an_unhealthy_actor_is_skipped():
+    engine = Engine()
+    engine.actors.table[0]["health"] = ActorHealth.HUNG
+    engine.actors.table[2]["status"] = ActorStatus.STARTING
+    handle, = engine.core.admit(request())
+    assert (handle.prefill_actor, handle.decode_actor) == (1, 3) and engine.outbox.sent[0][0] == 1
+
+
+def test_colocated_sends_the_prompt_to_the_decode_actor_with_no_prefill_actor():
+    engine = Engine(prefill=(), decode=(0, 1))
+    engine.actors.table[0]["kv_blocks_free"] = 50
+    handle, = engine.core.admit(request())
+    assert engine.table.rows[handle.slot]["prefill_actor"] == -1 and handle.decode_actor == 1
+    (dest, message), = engine.outbox.sent
+    assert dest == 1 and message.decode_actor == -1
+    assert engine.actors.routed == {0: 0, 1: 1}
+
+
+def test_a_prefill_node_sends_to_a_remote_decode_and_counts_only_its_own_actor():
+    engine = Engine(role="prefill", prefill=(0, 1), decode=())
+    handle, = engine.core.admit(request(), remote_decode=True)
+    assert (handle.prefill_actor, handle.decode_actor) == (0, REMOTE_ACTOR)
+    (dest, message), = engine.outbox.sent
+    assert dest == 0 and message.decode_actor == REMOTE_ACTOR
+    assert engine.actors.routed == {0: 1, 1: 0}
+    with pytest.raises(InvalidRequestError, match="prefill side only"):
+        engine.core.admit(request("local"))   # a prompt for this node's own decode: it has none
+    both = Engine()
+    with pytest.raises(InvalidRequestError, match="both sides"):
+        both.core.admit(request(), remote_decode=True)
+    assert_nothing_held(both)
+
+
+def test_a_decode_node_admits_a_prefilled_request_at_bootstrap_on_the_most_free_actor():
+    engine = Engine(role="decode", prefill=(), decode=(0, 1))
+    engine.actors.table[1]["kv_blocks_free"] = 200
+    ready = kv_ready(num_tokens=40, max_tokens=24)
+    handle = engine.core.admit_prefilled(request(), ready, timeout_s=5.0)
+    row = engine.table.rows[handle.slot]
+    assert row["state"] == S.BOOTSTRAP and row["owner"] == API and row["decode_actor"] == 1
+    assert row["prompt_tokens"] == 40 and row["deadline_ns"] == engine.clock() + 5_000_000_000
+    assert handle.reserve_blocks == 4 and handle.prefill_actor == -1
+    (dest, message), = engine.outbox.sent
+    assert dest == 1 and isinstance(message, KVReady)
+    assert (message.slot, message.generation) == handle.key and message.prefill_actor == REMOTE_ACTOR
+    assert message.peer == ready.peer and message.src_block_ids == ready.src_block_ids
+    assert engine.actors.routed == {0: 0, 1: 1}
+
+
+def test_a_prefilled_request_is_refused_without_a_peer_off_a_decode_node_and_rolled_back_on_a_full_inbox():
+    engine = Engine(role="decode", prefill=(), decode=(0, 1))
+    with pytest.raises(InvalidRequestError, match="peer"):
+        engine.core.admit_prefilled(request(), kv_ready(peer=""))
+    engine.outbox.refuse[0] = QueueFullError("full")
+    with pytest.raises(EngineOverloadedError, match="inbox refused"):
+        engine.core.admit_prefilled(request(), kv_ready())
+    assert_nothing_held(engine)
+    assert len(engine.table.released) == 1
+    with pytest.raises(InvalidRequestError, match="only a decode node"):
+        Engine().core.admit_prefilled(request(), kv_ready())
+
+
+def test_transfer_done_finishes_and_releases_the_row_and_wakes_its_prefill_actor_once():
+    engine = Engine(role="prefill", prefill=(0, 1), decode=())
+    handle, = engine.core.admit(request(), remote_decode=True)
+    engine.outbox.sent.clear()
+    engine.table.transition(*handle.key, S.PREFILLING)
+    engine.table.transition(*handle.key, S.BOOTSTRAP)
+    assert engine.core.transfer_done(*handle.key)
+    assert engine.table.rows == {} and engine.table.released == [handle.key]
+    assert engine.outbox.sent == [(0, TransferDone(*handle.key))]
+    assert engine.actors.routed == {0: 0, 1: 0}
+    assert not engine.core.transfer_done(*handle.key)   # late: a second one
+    assert engine.core.stale_messages["transfer_done"] == 1 and len(engine.outbox.sent) == 1
+
+
+def test_a_transfer_done_after_the_client_left_is_late_and_changes_nothing():
+    engine = Engine(role="prefill", prefill=(0, 1), decode=())
+    handle, = engine.core.admit(request(), remote_decode=True)
+    engine.outbox.sent.clear()
+    engine.core.release(handle)   # the client left: the row is ABORTED and released
+    assert engine.table.released == [handle.key]
+    assert not engine.core.transfer_done(*handle.key)
+    assert engine.outbox.sent == [] and engine.core.stale_messages["transfer_done"] == 1
+
+
+def test_a_transfer_done_whose_wake_up_is_refused_still_ends_the_row():
+    engine = Engine(role="prefill", prefill=(0, 1), decode=())
+    handle, = engine.core.admit(request(), remote_decode=True)
+    engine.table.transition(*handle.key, S.PREFILLING)
+    engine.table.transition(*handle.key, S.BOOTSTRAP)
+    engine.outbox.refuse[0] = QueueFullError("full")
+    assert engine.core.transfer_done(*handle.key)
+    assert engine.table.released == [handle.key] and engine.core.handles == {}
+
+
+def test_a_stop_string_finishes_the_row_and_release_frees_it_without_aborting():
+    engine = Engine()
+    handle, = engine.core.admit(request())
+    for state in (S.PREFILLING, S.BOOTSTRAP, S.TRANSFERRING, S.DECODE_WAITING, S.DECODING):
+        engine.table.transition(*handle.key, state)
+    engine.core.stop(handle)
+    assert engine.table.rows[handle.slot]["state"] == S.FINISHED and engine.table.rows[handle.slot]["owner"] == API
+    engine.core.release(handle)
+    assert engine.table.released == [handle.key] and engine.core.handles == {}
+    assert engine.actors.routed == {0: 0, 1: 0, 2: 0, 3: 0}
+    engine.core.release(handle)   # twice: a no-op
+    assert engine.table.released == [handle.key]
+
+
+def test_release_aborts_a_live_row_before_freeing_it():
+    engine = Engine()
+    handle, = engine.core.admit(request())
+    engine.table.transition(*handle.key, S.PREFILLING)
+    seen = []
+    transition = engine.table.transition
+    engine.table.transition = lambda *a, **k: seen.append(a[2]) or transition(*a, **k)
+    engine.core.release(handle)
+    assert seen == [S.ABORTED] and engine.table.released == [handle.key]
