@@ -11,7 +11,8 @@ from api.protocol import GenerationRequest
 from ipc.actor_table import ActorHealth, ActorStatus
 from ipc.lifecycle import RequestState as S
 from pdserve.config import EngineConfig
-from pdserve.errors import (EngineOverloadedError, InvalidRequestError, MessageTooLargeError, QueueFullError)
+from pdserve.errors import EngineOverloadedError, InvalidRequestError, MessageTooLargeError, QueueFullError
+from pdserve.kv_budget import blocks_for
 from tests.actors.fakes import FakeActors, FakeClock, FakeTable, Outbox
 
 API = 9
@@ -57,18 +58,24 @@ def assert_nothing_held(engine: Engine) -> None:
 
 def test_an_accepted_request_has_one_queued_row_per_choice_and_one_prefill_request():
     engine = Engine()
-    handles = engine.core.admit(request(n=3, prompt_tokens=20, max_tokens=12))
+    handles = engine.core.admit(request(n=3, prompt_tokens=20, max_tokens=13))
     assert [h.index for h in handles] == [0, 1, 2]
     rows = [engine.table.rows[h.slot] for h in handles]
     assert all(r["state"] == S.QUEUED and r["owner"] == API for r in rows)
     assert all(r["prefill_actor"] == 0 and r["decode_actor"] == 2 for r in rows)
     assert all(r["deadline_ns"] == engine.clock() + int(TIMEOUT_S * 1e9) for r in rows)
-    assert all(h.reserve_blocks == 2 for h in handles)           # ceil((20 + 12) / 16)
+    assert all(h.reserve_blocks == 3 for h in handles)           # ceil((20 + 13) / 16)
     (dest, message), = engine.outbox.sent
     assert dest == 0 and isinstance(message, PrefillRequest)
     assert (message.slot, message.generation) == handles[0].key and message.decode_actor == 2
     assert message.children == [list(h.key) for h in handles[1:]]
     assert engine.actors.routed == {0: 3, 1: 0, 2: 3, 3: 0}
+
+
+def test_blocks_for_is_prompt_plus_max_tokens_rounded_up_to_blocks():
+    assert [blocks_for(p, m, 16) for p, m in ((0, 1), (16, 0), (16, 1), (20, 13), (1, 31))] == [1, 1, 2, 3, 2]
+    with pytest.raises(ValueError):
+        blocks_for(1, 1, 0)
 
 
 def test_the_deadline_is_the_requests_own_capped_at_request_timeout_s():
@@ -97,10 +104,10 @@ def test_n_over_the_limit_is_a_400_and_in_flight_plus_n_over_it_a_503():
 def test_a_reservation_not_yet_made_counts_against_its_decode_pool_until_the_first_token():
     engine = Engine(kv_blocks_free=10)
     engine.actors.table[3]["kv_blocks_free"] = 8
-    first, = engine.core.admit(request("a", prompt_tokens=40, max_tokens=24))   # 4 blocks: decode 2 (10 free)
+    first, = engine.core.admit(request("a", prompt_tokens=40, max_tokens=20))   # 4 blocks: decode 2 (10 free)
     assert first.decode_actor == 2 and first.reserve_blocks == 4
     assert [load.kv_blocks_free for load in engine.core.actor_loads()[1]] == [6, 8]
-    second, = engine.core.admit(request("b", prompt_tokens=40, max_tokens=24))  # 6 < 8 free: decode 3
+    second, = engine.core.admit(request("b", prompt_tokens=40, max_tokens=20))  # 6 < 8 free: decode 3
     assert second.decode_actor == 3
     assert engine.core.actor_loads()[0][0].queued_prompt_tokens == 40   # both prompts: prefill 0 then 1
     first.prefilled = True   # the decode actor reserved them: the table's count has them now
@@ -189,12 +196,12 @@ def test_a_prefill_node_sends_to_a_remote_decode_and_counts_only_its_own_actor()
 def test_a_decode_node_admits_a_prefilled_request_at_bootstrap_on_the_most_free_actor():
     engine = Engine(role="decode", prefill=(), decode=(0, 1))
     engine.actors.table[1]["kv_blocks_free"] = 200
-    ready = kv_ready(num_tokens=40, max_tokens=24)
+    ready = kv_ready(num_tokens=40, max_tokens=9)
     handle = engine.core.admit_prefilled(request(), ready, timeout_s=5.0)
     row = engine.table.rows[handle.slot]
     assert row["state"] == S.BOOTSTRAP and row["owner"] == API and row["decode_actor"] == 1
     assert row["prompt_tokens"] == 40 and row["deadline_ns"] == engine.clock() + 5_000_000_000
-    assert handle.reserve_blocks == 4 and handle.prefill_actor == -1
+    assert handle.reserve_blocks == 4 and handle.prefill_actor == -1   # ceil(49 / 16)
     (dest, message), = engine.outbox.sent
     assert dest == 1 and isinstance(message, KVReady)
     assert (message.slot, message.generation) == handle.key and message.prefill_actor == REMOTE_ACTOR
