@@ -5,7 +5,8 @@ Per request: ``POST /internal/prefill`` on a prefill node (it answers once every
 KVReady frames and the source pool's Mooncake descriptor), then per choice a streamed ``POST /internal/decode``
 on a decode node (it pulls the KV straight from the prefill node over Mooncake and streams tokens back); the
 decode node's ``transfer_done`` line is relayed to the prefill node as ``POST /internal/transfer_done`` (it frees
-the blocks), a request that ends any other way before that gets ``POST /internal/abort`` there.
+the blocks), a request that ends any other way before that gets ``POST /internal/abort`` there. Which ending owes
+which message is api/flight.py's decision; this module carries the effects out.
 
 Deadlines: each node's monitor enforces the stages it holds; the router enforces the whole request's deadline
 (``next_event``) and watches the nodes: each is polled every ``monitor_tick_s`` (``GET /internal/status``); one
@@ -25,6 +26,7 @@ import orjson
 
 from api.admission import AdmissionPolicy, RequestHandle
 from api.engine_client import wait_event
+from api.flight import Effect, Flight
 from api.node_api import request_wire
 from api.protocol import GenerationRequest
 from pdserve.errors import EngineOverloadedError, InvalidRequestError, PdserveError
@@ -64,22 +66,25 @@ class Node:
 
 
 @dataclass
-class Flight:
-    """One choice of a request on its way through two nodes."""
+class InFlight:
+    """One choice of a request on its way through two nodes: its flight (api/flight.py decides) and the I/O that
+    carries it out."""
 
     handle: RequestHandle
     prefill: Node
     decode: Node
-    prefill_row: list[int] | None = None   # [slot, generation] on the prefill node once it answered
-    decode_row: list[int] | None = None    # [slot, generation] on the decode node while its stream is open
-    transfer_done: bool = False            # the prefill node was told (or the row is gone there)
-    stage: str = "prefill"                 # prefill -> decode -> done (for the router's view)
-    on_prefill: bool = True                # counted in prefill.in_flight (the node holds its row)
-    on_decode: bool = False                # counted in decode.in_flight
+    flight: Flight = field(default_factory=Flight)
     prefill_task: asyncio.Task | None = None   # shared by the request's choices (one /internal/prefill call)
     decode_task: asyncio.Task | None = None
-    siblings: list["Flight"] = field(default_factory=list)   # every choice of the request, this one included
-    ended: bool = False
+    siblings: list["InFlight"] = field(default_factory=list)   # every choice of the request, this one included
+
+    @property
+    def ended(self) -> bool:
+        return self.flight.ended
+
+    def dead(self) -> list[str]:
+        """The roles of this flight's nodes marked dead (told nothing)."""
+        return [n.role for n in (self.prefill, self.decode) if n.dead]
 
 
 def pick_node(nodes: list[Node], role: str) -> Node:
@@ -103,7 +108,7 @@ class RouterClient:
         self.nodes = [Node(u.rstrip("/"), "prefill") for u in prefill_urls] + \
                      [Node(u.rstrip("/"), "decode") for u in decode_urls]
         self.handles: dict[tuple[int, int], RequestHandle] = {}
-        self.flights: dict[tuple[int, int], Flight] = {}
+        self.flights: dict[tuple[int, int], InFlight] = {}
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._ids = itertools.count(1)
         self._poller: asyncio.Task | None = None
@@ -218,7 +223,7 @@ class RouterClient:
         for index in range(request.n):
             handle = RequestHandle(request, request_id, index + 1, index, deadline_s=time.monotonic() + timeout_s)
             self.handles[handle.key] = handle
-            self.flights[handle.key] = Flight(handle, prefill, decode)
+            self.flights[handle.key] = InFlight(handle, prefill, decode)
             prefill.in_flight += 1
             handles.append(handle)
         flights = [self.flights[h.key] for h in handles]
@@ -260,7 +265,7 @@ class RouterClient:
             raise node_error(f"{node.role} node {node.url} answered HTTP {status} on {path}", 502, "bad_gateway")
         return answer
 
-    async def _prefill(self, flights: list[Flight], timeout_s: float) -> None:
+    async def _prefill(self, flights: list[InFlight], timeout_s: float) -> None:
         first = flights[0]
         request = first.handle.request
         try:
@@ -272,17 +277,11 @@ class RouterClient:
                 self._fail(flight, exc)
             return
         for flight, row, ready in zip(flights, rows, readies):
-            flight.prefill_row = row
             flight.handle.prompt_logprobs = answer.get("prompt_logprobs") or []
-            if flight.ended:   # the client left or a node died while prefill ran: free the KV there
-                self._abort_prefill(flight)
-                continue
-            flight.stage = "decode"
-            flight.on_decode = True
-            flight.decode.in_flight += 1
-            flight.decode_task = asyncio.create_task(self._decode(flight, ready, peer))
+            # ended already (the client left or a node died while prefill ran): the flight aborts the row there
+            self._carry(flight, flight.flight.prefilled(row, flight.dead()), ready=ready, peer=peer)
 
-    async def _decode(self, flight: Flight, ready: list, peer: str) -> None:
+    async def _decode(self, flight: InFlight, ready: list, peer: str) -> None:
         import httpx
 
         handle, node = flight.handle, flight.decode
@@ -305,17 +304,14 @@ class RouterClient:
                 node.healthy = False
             self._fail(flight, node_error(f"decode node {node.url}: {type(exc).__name__}: {exc}"))
 
-    def _on_line(self, flight: Flight, line: dict) -> bool:
+    def _on_line(self, flight: InFlight, line: dict) -> bool:
         """One line of a decode stream; True when the sequence is over (a finish reason or an error)."""
         handle = flight.handle
         if "row" in line:
-            flight.decode_row = line["row"]
+            self._carry(flight, flight.flight.opened(line["row"]))
             return False
         if line.get("transfer_done"):
-            flight.transfer_done = True
-            self._leave_prefill(flight)
-            self._background(self._tell_prefill(flight, "/internal/transfer_done", {
-                "slot": flight.prefill_row[0], "generation": flight.prefill_row[1]}))
+            self._carry(flight, flight.flight.transfer_done())
             return False
         if "error" in line:
             error = line["error"]
@@ -329,11 +325,8 @@ class RouterClient:
         handle.prefilled = True
         handle.events.put_nowait(("token", token, reason, logprobs))
         if reason is not None:   # the decode node ended the row itself
-            flight.decode_row = None
+            self._carry(flight, flight.flight.last_token())
         return reason is not None
-
-    async def _tell_prefill(self, flight: Flight, path: str, body: dict) -> None:
-        await self._tell(flight.prefill, path, body, flight.handle.request.request_id)
 
     async def _tell(self, node: Node, path: str, body: dict, request_id: str) -> None:
         try:
@@ -341,42 +334,38 @@ class RouterClient:
         except PdserveError as exc:   # the node's own deadlines free the row: a lost message costs time, not KV
             log.warning("request %s: %s on %s failed: %s", request_id, path, node.url, exc.message)
 
-    @staticmethod
-    def _leave_prefill(flight: Flight) -> None:
-        if flight.on_prefill:
-            flight.on_prefill = False
-            flight.prefill.in_flight -= 1
+    def _fail(self, flight: InFlight, error: PdserveError) -> None:
+        self._carry(flight, flight.flight.fail(error, flight.dead()))
 
-    def _abort_prefill(self, flight: Flight) -> None:
-        if flight.prefill_row is not None and not flight.transfer_done and not flight.prefill.dead:
-            flight.transfer_done = True
-            self._background(self._tell_prefill(flight, "/internal/abort", {"rows": [flight.prefill_row]}))
+    def _end(self, flight: InFlight) -> None:
+        self._carry(flight, flight.flight.end(flight.dead()))
 
-    def _fail(self, flight: Flight, error: PdserveError) -> None:
-        if not flight.ended:
-            flight.handle.events.put_nowait(("error", error))
-        self._end(flight)
-
-    def _end(self, flight: Flight) -> None:
-        """The flight's work stops: its tasks are cancelled (closing a decode stream aborts the row there), the
-        prefill node's row is aborted unless the decode node already holds the KV."""
-        if flight.ended:
-            return
-        flight.ended = True
-        flight.stage = "done"
-        self._leave_prefill(flight)
-        if flight.on_decode:
-            flight.on_decode = False
-            flight.decode.in_flight -= 1
-        if flight.decode_row is not None and not flight.decode.dead:   # ended early (client gone, stop string):
-            row, flight.decode_row = flight.decode_row, None          # the node frees it now, not when it notices
-            self._background(self._tell(flight.decode, "/internal/abort", {"rows": [row]},
-                                        flight.handle.request.request_id))
+    def _carry(self, flight: InFlight, effects: list[Effect], ready: list | None = None, peer: str = "") -> None:
+        """Carry out a flight's effects (api/flight.py ``Effect``): counts, the decode stream, messages to the
+        nodes (in the background: a finished request must not cancel them), the client's error."""
         current = asyncio.current_task()
-        for task in (flight.decode_task, flight.prefill_task if all(f.ended for f in flight.siblings) else None):
-            if task is not None and task is not current and not task.done():
-                task.cancel()
-        self._abort_prefill(flight)
+        request_id = flight.handle.request.request_id
+        for effect in effects:
+            node = flight.prefill if effect.node == "prefill" else flight.decode
+            if effect.action == "in_flight":
+                node.in_flight += effect.value
+            elif effect.action == "open_stream":
+                flight.decode_task = asyncio.create_task(self._decode(flight, ready, peer))
+            elif effect.action in ("close_stream", "cancel_prefill"):   # closing a stream aborts the row there too
+                task = flight.decode_task if effect.action == "close_stream" else flight.prefill_task
+                if effect.action == "cancel_prefill" and not all(f.ended for f in flight.siblings):
+                    continue   # the call is shared: another choice still waits on it
+                if task is not None and task is not current and not task.done():
+                    task.cancel()
+            elif effect.action == "transfer_done":
+                self._background(self._tell(node, "/internal/transfer_done",
+                                            {"slot": effect.row[0], "generation": effect.row[1]}, request_id))
+            elif effect.action == "abort":
+                self._background(self._tell(node, "/internal/abort", {"rows": [list(effect.row)]}, request_id))
+            elif effect.action == "error":
+                flight.handle.events.put_nowait(("error", effect.value))
+            else:
+                raise ValueError(f"unknown flight effect {effect}")
 
     def _background(self, coro) -> None:
         """Run a message to a node to its end (its own timeout bounds it), whatever happens to the request that
@@ -408,7 +397,7 @@ class RouterClient:
         """The router's part of tools/inspect's ``--url`` document: its nodes and its requests in flight."""
         now = time.monotonic()
         requests = [{"request_id": f.handle.request.request_id, "choice": f.handle.index,
-                     "prefill_node": f.prefill.url, "decode_node": f.decode.url, "stage": f.stage,
+                     "prefill_node": f.prefill.url, "decode_node": f.decode.url, "stage": f.flight.stage.value,
                      "age_s": round(now - f.handle.admitted_ns / 1e9, 3)}
                     for f in self.flights.values() if not f.ended]
         return {"requests": requests, "nodes": [n.view(now) for n in self.nodes]}
