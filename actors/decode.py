@@ -12,7 +12,7 @@ import logging
 import time
 
 from actors.base import DECODE_INDEX, Actor
-from actors.messages import REMOTE_ACTOR, KVReady, RequestError, parse_frames
+from actors.messages import REMOTE_ACTOR, KVReady, parse_frames
 from actors.prefill import publish_prefix_cache
 
 log = logging.getLogger("pdserve.decode")
@@ -63,7 +63,8 @@ class DecodeActor(Actor):
         self.faults = FaultPlan(self.config.faults, self.name)
         self.queues = {i: ShmQueue.attach(self.layout.segment(topo.segment("q", i))) for i in topo.prefill}
         self.queues["api"] = ShmQueue.attach(self.layout.segment("q_api"))
-        self.outbox = FaultyOutbox(QueueOutbox(self.queues, self.queue_put_timeout_s), self.faults)
+        self.queue_outbox = QueueOutbox(self.queues, self.queue_put_timeout_s)
+        self.outbox = FaultyOutbox(self.queue_outbox, self.faults)
         self.table = StateTable.attach(self.layout.segment("state"))
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(self.layout.model_path, cache_dir=model_cache_dir(self.config.model_cache_dir))
@@ -88,7 +89,8 @@ class DecodeActor(Actor):
                                             batch_tokens=self.config.max_prefill_batch_tokens,
                                             chunk_tokens=self.config.prefill_chunk_tokens)
             self.prefill_runner = PrefillRunner(self.model, self.kv, self.sampler, self.outbox, self.grammars)
-            self.queues["prefill"], self.queues["decode"] = self.prefill_core, self.core
+            self.queue_outbox.add_route("prefill", self.prefill_core)
+            self.queue_outbox.add_route("decode", self.core)
         self._published_free = -1
         self._published_done = 0
         self._published_cache = (0, 0, 0)
@@ -127,7 +129,7 @@ class DecodeActor(Actor):
                     continue
             if isinstance(message, KVReady):
                 apply_actor_faults(self.faults, self.name, message.request_id, self.table)
-                if accept_kv_ready(self.faults, message, self.table, self.outbox, self.index):
+                if accept_kv_ready(self.faults, message, self.core):
                     self.core.on_message(message)
             elif self.prefill_core is None or not self.prefill_core.on_message(message):
                 log.warning("decode: unexpected message %r dropped", message)
@@ -142,7 +144,6 @@ class DecodeActor(Actor):
         from actors.ports import TransportTransfers
         from ipc.kv_transport import make_transport
         from ipc.mooncake_transport import PeerDescriptor
-        from ipc.state_table import RequestState
 
         key = self.remote_peers.get(ready.peer)
         if key is None:
@@ -151,16 +152,14 @@ class DecodeActor(Actor):
                 transport.open_remote(PeerDescriptor.from_json(ready.peer))
             except (ValueError, TypeError, KeyError, AttributeError) as exc:
                 log.error("request %s: unusable prefill peer: %s", ready.request_id, exc)
-                if self.table.transition(ready.slot, ready.generation, RequestState.FAILED, owner=self.index):
-                    self.outbox.send("api", RequestError(ready.slot, ready.generation, 502, "bad_gateway",
-                                                         f"the prefill node's KV pool cannot feed {self.name}: "
-                                                         f"{exc}"))
+                self.core.reject(ready, 502, "bad_gateway", f"the prefill node's KV pool cannot feed {self.name}: "
+                                                            f"{exc}")
                 return None
             key = -100 - len(self.remote_peers)   # below every local index and REMOTE_ACTOR
             self.remote_peers[ready.peer] = key
             self.transports[key] = transport
-            self.peer_transfers.by_peer[key] = TransportTransfers(transport, synchronous=False)
-            self.queues[key] = self.queues["api"]   # its TransferDone: through the API to the prefill node
+            self.peer_transfers.add_peer(key, TransportTransfers(transport, synchronous=False))
+            self.queue_outbox.add_route(key, self.queues["api"])   # its TransferDone: through the API
         return replace(ready, prefill_actor=key)
 
     def _prefill_here(self) -> None:

@@ -115,6 +115,16 @@ class DecodeCore:
         self.bootstrap.append(DecodeEntry(ready=message))
         return True
 
+    def reject(self, ready: KVReady, http_status: int, error_type: str, message: str) -> bool:
+        """Refuse a KVReady at intake (before it holds anything here: an unusable peer descriptor, the
+        ``decode_reject`` fault): its row FAILS and the API gets ``RequestError(http_status, error_type,
+        message)``. Returns False (nothing sent) if the row had ended already."""
+        if not self.table.transition(ready.slot, ready.generation, S.FAILED, owner=self.actor_index):
+            return False
+        self.outbox.send("api", RequestError(ready.slot, ready.generation, http_status, error_type, message),
+                         ready.request_id)
+        return True
+
     def has_work(self) -> bool:
         """True when the next iteration has something to run at once (a step, an admission)."""
         return bool(self.decoding) or (bool(self.decode_waiting) and len(self.decoding) < self.max_num_seqs)

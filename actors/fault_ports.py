@@ -9,8 +9,8 @@ import os
 import signal
 import time
 
-from actors.messages import RequestError, TransferDone
-from ipc.lifecycle import RequestState, TransferStatus
+from actors.messages import TransferDone
+from ipc.lifecycle import TransferStatus
 
 log = logging.getLogger("pdserve.faults")
 
@@ -59,17 +59,16 @@ def prefill_chunk_faults(faults, request_id: str, first_chunk: bool, is_live, be
         time.sleep(0.02)
 
 
-def accept_kv_ready(faults, ready, table, outbox, actor_index: int) -> bool:
+def accept_kv_ready(faults, ready, core) -> bool:
     """Decode-side faults on a KVReady: ``bootstrap_silent`` ignores it (the row stays in BOOTSTRAP),
-    ``decode_reject`` fails it with a retryable 503. Returns False if the message must not reach the core."""
+    ``decode_reject`` has the decode core (actors/decode_core.py ``reject``) fail it with a retryable 503.
+    Returns False if the message must not reach the core."""
     if faults.fires("bootstrap_silent", ready.request_id):
         log.warning("fault bootstrap_silent: ignoring KVReady for slot %d", ready.slot)
         return False
     if faults.fires("decode_reject", ready.request_id):
         log.warning("fault decode_reject: dropping slot %d", ready.slot)
-        if table.transition(ready.slot, ready.generation, RequestState.FAILED, owner=actor_index):
-            outbox.send("api", RequestError(ready.slot, ready.generation, 503, "engine_error",
-                                            "the decode actor dropped the request; retry it"))
+        core.reject(ready, 503, "engine_error", "the decode actor dropped the request; retry it")
         return False
     return True
 

@@ -96,6 +96,10 @@ class PeerTransfers:
         self._handles: dict[int, tuple[Any, int]] = {}
         self._next = 1
 
+    def add_peer(self, peer: int, port) -> None:
+        """Pull from ``port`` for ``start(..., peer=peer)`` from now on (a remote pool opened on first use)."""
+        self.by_peer[peer] = port
+
     def start(self, request_id, src_block_ids, dst_block_ids, num_tokens, peer: int = -1) -> int:
         inner = self.by_peer[peer]
         handle, self._next = self._next, self._next + 1
@@ -120,6 +124,10 @@ class QueueOutbox:
     def __init__(self, queues: dict[str, Any], put_timeout_s: float):
         self.queues = queues
         self.put_timeout_s = put_timeout_s
+
+    def add_route(self, dest: int | str, target: Any) -> None:
+        """Send to ``dest`` through ``target`` (a queue, or a local core) from now on."""
+        self.queues[dest] = target
 
     def send(self, dest: str, message: Any, request_id: str = "") -> None:
         from actors.messages import to_wire

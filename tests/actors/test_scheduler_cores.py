@@ -744,3 +744,29 @@ def test_a_later_request_on_the_same_prefill_blocks_and_request_id_does_not_shar
     assert later[1] == ready.src_block_ids and not set(later[2]) & set(earlier.blocks)   # a full pull of its own
     pair.run(24)
     pair.assert_all_free()
+
+
+@pytest.mark.parametrize("via", ["reject", "decode_reject fault"])
+def test_a_kv_ready_refused_at_intake_fails_its_row_once_and_holds_nothing(via):
+    from actors.fault_ports import accept_kv_ready
+    from pdserve.faults import FaultPlan
+
+    pair = Pair()
+    request = prefill_request(pair.table, "refused-1")
+    key = (request.slot, request.generation)
+    pair.prefill.on_message(request)
+    pair.prefill_step()
+    [ready] = pair.to_decode.take("decode")
+    if via == "reject":
+        assert pair.decode.reject(ready, 502, "bad_gateway", "unusable peer")
+    else:
+        assert not accept_kv_ready(FaultPlan("decode_reject:match=refused-", "decode0"), ready, pair.decode)
+    assert pair.table.state(key) == S.FAILED and pair.table.rows[key[0]]["owner"] == DECODE
+    [error] = pair.to_prefill_and_api.take("api", RequestError)
+    assert (error.slot, error.generation) == key
+    assert error.http_status == (502 if via == "reject" else 503)
+    assert not pair.decode.reject(ready, 502, "bad_gateway", "again")   # an ended row: nothing sent twice
+    assert pair.to_prefill_and_api.sent == []
+    assert pair.decode_pool.num_free == pair.decode_pool.num_blocks and not pair.decode.bootstrap
+    pair.run(2)   # prefill sees the row final and frees its blocks
+    pair.assert_all_free()
