@@ -214,8 +214,7 @@ class HeartbeatMonitor(Actor):
 
     def check_actors(self, rows: np.ndarray, now_ns: int) -> None:
         from actors.watchdog import classify_actor
-        from ipc._shm import pid_alive
-        from ipc.actor_table import ActorHealth, ActorStatus
+        from ipc.actor_table import ActorHealth, ActorStatus, pid_alive
 
         actor_rows = self.actors.rows()
         verdicts = {}

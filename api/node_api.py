@@ -218,12 +218,11 @@ class NodeRoutes:
     def peer_descriptor(self, prefill_actor: int) -> str:
         """The Mooncake descriptor JSON prefill actor ``prefill_actor`` published for its pool (read each call:
         a restarted actor republishes). Raises FileNotFoundError if it is not published."""
-        from ipc import _shm
-        from ipc.mooncake_transport import descriptor_name, read_descriptor
+        from ipc.mooncake_transport import attach_descriptor, descriptor_name, read_descriptor
 
         name = descriptor_name(self.client.layout.segment(self.client.topology.segment("kv", prefill_actor)))
         if prefill_actor not in self._descriptors:
-            self._descriptors[prefill_actor] = _shm.attach_segment(name, readonly=True)
+            self._descriptors[prefill_actor] = attach_descriptor(name)
         return read_descriptor(self._descriptors[prefill_actor], name)[1].to_json()
 
     async def prefill(self, request: Request) -> Response:

@@ -75,6 +75,8 @@ import numpy as np
 from ipc import _shm
 from ipc.engine_status import GAUGES
 
+pid_alive = _shm.pid_alive   # whether a process id names a live process (the monitor's actor verdicts)
+
 
 class ActorStatus(enum.IntEnum):
     """An actor's own lifecycle (written by the actor), plus RESTARTING, which is never stored: ``row()``

@@ -193,6 +193,12 @@ class MooncakeSource:
             _shm.unlink_segment_quiet(self.name)
 
 
+def attach_descriptor(name: str):
+    """Map the published descriptor segment ``name`` read-only (for ``read_descriptor``). Raises
+    FileNotFoundError if it does not exist."""
+    return _shm.attach_segment(name, readonly=True)
+
+
 def read_descriptor(mm, name: str = "") -> tuple[int, PeerDescriptor]:
     """``(seq, descriptor)`` from the mapped descriptor segment ``mm``. Raises FileNotFoundError if it is not
     published, or being rewritten (seq odd or moved while reading: try again later)."""

@@ -114,3 +114,60 @@ def test_stage_names_in_504_messages_metrics_and_inspect_come_from_the_lifecycle
     for path in (ROOT / "api" / "metrics.py", ROOT / "api" / "debug_state.py"):   # debug_state: inspect's
         assert re.search(r"\bSTAGE_NAME\b", path.read_text()), f"{path.name} does not name stages by STAGE_NAME"
     assert set(STAGE_NAME.values()) == {"queued", "prefill", "bootstrap", "transfer", "decode_waiting", "decode"}
+
+
+# who may move or take a state-table row: the cores, the API's admission core, the monitor and the supervisor
+ROW_MOVERS = {"actors/prefill_core.py", "actors/decode_core.py", "api/admission.py", "actors/monitor.py",
+              "actors/supervisor.py"}
+# who else calls a KV block allocator's allocate: the allocators themselves and their decorator (ipc/kv_pool.py,
+# actors/prefix_cache.py), and the warm-up pass that takes one scratch block before serving (actors/model_runner.py)
+BLOCK_ALLOCATORS = {"ipc/kv_pool.py", "actors/prefix_cache.py", "actors/model_runner.py"}
+# ipc/_shm.py is ipc's own base; tools/bench_ipc.py measures its primitives against a raw-segment baseline
+SHM_IMPORTERS = {"tools/bench_ipc.py"}
+
+
+def method_calls(name: str) -> list[tuple[str, int, str]]:
+    """``(path, line, receiver source)`` of every ``<receiver>.<name>(...)`` call in the packages."""
+    calls = []
+    for path, tree in sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == name:
+                calls.append((path.relative_to(ROOT).as_posix(), node.lineno, ast.unparse(node.func.value)))
+    return calls
+
+
+def test_rows_are_moved_and_taken_only_by_the_cores_admission_the_monitor_and_the_supervisor():
+    transitions = method_calls("transition")
+    assert {p for p, _, _ in transitions} >= {"actors/decode_core.py", "api/admission.py"}, "the walk found none"
+    outside = [f"{p}:{line}" for p, line, _ in transitions if p not in ROW_MOVERS]
+    assert not outside, f"transition() outside the cores: {outside}"
+    allocations = method_calls("allocate")
+    rows = [f"{p}:{line}" for p, line, receiver in allocations if "table" in receiver and p not in ROW_MOVERS]
+    blocks = [f"{p}:{line}" for p, line, receiver in allocations if "table" not in receiver
+              and p not in ROW_MOVERS | BLOCK_ALLOCATORS]
+    assert not rows and not blocks, f"allocate() outside the cores: {rows + blocks}"
+
+
+def test_ipc_shm_is_imported_only_inside_ipc():
+    importers = []
+    for path, tree in sources():
+        where = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [f"{node.module}.{a.name}" for a in node.names] + [node.module] \
+                if isinstance(node, ast.ImportFrom) and node.module else []
+            if any(n == "ipc._shm" or n.startswith("ipc._shm.") for n in names):
+                importers.append(f"{where}:{node.lineno}")
+    outside = [i for i in importers if not i.startswith("ipc/") and i.split(":")[0] not in SHM_IMPORTERS]
+    assert importers and not outside, outside
+
+
+def test_one_reservation_formula():
+    """``ceil((prompt + max_tokens) / block_tokens)`` is pdserve.kv_budget.blocks_for's alone."""
+    def divides_tokens_by_blocks(node) -> bool:
+        return isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.FloorDiv)) and \
+            "max_tokens" in ast.unparse(node.left)
+
+    written = [f"{path.relative_to(ROOT)}:{node.lineno}" for path, tree in sources()
+               for node in ast.walk(tree) if divides_tokens_by_blocks(node)]
+    assert [w.split(":")[0] for w in written] == ["pdserve/kv_budget.py"], written
