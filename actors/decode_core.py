@@ -119,7 +119,7 @@ class DecodeCore:
         """Refuse a KVReady at intake (before it holds anything here: an unusable peer descriptor, the
         ``decode_reject`` fault): its row FAILS and the API gets ``RequestError(http_status, error_type,
         message)``. Returns False (nothing sent) if the row had ended already."""
-        if not self.table.transition(ready.slot, ready.generation, S.FAILED, owner=self.actor_index):
+        if not self.table.transition(ready.slot, ready.generation, S.FAILED, owner=self.actor_index, by="decode"):
             return False
         self.outbox.send("api", RequestError(ready.slot, ready.generation, http_status, error_type, message),
                          ready.request_id)
@@ -169,7 +169,8 @@ class DecodeCore:
                 return
             self.bootstrap.pop(0)
             row = self.table.read(*entry.key)
-            if row is None or not self.table.transition(*entry.key, S.TRANSFERRING, owner=self.actor_index):
+            if row is None or not self.table.transition(*entry.key, S.TRANSFERRING, owner=self.actor_index,
+                                                        by="decode"):
                 self.allocator.free(own, ready.slot)
                 continue
             if key is not None and shared is None:   # the first holder: the prompt's full blocks come off its own
@@ -266,7 +267,7 @@ class DecodeCore:
         joined = []
         while self.decode_waiting and len(self.decoding) < self.max_num_seqs:
             entry = self.decode_waiting.pop(0)
-            if not self.table.transition(*entry.key, S.DECODING, owner=self.actor_index):
+            if not self.table.transition(*entry.key, S.DECODING, owner=self.actor_index, by="decode"):
                 self._release(entry)
                 continue
             entry.position = entry.ready.num_tokens
@@ -348,7 +349,7 @@ class DecodeCore:
             del self.prompts[shared.key]
 
     def _fail(self, entry: DecodeEntry, http_status: int, error_type: str, message: str) -> None:
-        if self.table.transition(*entry.key, S.FAILED, owner=self.actor_index):
+        if self.table.transition(*entry.key, S.FAILED, owner=self.actor_index, by="decode"):
             self.outbox.send("api", RequestError(*entry.key, http_status, error_type, message))
         self._release(entry)
 
@@ -360,7 +361,7 @@ class DecodeCore:
                          "cached_tokens": ready.cached_tokens}
         self.outbox.send("prefill" if ready.prefill_actor == -1 else ready.prefill_actor, TransferDone(*entry.key),
                          ready.request_id)
-        if self.table.transition(*entry.key, S.DECODE_WAITING, owner=self.actor_index):
+        if self.table.transition(*entry.key, S.DECODE_WAITING, owner=self.actor_index, by="decode"):
             self.decode_waiting.append(entry)
         else:
             self._release(entry)
@@ -383,7 +384,7 @@ class DecodeCore:
         reason = self._finish_reason(entry, token)
         slot, generation = entry.key
         if reason is not None:
-            if not self.table.transition(slot, generation, S.FINISHED, owner=self.actor_index):
+            if not self.table.transition(slot, generation, S.FINISHED, owner=self.actor_index, by="decode"):
                 self._release(entry)
                 return True
             self._updates.append((slot, generation, {"output_tokens": entry.output_tokens}))

@@ -55,7 +55,7 @@ def held_mask(rows: np.ndarray, topology: Topology, index: int) -> np.ndarray:
 
 
 def fail_requests_held_by(table, status, to_api, topology: Topology, index: int, message: str, *, by: int,
-                          rows: np.ndarray | None = None) -> int:
+                          rows: np.ndarray | None = None, role: str = "monitor") -> int:
     """Fail (503, retryable) every live request that actor ``index`` holds (``held_mask``); returns how many.
 
     Used by the monitor for dead or hung actors and by the supervisor the moment it sees an actor's process
@@ -73,7 +73,7 @@ def fail_requests_held_by(table, status, to_api, topology: Topology, index: int,
     for slot in np.flatnonzero(held_mask(rows, topology, index)):
         slot, generation = int(slot), int(rows["generation"][slot])
         stage = int(rows["state"][slot])
-        if table.transition(slot, generation, S.FAILED, owner=by):
+        if table.transition(slot, generation, S.FAILED, owner=by, by=role):
             failed += 1
             status.rec["actor_failures"][stage] += 1
             if api_lock_stuck:
@@ -199,7 +199,7 @@ class HeartbeatMonitor(Actor):
 
     def expire(self, expired) -> None:
         final = self.S.FAILED if expired.reason == "bad_timestamp" else self.S.TIMED_OUT
-        if not self.table.transition(expired.slot, expired.generation, final, owner=self.index):
+        if not self.table.transition(expired.slot, expired.generation, final, owner=self.index, by="monitor"):
             return  # it finished (or was aborted) since the snapshot: it was not stuck
         rec = self.status.rec
         if expired.reason == "bad_timestamp":

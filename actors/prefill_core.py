@@ -220,7 +220,7 @@ class PrefillCore:
         blocks = prompt.blocks
         rows = []
         for index, key in enumerate(request_rows(request)):
-            if self.table.transition(*key, S.PREFILLING, owner=self.actor_index):
+            if self.table.transition(*key, S.PREFILLING, owner=self.actor_index, by="prefill"):
                 rows.append((index, key))
                 shared.holders.add(key)
                 self.inflight[key] = shared
@@ -245,7 +245,7 @@ class PrefillCore:
         now_ns = self.clock()
         queue_s, prefill_s = (work.start_ns - work.created_ns) / 1e9, (now_ns - work.start_ns) / 1e9
         for (_, key), sampling, (token, logprobs) in zip(work.rows, work.samplings, firsts):
-            if not self.table.transition(*key, S.BOOTSTRAP, owner=self.actor_index):
+            if not self.table.transition(*key, S.BOOTSTRAP, owner=self.actor_index, by="prefill"):
                 self._free(key)
                 continue
             history = request.prompt_ids if sampling.repetition_penalty != 1.0 else []

@@ -147,7 +147,7 @@ def fail_held_for_restart(state, status, to_api, topo, index: int, exitcode) -> 
     name = topo.names[index]
     return fail_requests_held_by(state, status, to_api, topo, index,
                                  f"actor {name} is dead (its process exited with code {exitcode}); "
-                                 "the request was dropped, retry it", by=-1)
+                                 "the request was dropped, retry it", by=-1, role="supervisor")
 
 
 def monitor_is_hung(row, alive: bool, now_ns: int, config) -> bool:
@@ -394,7 +394,7 @@ class Supervisor:
         for slot in live:
             row = self.state.row(slot)
             try:
-                aborted = self.state.transition(slot, int(row["generation"]), RequestState.ABORTED)
+                aborted = self.state.transition(slot, int(row["generation"]), RequestState.ABORTED, by="supervisor")
             except ShmLockTimeoutError as exc:   # a stopped or hung holder: stop() kills every actor next
                 log.error("drain: cannot abort the %d live requests: %s", len(live), exc)
                 return

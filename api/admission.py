@@ -76,7 +76,8 @@ class TablePort(Protocol):
 
     def update(self, slot: int, generation: int, **fields) -> bool: ...
 
-    def transition(self, slot: int, generation: int, new_state: int, *, owner: int | None = None) -> bool: ...
+    def transition(self, slot: int, generation: int, new_state: int, *, owner: int | None = None,
+                   by: str | None = None) -> bool: ...
 
     def release(self, slot: int, generation: int) -> bool: ...
 
@@ -208,7 +209,7 @@ class Admission:
                 slot, generation = self.table.allocate(
                     request.request_id, prompt_tokens=prompt_tokens, deadline_ns=now_ns + int(timeout_s * 1e9),
                     prefill_actor=prefill_actor, decode_actor=decode_actor, state=state)
-                self.table.update(slot, generation, owner=self.owner)
+                self.table.update(slot, generation, owner=self.owner, by="api")
                 handle = RequestHandle(request, slot, generation, index, deadline_s=now_ns / 1e9 + timeout_s,
                                        admitted_ns=now_ns, prefill_actor=prefill_actor, decode_actor=decode_actor,
                                        reserve_blocks=reserve)
@@ -297,7 +298,7 @@ class Admission:
         if handle is None:
             self.stale_messages["transfer_done"] += 1
             return False
-        self.table.transition(slot, generation, S.FINISHED, owner=self.owner)
+        self.table.transition(slot, generation, S.FINISHED, owner=self.owner, by="api")
         try:
             self.outbox.send(handle.prefill_actor, TransferDone(slot, generation), handle.request.request_id)
         except QueueFullError:   # the wake-up only: the actor frees on seeing the row final anyway
@@ -307,14 +308,14 @@ class Admission:
 
     def stop(self, handle: RequestHandle) -> None:
         """A stop string matched: the row is FINISHED; the decode actor sees it and frees its blocks."""
-        self.table.transition(handle.slot, handle.generation, S.FINISHED, owner=self.owner)
+        self.table.transition(handle.slot, handle.generation, S.FINISHED, owner=self.owner, by="api")
 
     def release(self, handle: RequestHandle) -> None:
         """The client has its answer (or is gone): abort the row if still live (a no-op on a final row: the
         transition refuses), then release it; a second call is a no-op."""
         if self.handles.pop(handle.key, None) is None:
             return
-        self.table.transition(handle.slot, handle.generation, S.ABORTED, owner=self.owner)
+        self.table.transition(handle.slot, handle.generation, S.ABORTED, owner=self.owner, by="api")
         self.table.release(handle.slot, handle.generation)
         self.publish_routed()
 

@@ -116,6 +116,14 @@ def stage_of(state: int) -> str:
     return STAGE_NAME.get(state, state.name.lower())
 
 
+def check_mover(new: int, by: str | None) -> None:
+    """Raise ValueError unless role ``by`` may move a row into ``new`` (the lifecycle's "moved by" column);
+    ``by`` None checks nothing (tools and tests moving rows by hand)."""
+    if by is not None and by not in SPEC[RequestState(new)].moved_by:
+        raise ValueError(f"role {by!r} may not move a row to {RequestState(new).name}; the lifecycle lets "
+                         f"{', '.join(SPEC[RequestState(new)].moved_by)} do that")
+
+
 def check_transition(current: int, new: int) -> None:
     """Raise ValueError unless ``current -> new`` is in ``ALLOWED`` (pure; used by ``StateTable.transition``)."""
     cur, nxt = RequestState(current), RequestState(new)

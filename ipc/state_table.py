@@ -63,7 +63,8 @@ import numpy as np
 
 from ipc import _shm
 from ipc._shm import RobustLock
-from ipc.lifecycle import ALLOCATE_STATES, ALLOWED, FINAL_STATES, LIVE_STATES, RequestState, check_transition  # noqa: F401
+from ipc.lifecycle import (ALLOCATE_STATES, ALLOWED, FINAL_STATES, LIVE_STATES, RequestState,  # noqa: F401
+                           check_mover, check_transition)
 from pdserve.errors import StateTableFullError
 
 
@@ -284,7 +285,7 @@ class StateTable(_shm.ShmSegment):
 
     def transition(self, slot: int, generation: int, new_state: RequestState, *, owner: int | None = None,
                    expect: RequestState | Iterable[RequestState] | None = None,
-                   error_code: int | None = None) -> bool:
+                   error_code: int | None = None, by: str | None = None) -> bool:
         """Move row ``slot`` to ``new_state``: the ONLY way a request's state changes.
 
         Under the table lock: returns False and changes nothing if ``generation`` is stale, the row is FREE or
@@ -298,6 +299,7 @@ class StateTable(_shm.ShmSegment):
         self._writable()
         slot = self._check_slot(slot)
         new = RequestState(new_state)
+        check_mover(new, by)   # ``by``: the moving role, checked against the lifecycle's "moved by" (ValueError)
         want = _state_set(expect)
         c = self._c
         self._acquire()

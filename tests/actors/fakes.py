@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from actors.messages import PrefillRequest, Sampling
 from ipc.actor_table import ActorHealth, ActorStatus
-from ipc.lifecycle import ALLOCATE_STATES, FINAL_STATES, RequestState, TransferStatus, check_transition
+from ipc.lifecycle import ALLOCATE_STATES, FINAL_STATES, RequestState, TransferStatus, check_mover, check_transition
 from pdserve.errors import OutOfKVBlocksError, StateTableFullError
 
 
@@ -64,7 +64,8 @@ class FakeTable:
     def state(self, key) -> RequestState:
         return self.rows[key[0]]["state"]
 
-    def transition(self, slot, generation, new_state, *, owner=None) -> bool:
+    def transition(self, slot, generation, new_state, *, owner=None, by=None) -> bool:
+        check_mover(new_state, by)
         row = self.rows.get(slot)
         if row is None or row["generation"] != generation or row["state"] in FINAL_STATES:
             return False

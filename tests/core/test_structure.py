@@ -7,6 +7,8 @@ import collections
 import re
 from pathlib import Path
 
+import pytest
+
 from ipc.lifecycle import LIFECYCLE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,3 +173,22 @@ def test_one_reservation_formula():
     written = [f"{path.relative_to(ROOT)}:{node.lineno}" for path, tree in sources()
                for node in ast.walk(tree) if divides_tokens_by_blocks(node)]
     assert [w.split(":")[0] for w in written] == ["pdserve/kv_budget.py"], written
+
+
+def test_every_transition_in_the_engine_names_its_role_and_the_table_checks_it_against_the_lifecycle():
+    from ipc.lifecycle import SPEC, RequestState, check_mover
+
+    unnamed = []
+    for path, tree in sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "transition":
+                by = [k.value for k in node.keywords if k.arg == "by"]
+                if not by or not (isinstance(by[0], ast.Constant) or path.name == "monitor.py"):
+                    unnamed.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not unnamed, f"transition() without a literal by=role: {unnamed}"
+    check_mover(RequestState.DECODING, "decode")
+    for state, role in ((RequestState.DECODING, "api"), (RequestState.QUEUED, "prefill"),
+                        (RequestState.TIMED_OUT, "decode"), (RequestState.ABORTED, "monitor")):
+        assert role not in SPEC[state].moved_by
+        with pytest.raises(ValueError, match="may not move"):
+            check_mover(state, role)

@@ -102,6 +102,15 @@ def test_a_final_state_is_terminal(table):
         assert row["state"] == final and row["state_since_ns"] == stamp
 
 
+def test_a_move_by_a_role_the_lifecycle_does_not_name_raises_and_changes_nothing(table):
+    slot, gen = walk_to(table, RequestState.DECODE_WAITING)
+    with pytest.raises(ValueError, match="may not move"):
+        table.transition(slot, gen, RequestState.DECODING, by="api")
+    assert table.row(slot)["state"] == RequestState.DECODE_WAITING
+    assert table.transition(slot, gen, RequestState.DECODING, by="decode")
+    assert table.transition(slot, gen, RequestState.FINISHED, by="api")   # a stop string
+
+
 def test_timeouts_record_the_stage_they_interrupted(table):
     slot, gen = walk_to(table, S.TRANSFERRING)
     assert table.transition(slot, gen, S.TIMED_OUT, error_code=504)
