@@ -30,6 +30,9 @@ actor has attached. Peers ``attach(name, readonly=True)`` to copy from it.
 Allocator: a free-id stack in the owner's memory, rebuilt from owner_slot on a writable attach, so allocate
 and free cost O(blocks asked), not O(pool). ``allocate`` returns block ids; ``generations(ids)`` gives the
 generation of each, and a (block id, generation) pair whose generation no longer matches is stale.
+
+torch is imported on the first ``tensor()`` or ``dtype`` only: the supervisor and the API create and read pools
+without it.
 """
 from __future__ import annotations
 
@@ -38,7 +41,6 @@ import warnings
 from typing import Iterable, Sequence
 
 import numpy as np
-import torch
 
 from ipc import _shm
 from pdserve.errors import KVBlockStateError, OutOfKVBlocksError
@@ -51,16 +53,21 @@ OFF_EPOCH = 36
 U4 = struct.Struct("<I")
 DATA_ALIGN = 4096
 
-# dtype code -> (torch dtype, numpy carrier dtype of the same width)
-DTYPE_CODES: dict[int, tuple[torch.dtype, np.dtype]] = {
-    1: (torch.float32, np.dtype(np.float32)),
-    2: (torch.float16, np.dtype(np.float16)),
-    3: (torch.bfloat16, np.dtype(np.uint16)),
-    4: (torch.float64, np.dtype(np.float64)),
-    5: (torch.int8, np.dtype(np.int8)),
-    6: (torch.uint8, np.dtype(np.uint8)),
+# dtype code -> (torch dtype name, numpy carrier dtype of the same width)
+DTYPE_CODES: dict[int, tuple[str, np.dtype]] = {
+    1: ("float32", np.dtype(np.float32)),
+    2: ("float16", np.dtype(np.float16)),
+    3: ("bfloat16", np.dtype(np.uint16)),
+    4: ("float64", np.dtype(np.float64)),
+    5: ("int8", np.dtype(np.int8)),
+    6: ("uint8", np.dtype(np.uint8)),
 }
-_CODE_OF = {t: c for c, (t, _) in DTYPE_CODES.items()}
+_CODE_OF = {name: c for c, (name, _) in DTYPE_CODES.items()}
+
+
+def dtype_name(dtype) -> str:
+    """``"bfloat16"`` for ``torch.bfloat16`` or ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _align(n: int, a: int) -> int:
@@ -205,7 +212,7 @@ class KVPool(_shm.ShmSegment):
     def __init__(self) -> None:  # use create() / attach()
         super().__init__()
         self.num_layers = self.num_blocks = self.block_tokens = self.num_kv_heads = self.head_dim = 0
-        self.dtype: torch.dtype = torch.float32
+        self.dtype_name = "float32"   # a DTYPE_CODES name; ``dtype`` is the torch dtype
         self.elem_bytes = 0
         self.data_offset = 0
         self.data_bytes = 0
@@ -217,7 +224,7 @@ class KVPool(_shm.ShmSegment):
 
     @classmethod
     def create(cls, name: str, *, num_layers: int, num_blocks: int, block_tokens: int, num_kv_heads: int,
-               head_dim: int, dtype: torch.dtype = torch.float32) -> "KVPool":
+               head_dim: int, dtype: torch.dtype | str = "float32") -> "KVPool":
         """Create (O_CREX, mode 0600) and own a pool with every block free; data zeroed, pages reserved.
 
         Bytes = num_layers * 2 * num_blocks * block_tokens * num_kv_heads * head_dim * dtype size (+ meta).
@@ -229,10 +236,10 @@ class KVPool(_shm.ShmSegment):
         for k, v in dims.items():
             if not isinstance(v, (int, np.integer)) or not 1 <= v < 1 << 31:
                 raise ValueError(f"KVPool {k}={v!r} must be an int in 1..2**31-1")
-        if dtype not in _CODE_OF:
+        if dtype_name(dtype) not in _CODE_OF:
             raise ValueError(f"KVPool dtype {dtype} not supported; use one of "
-                             f"{[str(t) for t, _ in DTYPE_CODES.values()]}")
-        code = _CODE_OF[dtype]
+                             f"{[f'torch.{t}' for t, _ in DTYPE_CODES.values()]}")
+        code = _CODE_OF[dtype_name(dtype)]
         elem = DTYPE_CODES[code][1].itemsize
         data_offset = _align(HEADER_BYTES + 8 * num_blocks, DATA_ALIGN)
         data_bytes = num_layers * 2 * num_blocks * block_tokens * num_kv_heads * head_dim * elem
@@ -266,17 +273,13 @@ class KVPool(_shm.ShmSegment):
     def _setup(self, mm) -> None:
         (_, _, self.num_layers, self.num_blocks, self.block_tokens, self.num_kv_heads, self.head_dim, code,
          self.elem_bytes, _, meta_offset, self.data_offset, self.data_bytes) = HEADER.unpack_from(mm, 0)
-        self.dtype, carrier = DTYPE_CODES[code]
+        self.dtype_name, carrier = DTYPE_CODES[code]
         nb = self.num_blocks
         self._owner_slot = _shm.shm_array(mm, "<i4", nb, meta_offset)
         self._generation = _shm.shm_array(mm, "<u4", nb, meta_offset + 4 * nb)
         self._alloc = None if self.readonly else BlockAllocator(self._owner_slot, self._generation)
-        arr = _shm.shm_array(mm, carrier, self.shape, self.data_offset)
-        self._array = arr
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "non-writable array" for read-only peers
-            t = torch.from_numpy(arr)  # pins the mapping (torch.frombuffer would not: see _shm.close_mapping)
-        self._tensor = t if t.dtype == self.dtype else t.view(self.dtype)  # bf16 rides on uint16
+        self._array = _shm.shm_array(mm, carrier, self.shape, self.data_offset)
+        self._tensor = None   # made from _array on the first tensor()
 
     def _teardown(self) -> None:
         self._alloc = None
@@ -289,9 +292,15 @@ class KVPool(_shm.ShmSegment):
 
     def _repr_fields(self) -> str:
         return (f", layers={self.num_layers}, blocks={self.num_blocks}, block_tokens={self.block_tokens}, "
-                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}")
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype=torch.{self.dtype_name}")
 
     # ------------------------------------------------------------------ geometry and data
+
+    @property
+    def dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype_name)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
@@ -313,6 +322,13 @@ class KVPool(_shm.ShmSegment):
         than the pool; it pins the mapping after ``close()``."""
         if self._closed:
             raise ValueError(f"KV pool {self.name!r} is closed in this process")
+        if self._tensor is None:
+            import torch
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "non-writable array" for read-only peers
+                t = torch.from_numpy(self._array)  # pins the mapping (torch.frombuffer would not: _shm.close_mapping)
+            self._tensor = t if t.dtype == self.dtype else t.view(self.dtype)  # bf16 rides on uint16
         return self._tensor
 
     def array(self) -> np.ndarray:
