@@ -13,7 +13,6 @@ import time
 
 from actors.base import DECODE_INDEX, Actor
 from actors.messages import REMOTE_ACTOR, KVReady, parse_frames
-from actors.prefill import publish_prefix_cache
 
 log = logging.getLogger("pdserve.decode")
 
@@ -25,31 +24,20 @@ class DecodeActor(Actor):
         super().__init__(layout, index)
 
     def on_start(self) -> None:
-        import torch
-
         from actors.decode_core import DecodeCore
         from actors.fault_ports import FaultyOutbox, FaultyTransfers
-        from actors.model_runner import DecodeRunner, PrefillRunner, warm_up
+        from actors.model_runner import DecodeRunner, PrefillRunner
         from actors.ports import PeerTransfers, QueueOutbox, TransportTransfers
         from actors.prefill_core import PrefillCore
         from actors.prefix_cache import CachingAllocator
-        from gpu.grammar import GrammarCompiler
-        from gpu.model_files import model_cache_dir
-        from gpu.prepared import prepared_model
-        from gpu.sampling import Sampler
-        from ipc.kv_pool import KVPool
+        from actors.shell import GaugePublisher, load_model, load_sampling
         from ipc.kv_transport import make_transport, set_transport_host
         from ipc.shm_queue import ShmQueue
         from ipc.state_table import StateTable
         from pdserve.faults import FaultPlan
 
-        torch.set_num_threads(self.config.torch_threads)
-        self.model = prepared_model(self.layout.model_path or None, self.config.weights, self.config.device,
-                                    self.config.model_cache_dir or None)
         topo = self.topology
-        self.pool = KVPool.attach(self.layout.segment(topo.segment("kv", self.index)))
-        warm_up(self.model, self.pool)
-        self.pool.reset()
+        self.model, self.pool = load_model(self, decode=True)
         self.kv = self.pool.tensor()
         colocated = self.config.colocated
         set_transport_host(self.config.kv_transport, self.config.kv_transfer_host)
@@ -66,9 +54,7 @@ class DecodeActor(Actor):
         self.queue_outbox = QueueOutbox(self.queues, self.queue_put_timeout_s)
         self.outbox = FaultyOutbox(self.queue_outbox, self.faults)
         self.table = StateTable.attach(self.layout.segment("state"))
-        self.sampler = Sampler()
-        self.grammars = GrammarCompiler(self.layout.model_path, cache_dir=model_cache_dir(self.config.model_cache_dir))
-        self.grammars.warm_up()   # llguidance's tokenizer view (~0.5 s, the GGUF header cached), off the loop
+        self.sampler, self.grammars = load_sampling(self)
         synchronous = self.config.kv_transport == "cpu-shm"   # its copy is done when start_copy returns
         self.peer_transfers = PeerTransfers(
             {peer: TransportTransfers(t, synchronous, local=colocated) for peer, t in self.transports.items()},
@@ -91,9 +77,7 @@ class DecodeActor(Actor):
             self.prefill_runner = PrefillRunner(self.model, self.kv, self.sampler, self.outbox, self.grammars)
             self.queue_outbox.add_route("prefill", self.prefill_core)
             self.queue_outbox.add_route("decode", self.core)
-        self._published_free = -1
-        self._published_done = 0
-        self._published_cache = (0, 0, 0)
+        self.gauges = GaugePublisher(self.actors, self.index, self.pool, self.allocator)
         self._publish()
 
     def run_once(self) -> None:
@@ -175,14 +159,7 @@ class DecodeActor(Actor):
         if self.prefill_core is not None:
             prefill = self.prefill_core.own_gauges()
             gauges = {**prefill, **gauges, "running": gauges["running"] + prefill["running"]}
-        self.actors.set_own_gauges(self.index, **gauges)
-        if self.core.finished != self._published_done:
-            self.actors.count_requests_done(self.index, self.core.finished - self._published_done)
-            self._published_done = self.core.finished
-        if self.allocator.num_free != self._published_free:   # evictable cached blocks count as free
-            self._published_free = self.allocator.num_free
-            self.actors.set_kv_blocks(self.index, total=self.pool.num_blocks, free=self._published_free)
-        self._published_cache = publish_prefix_cache(self.actors, self.index, self.allocator, self._published_cache)
+        self.gauges.publish(gauges, self.core.finished)
 
     def on_stop(self) -> None:
         if self.prefill_core is not None:

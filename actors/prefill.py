@@ -15,19 +15,6 @@ from actors.messages import REMOTE_ACTOR, parse_frames
 log = logging.getLogger("pdserve.prefill")
 
 
-def publish_prefix_cache(actors, index: int, allocator, published: tuple[int, int, int]) -> tuple[int, int, int]:
-    """Write what changed of ``allocator``'s prefix cache (actors/prefix_cache.CachingAllocator) to actor
-    ``index``'s row: counter deltas since ``published`` (query tokens, hit tokens, evicted blocks) and the
-    cached-block gauges. Returns the counters now published. Nothing when the cache is off."""
-    if not allocator.enabled:
-        return published
-    now = (allocator.query_tokens, allocator.hit_tokens, allocator.evicted_blocks)
-    if now != published:
-        actors.count_prefix_cache(index, *(a - b for a, b in zip(now, published)))
-    actors.set_prefix_cache(index, allocator.cached_blocks, allocator.cached_blocks_in_use)
-    return now
-
-
 class PrefillActor(Actor):
     role = "prefill"
 
@@ -35,30 +22,19 @@ class PrefillActor(Actor):
         super().__init__(layout, index)
 
     def on_start(self) -> None:
-        import torch
-
         from actors.fault_ports import FaultyOutbox
-        from actors.model_runner import PrefillRunner, warm_up
+        from actors.model_runner import PrefillRunner
         from actors.ports import QueueOutbox
         from actors.prefill_core import PrefillCore
         from actors.prefix_cache import CachingAllocator
-        from gpu.grammar import GrammarCompiler
-        from gpu.model_files import model_cache_dir
-        from gpu.prepared import prepared_model
-        from gpu.sampling import Sampler
-        from ipc.kv_pool import KVPool
+        from actors.shell import GaugePublisher, load_model, load_sampling
         from ipc.kv_transport import publish_source, set_transport_host
         from ipc.shm_queue import ShmQueue
         from ipc.state_table import StateTable
         from pdserve.faults import FaultPlan
 
-        torch.set_num_threads(self.config.torch_threads)
-        self.model = prepared_model(self.layout.model_path or None, self.config.weights, self.config.device,
-                                    self.config.model_cache_dir or None)
         topo = self.topology
-        self.pool = KVPool.attach(self.layout.segment(topo.segment("kv", self.index)))
-        warm_up(self.model, self.pool, decode=False)   # the prefill actor never decodes
-        self.pool.reset()  # a restarted actor starts from an empty pool; its old requests were failed
+        self.model, self.pool = load_model(self, decode=False)   # the prefill actor never decodes
         # created after the reset: warm-up's block and a predecessor's cache are never served from it
         self.allocator = CachingAllocator(self.pool, enabled=self.config.prefix_cache)
         self.kv = self.pool.tensor()
@@ -71,18 +47,14 @@ class PrefillActor(Actor):
         queues["api"] = ShmQueue.attach(self.layout.segment("q_api"))
         queues[REMOTE_ACTOR] = queues["api"]   # a prefill node: KVReady for a decode node goes through the API
         self.outbox = FaultyOutbox(QueueOutbox(queues, self.queue_put_timeout_s), self.faults)
-        self.sampler = Sampler()
-        self.grammars = GrammarCompiler(self.layout.model_path, cache_dir=model_cache_dir(self.config.model_cache_dir))
-        self.grammars.warm_up()   # llguidance's tokenizer view (~0.5 s, the GGUF header cached), off the loop
+        self.sampler, self.grammars = load_sampling(self)
         self.core = PrefillCore(StateTable.attach(self.layout.segment("state")), self.allocator, self.outbox,
                                 time.monotonic_ns, actor_index=self.index, handoff_from=self.index,
                                 on_late=lambda: self.actors.count_late_message(self.index),
                                 batch_tokens=self.config.max_prefill_batch_tokens,
                                 chunk_tokens=self.config.prefill_chunk_tokens)
         self.runner = PrefillRunner(self.model, self.kv, self.sampler, self.outbox, self.grammars)
-        self._published_free = -1
-        self._published_done = 0
-        self._published_cache = (0, 0, 0)
+        self.gauges = GaugePublisher(self.actors, self.index, self.pool, self.allocator)
         self._publish()
 
     def run_once(self) -> None:
@@ -121,14 +93,7 @@ class PrefillActor(Actor):
                                  lambda: self.actors.beat(self.index, iterations_delta=0))
 
     def _publish(self) -> None:
-        self.actors.set_own_gauges(self.index, **self.core.own_gauges())
-        if self.core.handed_off != self._published_done:
-            self.actors.count_requests_done(self.index, self.core.handed_off - self._published_done)
-            self._published_done = self.core.handed_off
-        if self.allocator.num_free != self._published_free:   # evictable cached blocks count as free
-            self._published_free = self.allocator.num_free
-            self.actors.set_kv_blocks(self.index, total=self.pool.num_blocks, free=self._published_free)
-        self._published_cache = publish_prefix_cache(self.actors, self.index, self.allocator, self._published_cache)
+        self.gauges.publish(self.core.own_gauges(), self.core.handed_off)
 
     def on_stop(self) -> None:
         self.core.stop()

@@ -1,0 +1,70 @@
+"""What the prefill and decode shells (actors/prefill.py, actors/decode.py) share: start-up of the model, pool and
+grammars, and publishing a core's counts to the actor table.
+
+| name              | what                                                                         |
+|-------------------|------------------------------------------------------------------------------|
+| `load_model`      | torch threads, the prepared model, this actor's pool warmed up and reset       |
+| `load_sampling`   | the sampler and the warmed-up grammar compiler                                 |
+| `GaugePublisher`  | own gauges, requests done, free KV blocks and prefix-cache counters, as deltas |
+"""
+from __future__ import annotations
+
+
+def load_model(actor, decode: bool):
+    """``(model, pool)`` for ``actor`` (an actors.base.Actor): the prepared model and its attached KV pool, after
+    a warm-up pass (``decode=False``: an actor that never decodes skips the decode step) and a reset (a restarted
+    actor starts from an empty pool; its old requests were failed)."""
+    import torch
+
+    from actors.model_runner import warm_up
+    from gpu.prepared import prepared_model
+    from ipc.kv_pool import KVPool
+
+    config = actor.config
+    torch.set_num_threads(config.torch_threads)
+    model = prepared_model(actor.layout.model_path or None, config.weights, config.device,
+                           config.model_cache_dir or None)
+    pool = KVPool.attach(actor.layout.segment(actor.topology.segment("kv", actor.index)))
+    warm_up(model, pool, decode=decode)
+    pool.reset()
+    return model, pool
+
+
+def load_sampling(actor):
+    """``(Sampler, GrammarCompiler)``; the compiler's tokenizer view is built now (~0.5 s), off the loop."""
+    from gpu.grammar import GrammarCompiler
+    from gpu.model_files import model_cache_dir
+    from gpu.sampling import Sampler
+
+    grammars = GrammarCompiler(actor.layout.model_path, cache_dir=model_cache_dir(actor.config.model_cache_dir))
+    grammars.warm_up()
+    return Sampler(), grammars
+
+
+class GaugePublisher:
+    """Writes one actor's counts to its actor-table row (``actors``: an ipc.actor_table.ActorTable): own gauges
+    every call, the rest only when changed. ``allocator``: the pool's (actors/prefix_cache.CachingAllocator;
+    evictable cached blocks count as free)."""
+
+    def __init__(self, actors, index: int, pool, allocator):
+        self.actors, self.index, self.pool, self.allocator = actors, index, pool, allocator
+        self.free = -1
+        self.done = 0
+        self.cache = (0, 0, 0)   # query tokens, hit tokens, evicted blocks published so far
+
+    def publish(self, gauges: dict[str, int], done: int) -> None:
+        """``gauges``: the core's ``own_gauges()``; ``done``: its requests done so far (a running total)."""
+        self.actors.set_own_gauges(self.index, **gauges)
+        if done != self.done:
+            self.actors.count_requests_done(self.index, done - self.done)
+            self.done = done
+        if self.allocator.num_free != self.free:
+            self.free = self.allocator.num_free
+            self.actors.set_kv_blocks(self.index, total=self.pool.num_blocks, free=self.free)
+        if self.allocator.enabled:
+            now = (self.allocator.query_tokens, self.allocator.hit_tokens, self.allocator.evicted_blocks)
+            if now != self.cache:
+                self.actors.count_prefix_cache(self.index, *(a - b for a, b in zip(now, self.cache)))
+                self.cache = now
+            self.actors.set_prefix_cache(self.index, self.allocator.cached_blocks,
+                                         self.allocator.cached_blocks_in_use)

@@ -1,0 +1,40 @@
+"""actors/shell.py's GaugePublisher over a recording actor table: own gauges every call, the done counter and the
+free blocks and prefix-cache counters as deltas, only when they changed."""
+from __future__ import annotations
+
+from actors.prefix_cache import CachingAllocator
+from actors.shell import GaugePublisher
+from tests.actors.fakes import FakeAllocator
+
+
+class RecordingActors:
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
+
+    def take(self, name: str) -> list[tuple]:
+        mine = [c for c in self.calls if c[0] == name]
+        self.calls = [c for c in self.calls if c[0] != name]
+        return mine
+
+
+def test_the_publisher_writes_changes_only_as_deltas():
+    pool = FakeAllocator(8)
+    allocator = CachingAllocator(pool, enabled=True)
+    actors = RecordingActors()
+    gauges = GaugePublisher(actors, 3, pool, allocator)
+    gauges.publish({"running": 1}, done=0)
+    assert actors.take("set_own_gauges") == [("set_own_gauges", (3,), {"running": 1})]
+    assert actors.take("set_kv_blocks") == [("set_kv_blocks", (3,), {"total": 8, "free": 8})]
+    assert actors.take("count_requests_done") == []
+    gauges.publish({"running": 0}, done=2)
+    gauges.publish({"running": 0}, done=5)
+    assert [c[1] for c in actors.take("count_requests_done")] == [(3, 2), (3, 3)]
+    assert actors.take("set_kv_blocks") == []   # unchanged
+    allocator.allocate(3, owner_slot=1)
+    gauges.publish({"running": 1}, done=5)
+    assert actors.take("set_kv_blocks") == [("set_kv_blocks", (3,), {"total": 8, "free": 5})]
+    assert actors.take("count_requests_done") == [] and actors.take("count_prefix_cache") == []
+    assert len(actors.take("set_prefix_cache")) == 4   # the cache's gauges: every call while it is on
