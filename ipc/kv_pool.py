@@ -38,12 +38,15 @@ from __future__ import annotations
 
 import struct
 import warnings
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
 from ipc import _shm
 from pdserve.errors import KVBlockStateError, OutOfKVBlocksError
+
+if TYPE_CHECKING:   # annotations only: torch is imported where a tensor is made
+    import torch
 
 MAGIC = b"PDKV"
 VERSION = 1

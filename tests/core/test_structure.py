@@ -200,11 +200,13 @@ DEVICE_MODULES = {"ipc/cuda_ipc.py"}
 
 
 def module_level_imports(tree: ast.Module) -> list[tuple[int, str]]:
-    """``(line, module)`` of the imports that run when the module is imported (not inside a function)."""
+    """``(line, module)`` of the imports that run when the module is imported (not inside a function or an
+    ``if TYPE_CHECKING:`` block)."""
     found, todo = [], list(tree.body)
     while todo:
         node = todo.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or \
+                isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
             continue
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names]
