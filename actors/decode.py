@@ -91,7 +91,7 @@ class DecodeActor(Actor):
         core.reap()
         core.start_transfers()
         core.poll_transfers()
-        for entry in core.admit():
+        for entry in core.join_batch():
             self.runner.prepare(entry)
         batch = core.batch()
         if batch:

@@ -9,7 +9,7 @@ Rows it moves, each collection named after the state its entries are in:
     decoding        DECODING: the running batch, one token per step -> FINISHED (EOS, stop token, max_tokens)
 A row that turns final elsewhere (client abort, stop string, monitor timeout) is dropped by ``reap`` and its
 blocks freed once. Per step, the table writes of the whole batch (token counts, renewals) go in one
-``update_many`` (one lock round trip); an admission writes and sends its first tokens in one more, before the
+``update_many`` (one lock round trip); a row joining the batch writes and sends its first tokens in one more, before the
 step.
 The children of an ``n > 1`` request hold the prompt's full blocks once (``SharedPrompt``, keyed by
 ``prompt_key``): the first to be reserved pulls them, each child owns its partial last block and its generation
@@ -83,7 +83,7 @@ class DecodeEntry:
 
 
 class DecodeCore:
-    """Reservation, KV pull, admission, token bookkeeping and clean-up of one decode role.
+    """Reservation, KV pull, joining the batch, token bookkeeping and clean-up of one decode role.
 
     ``block_bytes``: bytes of one KV block across layers, K and V (for the transfer timings).
     """
@@ -126,7 +126,7 @@ class DecodeCore:
         return True
 
     def has_work(self) -> bool:
-        """True when the next iteration has something to run at once (a step, an admission)."""
+        """True when the next iteration has something to run at once (a step, a row joining the batch)."""
         return bool(self.decoding) or (bool(self.decode_waiting) and len(self.decoding) < self.max_num_seqs)
 
     def wait_s(self, idle_wait_s: float) -> float:
@@ -259,7 +259,7 @@ class DecodeCore:
         else:
             shared.failure = _transfer_failure(status)
 
-    def admit(self) -> list[DecodeEntry]:
+    def join_batch(self) -> list[DecodeEntry]:
         """Move waiting requests into the running batch (between steps) and emit their first token (sampled by
         prefill) at once: ``flush`` sends them before the shell runs the next decode step, which would hold them
         for a whole step (50-130 ms on a 2-core host, docs/performance.md §6). Returns the entries that joined the

@@ -124,7 +124,7 @@ class PrefillCore:
         self.on_late = on_late
         self.batch_tokens, self.chunk_tokens = batch_tokens, chunk_tokens
         self.queued: collections.deque[PrefillRequest] = collections.deque()
-        self.prefilling: list[PrefillWork] = []   # admitted (PREFILLING), prompt not yet done; admission order
+        self.prefilling: list[PrefillWork] = []   # begun (PREFILLING), prompt not yet done; in that order
         self.inflight: dict[Key, SharedBlocks] = {}   # rows whose prompt KV is held here (BOOTSTRAP/TRANSFERRING)
         self.blocked = False   # the head request waits for free blocks: do not spin on it
         self.handed_off = 0    # rows whose KVReady it sent (a per-actor work counter)
@@ -166,7 +166,7 @@ class PrefillCore:
 
     def next_batch(self) -> list[PrefillChunk]:
         """Plan the next forward pass: first the next chunk of every prompt being prefilled, then the queued
-        requests in arrival order, each admitted (blocks allocated, live rows PREFILLING) while the token budget
+        requests in arrival order, each begun (blocks allocated, live rows PREFILLING) while the token budget
         lasts. A request that finds no free blocks stays QUEUED, and so do those behind it (FIFO) until inflight
         requests free blocks. Empty if there is nothing to do."""
         budget, chunks = self.batch_tokens, []
@@ -176,7 +176,7 @@ class PrefillCore:
             chunks.append(self._chunk(work, budget))
             budget -= chunks[-1].end - chunks[-1].start
         while budget > 0 and self.queued:
-            work = self._admit(self.queued[0])
+            work = self._begin(self.queued[0])
             if self.blocked:
                 break
             self.queued.popleft()
@@ -206,7 +206,7 @@ class PrefillCore:
         left = len(work.request.prompt_ids) - work.done_tokens
         return PrefillChunk(work, work.done_tokens, work.done_tokens + min(left, self.chunk_tokens, budget))
 
-    def _admit(self, request: PrefillRequest) -> PrefillWork | None:
+    def _begin(self, request: PrefillRequest) -> PrefillWork | None:
         """Allocate ``request``'s prompt blocks and move its live rows to PREFILLING. None (and ``blocked``) if
         no blocks are free; None if no row is live any more."""
         try:   # echo with logprobs needs every prompt position's logits: no cached prefix

@@ -59,7 +59,7 @@ class Pair:
         self.decode.reap()
         self.decode.start_transfers()
         self.decode.poll_transfers()
-        self.decode.admit()
+        self.decode.join_batch()
         batch = self.decode.batch()
         if batch:
             self.decode.step_done(batch, [next_token] * len(batch), [None] * len(batch))
@@ -144,7 +144,7 @@ def test_first_tokens_go_out_at_admission_and_each_step_writes_the_batch_in_one_
     round_trips = []
     pair.table.update_many = lambda updates, real=pair.table.update_many: round_trips.append(len(updates)) or \
         real(updates)
-    joined = pair.decode.admit()
+    joined = pair.decode.join_batch()
     # before any decode step: the API holds every first token (sampled by prefill), the table counts it
     [first] = pair.to_prefill_and_api.take("api", TokenBatch)
     assert [(i[0], i[1], i[2], i[3]) for i in first.items] == [(*k, 5, None) for k in keys]
@@ -342,7 +342,7 @@ def test_colocated_mode_runs_the_same_prefill_core_over_the_decode_pool():
     decode.start_transfers()   # the full prompt block once for both children, each its own partial block
     decode.poll_transfers()
     assert not prefill.inflight and pool.num_free == 16 - (1 + 2)   # prompt blocks freed by the local TransferDone
-    decode.admit()
+    decode.join_batch()
     batch = decode.batch()
     decode.step_done(batch, [7] * len(batch), [None] * len(batch))
     decode.flush()
@@ -581,7 +581,7 @@ def test_colocated_mode_shares_one_caching_allocator_and_decode_reservations_evi
         prefill.finish(prefill_one(prefill), [(5, None)])
         decode.start_transfers()
         decode.poll_transfers()
-        decode.admit()
+        decode.join_batch()
         while decode.batch():
             decode.step_done(decode.batch(), [7] * len(decode.batch()), [None] * len(decode.batch()))
         decode.flush()
