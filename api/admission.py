@@ -209,7 +209,7 @@ class Admission:
                 slot, generation = self.table.allocate(
                     request.request_id, prompt_tokens=prompt_tokens, deadline_ns=now_ns + int(timeout_s * 1e9),
                     prefill_actor=prefill_actor, decode_actor=decode_actor, state=state)
-                self.table.update(slot, generation, owner=self.owner, by="api")
+                self.table.update(slot, generation, owner=self.owner)
                 handle = RequestHandle(request, slot, generation, index, deadline_s=now_ns / 1e9 + timeout_s,
                                        admitted_ns=now_ns, prefill_actor=prefill_actor, decode_actor=decode_actor,
                                        reserve_blocks=reserve)

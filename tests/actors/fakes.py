@@ -7,6 +7,7 @@ from __future__ import annotations
 from actors.messages import PrefillRequest, Sampling
 from ipc.actor_table import ActorHealth, ActorStatus
 from ipc.lifecycle import ALLOCATE_STATES, FINAL_STATES, RequestState, TransferStatus, check_mover, check_transition
+from ipc.state_table import UPDATABLE_FIELDS
 from pdserve.errors import OutOfKVBlocksError, StateTableFullError
 
 
@@ -77,6 +78,8 @@ class FakeTable:
         return True
 
     def update(self, slot, generation, **fields) -> bool:
+        if not fields.keys() <= UPDATABLE_FIELDS:   # as StateTable: a state moves only through transition()
+            raise ValueError(f"update() cannot set {sorted(fields.keys() - UPDATABLE_FIELDS)}")
         row = self.rows.get(slot)
         if row is None or row["generation"] != generation:
             return False
