@@ -371,6 +371,30 @@ def test_the_prefill_core_renews_each_chunk_and_drops_a_prompt_whose_rows_are_go
     assert pair.prefill_pool.num_free == 32 and not pair.prefill.inflight
 
 
+def test_queued_rows_behind_a_long_prompt_are_renewed_by_each_of_its_forward_passes():
+    """A prompt longer than the queue deadline must not time out the requests queued behind it: every forward pass
+    of prefill renews the QUEUED rows (at most once per renew interval), not only a completed prefill."""
+    pair = Pair(prefill_blocks=19)
+    long = prefill_request(pair.table, "long", prompt_tokens=300)   # chunks of 128, 128, 44; the whole pool
+    waiting = prefill_request(pair.table, "waiting", prompt_tokens=20)
+    pair.prefill.on_message(long)
+    pair.prefill.on_message(waiting)
+    for _ in range(2):
+        pair.clock.advance(1.5)   # more than the renew interval (1 s)
+        pair.prefill.reap()
+        chunks = pair.prefill.next_batch()
+        assert spans(chunks)[0][0] == "long" and not chunks[0].last and pair.prefill.blocked
+        assert pair.prefill.batch_done(chunks) == []
+        assert pair.table.state((waiting.slot, waiting.generation)) == S.QUEUED
+        assert pair.table.rows[waiting.slot]["last_progress_ns"] == pair.clock()
+    pair.clock.advance(0.5)   # within the interval: no second write
+    pair.prefill.renew_queued()
+    assert pair.table.rows[waiting.slot]["last_progress_ns"] == pair.clock() - int(0.5e9)
+    pair.run(8)
+    assert pair.table.state((waiting.slot, waiting.generation)) == S.FINISHED
+    pair.assert_all_free()
+
+
 def batching_pair(batch_tokens: int, chunk_tokens: int, prefill_blocks: int = 32, prefix_cache: bool = False) -> Pair:
     pair = Pair(prefill_blocks=prefill_blocks, prefix_cache=prefix_cache)
     pair.prefill.batch_tokens, pair.prefill.chunk_tokens = batch_tokens, chunk_tokens
@@ -724,6 +748,22 @@ def test_the_first_child_leaving_mid_pull_leaves_the_pull_running_for_its_siblin
     assert {t[0] for t in pair.tokens} == {k[0] for k in keys[1:]}
     pair.assert_all_free()
     assert not pair.decode.prompts
+
+
+def test_blocks_arriving_on_a_shared_pull_renew_every_child_not_only_the_puller():
+    """The siblings of an ``n > 1`` request wait on the puller's transfer of the prompt's full blocks: its progress
+    is theirs, or they time out in TRANSFERRING while the pull moves."""
+    pair = Pair()
+    keys, shared, entries = children_in_transfer(pair, prompt_tokens=40, max_tokens=4, stuck=True)
+    assert shared.puller == keys[0]
+    received = iter(range(1, 100))
+    pair.transfers.poll = lambda h, real=pair.transfers.poll: (IN_PROGRESS, next(received)) if h == shared.pull \
+        else real(h)   # the siblings' own partial pulls report nothing
+    for _ in range(2):
+        pair.clock.advance(2.0)
+        pair.decode_step()
+        assert [pair.table.rows[k[0]]["last_progress_ns"] for k in keys] == [pair.clock()] * 3
+        assert all(pair.table.state(k) == S.TRANSFERRING for k in keys)
 
 
 def test_every_child_leaving_mid_pull_stops_the_pull_and_frees_every_block_once():
