@@ -172,29 +172,20 @@ class EngineClient:
         """``(prefill loads, decode loads)`` for api/router.py: serving = READY, not hung or dead (a restarting
         row reads as RESTARTING); free blocks from the table less what requests routed there but not yet
         reserved will take; queued prompt tokens and running requests from the API's own handles."""
-        from api.router import ActorLoad
+        from api.router import ActorLoad, Routed, with_routed
         from ipc.actor_table import ActorHealth, ActorStatus
 
         rows = self.actors.rows()
-        queued_tokens: dict[int, int] = {}
-        pending_blocks: dict[int, int] = {}
-        running: dict[int, int] = {}
-        for handle in self.handles.values():
-            if not handle.prefilled:
-                queued_tokens[handle.prefill_actor] = queued_tokens.get(handle.prefill_actor, 0) + \
-                    len(handle.request.prompt_ids)
-                pending_blocks[handle.decode_actor] = pending_blocks.get(handle.decode_actor, 0) + \
-                    handle.reserve_blocks
-            running[handle.decode_actor] = running.get(handle.decode_actor, 0) + 1
+        routed = [Routed(h.prefill_actor, h.decode_actor, len(h.request.prompt_ids), h.reserve_blocks, h.prefilled)
+                  for h in self.handles.values()]
 
         def load(index: int) -> ActorLoad:
             r = rows[index]
             serving = r["status"] == ActorStatus.READY and r["health"] not in (ActorHealth.HUNG, ActorHealth.DEAD)
-            return ActorLoad(index, r["name"], serving, queued_prompt_tokens=queued_tokens.get(index, 0),
-                             running=running.get(index, 0),
-                             kv_blocks_free=int(r["kv_blocks_free"]) - pending_blocks.get(index, 0),
+            return ActorLoad(index, r["name"], serving, kv_blocks_free=int(r["kv_blocks_free"]),
                              block_tokens=self.config.kv_block_tokens)
-        return [load(i) for i in self.topology.prefill], [load(j) for j in self.topology.decode]
+        return (with_routed([load(i) for i in self.topology.prefill], routed),
+                with_routed([load(j) for j in self.topology.decode], routed))
 
     def _choose(self, request: GenerationRequest, remote_decode: bool) -> tuple[int, int]:
         """``(prefill actor, decode actor)`` for a request (api/router.py); prefill -1 = colocated, decode
