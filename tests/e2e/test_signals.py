@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import signal
 import socket
 
@@ -23,6 +24,7 @@ from tests.conftest import (EngineProbe, cleanup_engine, probe_fixture, shm_segm
 DRAIN_TIMEOUT_S = 10.0   # the short stream (16 tokens) finishes inside it even on a loaded 2-core machine
 PROCESS_KINDS = ("prefill0", "decode0", "monitor", "api")
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+KILLED: list[str] = []   # engines whose supervisor a test SIGKILLed (their segments stay until an engine starts)
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +99,8 @@ def test_children_leave_when_the_supervisor_is_killed_although_they_ignore_sigte
         except psutil.NoSuchProcess:
             return True
     wait_until(lambda: all(gone(pid) for pid in children), 15, 0.05, "every child to exit")
+    assert shm_segments(engine.engine_id)   # nobody cleaned up: the next engine to start reclaims them
+    KILLED.append(engine.engine_id)
 
 
 def read_http1_response(sock: socket.socket) -> tuple[bytes, bytes]:
@@ -115,10 +119,15 @@ def test_sigterm_to_every_engine_process_at_once_drains_like_sigterm_to_the_supe
     """``kill -TERM -- -PGID`` while streams run: new requests get 503 + Retry-After, a short stream finishes, a
     long one gets an error event at drain_timeout_s and [DONE], a request still sending its body when the HTTP
     server stops gets a 503 OpenAI error (never a 500 with an empty body); then exit 0, no process and no /dev/shm
-    segment left."""
+    segment left. Its start reclaimed the segments of the engine whose supervisor the test before SIGKILLed, and
+    its log names it."""
     eng = start_engine(tmp_path, "--kv-pool-tokens", "4096", "--drain-timeout-s", str(DRAIN_TIMEOUT_S),
                        new_session=True)
     try:
+        for killed in KILLED:
+            assert shm_segments(killed) == []
+            assert re.search(rf"reclaimed engine {killed} \(supervisor pid \d+ is gone\): \d+ segments, \d+ "
+                             rf"semaphores, [1-9]\d* bytes", eng.log_text()), eng.log_text()[-3000:]
         probe = EngineProbe(eng.engine_id)
         children = list(eng.child_pids)
         body = orjson.dumps({"prompt": "Hello", "max_tokens": 2})
