@@ -3,10 +3,12 @@ SIGTERM, SIGINT and SIGHUP sent to one child (prefill, decode, monitor, API) are
 SIGTERM to every process at once (systemd's KillMode=control-group, ``kill -- -PGID``) drains exactly like SIGTERM
 to the supervisor; children still leave when the supervisor dies, without needing SIGTERM for it.
 
-One engine for the per-process cases (its last test kills its supervisor); one more, in its own process group, for
-the group signal."""
+One engine for the per-process cases (its last test kills its supervisor; before that it also serves a hundred
+streams over one HTTP/2 connection); one more, in its own process group, for the group signal, whose start
+reclaims what the killed supervisor left in /dev/shm."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import re
@@ -82,6 +84,36 @@ def test_a_signal_to_one_engine_process_is_left_to_the_supervisor_and_traffic_go
     assert psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and probe.pid(kind) == pid
     assert restarts(probe) == before
     assert httpx.get(engine.base_url + "/health", timeout=10).status_code == 200
+
+
+def test_a_hundred_concurrent_streams_on_one_http2_connection_all_complete(engine):
+    """More streams than max_num_seqs (32), all on one HTTP/2 connection and its flow-control window: every one
+    streams its 8 tokens and [DONE]."""
+    count, max_tokens = 100, 8
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, str | None]:
+        tokens, reason = 0, None
+        body = {"prompt": f"Count to {i}:", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "temperature": 0}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200 and response.http_version == "HTTP/2", await response.aread()
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    return tokens, reason
+                if line.startswith("data: "):
+                    event = orjson.loads(line[6:])
+                    assert "error" not in event, event
+                    tokens += 1
+                    reason = event["choices"][0]["finish_reason"] or reason
+        raise AssertionError(f"stream {i} ended without [DONE]")
+
+    async def run():
+        async with httpx.AsyncClient(base_url=engine.base_url, http1=False, http2=True, timeout=300,
+                                     limits=httpx.Limits(max_connections=1)) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(count)))
+
+    results = asyncio.run(run())
+    assert len(results) == count and all(reason == "length" and tokens >= max_tokens for tokens, reason in results)
 
 
 def test_children_leave_when_the_supervisor_is_killed_although_they_ignore_sigterm(engine, probe):
