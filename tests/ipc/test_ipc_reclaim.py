@@ -60,7 +60,8 @@ def test_an_engine_whose_supervisor_is_gone_is_reclaimed_and_logged_and_a_live_o
     with caplog.at_level(logging.WARNING, logger="pdserve.manifest"):
         reclaimed = {r["engine_id"]: r for r in reclaim_stale_engines(only=ours)}
     assert set(reclaimed) == {dead, reused}
-    assert (reclaimed[dead]["segments"], reclaimed[dead]["semaphores"], reclaimed[dead]["bytes"]) == (2, semaphores, sizes)
+    gone = reclaimed[dead]
+    assert (gone["segments"], gone["semaphores"], gone["bytes"]) == (2, semaphores, sizes)
     assert naming.list_engine_segments(dead) == [] and naming.list_engine_segments(reused) == []
     assert len(naming.list_engine_segments(live)) == len(left)
     assert f"reclaimed engine {dead}" in caplog.text and f"{sizes} bytes" in caplog.text
