@@ -30,8 +30,8 @@ def _shm_objects() -> set[str]:
 def pytest_addoption(parser):
     parser.addoption("--shm-leaks", choices=("report", "fail"), default="report",
                      help="at the end of the run, list the /dev/shm segments and named semaphores (sem.mp-*, "
-                          "pdserve_*) that appeared during it; 'fail' also fails the run (make test; another "
-                          "run on the same host at the same time makes that a false alarm)")
+                          "pdserve_*) that appeared during it; 'fail' also fails the run on pdserve objects of "
+                          "engines whose supervisor is gone (make test; it checks sem.mp-* after pytest exits)")
 
 
 def pytest_sessionstart(session):
@@ -56,7 +56,10 @@ def pytest_sessionfinish(session, exitstatus):
         dead = set(stale_engines(time.time() + NO_MANIFEST_GRACE_S, only=ids)) if ids else set()
         left = [e for e in left if engine_id_of(e) is None or engine_id_of(e) in dead]
     session.config._shm_left = left
-    if left and session.config.getoption("--shm-leaks") == "fail" and session.exitstatus == 0:
+    # sem.mp-* may still be registered with this process's own resource tracker, which unlinks them when pytest
+    # exits: only pdserve objects fail the run here; make test checks sem.mp-* after pytest has exited
+    if any(not e.startswith("sem.mp-") for e in left) and session.config.getoption("--shm-leaks") == "fail" \
+            and session.exitstatus == 0:
         session.exitstatus = 1
 
 
@@ -78,6 +81,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if left:
         terminalreporter.write_sep("-", f"/dev/shm: {len(left)} objects left by this run")
         terminalreporter.write_line(" ".join(left[:40]) + (" ..." if len(left) > 40 else ""))
+        if any(e.startswith("sem.mp-") for e in left):
+            terminalreporter.write_line("(sem.mp-*: unless this process's resource tracker unlinks them at exit; "
+                                        "make test checks after pytest exits)")
     else:
         terminalreporter.write_line("/dev/shm: nothing left by this run (segments and named semaphores)")
 
