@@ -25,7 +25,8 @@ SLOW = "slowcache-"   # requests whose prompt chunks each take 1 s longer (a fau
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     eng = start_engine(tmp_path_factory.mktemp("prefix"), "--kv-pool-tokens", str(32 * BT),
-                       env={"PDSERVE_FAULTS": f"slow_prefill:seconds=1,match={SLOW}"})
+                       env={"PDSERVE_FAULTS": f"slow_prefill:seconds=1,match={SLOW}",
+                            "PDSERVE_PREFILL_CHUNK_TOKENS": "32"})   # a slowed 100-token prompt: 4 s of chunks
     yield eng
     cleanup_engine(eng)
 
@@ -83,9 +84,10 @@ def test_a_cache_evicted_under_pressure_gives_the_same_greedy_output(engine, pro
 
 
 def test_identical_prompts_aborted_mid_prefill_leave_nothing_cached_and_the_text_equals_a_cold_run(engine, probe):
-    """Three identical prompts at once, all aborted while their (slowed) prefill runs: none of their blocks may
-    be cached (reusing them would read KV never written: silent wrong text). The prompt sent again computes
-    everything; sent once more it comes from the cache; both texts equal one computed without the cache."""
+    """Three identical prompts at once, all aborted while their prefill runs (4 chunks of 32 tokens, each slowed
+    by 1 s, so all three are PREFILLING together for seconds, whatever order they were admitted in): none of their
+    blocks may be cached (reusing them would read KV never written: silent wrong text). The prompt sent again
+    computes everything; sent once more it comes from the cache; both texts equal one computed without it."""
     prompt = [(t * 31) % 30000 + 300 for t in range(100)]   # 6 full blocks + 4 tokens
     ids = [f"{SLOW}abort-{i}" for i in range(3)]
 
