@@ -136,7 +136,9 @@ def warm_up(model, pool, decode: bool = True) -> None:
     if decode:
         model.decode(kv, [4], [3], [blocks])
     pool.free(blocks, 0)
-    log.info("warm-up done in %.1f s", time.monotonic() - started)
+    # the fused low-bit decode step ran iff the model stacked its Q4 layers for it (tests read this line)
+    path = "lowbit_cpu.decode_layers" if decode and getattr(model, "_stacked", None) else "per-layer"
+    log.info("warm-up done in %.1f s (decode steps: %s)", time.monotonic() - started, path if decode else "none")
 
 
 class DecodeRunner:

@@ -188,8 +188,10 @@ class PrefillCore:
 
     def batch_done(self, chunks: list[PrefillChunk]) -> list[PrefillWork]:
         """A forward pass wrote ``chunks``' KV: renew their PREFILLING rows (the deadline measures a prefill that
-        stopped moving, not a long prompt), drop (and free) prompts whose rows all turned final meanwhile.
-        Returns the prompts now complete: the shell samples their first tokens and calls ``finish``."""
+        stopped moving, not a long prompt) and the QUEUED rows behind them (``renew_queued``: a prompt that takes
+        longer than the queue deadline must not fail the queue), drop (and free) prompts whose rows all turned
+        final meanwhile. Returns the prompts now complete: the shell samples their first tokens and calls
+        ``finish``."""
         now_ns = self.clock()
         self.table.update_many([(*key, {"last_progress_ns": now_ns}) for c in chunks for _, key in c.work.rows])
         complete = []
@@ -200,6 +202,8 @@ class PrefillCore:
                 self.abandon(work)
             elif chunk.last:
                 complete.append(work)
+        if chunks:
+            self.renew_queued()
         return complete
 
     def _chunk(self, work: PrefillWork, budget: int) -> PrefillChunk:
@@ -266,8 +270,8 @@ class PrefillCore:
             self._free(key)
 
     def renew_queued(self) -> None:
-        """The queue moves (a prefill completed, or in colocated mode tokens flowed): renew the QUEUED rows
-        waiting here, at most once per renew interval, so their queue deadline measures an actor that stopped
+        """The queue moves (a forward pass of prefill ran, or in colocated mode tokens flowed): renew the QUEUED
+        rows waiting here, at most once per renew interval, so their queue deadline measures an actor that stopped
         taking requests, not a long queue under load."""
         now_ns = self.clock()
         if not self.queued or now_ns - self.renewed_ns < self.renew_interval_ns:

@@ -196,9 +196,17 @@ class Supervisor:
         from ipc.state_table import StateTable
 
         lay, cfg = self.layout, self.layout.config
+        topo = self.topology
+        # the manifest first: its pid tells another engine starting (ipc.manifest.reclaim_stale_engines) that
+        # this one's objects are in use from the moment they exist
+        self._owned.append(write_manifest(self.engine_id, {
+            "engine_id": self.engine_id, "pid": os.getpid(), "created_unix_s": time.time(),
+            "model": lay.model_path or "(embedded default)", "served_model_name": lay.served_model_name,
+            "max_context_tokens": lay.max_context_tokens, "kv_blocks_per_pool": lay.kv_blocks_per_pool,
+            "url": f"http://{cfg.host}:{lay.http_port}", "segments": lay.segments, "actors": list(topo.names),
+            "config": lay.effective_config()}))
         self.state = StateTable.create(lay.segment("state"), num_rows=cfg.max_queued_requests * 2 + 16)
         self._owned.append(self.state)
-        topo = self.topology
         self.actors = ActorTable.create(lay.segment("actors"), num_actors=len(topo.names))
         self._owned.append(self.actors)
         engine_actors = topo.prefill + topo.decode
@@ -215,12 +223,6 @@ class Supervisor:
                                              num_blocks=lay.kv_blocks_per_pool, block_tokens=cfg.kv_block_tokens,
                                              num_kv_heads=lay.shape.num_kv_heads, head_dim=lay.shape.head_dim,
                                              dtype=torch.float32))
-        self._owned.append(write_manifest(self.engine_id, {
-            "engine_id": self.engine_id, "pid": os.getpid(), "created_unix_s": time.time(),
-            "model": lay.model_path or "(embedded default)", "served_model_name": lay.served_model_name,
-            "max_context_tokens": lay.max_context_tokens, "kv_blocks_per_pool": lay.kv_blocks_per_pool,
-            "url": f"http://{cfg.host}:{lay.http_port}", "segments": lay.segments, "actors": list(topo.names),
-            "config": lay.effective_config()}))
 
     def _prepare_model(self) -> None:
         """Build the prepared-model file once (gpu/prepared.py) so the actors only memory-map it; on a warm
@@ -431,6 +433,9 @@ class Supervisor:
 def serve(loaded: LoadedConfig) -> int:
     """Run the engine in the foreground until SIGTERM or SIGINT (to this process alone or to its whole process
     group: the children ignore both and leave the decision here), then drain; returns the exit status."""
+    from ipc.manifest import reclaim_stale_engines
+
+    reclaim_stale_engines()   # what SIGKILLed engines left in /dev/shm (logged per engine)
     supervisor = Supervisor(loaded)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: supervisor.request_stop())

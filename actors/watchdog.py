@@ -9,10 +9,10 @@ plus the request's own absolute ``deadline_ns`` (``request_timeout_s``). A renew
 the later of entering the state and the row's ``last_progress_ns``; a hard one (none today) from entering it.
 "own" renewals are the row's own progress (a prefill chunk, KV blocks received, a token); "queue" renewals mean
 "the actor holding it is alive and working through the requests ahead of it" (the prefill actor renews its
-QUEUED rows after each prefill it completes, decode its BOOTSTRAP and DECODE_WAITING rows while its batch
-produces tokens). So healthy queueing and long prompts under load are not failed, while a request nobody makes
-progress on (a pool that never frees, a transfer that never moves, an actor that dropped it) still fails at its
-stage deadline.
+QUEUED rows after each forward pass, a chunk of a long prompt too; decode its BOOTSTRAP and DECODE_WAITING rows
+while its batch produces tokens). So healthy queueing and long prompts under load are not failed, while a request
+nobody makes progress on (a pool that never frees, a transfer that never moves, an actor that dropped it) still
+fails at its stage deadline.
 
 A zero or future ``state_since_ns`` is a bug; such a row is expired at once and counted, never "fresh".
 """

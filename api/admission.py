@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from actors.messages import REMOTE_ACTOR, KVReady, PrefillRequest, TransferDone
 from actors.ports import Clock, OutboxPort
-from api.router import ActorLoad, pick_decode, pick_prefill, route
+from api.router import ActorLoad, Routed, pick_decode, pick_prefill, route, with_routed
 from ipc.actor_table import ActorHealth, ActorStatus
 from ipc.lifecycle import RequestState as S
 from pdserve.errors import (EngineOverloadedError, InvalidRequestError, MessageTooLargeError, QueueFullError,
@@ -163,23 +163,16 @@ class Admission:
         row reads as RESTARTING); free blocks from the table less what requests routed there but not yet
         reserved will take; queued prompt tokens and running requests from the API's own handles."""
         rows = self.actors.rows()
-        queued_tokens: dict[int, int] = collections.Counter()
-        pending_blocks: dict[int, int] = collections.Counter()
-        running: dict[int, int] = collections.Counter()
-        for handle in self.handles.values():
-            if not handle.prefilled:
-                queued_tokens[handle.prefill_actor] += len(handle.request.prompt_ids)
-                pending_blocks[handle.decode_actor] += handle.reserve_blocks
-            running[handle.decode_actor] += 1
+        routed = [Routed(h.prefill_actor, h.decode_actor, len(h.request.prompt_ids), h.reserve_blocks, h.prefilled)
+                  for h in self.handles.values()]
 
         def load(index: int) -> ActorLoad:
             r = rows[index]
             serving = r["status"] == ActorStatus.READY and r["health"] not in (ActorHealth.HUNG, ActorHealth.DEAD)
-            return ActorLoad(index, r["name"], serving, queued_prompt_tokens=queued_tokens[index],
-                             running=running[index],
-                             kv_blocks_free=int(r["kv_blocks_free"]) - pending_blocks[index],
+            return ActorLoad(index, r["name"], serving, kv_blocks_free=int(r["kv_blocks_free"]),
                              block_tokens=self.config.kv_block_tokens)
-        return [load(i) for i in self.prefill], [load(j) for j in self.decode]
+        return (with_routed([load(i) for i in self.prefill], routed),
+                with_routed([load(j) for j in self.decode], routed))
 
     def _choose(self, request: Any, remote_decode: bool) -> tuple[int, int]:
         """``(prefill actor, decode actor)``; prefill -1 = colocated, decode REMOTE_ACTOR = the router's decode

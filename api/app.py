@@ -438,7 +438,7 @@ class Routes:
                         text = req.echo_text + text
                     pieces: list = [(text, None)]
                     if tools:   # text becomes content and delta.tool_calls pieces
-                        pieces = tools[index].push(text, reason is not None) or [("", None)]
+                        pieces = tools[index].push(text, reason) or [("", None)]
                         reason = tools[index].finish_reason(reason)
                     if reason is not None:
                         reasons[index] = reason

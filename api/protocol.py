@@ -101,7 +101,10 @@ def _integer(body: dict, name: str, default: int | None, low: int, high: int) ->
     return value
 
 
-def _stop_strings(body: dict) -> tuple[str, ...]:
+def _stop_strings(body: dict, constrained_by: str | None = None) -> tuple[str, ...]:
+    """The request's stop strings. ``constrained_by``: the field whose grammar constrains the output (a stop
+    string matched inside a constrained answer would cut it into text the grammar does not accept, e.g. JSON that
+    does not parse; a constrained answer ends where its grammar does): stop strings with it are a 400."""
     stop = body.get("stop")
     if stop is None:
         return ()
@@ -114,6 +117,10 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
                                   param="stop")
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise InvalidRequestError(f"each 'stop' string has at most {MAX_STOP_CHARS} characters", param="stop")
+    if constrained_by is not None:
+        raise InvalidRequestError(f"'stop' cannot be combined with '{constrained_by}': a stop string would cut the "
+                                  f"constrained answer (e.g. JSON that does not parse); the answer ends where its "
+                                  f"grammar does, send one of them", param="stop")
     return tuple(stop)
 
 
@@ -211,26 +218,43 @@ def _timeout(body: dict) -> float | None:
     return float(value)
 
 
+_RESPONSE_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type", "schema"}, "json_schema": {"type", "json_schema"}}
+
+
+def _known_keys(value: dict, known: set[str], where: str) -> None:
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise InvalidRequestError(f"'{where}.{unknown[0]}' is not supported here ({where} takes "
+                                  f"{', '.join(sorted(known))})", param="response_format")
+
+
 def _response_format(body: dict) -> dict | None | bool:
     """The JSON schema ``response_format`` asks for: False for none (absent or ``{"type": "text"}``), None for
-    any JSON object (``json_object``), else the schema of ``json_schema``."""
+    any JSON object (``json_object``), else the schema of ``json_schema``, or the ``schema`` of a ``json_object``
+    (honoured, as llama.cpp's server does). A key we do not read is a 400 naming it, never silently dropped."""
     value = body.get("response_format")
     if value is None:
         return False
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise InvalidRequestError("'response_format' must be an object with a 'type'", param="response_format")
     kind = value["type"]
+    if kind not in _RESPONSE_FORMAT_KEYS:
+        raise InvalidRequestError(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got "
+                                  f"{kind!r}", param="response_format")
+    _known_keys(value, _RESPONSE_FORMAT_KEYS[kind], "response_format")
     if kind == "text":
         return False
     if kind == "json_object":
-        return None
-    if kind != "json_schema":
-        raise InvalidRequestError(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got "
-                                  f"{kind!r}", param="response_format")
+        schema = value.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise InvalidRequestError("'response_format.schema' must be a JSON schema object",
+                                      param="response_format")
+        return schema
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
         raise InvalidRequestError("'response_format.json_schema' must be an object {'name', 'schema', 'strict'}",
                                   param="response_format")
+    _known_keys(spec, {"name", "schema", "strict", "description"}, "response_format.json_schema")
     name = spec.get("name")
     if not isinstance(name, str) or not re.match(r"^[a-zA-Z0-9_-]{1,64}$", name):
         raise InvalidRequestError("'response_format.json_schema.name' must be 1-64 letters, digits, '_' or '-'",
@@ -482,8 +506,9 @@ class RequestParser:
                                        "tool_choice")
         elif fmt is not False:
             sampling = self._constrain(sampling, self._schema_grammar(fmt, "response_format"), "response_format")
-        return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body), stream, include_usage,
-                                 _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan)
+        constrained_by = None if sampling.grammar is None else "tool_choice" if plan else "response_format"
+        return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body, constrained_by), stream,
+                                 include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan)
 
     def _schema_grammar(self, schema: dict | None, param: str) -> str:
         from gpu.grammar import json_schema_grammar
@@ -532,7 +557,8 @@ class RequestParser:
             echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
             if sampling.logprobs is not None:   # the prompt's tokens get log-probabilities too (the first: null)
                 sampling = dataclasses.replace(sampling, prompt_logprobs=sampling.logprobs)
-        return GenerationRequest("completion", rid, model, prompt_ids, sampling, _stop_strings(body), stream,
+        return GenerationRequest("completion", rid, model, prompt_ids, sampling,
+                                 _stop_strings(body, None if sampling.grammar is None else "response_format"), stream,
                                  include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), echo_text)
 
 

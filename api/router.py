@@ -2,16 +2,18 @@
 the actors' loads; the API process gathers the snapshot and carries out the choice).
 
 Prefill: the longest cached prompt prefix first (when the actor reports a prefix cache), then the fewest queued
-prompt tokens, then the lowest index. Decode: the most free KV blocks (an actor whose pool cannot fit prompt +
-max_tokens now keeps the request in BOOTSTRAP until its batch makes room, so the most free blocks is also the
-shortest wait), then the fewest running requests, then the lowest index. An actor that is not serving (hung, dead,
+prompt tokens, then the lowest index. Decode: the most free KV blocks, less those the requests routed there but
+not yet prefilled will reserve (``with_routed``; an actor whose pool cannot fit prompt + max_tokens now keeps the
+request in BOOTSTRAP until its batch makes room, so the most free blocks is also the shortest wait), then the
+fewest running requests, then the lowest index. An actor that is not serving (hung, dead,
 restarting, draining) gets no new work. With no eligible actor of a role the request is refused with a retryable
 503 (``EngineOverloadedError``), never queued on a sick actor.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from pdserve.errors import EngineOverloadedError
 
@@ -29,6 +31,38 @@ class ActorLoad:
     kv_blocks_free: int = 0
     block_tokens: int = 16
     cached_prefix_tokens: Callable[[Sequence[int]], int] | None = None
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A request the API routed and still waits on: the actor indices it went to (-1 or another node's: none
+    here), its prompt length, the decode blocks it will reserve (prompt + max_tokens) and whether its first token
+    came (its prompt left the prefill queue and its decode actor reserved its blocks)."""
+
+    prefill: int
+    decode: int
+    prompt_tokens: int
+    reserve_blocks: int
+    prefilled: bool
+
+
+def with_routed(actors: Sequence[ActorLoad], routed: Iterable[Routed]) -> list[ActorLoad]:
+    """``actors`` (as their table rows report them) plus what the requests routed to them add before the actors
+    see it: a request not yet prefilled counts its prompt tokens on its prefill actor's queue and its reservation
+    off its decode actor's free blocks (the actor's own count does not show blocks it has not reserved yet, so
+    a burst would all go to the pool that looked emptiest); every routed request counts as running on its decode
+    actor."""
+    queued: dict[int, int] = {}
+    pending: dict[int, int] = {}
+    running: dict[int, int] = {}
+    for r in routed:
+        if not r.prefilled:
+            queued[r.prefill] = queued.get(r.prefill, 0) + r.prompt_tokens
+            pending[r.decode] = pending.get(r.decode, 0) + r.reserve_blocks
+        running[r.decode] = running.get(r.decode, 0) + 1
+    return [dataclasses.replace(a, queued_prompt_tokens=a.queued_prompt_tokens + queued.get(a.index, 0),
+                                kv_blocks_free=a.kv_blocks_free - pending.get(a.index, 0),
+                                running=a.running + running.get(a.index, 0)) for a in actors]
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.S)
+_PARTIAL = re.compile(r'\{\s*"name"\s*:\s*"([^"]*)("?)\s*(?:,\s*"arguments"\s*:\s*(.*))?', re.S)
 MAX_TOOLS = 128
 
 
@@ -116,11 +117,15 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, ToolPlan | None]:
     return [{"type": "function", "function": f} for f in functions.values()], plan
 
 
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}   # arguments: {} only
+
+
 def parameters_schema(tools: list[dict], name: str) -> dict:
-    """The parameters schema of function ``name`` (an object with no properties when it declares none)."""
+    """The parameters schema of function ``name``; a function that declares none (or ``{}``) takes no arguments:
+    ``NO_PARAMETERS``, which admits ``{}`` alone (an open object schema let a forced call make arguments up)."""
     for tool in tools:
         if tool["function"]["name"] == name:
-            return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+            return tool["function"].get("parameters") or dict(NO_PARAMETERS)
     raise KeyError(name)
 
 
@@ -219,6 +224,42 @@ def _call_of(block: str) -> dict | None:
     return {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}
 
 
+def partial_call(block: str, names: tuple[str, ...]) -> dict | None:
+    """The call an unclosed ``<tool_call>`` block (cut by ``max_tokens``) began, ``{"name", "arguments"}``: its
+    function (named in full, or the one offered name the cut name starts) and the arguments written so far (JSON
+    text, possibly incomplete, as OpenAI returns a call cut by ``length``). None when no function can be told."""
+    match = _PARTIAL.match(block.strip())
+    if match is None:
+        return None
+    name, closed, arguments = match.groups()
+    candidates = [name] if closed else [n for n in names if n.startswith(name)]
+    if len(candidates) != 1 or candidates[0] not in names:
+        return None
+    arguments = (arguments or "").rstrip()
+    tail = _partial_suffix(arguments, TOOL_CALL_CLOSE) or (len(TOOL_CALL_CLOSE) if arguments.endswith(
+        TOOL_CALL_CLOSE) else 0)
+    arguments = arguments[:len(arguments) - tail].rstrip()
+    if arguments.endswith("}") and _loads_or_none(arguments[:-1]) is not None:
+        arguments = arguments[:-1]   # the block's own closing brace
+    return {"name": candidates[0], "arguments": arguments}
+
+
+def _loads_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _cut_call(content: str | None, names: tuple[str, ...]) -> tuple[str | None, dict | None]:
+    """``content`` without an unclosed block at its end, and the partial call of that block (None: none)."""
+    start = (content or "").rfind(TOOL_CALL_OPEN)
+    if start < 0 or TOOL_CALL_CLOSE in content[start:]:
+        return content, None
+    call = partial_call(content[start + len(TOOL_CALL_OPEN):], names)
+    return (content[:start].strip() or None, call) if call is not None else (content, None)
+
+
 def parse_tool_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
     """Split a finished answer into (content, calls): every well-formed ``<tool_call>`` block becomes a call
     ``{"name", "arguments"}`` (arguments as JSON text); the text around them, stripped, is the content (None if
@@ -290,10 +331,18 @@ class ToolCallStream:
                 events.append(("call", call))
             self.buffer = self.buffer.lstrip() if call is not None else self.buffer
 
-    def finish(self) -> list[tuple[str, Any]]:
+    def finish(self, names: tuple[str, ...] | None = None) -> list[tuple[str, Any]]:
+        """The held tail, as content; with ``names`` (the answer was cut by ``max_tokens``) an unclosed block
+        at the end is the partial call it began (:func:`partial_call`), not markup in the content."""
         out, self.buffer = self.buffer.rstrip(), ""
         events: list[tuple[str, Any]] = []
-        self._content(out, events)
+        call = None
+        if names is not None and out.startswith(TOOL_CALL_OPEN):
+            out, call = _cut_call(out, names)
+        self._content(out or "", events)
+        if call is not None and (self.parallel or self.calls == 0):
+            self.calls += 1
+            events.append(("call", call))
         return events
 
 
@@ -316,11 +365,17 @@ def openai_call(call: dict, index: int | None = None) -> dict:
 def finished_choice(plan: ToolPlan, text: str, reason: str | None) -> tuple[str | None, list[dict], str | None]:
     """A finished chat choice of a request with tools: ``(content, tool_calls, finish_reason)``. A named function's
     output is its arguments; otherwise the text is parsed for ``<tool_call>`` blocks. ``finish_reason`` becomes
-    "tool_calls" when the answer ended normally ("stop") with at least one call."""
+    "tool_calls" when the answer ended normally ("stop") with at least one call. An answer cut by ``max_tokens``
+    ("length") inside a block keeps "length" and returns the call it began with its partial arguments (as OpenAI
+    does), never the markup as content."""
     if plan.mode == "named":
         content, calls = None, [{"name": plan.function, "arguments": text}]
     else:
         content, calls = parse_tool_calls(text, plan.parallel)
+        if reason == "length":
+            content, partial = _cut_call(content, plan.names)
+            if partial is not None and (plan.parallel or not calls):
+                calls.append(partial)
     if calls and reason == "stop":
         reason = "tool_calls"
     return content, [openai_call(c) for c in calls], reason
@@ -336,13 +391,16 @@ class ToolDeltas:
         self.stream = None if plan.mode == "named" else ToolCallStream(plan.parallel)
         self.calls = 0
 
-    def push(self, text: str, final: bool) -> list[tuple[str | None, list[dict] | None]]:
+    def push(self, text: str, final: bool | str | None) -> list[tuple[str | None, list[dict] | None]]:
+        """``final``: the choice's finish reason when this is its last text (falsy before); "length" turns an
+        unclosed block at the end into the partial call it began."""
         if self.stream is None:
             if self.calls == 0:
                 self.calls = 1
                 return [(None, [openai_call({"name": self.plan.function, "arguments": text}, 0)])]
             return [(None, [{"index": 0, "function": {"arguments": text}}])] if text else []
-        events = self.stream.push(text) + (self.stream.finish() if final else [])
+        events = self.stream.push(text) + (self.stream.finish(self.plan.names if final == "length" else None)
+                                           if final else [])
         out: list[tuple[str | None, list[dict] | None]] = []
         for kind, value in events:
             if kind == "content":

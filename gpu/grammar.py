@@ -12,11 +12,21 @@ matcher. Compiling a grammar is cached per process (LRU keyed by the grammar tex
 deep-copied, which costs microseconds), so a decode step pays only for the masks (~0.3 ms per row here).
 
 Closing pressure: a sampled answer that runs into ``max_tokens`` mid-structure is cut and no longer parses. In
-the last :data:`CLOSE_WITHIN_TOKENS` tokens of a request's budget, each row's mask is narrowed to the tokens
-that close something whenever the grammar allows one of them at that point: inside a JSON string, tokens made of
-``"`` followed only by ``]``/``}``; elsewhere, tokens made only of ``]``/``}``, and EOS (the matcher tracks
-whether the output so far ends inside a string). So the JSON is closed while there is room. Where the grammar
-allows none of them (a key or a value must come first) the mask is left as the grammar has it.
+the last ``CLOSE_WITHIN_TOKENS + open depth`` tokens of a request's budget (:meth:`GrammarMatcher.close_within`;
+the depth is the brackets open so far, so a deeply nested answer starts closing early enough to close every
+level), each row's mask is narrowed to the tokens that close something whenever the grammar allows one of them at
+that point: inside a JSON string, tokens made of ``"`` followed only by ``]``/``}``; elsewhere, tokens made only
+of ``]``/``}``, and EOS (the matcher tracks whether the output so far ends inside a string, and the open depth).
+Where the grammar allows none of them (a key or a value must come first) the mask keeps the grammar's tokens that
+open no bracket, if it has any, else the grammar's mask as it is (a schema that requires an object there).
+What is guaranteed: an answer whose every level can be closed by closing tokens, or by a value that opens
+nothing, ends complete within ``max_tokens``; one whose schema requires more tokens than that to close (required
+properties still missing at several levels) can still be cut (finish_reason ``length``).
+
+Bounded numbers: JSON numbers have no length limit in a schema's grammar, and a model can emit digits until
+``max_tokens``. Once a number outside strings has :data:`MAX_NUMBER_CHARS` characters, the mask keeps only the
+grammar's tokens that do not continue it (``,``, ``}``, ``]``, EOS...) whenever it has any, so a schema
+``integer`` or ``number`` ends.
 
 Library: llguidance (guidance-ai/llguidance; the Earley parser and derivative-based lexer behind
 ``LLMatcher``), chosen over xgrammar for its weight (one 3 MB wheel, no dependencies; xgrammar requires
@@ -40,15 +50,18 @@ if TYPE_CHECKING:   # torch is imported where a mask becomes a tensor: the API p
 log = logging.getLogger("pdserve.grammar")
 
 __all__ = ["GrammarCompiler", "GrammarMatcher", "json_schema_grammar", "lark_grammar", "batch_allowed",
-           "accept_tokens", "CLOSE_WITHIN_TOKENS", "MAX_GRAMMAR_BYTES"]
+           "accept_tokens", "CLOSE_WITHIN_TOKENS", "MAX_GRAMMAR_BYTES", "MAX_NUMBER_CHARS"]
 
-CLOSE_WITHIN_TOKENS = 16      # closing pressure in the last this many tokens of max_tokens (see the docstring)
+CLOSE_WITHIN_TOKENS = 16      # closing pressure in the last this many (+ open depth) tokens of max_tokens
+MAX_NUMBER_CHARS = 24         # a JSON number ends after this many characters (see the docstring)
 MAX_GRAMMAR_BYTES = 32 * 1024  # a grammar travels in shm queue frames (queue_slot_bytes) with the prompt
 CACHE_ENTRIES = 64            # compiled grammars kept per process
 # JSON without optional whitespace: a small model sampled at a high temperature can otherwise emit newlines
 # and spaces until max_tokens (vLLM's --disable-any-whitespace, for the same reason).
 JSON_OPTIONS = {"whitespace_flexible": False}
 _CLOSING_BYTES = frozenset(b"]}")
+_OPENING_BYTES = frozenset(b"[{")
+_NUMBER_BYTES = frozenset(b"0123456789.eE+-")
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
 
 
@@ -89,6 +102,8 @@ class GrammarMatcher:
         self._words = compiler.mask_words
         self._in_string = False   # the output so far ends inside a JSON string (closing pressure)
         self._escape = False
+        self._depth = 0           # brackets open outside strings
+        self._number_chars = 0    # characters of the number the output ends in (0: it does not end in one)
 
     def fill_bitmask(self, row: np.ndarray, tokens_left: int | None = None) -> None:
         """Write the allowed-token bitmask into ``row`` (``[mask_words]`` int32, bit ``t % 32`` of word
@@ -99,12 +114,22 @@ class GrammarMatcher:
             self._c.set_eos_bits(row)
             return
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-        if tokens_left is not None and tokens_left <= CLOSE_WITHIN_TOKENS:
+        if self._number_chars >= MAX_NUMBER_CHARS:
+            ending = row & self._c.not_number_bits
+            if ending.any():
+                row[:] = ending
+        if tokens_left is not None and tokens_left <= self.close_within():
             closing = row & (self._c.close_string_bits if self._in_string else self._c.close_bits)
+            if not closing.any():
+                closing = row & self._c.no_open_bits
             if closing.any():
                 row[:] = closing
         if not row.any():   # nothing allowed (should not happen): end the sequence rather than sample garbage
             self._c.set_eos_bits(row)
+
+    def close_within(self) -> int:
+        """Closing pressure applies once at most this many tokens are left: CLOSE_WITHIN_TOKENS + open depth."""
+        return CLOSE_WITHIN_TOKENS + self._depth
 
     def allowed_tokens(self, vocab_size: int, tokens_left: int | None = None) -> torch.Tensor:
         """``[vocab_size]`` bool, True = the token may be sampled next (tokens past the tokenizer's: False)."""
@@ -127,7 +152,8 @@ class GrammarMatcher:
         return ok
 
     def _scan(self, raw: bytes) -> None:
-        """Follow JSON string boundaries (quotes, backslash escapes) through the output's bytes."""
+        """Follow JSON string boundaries (quotes, backslash escapes), the open depth and the length of a number
+        through the output's bytes."""
         for b in raw:
             if self._escape:
                 self._escape = False
@@ -135,6 +161,13 @@ class GrammarMatcher:
                 self._escape = True
             elif b == _QUOTE:
                 self._in_string = not self._in_string
+                self._number_chars = 0
+            elif not self._in_string:
+                if b in _OPENING_BYTES:
+                    self._depth += 1
+                elif b in _CLOSING_BYTES:
+                    self._depth = max(0, self._depth - 1)
+                self._number_chars = self._number_chars + 1 if b in _NUMBER_BYTES else 0
 
     def is_terminated(self) -> bool:
         """True when the grammar is complete and nothing but EOS can follow (or the matcher failed)."""
@@ -191,14 +224,19 @@ class GrammarCompiler:
                 self.token_bytes = [ll.decode_bytes([t]) for t in range(ll.vocab_size)]
                 close = np.zeros(self.mask_words * 32, dtype=bool)       # ]}-only tokens and EOS
                 close_string = np.zeros(self.mask_words * 32, dtype=bool)  # " then ]}-only
+                no_open = np.zeros(self.mask_words * 32, dtype=bool)     # no [ or { (and EOS)
+                not_number = np.zeros(self.mask_words * 32, dtype=bool)  # not starting with a number's byte
                 for t, raw in enumerate(self.token_bytes):
                     if raw and _CLOSING_BYTES.issuperset(raw):
                         close[t] = True
                     elif raw[:1] == b'"' and _CLOSING_BYTES.issuperset(raw[1:]):
                         close_string[t] = True
+                    no_open[t] = _OPENING_BYTES.isdisjoint(raw)
+                    not_number[t] = not raw or raw[0] not in _NUMBER_BYTES
                 close[list(self.eos_ids)] = True
-                self.close_bits = np.packbits(close, bitorder="little").view(np.int32).copy()
-                self.close_string_bits = np.packbits(close_string, bitorder="little").view(np.int32).copy()
+                pack = lambda bits: np.packbits(bits, bitorder="little").view(np.int32).copy()   # noqa: E731
+                self.close_bits, self.close_string_bits = pack(close), pack(close_string)
+                self.no_open_bits, self.not_number_bits = pack(no_open), pack(not_number)
                 self._ll = ll
             return self._ll
 

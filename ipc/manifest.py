@@ -10,16 +10,26 @@ Layout of ``/pdserve_<id>_manifest`` (written once by the supervisor before any 
     16      N     orjson-encoded object: engine_id, pid (supervisor), created_unix_s, model, served_model_name,
                   max_context_tokens, kv_blocks_per_pool, url, segments {what: posix name}, actors [names],
                   config {field: {"value", "source"}}
+
+The manifest is the first object an engine creates (its ``pid`` tells whether the engine's supervisor still
+runs): ``reclaim_stale_engines`` unlinks the objects of engines whose supervisor is gone (SIGKILL leaves them;
+``pdserve serve`` and ``tools/inspect --list`` call it at start).
 """
 from __future__ import annotations
 
+import logging
+import os
 import struct
+import time
 from typing import Any
 
 import orjson
 
 from ipc import _shm
-from ipc.naming import engine_id_of, list_engine_segments, segment_name
+from ipc.naming import SHM_DIR, engine_id_of, list_engine_segments, segment_name, unlink_all
+
+log = logging.getLogger("pdserve.manifest")
+NO_MANIFEST_GRACE_S = 60.0   # an engine's objects without a readable manifest younger than this may be starting
 
 MAGIC = b"PDMF"
 VERSION = 1
@@ -78,3 +88,74 @@ def read_manifest(engine_id: str) -> dict[str, Any]:
 def running_engines() -> list[str]:
     """Engine ids that have a manifest in /dev/shm (running, or crashed without cleanup)."""
     return sorted({engine_id_of(n) for n in list_engine_segments() if n.endswith("_manifest")} - {None})
+
+
+def process_started_unix_s(pid: int) -> float | None:
+    """When process ``pid`` started (Unix seconds, from /proc), or None if there is no such process. A process we
+    may not signal but that exists counts (its start time is still readable in /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open("/proc/stat", "rb") as f:
+            boot_s = next(float(line.split()[1]) for line in f if line.startswith(b"btime "))
+    except (OSError, IndexError, StopIteration, ValueError):
+        return None
+    return boot_s + int(fields[19]) / os.sysconf("SC_CLK_TCK")   # field 22 (starttime), counted after the ")"
+
+
+def stale_engines(now_unix_s: float | None = None, only: set[str] | None = None) -> dict[str, str]:
+    """Engines with objects in /dev/shm whose supervisor is gone: engine id -> why. Gone = the manifest's ``pid``
+    runs no process, or a process that started after the manifest was written (the pid was reused). An engine
+    without a readable manifest counts once its newest object is NO_MANIFEST_GRACE_S old (the supervisor
+    writes the manifest first, so a starting engine has one within moments). ``only``: look at these ids alone."""
+    now_unix_s = time.time() if now_unix_s is None else now_unix_s
+    entries: dict[str, list[str]] = {}
+    for entry in list_engine_segments():
+        eid = engine_id_of(entry)
+        if only is None or eid in only:
+            entries.setdefault(eid, []).append(entry)
+    stale = {}
+    for eid, own in entries.items():
+        try:
+            manifest = read_manifest(eid)
+        except (FileNotFoundError, ValueError, OSError):
+            newest = max((_mtime(e) for e in own), default=now_unix_s)
+            if now_unix_s - newest >= NO_MANIFEST_GRACE_S:
+                stale[eid] = f"no readable manifest, objects {now_unix_s - newest:.0f} s old"
+            continue
+        pid, created = int(manifest.get("pid", -1)), float(manifest.get("created_unix_s", now_unix_s))
+        started = process_started_unix_s(pid) if pid > 0 else None
+        if started is None:
+            stale[eid] = f"supervisor pid {pid} is gone"
+        elif started > created + 2.0:
+            stale[eid] = f"supervisor pid {pid} now runs a process started after the engine"
+    return stale
+
+
+def _mtime(entry: str) -> float:
+    try:
+        return os.stat(os.path.join(SHM_DIR, entry)).st_mtime
+    except OSError:
+        return 0.0
+
+
+def reclaim_stale_engines(now_unix_s: float | None = None, only: set[str] | None = None) -> list[dict[str, Any]]:
+    """Unlink every object of each engine whose supervisor is gone (:func:`stale_engines`; a SIGKILLed supervisor
+    leaves its segments: the KV pools are most of the RAM) and log which, how many and how many bytes. Returns
+    ``[{"engine_id", "why", "segments", "semaphores", "bytes"}]``. Never raises for an object already gone."""
+    reclaimed = []
+    for eid, why in sorted(stale_engines(now_unix_s, only).items()):
+        sizes = {}
+        for entry in list_engine_segments(eid):
+            try:
+                sizes[entry] = os.stat(os.path.join(SHM_DIR, entry)).st_size
+            except OSError:
+                pass
+        removed = unlink_all(eid)
+        semaphores = sum(1 for e in removed if e.startswith("sem."))
+        freed = sum(sizes.get(e, 0) for e in removed)
+        log.warning("reclaimed engine %s (%s): %d segments, %d semaphores, %d bytes of /dev/shm", eid, why,
+                    len(removed) - semaphores, semaphores, freed)
+        reclaimed.append({"engine_id": eid, "why": why, "segments": len(removed) - semaphores,
+                          "semaphores": semaphores, "bytes": freed})
+    return reclaimed

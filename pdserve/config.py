@@ -247,6 +247,7 @@ def load_config(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] |
     parse_faults(values["faults"])  # an unknown fault is a start-up error, never silently ignored
     config = EngineConfig(**values)
     _check_kv_transport(config)
+    _check_api_key(config, sources["api_key"])
     api_keys(config)   # an unreadable or empty key file is a start-up error, not an open server
     if config.chat_template and not os.path.isfile(config.chat_template):
         raise ConfigError(f"config field chat_template={config.chat_template!r}: no such file",
@@ -274,6 +275,21 @@ def _check_kv_transport(config: EngineConfig) -> None:
         raise ConfigError(f"config field kv_transport='mooncake' needs the Mooncake Transfer Engine: pip install "
                           f".[mooncake] and apt-get install libibverbs1 librdmacm1 libnuma1 ({exc})",
                           param="kv_transport") from None
+
+
+def _check_api_key(config: EngineConfig, source: str) -> None:
+    """Raises ConfigError when ``api_key`` was given (flag or env) but holds a blank key after splitting on commas
+    and stripping (``--api-key " "``, ``","``, ``PDSERVE_API_KEY=`` from an unset shell variable): that would
+    start an open server without a word. The message names the flag or variable, never the keys."""
+    if source not in ("flag", "env"):
+        return
+    entries = config.api_key.split(",")
+    blank = [i for i, k in enumerate(entries) if not k.strip()]
+    if blank:
+        name = "--api-key" if source == "flag" else f"{ENV_PREFIX}API_KEY"
+        raise ConfigError(f"{name} holds a blank API key (entry {blank[0] + 1} of {len(entries)} after splitting on "
+                          f"commas is empty or spaces); give real keys, or leave {name} out for an open server",
+                          param="api_key")
 
 
 def api_keys(config: EngineConfig) -> tuple[str, ...]:

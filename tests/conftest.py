@@ -18,6 +18,76 @@ from tools.engine_process import wait_until
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# ---- the whole run: what skipped and why, and what it left in /dev/shm --------------------------------------
+def _shm_objects() -> set[str]:
+    """/dev/shm entries a test run can leave: pdserve segments and semaphores, multiprocessing's semaphores."""
+    try:
+        return {e for e in os.listdir("/dev/shm") if e.startswith(("pdserve_", "sem.pdserve_", "sem.mp-"))}
+    except FileNotFoundError:
+        return set()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shm-leaks", choices=("report", "fail"), default="report",
+                     help="at the end of the run, list the /dev/shm segments and named semaphores (sem.mp-*, "
+                          "pdserve_*) that appeared during it; 'fail' also fails the run on pdserve objects of "
+                          "engines whose supervisor is gone (make test; it checks sem.mp-* after pytest exits)")
+
+
+def pytest_sessionstart(session):
+    session.config._shm_before = _shm_objects()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import gc
+
+    gc.collect()   # multiprocessing objects this process still holds unlink their semaphores when collected
+    deadline = time.monotonic() + 5   # a resource tracker of a stopped engine may still be unlinking
+    while True:
+        left = sorted(_shm_objects() - getattr(session.config, "_shm_before", set()))
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if left:   # an engine another run started meanwhile is not this run's leak: its supervisor is alive
+        from ipc.manifest import NO_MANIFEST_GRACE_S, stale_engines
+        from ipc.naming import engine_id_of
+
+        ids = {engine_id_of(e) for e in left} - {None}
+        dead = set(stale_engines(time.time() + NO_MANIFEST_GRACE_S, only=ids)) if ids else set()
+        left = [e for e in left if engine_id_of(e) is None or engine_id_of(e) in dead]
+    session.config._shm_left = left
+    # sem.mp-* may still be registered with this process's own resource tracker, which unlinks them when pytest
+    # exits: only pdserve objects fail the run here; make test checks sem.mp-* after pytest has exited
+    if any(not e.startswith("sem.mp-") for e in left) and session.config.getoption("--shm-leaks") == "fail" \
+            and session.exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The last lines: each group of skipped tests with its reason (a skip is never silent), then what the run
+    left in /dev/shm."""
+    groups: dict[str, set[str]] = {}
+    counts: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        groups.setdefault(reason, set()).add(report.nodeid.split("::")[0])
+        counts[reason] = counts.get(reason, 0) + 1
+    if groups:
+        terminalreporter.write_sep("-", "skipped, by reason")
+        for reason, files in sorted(groups.items(), key=lambda kv: -counts[kv[0]]):
+            terminalreporter.write_line(f"{counts[reason]:4} skipped: {reason} ({', '.join(sorted(files))})")
+    left = getattr(config, "_shm_left", [])
+    if left:
+        terminalreporter.write_sep("-", f"/dev/shm: {len(left)} objects left by this run")
+        terminalreporter.write_line(" ".join(left[:40]) + (" ..." if len(left) > 40 else ""))
+        if any(e.startswith("sem.mp-") for e in left):
+            terminalreporter.write_line("(sem.mp-*: unless this process's resource tracker unlinks them at exit; "
+                                        "make test checks after pytest exits)")
+    else:
+        terminalreporter.write_line("/dev/shm: nothing left by this run (segments and named semaphores)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -114,8 +184,26 @@ def signal_pids(pids: list[int], signum: int) -> None:
 
 
 def sweep_engine(pids: list[int], engine_id: str) -> None:
-    """After an engine's stop, whatever happened: SIGKILL its processes still alive, unlink its segments."""
-    signal_pids(pids, signal.SIGKILL)
+    """After an engine's stop, whatever happened: SIGKILL its processes still alive, unlink its segments. The
+    multiprocessing resource tracker goes last: it unlinks the named semaphores (``sem.mp-*``) of the processes
+    it served once they are gone, and exits by itself; killed first, it would leave them in /dev/shm."""
+    import psutil
+
+    def is_tracker(pid: int) -> bool:
+        try:
+            return "resource_tracker" in " ".join(psutil.Process(pid).cmdline())
+        except psutil.Error:
+            return False
+    trackers = [pid for pid in pids if is_tracker(pid)]
+    signal_pids([pid for pid in pids if pid not in trackers], signal.SIGKILL)
+    for pid in trackers:
+        try:
+            psutil.Process(pid).wait(timeout=5)
+        except psutil.TimeoutExpired:
+            pass
+        except psutil.NoSuchProcess:
+            continue
+    signal_pids(trackers, signal.SIGKILL)
     if engine_id:
         from ipc.naming import unlink_all
 

@@ -357,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         return _main_urls(args, console)
     if args.list:
+        from ipc.manifest import reclaim_stale_engines
+
+        for gone in reclaim_stale_engines():   # engines whose supervisor is gone are not listed: their memory is freed
+            print(f"reclaimed engine {gone['engine_id']} ({gone['why']}): {gone['segments']} segments, "
+                  f"{gone['semaphores']} semaphores, {gone['bytes']} bytes", file=sys.stderr)
         engines = running_engines()
         for line in list_lines(engines):
             print(line)

@@ -149,3 +149,52 @@ def test_every_reused_block_holds_exactly_the_prompts_prefix_and_every_block_is_
     assert alloc.num_free == num_blocks and alloc.cached_blocks_in_use == 0
     alloc.clear()
     assert base.num_free == num_blocks
+
+
+# ---- the rules one at a time (each of these was seen failing on a mutation of actors/prefix_cache.py) ------------
+def test_an_acquire_whose_cached_prefix_is_idle_under_a_full_pool_waits_and_holds_nothing():
+    """The hit blocks are evictable (counted in ``num_free``) but the prompt will hold them: they cannot also make
+    room for its new blocks. Nothing free besides them: OutOfKVBlocksError (the request waits), no reference kept."""
+    alloc = cache(num_blocks=4)
+    prompt = list(range(10))                     # 2 full blocks + 1 partial
+    first = alloc.acquire(prompt, 0)
+    alloc.commit(first)
+    alloc.release(first)                         # 2 cached blocks nobody holds, 2 free
+    other = alloc.allocate(2, owner_slot=9)      # the 2 free ones: only the idle cached blocks are left
+    assert alloc.num_free == 2
+    with pytest.raises(OutOfKVBlocksError):
+        alloc.acquire(prompt, 1)                 # hits 2 idle blocks, needs 1 more: nothing to evict but its own
+    assert [alloc.cache.refs(b) for b in first.blocks[:2]] == [0, 0] and alloc.num_free == 2
+    alloc.free(other, 9)
+    again = alloc.acquire(prompt, 1)             # room now: the same prefix reused
+    assert again.cached_tokens == 8 and again.blocks[:2] == first.blocks[:2]
+    alloc.release(again)
+    assert alloc.num_free == 4 and alloc.cached_blocks_in_use == 0
+
+
+@pytest.mark.parametrize("second_holder", ["hit", "insert"], ids=["held-by-a-hit", "still-held-by-its-committer"])
+def test_a_cached_block_is_never_evicted_while_a_request_holds_it(second_holder):
+    """Two requests hold the same cached blocks; the first lets go; a third prompt needs every block it can get.
+    The blocks still held are not evicted (not handed out again), and the holder's release leaves them evictable."""
+    alloc = cache(num_blocks=6)
+    prompt = list(range(10))                     # 2 full blocks cached + 1 partial
+    a = alloc.acquire(prompt, 0)
+    alloc.commit(a)
+    if second_holder == "hit":                   # b reuses a's blocks while a still holds them; a leaves
+        b = alloc.acquire(prompt, 1)
+        assert alloc.cache.refs(a.blocks[0]) == 2
+        alloc.release(a)
+    else:                                        # a leaves first, b takes the idle blocks (ref) again
+        alloc.release(a)
+        b = alloc.acquire(prompt, 1)
+    shared = b.blocks[:2]
+    assert b.cached_tokens == 8 and shared == a.blocks[:2] and all(alloc.cache.refs(x) == 1 for x in shared)
+    assert alloc.num_free == 6 - 3               # b holds 2 cached + 1 own; nothing is evictable
+    with pytest.raises(OutOfKVBlocksError):
+        alloc.allocate(4, owner_slot=7)          # would need one of b's blocks
+    third = alloc.allocate(3, owner_slot=7)
+    assert not set(third) & set(b.blocks) and alloc.evicted_blocks <= 1
+    assert alloc.cache.match(block_keys(prompt, BT)) == shared   # b's prefix still cached where b reads it
+    alloc.release(b)
+    alloc.free(third, 7)
+    assert alloc.num_free == 6 and alloc.cached_blocks_in_use == 0

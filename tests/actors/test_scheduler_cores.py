@@ -371,8 +371,32 @@ def test_the_prefill_core_renews_each_chunk_and_drops_a_prompt_whose_rows_are_go
     assert pair.prefill_pool.num_free == 32 and not pair.prefill.inflight
 
 
-def batching_pair(batch_tokens: int, chunk_tokens: int, prefill_blocks: int = 32) -> Pair:
-    pair = Pair(prefill_blocks=prefill_blocks)
+def test_queued_rows_behind_a_long_prompt_are_renewed_by_each_of_its_forward_passes():
+    """A prompt longer than the queue deadline must not time out the requests queued behind it: every forward pass
+    of prefill renews the QUEUED rows (at most once per renew interval), not only a completed prefill."""
+    pair = Pair(prefill_blocks=19)
+    long = prefill_request(pair.table, "long", prompt_tokens=300)   # chunks of 128, 128, 44; the whole pool
+    waiting = prefill_request(pair.table, "waiting", prompt_tokens=20)
+    pair.prefill.on_message(long)
+    pair.prefill.on_message(waiting)
+    for _ in range(2):
+        pair.clock.advance(1.5)   # more than the renew interval (1 s)
+        pair.prefill.reap()
+        chunks = pair.prefill.next_batch()
+        assert spans(chunks)[0][0] == "long" and not chunks[0].last and pair.prefill.blocked
+        assert pair.prefill.batch_done(chunks) == []
+        assert pair.table.state((waiting.slot, waiting.generation)) == S.QUEUED
+        assert pair.table.rows[waiting.slot]["last_progress_ns"] == pair.clock()
+    pair.clock.advance(0.5)   # within the interval: no second write
+    pair.prefill.renew_queued()
+    assert pair.table.rows[waiting.slot]["last_progress_ns"] == pair.clock() - int(0.5e9)
+    pair.run(8)
+    assert pair.table.state((waiting.slot, waiting.generation)) == S.FINISHED
+    pair.assert_all_free()
+
+
+def batching_pair(batch_tokens: int, chunk_tokens: int, prefill_blocks: int = 32, prefix_cache: bool = False) -> Pair:
+    pair = Pair(prefill_blocks=prefill_blocks, prefix_cache=prefix_cache)
     pair.prefill.batch_tokens, pair.prefill.chunk_tokens = batch_tokens, chunk_tokens
     return pair
 
@@ -565,6 +589,75 @@ def test_under_pressure_cached_blocks_are_evicted_for_new_prompts_and_never_whil
     pair.assert_all_free()
 
 
+@pytest.mark.parametrize("how", ["beside-it", "abandoned"])
+def test_a_prompt_is_cached_once_its_prefill_finished_never_at_admission_nor_when_abandoned(how):
+    """Its blocks hold KV only once its last chunk ran: the same prompt admitted while the first one is still
+    being prefilled, or after it was aborted half-way, computes everything again (cached_tokens 0: reusing those
+    blocks would read KV never written, silently wrong text). Once the first finishes, the prompt is a hit."""
+    pair = batching_pair(batch_tokens=512, chunk_tokens=16, prefix_cache=True)
+    first = prefill_request(pair.table, "first", prompt_tokens=40, max_tokens=1)   # 3 chunks of 16, 16, 8
+    pair.prefill.on_message(first)
+    chunks = pair.prefill.next_batch()
+    assert spans(chunks) == [("first", 0, 16)] and pair.prefill.batch_done(chunks) == []
+    if how == "abandoned":
+        abort(pair, (first.slot, first.generation))
+        pair.prefill.reap()
+        assert not pair.prefill.prefilling and pair.prefill_pool.num_free == 32
+    second = prefill_request(pair.table, "second", prompt_tokens=40, max_tokens=1)
+    pair.prefill.on_message(second)
+    chunks = pair.prefill.next_batch()
+    assert [c.work.cached_tokens for c in chunks if c.work.request is second] == [0]
+    assert spans(chunks)[-1] == ("second", 0, 16) and pair.cache.cached_blocks == 0
+    pair.prefill.batch_done(chunks)
+    pair.run(6)
+    assert pair.table.state((second.slot, second.generation)) == S.FINISHED and pair.cache.cached_blocks == 2
+    third = prefill_request(pair.table, "third", prompt_tokens=40, max_tokens=1)
+    pair.prefill.on_message(third)
+    assert [c.work.cached_tokens for c in pair.prefill.next_batch()] == [32]   # a finished prompt is reused
+    pair.run(6)
+    pair.assert_all_free()
+
+
+@pytest.mark.parametrize("end", [S.TIMED_OUT, S.ABORTED], ids=["timed-out", "aborted"])
+def test_two_requests_share_cached_blocks_the_committer_leaves_mid_transfer_and_a_third_prompt_waits(end):
+    """``a`` caches its prompt's blocks, then stalls in its transfer; ``b`` (same prompt) reuses them and is pulled
+    too. ``a`` times out (the monitor) or is aborted. A third prompt needing more blocks than are free besides
+    ``b``'s waits in QUEUED: ``b``'s blocks are not evicted under its running pull, it finishes, every block is freed
+    once (FakeAllocator raises on a double free) and then the third prompt runs in them."""
+    pair = Pair(prefill_blocks=6, prefix_cache=True)
+    a = prefill_request(pair.table, "a", prompt_tokens=40, max_tokens=2)   # 2 full blocks + 1 partial
+    b = prefill_request(pair.table, "b", prompt_tokens=40, max_tokens=2)
+    pair.transfers.script.update(a=IN_PROGRESS, b=IN_PROGRESS)
+    pair.prefill.on_message(a)
+    pair.run(2)
+    pair.prefill.on_message(b)
+    pair.run(2)
+    a_key, b_key = (a.slot, a.generation), (b.slot, b.generation)
+    assert pair.table.state(a_key) == pair.table.state(b_key) == S.TRANSFERRING
+    b_blocks = pair.prefill.inflight[b_key].blocks
+    shared = b_blocks[:2]
+    assert pair.prefill.inflight[a_key].blocks[:2] == shared and pair.prefill.inflight[b_key].prompt.cached_tokens == 32
+    assert [pair.cache.cache.refs(x) for x in shared] == [2, 2]
+    assert pair.table.transition(*a_key, end)
+    pair.run(1)
+    assert a_key not in pair.prefill.inflight and [pair.cache.cache.refs(x) for x in shared] == [1, 1]
+    assert pair.cache.num_free == 6 - 3   # b's 2 cached + 1 own are held; nothing else is
+    c = prefill_request(pair.table, "c", prompt_tokens=64, max_tokens=1)   # 4 blocks of other tokens
+    c = dataclasses.replace(c, prompt_ids=[t + 1000 for t in c.prompt_ids])
+    pair.prefill.on_message(c)
+    pair.run(2)
+    assert pair.table.state((c.slot, c.generation)) == S.QUEUED and pair.prefill.blocked
+    assert [pair.prefill_pool.owner[x] for x in shared] == [CACHE_OWNER] * 2
+    assert pair.cache.cache.match(pair.prefill.inflight[b_key].prompt.keys) == shared
+    [(_, pulled, _, _)] = [s for s in pair.transfers.started.values() if s[0] == "b"]
+    assert pulled == b_blocks
+    del pair.transfers.script["b"]
+    pair.run(8)
+    assert pair.table.state(b_key) == S.FINISHED and pair.table.state((c.slot, c.generation)) == S.FINISHED
+    assert pair.table.state(a_key) == end and {t[0] for t in pair.tokens} == {b.slot, c.slot}
+    pair.assert_all_free()
+
+
 def test_colocated_mode_shares_one_caching_allocator_and_decode_reservations_evict_the_cache():
     clock = FakeClock()
     table = FakeTable(clock)
@@ -655,6 +748,22 @@ def test_the_first_child_leaving_mid_pull_leaves_the_pull_running_for_its_siblin
     assert {t[0] for t in pair.tokens} == {k[0] for k in keys[1:]}
     pair.assert_all_free()
     assert not pair.decode.prompts
+
+
+def test_blocks_arriving_on_a_shared_pull_renew_every_child_not_only_the_puller():
+    """The siblings of an ``n > 1`` request wait on the puller's transfer of the prompt's full blocks: its progress
+    is theirs, or they time out in TRANSFERRING while the pull moves."""
+    pair = Pair()
+    keys, shared, entries = children_in_transfer(pair, prompt_tokens=40, max_tokens=4, stuck=True)
+    assert shared.puller == keys[0]
+    received = iter(range(1, 100))
+    pair.transfers.poll = lambda h, real=pair.transfers.poll: (IN_PROGRESS, next(received)) if h == shared.pull \
+        else real(h)   # the siblings' own partial pulls report nothing
+    for _ in range(2):
+        pair.clock.advance(2.0)
+        pair.decode_step()
+        assert [pair.table.rows[k[0]]["last_progress_ns"] for k in keys] == [pair.clock()] * 3
+        assert all(pair.table.state(k) == S.TRANSFERRING for k in keys)
 
 
 def test_every_child_leaving_mid_pull_stops_the_pull_and_frees_every_block_once():

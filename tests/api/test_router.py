@@ -1,9 +1,11 @@
 """The router's choices (api/router.py) as plain functions over actor loads."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from api.router import ActorLoad, pick_decode, pick_prefill, route
+from api.router import ActorLoad, Routed, pick_decode, pick_prefill, route, with_routed
 from pdserve.errors import EngineOverloadedError
 
 
@@ -52,3 +54,20 @@ def test_hung_or_draining_actors_get_no_work_even_when_idle():
 def test_colocated_routes_to_a_decode_actor_only():
     chosen = route([], [decode(0), decode(1, free=100)], [1, 2, 3], 8)
     assert chosen.prefill is None and chosen.decode == 1
+
+
+def test_blocks_reserved_by_requests_routed_but_not_yet_pulled_count_against_their_decode_actor():
+    """Decode 0 reports more free blocks, but a request routed there (not yet prefilled) will reserve 30 of them:
+    the next request goes to decode 1. Once its first token came the actor's own count shows the reservation
+    (nothing subtracted twice); its prompt tokens count on its prefill actor's queue until then."""
+    table = [decode(0, free=50), decode(1, free=40)]
+    pending = Routed(prefill=0, decode=0, prompt_tokens=300, reserve_blocks=30, prefilled=False)
+    assert pick_decode(with_routed(table, []), 20, 10).index == 0
+    loads = with_routed(table, [pending])
+    assert [a.kv_blocks_free for a in loads] == [20, 40] and pick_decode(loads, 20, 10).index == 1
+    assert [a.running for a in loads] == [1, 0]
+    reserved = [decode(0, free=20), decode(1, free=40)]   # the table after decode 0 reserved them
+    assert [a.kv_blocks_free for a in with_routed(reserved, [dataclasses.replace(pending, prefilled=True)])] == \
+        [20, 40]
+    queues = with_routed([prefill(0, 100), prefill(1, 250)], [pending])
+    assert [a.queued_prompt_tokens for a in queues] == [400, 250] and pick_prefill(queues, [1]).index == 1

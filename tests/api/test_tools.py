@@ -101,6 +101,43 @@ def test_a_named_function_streams_its_arguments_as_pieces_of_one_call():
                                                                                                           "b": 2}
 
 
+NOW = {"type": "function", "function": {"name": "now", "description": "The current time"}}   # no parameters
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "now"}}, "required"])
+def test_a_function_declared_without_parameters_takes_only_empty_arguments(parser, compiler, tokenizer, choice):
+    """An open object schema let a forced call to ``now`` make arguments up (even another tool's call)."""
+    gen = parser.chat(chat(tools=TOOLS + [NOW], tool_choice=choice, parallel_tool_calls=False))
+    head, tail = ('<tool_call>\n{"name":"now","arguments":', "}\n</tool_call>") if choice == "required" else ("", "")
+    assert compiler.matcher(gen.sampling.grammar, tokenizer.encode(head + "{}" + tail)).is_terminated()
+    made_up = compiler.matcher(gen.sampling.grammar, tokenizer.encode(head + "{"))
+    assert not made_up.accept(tokenizer.encode('"')[0])   # no property may follow
+
+
+CUT = [   # (required-mode output cut by max_tokens, the partial call it must come back as)
+    ('<tool_call>\n{"name":"add","arguments":{"a":1,', ("add", '{"a":1,')),
+    ('<tool_call>\n{"name":"get_wea', ("get_weather", "")),
+    ('<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_', ("add", '{"a":1,"b":2}')),
+    ('<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>\n<tool_call>\n{"name":"add","argu',
+     ("add", "")),
+]
+
+
+@pytest.mark.parametrize("text,partial", CUT)
+def test_a_required_call_cut_by_max_tokens_comes_back_as_tool_calls_with_its_partial_arguments(text, partial):
+    plan = parse_tools({"tools": TOOLS, "tool_choice": "required"})[1]
+    content, calls, reason = finished_choice(plan, text, "length")
+    assert content is None and reason == "length"
+    assert (calls[-1]["function"]["name"], calls[-1]["function"]["arguments"]) == partial
+    assert len(calls) == 1 + text.count("</tool_call>")
+    deltas = ToolDeltas(plan)
+    pieces = [p for k in range(0, len(text), 7) for p in deltas.push(text[k:k + 7], False)] + \
+        deltas.push("", "length")
+    streamed = [c[0]["function"] for _, c in pieces if c]
+    assert not any(piece for piece, _ in pieces) and deltas.finish_reason("length") == "length"
+    assert [(f["name"], f["arguments"]) for f in streamed][-1] == partial and len(streamed) == len(calls)
+
+
 @pytest.mark.parametrize("body,param", [
     ({"tools": "f"}, "tools"),
     ({"tools": [{"type": "function"}]}, "tools"),
@@ -164,6 +201,46 @@ def test_a_response_format_the_library_or_we_reject_is_a_400_naming_response_for
     with pytest.raises(InvalidRequestError) as err:
         parser.chat(chat(response_format=fmt))
     assert err.value.param == "response_format"
+
+
+@pytest.mark.parametrize("fmt", [{"type": "json_object", "schema": 123}, {"type": "json_object", "strict": True},
+                                 {"type": "text", "schema": {}},
+                                 {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}}])
+def test_a_response_format_key_we_do_not_read_is_a_400_naming_it(parser, fmt):
+    for call, body in ((parser.chat, chat(response_format=fmt)),
+                       (parser.completion, {"prompt": "JSON:", "response_format": fmt})):
+        with pytest.raises(InvalidRequestError) as err:
+            call(body)
+        assert err.value.param == "response_format" and ("schema" in err.value.message or "strict" in
+                                                         err.value.message or "extra" in err.value.message)
+
+
+def test_a_json_object_schema_is_honoured_as_a_json_schema_is(parser):
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    via_object = parser.chat(chat(response_format={"type": "json_object", "schema": schema})).sampling.grammar
+    via_schema = parser.chat(chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": schema}})).sampling.grammar
+    assert via_object == via_schema != parser.chat(chat(response_format={"type": "json_object"})).sampling.grammar
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": WEATHER}}}, "response_format"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice"),
+])
+@pytest.mark.parametrize("stop", ["}", [",", "]"]])
+def test_a_stop_string_with_a_constrained_answer_is_a_400_naming_both_fields(parser, extra, field, stop):
+    """A stop string matched inside constrained output cuts it into text its grammar does not accept (JSON that
+    does not parse): refused, not served."""
+    calls = [(parser.chat, chat(stop=stop, **extra))]
+    if field == "response_format":
+        calls.append((parser.completion, {"prompt": "JSON:", "stop": stop, **extra}))
+    for call, body in calls:
+        with pytest.raises(InvalidRequestError) as err:
+            call(body)
+        assert err.value.param == "stop" and f"'{field}'" in err.value.message, err.value.message
+    assert parser.chat(chat(stop=stop, tools=TOOLS)).stop   # tool_choice auto: nothing constrained, stop is kept
 
 
 def test_tools_and_response_format_together_are_refused(parser):

@@ -107,3 +107,33 @@ def test_keys_guard_the_v1_and_debug_routes_and_leave_health_and_metrics_open(pa
              "headers": [] if header is None else [(b"authorization", header)]}
     asyncio.run(ApiKeyMiddleware(app, ["sk-right"])(scope, receive, send))
     assert sent[0]["status"] == status
+
+
+@pytest.mark.parametrize("given", [{"flags": ("--api-key", " ")}, {"flags": ("--api-key", ",")},
+                                   {"flags": ("--api-key", "sk-a", "--api-key", "")},
+                                   {"flags": ("--api-key", "sk-a,,sk-b")},
+                                   {"env": {"PDSERVE_API_KEY": ","}}, {"env": {"PDSERVE_API_KEY": ""}}])
+def test_a_blank_api_key_is_a_start_up_error_naming_the_flag_or_variable(given):
+    """Blank after splitting on commas and stripping: never an open server without a word."""
+    with pytest.raises(ConfigError) as err:
+        load_config(flags(*given.get("flags", ())), env=given.get("env", {}))
+    name = "--api-key" if "flags" in given else "PDSERVE_API_KEY"
+    assert err.value.param == "api_key" and name in str(err.value) and "sk-a" not in str(err.value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv, env", [(["--api-key", " "], {}), ([], {"PDSERVE_API_KEY": ","})],
+                         ids=["flag", "env"])
+def test_serve_with_a_blank_api_key_stops_at_start_up_naming_it(argv, env):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    result = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--port", "0", *argv], cwd=ROOT,
+                            env={**clean, **env}, capture_output=True, timeout=100)
+    stderr = result.stderr.decode()
+    assert result.returncode == 2, stderr   # a configuration error (pdserve.cli)
+    assert ("--api-key" if argv else "PDSERVE_API_KEY") in stderr and "blank API key" in stderr

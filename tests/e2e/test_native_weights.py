@@ -27,6 +27,13 @@ def _tokens(choice: dict) -> list[str]:
     return choice["logprobs"]["tokens"]
 
 
+def test_the_decode_actor_runs_the_low_bit_decode_step(engine):
+    """Without this, every test here passes with float32 weights: the decode actor's warm-up says which decode
+    step ran (the fused low-bit one only when the model stacked its Q4 layers), the prefill actor's ran none."""
+    log = engine.log_text()
+    assert "warm-up done" in log and "(decode steps: lowbit_cpu.decode_layers)" in log, log[-3000:]
+
+
 def test_native_engine_answers_alone_in_a_ragged_batch_and_with_n_children(engine):
     probe = EngineProbe(engine.engine_id)
     try:

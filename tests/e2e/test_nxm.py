@@ -112,6 +112,29 @@ def test_16_concurrent_greedy_answers_equal_each_alone_and_all_four_actors_work(
     assert all(metrics[f"pdserve_router_engine_mismatch_total{{actor={a}}}"] == 0 for a in ACTORS)
 
 
+def test_multi_block_prompts_hand_off_between_the_pools_and_each_prefill_actor_reuses_its_cache(engine, probe):
+    """Two prompts of 5 KV blocks each (4 full + 6 tokens), sent at once (the router gives each prefill actor one:
+    fewest queued tokens), then again at once (each goes where its prefix is cached): every block is handed to a
+    decode actor of the other pool, the repeats hit the cache on both prefill actors, and the greedy text is the
+    same."""
+    prompts = [[(i * 7919 + 13 * k) % 30000 + 200 for i in range(70)] for k in (1, 2)]
+    body = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+
+    def hits() -> dict[str, float]:
+        metrics = scrape(engine.base_url)
+        return {a: metrics.get(f"pdserve_prefix_cache_hit_tokens_total{{actor={a}}}", 0)
+                for a in ("prefill0", "prefill1")}
+    before = hits()
+    first = asyncio.run(post_all(engine.base_url, [{**body, "prompt": p} for p in prompts]))
+    again = asyncio.run(post_all(engine.base_url, [{**body, "prompt": p} for p in prompts]))
+    assert [r.status_code for r in first + again] == [200] * 4
+    assert [r.json()["choices"][0]["text"] for r in again] == [r.json()["choices"][0]["text"] for r in first]
+    assert [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in first + again] == [0, 0, 64, 64]
+    after = hits()
+    assert all(after[a] - before[a] == 64 for a in after), (before, after)   # one repeat on each prefill actor
+    assert_recovered(engine, probe)
+
+
 async def fail_one_actor_while_serving(engine, probe, ids: list[str], body: dict, victim: str, victim_holds,
                                        fault) -> tuple[set[str], list[httpx.Response], list[httpx.Response], dict]:
     """Send ``body`` under ``ids`` at once; once every one was admitted and ``victim_holds(latest row by id)``

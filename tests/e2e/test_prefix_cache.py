@@ -1,24 +1,32 @@
 """The prefix cache end to end, on one engine with a small pool (32 blocks of 16 tokens): usage reports the cached
 tokens, greedy output equals output computed without the cache (an echo-with-logprobs request skips the cache
 lookup: it needs every prompt position's logits), the metrics and tools/inspect show the cache, and a cache
-evicted under pressure still gives the same output. Faults with cached blocks held: tests/e2e/test_watchdog.py
-(its recovery check requires every cached block released)."""
+evicted under pressure still gives the same output, and identical prompts aborted mid-prefill leave nothing in the
+cache (their KV was never complete). Faults with cached blocks held: tests/e2e/test_watchdog.py (its recovery check
+requires every cached block released)."""
 from __future__ import annotations
+
+import asyncio
 
 import httpx
 import pytest
 
-from tests.conftest import assert_recovered, cleanup_engine, probe_fixture, scrape, start_engine
+from ipc.state_table import RequestState as S
+
+from tests.conftest import assert_recovered, cleanup_engine, probe_fixture, scrape, start_engine, wait_until
 from tools import inspect
 
 BT = 16
 PROMPT = [(i * 7919) % 30000 + 200 for i in range(70)]   # token ids: 4 full blocks, 6 tokens in a fifth
 NEW = 8
+SLOW = "slowcache-"   # requests whose prompt chunks each take 1 s longer (a fault aimed by X-Request-Id)
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    eng = start_engine(tmp_path_factory.mktemp("prefix"), "--kv-pool-tokens", str(32 * BT))
+    eng = start_engine(tmp_path_factory.mktemp("prefix"), "--kv-pool-tokens", str(32 * BT),
+                       env={"PDSERVE_FAULTS": f"slow_prefill:seconds=1,match={SLOW}",
+                            "PDSERVE_PREFILL_CHUNK_TOKENS": "32"})   # a slowed 100-token prompt: 4 s of chunks
     yield eng
     cleanup_engine(eng)
 
@@ -26,9 +34,10 @@ def engine(tmp_path_factory):
 probe = probe_fixture()
 
 
-def complete(engine, prompt: list[int], **extra) -> dict:
+def complete(engine, prompt: list[int], request_id: str = "", **extra) -> dict:
     body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True, "logprobs": 0, **extra}
-    response = httpx.post(engine.base_url + "/v1/completions", json=body, timeout=300)
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    response = httpx.post(engine.base_url + "/v1/completions", json=body, timeout=300, headers=headers)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -72,3 +81,33 @@ def test_a_cache_evicted_under_pressure_gives_the_same_greedy_output(engine, pro
     assert generated(again) == generated(first)
     assert_recovered(engine, probe)
     assert scrape(engine.base_url)["pdserve_kv_cache_usage_ratio"] == 0   # evictable cached blocks count as free
+
+
+def test_identical_prompts_aborted_mid_prefill_leave_nothing_cached_and_the_text_equals_a_cold_run(engine, probe):
+    """Three identical prompts at once, all aborted while their prefill runs (4 chunks of 32 tokens, each slowed
+    by 1 s, so all three are PREFILLING together for seconds, whatever order they were admitted in): none of their
+    blocks may be cached (reusing them would read KV never written: silent wrong text). The prompt sent again
+    computes everything; sent once more it comes from the cache; both texts equal one computed without it."""
+    prompt = [(t * 31) % 30000 + 300 for t in range(100)]   # 6 full blocks + 4 tokens
+    ids = [f"{SLOW}abort-{i}" for i in range(3)]
+
+    async def abort_mid_prefill():
+        async with httpx.AsyncClient(base_url=engine.base_url, timeout=120) as client:
+            tasks = [asyncio.ensure_future(client.post("/v1/completions", headers={"X-Request-Id": rid}, json={
+                "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True})) for rid in ids]
+            await asyncio.to_thread(wait_until, lambda: all(
+                any(r["state"] == S.PREFILLING for r in probe.rows_with_id(rid)) for rid in ids), 60, 0.01,
+                "the three prompts prefilling")
+            for task in tasks:
+                task.cancel()   # the client goes away: the API aborts the request
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(abort_mid_prefill())
+    wait_until(lambda: not probe.live_rows(), 30, 0.05, "the aborted rows to end")
+    cold = complete(engine, prompt, request_id=f"{SLOW}again")
+    assert cached(cold) == 0, "KV of a prompt aborted mid-prefill was reused"
+    warm = complete(engine, prompt)
+    reference = complete(engine, prompt, echo=True)   # prompt logprobs: no cache lookup, computed from position 0
+    assert (cached(warm), cached(reference)) == (96, 0)
+    assert generated(cold) == generated(warm) == generated(reference)
+    assert_recovered(engine, probe)

@@ -150,9 +150,10 @@ def test_a_second_engine_maps_the_prepared_model_and_is_healthy_within_60_s(engi
         assert healthy_s < 60, healthy_s
         log = second.log_text()
         assert "prepared model saved" not in log and "GGUF header of" not in log   # nothing was rebuilt
+        assert second.stop() == 0, second.log_text()[-2000:]
+        assert shm_segments(second.engine_id) == []   # its own clean-up, before cleanup_engine's sweep
     finally:
         cleanup_engine(second)
-    assert shm_segments(second.engine_id) == []
 
 
 def test_sigterm_drains_then_leaves_no_child_process_and_no_shm_segment(engine):

@@ -3,12 +3,15 @@ SIGTERM, SIGINT and SIGHUP sent to one child (prefill, decode, monitor, API) are
 SIGTERM to every process at once (systemd's KillMode=control-group, ``kill -- -PGID``) drains exactly like SIGTERM
 to the supervisor; children still leave when the supervisor dies, without needing SIGTERM for it.
 
-One engine for the per-process cases (its last test kills its supervisor); one more, in its own process group, for
-the group signal."""
+One engine for the per-process cases (its last test kills its supervisor; before that it also serves a hundred
+streams over one HTTP/2 connection); one more, in its own process group, for the group signal, whose start
+reclaims what the killed supervisor left in /dev/shm."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
+import re
 import signal
 import socket
 
@@ -23,6 +26,7 @@ from tests.conftest import (EngineProbe, cleanup_engine, probe_fixture, shm_segm
 DRAIN_TIMEOUT_S = 10.0   # the short stream (16 tokens) finishes inside it even on a loaded 2-core machine
 PROCESS_KINDS = ("prefill0", "decode0", "monitor", "api")
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+KILLED: list[str] = []   # engines whose supervisor a test SIGKILLed (their segments stay until an engine starts)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +86,36 @@ def test_a_signal_to_one_engine_process_is_left_to_the_supervisor_and_traffic_go
     assert httpx.get(engine.base_url + "/health", timeout=10).status_code == 200
 
 
+def test_a_hundred_concurrent_streams_on_one_http2_connection_all_complete(engine):
+    """More streams than max_num_seqs (32), all on one HTTP/2 connection and its flow-control window: every one
+    streams its 8 tokens and [DONE]."""
+    count, max_tokens = 100, 8
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, str | None]:
+        tokens, reason = 0, None
+        body = {"prompt": f"Count to {i}:", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "temperature": 0}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200 and response.http_version == "HTTP/2", await response.aread()
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    return tokens, reason
+                if line.startswith("data: "):
+                    event = orjson.loads(line[6:])
+                    assert "error" not in event, event
+                    tokens += 1
+                    reason = event["choices"][0]["finish_reason"] or reason
+        raise AssertionError(f"stream {i} ended without [DONE]")
+
+    async def run():
+        async with httpx.AsyncClient(base_url=engine.base_url, http1=False, http2=True, timeout=300,
+                                     limits=httpx.Limits(max_connections=1)) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(count)))
+
+    results = asyncio.run(run())
+    assert len(results) == count and all(reason == "length" and tokens >= max_tokens for tokens, reason in results)
+
+
 def test_children_leave_when_the_supervisor_is_killed_although_they_ignore_sigterm(engine, probe):
     """Parent-death detection must not rely on SIGTERM (which the children ignore): SIGKILL the supervisor (no
     drain, no cleanup of its own) and every child, the API included, exits. Runs last: it ends this engine."""
@@ -97,6 +131,8 @@ def test_children_leave_when_the_supervisor_is_killed_although_they_ignore_sigte
         except psutil.NoSuchProcess:
             return True
     wait_until(lambda: all(gone(pid) for pid in children), 15, 0.05, "every child to exit")
+    assert shm_segments(engine.engine_id)   # nobody cleaned up: the next engine to start reclaims them
+    KILLED.append(engine.engine_id)
 
 
 def read_http1_response(sock: socket.socket) -> tuple[bytes, bytes]:
@@ -115,10 +151,15 @@ def test_sigterm_to_every_engine_process_at_once_drains_like_sigterm_to_the_supe
     """``kill -TERM -- -PGID`` while streams run: new requests get 503 + Retry-After, a short stream finishes, a
     long one gets an error event at drain_timeout_s and [DONE], a request still sending its body when the HTTP
     server stops gets a 503 OpenAI error (never a 500 with an empty body); then exit 0, no process and no /dev/shm
-    segment left."""
+    segment left. Its start reclaimed the segments of the engine whose supervisor the test before SIGKILLed, and
+    its log names it."""
     eng = start_engine(tmp_path, "--kv-pool-tokens", "4096", "--drain-timeout-s", str(DRAIN_TIMEOUT_S),
                        new_session=True)
     try:
+        for killed in KILLED:
+            assert shm_segments(killed) == []
+            assert re.search(rf"reclaimed engine {killed} \(supervisor pid \d+ is gone\): \d+ segments, \d+ "
+                             rf"semaphores, [1-9]\d* bytes", eng.log_text()), eng.log_text()[-3000:]
         probe = EngineProbe(eng.engine_id)
         children = list(eng.child_pids)
         body = orjson.dumps({"prompt": "Hello", "max_tokens": 2})

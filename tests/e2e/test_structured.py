@@ -82,9 +82,10 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> list[str]:
 
 def structured_bodies(variant: int, count: int) -> list[dict]:
     """``count`` json_schema and ``count`` json_object requests; each variant also mixes in another feature
-    (n > 1 on three of them, logprobs, a stop string, usage), so those work together with a grammar. json_object
+    (n > 1 on three of them, logprobs, a seed and a penalty, usage), so those work together with a grammar (a stop
+    string with a grammar is a 400: test_a_stop_string_with_a_constrained_answer_is_a_400_naming_both). json_object
     answers get only 24 tokens: closing pressure must end them as complete objects."""
-    extras = [{}, {"logprobs": True, "top_logprobs": 2}, {"stop": ["```"]},
+    extras = [{}, {"logprobs": True, "top_logprobs": 2}, {"seed": 3, "presence_penalty": 0.5},
               {"stream_options": {"include_usage": True}}][variant]
     schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     bodies = []
@@ -122,9 +123,47 @@ def test_fifty_plus_structured_answers_at_temperature_0_8_all_parse_and_validate
                 assert isinstance(value, dict), text
 
 
+@pytest.mark.parametrize("stop", ["}", [",", "]"]])
+def test_a_stop_string_with_a_constrained_answer_is_a_400_naming_both(engine, stop):
+    """Served, the stop string would cut every choice into JSON that does not parse (200, finish_reason stop)."""
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    chat = {"messages": [{"role": "user", "content": "A person as JSON."}], "response_format": schema, "n": 3,
+            "stream": True, "stop": stop, "max_tokens": 40}
+    completion = {"prompt": "JSON:", "response_format": {"type": "json_object"}, "stop": stop, "max_tokens": 8}
+    tool = {"messages": [{"role": "user", "content": "Add 1 and 2."}], "tools": TOOLS, "tool_choice": "required",
+            "stop": stop, "max_tokens": 40}
+    for path, body, field in (("/v1/chat/completions", chat, "response_format"),
+                              ("/v1/completions", completion, "response_format"),
+                              ("/v1/chat/completions", tool, "tool_choice")):
+        response = httpx.post(engine.base_url + path, json=body, headers=AUTH, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "stop" and f"'{field}'" in error["message"], error
+
+
+def test_schema_integers_end_and_a_recursive_schema_closes_at_a_small_max_tokens(engine):
+    """/v1/completions, n 3, temperature 0.8: a schema ``integer`` ends (digits are bounded) long before max_tokens;
+    a recursive schema at max_tokens 100 ends as complete JSON (the closing window grows with the open depth)."""
+    node = {"$defs": {"node": {"type": "object", "additionalProperties": False, "required": ["kids"],
+                               "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+            "$ref": "#/$defs/node"}
+    cases = [({"type": "integer"}, "The number of stars in the sky, in digits:", 64),
+             (node, "A deeply nested tree as JSON:", 100)]
+    for schema, prompt, max_tokens in cases:
+        body = {"prompt": prompt, "n": 3, "temperature": 0.8, "seed": 1, "max_tokens": max_tokens,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        response = httpx.post(engine.base_url + "/v1/completions", json=body, headers=AUTH, timeout=300)
+        assert response.status_code == 200, response.text
+        for choice in response.json()["choices"]:
+            jsonschema.validate(json.loads(choice["text"]), schema)
+            if schema.get("type") == "integer":
+                assert choice["finish_reason"] == "stop" and len(choice["text"]) <= 28, choice
+
+
 @pytest.fixture(scope="module")
 def openai_client(engine):
-    openai = pytest.importorskip("openai")
+    import openai   # a declared test dependency (setup.cfg): missing is an error, not a skip
+
     return openai.OpenAI(base_url=engine.base_url + "/v1", api_key=KEY_FILE, max_retries=0, timeout=120)
 
 
@@ -182,6 +221,34 @@ def test_required_tool_choice_always_yields_calls_that_validate(openai_client, s
     assert len(calls) == 1
     for name, arguments in calls:
         jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_a_function_without_parameters_gets_empty_arguments_and_a_cut_required_call_comes_back_as_a_call(engine):
+    now = {"type": "function", "function": {"name": "now", "description": "The current time"}}
+    forced = {"messages": [{"role": "user", "content": "What time is it?"}], "tools": TOOLS + [now],
+              "tool_choice": {"type": "function", "function": {"name": "now"}}, "temperature": 0, "max_tokens": 20}
+    response = httpx.post(engine.base_url + "/v1/chat/completions", json=forced, headers=AUTH, timeout=120)
+    assert response.status_code == 200, response.text
+    [call] = response.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": "now", "arguments": "{}"}
+    cut = {"messages": [{"role": "user", "content": "What is the weather in Oslo?"}], "tools": TOOLS,
+           "tool_choice": "required", "temperature": 0, "max_tokens": 12, "parallel_tool_calls": False}
+    response = httpx.post(engine.base_url + "/v1/chat/completions", json=cut, headers=AUTH, timeout=120)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None, choice
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] in SCHEMAS and "<tool_call>" not in call["function"]["arguments"]
+    streamed, reasons = [], []
+    with httpx.stream("POST", engine.base_url + "/v1/chat/completions", json=dict(cut, stream=True), headers=AUTH,
+                      timeout=120) as sse:
+        for line in sse.iter_lines():
+            if line.startswith("data: {"):
+                for c in orjson.loads(line[6:])["choices"]:
+                    assert not c["delta"].get("content"), c
+                    streamed += c["delta"].get("tool_calls") or []
+                    reasons += [c["finish_reason"]] if c["finish_reason"] else []
+    assert reasons == ["length"] and [d["function"] for d in streamed] == [call["function"]]
 
 
 @pytest.mark.parametrize("headers", [

@@ -355,6 +355,42 @@ def test_s9_s10_dead_actor_holding_kv_blocks_is_cleaned_up_and_restarted(engine,
     assert scrape(engine.base_url)["pdserve_actor_restarts_total{actor=prefill0}"] >= 1
 
 
+@pytest.mark.parametrize("actor, sig", [("decode0", signal.SIGTERM), ("decode0", signal.SIGKILL),
+                                        ("prefill0", signal.SIGKILL)], ids=["decode0-TERM", "decode0-KILL",
+                                                                             "prefill0-KILL"])
+def test_a_signal_to_an_actor_while_a_request_is_transferring_pins_nothing(engine, probe, actor, sig):
+    """The request's KV is half-way between the pools (TRANSFERRING, a pull that never ends) when one actor gets
+    SIGTERM (ignored: children leave stopping to the supervisor; the request times out at the transfer deadline)
+    or SIGKILL (the actor is restarted; the request fails retryably, or times out). Either way it gets an answer,
+    and afterwards no block of either pool and no row is held."""
+    pid_before = probe.pid(actor)
+    restarts_before = scrape(engine.base_url).get(f"pdserve_actor_restarts_total{{actor={actor}}}", 0)
+    request_id = f"stuck-sig-{actor}-{signal.Signals(sig).name}"
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            task = asyncio.ensure_future(client.post(engine.base_url + "/v1/completions",
+                                                     headers={"X-Request-Id": request_id},
+                                                     json={"prompt": STORY, "max_tokens": 4, "temperature": 0}))
+            await asyncio.to_thread(wait_until, lambda: any(r["state"] == S.TRANSFERRING
+                                                            for r in probe.rows_with_id(request_id)), 30, 0.005)
+            os.kill(pid_before, sig)
+            return await task
+
+    response = asyncio.run(run())
+    assert response.status_code in (200, 503, 504), response.text
+    if response.status_code != 200:
+        assert response.json()["error"]["message"], response.text
+    if sig == signal.SIGTERM:
+        assert response.status_code == 504 and "stage transfer" in response.json()["error"]["message"]
+        assert probe.pid(actor) == pid_before   # ignored, not restarted
+    else:
+        wait_until(lambda: probe.pid(actor) not in (0, pid_before), 30, message=f"{actor} restarted")
+    assert_recovered(engine, probe, timeout_s=120)
+    if sig == signal.SIGKILL:
+        assert scrape(engine.base_url)[f"pdserve_actor_restarts_total{{actor={actor}}}"] >= restarts_before + 1
+
+
 def test_an_actor_stopped_holding_the_state_table_lock_is_killed_and_the_engine_lives_on(engine, probe):
     """stop_holding_lock: decode0 takes the state table lock and SIGSTOPs itself on taking the request's KVReady;
     then prefill0 dies (SIGKILL) while the lock is stuck. Failing prefill0's requests needs the lock: the

@@ -3,13 +3,14 @@ whatever the logits say, what the sampler picks under the mask parses and valida
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
 import torch
 
-from gpu.grammar import (CLOSE_WITHIN_TOKENS, GrammarCompiler, accept_tokens, batch_allowed, json_schema_grammar,
-                         lark_grammar)
+from gpu.grammar import (CLOSE_WITHIN_TOKENS, MAX_NUMBER_CHARS, GrammarCompiler, accept_tokens, batch_allowed,
+                         json_schema_grammar, lark_grammar)
 from gpu.sampling import Sampler, SamplingParams, make_generator
 from pdserve.errors import InvalidRequestError
 
@@ -88,11 +89,61 @@ def test_closing_pressure_closes_an_open_string_with_a_quote(compiler, tok):
     grammar = json_schema_grammar({"type": "object", "properties": {"a": {"type": "string"}}})
     ids = tok.encode('{"a":"xyz')
     m = compiler.matcher(grammar, ids)
-    relaxed = m.allowed_tokens(tok.vocab_size, tokens_left=CLOSE_WITHIN_TOKENS + 1)
-    pressed = m.allowed_tokens(tok.vocab_size, tokens_left=CLOSE_WITHIN_TOKENS)
+    assert m.close_within() == CLOSE_WITHIN_TOKENS + 1   # one bracket open
+    relaxed = m.allowed_tokens(tok.vocab_size, tokens_left=m.close_within() + 1)
+    pressed = m.allowed_tokens(tok.vocab_size, tokens_left=m.close_within())
     assert relaxed.sum() > 1000
     pieces = {tok.decode([t]) for t in pressed.nonzero().flatten().tolist()}
     assert pieces and all(p.startswith('"') and set(p[1:]) <= set("]}") for p in pieces), pieces
+
+
+def biased(tok, pieces, weight: float, seed: int):
+    """Logits ``[8, vocab]``: noise plus ``weight`` on every token of ``pieces``."""
+    bias = torch.zeros(tok.vocab_size)
+    for piece in pieces:
+        for t in tok.encode(piece):
+            bias[t] = weight
+    noise = torch.Generator().manual_seed(seed)
+    return lambda step: torch.randn(8, tok.vocab_size, generator=noise) + bias
+
+
+DIGITS = [str(d) for d in range(10)] + ["12", "345", "6789", "00", "."]
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer"},
+    {"type": "object", "required": ["n", "x"], "additionalProperties": False,
+     "properties": {"n": {"type": "integer"}, "x": {"type": "number"}}},
+], ids=["integer", "object-of-numbers"])
+def test_a_schema_number_ends_after_a_bounded_count_of_digits(compiler, tok, schema):
+    """Logits that want digits forever: every number stops once it has MAX_NUMBER_CHARS characters (the token
+    that reaches the bound may carry a few more) and the answer ends long before max_tokens (without the bound,
+    digits run until the closing pressure of the last tokens)."""
+    max_tokens = 120
+    texts = generate(compiler, tok, json_schema_grammar(schema), biased(tok, DIGITS, 9.0, seed=5), rows=8,
+                     max_tokens=max_tokens)
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+        numbers = re.findall(r"[-0-9.eE+]+", text)
+        assert numbers and all(len(n) <= MAX_NUMBER_CHARS + 4 for n in numbers), text
+        assert len(tok.encode(text)) < max_tokens - CLOSE_WITHIN_TOKENS - 8, text
+
+
+def test_a_deeply_nested_answer_starts_closing_early_enough_to_close_every_level(compiler, tok):
+    """Logits that favour opening brackets: the answers nest deeper than CLOSE_WITHIN_TOKENS levels, yet every one
+    is complete JSON within max_tokens (the closing window grows with the open depth)."""
+    texts = generate(compiler, tok, json_schema_grammar(None),
+                     biased(tok, ("[", "[[", "[[[", "[{", '{"', '":[', "a", ":"), 9.0, seed=11), rows=8,
+                     max_tokens=100)
+    depths = []
+    for text in texts:
+        assert isinstance(json.loads(text), dict), text
+        depth = deepest = 0
+        for ch in text:
+            depth += (ch in "[{") - (ch in "]}")
+            deepest = max(deepest, depth)
+        depths.append(deepest)
+    assert max(depths) > CLOSE_WITHIN_TOKENS, depths   # deeper than a fixed window could close
 
 
 def test_a_matcher_rebuilt_from_the_tokens_so_far_allows_what_the_stepped_one_allows(compiler, tok):
@@ -137,9 +188,13 @@ def test_batch_masks_leave_unconstrained_rows_alone_and_forbid_ids_past_the_toke
     assert allowed.shape == (2, tok.vocab_size + 64)
     assert bool(allowed[0].all())
     assert not bool(allowed[1, tok.vocab_size:].any())
-    assert allowed[1].nonzero().flatten().tolist() == [t for t in range(tok.vocab_size)
-                                                       if tok.decode([t]).strip().startswith("{")
-                                                       and bool(allowed[1, t])]
+    # computed without the mask: compact JSON text starts with "{" (no whitespace), so the first token's bytes
+    # must; of those, the ones the library's parser takes (consume_token, not the mask code)
+    compiled = compiler._compiled(json_schema_grammar(None))
+    expected = [t for t, raw in enumerate(compiler.token_bytes[:tok.vocab_size])
+                if raw[:1] == b"{" and compiled.deep_copy().consume_token(t)]
+    assert len(expected) >= 2 and tok.encode("{")[0] in expected and tok.encode('{"')[0] in expected
+    assert allowed[1].nonzero().flatten().tolist() == expected
 
 
 def test_the_sampler_only_picks_allowed_tokens_and_refuses_an_empty_mask():

@@ -125,16 +125,23 @@ def test_tokenizer_loads_from_gguf_without_torch(gguf_path):
 
 
 def test_a_tokenizer_from_the_cached_gguf_header_gives_the_same_ids_as_one_built_from_the_file(
-        tok, gguf_path, tmp_path):
+        tok, gguf_path, tmp_path, monkeypatch):
     """The model cache's JSON copy of the GGUF header (gpu/gguf_meta.py) builds the same tokenizer and model
-    config as the file itself; the second load reads the copy (a marker written into it comes back)."""
+    config as the file itself. The first load writes the copy; the one compared is built from the copy alone
+    (reading the GGUF file then fails the test), and a marker written into the copy comes back."""
+    import gpu.gguf_meta
     from gpu.gguf_meta import header_cache_path
     from gpu.loader import load_config
 
-    cached = Tokenizer.load(gguf_path, cache_dir=tmp_path)
+    Tokenizer.load(gguf_path, cache_dir=tmp_path)   # reads the file, writes the copy
     cache_file, key = header_cache_path(gguf_path, tmp_path)
     assert orjson.loads(cache_file.read_bytes())["key"] == key
     assert list(tmp_path.iterdir()) == [cache_file]   # no temporary file left behind
+
+    def no_file(path):
+        raise AssertionError(f"read the GGUF file {path}, not its cached header")
+    monkeypatch.setattr(gpu.gguf_meta, "open_gguf", no_file)
+    cached = Tokenizer.load(gguf_path, cache_dir=tmp_path)
     for text in TEXTS:
         assert cached.encode(text) == tok.encode(text)
         assert cached.encode(text, add_special_tokens=True) == tok.encode(text, add_special_tokens=True)
@@ -142,7 +149,9 @@ def test_a_tokenizer_from_the_cached_gguf_header_gives_the_same_ids_as_one_built
     assert cached.decode(ids, skip_special_tokens=False) == tok.decode(ids, skip_special_tokens=False)
     assert (cached.bos_token_id, cached.eos_token_ids, cached.vocab_size, cached.name, cached.chat_template) == (
         tok.bos_token_id, tok.eos_token_ids, tok.vocab_size, tok.name, tok.chat_template)
-    assert load_config(gguf_path, cache_dir=tmp_path) == load_config(gguf_path)
+    from_cache = load_config(gguf_path, cache_dir=tmp_path)
+    monkeypatch.undo()
+    assert from_cache == load_config(gguf_path)
 
     blob = orjson.loads(cache_file.read_bytes())
     blob["meta"]["tokenizer.chat_template"] = "{{ 'from the cache' }}"

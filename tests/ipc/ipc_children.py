@@ -161,20 +161,25 @@ def q_counting_consumer(qname: str, taken, started) -> None:
             taken.value += 1
 
 
-def q_ping_echo(in_name: str, out_name: str, count: int) -> None:
-    """Echo ``count`` messages from one queue to another (each side sleeps between messages)."""
+def q_ping_echo(in_name: str, out_name: str, count: int, spin_s: float | None = None) -> None:
+    """Echo ``count`` messages from one queue to another (each side sleeps between messages; ``spin_s`` 0: no
+    spinning before a sleep, so every wait is woken by the other side's post)."""
     from ipc.shm_queue import ShmQueue
     qi, qo = ShmQueue.attach(in_name), ShmQueue.attach(out_name)
+    if spin_s is not None:
+        qi.spin_s = qo.spin_s = spin_s
     for _ in range(count):
         qo.put(qi.get(timeout_s=JOIN_TIMEOUT_S), timeout_s=JOIN_TIMEOUT_S)
     qi.close()
     qo.close()
 
 
-def q_batch_consumer(qname: str, count: int, started, results) -> None:
+def q_batch_consumer(qname: str, count: int, started, results, spin_s: float | None = None) -> None:
     """Take ``count`` messages a few at a time (a tiny queue keeps its producer waiting for room); report them."""
     from ipc.shm_queue import ShmQueue
     q = ShmQueue.attach(qname)
+    if spin_s is not None:
+        q.spin_s = spin_s
     started.set()
     got = []
     while len(got) < count:

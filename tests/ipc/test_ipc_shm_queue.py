@@ -466,21 +466,34 @@ def test_a_spsc_consumer_killed_mid_stream_leaves_every_untaken_message_to_its_s
         q.unlink()
 
 
+def slow_rounds(seconds: list[float]) -> list[float]:
+    """The rounds that took half a re-check or more. A lost wake-up costs a whole RECHECK_S (the sleeper's
+    periodic re-check rescues it); a preemption of a loaded host may cost one round as much, rarely a few.
+    So the tests allow at most ``allowed_slow(len)``: a lost wake-up that happens at all happens far more often."""
+    return [s for s in seconds if s >= 0.5 * RECHECK_S]
+
+
+def allowed_slow(rounds: int) -> int:
+    return max(3, rounds // 200)
+
+
 @SPSC
 def test_spsc_sleepers_are_woken_by_each_message_not_by_the_periodic_recheck(name, ctx):
     ping = ShmQueue.create(name("pi"), num_slots=4, slot_bytes=128, mode="spsc")
     pong = ShmQueue.create(name("po"), num_slots=4, slot_bytes=128, mode="spsc")
     count = 2000
-    p = ctx.Process(target=kids.q_ping_echo, args=(ping.name, pong.name, count))
+    ping.spin_s = pong.spin_s = 0.0   # no spinning: every wait sleeps, so each round trip needs two wake-ups
+    p = ctx.Process(target=kids.q_ping_echo, args=(ping.name, pong.name, count, 0.0))
     try:
         p.start()
+        seconds = []
         for i in range(count):
             t0 = time.monotonic()
             ping.put(i, timeout_s=10)
             assert pong.get(timeout_s=10) == i
-            # a lost wake-up is only rescued by the sleeper's re-check after RECHECK_S (the first round trip
-            # waits for the child to start)
-            assert i == 0 or time.monotonic() - t0 < 0.5 * RECHECK_S, f"round trip {i} took a re-check"
+            seconds.append(time.monotonic() - t0)
+        slow = slow_rounds(seconds[1:])   # the first round trip waits for the child to start
+        assert len(slow) <= allowed_slow(count), f"{len(slow)} of {count} round trips took a re-check: {slow[:10]}"
         assert kids.join_all([p]) == [0]
     finally:
         kids.join_all([p], 5)
@@ -494,17 +507,21 @@ def test_a_spsc_producer_waiting_for_room_is_woken_by_the_consumer(name, ctx):
     q = ShmQueue.create(name("room"), num_slots=4, slot_bytes=128, mode="spsc")
     started, results = ctx.Event(), ctx.Queue()
     count = 3000
-    p = ctx.Process(target=kids.q_batch_consumer, args=(q.name, count, started, results))
+    q.spin_s = 0.0   # no spinning: a producer out of room sleeps until the consumer's post
+    p = ctx.Process(target=kids.q_batch_consumer, args=(q.name, count, started, results, 0.0))
     try:
         p.start()
         assert started.wait(30)
-        i = 0
+        i, seconds = 0, []
         while i < count:
             batch = list(range(i, min(count, i + 1 + i % 3)))
             t0 = time.monotonic()
             q.put_many(batch, timeout_s=10)
-            assert time.monotonic() - t0 < 0.5 * RECHECK_S, f"put_many of {batch} waited a re-check for room"
+            seconds.append(time.monotonic() - t0)
             i += len(batch)
+        slow = slow_rounds(seconds)
+        assert len(slow) <= allowed_slow(len(seconds)), \
+            f"{len(slow)} of {len(seconds)} put_many calls waited a re-check for room: {slow[:10]}"
         assert results.get(timeout=30) == list(range(count))
         assert kids.join_all([p]) == [0]
     finally:
