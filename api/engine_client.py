@@ -50,7 +50,7 @@ class RequestHandle:
     prompt_logprobs: list = field(default_factory=list)   # echo + logprobs: one wire entry per prompt token
     prefill_actor: int = -1        # the actors the router chose (actor-table indices; -1 = none, colocated)
     decode_actor: int = -1
-    reserve_blocks: int = 0        # decode blocks the request will reserve (prompt + max_tokens)
+    reserve_blocks: int = 0        # decode blocks the request will reserve (prompt + reserved output tokens)
     prefilled: bool = False        # a token arrived: its prompt is off the prefill queue, its blocks reserved
     handed_across: bool = False    # a prefill node: its KVReady went to the router; the row ends by its messages
 
@@ -249,7 +249,7 @@ class EngineClient:
         timeout_s = self._deadline_s(request, timeout_s)
         prefill_actor, decode_actor = self._choose(request, remote_decode)
         block_tokens = self.config.kv_block_tokens
-        reserve = -(-(len(request.prompt_ids) + request.sampling.max_tokens) // block_tokens)
+        reserve = -(-(len(request.prompt_ids) + request.sampling.reserved_output_tokens) // block_tokens)
         now_ns = time.monotonic_ns()
         deadline_ns = now_ns + int(timeout_s * 1e9)
         handles: list[RequestHandle] = []
@@ -312,7 +312,7 @@ class EngineClient:
         except StateTableFullError as exc:
             raise EngineOverloadedError(f"request table full: {exc.message}") from None
         self.table.update(slot, generation, owner=self.index)
-        reserve = -(-(ready.num_tokens + ready.sampling.max_tokens) // self.config.kv_block_tokens)
+        reserve = -(-(ready.num_tokens + ready.sampling.reserved_output_tokens) // self.config.kv_block_tokens)
         handle = RequestHandle(request, slot, generation, deadline_s=time.monotonic() + timeout_s,
                                decode_actor=decode_actor, reserve_blocks=reserve)
         self.handles[handle.key] = handle

@@ -89,6 +89,7 @@ def _field_ok(name: str, default: Any, value: Any) -> bool:
 _SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (1e-12, 1.0), "top_k": (-1, 1 << 20), "min_p": (0.0, 1.0),
                     "max_tokens": (1, 2**31 - 1), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
                     "repetition_penalty": (1e-12, 10.0), "logprobs": (0, 20), "prompt_logprobs": (0, 20),
+                    "reserve_tokens": (0, 2**31 - 1),
                     "seed": (-(2**63), 2**63 - 1)}
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.messages import Sampling
+from api import fields
 from api.tools import ToolPlan, parameters_schema, parse_tools, required_call_grammar, template_messages
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 
@@ -24,16 +25,10 @@ MAX_TIMEOUT_S = 86400.0
 MAX_LOGPROBS = 20   # top alternatives per token (chat's top_logprobs, completions' logprobs)
 MAX_N = 128         # choices per request (OpenAI's limit)
 
-# Top-level fields each route understands. Anything else is a 400 naming the field (as OpenAI answers
-# "Unrecognized request argument"): a typo such as ``max_token`` must not be silently ignored.
-_COMMON_FIELDS = frozenset({
-    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-    "stop", "n", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "user",
-    "timeout", "ignore_eos", "logit_bias", "best_of", "store", "metadata", "service_tier", "response_format",
-})
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
-                                "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"}
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
+# Top-level fields each route takes: api/fields.py (honoured, or accepted and ignored; anything else is a 400 naming
+# the field, as OpenAI answers "Unrecognized request argument": a typo such as ``max_token`` is never ignored).
+CHAT_FIELDS = fields.CHAT.names
+COMPLETION_FIELDS = fields.COMPLETION.names
 
 
 def check_request_id(value: str | None, default: str) -> str:
@@ -131,11 +126,7 @@ def _repetition_penalty(body: dict) -> float:
 
 def _check_unsupported_fields(body: dict, kind: str) -> None:
     """Fields the engine cannot honour: the neutral value passes, anything else is a 400 naming the field."""
-    allowed = CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS
-    for name in body:
-        if name not in allowed:
-            raise InvalidRequestError(f"unrecognized request argument '{name}' for this route", param=name,
-                                      code="unknown_parameter")
+    (fields.CHAT if kind == "chat" else fields.COMPLETION).check(body)
     if kind != "chat":
         echo = body.get("echo")
         if echo is not None and not isinstance(echo, bool):
@@ -162,11 +153,12 @@ def _check_unsupported_fields(body: dict, kind: str) -> None:
     store = body.get("store")
     if store is not None and not isinstance(store, bool):
         raise InvalidRequestError("'store' must be a boolean", param="store")
-    if store:
-        raise _unsupported("store", "completions are not stored")
-    tier = body.get("service_tier")
-    if tier is not None and tier not in ("auto", "default"):
-        raise InvalidRequestError("'service_tier' must be 'auto' or 'default'", param="service_tier")
+    if kind == "chat":
+        modalities = body.get("modalities")
+        if modalities is not None and (not isinstance(modalities, list) or any(m != "text" for m in modalities)):
+            raise _unsupported("modalities", "the served model outputs text only; send [\"text\"] or leave it out")
+        if body.get("audio") is not None:
+            raise _unsupported("audio", "the served model outputs text only; send null or leave it out")
     if kind == "chat":
         functions = body.get("functions")
         if functions is not None and not isinstance(functions, list):
@@ -309,7 +301,10 @@ class RequestParser:
         tokenizer: gpu.tokenizer.Tokenizer of the served model.
         served_model_name: the only model name accepted in ``model``.
         max_context_tokens: longest prompt + output (tokens) the engine serves (the resolved max_model_len).
-        default_max_tokens: used when the body gives neither max_tokens nor max_completion_tokens.
+        reserve_tokens: output tokens decode reserves KV blocks for, up front, for a request whose max_tokens is
+            the rest of the context (none given, or clamped); its answer takes more blocks as it grows.
+        max_tokens_policy: "reject" (an explicit max_tokens over the room the prompt leaves is a 400) or "clamp"
+            (it becomes that room).
         kv_pool_blocks, kv_block_tokens: the decode KV pool's size (blocks) and block size (tokens), so that the
             ``n`` choices of one request can be checked to fit together; 0 blocks skips the check.
         grammars: gpu.grammar.GrammarCompiler, which checks ``response_format`` and forced tool calls on
@@ -320,8 +315,9 @@ class RequestParser:
     tokenizer runs: a 1 MB prompt costs microseconds, not a second of the event loop.
     """
 
-    def __init__(self, tokenizer, served_model_name: str, max_context_tokens: int, default_max_tokens: int,
-                 kv_pool_blocks: int = 0, kv_block_tokens: int = 16, grammars=None):
+    def __init__(self, tokenizer, served_model_name: str, max_context_tokens: int, reserve_tokens: int,
+                 kv_pool_blocks: int = 0, kv_block_tokens: int = 16, grammars=None,
+                 max_tokens_policy: str = "reject"):
         self.tokenizer = tokenizer
         self.grammars = grammars                 # gpu.grammar.GrammarCompiler; None = no constrained decoding
         self.template_has_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
@@ -329,7 +325,8 @@ class RequestParser:
         self.kv_block_tokens = kv_block_tokens
         self.served_model_name = served_model_name
         self.max_context_tokens = max_context_tokens
-        self.default_max_tokens = default_max_tokens
+        self.reserve_tokens = reserve_tokens
+        self.max_tokens_policy = max_tokens_policy
         self.max_token_chars = _max_token_chars(tokenizer)
 
     def _model(self, body: dict) -> str:
@@ -371,12 +368,15 @@ class RequestParser:
         param = "max_completion_tokens" if max_tokens is not None else "max_tokens"
         if max_tokens is None:
             max_tokens = legacy
-        if max_tokens is None:
-            max_tokens = min(self.default_max_tokens, room)
+        reserve = 0   # all of max_tokens
+        if max_tokens is None or (max_tokens > room and self.max_tokens_policy == "clamp"):
+            # like OpenAI and vLLM: up to the end of the context; decode reserves reserve_tokens of it up front
+            max_tokens, reserve = room, min(self.reserve_tokens, room)
         if prompt_len + max_tokens > self.max_context_tokens:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_context_tokens} tokens; the prompt "
-                f"({prompt_len}) plus {param} ({max_tokens}) exceeds it", param=param,
+                f"({prompt_len}) plus {param} ({max_tokens}) exceeds it (the server's max_tokens_policy is reject)",
+                param=param,
                 code="context_length_exceeded")
         temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
         top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
@@ -396,21 +396,22 @@ class RequestParser:
                         seed=None if seed is None else seed % (2**63), max_tokens=max_tokens,
                         ignore_eos=ignore_eos, presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
                         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-                        repetition_penalty=_repetition_penalty(body), logprobs=_logprobs(body, kind))
+                        repetition_penalty=_repetition_penalty(body), logprobs=_logprobs(body, kind),
+                        reserve_tokens=reserve)
 
     def _n(self, body: dict, prompt_len: int, sampling: Sampling) -> int:
         """``n`` choices (1..128). All of them decode at once, so together they must fit in the decode KV pool:
         the prompt's full blocks once (the choices share them, actors/decode_core.py) plus, per choice,
-        ``ceil((prompt + max_tokens) / block_tokens)`` less those; more is a 400 rather than a request that could
+        ``ceil((prompt + reserved output tokens) / block_tokens)`` less those; more is a 400 rather than a request that could
         never be held."""
         n = _integer(body, "n", 1, 1, MAX_N)
         if n > 1 and self.kv_pool_blocks:
-            per_choice = -(-(prompt_len + sampling.max_tokens) // self.kv_block_tokens)
+            per_choice = -(-(prompt_len + sampling.reserved_output_tokens) // self.kv_block_tokens)
             shared = prompt_len // self.kv_block_tokens
             needed = shared + n * (per_choice - shared)
             if needed > self.kv_pool_blocks:
                 raise InvalidRequestError(
-                    f"n={n} choices of prompt ({prompt_len}) + max_tokens ({sampling.max_tokens}) tokens need "
+                    f"n={n} choices of prompt ({prompt_len}) + max_tokens ({sampling.reserved_output_tokens}) tokens need "
                     f"{needed} KV blocks; the engine's decode pool holds {self.kv_pool_blocks}. "
                     "Lower n or max_tokens", param="n")
         return n
@@ -433,7 +434,7 @@ class RequestParser:
             raise InvalidRequestError("'stream_options' is only allowed when 'stream' is true",
                                       param="stream_options")
         for name in options:
-            if name not in ("include_usage", "continuous_usage_stats"):
+            if name not in fields.STREAM_OPTIONS.names:
                 raise InvalidRequestError(f"unrecognized stream_options field '{name}'", param="stream_options")
         include_usage = options.get("include_usage", False)
         if include_usage is None:

@@ -122,7 +122,8 @@ async def _serve(layout, prefill_urls: list[str], decode_urls: list[str]) -> Non
     client = RouterClient(config, prefill_urls, decode_urls, api_key=keys[0] if keys else "")
     await client.start()
     parser = RequestParser(tokenizer, layout.served_model_name, layout.max_context_tokens,
-                           config.default_max_tokens, layout.kv_blocks_per_pool, config.kv_block_tokens, grammars)
+                           config.reserve_output_tokens, layout.kv_blocks_per_pool, config.kv_block_tokens, grammars,
+                           config.max_tokens_policy)
     app = build_app(client, tokenizer, parser, RouterMetrics(client), load_api_keys(config), (debug_route(client),))
     hconfig = keep_alive_config(config.keep_alive_timeout_s)
     hconfig.bind = [f"{config.host}:{layout.http_port}"]

@@ -73,8 +73,8 @@ class ApiActor(Actor):
         client = EngineClient(self.layout)
         client.start(asyncio.get_running_loop())
         parser = RequestParser(tokenizer, self.layout.served_model_name, self.layout.max_context_tokens,
-                               self.config.default_max_tokens, self.layout.kv_blocks_per_pool,
-                               self.config.kv_block_tokens, grammars)
+                               self.config.reserve_output_tokens, self.layout.kv_blocks_per_pool,
+                               self.config.kv_block_tokens, grammars, self.config.max_tokens_policy)
         metrics = EngineMetrics(client, self.layout.served_model_name)
         limits = NodeLimits(tokenizer.vocab_size, self.layout.max_context_tokens, self.config.kv_block_tokens)
         node_routes = NodeRoutes(client, metrics.health, self.layout.engine_id, limits).routes()   # for the router

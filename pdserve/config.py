@@ -110,7 +110,15 @@ class EngineConfig:
     max_num_seqs: int = _setting(32, "most requests in the decode batch", _positive, "> 0")
     max_queued_requests: int = _setting(256, "admitted but unfinished sequences (each of n choices counts) before 503",
                                         _positive, "> 0")
-    default_max_tokens: int = _setting(256, "max_tokens when the request gives none", _positive, "> 0")
+    reserve_output_tokens: int = _setting(256, "output tokens decode reserves KV blocks for when it takes a request "
+                                          "without max_tokens (whose answer may run to the end of the context, "
+                                          "max_model_len - prompt): more blocks are taken one at a time as the "
+                                          "answer grows, and it ends with finish_reason length if the pool has none "
+                                          "free; a request with max_tokens reserves prompt + max_tokens up front",
+                                          _positive, "> 0")
+    max_tokens_policy: str = _setting("reject", "an explicit max_tokens over the context the prompt leaves: reject = "
+                                      "a 400 (as vLLM), clamp = the rest of the context (as llama.cpp; then reserved "
+                                      "like a request without max_tokens)", choices=("reject", "clamp"))
     queue_slots: int = _setting(512, "slots in each shm message queue", _positive, "> 0")
     queue_slot_bytes: int = _setting(131072, "bytes per shm queue slot (largest message)", _positive, "> 0")
     idle_wait_s: float = _setting(0.05, "longest an actor loop (and the API's inbox thread) blocks on its inbox "
