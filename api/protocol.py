@@ -29,6 +29,8 @@ MAX_N = 128         # choices per request (OpenAI's limit)
 # the field, as OpenAI answers "Unrecognized request argument": a typo such as ``max_token`` is never ignored).
 CHAT_FIELDS = fields.CHAT.names
 COMPLETION_FIELDS = fields.COMPLETION.names
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                             "continue_final_message"})
 
 
 def check_request_id(value: str | None, default: str) -> str:
@@ -171,6 +173,15 @@ def _check_unsupported_fields(body: dict, kind: str) -> None:
                                "'tool_choice'")
 
 
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"'{name}' must be a boolean", param=name)
+    return value
+
+
 def _logprobs(body: dict, kind: str) -> int | None:
     """How many top alternatives to return with each token's log-probability; None = no log-probabilities.
 
@@ -299,7 +310,8 @@ class RequestParser:
 
     Args:
         tokenizer: gpu.tokenizer.Tokenizer of the served model.
-        served_model_name: the only model name accepted in ``model``.
+        served_model_name: the model names accepted in ``model`` (comma-separated aliases); responses name the
+            first.
         max_context_tokens: longest prompt + output (tokens) the engine serves (the resolved max_model_len).
         reserve_tokens: output tokens decode reserves KV blocks for, up front, for a request whose max_tokens is
             the rest of the context (none given, or clamped); its answer takes more blocks as it grows.
@@ -323,7 +335,9 @@ class RequestParser:
         self.template_has_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
         self.kv_pool_blocks = kv_pool_blocks     # the decode pool's blocks; 0 = no check of n against it
         self.kv_block_tokens = kv_block_tokens
-        self.served_model_name = served_model_name
+        # several names (comma-separated: --served-model-name repeated) are aliases; the first is the one reported
+        self.model_names = tuple(n.strip() for n in served_model_name.split(",") if n.strip()) or (served_model_name,)
+        self.served_model_name = self.model_names[0]
         self.max_context_tokens = max_context_tokens
         self.reserve_tokens = reserve_tokens
         self.max_tokens_policy = max_tokens_policy
@@ -335,10 +349,11 @@ class RequestParser:
             model = self.served_model_name
         if not isinstance(model, str):
             raise InvalidRequestError("'model' must be a string", param="model")
-        if model != self.served_model_name:
+        if model not in self.model_names:
             raise ModelNotFoundError(f"The model '{model}' does not exist; this server serves "
-                                     f"'{self.served_model_name}'", param="model", code="model_not_found")
-        return model
+                                     f"{' or '.join(repr(n) for n in self.model_names)}", param="model",
+                                     code="model_not_found")
+        return self.served_model_name
 
     def _too_long(self, prompt_len: int, unit: str = "tokens") -> InvalidRequestError:
         return InvalidRequestError(
@@ -469,7 +484,7 @@ class RequestParser:
         if tools or history_has_tools:
             conversation = template_messages(conversation, tools, self.template_has_tools)
         extra = {"tools": tools} if tools and self.template_has_tools else {}
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, **extra)
+        text = self.render_chat(conversation, body, extra)
         prompt_ids = self._encode(text, "messages")
         sampling = self._sampling(body, len(prompt_ids), "chat")
         if plan is not None and plan.mode == "named":
@@ -484,6 +499,77 @@ class RequestParser:
             sampling = self._constrain(sampling, self._schema_grammar(fmt, "response_format"), "response_format")
         return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body), stream, include_usage,
                                  _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan)
+
+    def render_chat(self, conversation: list[dict], body: dict, extra: dict | None = None) -> str:
+        """The chat template over ``conversation`` with vLLM's controls from ``body``: ``add_generation_prompt``
+        (default true: open the assistant's turn) and ``continue_final_message`` (default false: the last message,
+        an assistant's, is continued: the text ends where its content ends, with no end-of-turn after it).
+        Raises InvalidRequestError naming the field."""
+        add = _flag(body, "add_generation_prompt", True)
+        cont = _flag(body, "continue_final_message", False)
+        if not cont:
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add, **(extra or {}))
+        if add and body.get("add_generation_prompt") is not None:
+            raise InvalidRequestError("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                                      param="continue_final_message")
+        final = conversation[-1]
+        if final["role"] != "assistant" or not final.get("content"):
+            raise InvalidRequestError("'continue_final_message' needs the last message to be an assistant's with "
+                                      "text content", param="continue_final_message")
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=False, **(extra or {}))
+        end = text.rfind(final["content"])
+        if end < 0:
+            raise InvalidRequestError("the chat template changes the final message's text, so it cannot be "
+                                      "continued", param="continue_final_message")
+        return text[:end + len(final["content"])]
+
+    def tokenize(self, body: Any) -> dict[str, Any]:
+        """vLLM's ``/tokenize``: ``prompt`` (text; ``add_special_tokens`` default true) or ``messages`` (through
+        the chat template with ``add_generation_prompt`` / ``continue_final_message``; ``add_special_tokens``
+        default false) -> ``{"count", "max_model_len", "tokens"}``. Raises InvalidRequestError (400) or
+        ModelNotFoundError (404)."""
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the request body must be a JSON object")
+        for name in body:
+            if name not in TOKENIZE_FIELDS:
+                raise InvalidRequestError(f"unrecognized request argument '{name}' for /tokenize", param=name,
+                                          code="unknown_parameter")
+        self._model(body)
+        if ("prompt" in body) == ("messages" in body):
+            raise InvalidRequestError("send one of 'prompt' (text) or 'messages'", param="prompt")
+        if "prompt" in body:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("'prompt' must be a string", param="prompt")
+            text, special = prompt, _flag(body, "add_special_tokens", True)
+        else:
+            messages = body["messages"]
+            if not isinstance(messages, list) or not messages:
+                raise InvalidRequestError("'messages' must be a non-empty list", param="messages")
+            text = self.render_chat([_chat_message(m, i) for i, m in enumerate(messages)], body)
+            special = _flag(body, "add_special_tokens", False)
+        if len(text) > self.max_token_chars * self.max_context_tokens:
+            raise InvalidRequestError(f"the text has {len(text)} characters, more than the model's context "
+                                      f"({self.max_context_tokens} tokens) can hold", param="prompt")
+        tokens = self.tokenizer.encode(text, add_special_tokens=special)
+        return {"count": len(tokens), "max_model_len": self.max_context_tokens, "tokens": tokens}
+
+    def detokenize(self, body: Any) -> dict[str, Any]:
+        """vLLM's ``/detokenize``: ``tokens`` (ids in the vocabulary) -> ``{"prompt": text}``. Raises
+        InvalidRequestError (400) or ModelNotFoundError (404)."""
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the request body must be a JSON object")
+        for name in body:
+            if name not in ("model", "tokens"):
+                raise InvalidRequestError(f"unrecognized request argument '{name}' for /detokenize", param=name,
+                                          code="unknown_parameter")
+        self._model(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise InvalidRequestError("'tokens' must be a list of token ids", param="tokens")
+        if not all(0 <= t < self.tokenizer.vocab_size for t in tokens):
+            raise InvalidRequestError(f"token ids must be in [0, {self.tokenizer.vocab_size})", param="tokens")
+        return {"prompt": self.tokenizer.decode(tokens)}
 
     def _schema_grammar(self, schema: dict | None, param: str) -> str:
         from gpu.grammar import json_schema_grammar

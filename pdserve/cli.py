@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 ROUTER_FIELDS = ("model", "served_model_name", "host", "port", "keep_alive_timeout_s", "body_read_timeout_s",
                  "api_key", "api_key_file", "chat_template", "model_cache_dir", "kv_block_tokens", "kv_pool_tokens",
                  "max_model_len", "reserve_output_tokens", "max_tokens_policy", "max_queued_requests",
-                 "request_timeout_s", "monitor_tick_s", "actor_hang_timeout_s", "log_level")
+                 "request_timeout_s", "allowed_origins", "monitor_tick_s", "actor_hang_timeout_s", "log_level")
 
 
 def node_urls(args: argparse.Namespace) -> tuple[list[str], list[str]]:

@@ -45,7 +45,9 @@ class EngineConfig:
 
     # model and serving
     model: str = _setting("", "GGUF file or HF Llama directory; empty = the embedded SmolLM2-135M-Instruct")
-    served_model_name: str = _setting("", "name listed by /v1/models; empty = the model's own name")
+    served_model_name: str = _setting("", "name listed by /v1/models; several (comma-separated, or the flag "
+                                      "repeated) are aliases, each accepted as 'model', the first reported; empty = "
+                                      "the model's own name", repeatable=True)
     host: str = _setting("127.0.0.1", "address the HTTP server binds")
     port: int = _setting(8000, "TCP port of the HTTP server (0 = pick a free one)", _port, "0..65535")
     keep_alive_timeout_s: float = _setting(5.0, "idle HTTP connections are closed after this (HTTP/1.1 close, "
@@ -60,6 +62,9 @@ class EngineConfig:
                                 "/debug/state (comma-separated, or the flag repeated); empty (and no api_key_file) = "
                                 "no authentication",
                             secret=True, repeatable=True)
+    allowed_origins: str = _setting("", "CORS: origins (comma-separated, or the flag repeated; * = any) whose "
+                                    "browser pages may call the API (preflight OPTIONS answered); empty = no CORS",
+                                    repeatable=True)
     api_key_file: str = _setting("", "file of API keys, one per line ('#' starts a comment); added to api_key")
     chat_template: str = _setting("", "jinja2 chat template file replacing the model's own (e.g. one that "
                                       "renders 'tools'); empty = the model's template")
@@ -305,6 +310,11 @@ def api_keys(config: EngineConfig) -> tuple[str, ...]:
                               param="api_key_file")
         keys += found
     return tuple(dict.fromkeys(keys))
+
+
+def allowed_origins(config: EngineConfig) -> tuple[str, ...]:
+    """The CORS origins ``config`` allows (``allowed_origins``, comma-separated); empty = no CORS."""
+    return tuple(dict.fromkeys(o.strip() for o in config.allowed_origins.split(",") if o.strip()))
 
 
 def redacted(config: EngineConfig) -> dict[str, Any]:

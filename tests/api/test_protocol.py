@@ -286,3 +286,44 @@ def test_max_tokens_over_the_context_is_a_400_by_default_and_clamped_when_the_op
     assert got.sampling.max_tokens == room and got.sampling.reserved_output_tokens == 16   # reserved as if none
     fits = clamp.completion(completion_body(max_tokens=5))
     assert fits.sampling.max_tokens == 5 and fits.sampling.reserved_output_tokens == 5      # honoured in full
+
+
+def test_tokenize_takes_a_prompt_or_messages_and_detokenize_inverts_it(parser):
+    ids = parser.tokenizer.encode("hello there")
+    assert parser.tokenize({"prompt": "hello there"}) == {"count": len(ids), "max_model_len": MAX_LEN, "tokens": ids}
+    chat = parser.tokenize({"messages": [{"role": "user", "content": "hi"}]})
+    assert chat["tokens"] == parser.chat(chat_body()).prompt_ids
+    assert parser.detokenize({"tokens": ids, "model": MODEL}) == {"prompt": "hello there"}
+    rejected(parser.tokenize, {"prompt": "a", "messages": []}, "prompt")
+    rejected(parser.tokenize, {"prompt": "a", "add_special_token": True}, "add_special_token")
+    rejected(parser.detokenize, {"tokens": [10**9]}, "tokens")
+    rejected(parser.detokenize, {"tokens": "hi"}, "tokens")
+
+
+def test_continue_final_message_continues_a_trailing_assistant_message_instead_of_opening_a_new_turn(parser):
+    messages = [{"role": "user", "content": "Say a colour."}, {"role": "assistant", "content": "The colour is"}]
+    text = parser.tokenizer.decode(parser.chat(chat_body(messages=messages, continue_final_message=True,
+                                                         add_generation_prompt=False)).prompt_ids,
+                                   skip_special_tokens=False)
+    assert text.endswith("The colour is")
+    new_turn = parser.tokenizer.decode(parser.chat(chat_body(messages=messages)).prompt_ids, skip_special_tokens=False)
+    assert not new_turn.endswith("The colour is") and new_turn.rstrip().endswith("assistant")
+    bare = parser.tokenizer.decode(parser.chat(chat_body(add_generation_prompt=False)).prompt_ids,
+                                   skip_special_tokens=False)
+    assert not bare.rstrip().endswith("assistant")
+    rejected(parser.chat, chat_body(messages=messages, continue_final_message=True, add_generation_prompt=True),
+             "continue_final_message")
+    rejected(parser.chat, chat_body(continue_final_message=True), "continue_final_message")   # last is the user's
+    rejected(parser.chat, chat_body(add_generation_prompt="yes"), "add_generation_prompt")
+
+
+def test_every_served_name_is_accepted_and_the_first_is_reported():
+    from gpu.tokenizer import Tokenizer
+
+    aliased = RequestParser(Tokenizer.load(None), "main, alias ,", MAX_LEN, reserve_tokens=16)
+    assert aliased.model_names == ("main", "alias")
+    assert aliased.chat(chat_body(model="alias")).model == "main"
+    assert aliased.completion(completion_body(model="main")).model == "main"
+    with pytest.raises(ModelNotFoundError) as info:
+        aliased.chat(chat_body(model="other"))
+    assert "'main' or 'alias'" in info.value.message
