@@ -145,8 +145,8 @@ class DecodeCore:
                 setattr(self, name, keep)
 
     def start_transfers(self) -> None:
-        """Reserve blocks for prompt + reserved output tokens in arrival order (the head waits in BOOTSTRAP while the pool is
-        full; a child whose prompt blocks another child holds reserves only its own) and start pulling each
+        """Reserve blocks for prompt + reserved output tokens in arrival order (the head waits in BOOTSTRAP while the
+        pool is full; a child whose prompt blocks another child holds reserves only its own) and start pulling each
         request's KV (TRANSFERRING)."""
         bt = self.allocator.block_tokens
         while self.bootstrap:
@@ -154,8 +154,8 @@ class DecodeCore:
             ready = entry.ready
             key = prompt_key(ready, bt)
             shared = self.prompts.get(key) if key is not None else None
-            needed = math.ceil((ready.num_tokens + ready.sampling.reserved_output_tokens) / bt) - (len(shared.blocks) if shared
-                                                                                        else 0)
+            needed = (math.ceil((ready.num_tokens + ready.sampling.reserved_output_tokens) / bt)
+                      - (len(shared.blocks) if shared else 0))
             try:
                 own = self.allocator.allocate(needed, ready.slot)
             except OutOfKVBlocksError:

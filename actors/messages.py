@@ -39,6 +39,9 @@ class Sampling:
     # request without max_tokens) decode takes one more block whenever the answer needs it and ends the answer
     # with finish_reason "length" when its pool has none free (actors/decode_core.py)
     reserve_tokens: int = 0
+    # OpenAI's logit_bias as two parallel tuples: each bias (in [-100, 100]) is added to its token id's logit
+    logit_bias_ids: tuple[int, ...] = ()
+    logit_bias_values: tuple[float, ...] = ()
 
     @property
     def reserved_output_tokens(self) -> int:
@@ -78,9 +81,9 @@ class TransferDone:
 class KVReady:
     """Prefill -> decode (bootstrap): the prompt's KV sits in prefill's pool at ``src_block_ids``.
 
-    Decode reserves blocks for ``num_tokens + sampling.reserved_output_tokens`` tokens (the full prompt blocks once for all
-    KVReadies naming the same ``prompt_row``), pulls the blocks through its KVTransport, answers TransferDone,
-    then emits ``first_token`` (sampled by prefill) and decodes.
+    Decode reserves blocks for ``num_tokens + sampling.reserved_output_tokens`` tokens (the full prompt blocks once
+    for all KVReadies naming the same ``prompt_row``), pulls the blocks through its KVTransport, answers
+    TransferDone, then emits ``first_token`` (sampled by prefill) and decodes.
     """
 
     kind: ClassVar[str] = "kv_ready"
@@ -172,7 +175,9 @@ def from_wire(frame: list[Any]) -> Any:
     for f, value in zip(fields, frame[1:]):
         if f.name == "sampling":
             value = Sampling(*value)
-            value = dataclasses.replace(value, stop_token_ids=tuple(value.stop_token_ids))
+            value = dataclasses.replace(value, stop_token_ids=tuple(value.stop_token_ids),
+                                        logit_bias_ids=tuple(value.logit_bias_ids),
+                                        logit_bias_values=tuple(value.logit_bias_values))
         values[f.name] = value
     return cls(**values)
 

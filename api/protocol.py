@@ -24,6 +24,7 @@ MAX_REQUEST_ID_CHARS = 256  # X-Request-Id; the state table keeps the first 40 b
 MAX_TIMEOUT_S = 86400.0
 MAX_LOGPROBS = 20   # top alternatives per token (chat's top_logprobs, completions' logprobs)
 MAX_N = 128         # choices per request (OpenAI's limit)
+MAX_LOGIT_BIAS_ENTRIES = 1024   # tokens one logit_bias may name (OpenAI allows 300; the wire frame stays small)
 
 # Top-level fields each route takes: api/fields.py (honoured, or accepted and ignored; anything else is a 400 naming
 # the field, as OpenAI answers "Unrecognized request argument": a typo such as ``max_token`` is never ignored).
@@ -141,11 +142,6 @@ def _check_unsupported_fields(body: dict, kind: str) -> None:
     best_of = _integer(body, "best_of", 1, 1, 128)
     if best_of != 1:
         raise _unsupported("best_of", "server-side ranking of candidates is not implemented; use n")
-    logit_bias = body.get("logit_bias")
-    if logit_bias is not None and not isinstance(logit_bias, dict):
-        raise InvalidRequestError("'logit_bias' must be an object", param="logit_bias")
-    if logit_bias:
-        raise _unsupported("logit_bias", "the sampler does not bias logits")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidRequestError("'user' must be a string", param="user")
@@ -412,13 +408,37 @@ class RequestParser:
                         ignore_eos=ignore_eos, presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
                         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
                         repetition_penalty=_repetition_penalty(body), logprobs=_logprobs(body, kind),
-                        reserve_tokens=reserve)
+                        reserve_tokens=reserve, **self._logit_bias(body))
+
+    def _logit_bias(self, body: dict) -> dict[str, tuple]:
+        """OpenAI's ``logit_bias`` ``{"token id": bias in [-100, 100]}`` as Sampling's two parallel tuples (sorted
+        by id). Raises InvalidRequestError naming ``logit_bias``."""
+        value = body.get("logit_bias")
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise InvalidRequestError("'logit_bias' must be an object of token id -> bias", param="logit_bias")
+        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(f"'logit_bias' takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got "
+                                      f"{len(value)}", param="logit_bias")
+        pairs = []
+        for key, bias in value.items():
+            token = int(key) if isinstance(key, str) and key.isdigit() else -1
+            if not 0 <= token < self.tokenizer.vocab_size:
+                raise InvalidRequestError(f"'logit_bias' key {key!r} is not a token id in [0, "
+                                          f"{self.tokenizer.vocab_size})", param="logit_bias")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise InvalidRequestError(f"'logit_bias' value for {key} must be a number in [-100, 100], got "
+                                          f"{bias!r}", param="logit_bias")
+            pairs.append((token, float(bias)))
+        pairs.sort()
+        return {"logit_bias_ids": tuple(t for t, _ in pairs), "logit_bias_values": tuple(b for _, b in pairs)}
 
     def _n(self, body: dict, prompt_len: int, sampling: Sampling) -> int:
         """``n`` choices (1..128). All of them decode at once, so together they must fit in the decode KV pool:
         the prompt's full blocks once (the choices share them, actors/decode_core.py) plus, per choice,
-        ``ceil((prompt + reserved output tokens) / block_tokens)`` less those; more is a 400 rather than a request that could
-        never be held."""
+        ``ceil((prompt + reserved output tokens) / block_tokens)`` less those; more is a 400 rather than a request
+        that could never be held."""
         n = _integer(body, "n", 1, 1, MAX_N)
         if n > 1 and self.kv_pool_blocks:
             per_choice = -(-(prompt_len + sampling.reserved_output_tokens) // self.kv_block_tokens)
@@ -426,8 +446,8 @@ class RequestParser:
             needed = shared + n * (per_choice - shared)
             if needed > self.kv_pool_blocks:
                 raise InvalidRequestError(
-                    f"n={n} choices of prompt ({prompt_len}) + max_tokens ({sampling.reserved_output_tokens}) tokens need "
-                    f"{needed} KV blocks; the engine's decode pool holds {self.kv_pool_blocks}. "
+                    f"n={n} choices of prompt ({prompt_len}) + max_tokens ({sampling.reserved_output_tokens}) tokens "
+                    f"need {needed} KV blocks; the engine's decode pool holds {self.kv_pool_blocks}. "
                     "Lower n or max_tokens", param="n")
         return n
 

@@ -71,7 +71,7 @@ def same_request(a, b) -> bool:
 
 
 @pytest.mark.parametrize("name,value", [
-    ("logit_bias", {"1": 5}), ("functions", [{"name": "f"}]), ("function_call", "auto"),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"),
 ])
 def test_values_the_engine_cannot_honour_are_a_400_naming_the_parameter(parser, name, value):
     error = rejected(parser.chat, chat_body(**{name: value}), name)
@@ -327,3 +327,11 @@ def test_every_served_name_is_accepted_and_the_first_is_reported():
     with pytest.raises(ModelNotFoundError) as info:
         aliased.chat(chat_body(model="other"))
     assert "'main' or 'alias'" in info.value.message
+
+
+def test_logit_bias_reaches_the_sampling_settings_and_bad_entries_are_a_400(parser):
+    got = parser.chat(chat_body(logit_bias={"42": -100, "7": 2.5}))
+    assert got.sampling.logit_bias_ids == (7, 42) and got.sampling.logit_bias_values == (2.5, -100.0)
+    for bad in ({"-1": 1}, {"x": 1}, {str(10**9): 1}, {"5": 101}, {"5": "1"}, {"5": True}, [5],
+                {str(i): 1 for i in range(1025)}):
+        rejected(parser.completion, completion_body(logit_bias=bad), "logit_bias")
