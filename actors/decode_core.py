@@ -3,10 +3,13 @@ fault code. The shell (actors/decode.py) feeds it KVReady messages, runs the dec
 publishes its counts.
 
 Rows it moves, each collection named after the state its entries are in:
-    bootstrap       KVReady received (BOOTSTRAP): reserve blocks for prompt + max_tokens, in arrival order
+    bootstrap       KVReady received (BOOTSTRAP): reserve blocks for prompt + the output's reserved tokens
+                    (``Sampling.reserved_output_tokens``: max_tokens, or fewer for a request without one, which
+                    then takes a block at a time as its answer grows), in arrival order
     transferring    TRANSFERRING: pulling the prompt's KV; blocks arriving renew the stage deadline
     decode_waiting  DECODE_WAITING: copy done (TransferDone sent to prefill, which frees its own blocks)
-    decoding        DECODING: the running batch, one token per step -> FINISHED (EOS, stop token, max_tokens)
+    decoding        DECODING: the running batch, one token per step -> FINISHED (EOS, stop token, max_tokens,
+                    or no free block for a growing answer: "length")
 A row that turns final elsewhere (client abort, stop string, monitor timeout) is dropped by ``reap`` and its
 blocks freed once. Per step, the table writes of the whole batch (token counts, renewals) go in one
 ``update_many`` (one lock round trip); a row joining the batch writes and sends its first tokens in one more, before the
@@ -152,8 +155,8 @@ class DecodeCore:
                 setattr(self, name, keep)
 
     def start_transfers(self) -> None:
-        """Reserve blocks for prompt + max_tokens in arrival order (the head waits in BOOTSTRAP while the pool is
-        full; a child whose prompt blocks another child holds reserves only its own) and start pulling each
+        """Reserve blocks for prompt + reserved output tokens in arrival order (the head waits in BOOTSTRAP while the
+        pool is full; a child whose prompt blocks another child holds reserves only its own) and start pulling each
         request's KV (TRANSFERRING)."""
         bt = self.allocator.block_tokens
         while self.bootstrap:
@@ -161,8 +164,8 @@ class DecodeCore:
             ready = entry.ready
             key = prompt_key(ready, bt)
             shared = self.prompts.get(key) if key is not None else None
-            needed = blocks_for(ready.num_tokens, ready.sampling.max_tokens, bt) - (len(shared.blocks) if shared
-                                                                                     else 0)
+            needed = blocks_for(ready.num_tokens, ready.sampling.reserved_output_tokens, bt) - (
+                len(shared.blocks) if shared else 0)
             try:
                 own = self.allocator.allocate(needed, ready.slot)
             except OutOfKVBlocksError:
@@ -374,7 +377,23 @@ class DecodeCore:
             return "stop"
         if entry.output_tokens >= sampling.max_tokens:
             return "length"
+        if not self._room_for_next(entry):
+            return "length"   # an answer without max_tokens reached what the pool can hold
         return None
+
+    def _room_for_next(self, entry: DecodeEntry) -> bool:
+        """Whether the next decode step can write ``entry``'s KV at ``position``: always when its blocks were
+        reserved for all of max_tokens; else (a growing answer) after taking one more block when it needs one,
+        False when the pool has none free."""
+        bt = self.allocator.block_tokens
+        if entry.position < len(entry.blocks) * bt:
+            return True
+        try:
+            entry.blocks.extend(self.allocator.allocate(1, entry.ready.slot))
+        except OutOfKVBlocksError:
+            return False
+        self._updates.append((*entry.key, {"decode_blocks": len(entry.blocks)}))
+        return True
 
     def _emit(self, entry: DecodeEntry, token: int, logprobs: list | None) -> bool:
         """Record one generated token; returns True if the request ended (finished, or final elsewhere)."""

@@ -35,6 +35,18 @@ class Sampling:
     # structured output / forced tool call: the llguidance grammar (gpu.grammar) every sampled token must follow;
     # prefill masks the first token with it, decode rebuilds the matcher from it and the tokens so far
     grammar: str | None = None
+    # output tokens decode reserves KV blocks for when it takes the request (0 = all of max_tokens); with fewer (a
+    # request without max_tokens) decode takes one more block whenever the answer needs it and ends the answer
+    # with finish_reason "length" when its pool has none free (actors/decode_core.py)
+    reserve_tokens: int = 0
+    # OpenAI's logit_bias as two parallel tuples: each bias (in [-100, 100]) is added to its token id's logit
+    logit_bias_ids: tuple[int, ...] = ()
+    logit_bias_values: tuple[float, ...] = ()
+
+    @property
+    def reserved_output_tokens(self) -> int:
+        """Output tokens whose KV blocks are reserved up front (prompt + this is what decode reserves)."""
+        return self.max_tokens if self.reserve_tokens <= 0 else min(self.reserve_tokens, self.max_tokens)
 
 
 # ---- to the prefill actor ---------------------------------------------------------------------------
@@ -69,9 +81,9 @@ class TransferDone:
 class KVReady:
     """Prefill -> decode (bootstrap): the prompt's KV sits in prefill's pool at ``src_block_ids``.
 
-    Decode reserves blocks for ``num_tokens + sampling.max_tokens`` tokens (the full prompt blocks once for all
-    KVReadies naming the same ``prompt_row``), pulls the blocks through its KVTransport, answers TransferDone,
-    then emits ``first_token`` (sampled by prefill) and decodes.
+    Decode reserves blocks for ``num_tokens + sampling.reserved_output_tokens`` tokens (the full prompt blocks once
+    for all KVReadies naming the same ``prompt_row``), pulls the blocks through its KVTransport, answers
+    TransferDone, then emits ``first_token`` (sampled by prefill) and decodes.
     """
 
     kind: ClassVar[str] = "kv_ready"
@@ -163,7 +175,9 @@ def from_wire(frame: list[Any]) -> Any:
     for f, value in zip(fields, frame[1:]):
         if f.name == "sampling":
             value = Sampling(*value)
-            value = dataclasses.replace(value, stop_token_ids=tuple(value.stop_token_ids))
+            value = dataclasses.replace(value, stop_token_ids=tuple(value.stop_token_ids),
+                                        logit_bias_ids=tuple(value.logit_bias_ids),
+                                        logit_bias_values=tuple(value.logit_bias_values))
         values[f.name] = value
     return cls(**values)
 

@@ -21,7 +21,8 @@ def sampling_params(sampling):
                           min_p=sampling.min_p, seed=sampling.seed, max_tokens=sampling.max_tokens,
                           stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
                           presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
-                          repetition_penalty=sampling.repetition_penalty, logprobs=sampling.logprobs)
+                          repetition_penalty=sampling.repetition_penalty, logprobs=sampling.logprobs,
+                          logit_bias=tuple(zip(sampling.logit_bias_ids, sampling.logit_bias_values)))
 
 
 def logprobs_to_wire(lp) -> list | None:

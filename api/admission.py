@@ -186,7 +186,7 @@ class Admission:
         prefill_loads, decode_loads = self.actor_loads()
         if remote_decode:
             return pick_prefill(prefill_loads, request.prompt_ids).index, REMOTE_ACTOR
-        chosen = route(prefill_loads, decode_loads, request.prompt_ids, request.sampling.max_tokens)
+        chosen = route(prefill_loads, decode_loads, request.prompt_ids, request.sampling.reserved_output_tokens)
         return -1 if chosen.prefill is None else chosen.prefill, chosen.decode
 
     # ---- admission ----------------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ class Admission:
         timeout_s = self.policy.timeout_s(request, timeout_s)
         prefill_actor, decode_actor = self._choose(request, remote_decode)
         handles = self._open_rows(request, request.n, timeout_s, prompt_tokens=len(request.prompt_ids),
-                                  max_tokens=request.sampling.max_tokens, prefill_actor=prefill_actor,
+                                  max_tokens=request.sampling.reserved_output_tokens, prefill_actor=prefill_actor,
                                   decode_actor=decode_actor)
         first = handles[0]
         colocated = prefill_actor < 0   # the decode actor prefills itself: KVReady stays inside it
@@ -267,9 +267,10 @@ class Admission:
             raise InvalidRequestError("a prefilled request needs the prefill pool's descriptor ('peer')")
         self.policy.check_room(len(self.handles), 1)
         timeout_s = self.policy.timeout_s(request, timeout_s)
-        decode_actor = pick_decode(self.actor_loads()[1], ready.num_tokens, ready.sampling.max_tokens).index
+        decode_actor = pick_decode(self.actor_loads()[1], ready.num_tokens,
+                                   ready.sampling.reserved_output_tokens).index
         handle, = self._open_rows(request, 1, timeout_s, prompt_tokens=ready.num_tokens,
-                                  max_tokens=ready.sampling.max_tokens, prefill_actor=-1,
+                                  max_tokens=ready.sampling.reserved_output_tokens, prefill_actor=-1,
                                   decode_actor=decode_actor, state=S.BOOTSTRAP)
         message = dataclasses.replace(ready, slot=handle.slot, generation=handle.generation,
                                       prefill_actor=REMOTE_ACTOR)

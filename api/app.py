@@ -1,8 +1,10 @@
-"""Starlette app: OpenAI-compatible routes, /health, /metrics and /debug/state.
+"""Starlette app: OpenAI-compatible routes, vLLM's /tokenize and /detokenize, health, /metrics and /debug/state.
 
-Routes: POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models, GET /health,
-GET /metrics, GET /debug/state (tools/inspect's snapshot, api/debug_state.py). Errors are OpenAI error JSON with
-the right status; nothing raises out of a handler.
+Routes: POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models, GET /v1/models/{id},
+POST /v1/embeddings (a 400: a generation model), each also without the ``/v1`` prefix (as llama.cpp serves them);
+POST /tokenize, POST /detokenize; GET (and HEAD) /, /health (readiness, with its report), /health/live,
+/health/ready; GET /metrics, GET /debug/state (tools/inspect's snapshot, api/debug_state.py). Errors are OpenAI
+error JSON with the right status; nothing raises out of a handler.
 """
 from __future__ import annotations
 
@@ -309,13 +311,21 @@ def parse_request(parser: RequestParser, kind: str, raw: bytes, request_id: str 
 
 
 def build_app(client: EngineClient, tokenizer, parser: RequestParser, metrics, api_keys: tuple[str, ...] = (),
-              extra_routes: tuple = ()):
+              extra_routes: tuple = (), allowed_origins: tuple[str, ...] = ()):
     """The ASGI app: the routes (plus ``extra_routes``, Starlette ``Route``s: a node's ``/internal/*``), behind
-    api.middleware's API-key check (``api_keys``: none = open) and ``x-request-id`` on every response."""
-    from api.middleware import ApiKeyMiddleware, RequestIdMiddleware
+    api.middleware's API-key check (``api_keys``: none = open), ``x-request-id`` on every response and a log line
+    per error; CORS (Starlette's CORSMiddleware, outermost so a preflight needs no key) for ``allowed_origins``
+    (none = no CORS headers; ``*`` = any origin)."""
+    from api.middleware import ApiKeyMiddleware, ErrorLogMiddleware, RequestIdMiddleware
 
     app = Routes(client, tokenizer, parser, metrics).app(extra_routes)
-    return RequestIdMiddleware(ApiKeyMiddleware(app, api_keys))
+    app = ErrorLogMiddleware(RequestIdMiddleware(ApiKeyMiddleware(app, api_keys)))
+    if allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app = CORSMiddleware(app, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"],
+                             expose_headers=["x-request-id"], max_age=600)
+    return app
 
 
 class Routes:
@@ -410,8 +420,7 @@ class Routes:
                 return Response(status_code=499)
             try:
                 choices = work.result()
-            except PdserveError as exc:
-                log.warning("request %s: %d %s", req.request_id, exc.http_status, exc.message)   # the whole id
+            except PdserveError as exc:   # logged by ErrorLogMiddleware
                 self.finished(handles, reasons, exc.http_status)
                 return error_response(exc, req.request_id)
             self.finished(handles, reasons)
@@ -473,14 +482,51 @@ class Routes:
     async def completions(self, request: Request) -> Response:
         return await self.run_request(request, "completion")
 
+    def model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "pdserve",
+                "max_model_len": self.parser.max_context_tokens}
+
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": self.served, "object": "model", "created": 0,
-                                                         "owned_by": "pdserve",
-                                                         "max_model_len": self.parser.max_context_tokens}]})
+        """The served model under its first name (the others are aliases, accepted in ``model``)."""
+        return JSONResponse({"object": "list", "data": [self.model_card(self.served)]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model_id"]
+        if name not in self.parser.model_names:
+            return JSONResponse(error_body(f"The model '{name}' does not exist", "not_found_error", "model",
+                                           "model_not_found"), status_code=404)
+        return JSONResponse(self.model_card(name))
+
+    async def embeddings(self, request: Request) -> Response:
+        return JSONResponse(error_body(f"'{self.served}' is a generation model; this server does not compute "
+                                       "embeddings (serve an embedding model elsewhere)", "invalid_request_error",
+                                       "model", "model_not_supported"), status_code=400)
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self.json_tool(request, self.parser.tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self.json_tool(request, self.parser.detokenize)
+
+    async def json_tool(self, request: Request, handler) -> Response:
+        """A small JSON-in, JSON-out route: the body through ``handler`` (off the event loop: a tokenizer run)."""
+        try:
+            body = parse_json(await read_decoded_body(request, self.client.config.body_read_timeout_s))
+            return JSONResponse(await asyncio.to_thread(handler, body))
+        except PdserveError as exc:
+            return error_response(exc)
+        except ClientDisconnect:
+            return Response(status_code=499)
 
     async def health(self, request: Request) -> Response:
+        """Readiness with its report: 200 while a route through prefill and decode serves, else 503 with the
+        reasons (api.metrics.not_ready); ``problems`` also names actors down beside others that serve."""
         report = self.metrics.health()
         return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
+
+    async def live(self, request: Request) -> Response:
+        """Liveness: the API process answers (nothing else is looked at)."""
+        return JSONResponse({"status": "ok"})
 
     async def metrics_route(self, request: Request) -> Response:
         data, content_type = self.metrics.render()
@@ -508,11 +554,22 @@ class Routes:
         return JSONResponse(error_body("internal error; see the server log", "internal_error"), status_code=500)
 
     def app(self, extra_routes: tuple = ()) -> Starlette:
-        routes = [*extra_routes,
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
+        routes = [*extra_routes]
+        for prefix in ("/v1", ""):   # llama.cpp serves them without /v1 too
+            routes += [
+                Route(prefix + "/chat/completions", self.chat_completions, methods=["POST"]),
+                Route(prefix + "/completions", self.completions, methods=["POST"]),
+                Route(prefix + "/models", self.models, methods=["GET"]),
+                Route(prefix + "/models/{model_id:path}", self.model, methods=["GET"]),
+                Route(prefix + "/embeddings", self.embeddings, methods=["POST"]),
+            ]
+        routes += [   # GET routes answer HEAD too (Starlette)
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/", self.live, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/health/live", self.live, methods=["GET"]),
+            Route("/health/ready", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_route, methods=["GET"]),
             Route("/debug/state", self.debug_state, methods=["GET"]),
         ]

@@ -243,10 +243,11 @@ class EngineMetrics(RequestMetrics):
         return completed
 
     def health(self) -> dict[str, Any]:
-        """200-worthy only when every actor is up and the engine is not draining; else the reasons."""
+        """Readiness (``not_ready``): "ok" while a route through prefill and decode can serve; the problems name
+        every actor that is not ok (an actor restarting beside others that serve is a problem, not an outage)."""
         status = self.client.status.snapshot()
         now_ns = time.monotonic_ns()
-        actors, problems = {}, []
+        actors, problems, states = {}, [], {}
         for r in self.client.actors.rows():
             name, index = r["name"], r["index"]
             if not name:
@@ -255,11 +256,22 @@ class EngineMetrics(RequestMetrics):
                 actors[name] = "ok"
                 continue
             state = actor_state(r, r["health"], now_ns, self.client.config.monitor_tick_s)
-            actors[name] = state
+            actors[name] = states[index] = state
             if state != "ok":
                 problems.append(f"actor {name} is {state}")
-        if status["draining"]:
-            problems.append("the engine is draining (shutting down)")
+        reasons = not_ready(self.client.topology, states, bool(status["draining"]))
         # status and problems only: /health is open (no API key), so it tells nothing about the configuration;
         # the effective config is in tools/inspect (local shm access)
-        return {"status": "ok" if not problems else "unavailable", "problems": problems, "actors": actors}
+        return {"status": "ok" if not reasons else "unavailable", "problems": reasons + problems, "actors": actors}
+
+
+def not_ready(topology, states: dict[int, str], draining: bool) -> list[str]:
+    """Why the engine cannot serve a request, empty when it can: draining, or no prefill actor (when the
+    topology has any: colocated decode actors prefill themselves, a decode node's prompts come prefilled) or no
+    decode actor (when it has any: a prefill node's go to a decode node) whose state is "ok" (``states``: actor
+    index -> actors.watchdog.actor_state)."""
+    reasons = ["the engine is draining (shutting down)"] if draining else []
+    for role, indices in (("prefill", topology.prefill), ("decode", topology.decode)):
+        if indices and not any(states.get(i) == "ok" for i in indices):
+            reasons.append(f"no {role} actor is serving")
+    return reasons

@@ -1,5 +1,6 @@
-"""ASGI middleware around the Starlette app: API keys on ``/v1/*``, ``/debug/*`` and ``/internal/*``;
-``x-request-id`` on every response.
+"""ASGI middleware around the Starlette app: API keys on ``/v1/*`` (and its routes without ``/v1``), ``/debug/*``
+and ``/internal/*``;
+``x-request-id`` on every response; one log line per 4xx/5xx response (ErrorLogMiddleware).
 
 Both are plain ASGI (not Starlette's BaseHTTPMiddleware, which buffers streamed bodies and hides client
 disconnects from the handlers): they look at the request's headers and add or answer with response headers.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import uuid
 from typing import Awaitable, Callable, Iterable
 
@@ -19,7 +21,13 @@ from pdserve.errors import PdserveError
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
-PROTECTED_PREFIXES = ("/v1/", "/debug/", "/internal/")   # /health and /metrics stay open (as vLLM does)
+log = logging.getLogger("pdserve.api")
+
+ERROR_BODY_LOG_BYTES = 16384   # an error body is read for its message and param up to this size
+
+# /health*, /metrics and / stay open (as vLLM does); the OpenAI routes are served without /v1 too
+PROTECTED_PREFIXES = ("/v1/", "/debug/", "/internal/", "/chat/", "/completions", "/models", "/embeddings",
+                      "/tokenize", "/detokenize")
 
 
 def _header(scope: dict, name: bytes) -> str | None:
@@ -59,8 +67,9 @@ class RequestIdMiddleware:
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` required on ``/v1/*``, ``/debug/*`` and the router-to-node ``/internal/*``
-    when keys are configured.
+    """``Authorization: Bearer <key>`` required on ``PROTECTED_PREFIXES`` (``/v1/*`` and its routes without
+    ``/v1``, ``/tokenize``, ``/detokenize``, ``/debug/*`` and the router-to-node ``/internal/*``) when keys are
+    configured.
 
     Keys are compared in constant time: the SHA-256 digests of the offered and of every configured key go through
     ``hmac.compare_digest`` (equal lengths whatever the offered key's length), all of them, without an early
@@ -101,3 +110,53 @@ class ApiKeyMiddleware:
                                 (b"www-authenticate", b'Bearer realm="pdserve"')]})
         await send({"type": "http.response.body", "body": body})
 
+
+
+class ErrorLogMiddleware:
+    """One log line per response with status >= 400: request id, method, route (the path, never the query),
+    status, and the error's ``param`` and message from the JSON error body (the request body and the API key are
+    never logged). 5xx at WARNING, 4xx at INFO; 499 (the client went away before the answer) names that.
+
+    An error met after a streamed response started is a 200 on the wire and is logged by the stream itself
+    (api/app.py)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status, rid, body = 0, "", bytearray()
+
+        async def watch(message: dict) -> None:
+            nonlocal status, rid
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                rid = next((v.decode("latin-1") for k, v in message.get("headers") or ()
+                            if k.lower() == b"x-request-id"), "")
+            elif message["type"] == "http.response.body" and status >= 400:
+                if len(body) < ERROR_BODY_LOG_BYTES:
+                    body.extend(message.get("body", b"")[:ERROR_BODY_LOG_BYTES - len(body)])
+                if not message.get("more_body", False):
+                    log_error(rid, scope.get("method", ""), scope.get("path", ""), status, bytes(body))
+            await send(message)
+
+        await self.app(scope, receive, watch)
+
+
+def error_reason(status: int, body: bytes) -> str:
+    """``param=NAME: message`` from an error body (OpenAI or Anthropic shape), else a word for the status."""
+    try:
+        error = orjson.loads(body).get("error") if body else None
+    except (orjson.JSONDecodeError, AttributeError):
+        error = None
+    if isinstance(error, dict):
+        message = str(error.get("message", ""))[:300]
+        return f"param={error['param']}: {message}" if error.get("param") else message
+    return "the client closed the connection first" if status == 499 else "(no error body)"
+
+
+def log_error(request_id: str, method: str, path: str, status: int, body: bytes) -> None:
+    log.log(logging.WARNING if status >= 500 else logging.INFO, "request %s: %s %s -> %d %s", request_id or "-",
+            method, path, status, error_reason(status, body))

@@ -58,7 +58,7 @@ def generation_request(body: Any, limits: "NodeLimits | None" = None) -> Generat
         raise InvalidRequestError("'n' must be a positive integer", param="n")
     sampling = sampling_from_wire(body.get("sampling"))
     if limits is not None:
-        limits.check_prompt(len(prompt_ids), max(prompt_ids), sampling.max_tokens)
+        limits.check_prompt(len(prompt_ids), max([*prompt_ids, *sampling.logit_bias_ids]), sampling.max_tokens)
     if n > 128:
         raise InvalidRequestError("'n' must be at most 128", param="n")
     timeout_s = body.get("timeout_s")
@@ -76,6 +76,9 @@ def _field_ok(name: str, default: Any, value: Any) -> bool:
         return value is None or (isinstance(value, int) and not isinstance(value, bool))
     if name == "grammar":
         return value is None or isinstance(value, str)
+    if name == "logit_bias_values":
+        return isinstance(value, (list, tuple)) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100 for v in value)
     if isinstance(default, bool):
         return isinstance(value, bool)
     if isinstance(default, int):
@@ -89,6 +92,7 @@ def _field_ok(name: str, default: Any, value: Any) -> bool:
 _SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (1e-12, 1.0), "top_k": (-1, 1 << 20), "min_p": (0.0, 1.0),
                     "max_tokens": (1, 2**31 - 1), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
                     "repetition_penalty": (1e-12, 10.0), "logprobs": (0, 20), "prompt_logprobs": (0, 20),
+                    "reserve_tokens": (0, 2**31 - 1),
                     "seed": (-(2**63), 2**63 - 1)}
 
 
@@ -105,7 +109,12 @@ def sampling_from_wire(values: Any) -> Sampling:
                 or (f.name == "top_k" and value == 0):
             raise InvalidRequestError(f"'sampling' field {f.name} has a bad value {value!r}", param="sampling")
     sampling = Sampling(*values)
-    return dataclasses.replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids))
+    if len(sampling.logit_bias_ids) != len(sampling.logit_bias_values) or any(t < 0 for t in sampling.logit_bias_ids):
+        raise InvalidRequestError("'sampling' logit_bias ids must be token ids, as many as its values",
+                                  param="sampling")
+    return dataclasses.replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids),
+                               logit_bias_ids=tuple(sampling.logit_bias_ids),
+                               logit_bias_values=tuple(sampling.logit_bias_values))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +126,7 @@ class NodeLimits:
     block_tokens: int
 
     def check_prompt(self, prompt_tokens: int, max_token_id: int, max_tokens: int) -> None:
-        if max_token_id >= self.vocab_size:
+        if max_token_id >= self.vocab_size:   # the prompt's and logit_bias's
             raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})", param="prompt_ids")
         if prompt_tokens + max_tokens > self.max_context_tokens:
             raise InvalidRequestError(f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) exceed the context "
@@ -130,7 +139,7 @@ class NodeLimits:
         ids = ready.src_block_ids
         if not isinstance(ready.num_tokens, int) or isinstance(ready.num_tokens, bool) or ready.num_tokens < 1:
             raise InvalidRequestError("'kv_ready' num_tokens must be a positive integer", param="kv_ready")
-        self.check_prompt(ready.num_tokens, 0, ready.sampling.max_tokens)
+        self.check_prompt(ready.num_tokens, max(ready.sampling.logit_bias_ids, default=0), ready.sampling.max_tokens)
         if not isinstance(ids, list) or len(ids) != -(-ready.num_tokens // self.block_tokens):
             raise InvalidRequestError("'kv_ready' needs one source block id per block of the prompt",
                                       param="kv_ready")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.messages import Sampling
+from api import fields
 from api.tools import ToolPlan, parameters_schema, parse_tools, required_call_grammar, template_messages
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 from pdserve.kv_budget import blocks_for
@@ -24,17 +25,14 @@ MAX_REQUEST_ID_CHARS = 256  # X-Request-Id; the state table keeps the first 40 b
 MAX_TIMEOUT_S = 86400.0
 MAX_LOGPROBS = 20   # top alternatives per token (chat's top_logprobs, completions' logprobs)
 MAX_N = 128         # choices per request (OpenAI's limit)
+MAX_LOGIT_BIAS_ENTRIES = 1024   # tokens one logit_bias may name (OpenAI allows 300; the wire frame stays small)
 
-# Top-level fields each route understands. Anything else is a 400 naming the field (as OpenAI answers
-# "Unrecognized request argument"): a typo such as ``max_token`` must not be silently ignored.
-_COMMON_FIELDS = frozenset({
-    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-    "stop", "n", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "user",
-    "timeout", "ignore_eos", "logit_bias", "best_of", "store", "metadata", "service_tier", "response_format",
-})
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
-                                "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"}
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
+# Top-level fields each route takes: api/fields.py (honoured, or accepted and ignored; anything else is a 400 naming
+# the field, as OpenAI answers "Unrecognized request argument": a typo such as ``max_token`` is never ignored).
+CHAT_FIELDS = fields.CHAT.names
+COMPLETION_FIELDS = fields.COMPLETION.names
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                             "continue_final_message"})
 
 
 def check_request_id(value: str | None, default: str) -> str:
@@ -139,11 +137,7 @@ def _repetition_penalty(body: dict) -> float:
 
 def _check_unsupported_fields(body: dict, kind: str) -> None:
     """Fields the engine cannot honour: the neutral value passes, anything else is a 400 naming the field."""
-    allowed = CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS
-    for name in body:
-        if name not in allowed:
-            raise InvalidRequestError(f"unrecognized request argument '{name}' for this route", param=name,
-                                      code="unknown_parameter")
+    (fields.CHAT if kind == "chat" else fields.COMPLETION).check(body)
     if kind != "chat":
         echo = body.get("echo")
         if echo is not None and not isinstance(echo, bool):
@@ -156,11 +150,6 @@ def _check_unsupported_fields(body: dict, kind: str) -> None:
     best_of = _integer(body, "best_of", 1, 1, 128)
     if best_of != 1:
         raise _unsupported("best_of", "server-side ranking of candidates is not implemented; use n")
-    logit_bias = body.get("logit_bias")
-    if logit_bias is not None and not isinstance(logit_bias, dict):
-        raise InvalidRequestError("'logit_bias' must be an object", param="logit_bias")
-    if logit_bias:
-        raise _unsupported("logit_bias", "the sampler does not bias logits")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidRequestError("'user' must be a string", param="user")
@@ -170,11 +159,12 @@ def _check_unsupported_fields(body: dict, kind: str) -> None:
     store = body.get("store")
     if store is not None and not isinstance(store, bool):
         raise InvalidRequestError("'store' must be a boolean", param="store")
-    if store:
-        raise _unsupported("store", "completions are not stored")
-    tier = body.get("service_tier")
-    if tier is not None and tier not in ("auto", "default"):
-        raise InvalidRequestError("'service_tier' must be 'auto' or 'default'", param="service_tier")
+    if kind == "chat":
+        modalities = body.get("modalities")
+        if modalities is not None and (not isinstance(modalities, list) or any(m != "text" for m in modalities)):
+            raise _unsupported("modalities", "the served model outputs text only; send [\"text\"] or leave it out")
+        if body.get("audio") is not None:
+            raise _unsupported("audio", "the served model outputs text only; send null or leave it out")
     if kind == "chat":
         functions = body.get("functions")
         if functions is not None and not isinstance(functions, list):
@@ -185,6 +175,15 @@ def _check_unsupported_fields(body: dict, kind: str) -> None:
         if function_call is not None and function_call != "none":
             raise _unsupported("function_call", "the deprecated 'function_call' field is not implemented; use "
                                "'tool_choice'")
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"'{name}' must be a boolean", param=name)
+    return value
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
@@ -332,9 +331,13 @@ class RequestParser:
 
     Args:
         tokenizer: gpu.tokenizer.Tokenizer of the served model.
-        served_model_name: the only model name accepted in ``model``.
+        served_model_name: the model names accepted in ``model`` (comma-separated aliases); responses name the
+            first.
         max_context_tokens: longest prompt + output (tokens) the engine serves (the resolved max_model_len).
-        default_max_tokens: used when the body gives neither max_tokens nor max_completion_tokens.
+        reserve_tokens: output tokens decode reserves KV blocks for, up front, for a request whose max_tokens is
+            the rest of the context (none given, or clamped); its answer takes more blocks as it grows.
+        max_tokens_policy: "reject" (an explicit max_tokens over the room the prompt leaves is a 400) or "clamp"
+            (it becomes that room).
         kv_pool_blocks, kv_block_tokens: the decode KV pool's size (blocks) and block size (tokens), so that the
             ``n`` choices of one request can be checked to fit together; 0 blocks skips the check.
         grammars: gpu.grammar.GrammarCompiler, which checks ``response_format`` and forced tool calls on
@@ -345,16 +348,20 @@ class RequestParser:
     tokenizer runs: a 1 MB prompt costs microseconds, not a second of the event loop.
     """
 
-    def __init__(self, tokenizer, served_model_name: str, max_context_tokens: int, default_max_tokens: int,
-                 kv_pool_blocks: int = 0, kv_block_tokens: int = 16, grammars=None):
+    def __init__(self, tokenizer, served_model_name: str, max_context_tokens: int, reserve_tokens: int,
+                 kv_pool_blocks: int = 0, kv_block_tokens: int = 16, grammars=None,
+                 max_tokens_policy: str = "reject"):
         self.tokenizer = tokenizer
         self.grammars = grammars                 # gpu.grammar.GrammarCompiler; None = no constrained decoding
         self.template_has_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
         self.kv_pool_blocks = kv_pool_blocks     # the decode pool's blocks; 0 = no check of n against it
         self.kv_block_tokens = kv_block_tokens
-        self.served_model_name = served_model_name
+        # several names (comma-separated: --served-model-name repeated) are aliases; the first is the one reported
+        self.model_names = tuple(n.strip() for n in served_model_name.split(",") if n.strip()) or (served_model_name,)
+        self.served_model_name = self.model_names[0]
         self.max_context_tokens = max_context_tokens
-        self.default_max_tokens = default_max_tokens
+        self.reserve_tokens = reserve_tokens
+        self.max_tokens_policy = max_tokens_policy
         self.max_token_chars = _max_token_chars(tokenizer)
 
     def _model(self, body: dict) -> str:
@@ -363,10 +370,11 @@ class RequestParser:
             model = self.served_model_name
         if not isinstance(model, str):
             raise InvalidRequestError("'model' must be a string", param="model")
-        if model != self.served_model_name:
+        if model not in self.model_names:
             raise ModelNotFoundError(f"The model '{model}' does not exist; this server serves "
-                                     f"'{self.served_model_name}'", param="model", code="model_not_found")
-        return model
+                                     f"{' or '.join(repr(n) for n in self.model_names)}", param="model",
+                                     code="model_not_found")
+        return self.served_model_name
 
     def _too_long(self, prompt_len: int, unit: str = "tokens") -> InvalidRequestError:
         return InvalidRequestError(
@@ -396,12 +404,15 @@ class RequestParser:
         param = "max_completion_tokens" if max_tokens is not None else "max_tokens"
         if max_tokens is None:
             max_tokens = legacy
-        if max_tokens is None:
-            max_tokens = min(self.default_max_tokens, room)
+        reserve = 0   # all of max_tokens
+        if max_tokens is None or (max_tokens > room and self.max_tokens_policy == "clamp"):
+            # like OpenAI and vLLM: up to the end of the context; decode reserves reserve_tokens of it up front
+            max_tokens, reserve = room, min(self.reserve_tokens, room)
         if prompt_len + max_tokens > self.max_context_tokens:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_context_tokens} tokens; the prompt "
-                f"({prompt_len}) plus {param} ({max_tokens}) exceeds it", param=param,
+                f"({prompt_len}) plus {param} ({max_tokens}) exceeds it (the server's max_tokens_policy is reject)",
+                param=param,
                 code="context_length_exceeded")
         temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
         top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
@@ -421,22 +432,47 @@ class RequestParser:
                         seed=None if seed is None else seed % (2**63), max_tokens=max_tokens,
                         ignore_eos=ignore_eos, presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
                         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-                        repetition_penalty=_repetition_penalty(body), logprobs=_logprobs(body, kind))
+                        repetition_penalty=_repetition_penalty(body), logprobs=_logprobs(body, kind),
+                        reserve_tokens=reserve, **self._logit_bias(body))
+
+    def _logit_bias(self, body: dict) -> dict[str, tuple]:
+        """OpenAI's ``logit_bias`` ``{"token id": bias in [-100, 100]}`` as Sampling's two parallel tuples (sorted
+        by id). Raises InvalidRequestError naming ``logit_bias``."""
+        value = body.get("logit_bias")
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise InvalidRequestError("'logit_bias' must be an object of token id -> bias", param="logit_bias")
+        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(f"'logit_bias' takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got "
+                                      f"{len(value)}", param="logit_bias")
+        pairs = []
+        for key, bias in value.items():
+            token = int(key) if isinstance(key, str) and key.isdigit() else -1
+            if not 0 <= token < self.tokenizer.vocab_size:
+                raise InvalidRequestError(f"'logit_bias' key {key!r} is not a token id in [0, "
+                                          f"{self.tokenizer.vocab_size})", param="logit_bias")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise InvalidRequestError(f"'logit_bias' value for {key} must be a number in [-100, 100], got "
+                                          f"{bias!r}", param="logit_bias")
+            pairs.append((token, float(bias)))
+        pairs.sort()
+        return {"logit_bias_ids": tuple(t for t, _ in pairs), "logit_bias_values": tuple(b for _, b in pairs)}
 
     def _n(self, body: dict, prompt_len: int, sampling: Sampling) -> int:
         """``n`` choices (1..128). All of them decode at once, so together they must fit in the decode KV pool:
         the prompt's full blocks once (the choices share them, actors/decode_core.py) plus, per choice,
-        ``ceil((prompt + max_tokens) / block_tokens)`` less those; more is a 400 rather than a request that could
-        never be held."""
+        ``ceil((prompt + reserved output tokens) / block_tokens)`` less those; more is a 400 rather than a request
+        that could never be held."""
         n = _integer(body, "n", 1, 1, MAX_N)
         if n > 1 and self.kv_pool_blocks:
-            per_choice = blocks_for(prompt_len, sampling.max_tokens, self.kv_block_tokens)
+            per_choice = blocks_for(prompt_len, sampling.reserved_output_tokens, self.kv_block_tokens)
             shared = prompt_len // self.kv_block_tokens
             needed = shared + n * (per_choice - shared)
             if needed > self.kv_pool_blocks:
                 raise InvalidRequestError(
-                    f"n={n} choices of prompt ({prompt_len}) + max_tokens ({sampling.max_tokens}) tokens need "
-                    f"{needed} KV blocks; the engine's decode pool holds {self.kv_pool_blocks}. "
+                    f"n={n} choices of prompt ({prompt_len}) + max_tokens ({sampling.reserved_output_tokens}) tokens "
+                    f"need {needed} KV blocks; the engine's decode pool holds {self.kv_pool_blocks}. "
                     "Lower n or max_tokens", param="n")
         return n
 
@@ -458,7 +494,7 @@ class RequestParser:
             raise InvalidRequestError("'stream_options' is only allowed when 'stream' is true",
                                       param="stream_options")
         for name in options:
-            if name not in ("include_usage", "continuous_usage_stats"):
+            if name not in fields.STREAM_OPTIONS.names:
                 raise InvalidRequestError(f"unrecognized stream_options field '{name}'", param="stream_options")
         include_usage = options.get("include_usage", False)
         if include_usage is None:
@@ -493,7 +529,7 @@ class RequestParser:
         if tools or history_has_tools:
             conversation = template_messages(conversation, tools, self.template_has_tools)
         extra = {"tools": tools} if tools and self.template_has_tools else {}
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, **extra)
+        text = self.render_chat(conversation, body, extra)
         prompt_ids = self._encode(text, "messages")
         sampling = self._sampling(body, len(prompt_ids), "chat")
         if plan is not None and plan.mode == "named":
@@ -509,6 +545,77 @@ class RequestParser:
         constrained_by = None if sampling.grammar is None else "tool_choice" if plan else "response_format"
         return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body, constrained_by), stream,
                                  include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan)
+
+    def render_chat(self, conversation: list[dict], body: dict, extra: dict | None = None) -> str:
+        """The chat template over ``conversation`` with vLLM's controls from ``body``: ``add_generation_prompt``
+        (default true: open the assistant's turn) and ``continue_final_message`` (default false: the last message,
+        an assistant's, is continued: the text ends where its content ends, with no end-of-turn after it).
+        Raises InvalidRequestError naming the field."""
+        add = _flag(body, "add_generation_prompt", True)
+        cont = _flag(body, "continue_final_message", False)
+        if not cont:
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add, **(extra or {}))
+        if add and body.get("add_generation_prompt") is not None:
+            raise InvalidRequestError("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                                      param="continue_final_message")
+        final = conversation[-1]
+        if final["role"] != "assistant" or not final.get("content"):
+            raise InvalidRequestError("'continue_final_message' needs the last message to be an assistant's with "
+                                      "text content", param="continue_final_message")
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=False, **(extra or {}))
+        end = text.rfind(final["content"])
+        if end < 0:
+            raise InvalidRequestError("the chat template changes the final message's text, so it cannot be "
+                                      "continued", param="continue_final_message")
+        return text[:end + len(final["content"])]
+
+    def tokenize(self, body: Any) -> dict[str, Any]:
+        """vLLM's ``/tokenize``: ``prompt`` (text; ``add_special_tokens`` default true) or ``messages`` (through
+        the chat template with ``add_generation_prompt`` / ``continue_final_message``; ``add_special_tokens``
+        default false) -> ``{"count", "max_model_len", "tokens"}``. Raises InvalidRequestError (400) or
+        ModelNotFoundError (404)."""
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the request body must be a JSON object")
+        for name in body:
+            if name not in TOKENIZE_FIELDS:
+                raise InvalidRequestError(f"unrecognized request argument '{name}' for /tokenize", param=name,
+                                          code="unknown_parameter")
+        self._model(body)
+        if ("prompt" in body) == ("messages" in body):
+            raise InvalidRequestError("send one of 'prompt' (text) or 'messages'", param="prompt")
+        if "prompt" in body:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("'prompt' must be a string", param="prompt")
+            text, special = prompt, _flag(body, "add_special_tokens", True)
+        else:
+            messages = body["messages"]
+            if not isinstance(messages, list) or not messages:
+                raise InvalidRequestError("'messages' must be a non-empty list", param="messages")
+            text = self.render_chat([_chat_message(m, i) for i, m in enumerate(messages)], body)
+            special = _flag(body, "add_special_tokens", False)
+        if len(text) > self.max_token_chars * self.max_context_tokens:
+            raise InvalidRequestError(f"the text has {len(text)} characters, more than the model's context "
+                                      f"({self.max_context_tokens} tokens) can hold", param="prompt")
+        tokens = self.tokenizer.encode(text, add_special_tokens=special)
+        return {"count": len(tokens), "max_model_len": self.max_context_tokens, "tokens": tokens}
+
+    def detokenize(self, body: Any) -> dict[str, Any]:
+        """vLLM's ``/detokenize``: ``tokens`` (ids in the vocabulary) -> ``{"prompt": text}``. Raises
+        InvalidRequestError (400) or ModelNotFoundError (404)."""
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the request body must be a JSON object")
+        for name in body:
+            if name not in ("model", "tokens"):
+                raise InvalidRequestError(f"unrecognized request argument '{name}' for /detokenize", param=name,
+                                          code="unknown_parameter")
+        self._model(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise InvalidRequestError("'tokens' must be a list of token ids", param="tokens")
+        if not all(0 <= t < self.tokenizer.vocab_size for t in tokens):
+            raise InvalidRequestError(f"token ids must be in [0, {self.tokenizer.vocab_size})", param="tokens")
+        return {"prompt": self.tokenizer.decode(tokens)}
 
     def _schema_grammar(self, schema: dict | None, param: str) -> str:
         from gpu.grammar import json_schema_grammar

@@ -109,7 +109,7 @@ async def _serve(layout, prefill_urls: list[str], decode_urls: list[str]) -> Non
     from gpu.grammar import GrammarCompiler
     from gpu.model_files import model_cache_dir
     from gpu.tokenizer import Tokenizer
-    from pdserve.config import api_keys
+    from pdserve.config import allowed_origins, api_keys
 
     config = layout.config
     tokenizer = Tokenizer.load(layout.model_path or None, model_cache_dir(config.model_cache_dir))
@@ -122,8 +122,10 @@ async def _serve(layout, prefill_urls: list[str], decode_urls: list[str]) -> Non
     client = RouterClient(config, prefill_urls, decode_urls, api_key=keys[0] if keys else "")
     await client.start()
     parser = RequestParser(tokenizer, layout.served_model_name, layout.max_context_tokens,
-                           config.default_max_tokens, layout.kv_blocks_per_pool, config.kv_block_tokens, grammars)
-    app = build_app(client, tokenizer, parser, RouterMetrics(client), load_api_keys(config), (debug_route(client),))
+                           config.reserve_output_tokens, layout.kv_blocks_per_pool, config.kv_block_tokens, grammars,
+                           config.max_tokens_policy)
+    app = build_app(client, tokenizer, parser, RouterMetrics(client), load_api_keys(config), (debug_route(client),),
+                    allowed_origins(config))
     hconfig = keep_alive_config(config.keep_alive_timeout_s)
     hconfig.bind = [f"{config.host}:{layout.http_port}"]
     hconfig.accesslog = None

@@ -57,6 +57,7 @@ class ApiActor(Actor):
                                     install_idle_close, install_refused_streams, keep_alive_config)
         from api.metrics import EngineMetrics
         from api.middleware import load_api_keys
+        from pdserve.config import allowed_origins
         from api.node_api import NodeLimits, NodeRoutes
         from api.protocol import RequestParser
         from gpu.grammar import GrammarCompiler
@@ -73,12 +74,13 @@ class ApiActor(Actor):
         client = EngineClient(self.layout)
         client.start(asyncio.get_running_loop())
         parser = RequestParser(tokenizer, self.layout.served_model_name, self.layout.max_context_tokens,
-                               self.config.default_max_tokens, self.layout.kv_blocks_per_pool,
-                               self.config.kv_block_tokens, grammars)
-        metrics = EngineMetrics(client, self.layout.served_model_name)
+                               self.config.reserve_output_tokens, self.layout.kv_blocks_per_pool,
+                               self.config.kv_block_tokens, grammars, self.config.max_tokens_policy)
+        metrics = EngineMetrics(client, parser.served_model_name)
         limits = NodeLimits(tokenizer.vocab_size, self.layout.max_context_tokens, self.config.kv_block_tokens)
         node_routes = NodeRoutes(client, metrics.health, self.layout.engine_id, limits).routes()   # for the router
-        app = build_app(client, tokenizer, parser, metrics, load_api_keys(self.config), node_routes)
+        app = build_app(client, tokenizer, parser, metrics, load_api_keys(self.config), node_routes,
+                        allowed_origins(self.config))
 
         # Idle connections close after keep_alive_timeout_s (HTTP/1.1: in stages; HTTP/2: GOAWAY first), announced
         # on HTTP/1.1 responses by Keep-Alive: timeout=N; a request that has started is never cut by it.

@@ -2,7 +2,8 @@
 and log-probabilities of chosen and prompt tokens.
 
 Order follows vLLM's sampler and HF's logits processors/warpers: repetition, frequency and presence penalties
-first (so they change greedy choices too), then temperature, top-k, top-p, min-p, then a multinomial draw
+first (so they change greedy choices too), then OpenAI's ``logit_bias`` (added to the chosen ids' logits), then a
+grammar's mask, temperature, top-k, top-p, min-p, then a multinomial draw
 from the renormalised distribution. The repetition penalty is Keskar et al. 2019 ("CTRL"), as in HF's
 ``RepetitionPenaltyLogitsProcessor`` and vLLM's ``apply_penalties``; frequency and presence penalties are
 OpenAI's documented formula (output tokens only). Top-p is Holtzman et al. 2020 ("The Curious Case of
@@ -30,6 +31,7 @@ MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # most top alternatives per token (OpenAI's top_logprobs limit)
 MAX_PRESENCE_FREQUENCY_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI)
 MAX_REPETITION_PENALTY = 10.0  # repetition_penalty lies in (0, 10]
+MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI)
 
 # One sequence's token history for penalties: (prompt_ids, output_ids), each a sequence of token ids
 # (list, tuple, numpy array or 1-D integer tensor).
@@ -50,7 +52,9 @@ class SamplingParams:
     repetition_penalty: in (0, 10]; 1 = off. Every token seen in the prompt or the output has a positive
     logit divided by it and a negative one multiplied by it (CTRL, Keskar et al. 2019). logprobs: None = no
     log-probabilities; else return the chosen token's log-probability and its ``logprobs`` (0..20) most
-    likely alternatives. New fields go at the end so positional construction keeps working.
+    likely alternatives. logit_bias: ``((token_id, bias), ...)``, each bias in [-100, 100] added to that
+    token's logit after the penalties (OpenAI's ``logit_bias``: -100 bans a token, 100 all but forces it). New
+    fields go at the end so positional construction keeps working.
     """
 
     temperature: float = 1.0
@@ -65,6 +69,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -126,6 +131,13 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
                                       f"got {self.logprobs}", param="logprobs")
+        for pair in self.logit_bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2) or integer("logit_bias", pair[0]) < 0 or \
+                    (vocab_size is not None and pair[0] >= vocab_size) or \
+                    not -MAX_LOGIT_BIAS <= num("logit_bias", pair[1]) <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError(f"logit_bias entries are (token id in the vocabulary, bias in "
+                                          f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]), got {pair!r}",
+                                          param="logit_bias")
         return self
 
 
@@ -206,6 +218,20 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     return out
 
 
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` (``[B, vocab]`` float32, not modified) with each row's ``logit_bias`` added; ``logits`` itself
+    when no row has one, else a new tensor (unbiased rows bit-identical copies)."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    out = logits.clone()
+    for i in rows:
+        ids = torch.tensor([t for t, _ in params[i].logit_bias], dtype=torch.long, device=out.device)
+        bias = torch.tensor([b for _, b in params[i].logit_bias], dtype=out.dtype, device=out.device)
+        out[i].index_add_(0, ids, bias)
+    return out
+
+
 class Sampler:
     """Picks one token per row of a logits batch; stateless (randomness lives in per-request generators)."""
 
@@ -223,7 +249,8 @@ class Sampler:
                 of what it is batched with.
             histories: None, or ``B`` items, each None or ``(prompt_ids, output_ids)`` (sequences of token
                 ids). Required for rows whose params have penalties; those are applied (see
-                :func:`apply_penalties`) before greedy argmax and temperature, so they change greedy choices.
+                :func:`apply_penalties`) before greedy argmax and temperature, so they change greedy choices;
+                each row's ``logit_bias`` is added next (:func:`apply_logit_bias`).
             allowed: None, or ``[B, vocab]`` bool: only tokens marked True may be chosen (a grammar's mask, see
                 gpu.grammar.batch_allowed); applied after penalties, before greedy argmax and temperature.
         Returns:
@@ -240,7 +267,7 @@ class Sampler:
             raise ValueError(f"allowed must be a bool tensor shaped like logits {list(logits.shape)}, got "
                              f"{allowed.dtype} {list(allowed.shape)}")
         with torch.inference_mode():
-            logits = apply_penalties(logits.float(), params, histories)
+            logits = apply_logit_bias(apply_penalties(logits.float(), params, histories), params)
             if allowed is not None:
                 if not bool(allowed.any(dim=-1).all()):
                     raise ValueError("allowed has a row with no allowed token")

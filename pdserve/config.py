@@ -45,7 +45,9 @@ class EngineConfig:
 
     # model and serving
     model: str = _setting("", "GGUF file or HF Llama directory; empty = the embedded SmolLM2-135M-Instruct")
-    served_model_name: str = _setting("", "name listed by /v1/models; empty = the model's own name")
+    served_model_name: str = _setting("", "name listed by /v1/models; several (comma-separated, or the flag "
+                                      "repeated) are aliases, each accepted as 'model', the first reported; empty = "
+                                      "the model's own name", repeatable=True)
     host: str = _setting("127.0.0.1", "address the HTTP server binds")
     port: int = _setting(8000, "TCP port of the HTTP server (0 = pick a free one)", _port, "0..65535")
     keep_alive_timeout_s: float = _setting(5.0, "idle HTTP connections are closed after this (HTTP/1.1 close, "
@@ -60,6 +62,9 @@ class EngineConfig:
                                 "/debug/state (comma-separated, or the flag repeated); empty (and no api_key_file) = "
                                 "no authentication",
                             secret=True, repeatable=True)
+    allowed_origins: str = _setting("", "CORS: origins (comma-separated, or the flag repeated; * = any) whose "
+                                    "browser pages may call the API (preflight OPTIONS answered); empty = no CORS",
+                                    repeatable=True)
     api_key_file: str = _setting("", "file of API keys, one per line ('#' starts a comment); added to api_key")
     chat_template: str = _setting("", "jinja2 chat template file replacing the model's own (e.g. one that "
                                       "renders 'tools'); empty = the model's template")
@@ -110,7 +115,15 @@ class EngineConfig:
     max_num_seqs: int = _setting(32, "most requests in the decode batch", _positive, "> 0")
     max_queued_requests: int = _setting(256, "admitted but unfinished sequences (each of n choices counts) before 503",
                                         _positive, "> 0")
-    default_max_tokens: int = _setting(256, "max_tokens when the request gives none", _positive, "> 0")
+    reserve_output_tokens: int = _setting(256, "output tokens decode reserves KV blocks for when it takes a request "
+                                          "without max_tokens (whose answer may run to the end of the context, "
+                                          "max_model_len - prompt): more blocks are taken one at a time as the "
+                                          "answer grows, and it ends with finish_reason length if the pool has none "
+                                          "free; a request with max_tokens reserves prompt + max_tokens up front",
+                                          _positive, "> 0")
+    max_tokens_policy: str = _setting("reject", "an explicit max_tokens over the context the prompt leaves: reject = "
+                                      "a 400 (as vLLM), clamp = the rest of the context (as llama.cpp; then reserved "
+                                      "like a request without max_tokens)", choices=("reject", "clamp"))
     queue_slots: int = _setting(512, "slots in each shm message queue", _positive, "> 0")
     queue_slot_bytes: int = _setting(131072, "bytes per shm queue slot (largest message)", _positive, "> 0")
     idle_wait_s: float = _setting(0.05, "longest an actor loop (and the API's inbox thread) blocks on its inbox "
@@ -313,6 +326,11 @@ def api_keys(config: EngineConfig) -> tuple[str, ...]:
                               param="api_key_file")
         keys += found
     return tuple(dict.fromkeys(keys))
+
+
+def allowed_origins(config: EngineConfig) -> tuple[str, ...]:
+    """The CORS origins ``config`` allows (``allowed_origins``, comma-separated); empty = no CORS."""
+    return tuple(dict.fromkeys(o.strip() for o in config.allowed_origins.split(",") if o.strip()))
 
 
 def redacted(config: EngineConfig) -> dict[str, Any]:

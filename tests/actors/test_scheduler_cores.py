@@ -879,3 +879,32 @@ def test_a_kv_ready_refused_at_intake_fails_its_row_once_and_holds_nothing(via):
     assert pair.decode_pool.num_free == pair.decode_pool.num_blocks and not pair.decode.bootstrap
     pair.run(2)   # prefill sees the row final and frees its blocks
     pair.assert_all_free()
+
+
+def test_an_answer_without_max_tokens_takes_a_block_at_a_time_and_ends_with_length_when_the_pool_is_full():
+    pair = Pair(decode_blocks=4)   # 64 tokens
+    # no max_tokens: the rest of a large context, of which 4 tokens are reserved up front (api/protocol.py)
+    request = prefill_request(pair.table, "grow", prompt_tokens=20, max_tokens=1000, reserve_tokens=4)
+    key = (request.slot, request.generation)
+    pair.prefill.on_message(request)
+    pair.run(2)
+    assert pair.table.state(key) == S.DECODING and pair.decode_pool.num_free == 2   # ceil((20 + 4) / 16)
+    pair.run(35)
+    assert pair.decode_pool.num_free == 0 and pair.table.rows[request.slot]["decode_blocks"] == 4
+    pair.run(40)
+    assert pair.table.state(key) == S.FINISHED
+    ours = [t for t in pair.tokens if (t[0], t[1]) == key]
+    # positions 20..63 hold the prompt's last 44 tokens' KV; the 45th token has no block to go to
+    assert len(ours) == 64 - 20 + 1 and ours[-1][3] == "length" and all(t[3] is None for t in ours[:-1])
+    pair.assert_all_free()
+
+
+def test_a_request_with_max_tokens_reserves_all_of_it_up_front_and_never_grows():
+    pair = Pair(decode_blocks=8)
+    request = prefill_request(pair.table, "fixed", prompt_tokens=20, max_tokens=30)
+    pair.prefill.on_message(request)
+    pair.run(2)
+    assert pair.decode_pool.num_free == 8 - 4   # ceil((20 + 30) / 16)
+    pair.run(40)
+    assert [t[3] for t in pair.tokens][-1] == "length" and len(pair.tokens) == 30
+    pair.assert_all_free()

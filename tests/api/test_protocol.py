@@ -17,7 +17,7 @@ MAX_LEN = 256
 def parser():
     from gpu.tokenizer import Tokenizer
 
-    return RequestParser(Tokenizer.load(None), MODEL, MAX_LEN, default_max_tokens=16)
+    return RequestParser(Tokenizer.load(None), MODEL, MAX_LEN, reserve_tokens=16)
 
 
 def chat_body(**extra):
@@ -38,7 +38,9 @@ def rejected(call, body, param):
 
 def test_a_plain_chat_and_completion_parse_with_defaults(parser):
     chat = parser.chat(chat_body())
-    assert chat.kind == "chat" and chat.prompt_ids and chat.sampling.max_tokens == 16
+    # no max_tokens: the rest of the context, of which decode reserves reserve_tokens up front
+    assert chat.kind == "chat" and chat.prompt_ids and chat.sampling.max_tokens == MAX_LEN - len(chat.prompt_ids)
+    assert chat.sampling.reserved_output_tokens == 16
     assert chat.request_id.startswith("chatcmpl-") and chat.timeout_s is None
     comp = parser.completion(completion_body(max_tokens=3, temperature=0, top_p=0.5, top_k=5, min_p=0.1,
                                              seed=-3, stop=["x", "y"], user="u", timeout=2.5))
@@ -57,7 +59,8 @@ def test_neutral_values_of_unsupported_chat_parameters_are_accepted(parser, name
     if name == "max_completion_tokens":   # not neutral: it is max_tokens' newer name
         assert got.sampling.max_tokens == value != plain.sampling.max_tokens
         got = dataclasses.replace(got, sampling=dataclasses.replace(got.sampling,
-                                                                    max_tokens=plain.sampling.max_tokens))
+                                                                    max_tokens=plain.sampling.max_tokens,
+                                                                    reserve_tokens=plain.sampling.reserve_tokens))
     assert same_request(got, plain)
 
 
@@ -68,7 +71,7 @@ def same_request(a, b) -> bool:
 
 
 @pytest.mark.parametrize("name,value", [
-    ("logit_bias", {"1": 5}), ("functions", [{"name": "f"}]), ("function_call", "auto"),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"),
 ])
 def test_values_the_engine_cannot_honour_are_a_400_naming_the_parameter(parser, name, value):
     error = rejected(parser.chat, chat_body(**{name: value}), name)
@@ -132,7 +135,7 @@ def test_top_logprobs_needs_logprobs_true(parser):
 def test_n_choices_must_fit_together_in_the_decode_pool():
     from gpu.tokenizer import Tokenizer
 
-    small = RequestParser(Tokenizer.load(None), MODEL, MAX_LEN, default_max_tokens=16, kv_pool_blocks=64,
+    small = RequestParser(Tokenizer.load(None), MODEL, MAX_LEN, reserve_tokens=16, kv_pool_blocks=64,
                           kv_block_tokens=16)
     # "hello" is one block with max_tokens 10: 64 choices fit exactly, 65 do not
     assert small.completion(completion_body(n=64, max_tokens=10)).n == 64
@@ -217,3 +220,118 @@ def test_a_single_string_or_token_list_in_a_list_is_one_prompt(parser):
 
 def test_stop_list_limit_is_a_named_constant(parser):
     assert parser.chat(chat_body(stop=["s"] * MAX_STOP_STRINGS)).stop == ("s",) * MAX_STOP_STRINGS
+
+
+# every field a current OpenAI client may send that the engine accepts and ignores, with a realistic value
+IGNORED_CHAT_VALUES = {
+    "store": True, "metadata": {"k": "v"}, "service_tier": "flex", "prompt_cache_key": "session-1",
+    "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "24h"}, "safety_identifier": "u-1",
+    "reasoning_effort": "low", "verbosity": "low", "web_search_options": {"search_context_size": "low"},
+    "prediction": {"type": "content", "content": "x"}, "moderation": {"model": "omni-moderation-latest"},
+    "modalities": ["text"], "audio": None, "user": "alice",
+}
+
+
+def test_the_ignored_field_table_matches_what_the_tests_send():
+    from api import fields
+
+    assert set(IGNORED_CHAT_VALUES) == set(fields.CHAT.ignored)
+    assert set(fields.COMPLETION.ignored) == {"user"}
+
+
+def test_every_openai_chat_and_completion_field_is_honoured_or_ignored():
+    """The official client's request types (the package installed with the test extras) name no field we refuse
+    as unknown."""
+    import typing
+
+    from openai.types import completion_create_params as completion
+    from openai.types.chat import completion_create_params as chat
+
+    from api import fields
+
+    chat_names = set(typing.get_type_hints(chat.CompletionCreateParamsBase))
+    completion_names = set(typing.get_type_hints(completion.CompletionCreateParamsBase))
+    assert chat_names <= fields.CHAT.names, chat_names - fields.CHAT.names
+    assert completion_names <= fields.COMPLETION.names, completion_names - fields.COMPLETION.names
+
+
+def test_ignored_fields_are_accepted_and_change_nothing(parser):
+    got, plain = parser.chat(chat_body(**IGNORED_CHAT_VALUES)), parser.chat(chat_body())
+    assert same_request(got, plain)
+    stream = parser.chat(chat_body(stream=True, stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert stream.include_usage
+
+
+@pytest.mark.parametrize("route,name", [("chat", "prompt_cache_keys"), ("chat", "max_token"),
+                                        ("completion", "reasoning_effort"), ("completion", "temprature")])
+def test_a_misspelt_or_foreign_field_is_a_400_naming_it(parser, route, name):
+    call, body = (parser.chat, chat_body) if route == "chat" else (parser.completion, completion_body)
+    error = rejected(call, body(**{name: 1}), name)
+    assert error.code == "unknown_parameter" and name in error.message
+
+
+@pytest.mark.parametrize("name,value", [("modalities", ["text", "audio"]), ("audio", {"voice": "alloy"})])
+def test_asking_for_audio_output_is_a_400_naming_the_field(parser, name, value):
+    assert rejected(parser.chat, chat_body(**{name: value}), name).code == "unsupported_parameter"
+
+
+def test_max_tokens_over_the_context_is_a_400_by_default_and_clamped_when_the_operator_says_so(parser):
+    from gpu.tokenizer import Tokenizer
+
+    rejected(parser.chat, chat_body(max_tokens=32000), "max_tokens")
+    rejected(parser.completion, completion_body(max_tokens=MAX_LEN), "max_tokens")
+    clamp = RequestParser(Tokenizer.load(None), MODEL, MAX_LEN, reserve_tokens=16, max_tokens_policy="clamp")
+    got = clamp.chat(chat_body(max_tokens=32000))
+    room = MAX_LEN - len(got.prompt_ids)
+    assert got.sampling.max_tokens == room and got.sampling.reserved_output_tokens == 16   # reserved as if none
+    fits = clamp.completion(completion_body(max_tokens=5))
+    assert fits.sampling.max_tokens == 5 and fits.sampling.reserved_output_tokens == 5      # honoured in full
+
+
+def test_tokenize_takes_a_prompt_or_messages_and_detokenize_inverts_it(parser):
+    ids = parser.tokenizer.encode("hello there")
+    assert parser.tokenize({"prompt": "hello there"}) == {"count": len(ids), "max_model_len": MAX_LEN, "tokens": ids}
+    chat = parser.tokenize({"messages": [{"role": "user", "content": "hi"}]})
+    assert chat["tokens"] == parser.chat(chat_body()).prompt_ids
+    assert parser.detokenize({"tokens": ids, "model": MODEL}) == {"prompt": "hello there"}
+    rejected(parser.tokenize, {"prompt": "a", "messages": []}, "prompt")
+    rejected(parser.tokenize, {"prompt": "a", "add_special_token": True}, "add_special_token")
+    rejected(parser.detokenize, {"tokens": [10**9]}, "tokens")
+    rejected(parser.detokenize, {"tokens": "hi"}, "tokens")
+
+
+def test_continue_final_message_continues_a_trailing_assistant_message_instead_of_opening_a_new_turn(parser):
+    messages = [{"role": "user", "content": "Say a colour."}, {"role": "assistant", "content": "The colour is"}]
+    text = parser.tokenizer.decode(parser.chat(chat_body(messages=messages, continue_final_message=True,
+                                                         add_generation_prompt=False)).prompt_ids,
+                                   skip_special_tokens=False)
+    assert text.endswith("The colour is")
+    new_turn = parser.tokenizer.decode(parser.chat(chat_body(messages=messages)).prompt_ids, skip_special_tokens=False)
+    assert not new_turn.endswith("The colour is") and new_turn.rstrip().endswith("assistant")
+    bare = parser.tokenizer.decode(parser.chat(chat_body(add_generation_prompt=False)).prompt_ids,
+                                   skip_special_tokens=False)
+    assert not bare.rstrip().endswith("assistant")
+    rejected(parser.chat, chat_body(messages=messages, continue_final_message=True, add_generation_prompt=True),
+             "continue_final_message")
+    rejected(parser.chat, chat_body(continue_final_message=True), "continue_final_message")   # last is the user's
+    rejected(parser.chat, chat_body(add_generation_prompt="yes"), "add_generation_prompt")
+
+
+def test_every_served_name_is_accepted_and_the_first_is_reported():
+    from gpu.tokenizer import Tokenizer
+
+    aliased = RequestParser(Tokenizer.load(None), "main, alias ,", MAX_LEN, reserve_tokens=16)
+    assert aliased.model_names == ("main", "alias")
+    assert aliased.chat(chat_body(model="alias")).model == "main"
+    assert aliased.completion(completion_body(model="main")).model == "main"
+    with pytest.raises(ModelNotFoundError) as info:
+        aliased.chat(chat_body(model="other"))
+    assert "'main' or 'alias'" in info.value.message
+
+
+def test_logit_bias_reaches_the_sampling_settings_and_bad_entries_are_a_400(parser):
+    got = parser.chat(chat_body(logit_bias={"42": -100, "7": 2.5}))
+    assert got.sampling.logit_bias_ids == (7, 42) and got.sampling.logit_bias_values == (2.5, -100.0)
+    for bad in ({"-1": 1}, {"x": 1}, {str(10**9): 1}, {"5": 101}, {"5": "1"}, {"5": True}, [5],
+                {str(i): 1 for i in range(1025)}):
+        rejected(parser.completion, completion_body(logit_bias=bad), "logit_bias")

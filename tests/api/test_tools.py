@@ -49,7 +49,7 @@ def compiler(tokenizer) -> GrammarCompiler:
 
 @pytest.fixture(scope="module")
 def parser(tokenizer, compiler) -> RequestParser:
-    return RequestParser(tokenizer, MODEL, 2048, default_max_tokens=16, grammars=compiler)
+    return RequestParser(tokenizer, MODEL, 2048, reserve_tokens=16, grammars=compiler)
 
 
 def chat(**extra) -> dict:
@@ -271,7 +271,7 @@ def test_a_chat_template_file_that_renders_tools_receives_them(tokenizer, compil
 
     own = Tokenizer.load(None)
     own.set_chat_template((ROOT / "examples" / "chatml_tools.jinja").read_text())
-    parser = RequestParser(own, MODEL, 2048, default_max_tokens=16, grammars=compiler)
+    parser = RequestParser(own, MODEL, 2048, reserve_tokens=16, grammars=compiler)
     assert parser.template_has_tools
     prompt = tokenizer.decode(parser.chat({"messages": HISTORY, "tools": TOOLS}).prompt_ids, skip_special_tokens=False)
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")

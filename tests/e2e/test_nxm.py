@@ -2,7 +2,8 @@
 
 Order matters (pytest keeps file order): the idle-CPU window first (nothing has run yet), answers and per-actor
 work, a decode actor killed and restarted, a decode actor stopped (hung) and a prefill actor killed (their
-restarts overlap, and one test checks both rejoin), then the router-count fault (it leaves the router's count
+restarts overlap, and one test checks both rejoin), the health split (one decode actor killed, then both), then
+the router-count fault (it leaves the router's count
 wrong for good, so it runs last)."""
 from __future__ import annotations
 
@@ -266,6 +267,45 @@ def test_the_restarted_actors_rejoin_the_rotation_by_themselves(engine, probe):
     assert all(after[a] > before[a] for a in ACTORS), (before, after)
     metrics = scrape(engine.base_url)
     assert all(metrics[f"pdserve_actor_restarts_total{{actor={a}}}"] >= 1 for a in ("decode0", "prefill1"))
+    assert_recovered(engine, probe, timeout_s=30)
+
+
+def test_ready_while_one_decode_actor_restarts_and_not_ready_while_every_decode_actor_is_down(engine, probe):
+    """The health split: /health/ready (and /health) stay 200 while decode1 is SIGKILLed and restarting, naming it
+    in ``problems``; with both decode actors killed they are 503 saying no decode actor serves; /health/live is
+    200 throughout."""
+    from ipc.actor_table import ActorStatus
+
+    def get(path: str) -> httpx.Response:
+        return httpx.get(engine.base_url + path, timeout=5)
+
+    os.kill(probe.pid("decode1"), signal.SIGKILL)
+    wait_until(lambda: any("decode1" in p for p in get("/health/ready").json()["problems"]), 30, 0.02,
+               "/health/ready naming decode1")
+    seen, deadline = 0, time.monotonic() + 400
+    while time.monotonic() < deadline:   # until decode1 has restarted and is ok again
+        ready = get("/health/ready")
+        assert ready.status_code == 200 and ready.json()["status"] == "ok", ready.text
+        assert get("/health").status_code == 200 and get("/health/live").status_code == 200
+        if not any("decode1" in p for p in ready.json()["problems"]):
+            break
+        seen += 1
+        time.sleep(0.05)
+    assert seen > 0 and probe.actor("decode1")["status"] == ActorStatus.READY
+
+    pids = {name: probe.pid(name) for name in ("decode0", "decode1")}
+    for pid in pids.values():
+        os.kill(pid, signal.SIGKILL)
+
+    def down() -> bool:
+        ready = get("/health/ready")
+        return ready.status_code == 503 and "no decode actor is serving" in ready.json()["problems"]
+    wait_until(down, 30, 0.02, "/health/ready 503: no decode actor is serving")
+    assert get("/health/live").status_code == 200
+    wait_until(lambda: all(probe.pid(n) not in (0, pid) and probe.actor(n)["status"] == ActorStatus.READY
+                           for n, pid in pids.items()), 400, 0.2,
+               "both decode actors restarted")
+    wait_until(lambda: get("/health/ready").status_code == 200, 30, 0.1, "/health/ready 200 again")
     assert_recovered(engine, probe, timeout_s=30)
 
 

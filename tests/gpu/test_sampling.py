@@ -364,3 +364,24 @@ def test_prompt_logprobs_use_the_previous_position_and_start_with_none():
     assert prompt_logprobs(x[:0], [], 2) == []
     with pytest.raises(ValueError):
         prompt_logprobs(x, prompt[:5], 2)
+
+
+def test_logit_bias_bans_and_forces_tokens_greedy_or_sampled_and_leaves_other_rows_alone():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    best = int(logits[0].argmax())
+    ban = SamplingParams(temperature=0.0, logit_bias=((best, -100.0),))
+    force = SamplingParams(temperature=1.0, seed=3, logit_bias=((7, 100.0),))
+    plain = SamplingParams(temperature=0.0)
+    before = logits.clone()
+    tokens = Sampler().sample(logits, [ban, force, plain], [None, make_generator(3), None])
+    assert tokens[0] != best and tokens[0] == int(logits[0].topk(2).indices[1])
+    assert tokens[1] == 7 and tokens[2] == int(logits[2].argmax())
+    assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("pair", [(5, 100.5), (-1, 1.0), (50, 1.0), (5, float("nan"))])
+def test_out_of_range_logit_bias_is_rejected(pair):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(logit_bias=(pair,)).validate(vocab_size=50)
+    assert info.value.param == "logit_bias"

@@ -1,0 +1,98 @@
+"""Which request fields each route takes: honoured, or accepted and ignored (with the reason). Plain data, no I/O.
+
+    FieldTable      one route's table: ``honoured`` names, ``ignored`` {name: why}; ``check(body)`` is the 400
+                    naming an unknown field (a typo such as ``max_token`` is never silently ignored)
+    CHAT, COMPLETION  the tables of /v1/chat/completions and /v1/completions (README "OpenAI API" lists them)
+
+The field lists follow the official ``openai`` Python package's ``CompletionCreateParams`` (chat and legacy
+completions) plus vLLM's extensions that pdserve honours (``top_k``, ``min_p``, ``ignore_eos``, ...). A field is
+"ignored" only where ignoring it cannot change what the client gets back in a way it relies on: hints to OpenAI's
+own infrastructure (caching, routing, billing, abuse tracking) and options for features this model does not have
+(reasoning, web search, audio input). An ignored field's value is not validated beyond what its handler in
+api/protocol.py checks (``audio``/``modalities`` asking for audio output is a 400 there). Other dialects
+(Responses, Messages) build their own FieldTable the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class FieldTable:
+    """The fields one route takes. ``honoured``: names the parser acts on (some refuse a value they cannot honour,
+    naming the field); ``ignored``: {name: why it is safe to ignore}, accepted with any value."""
+
+    route: str
+    honoured: frozenset[str]
+    ignored: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        both = self.honoured & set(self.ignored)
+        if both:
+            raise ValueError(f"{self.route}: fields both honoured and ignored: {sorted(both)}")
+
+    @property
+    def names(self) -> frozenset[str]:
+        return self.honoured | frozenset(self.ignored)
+
+    def check(self, body: dict) -> None:
+        """Raises InvalidRequestError (400, code unknown_parameter) naming the first field of ``body`` that is
+        neither honoured nor ignored."""
+        for name in body:
+            if name not in self.honoured and name not in self.ignored:
+                raise InvalidRequestError(f"unrecognized request argument '{name}' for {self.route}", param=name,
+                                          code="unknown_parameter")
+
+    def ignored_in(self, body: dict) -> list[str]:
+        """The ignored fields ``body`` sets (not None), for the debug log."""
+        return [name for name in body if name in self.ignored and body[name] is not None]
+
+
+_HINT = "a hint to OpenAI's own infrastructure; nothing to do here"
+_IGNORED_COMMON = {
+    "user": "an end-user id for OpenAI's abuse monitoring (validated as a string, not stored)",
+}
+_IGNORED_CHAT = {
+    **_IGNORED_COMMON,
+    "store": "OpenAI keeps the completion for its evals and distillation; nothing is stored here",
+    "metadata": "tags for stored completions; nothing is stored here (validated as an object)",
+    "service_tier": "OpenAI's processing tier (auto, default, flex, scale, priority, fast): one tier here",
+    "prompt_cache_key": _HINT + " (the prefix cache matches prompts by their tokens)",
+    "prompt_cache_retention": _HINT + " (prefix cache blocks stay until the pool needs room)",
+    "prompt_cache_options": _HINT + " (prefix cache blocks stay until the pool needs room)",
+    "safety_identifier": "an end-user id for OpenAI's abuse monitoring",
+    "reasoning_effort": "for reasoning models; the served model has no reasoning budget to set",
+    "verbosity": "a style hint for OpenAI's reasoning models; not a sampling parameter",
+    "web_search_options": "OpenAI's web search tool; this server has none, the model answers from the prompt",
+    "prediction": "predicted output only speeds OpenAI's decoding; the output is the same without it",
+    "moderation": "OpenAI's moderation pass; none runs here",
+    "modalities": "output modalities: text is the only one (asking for audio is a 400)",
+    "audio": "audio output parameters: null is accepted, a value is a 400 (text output only)",
+}
+_IGNORED_COMPLETION = {
+    **_IGNORED_COMMON,
+}
+
+# vLLM's sampling extensions and ours, honoured on both routes
+_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "timeout"}
+_HONOURED_COMMON = _EXTENSIONS | {
+    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs",
+    "presence_penalty", "frequency_penalty", "logit_bias", "response_format",
+}
+CHAT = FieldTable("/v1/chat/completions", frozenset(_HONOURED_COMMON | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    # vLLM's chat-template controls
+    "add_generation_prompt", "continue_final_message",
+    # deprecated; refused unless neutral (use tools / tool_choice)
+    "functions", "function_call",
+}), _IGNORED_CHAT)
+COMPLETION = FieldTable("/v1/completions", frozenset(_HONOURED_COMMON | {
+    "prompt", "echo",
+    "suffix", "best_of",   # refused unless neutral: no fill-in-the-middle, no server-side ranking
+}), _IGNORED_COMPLETION)
+
+STREAM_OPTIONS = FieldTable("stream_options", frozenset({"include_usage", "continuous_usage_stats"}), {
+    "include_obfuscation": "OpenAI pads stream events against length side channels; no padding is sent",
+})
