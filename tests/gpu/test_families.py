@@ -131,3 +131,26 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path, 
     (d / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ModelLoadError, match=r"'gpt2'.*not supported.*qwen3.*gemma3"):
         load_config(d)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "phi3"])
+def test_low_bit_weights_run_every_family_and_the_one_call_decode_only_llama_layers(tiny, name, tmp_path):
+    """``--weights auto`` on a Q4_0 GGUF: prefill runs the float32 copies (equal to the dequantized model), decode
+    steps the int8-activation kernels, through ``lowbit_cpu.decode_layers`` where the layer is Llama's (Llama;
+    Phi-3 once its fused weights are split) and op by op for the others."""
+    path = write_gguf(name, tiny[name][0], tmp_path / f"tiny-{name}-q4.gguf", linear_type="Q4_0")
+    native = LlamaModel.from_path(path, progress=False, weights="auto")
+    dense = LlamaModel.from_path(path, progress=False, weights="float32")
+    assert (native._stack_layers() is not None) == (name in ("llama", "phi3"))
+    ids = prompt(6, 20)
+    kv_n, kv_d = nan_pool(native, 12), nan_pool(dense, 12)
+    table = list(range(11, -1, -1))
+    pre_n, pre_d = native.prefill(kv_n, ids, table), dense.prefill(kv_d, ids, table)
+    assert (pre_n - pre_d).abs().max().item() < TOL
+    t = int(pre_d.argmax())
+    for i in range(4):
+        step_n = native.decode(kv_n, [t], [len(ids) + i], [table])[0]
+        step_d = dense.decode(kv_d, [t], [len(ids) + i], [table])[0]
+        # int8-rounded activations: close to the float32 numbers, not equal
+        assert 0 < (step_n - step_d).abs().max().item() < 0.05 * step_d.abs().max().item()
+        t = int(step_d.argmax())

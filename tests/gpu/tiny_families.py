@@ -80,8 +80,10 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(name: str, model, path: pathlib.Path) -> pathlib.Path:
-    """``model`` as a float32 GGUF under ``name``'s llama.cpp architecture, with SmolLM2's tokenizer metadata."""
+def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32") -> pathlib.Path:
+    """``model`` as a GGUF under ``name``'s llama.cpp architecture, with SmolLM2's tokenizer metadata; the layers'
+    linear weights in ``linear_type`` (``F32``, or ``Q4_0`` / ``Q8_0`` quantized with ``gguf.quants``), the
+    rest float32."""
     cfg = model.config
     arch = {"mistral": "llama"}.get(name, name)
     w = gguf.GGUFWriter(str(path), arch)
@@ -137,7 +139,12 @@ def write_gguf(name: str, model, path: pathlib.Path) -> pathlib.Path:
                    "lm_head.weight": "output.weight"}[hf_name]
         if name.startswith("gemma") and out.endswith("norm.weight"):
             arr = arr + 1.0  # Gemma2Model/Gemma3Model.modify_tensors in convert_hf_to_gguf.py
-        w.add_tensor(out, np.ascontiguousarray(arr, dtype=np.float32))
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if linear_type != "F32" and out.startswith("blk.") and out.endswith(".weight") and arr.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[linear_type]
+            w.add_tensor(out, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(out, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
