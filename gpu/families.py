@@ -10,6 +10,7 @@ qwen3               qwen3                           qwen3         per-head Q/K R
 phi3                phi3                            phi3          fused qkv_proj / gate_up_proj (split on load)
 gemma2              gemma2                          gemma2        see :data:`GEMMA2`
 gemma3              gemma3_text                     gemma3        Gemma 2 without soft-capping, with Q/K norm
+qwen3_moe           qwen3_moe                       qwen3moe      Qwen3 with top-k routed experts as MLP
 ==================  ==============================  ============  ==========================================
 
 A family's static traits are a :class:`Family`; what varies per checkpoint (window sizes, which layers slide,
@@ -36,6 +37,8 @@ class Family:
     (Gemma 2/3: ``post_attention_layernorm`` is then a post-norm and ``pre_feedforward_layernorm`` the MLP's
     pre-norm). ``embed_scale``: embeddings are multiplied by ``sqrt(hidden_size)``. ``fused``: HF checkpoints
     hold fused ``qkv_proj`` / ``gate_up_proj``. ``gguf_permuted_qk``: llama.cpp's converter permuted Q/K rows.
+    ``moe``: sparse layers replace the MLP by a router (softmax over experts, top ``experts_per_token``) and
+    experts, each a gated MLP run on its tokens only (config: ``num_experts``, ``moe_layers``...).
     """
 
     name: str
@@ -49,12 +52,13 @@ class Family:
     embed_scale: bool = False
     fused: bool = False
     gguf_permuted_qk: bool = False
+    moe: bool = False
 
     @property
     def llama_like(self) -> bool:
         """True when a layer is exactly Llama's (the one-call low-bit decode kernel can run it)."""
         return (self.norm_offset == 0.0 and self.activation == "silu" and not self.qkv_bias and not self.qk_norm
-                and not self.sandwich_norms and not self.embed_scale)
+                and not self.sandwich_norms and not self.embed_scale and not self.moe)
 
 
 LLAMA = Family("llama", ("llama",), "llama", gguf_permuted_qk=True)
@@ -69,7 +73,9 @@ GEMMA2 = Family("gemma2", ("gemma2",), "gemma2", norm_offset=1.0, activation="ge
 GEMMA3 = Family("gemma3", ("gemma3_text",), "gemma3", norm_offset=1.0, activation="gelu_tanh", qk_norm=True,
                 sandwich_norms=True, embed_scale=True)
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3)}
+QWEN3_MOE = Family("qwen3_moe", ("qwen3_moe",), "qwen3moe", qk_norm=True, moe=True)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3, QWEN3_MOE)}
 
 
 def family(name: str) -> Family:

@@ -72,6 +72,9 @@ class ModelConfig:
     attention scores / the output logits (Gemma 2), None = off; ``layer_windows``: per layer, the sliding window
     in tokens (a query at ``p`` sees keys ``> p - window``), 0 = global attention, ``()`` = every layer global;
     ``local_rope_theta``: the RoPE base of sliding layers, which then run unscaled RoPE (Gemma 3), None = as global.
+    Mixture of experts (``Family.moe``): ``moe_layers`` flags the sparse layers (the others have a dense MLP);
+    each routes a token to ``experts_per_token`` of ``num_experts`` experts of ``moe_intermediate_size``, weighted
+    by their softmax probabilities (renormalised over the chosen ones when ``norm_topk_prob``).
     """
 
     name: str
@@ -95,6 +98,11 @@ class ModelConfig:
     final_softcap: float | None = None
     layer_windows: tuple[int, ...] = ()
     local_rope_theta: float | None = None
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()
 
     @property
     def spec(self) -> Family:
@@ -175,8 +183,9 @@ def _gguf_config(meta: dict[str, Any], path: pathlib.Path) -> ModelConfig:
     def opt(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
-    if int(opt("expert_count", 0) or 0) > 0:
-        raise ModelLoadError(f"{path}: mixture-of-experts models are not supported")
+    n_experts = int(opt("expert_count", 0) or 0)
+    if n_experts > 0 and not fam.moe:
+        raise ModelLoadError(f"{path}: mixture-of-experts {arch} models are not supported")
     hidden = int(need("embedding_length"))
     n_kv = opt("attention.head_count_kv", need("attention.head_count"))
     if isinstance(need("attention.head_count"), np.ndarray) or isinstance(n_kv, np.ndarray):
@@ -252,6 +261,11 @@ def _gguf_config(meta: dict[str, Any], path: pathlib.Path) -> ModelConfig:
         final_softcap=_cap(opt("final_logit_softcapping")),
         layer_windows=windows if any(windows) else (),
         local_rope_theta=local_theta,
+        **({} if not fam.moe else dict(
+            num_experts=n_experts, experts_per_token=int(need("expert_used_count")),
+            moe_intermediate_size=int(need("expert_feed_forward_length")),
+            norm_topk_prob=bool(opt("expert_weights_norm", True)),  # llama.cpp's qwen3moe always renormalises
+            moe_layers=(True,) * n_layers)),
     )
 
 
@@ -391,7 +405,23 @@ def _hf_config(d: pathlib.Path) -> ModelConfig:
         final_softcap=_cap(cfg.get("final_logit_softcapping")),
         layer_windows=_hf_layer_windows(cfg, fam, n_layers),
         local_rope_theta=(local_theta or 10000.0) if fam.name == "gemma3" else None,
+        **({} if not fam.moe else _hf_moe(cfg, n_layers, cfg_path)),
     )
+
+
+def _hf_moe(cfg: dict[str, Any], n_layers: int, cfg_path: pathlib.Path) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE config: sparse layers are those not in ``mlp_only_layers`` whose
+    ``(i + 1)`` is a multiple of ``decoder_sparse_step`` (transformers' rule)."""
+    step, dense = int(cfg.get("decoder_sparse_step", 1) or 1), set(cfg.get("mlp_only_layers") or [])
+    try:
+        # transformers >= 5 writes num_local_experts, older releases (and the published checkpoints) num_experts
+        n_experts, top_k = int(cfg.get("num_experts") or cfg["num_local_experts"]), int(cfg["num_experts_per_tok"])
+        inter = int(cfg["moe_intermediate_size"])
+    except KeyError as e:
+        raise ModelLoadError(f"{cfg_path}: required key {e.args[0]!r} is missing") from None
+    return dict(num_experts=n_experts, experts_per_token=top_k, moe_intermediate_size=inter,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -438,6 +468,11 @@ _GGUF_LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    # mixture of experts: the router and every expert's weights stacked [experts, out, in] (split on load)
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
 }
 # Gemma 2/3 (sandwich norms): llama.cpp's ffn_norm is the MLP's pre-norm, post_attention_norm the attention's
 # post-norm; Phi-3: ffn_up holds the fused gate and up rows
@@ -449,11 +484,16 @@ _GGUF_SANDWICH_NAMES = {
 _GGUF_FUSED_NAMES = {"ffn_up.weight": "mlp.gate_up_proj.weight"}
 
 
-def layer_weight_names(fam: Family) -> tuple[str, ...]:
-    """The per-layer weight names (after ``model.layers.{i}.``) a model of ``fam`` needs, fused ones split."""
+def layer_weight_names(fam: Family, num_experts: int = 0) -> tuple[str, ...]:
+    """The per-layer weight names (after ``model.layers.{i}.``) a model of ``fam`` needs, fused ones split;
+    ``num_experts`` > 0: a sparse layer's (router and experts instead of the MLP)."""
     names = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-             "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-             "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+             "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight"]
+    if num_experts:
+        names += ["mlp.gate.weight"] + [f"mlp.experts.{e}.{x}_proj.weight" for e in range(num_experts)
+                                        for x in ("gate", "up", "down")]
+    else:
+        names += ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
     if fam.qkv_bias:
         names += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     if fam.qk_norm:
@@ -554,6 +594,11 @@ def _load_gguf(
             weights[hf_name] = packed
             continue
         arr = _dequantize(t, p)
+        if ".mlp.experts." in hf_name:  # [experts, out, in] -> one weight per expert, as HF names them
+            pre, x = hf_name.rsplit(".experts.", 1)
+            for e in range(arr.shape[0]):
+                weights[f"{pre}.experts.{e}.{x}"] = torch.from_numpy(np.array(arr[e], dtype=np.float32)).to(dtype)
+            continue
         if heads is not None:
             arr = unpermute_gguf_qk(arr, heads)
         if fam.norm_offset and hf_name.endswith("norm.weight"):
@@ -585,7 +630,7 @@ def _native_weight(t, hf_name: str, heads: int | None):
 
     kind = t.tensor_type.name
     shape = tuple(int(n) for n in reversed(t.shape))  # [out, in]
-    if len(shape) != 2 or hf_name.endswith("norm.weight") or kind not in Q4_TYPES + ("Q8_0",):
+    if len(shape) != 2 or hf_name.endswith(("norm.weight", "mlp.gate.weight")) or kind not in Q4_TYPES + ("Q8_0",):
         return None
     if kind == "Q8_0":
         from gguf.quants import dequantize
@@ -624,7 +669,9 @@ def _load_safetensors(d: pathlib.Path, dtype: torch.dtype, progress: bool) -> di
 
 def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], p: pathlib.Path) -> None:
     need = ["model.embed_tokens.weight", "model.norm.weight"]
-    need += [f"model.layers.{i}.{s}" for i in range(config.num_layers) for s in layer_weight_names(config.spec)]
+    sparse = config.moe_layers or (False,) * config.num_layers
+    need += [f"model.layers.{i}.{s}" for i in range(config.num_layers)
+             for s in layer_weight_names(config.spec, config.num_experts if sparse[i] else 0)]
     missing = [n for n in need if n not in weights]
     if missing:
         raise ModelLoadError(f"{p}: {len(missing)} weight(s) missing, e.g. {missing[:3]}")
@@ -635,8 +682,12 @@ def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], p: pat
         "model.embed_tokens.weight": (config.vocab_size, h),
         "model.layers.0.self_attn.q_proj.weight": (config.num_heads * d, h),
         "model.layers.0.self_attn.k_proj.weight": (config.num_kv_heads * d, h),
-        "model.layers.0.mlp.gate_proj.weight": (config.intermediate_size, h),
     }
+    if config.moe_layers and config.moe_layers[0]:
+        expect["model.layers.0.mlp.gate.weight"] = (config.num_experts, h)
+        expect["model.layers.0.mlp.experts.0.gate_proj.weight"] = (config.moe_intermediate_size, h)
+    else:
+        expect["model.layers.0.mlp.gate_proj.weight"] = (config.intermediate_size, h)
     for name, shape in expect.items():
         got = tuple(weights[name].shape)
         if got != shape:

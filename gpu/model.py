@@ -84,14 +84,16 @@ class _Layer:
     qkv: QuantLinear  # [(heads + 2 * kv_heads) * head_dim, hidden]
     o: QuantLinear  # [hidden, heads * head_dim]
     ln_mlp: torch.Tensor  # [hidden]: the MLP's pre-norm
-    gate_up: QuantLinear  # [2 * intermediate, hidden]
-    down: QuantLinear  # [hidden, intermediate]
+    gate_up: QuantLinear | None  # [2 * intermediate, hidden]; None in a sparse (MoE) layer
+    down: QuantLinear | None  # [hidden, intermediate]
     # family extras (gpu/families.py), None when the family has none; norm weights hold offset + w
     qkv_bias: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim]
     q_norm: torch.Tensor | None = None  # [head_dim]
     k_norm: torch.Tensor | None = None  # [head_dim]
     post_attn: torch.Tensor | None = None  # [hidden]: norm of the attention output (sandwich norms)
     post_mlp: torch.Tensor | None = None  # [hidden]: norm of the MLP output
+    router: torch.Tensor | None = None  # [experts, hidden]: a sparse layer's router (float32)
+    experts: list[tuple[QuantLinear, QuantLinear]] | None = None  # per expert: gate_up [2 I, hidden], down
 
     EXTRAS = ("qkv_bias", "q_norm", "k_norm", "post_attn", "post_mlp")
 
@@ -178,15 +180,20 @@ class LlamaModel:
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
+            sparse = bool(config.moe_layers) and config.moe_layers[i]
             layer = _Layer(
                 ln_attn=norm(p + "input_layernorm.weight"),
                 qkv=lin(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
                 o=lin(p + "self_attn.o_proj.weight"),
                 ln_mlp=norm(p + ("pre_feedforward_layernorm.weight" if fam.sandwich_norms
                                  else "post_attention_layernorm.weight")),
-                gate_up=lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down=lin(p + "mlp.down_proj.weight"),
+                gate_up=None if sparse else lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=None if sparse else lin(p + "mlp.down_proj.weight"),
             )
+            if sparse:
+                layer.router = weights[p + "mlp.gate.weight"].to(device=dev, dtype=torch.float32).contiguous()
+                layer.experts = [(lin(p + f"mlp.experts.{e}.gate_proj.weight", p + f"mlp.experts.{e}.up_proj.weight"),
+                                  lin(p + f"mlp.experts.{e}.down_proj.weight")) for e in range(config.num_experts)]
             if fam.qkv_bias:
                 layer.qkv_bias = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
             if fam.qk_norm:
@@ -245,7 +252,9 @@ class LlamaModel:
 
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (every layer's linears, the output projection, the norms)."""
-        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                   if lin is not None]
+        linears += [lin for layer in self.layers for pair in layer.experts or () for lin in pair]
         norms = [t for layer in self.layers for t in (layer.ln_attn, layer.ln_mlp) + tuple(
             getattr(layer, e) for e in _Layer.EXTRAS if getattr(layer, e) is not None)] + [self.norm]
         return sum(lin.weight_bytes for lin in linears + [self.lm_head]) + sum(
@@ -284,7 +293,13 @@ class LlamaModel:
             tensors.update({f"layers.{i}.{e}": getattr(layer, e) for e in _Layer.EXTRAS
                             if getattr(layer, e) is not None})
             for name in self._LINEARS:
-                put(f"layers.{i}.{name}", getattr(layer, name))
+                if getattr(layer, name) is not None:
+                    put(f"layers.{i}.{name}", getattr(layer, name))
+            if layer.router is not None:
+                tensors[f"layers.{i}.router"] = layer.router
+                for e, (gu, dn) in enumerate(layer.experts):
+                    put(f"layers.{i}.experts.{e}.gate_up", gu)
+                    put(f"layers.{i}.experts.{e}.down", dn)
         config = dataclasses.asdict(self.config)
         meta = {"config": config, "native": self.native, "dtype": str(self.dtype).removeprefix("torch."),
                 "kinds": kinds, "out_features": outputs}
@@ -303,6 +318,7 @@ class LlamaModel:
             cfg["rope_scaling"] = RopeScaling(**cfg["rope_scaling"])
         cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
         cfg["layer_windows"] = tuple(cfg.get("layer_windows", ()))
+        cfg["moe_layers"] = tuple(cfg.get("moe_layers", ()))
         config = ModelConfig(**cfg)
         dev = torch.device(device)
         kinds = meta["kinds"]
@@ -315,9 +331,18 @@ class LlamaModel:
         def extra(name: str) -> torch.Tensor | None:
             return tensors[name].to(dev) if name in tensors else None
 
+        def experts(i: int) -> list | None:
+            if f"layers.{i}.router" not in tensors:
+                return None
+            return [(lin(f"layers.{i}.experts.{e}.gate_up"), lin(f"layers.{i}.experts.{e}.down"))
+                    for e in range(config.num_experts)]
+
+        sparse = [f"layers.{i}.router" in tensors for i in range(config.num_layers)]
         layers = [_Layer(ln_attn=tensors[f"layers.{i}.ln_attn"].to(dev), qkv=lin(f"layers.{i}.qkv"),
                          o=lin(f"layers.{i}.o"), ln_mlp=tensors[f"layers.{i}.ln_mlp"].to(dev),
-                         gate_up=lin(f"layers.{i}.gate_up"), down=lin(f"layers.{i}.down"),
+                         gate_up=None if sparse[i] else lin(f"layers.{i}.gate_up"),
+                         down=None if sparse[i] else lin(f"layers.{i}.down"),
+                         router=extra(f"layers.{i}.router"), experts=experts(i),
                          **{e: extra(f"layers.{i}.{e}") for e in _Layer.EXTRAS})
                   for i in range(config.num_layers)]
         embedding = lin("embedding")
@@ -654,12 +679,34 @@ class LlamaModel:
             a = F.rms_norm(a, hidden, layer.post_attn, eps)
         x.add_(a)
         h = F.rms_norm(x, hidden, layer.ln_mlp, eps)
-        gate, up = (layer.gate_up.big if big else layer.gate_up.fn)(h).chunk(2, dim=-1)  # [N, I] each
-        act = F.silu(gate) if self._silu else F.gelu(gate, approximate="tanh")
-        m = (layer.down.big if big else layer.down.fn)(act * up)  # m: [N, hidden]
+        m = self._mlp(layer.gate_up, layer.down, h, big) if layer.router is None else self._moe(layer, h, big)
         if layer.post_mlp is not None:
             m = F.rms_norm(m, hidden, layer.post_mlp, eps)
         return x.add_(m)
+
+    def _mlp(self, gate_up: QuantLinear, down: QuantLinear, h: torch.Tensor, big: bool) -> torch.Tensor:
+        """The gated MLP ``down(act(gate(h)) * up(h))``: ``h`` ``[N, hidden]`` -> ``[N, hidden]``."""
+        gate, up = (gate_up.big if big else gate_up.fn)(h).chunk(2, dim=-1)  # [N, I] each
+        act = F.silu(gate) if self._silu else F.gelu(gate, approximate="tanh")
+        return (down.big if big else down.fn)(act * up)
+
+    def _moe(self, layer: _Layer, h: torch.Tensor, big: bool) -> torch.Tensor:
+        """A sparse layer's MLP (Qwen3-MoE, as HF's ``Qwen3MoeSparseMoeBlock``): softmax over the router's
+        logits, the top ``experts_per_token`` per token (renormalised when ``norm_topk_prob``); each chosen expert
+        runs once over its own tokens only and adds its weighted output. ``h`` ``[N, hidden]`` -> ``[N, hidden]``."""
+        c = self.config
+        probs = torch.softmax(F.linear(h.float(), layer.router), dim=-1)  # [N, E]
+        weight, chosen = torch.topk(probs, c.experts_per_token, dim=-1)  # [N, k] each
+        if c.norm_topk_prob:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        weight = weight.to(h.dtype)
+        out = torch.zeros_like(h)
+        for e in chosen.unique().tolist():  # ascending, as HF adds them
+            rows, slot = (chosen == e).nonzero(as_tuple=True)  # the tokens routed to e, and where in their top-k
+            gate_up, down = layer.experts[e]
+            y = self._mlp(gate_up, down, h[rows], big and len(rows) >= self.dense_min_tokens)
+            out.index_add_(0, rows, y * weight[rows, slot, None])
+        return out
 
     def _softcap_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``cap * tanh(logits / cap)`` when the config has ``final_softcap`` (Gemma 2), else ``logits``."""

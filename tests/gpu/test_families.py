@@ -103,7 +103,7 @@ def test_chunked_prefill_and_a_ragged_decode_batch_equal_hf(tiny, name):
         assert (torch.stack(got[key]) - ref).abs().max().item() < TOL, key
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen2", "gemma2", "gemma3", "qwen3_moe"])
 def test_the_prepared_state_rebuilds_the_same_model(tiny, name):
     # gpu/prepared.py caches to_state(): biases, q/k norms, post-norms and the local RoPE table must survive it
     ours = LlamaModel.from_path(tiny[name][1], progress=False)
@@ -122,6 +122,10 @@ def test_configs_carry_the_family_traits(tiny):
     assert load_config(tiny["mistral"][1]).head_dim == 24 != 64 // 4
     assert load_config(tiny["qwen2"][1]).layer_windows == (0, 8, 8)
     assert load_config(tiny["qwen2"][2]).layer_windows == (0, 8, 8)
+    for path in tiny["qwen3_moe"][1:]:
+        moe = load_config(path)
+        assert (moe.num_experts, moe.experts_per_token, moe.moe_intermediate_size, moe.norm_topk_prob,
+                moe.moe_layers) == (4, 2, 32, True, (True, True, True))
 
 
 def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path, tiny):
@@ -133,7 +137,7 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path, 
         load_config(d)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "phi3", "qwen3_moe"])
 def test_low_bit_weights_run_every_family_and_the_one_call_decode_only_llama_layers(tiny, name, tmp_path):
     """``--weights auto`` on a Q4_0 GGUF: prefill runs the float32 copies (equal to the dequantized model), decode
     steps the int8-activation kernels, through ``lowbit_cpu.decode_layers`` where the layer is Llama's (Llama;

@@ -19,7 +19,7 @@ from gpu.model_files import default_model_path
 
 VOCAB = 49152  # SmolLM2's
 WINDOW = 8
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe")
 COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
               intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=512, rms_norm_eps=1e-6,
               bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -49,6 +49,9 @@ def hf_config(name: str):
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    if name == "qwen3_moe":  # 4 experts of 32, top 2, in every layer
+        return t.Qwen3MoeConfig(**COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4,
+                                num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True)
     raise KeyError(name)
 
 
@@ -85,7 +88,7 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32") -
     linear weights in ``linear_type`` (``F32``, or ``Q4_0`` / ``Q8_0`` quantized with ``gguf.quants``), the
     rest float32."""
     cfg = model.config
-    arch = {"mistral": "llama"}.get(name, name)
+    arch = {"mistral": "llama", "qwen3_moe": "qwen3moe"}.get(name, name)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{name}")
     w.add_block_count(cfg.num_hidden_layers)
@@ -116,18 +119,32 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32") -
             w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         if getattr(cfg, "final_logit_softcapping", None):
             w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if name == "qwen3_moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     _copy_tokenizer_metadata(w)
 
     layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate_up_proj": "ffn_up",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate_up_proj": "ffn_up", "mlp.gate": "ffn_gate_inp",
              "post_attention_layernorm": "post_attention_norm" if name.startswith("gemma") else "ffn_norm",
              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
     for hf_name, t in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         arr = t.detach().float().numpy().copy()
+        if ".mlp.experts." in hf_name:  # transformers' fused [experts, 2 I, hidden] (gate rows first), [E, hidden, I]
+            i = hf_name.split(".")[2]
+            if hf_name.endswith("gate_up_proj"):
+                half = arr.shape[1] // 2
+                parts = {f"blk.{i}.ffn_gate_exps.weight": arr[:, :half], f"blk.{i}.ffn_up_exps.weight": arr[:, half:]}
+            else:
+                parts = {f"blk.{i}.ffn_down_exps.weight": arr}
+            for out, part in parts.items():
+                w.add_tensor(out, np.ascontiguousarray(part, dtype=np.float32))
+            continue
         if hf_name.startswith("model.layers."):
             _, _, i, rest = hf_name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
