@@ -1,5 +1,5 @@
 """Load a decoder's config and weights from a GGUF file or a Hugging Face directory, for every family in
-gpu/families.py (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3).
+gpu/families.py (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, Qwen3-MoE).
 
 Both sources end up as one :class:`ModelConfig` and a ``{hf_name: tensor}`` dict with Llama-style Hugging Face
 names (``model.layers.{i}.self_attn.q_proj.weight``, ...) and values in HF layout (``[out_features,

@@ -625,9 +625,9 @@ class LlamaModel:
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                    causal: bool = False) -> torch.Tensor:
         """Grouped-query attention: q ``[B, H, T, D]``, k/v ``[B, Hkv, S, D]``, ``mask`` bool broadcasting to
-        ``[B, H, T, S]`` (True = attend) or None: every key, or with ``causal`` (``S == T``) the causal ones. Scores are ``q.k * attn_scale``, soft-capped
-        as ``cap * tanh(s / cap)`` when the config has ``attn_softcap`` (as HF's eager attention). Returns
-        ``[B, H, T, D]``."""
+        ``[B, H, T, S]`` (True = attend) or None: every key, or with ``causal`` (``S == T``) the causal ones.
+        Scores are ``q.k * attn_scale``, soft-capped as ``cap * tanh(s / cap)`` when the config has
+        ``attn_softcap`` (as HF's eager attention). Returns ``[B, H, T, D]``."""
         cap = self.config.attn_softcap
         if cap is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
