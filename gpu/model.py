@@ -543,7 +543,6 @@ class LlamaModel:
         tables = [self._prefill_table(kv, ids, tbl, s) for ids, tbl, s in zip(token_ids, block_tables,
                                                                               start_positions)]
         N = sum(len(ids) for ids in token_ids)
-        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         kv_flat = self._flat_pool(kv)  # [L, 2, slots, Hkv, D]
         seqs, w_slot, pos = self._packed_layout(kv, token_ids, tables, start_positions)
         rope = self._rope_at(pos)
