@@ -138,7 +138,8 @@ def _linear(parts: list, native: bool, dtype: torch.dtype, device: torch.device)
 
 
 class LlamaModel:
-    """A Llama decoder that reads and writes a caller-owned paged KV pool.
+    """A decoder of any family in gpu/families.py (the name is historical) that reads and writes a caller-owned
+    paged KV pool.
 
     Args:
         config: from :func:`gpu.loader.load_weights`.
