@@ -1,11 +1,14 @@
-"""Load a Llama-family model's config and weights from a GGUF file or a Hugging Face directory.
+"""Load a decoder's config and weights from a GGUF file or a Hugging Face directory, for every family in
+gpu/families.py (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, Qwen3-MoE).
 
-Both sources end up as one :class:`ModelConfig` and a ``{hf_name: tensor}`` dict with Hugging Face names
-(``model.layers.{i}.self_attn.q_proj.weight``, ...) in HF layout (``[out_features, in_features]``), so the
-model code has one path.
+Both sources end up as one :class:`ModelConfig` and a ``{hf_name: tensor}`` dict with Llama-style Hugging Face
+names (``model.layers.{i}.self_attn.q_proj.weight``, ...) and values in HF layout (``[out_features,
+in_features]``), so the model code has one path: fused ``qkv_proj`` / ``gate_up_proj`` (Phi-3) are split into
+``q/k/v_proj`` and ``gate/up_proj``; norm weights keep HF's convention (Gemma's ``w`` of ``1 + w``).
 
 GGUF files (llama.cpp) are dequantized to float with ``gguf.quants.dequantize``; llama.cpp's converter
-permutes the rows of Q and K for its RoPE kernel, and we undo that here so the weights equal the HF ones.
+permutes the rows of Q and K for its RoPE kernel in ``llama`` files, and adds 1 to Gemma's norm weights; we undo
+both here so the weights equal the HF ones.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 
 from pdserve.errors import ModelLoadError
 
+from .families import FAMILIES, Family, family, family_for_gguf_arch, family_for_hf, supported_names
 from .model_files import default_model_path
 
 __all__ = [
@@ -30,6 +34,7 @@ __all__ = [
     "load_config",
     "load_weights",
     "resolve_model_path",
+    "layer_weight_names",
     "unpermute_gguf_qk",
 ]
 
@@ -54,12 +59,22 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and constants of a Llama-family decoder.
+    """Shape and constants of a decoder.
 
-    ``head_dim`` is per head; ``max_position_embeddings`` is the context length in tokens; ``rope_theta`` is
-    the RoPE base; ``eos_token_ids`` holds every id that ends generation. ``rope_scaling`` is None for plain
-    RoPE. GGUF files that carry a ``rope_freqs`` tensor (Llama 3.1) get it as weight ``"rope_freqs"``
-    instead (inverse frequencies are divided by it, as llama.cpp does).
+    ``head_dim`` is per head (any value, not necessarily ``hidden_size / num_heads``); ``max_position_embeddings``
+    is the context length in tokens; ``rope_theta`` is the RoPE base; ``eos_token_ids`` holds every id that ends
+    generation. ``rope_scaling`` is None for plain RoPE. GGUF files that carry a ``rope_freqs`` tensor (Llama
+    3.1) get it as weight ``"rope_freqs"`` instead (inverse frequencies are divided by it, as llama.cpp does).
+
+    Family traits (gpu/families.py) and what varies per checkpoint: ``family`` names the
+    :class:`gpu.families.Family`; ``attn_scale`` multiplies Q.K (None = ``head_dim ** -0.5``; Gemma's
+    ``query_pre_attn_scalar ** -0.5``); ``attn_softcap`` / ``final_softcap``: ``cap * tanh(x / cap)`` on the
+    attention scores / the output logits (Gemma 2), None = off; ``layer_windows``: per layer, the sliding window
+    in tokens (a query at ``p`` sees keys ``> p - window``), 0 = global attention, ``()`` = every layer global;
+    ``local_rope_theta``: the RoPE base of sliding layers, which then run unscaled RoPE (Gemma 3), None = as global.
+    Mixture of experts (``Family.moe``): ``moe_layers`` flags the sparse layers (the others have a dense MLP);
+    each routes a token to ``experts_per_token`` of ``num_experts`` experts of ``moe_intermediate_size``, weighted
+    by their softmax probabilities (renormalised over the chosen ones when ``norm_topk_prob``).
     """
 
     name: str
@@ -77,6 +92,22 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     rope_scaling: RopeScaling | None = None
+    family: str = "llama"
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()
+
+    @property
+    def spec(self) -> Family:
+        """This config's :class:`gpu.families.Family`."""
+        return family(self.family)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -113,7 +144,8 @@ def load_config(path: str | os.PathLike | None, cache_dir: str | os.PathLike | N
     ``cache_dir``: the model cache holding a GGUF's header (``gpu.gguf_meta.read_gguf_header``); None = read it.
 
     Raises:
-        ModelLoadError: the path is missing or unreadable, or the model is not a supported Llama.
+        ModelLoadError: the path is missing or unreadable, or the model's architecture is not supported (the
+            message names the supported ones).
     """
     p = resolve_model_path(path)
     if p.is_dir():
@@ -135,10 +167,11 @@ def _with(config: ModelConfig, **changes: Any) -> ModelConfig:
 
 def _gguf_config(meta: dict[str, Any], path: pathlib.Path) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch != "llama":
+    fam = family_for_gguf_arch(arch)
+    if fam is None:
         raise ModelLoadError(
-            f"{path}: architecture {arch!r} is not supported; pdserve runs Llama-architecture models "
-            "(GGUF general.architecture = 'llama')"
+            f"{path}: architecture {arch!r} is not supported; pdserve runs these GGUF architectures: "
+            f"{', '.join(sorted({f.gguf_arch for f in FAMILIES.values()}))} ({supported_names()})"
         )
 
     def need(key: str) -> Any:
@@ -147,33 +180,58 @@ def _gguf_config(meta: dict[str, Any], path: pathlib.Path) -> ModelConfig:
             raise ModelLoadError(f"{path}: GGUF metadata key {full!r} is missing")
         return meta[full]
 
-    if int(meta.get(f"{arch}.expert_count", 0) or 0) > 0:
-        raise ModelLoadError(f"{path}: mixture-of-experts Llama models are not supported")
+    def opt(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    n_experts = int(opt("expert_count", 0) or 0)
+    if n_experts > 0 and not fam.moe:
+        raise ModelLoadError(f"{path}: mixture-of-experts {arch} models are not supported")
     hidden = int(need("embedding_length"))
-    n_kv = meta.get(f"{arch}.attention.head_count_kv", need("attention.head_count"))
+    n_kv = opt("attention.head_count_kv", need("attention.head_count"))
     if isinstance(need("attention.head_count"), np.ndarray) or isinstance(n_kv, np.ndarray):
         raise ModelLoadError(f"{path}: per-layer head counts are not supported")
     n_heads = int(need("attention.head_count"))
     n_kv = int(n_kv)
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_heads))
-    rot_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    n_layers = int(need("block_count"))
+    head_dim = int(opt("attention.key_length", hidden // n_heads))
+    rot_dim = int(opt("rope.dimension_count", head_dim))
     if rot_dim != head_dim:
         raise ModelLoadError(f"{path}: partial RoPE (rope.dimension_count {rot_dim} != head_dim {head_dim}) "
                              "is not supported")
     tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = meta.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else None)
+    vocab = opt("vocab_size", len(tokens) if tokens is not None else None)
     if vocab is None:
         raise ModelLoadError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens is present")
 
     rope_scaling = None
-    stype = meta.get(f"{arch}.rope.scaling.type", "none")
+    stype = opt("rope.scaling.type", "none")
     if stype not in ("none", "", None):
         if stype != "linear":
             raise ModelLoadError(f"{path}: RoPE scaling type {stype!r} is not supported "
                                  "(only linear, llama3)")
-        factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
+        factor = float(opt("rope.scaling.factor", 1.0))
         if factor != 1.0:
             rope_scaling = RopeScaling("linear", factor)
+
+    # sliding windows: llama.cpp's defaults per architecture (Gemma 2: every other layer from the first; Gemma 3:
+    # five of every six), or the file's per-layer pattern when it has one
+    window = int(opt("attention.sliding_window", 0) or 0)
+    windows: tuple[int, ...] = ()
+    if window:
+        pattern = opt("attention.sliding_window_pattern")
+        if pattern is not None and len(pattern) == n_layers:
+            sliding = [bool(b) for b in pattern]
+        elif fam.name == "gemma2":
+            sliding = [i % 2 == 0 for i in range(n_layers)]
+        elif fam.name == "gemma3":
+            sliding = [i % 6 < 5 for i in range(n_layers)]
+        else:
+            sliding = [True] * n_layers
+        windows = tuple(window if s else 0 for s in sliding)
+    scale = opt("attention.scale")
+    local_theta = None
+    if fam.name == "gemma3":
+        local_theta = float(opt("rope.freq_base_swa", 10000.0))
 
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos_ids: list[int] = []
@@ -183,21 +241,36 @@ def _gguf_config(meta: dict[str, Any], path: pathlib.Path) -> ModelConfig:
             eos_ids.append(int(v))
     return ModelConfig(
         name=str(meta.get("general.name") or path.stem),
-        num_layers=int(need("block_count")),
+        num_layers=n_layers,
         hidden_size=hidden,
         num_heads=n_heads,
         num_kv_heads=n_kv,
         head_dim=head_dim,
         intermediate_size=int(need("feed_forward_length")),
         vocab_size=int(vocab),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=float(opt("rope.freq_base", 10000.0)),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(need("context_length")),
         tie_word_embeddings=True,  # refined from the tensor list: False when the file has output.weight
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
         rope_scaling=rope_scaling,
+        family=fam.name,
+        attn_scale=None if scale is None else float(scale),
+        attn_softcap=_cap(opt("attn_logit_softcapping")),
+        final_softcap=_cap(opt("final_logit_softcapping")),
+        layer_windows=windows if any(windows) else (),
+        local_rope_theta=local_theta,
+        **({} if not fam.moe else dict(
+            num_experts=n_experts, experts_per_token=int(need("expert_used_count")),
+            moe_intermediate_size=int(need("expert_feed_forward_length")),
+            norm_topk_prob=bool(opt("expert_weights_norm", True)),  # llama.cpp's qwen3moe always renormalises
+            moe_layers=(True,) * n_layers)),
     )
+
+
+def _cap(v: Any) -> float | None:
+    return float(v) if v else None
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
@@ -218,27 +291,61 @@ def _id_list(v: Any) -> list[int]:
     return [int(v)]
 
 
-def _hf_rope(cfg: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScaling | None]:
+def _hf_rope(cfg: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScaling | None, float | None]:
+    """``(theta, scaling, local_theta)``: global RoPE base and scaling, and the sliding layers' own base (Gemma 3:
+    ``rope_parameters`` per layer type, or ``rope_local_base_freq`` in older configs), None when they share it."""
     # transformers >= 5 writes "rope_parameters" (rope_theta inside); older: "rope_theta" + "rope_scaling".
     params = cfg.get("rope_parameters") or {}
+    local_theta = cfg.get("rope_local_base_freq")
+    if "full_attention" in params:  # per layer type (Gemma 3)
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"{path}: sliding layers' rope type {local.get('rope_type')!r} is not supported")
+        local_theta = local.get("rope_theta", local_theta)
+        params = params["full_attention"] or {}
+    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+        raise ModelLoadError(f"{path}: partial RoPE (partial_rotary_factor != 1) is not supported")
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or params
     rtype = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if rtype not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"{path}: rope type {rtype!r} is not supported "
                              f"(supported: {SUPPORTED_ROPE_TYPES})")
+    local = None if local_theta is None else float(local_theta)
     if rtype == "default":
-        return float(theta), None
+        return float(theta), None, local
     factor = float(scaling.get("factor", 1.0))
     if rtype == "linear":
-        return float(theta), RopeScaling("linear", factor)
+        return float(theta), RopeScaling("linear", factor), local
     return float(theta), RopeScaling(
         "llama3",
         factor,
         float(scaling.get("low_freq_factor", 1.0)),
         float(scaling.get("high_freq_factor", 4.0)),
         int(scaling.get("original_max_position_embeddings", 8192)),
-    )
+    ), local
+
+
+def _hf_layer_windows(cfg: dict[str, Any], fam: Family, n_layers: int) -> tuple[int, ...]:
+    """Per-layer sliding windows (0 = global) as transformers builds them: ``layer_types`` when the config has
+    them, else the family's rule (Qwen: layers from ``max_window_layers`` when ``use_sliding_window``; Gemma 2:
+    every other layer; Gemma 3: ``sliding_window_pattern``; Mistral, Phi-3: every layer)."""
+    window = int(cfg.get("sliding_window") or 0)
+    if fam.name in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = 0
+    if not window:
+        return ()
+    types = cfg.get("layer_types")
+    if types:
+        windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    elif fam.name in ("qwen2", "qwen3"):
+        windows = tuple(window if i >= int(cfg.get("max_window_layers", 0)) else 0 for i in range(n_layers))
+    elif fam.name in ("gemma2", "gemma3"):
+        pattern = 2 if fam.name == "gemma2" else int(cfg.get("sliding_window_pattern", 6))
+        windows = tuple(window if (i + 1) % pattern else 0 for i in range(n_layers))
+    else:
+        windows = (window,) * n_layers
+    return windows if any(windows) else ()
 
 
 def _hf_config(d: pathlib.Path) -> ModelConfig:
@@ -249,13 +356,16 @@ def _hf_config(d: pathlib.Path) -> ModelConfig:
     cfg = _read_json(cfg_path)
     mtype = cfg.get("model_type")
     archs = cfg.get("architectures") or []
-    if mtype != "llama" and "LlamaForCausalLM" not in archs:
+    fam = family_for_hf(mtype, archs)
+    if fam is None:
         raise ModelLoadError(f"{cfg_path}: model_type {mtype!r} (architectures {archs}) is not supported; "
-                             "pdserve runs Llama-architecture models")
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise ModelLoadError(f"{cfg_path}: attention_bias / mlp_bias are not supported")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{cfg_path}: hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+                             f"pdserve runs: {supported_names()}")
+    if (cfg.get("attention_bias") and not fam.qkv_bias) or cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{cfg_path}: attention_bias / mlp_bias are not supported for {fam.name}")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    want = {"silu": ("silu",), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}[fam.activation]
+    if act not in want:
+        raise ModelLoadError(f"{cfg_path}: activation {act!r} is not supported for {fam.name} (only {want[0]})")
     try:
         hidden = int(cfg["hidden_size"])
         n_heads = int(cfg["num_attention_heads"])
@@ -264,7 +374,7 @@ def _hf_config(d: pathlib.Path) -> ModelConfig:
         vocab = int(cfg["vocab_size"])
     except KeyError as e:
         raise ModelLoadError(f"{cfg_path}: required key {e.args[0]!r} is missing") from None
-    theta, scaling = _hf_rope(cfg, cfg_path)
+    theta, scaling, local_theta = _hf_rope(cfg, cfg_path)
     eos = _id_list(cfg.get("eos_token_id"))
     gen_path = d / "generation_config.json"
     if gen_path.is_file():
@@ -272,6 +382,7 @@ def _hf_config(d: pathlib.Path) -> ModelConfig:
             if i not in eos:
                 eos.append(i)
     bos = cfg.get("bos_token_id")
+    qpas = cfg.get("query_pre_attn_scalar")
     return ModelConfig(
         name=d.resolve().name,
         num_layers=n_layers,
@@ -288,7 +399,29 @@ def _hf_config(d: pathlib.Path) -> ModelConfig:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos),
         rope_scaling=scaling,
+        family=fam.name,
+        attn_scale=float(qpas) ** -0.5 if qpas else None,
+        attn_softcap=_cap(cfg.get("attn_logit_softcapping")),
+        final_softcap=_cap(cfg.get("final_logit_softcapping")),
+        layer_windows=_hf_layer_windows(cfg, fam, n_layers),
+        local_rope_theta=(local_theta or 10000.0) if fam.name == "gemma3" else None,
+        **({} if not fam.moe else _hf_moe(cfg, n_layers, cfg_path)),
     )
+
+
+def _hf_moe(cfg: dict[str, Any], n_layers: int, cfg_path: pathlib.Path) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE config: sparse layers are those not in ``mlp_only_layers`` whose
+    ``(i + 1)`` is a multiple of ``decoder_sparse_step`` (transformers' rule)."""
+    step, dense = int(cfg.get("decoder_sparse_step", 1) or 1), set(cfg.get("mlp_only_layers") or [])
+    try:
+        # transformers >= 5 writes num_local_experts, older releases (and the published checkpoints) num_experts
+        n_experts, top_k = int(cfg.get("num_experts") or cfg["num_local_experts"]), int(cfg["num_experts_per_tok"])
+        inter = int(cfg["moe_intermediate_size"])
+    except KeyError as e:
+        raise ModelLoadError(f"{cfg_path}: required key {e.args[0]!r} is missing") from None
+    return dict(num_experts=n_experts, experts_per_token=top_k, moe_intermediate_size=inter,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -328,17 +461,58 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Qwen2: Q/K/V biases; Qwen3 / Gemma 3: per-head Q/K norms; Phi-3: fused QKV
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    # mixture of experts: the router and every expert's weights stacked [experts, out, in] (split on load)
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
 }
-_LAYER_SUFFIXES = tuple(_GGUF_LAYER_NAMES.values())
+# Gemma 2/3 (sandwich norms): llama.cpp's ffn_norm is the MLP's pre-norm, post_attention_norm the attention's
+# post-norm; Phi-3: ffn_up holds the fused gate and up rows
+_GGUF_SANDWICH_NAMES = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GGUF_FUSED_NAMES = {"ffn_up.weight": "mlp.gate_up_proj.weight"}
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def layer_weight_names(fam: Family, num_experts: int = 0) -> tuple[str, ...]:
+    """The per-layer weight names (after ``model.layers.{i}.``) a model of ``fam`` needs, fused ones split;
+    ``num_experts`` > 0: a sparse layer's (router and experts instead of the MLP)."""
+    names = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+             "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight"]
+    if num_experts:
+        names += ["mlp.gate.weight"] + [f"mlp.experts.{e}.{x}_proj.weight" for e in range(num_experts)
+                                        for x in ("gate", "up", "down")]
+    else:
+        names += ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    if fam.qkv_bias:
+        names += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+    if fam.qk_norm:
+        names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    if fam.sandwich_norms:
+        names += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
+    return tuple(names)
+
+
+def _gguf_to_hf_name(name: str, fam: Family = FAMILIES["llama"]) -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
-    return None
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    table = {**_GGUF_LAYER_NAMES, **(_GGUF_SANDWICH_NAMES if fam.sandwich_norms else {}),
+             **(_GGUF_FUSED_NAMES if fam.fused else {})}
+    hf = table.get(parts[2])
+    return None if hf is None else f"model.layers.{parts[1]}.{hf}"
 
 
 def load_weights(
@@ -352,8 +526,8 @@ def load_weights(
     ``native``.
 
     Args:
-        path: a ``.gguf`` file (llama.cpp, ``general.architecture = 'llama'``), a Hugging Face directory
-            (``config.json`` + ``*.safetensors``, Llama family), or None for the default model
+        path: a ``.gguf`` file (llama.cpp, ``general.architecture`` of a family in gpu/families.py), a Hugging
+            Face directory (``config.json`` + ``*.safetensors``, such a family), or None for the default model
             (:func:`gpu.model_files.default_model_path`).
         dtype: dtype of every returned tensor.
         progress: show a tqdm bar over tensors on stderr.
@@ -373,8 +547,26 @@ def load_weights(
         weights = _load_safetensors(p, dtype, progress)
     else:
         config, weights = _load_gguf(p, dtype, progress, native)
+    _split_fused(config, weights)
     _check_weights(config, weights, p)
     return config, weights
+
+
+def _split_fused(config: ModelConfig, weights: dict[str, Any]) -> None:
+    """Phi-3's fused ``qkv_proj`` ``[(H + 2 Hkv) D, hidden]`` and ``gate_up_proj`` ``[2 I, hidden]`` (gate rows
+    first) into Llama's separate weights, in place (packed low-bit weights split by rows too)."""
+    q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    for name in [n for n in weights if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]:
+        w = weights.pop(name)
+        if name.endswith("qkv_proj.weight"):
+            pre, bounds = name[:-len("qkv_proj.weight")], [("q", 0, q_rows), ("k", q_rows, q_rows + kv_rows),
+                                                         ("v", q_rows + kv_rows, q_rows + 2 * kv_rows)]
+            parts = {f"{pre}{x}_proj.weight": (a, b) for x, a, b in bounds}
+        else:
+            pre, half = name[:-len("gate_up_proj.weight")], w.shape[0] // 2
+            parts = {f"{pre}gate_proj.weight": (0, half), f"{pre}up_proj.weight": (half, 2 * half)}
+        for part, (a, b) in parts.items():
+            weights[part] = w[a:b].contiguous() if isinstance(w, torch.Tensor) else w.take_rows(np.arange(a, b))
 
 
 def _load_gguf(
@@ -385,24 +577,32 @@ def _load_gguf(
     from .gguf_meta import open_gguf, read_gguf_metadata
 
     config = _gguf_config(read_gguf_metadata(p), p)
+    fam = config.spec
     reader = open_gguf(str(p))
 
-    unknown = [t.name for t in reader.tensors if _gguf_to_hf_name(t.name) is None]
+    unknown = [t.name for t in reader.tensors if _gguf_to_hf_name(t.name, fam) is None]
     if unknown:
-        raise ModelLoadError(f"{p}: unsupported tensors for a Llama model: {unknown[:5]}"
+        raise ModelLoadError(f"{p}: unsupported tensors for a {fam.name} model: {unknown[:5]}"
                              f"{' ...' if len(unknown) > 5 else ''}")
     weights: dict[str, Any] = {}
     for t in tqdm(reader.tensors, desc=f"loading {p.name}", unit="tensor", disable=not progress):
-        hf_name = _gguf_to_hf_name(t.name)
+        hf_name = _gguf_to_hf_name(t.name, fam)
         heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}.get(
-            hf_name.rsplit(".", 2)[-2] + ".weight")
+            hf_name.rsplit(".", 2)[-2] + ".weight") if fam.gguf_permuted_qk else None
         packed = _native_weight(t, hf_name, heads) if native else None
         if packed is not None:
             weights[hf_name] = packed
             continue
         arr = _dequantize(t, p)
+        if ".mlp.experts." in hf_name:  # [experts, out, in] -> one weight per expert, as HF names them
+            pre, x = hf_name.rsplit(".experts.", 1)
+            for e in range(arr.shape[0]):
+                weights[f"{pre}.experts.{e}.{x}"] = torch.from_numpy(np.array(arr[e], dtype=np.float32)).to(dtype)
+            continue
         if heads is not None:
             arr = unpermute_gguf_qk(arr, heads)
+        if fam.norm_offset and hf_name.endswith("norm.weight"):
+            arr = arr - np.float32(fam.norm_offset)  # llama.cpp's converter stored offset + w
         if not (arr.flags.writeable and arr.flags.c_contiguous and arr.flags.owndata):
             arr = np.array(arr, dtype=np.float32, order="C")  # detach from the file's memory map
         weights[hf_name] = torch.from_numpy(arr).to(dtype)
@@ -430,7 +630,7 @@ def _native_weight(t, hf_name: str, heads: int | None):
 
     kind = t.tensor_type.name
     shape = tuple(int(n) for n in reversed(t.shape))  # [out, in]
-    if len(shape) != 2 or hf_name.endswith("norm.weight") or kind not in Q4_TYPES + ("Q8_0",):
+    if len(shape) != 2 or hf_name.endswith(("norm.weight", "mlp.gate.weight")) or kind not in Q4_TYPES + ("Q8_0",):
         return None
     if kind == "Q8_0":
         from gguf.quants import dequantize
@@ -469,7 +669,9 @@ def _load_safetensors(d: pathlib.Path, dtype: torch.dtype, progress: bool) -> di
 
 def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], p: pathlib.Path) -> None:
     need = ["model.embed_tokens.weight", "model.norm.weight"]
-    need += [f"model.layers.{i}.{s}" for i in range(config.num_layers) for s in _LAYER_SUFFIXES]
+    sparse = config.moe_layers or (False,) * config.num_layers
+    need += [f"model.layers.{i}.{s}" for i in range(config.num_layers)
+             for s in layer_weight_names(config.spec, config.num_experts if sparse[i] else 0)]
     missing = [n for n in need if n not in weights]
     if missing:
         raise ModelLoadError(f"{p}: {len(missing)} weight(s) missing, e.g. {missing[:3]}")
@@ -480,8 +682,12 @@ def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], p: pat
         "model.embed_tokens.weight": (config.vocab_size, h),
         "model.layers.0.self_attn.q_proj.weight": (config.num_heads * d, h),
         "model.layers.0.self_attn.k_proj.weight": (config.num_kv_heads * d, h),
-        "model.layers.0.mlp.gate_proj.weight": (config.intermediate_size, h),
     }
+    if config.moe_layers and config.moe_layers[0]:
+        expect["model.layers.0.mlp.gate.weight"] = (config.num_experts, h)
+        expect["model.layers.0.mlp.experts.0.gate_proj.weight"] = (config.moe_intermediate_size, h)
+    else:
+        expect["model.layers.0.mlp.gate_proj.weight"] = (config.intermediate_size, h)
     for name, shape in expect.items():
         got = tuple(weights[name].shape)
         if got != shape:

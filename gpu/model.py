@@ -1,8 +1,11 @@
-"""Llama forward pass in plain torch over a paged KV cache.
+"""Decoder forward pass in plain torch over a paged KV cache, for every family in gpu/families.py.
 
 The model is the Hugging Face ``LlamaForCausalLM`` computation
 (``transformers/models/llama/modeling_llama.py``): RMSNorm, RoPE in the ``rotate_half`` convention,
-grouped-query attention, SwiGLU MLP, optional tied embeddings. Weights are kept in ``[out, in]`` layout so
+grouped-query attention, SwiGLU MLP, optional tied embeddings; the config's :class:`gpu.families.Family` and its
+per-checkpoint fields switch on what other families add (Q/K/V biases, per-head Q/K RMSNorm, ``1 + w`` norms,
+pre/post "sandwich" norms, GeGLU, scaled embeddings, attention and final logit soft-capping, a custom attention
+scale, sliding-window layers with their own RoPE base). Weights are kept in ``[out, in]`` layout so
 every projection is one call (``gpu.quant.QuantLinear``: a dense ``F.linear`` or, with native GGUF weights, an
 int4/int8 GEMV over int8-quantized activations); Q/K/V and gate/up are concatenated, so a layer is four matmuls.
 
@@ -80,9 +83,19 @@ class _Layer:
     ln_attn: torch.Tensor  # [hidden]
     qkv: QuantLinear  # [(heads + 2 * kv_heads) * head_dim, hidden]
     o: QuantLinear  # [hidden, heads * head_dim]
-    ln_mlp: torch.Tensor  # [hidden]
-    gate_up: QuantLinear  # [2 * intermediate, hidden]
-    down: QuantLinear  # [hidden, intermediate]
+    ln_mlp: torch.Tensor  # [hidden]: the MLP's pre-norm
+    gate_up: QuantLinear | None  # [2 * intermediate, hidden]; None in a sparse (MoE) layer
+    down: QuantLinear | None  # [hidden, intermediate]
+    # family extras (gpu/families.py), None when the family has none; norm weights hold offset + w
+    qkv_bias: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim]
+    q_norm: torch.Tensor | None = None  # [head_dim]
+    k_norm: torch.Tensor | None = None  # [head_dim]
+    post_attn: torch.Tensor | None = None  # [hidden]: norm of the attention output (sandwich norms)
+    post_mlp: torch.Tensor | None = None  # [hidden]: norm of the MLP output
+    router: torch.Tensor | None = None  # [experts, hidden]: a sparse layer's router (float32)
+    experts: list[tuple[QuantLinear, QuantLinear]] | None = None  # per expert: gate_up [2 I, hidden], down
+
+    EXTRAS = ("qkv_bias", "q_norm", "k_norm", "post_attn", "post_mlp")
 
 
 WEIGHT_MODES = ("auto", "float32", "bfloat16")
@@ -125,7 +138,8 @@ def _linear(parts: list, native: bool, dtype: torch.dtype, device: torch.device)
 
 
 class LlamaModel:
-    """A Llama decoder that reads and writes a caller-owned paged KV pool.
+    """A decoder of any family in gpu/families.py (the name is historical) that reads and writes a caller-owned
+    paged KV pool.
 
     Args:
         config: from :func:`gpu.loader.load_weights`.
@@ -159,17 +173,36 @@ class LlamaModel:
         def lin(*names: str) -> QuantLinear:
             return _linear([weights[n] for n in names], native, dtype, dev)
 
+        fam = config.spec
+
+        def norm(name: str) -> torch.Tensor:  # the scale RMSNorm multiplies by: offset + w (Gemma: 1 + w)
+            return (weights[name].to(device=dev, dtype=torch.float32) + fam.norm_offset).to(dtype).contiguous()
+
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            layers.append(_Layer(
-                ln_attn=w(p + "input_layernorm.weight"),
+            sparse = bool(config.moe_layers) and config.moe_layers[i]
+            layer = _Layer(
+                ln_attn=norm(p + "input_layernorm.weight"),
                 qkv=lin(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
                 o=lin(p + "self_attn.o_proj.weight"),
-                ln_mlp=w(p + "post_attention_layernorm.weight"),
-                gate_up=lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down=lin(p + "mlp.down_proj.weight"),
-            ))
+                ln_mlp=norm(p + ("pre_feedforward_layernorm.weight" if fam.sandwich_norms
+                                 else "post_attention_layernorm.weight")),
+                gate_up=None if sparse else lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=None if sparse else lin(p + "mlp.down_proj.weight"),
+            )
+            if sparse:
+                layer.router = weights[p + "mlp.gate.weight"].to(device=dev, dtype=torch.float32).contiguous()
+                layer.experts = [(lin(p + f"mlp.experts.{e}.gate_proj.weight", p + f"mlp.experts.{e}.up_proj.weight"),
+                                  lin(p + f"mlp.experts.{e}.down_proj.weight")) for e in range(config.num_experts)]
+            if fam.qkv_bias:
+                layer.qkv_bias = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            if fam.qk_norm:
+                layer.q_norm, layer.k_norm = norm(p + "self_attn.q_norm.weight"), norm(p + "self_attn.k_norm.weight")
+            if fam.sandwich_norms:
+                layer.post_attn = norm(p + "post_attention_layernorm.weight")
+                layer.post_mlp = norm(p + "post_feedforward_layernorm.weight")
+            layers.append(layer)
         if native:  # int8 groups (a tied output projection shares them) + the float32 table for lookups
             rows = embed if isinstance(embed, Int8Groups) else int8_groups_from_float(
                 embed if isinstance(embed, torch.Tensor) else embed.dequantize())
@@ -178,7 +211,7 @@ class LlamaModel:
             embedding = QuantLinear.dense(w("model.embed_tokens.weight"))
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         lm_head = embedding if tied else lin("lm_head.weight")
-        self._setup(config, dev, dtype, native, embedding, lm_head, w("model.norm.weight"), layers,
+        self._setup(config, dev, dtype, native, embedding, lm_head, norm("model.norm.weight"), layers,
                     rope_inv_freq(config, weights.get("rope_freqs")))
 
     def _setup(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, native: bool,
@@ -197,10 +230,20 @@ class LlamaModel:
         self.norm = norm  # [hidden]
         self.layers = layers
         self._inv_freq = inv_freq  # [head_dim // 2] float32, cpu
+        # sliding layers with their own RoPE base (Gemma 3) read the local tables, unscaled
+        self._windows = list(config.layer_windows) or [0] * config.num_layers  # per layer, 0 = global
+        self._local_rope = [config.local_rope_theta is not None and wnd > 0 for wnd in self._windows]
+        self._inv_freq_local = None if config.local_rope_theta is None else rope_inv_freq(
+            dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None))
         self._rope_len = 0
-        self._cos = self._sin = torch.empty(0)
+        self._cos = self._sin = self._cos_local = self._sin_local = torch.empty(0)
         self._ensure_rope(min(config.max_position_embeddings, 4096))
-        self._scale = 1.0 / math.sqrt(config.head_dim)
+        self._scale = config.attn_scale or 1.0 / math.sqrt(config.head_dim)
+        self._embed_scale = math.sqrt(config.hidden_size) if config.spec.embed_scale else None
+        self._silu = config.spec.activation == "silu"
+        # the one-call low-bit decode (lowbit_cpu.decode_layers) computes Llama's layer exactly, nothing else
+        self._llama_layers = (config.spec.llama_like and not any(self._windows) and config.attn_scale is None
+                              and config.attn_softcap is None and config.final_softcap is None)
         self._stacked: tuple | None = None  # the Q4 layers stacked for lowbit_cpu.decode_layers (_stack_layers)
 
     @property
@@ -210,8 +253,11 @@ class LlamaModel:
 
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (every layer's linears, the output projection, the norms)."""
-        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        norms = [t for layer in self.layers for t in (layer.ln_attn, layer.ln_mlp)] + [self.norm]
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                   if lin is not None]
+        linears += [lin for layer in self.layers for pair in layer.experts or () for lin in pair]
+        norms = [t for layer in self.layers for t in (layer.ln_attn, layer.ln_mlp) + tuple(
+            getattr(layer, e) for e in _Layer.EXTRAS if getattr(layer, e) is not None)] + [self.norm]
         return sum(lin.weight_bytes for lin in linears + [self.lm_head]) + sum(
             t.numel() * t.element_size() for t in norms)
 
@@ -219,9 +265,11 @@ class LlamaModel:
         """Token embeddings ``[T, hidden]`` in the activation dtype for ``ids`` ``[T]``."""
         t = self.embedding.tensors
         if "dense" in t or "weight" in t:  # a gather touches only these rows, even of a memory-mapped table
-            return F.embedding(ids, t.get("dense", t.get("weight")))
-        from .lowbit_cpu import q8_rows  # noqa: PLC0415
-        return q8_rows(ids, t["tiles"], t["tile_scale"]).to(self.dtype)
+            x = F.embedding(ids, t.get("dense", t.get("weight")))
+        else:
+            from .lowbit_cpu import q8_rows  # noqa: PLC0415
+            x = q8_rows(ids, t["tiles"], t["tile_scale"]).to(self.dtype)
+        return x if self._embed_scale is None else x * self._embed_scale  # Gemma: times sqrt(hidden)
 
     # -- prepared state (gpu/prepared.py caches it on disk) ------------------------------------------------
 
@@ -243,8 +291,16 @@ class LlamaModel:
             put("lm_head", self.lm_head)
         for i, layer in enumerate(self.layers):
             tensors[f"layers.{i}.ln_attn"], tensors[f"layers.{i}.ln_mlp"] = layer.ln_attn, layer.ln_mlp
+            tensors.update({f"layers.{i}.{e}": getattr(layer, e) for e in _Layer.EXTRAS
+                            if getattr(layer, e) is not None})
             for name in self._LINEARS:
-                put(f"layers.{i}.{name}", getattr(layer, name))
+                if getattr(layer, name) is not None:
+                    put(f"layers.{i}.{name}", getattr(layer, name))
+            if layer.router is not None:
+                tensors[f"layers.{i}.router"] = layer.router
+                for e, (gu, dn) in enumerate(layer.experts):
+                    put(f"layers.{i}.experts.{e}.gate_up", gu)
+                    put(f"layers.{i}.experts.{e}.down", dn)
         config = dataclasses.asdict(self.config)
         meta = {"config": config, "native": self.native, "dtype": str(self.dtype).removeprefix("torch."),
                 "kinds": kinds, "out_features": outputs}
@@ -262,6 +318,8 @@ class LlamaModel:
         if cfg.get("rope_scaling") is not None:
             cfg["rope_scaling"] = RopeScaling(**cfg["rope_scaling"])
         cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
+        cfg["layer_windows"] = tuple(cfg.get("layer_windows", ()))
+        cfg["moe_layers"] = tuple(cfg.get("moe_layers", ()))
         config = ModelConfig(**cfg)
         dev = torch.device(device)
         kinds = meta["kinds"]
@@ -271,9 +329,22 @@ class LlamaModel:
             return QuantLinear.from_tensors(kinds[name], {k[len(prefix):]: v.to(dev) for k, v in tensors.items()
                                                            if k.startswith(prefix)}, meta["out_features"][name])
 
+        def extra(name: str) -> torch.Tensor | None:
+            return tensors[name].to(dev) if name in tensors else None
+
+        def experts(i: int) -> list | None:
+            if f"layers.{i}.router" not in tensors:
+                return None
+            return [(lin(f"layers.{i}.experts.{e}.gate_up"), lin(f"layers.{i}.experts.{e}.down"))
+                    for e in range(config.num_experts)]
+
+        sparse = [f"layers.{i}.router" in tensors for i in range(config.num_layers)]
         layers = [_Layer(ln_attn=tensors[f"layers.{i}.ln_attn"].to(dev), qkv=lin(f"layers.{i}.qkv"),
                          o=lin(f"layers.{i}.o"), ln_mlp=tensors[f"layers.{i}.ln_mlp"].to(dev),
-                         gate_up=lin(f"layers.{i}.gate_up"), down=lin(f"layers.{i}.down"))
+                         gate_up=None if sparse[i] else lin(f"layers.{i}.gate_up"),
+                         down=None if sparse[i] else lin(f"layers.{i}.down"),
+                         router=extra(f"layers.{i}.router"), experts=experts(i),
+                         **{e: extra(f"layers.{i}.{e}") for e in _Layer.EXTRAS})
                   for i in range(config.num_layers)]
         embedding = lin("embedding")
         lm_head = lin("lm_head") if "lm_head" in kinds else embedding
@@ -307,16 +378,22 @@ class LlamaModel:
         if n <= self._rope_len:
             return
         n = max(n, 2 * self._rope_len)
+        self._cos, self._sin = self._rope_tables(self._inv_freq, n)
+        if self._inv_freq_local is not None:
+            self._cos_local, self._sin_local = self._rope_tables(self._inv_freq_local, n)
+        self._rope_len = n
+
+    def _rope_tables(self, inv_freq: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin ``[n, head_dim]`` for positions ``[0, n)``."""
         t = torch.arange(n, dtype=torch.float32)
-        freqs = torch.outer(t, self._inv_freq)  # [n, head_dim // 2]
+        freqs = torch.outer(t, inv_freq)  # [n, head_dim // 2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [n, head_dim]
         half = self.config.head_dim // 2
         sin = emb.sin()
         # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: fold rotate_half's sign into the table.
         sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-        self._cos = emb.cos().to(device=self.device, dtype=self.dtype)  # [n, head_dim]
-        self._sin = sin_signed.to(device=self.device, dtype=self.dtype)  # [n, head_dim]
-        self._rope_len = n
+        return (emb.cos().to(device=self.device, dtype=self.dtype),  # [n, head_dim]
+                sin_signed.to(device=self.device, dtype=self.dtype))  # [n, head_dim]
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [tokens, heads, head_dim]; cos, sin: [tokens, 1, head_dim]
@@ -467,11 +544,9 @@ class LlamaModel:
         tables = [self._prefill_table(kv, ids, tbl, s) for ids, tbl, s in zip(token_ids, block_tables,
                                                                               start_positions)]
         N = sum(len(ids) for ids in token_ids)
-        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         kv_flat = self._flat_pool(kv)  # [L, 2, slots, Hkv, D]
         seqs, w_slot, pos = self._packed_layout(kv, token_ids, tables, start_positions)
-        cos = self._cos[pos].unsqueeze(1)  # [N, 1, D]
-        sin = self._sin[pos].unsqueeze(1)  # [N, 1, D]
+        rope = self._rope_at(pos)
 
         ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=self.device)
         x = self._embed(ids)  # x: [N, hidden]
@@ -479,27 +554,20 @@ class LlamaModel:
         eps = c.rms_norm_eps
         for li, layer in enumerate(self.layers):
             h = F.rms_norm(x, (c.hidden_size,), layer.ln_attn, eps)  # h: [N, hidden]
-            qkv = (layer.qkv.big if big else layer.qkv.fn)(h)  # qkv: [N, (H + 2 Hkv) D]
-            qk = self._rope(qkv[:, :(H + Hkv) * D].view(N, H + Hkv, D), cos, sin)  # qk: [N, H + Hkv, D]
-            q, k = qk[:, :H], qk[:, H:]  # q: [N, H, D]; k: [N, Hkv, D]
-            v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)  # v: [N, Hkv, D]
+            q, k, v = self._qkv(li, layer, h, rope, big)  # q: [N, H, D]; k, v: [N, Hkv, D]
             k_pool, v_pool = kv_flat[li, 0], kv_flat[li, 1]  # [slots, Hkv, D] each
             k_pool.index_copy_(0, w_slot, k.to(kv.dtype))
             v_pool.index_copy_(0, w_slot, v.to(kv.dtype))
-            o = self._attend_packed(q, k, v, k_pool, v_pool, seqs)  # o: [N, H D]
-            x = x + (layer.o.big if big else layer.o.fn)(o)
-            h = F.rms_norm(x, (c.hidden_size,), layer.ln_mlp, eps)
-            gu = (layer.gate_up.big if big else layer.gate_up.fn)(h)  # gu: [N, 2 I]
-            gate, up = gu.chunk(2, dim=-1)  # [N, I] each
-            x = x + (layer.down.big if big else layer.down.fn)(F.silu(gate) * up)  # x: [N, hidden]
+            o = self._attend_packed(q, k, v, k_pool, v_pool, seqs, self._windows[li])  # o: [N, H D]
+            x = self._layer_rest(layer, x, o, big)  # x: [N, hidden]
         # only the rows whose logits are asked for go through the norm and the LM head
-        rows = [range(a, b) if f else range(b - 1, b) for (a, b, _, _), f in zip(seqs, flags)]
+        rows = [range(a, b) if f else range(b - 1, b) for (a, b, *_), f in zip(seqs, flags)]
         x = x[torch.tensor([i for r in rows for i in r], dtype=torch.long, device=self.device)]
         x = F.rms_norm(x, (c.hidden_size,), self.norm, eps)
         # the output projection follows the layers: float32 in every prefill by default, as a request's first
         # token comes from here and int8-rounded activations flip near ties (SmolLM2's "The capital..." vs "L'..."
         # by 0.09 logits)
-        logits = (self.lm_head.big if big else self.lm_head.fn)(x).float()  # logits: [rows, vocab]
+        logits = self._softcap_logits((self.lm_head.big if big else self.lm_head.fn)(x).float())  # [rows, vocab]
         parts = logits.split([len(r) for r in rows])
         return [part if f else part[0] for part, f in zip(parts, flags)]
 
@@ -507,7 +575,8 @@ class LlamaModel:
                        start_positions: list[int]) -> tuple[list[tuple], torch.Tensor, torch.Tensor]:
         """Index tensors of a packed prefill. Returns ``seqs`` (per sequence: its rows ``a:b`` of the packed
         tokens, then None if it starts at position 0, else its context's pool slots ``[S]`` and causal mask
-        ``[T, S]``), the pool slot of every packed token ``[N]`` and every token's position ``[N]``."""
+        ``[T, S]``, then its positions ``[T]``), the pool slot of every packed token ``[N]`` and every token's
+        position ``[N]``."""
         bt_size, dev = kv.shape[3], self.device
         seqs, w_slots, positions = [], [], []
         a = 0
@@ -523,32 +592,126 @@ class LlamaModel:
                 r_slot = table_t[ctx // bt_size] * bt_size + ctx % bt_size  # [S]
                 # mask[i, j]: the query at position start + i sees the key at position j <= start + i
                 mask = ctx[None, :] <= pos[:, None]  # [T, S]
-            seqs.append((a, a + len(ids), r_slot, mask))
+            seqs.append((a, a + len(ids), r_slot, mask, pos))
             a += len(ids)
         return seqs, torch.cat(w_slots), torch.cat(positions)
 
     def _attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
-                       v_pool: torch.Tensor, seqs: list[tuple]) -> torch.Tensor:
+                       v_pool: torch.Tensor, seqs: list[tuple], window: int = 0) -> torch.Tensor:
         """Causal attention of each packed sequence over its own context; q ``[N, H, D]``, k/v ``[N, Hkv, D]``
-        (already written to ``k_pool``/``v_pool`` ``[slots, Hkv, D]``). Returns ``[N, H * D]``."""
+        (already written to ``k_pool``/``v_pool`` ``[slots, Hkv, D]``); ``window`` > 0: a query at position ``p``
+        sees keys at ``p - window < j <= p`` only. Returns ``[N, H * D]``."""
         pool_dtype = k_pool.dtype
         outs = []
-        for a, b, r_slot, mask in seqs:
+        for a, b, r_slot, mask, pos in seqs:
             qh = q[a:b].transpose(0, 1).unsqueeze(0).contiguous()  # qh: [1, H, T, D]
             if r_slot is None:
                 # The values the pool now holds (rounded through the pool dtype when it differs).
                 kc = k[a:b].to(pool_dtype).to(self.dtype).transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hkv, T, D]
                 vc = v[a:b].to(pool_dtype).to(self.dtype).transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hkv, T, D]
-                o = F.scaled_dot_product_attention(qh, kc, vc, is_causal=True, scale=self._scale,
-                                                   enable_gqa=True)  # o: [1, H, T, D]
+                ctx = pos  # the sequence starts at position 0: its keys are its own tokens
+                mask = (ctx[None, :] <= pos[:, None]) if window else None  # [T, T]
             else:
                 kc = k_pool.index_select(0, r_slot).to(self.dtype).transpose(0, 1).unsqueeze(0).contiguous()
                 vc = v_pool.index_select(0, r_slot).to(self.dtype).transpose(0, 1).unsqueeze(0).contiguous()
                 # kc, vc: [1, Hkv, S, D]
-                o = F.scaled_dot_product_attention(qh, kc, vc, attn_mask=mask, scale=self._scale,
-                                                   enable_gqa=True)  # o: [1, H, T, D]
+                ctx = torch.arange(kc.shape[2], device=self.device)  # [S]
+            if window:
+                mask = mask & (ctx[None, :] > pos[:, None] - window)  # [T, S]
+            o = self._attention(qh, kc, vc, mask, causal=r_slot is None)  # o: [1, H, T, D]
             outs.append(o[0].transpose(0, 1).reshape(b - a, -1))  # [T, H D]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   causal: bool = False) -> torch.Tensor:
+        """Grouped-query attention: q ``[B, H, T, D]``, k/v ``[B, Hkv, S, D]``, ``mask`` bool broadcasting to
+        ``[B, H, T, S]`` (True = attend) or None: every key, or with ``causal`` (``S == T``) the causal ones.
+        Scores are ``q.k * attn_scale``, soft-capped as ``cap * tanh(s / cap)`` when the config has
+        ``attn_softcap`` (as HF's eager attention). Returns ``[B, H, T, D]``."""
+        cap = self.config.attn_softcap
+        if cap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                                  scale=self._scale, enable_gqa=True)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [B, H, S, D]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self._scale  # s: [B, H, T, S]
+        s = torch.tanh(s / cap) * cap
+        if mask is None and causal:
+            T, S = s.shape[-2:]
+            mask = torch.ones(T, S, dtype=torch.bool, device=s.device).tril(S - T)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+    # -- one layer's parts, shared by prefill and decode ---------------------------------------------------
+
+    def _rope_at(self, pos: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin ``[N, 1, D]`` at positions ``pos`` ``[N]``: key True = the local tables (Gemma 3's sliding
+        layers), False = the global ones."""
+        out = {False: (self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1))}
+        if self._inv_freq_local is not None:
+            out[True] = (self._cos_local[pos].unsqueeze(1), self._sin_local[pos].unsqueeze(1))
+        return out
+
+    def _qkv(self, li: int, layer: _Layer, h: torch.Tensor, rope: dict, big: bool) -> tuple[torch.Tensor, ...]:
+        """Q ``[N, H, D]``, K ``[N, Hkv, D]`` (biased, per-head normed, rotated) and V ``[N, Hkv, D]`` of layer
+        ``li`` from its normed input ``h`` ``[N, hidden]``."""
+        c = self.config
+        N, H, Hkv, D = h.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        qkv = (layer.qkv.big if big else layer.qkv.fn)(h)  # qkv: [N, (H + 2 Hkv) D]
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
+        qk = qkv[:, :(H + Hkv) * D].view(N, H + Hkv, D)
+        if layer.q_norm is not None:
+            qk = torch.cat([F.rms_norm(qk[:, :H], (D,), layer.q_norm, c.rms_norm_eps),
+                            F.rms_norm(qk[:, H:], (D,), layer.k_norm, c.rms_norm_eps)], dim=1)
+        cos, sin = rope[self._local_rope[li]]
+        qk = self._rope(qk, cos, sin)  # qk: [N, H + Hkv, D]
+        return qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
+
+    def _layer_rest(self, layer: _Layer, x: torch.Tensor, o: torch.Tensor, big: bool) -> torch.Tensor:
+        """The layer after attention: ``x`` ``[N, hidden]`` (updated in place) plus the output projection of
+        ``o`` ``[N, H D]`` (post-normed with sandwich norms), then plus the gated MLP of its pre-normed sum."""
+        c = self.config
+        hidden, eps = (c.hidden_size,), c.rms_norm_eps
+        a = (layer.o.big if big else layer.o.fn)(o)
+        if layer.post_attn is not None:
+            a = F.rms_norm(a, hidden, layer.post_attn, eps)
+        x.add_(a)
+        h = F.rms_norm(x, hidden, layer.ln_mlp, eps)
+        m = self._mlp(layer.gate_up, layer.down, h, big) if layer.router is None else self._moe(layer, h, big)
+        if layer.post_mlp is not None:
+            m = F.rms_norm(m, hidden, layer.post_mlp, eps)
+        return x.add_(m)
+
+    def _mlp(self, gate_up: QuantLinear, down: QuantLinear, h: torch.Tensor, big: bool) -> torch.Tensor:
+        """The gated MLP ``down(act(gate(h)) * up(h))``: ``h`` ``[N, hidden]`` -> ``[N, hidden]``."""
+        gate, up = (gate_up.big if big else gate_up.fn)(h).chunk(2, dim=-1)  # [N, I] each
+        act = F.silu(gate) if self._silu else F.gelu(gate, approximate="tanh")
+        return (down.big if big else down.fn)(act * up)
+
+    def _moe(self, layer: _Layer, h: torch.Tensor, big: bool) -> torch.Tensor:
+        """A sparse layer's MLP (Qwen3-MoE, as HF's ``Qwen3MoeSparseMoeBlock``): softmax over the router's
+        logits, the top ``experts_per_token`` per token (renormalised when ``norm_topk_prob``); each chosen expert
+        runs once over its own tokens only and adds its weighted output. ``h`` ``[N, hidden]`` -> ``[N, hidden]``."""
+        c = self.config
+        probs = torch.softmax(F.linear(h.float(), layer.router), dim=-1)  # [N, E]
+        weight, chosen = torch.topk(probs, c.experts_per_token, dim=-1)  # [N, k] each
+        if c.norm_topk_prob:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        weight = weight.to(h.dtype)
+        out = torch.zeros_like(h)
+        for e in chosen.unique().tolist():  # ascending, as HF adds them
+            rows, slot = (chosen == e).nonzero(as_tuple=True)  # the tokens routed to e, and where in their top-k
+            gate_up, down = layer.experts[e]
+            y = self._mlp(gate_up, down, h[rows], big and len(rows) >= self.dense_min_tokens)
+            out.index_add_(0, rows, y * weight[rows, slot, None])
+        return out
+
+    def _softcap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``cap * tanh(logits / cap)`` when the config has ``final_softcap`` (Gemma 2), else ``logits``."""
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _stack_layers(self) -> tuple | None:
         """Every layer's norms and Q4 tiles stacked along a new first axis (numpy, for
@@ -556,7 +719,8 @@ class LlamaModel:
         the tiles are not held twice. None unless native with every layer linear in Q4 tiles."""
         names, keys = ("qkv", "o", "gate_up", "down"), ("tiles", "tile_scale", "tile_min")
         if self._stacked is None:
-            if not self.native or any(getattr(lay, n).kind != "int4" for lay in self.layers for n in names):
+            if not self.native or not self._llama_layers or any(
+                    getattr(lay, n).kind != "int4" for lay in self.layers for n in names):
                 self._stacked = ()
                 return None
             stacks = {}
@@ -582,7 +746,8 @@ class LlamaModel:
                       np.asarray(positions, np.int64), self._cos.numpy(), self._sin.numpy(), c.num_heads,
                       c.intermediate_size, c.rms_norm_eps, self._scale)
         x = F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
-        return (self.lm_head.big if len(token_ids) >= self.head_dense_min_rows else self.lm_head.fn)(x).float()
+        return self._softcap_logits(
+            (self.lm_head.big if len(token_ids) >= self.head_dense_min_rows else self.lm_head.fn)(x).float())
 
     @torch.inference_mode()
     def decode(self, kv: torch.Tensor, token_ids: list[int], positions: list[int],
@@ -620,16 +785,17 @@ class LlamaModel:
         w_slot = torch.tensor(w_blk_l, dtype=torch.long, device=dev) * bt_size + pos_t % bt_size  # [B]
         ctx = torch.arange(S, device=dev)  # [S]
         r_blk = torch.tensor(padded, dtype=torch.long, device=dev)[:, ctx // bt_size]  # [B, S]
+        valid = ctx[None, :] <= pos_t[:, None]  # [B, S]
         if min(positions) == S - 1:  # every sequence has the same length: no padding, no mask
-            mask = None
+            masks = {0: None}
             r_slot = (r_blk * bt_size + ctx % bt_size).reshape(-1)  # [B S]
         else:
-            valid = ctx[None, :] <= pos_t[:, None]  # [B, S]
             # Padded keys read slot (block, 0) of their own sequence: written, so finite under the mask.
             r_slot = (r_blk * bt_size + torch.where(valid, ctx % bt_size, 0)).reshape(-1)  # [B S]
-            mask = valid[:, None, None, :]  # [B, 1, 1, S]
-        cos = self._cos[pos_t].unsqueeze(1)  # [B, 1, D]
-        sin = self._sin[pos_t].unsqueeze(1)  # [B, 1, D]
+            masks = {0: valid[:, None, None, :]}  # [B, 1, 1, S]
+        for wnd in set(self._windows) - {0}:  # sliding layers: keys p - window < j <= p
+            masks[wnd] = (valid & (ctx[None, :] > pos_t[:, None] - wnd))[:, None, None, :]  # [B, 1, 1, S]
+        rope = self._rope_at(pos_t)
 
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         x = self._embed(ids)  # x: [B, hidden], a fresh tensor: the residual adds below run in place
@@ -637,10 +803,7 @@ class LlamaModel:
         eps, hidden = c.rms_norm_eps, (c.hidden_size,)
         for li, layer in enumerate(self.layers):
             h = F.rms_norm(x, hidden, layer.ln_attn, eps)  # h: [B, hidden]
-            qkv = (layer.qkv.big if big else layer.qkv.fn)(h)  # qkv: [B, (H + 2 Hkv) D]
-            qk = self._rope(qkv[:, :(H + Hkv) * D].view(B, H + Hkv, D), cos, sin)  # qk: [B, H + Hkv, D]
-            q, k = qk[:, :H], qk[:, H:]  # q: [B, H, D]; k: [B, Hkv, D]
-            v = qkv[:, (H + Hkv) * D:].view(B, Hkv, D)  # v: [B, Hkv, D]
+            q, k, v = self._qkv(li, layer, h, rope, big)  # q: [B, H, D]; k, v: [B, Hkv, D]
             k_pool, v_pool = kv_flat[li, 0], kv_flat[li, 1]  # [slots, Hkv, D] each
             k_pool.index_copy_(0, w_slot, k.to(kv.dtype))
             v_pool.index_copy_(0, w_slot, v.to(kv.dtype))
@@ -648,14 +811,11 @@ class LlamaModel:
             kc = k_pool.index_select(0, r_slot).to(self.dtype).view(B, S, Hkv, D).transpose(1, 2)
             vc = v_pool.index_select(0, r_slot).to(self.dtype).view(B, S, Hkv, D).transpose(1, 2)
             # kc, vc: [B, Hkv, S, D]
-            o = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=mask, scale=self._scale,
-                                               enable_gqa=True)  # o: [B, H, 1, D]
-            x.add_((layer.o.big if big else layer.o.fn)(o.reshape(B, H * D)))  # x: [B, hidden]
-            h = F.rms_norm(x, hidden, layer.ln_mlp, eps)
-            gate, up = (layer.gate_up.big if big else layer.gate_up.fn)(h).chunk(2, dim=-1)  # [B, I] each
-            x.add_((layer.down.big if big else layer.down.fn)(F.silu(gate) * up))  # x: [B, hidden]
+            o = self._attention(q.unsqueeze(2), kc, vc, masks[self._windows[li]])  # o: [B, H, 1, D]
+            x = self._layer_rest(layer, x, o.reshape(B, H * D), big)  # x: [B, hidden]
         x = F.rms_norm(x, hidden, self.norm, eps)
-        return (self.lm_head.big if B >= self.head_dense_min_rows else self.lm_head.fn)(x).float()  # [B, vocab]
+        return self._softcap_logits(
+            (self.lm_head.big if B >= self.head_dense_min_rows else self.lm_head.fn)(x).float())  # [B, vocab]
 
 
 def from_path(path: str | os.PathLike | None = None, device: str | torch.device = "cpu",

@@ -1,0 +1,179 @@
+"""Tiny random-weight models of every family in gpu/families.py, built with transformers' own config and model
+classes, saved as a Hugging Face directory and written as a GGUF the way llama.cpp's convert_hf_to_gguf.py
+writes that family (architecture name, tensor names, Q/K permutation for ``llama``, ``1 + w`` Gemma norms, fused
+Phi-3 weights). Both carry the embedded SmolLM2 tokenizer (its vocabulary size, tokenizer files / GGUF
+tokenizer metadata with the chat template), so the engine can serve them.
+
+Shapes: 3 layers, hidden 64, 4 query heads over 2 KV heads, head_dim 16 (Mistral: 24, not hidden / heads),
+sliding windows of 8 tokens where the family has them, so a 20-token prompt plus 16 decode steps crosses them.
+"""
+from __future__ import annotations
+
+import pathlib
+
+import gguf
+import numpy as np
+import torch
+
+from gpu.model_files import default_model_path
+
+VOCAB = 49152  # SmolLM2's
+WINDOW = 8
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe")
+COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+              intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=512, rms_norm_eps=1e-6,
+              bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def hf_config(name: str):
+    """The transformers config of the tiny ``name`` model."""
+    import transformers as t
+
+    if name == "llama":
+        return t.LlamaConfig(**COMMON, head_dim=16, tie_word_embeddings=True)
+    if name == "mistral":
+        return t.MistralConfig(**COMMON, head_dim=24, sliding_window=WINDOW)
+    if name == "qwen2":
+        return t.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if name == "qwen3":
+        return t.Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)
+    if name == "phi3":
+        return t.Phi3Config(**COMMON)
+    if name == "gemma2":
+        return t.Gemma2Config(**COMMON, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=32,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=8.0)
+    if name == "gemma3":
+        return t.Gemma3TextConfig(
+            **COMMON, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    if name == "qwen3_moe":  # 4 experts of 32, top 2, in every layer
+        return t.Qwen3MoeConfig(**COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4,
+                                num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True)
+    raise KeyError(name)
+
+
+def build_hf(name: str, seed: int = 0):
+    """HF's model of the tiny ``name`` config with every weight random (norms too, so ``1 + w`` matters)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(name), dtype=torch.float32,
+                                                          attn_implementation="eager")
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(torch.randn_like(p) * 0.2 + (0.0 if name.startswith("gemma") else 1.0))
+            else:
+                p.normal_(0.0, 0.15)
+    return model.eval()
+
+
+def save_hf_dir(model, hf_tok, d: pathlib.Path) -> pathlib.Path:
+    """``model`` (safetensors + config.json) and the SmolLM2 tokenizer files in directory ``d``."""
+    model.save_pretrained(str(d))
+    hf_tok.save_pretrained(str(d))
+    return d
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # convert_hf_to_gguf.py's LlamaModel.permute (Q/K rows interleaved for llama.cpp's RoPE)
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32") -> pathlib.Path:
+    """``model`` as a GGUF under ``name``'s llama.cpp architecture, with SmolLM2's tokenizer metadata; the layers'
+    linear weights in ``linear_type`` (``F32``, or ``Q4_0`` / ``Q8_0`` quantized with ``gguf.quants``), the
+    rest float32."""
+    cfg = model.config
+    arch = {"mistral": "llama", "qwen3_moe": "qwen3moe"}.get(name, name)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{name}")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    params = cfg.rope_parameters
+    w.add_rope_freq_base(float((params.get("full_attention") or params)["rope_theta"]))
+    types = getattr(cfg, "layer_types", None)
+    window = getattr(cfg, "sliding_window", None)
+    if window:
+        w.add_sliding_window(window)
+        if types:
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    if name == "gemma3":
+        w.add_key_value(f"{arch}.rope.freq_base_swa", float(params["sliding_attention"]["rope_theta"]),
+                        gguf.GGUFValueType.FLOAT32)
+    if name.startswith("gemma"):
+        w.add_key_value(f"{arch}.attention.scale", float(cfg.query_pre_attn_scalar) ** -0.5,
+                        gguf.GGUFValueType.FLOAT32)
+        if getattr(cfg, "attn_logit_softcapping", None):
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        if getattr(cfg, "final_logit_softcapping", None):
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if name == "qwen3_moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    _copy_tokenizer_metadata(w)
+
+    layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate_up_proj": "ffn_up",
+             "mlp.gate": "ffn_gate_inp",
+             "post_attention_layernorm": "post_attention_norm" if name.startswith("gemma") else "ffn_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+    for hf_name, t in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        arr = t.detach().float().numpy().copy()
+        if ".mlp.experts." in hf_name:  # transformers' fused [experts, 2 I, hidden] (gate rows first), [E, hidden, I]
+            i = hf_name.split(".")[2]
+            if hf_name.endswith("gate_up_proj"):
+                half = arr.shape[1] // 2
+                parts = {f"blk.{i}.ffn_gate_exps.weight": arr[:, :half], f"blk.{i}.ffn_up_exps.weight": arr[:, half:]}
+            else:
+                parts = {f"blk.{i}.ffn_down_exps.weight": arr}
+            for out, part in parts.items():
+                w.add_tensor(out, np.ascontiguousarray(part, dtype=np.float32))
+            continue
+        if hf_name.startswith("model.layers."):
+            _, _, i, rest = hf_name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            out = f"blk.{i}.{layer[module]}.{kind}"
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                arr = _permute(arr, cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads)
+        else:
+            out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}[hf_name]
+        if name.startswith("gemma") and out.endswith("norm.weight"):
+            arr = arr + 1.0  # Gemma2Model/Gemma3Model.modify_tensors in convert_hf_to_gguf.py
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if linear_type != "F32" and out.startswith("blk.") and out.endswith(".weight") and arr.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[linear_type]
+            w.add_tensor(out, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(out, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _copy_tokenizer_metadata(w: gguf.GGUFWriter) -> None:
+    reader = gguf.GGUFReader(str(default_model_path()))
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), vtype, sub)
