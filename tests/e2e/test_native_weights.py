@@ -66,12 +66,20 @@ def test_native_engine_answers_alone_in_a_ragged_batch_and_with_n_children(engin
         probe.close()
 
 
-def test_a_repeated_request_answers_as_the_first_although_the_cache_holds_its_prompt(engine):
-    # the repeat prefills only its last partial block: prefill's numbers must not depend on that (every prefill
-    # runs the float32 copies), or a near tie goes another way (seen: a different answer on the second request)
+def test_a_repeated_request_gets_the_same_first_token_logits_although_the_cache_holds_its_prompt(engine):
+    """The repeat prefills only its last partial block; every prefill runs the float32 copies, so the first token's
+    log-probabilities (sampled by prefill) equal the first request's up to float32 rounding. With the cached suffix
+    on the low-bit kernels (a bug seen once) they differ by int8 rounding, 1e-2 and more. The rest of the answer is
+    decoded with int8-rounded activations and is not batch-invariant (README): a near tie may part the two texts
+    later, so only the first token is compared exactly."""
     body = {"messages": [{"role": "user", "content": "Write a haiku about the sea."}], "temperature": 0,
-            "max_tokens": 40}
+            "max_tokens": 4, "logprobs": True, "top_logprobs": 5}
     first, second = (httpx.post(engine.base_url + "/v1/chat/completions", json=body, timeout=120).json()
                      for _ in range(2))
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, second["usage"]
-    assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    a, b = (r["choices"][0]["logprobs"]["content"][0] for r in (first, second))
+    assert a["token"] == b["token"], (a, b)
+    top_a = {t["token"]: t["logprob"] for t in a["top_logprobs"]}
+    top_b = {t["token"]: t["logprob"] for t in b["top_logprobs"]}
+    assert top_a.keys() == top_b.keys(), (top_a, top_b)
+    assert max(abs(top_a[t] - top_b[t]) for t in top_a) < 2e-3, (top_a, top_b)
