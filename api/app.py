@@ -1,8 +1,9 @@
 """Starlette app: OpenAI-compatible routes, /health, /metrics and /debug/state.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models, GET /health,
-GET /metrics, GET /debug/state (tools/inspect's snapshot, api/debug_state.py). Errors are OpenAI error JSON with
-the right status; nothing raises out of a handler.
+GET /metrics, GET /debug/state (tools/inspect's snapshot, api/debug_state.py), and the Responses and Messages
+dialects' routes (api/dialects/routes.py). Errors are OpenAI error JSON (Anthropic's on /v1/messages) with the right
+status; nothing raises out of a handler.
 """
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ class StopStringMatcher:
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.pending = ""
+        self.matched: str | None = None   # the stop string that ended the text
 
     def push(self, text: str) -> tuple[str, bool]:
         """Return (text safe to emit, matched)."""
@@ -85,7 +87,9 @@ class StopStringMatcher:
             return out, False
         hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.pending = self.pending[:min(hits)], ""
+            first = min(hits)
+            self.matched = next(s for s in self.stops if self.pending.find(s) == first)
+            out, self.pending = self.pending[:first], ""
             return out, True
         cut = max(len(self.pending) - self.hold, 0)
         out, self.pending = self.pending[:cut], self.pending[cut:]
@@ -135,6 +139,7 @@ async def generate_text(client: EngineClient, tokenizer, handle: RequestHandle,
             text += detok.flush().rstrip("\ufffd")
         out, matched = stops.push(text)
         if matched:
+            handle.stop_string = stops.matched
             client.stop_generation(handle)
             yield out, "stop", logprobs
             return
@@ -508,7 +513,9 @@ class Routes:
         return JSONResponse(error_body("internal error; see the server log", "internal_error"), status_code=500)
 
     def app(self, extra_routes: tuple = ()) -> Starlette:
-        routes = [*extra_routes,
+        from api.dialects.routes import DialectRoutes
+
+        routes = [*extra_routes, *DialectRoutes(self).routes(),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
