@@ -1,5 +1,5 @@
-"""ASGI middleware around the Starlette app: API keys (Bearer or x-api-key) on ``/v1/*``, ``/debug/*`` and ``/internal/*``;
-``x-request-id`` on every response.
+"""ASGI middleware around the Starlette app: API keys (Bearer or x-api-key) on ``/v1/*``, ``/debug/*`` and
+``/internal/*``; ``x-request-id`` on every response.
 
 Both are plain ASGI (not Starlette's BaseHTTPMiddleware, which buffers streamed bodies and hides client
 disconnects from the handlers): they look at the request's headers and add or answer with response headers.

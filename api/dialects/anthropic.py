@@ -19,6 +19,7 @@ Usage follows Anthropic: ``input_tokens`` excludes the prompt tokens read from t
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -191,11 +192,14 @@ def translate(body: Any, count_only: bool = False) -> dict:
 
 
 def renamed(exc: PdserveError) -> PdserveError:
-    """The chat parser's error with this dialect's field names."""
+    """The chat parser's error with this dialect's field names (in the param; in the message too, but for the
+    words "prompt" and "messages", which also read as prose there)."""
     param = getattr(exc, "param", None)
     if param not in _RENAMES:
         return exc
-    message = exc.message.replace(f"'{param}'", f"'{_RENAMES[param]}'")
+    message = exc.message
+    if param not in ("prompt", "messages"):
+        message = re.sub(rf"\b{param}\b", _RENAMES[param], message)
     return type(exc)(message, param=_RENAMES[param], code=exc.code)
 
 

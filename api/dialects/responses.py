@@ -17,6 +17,7 @@ Honoured: ``input`` (a string, or items: messages with text parts, ``function_ca
 from __future__ import annotations
 
 import collections
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -194,11 +195,14 @@ def translate(body: Any, history: list[dict] | None = None) -> tuple[dict, list[
 
 
 def renamed(exc: PdserveError) -> PdserveError:
-    """The chat parser's error with this dialect's field names."""
+    """The chat parser's error with this dialect's field names (in the param; in the message too, but for the
+    words "prompt" and "messages", which also read as prose there)."""
     param = getattr(exc, "param", None)
     if param not in _RENAMES:
         return exc
-    message = exc.message.replace(f"'{param}", f"'{_RENAMES[param]}")
+    message = exc.message
+    if param not in ("prompt", "messages"):
+        message = re.sub(rf"\b{param}\b", _RENAMES[param], message)
     return type(exc)(message, param=_RENAMES[param], code=exc.code)
 
 

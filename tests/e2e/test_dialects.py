@@ -130,8 +130,8 @@ def test_responses_bad_input_gets_openai_errors_naming_the_field(oai, http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_token"
     r = http.post("/v1/responses", json={"input": [{"type": "input_image", "image_url": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
-    # another API key sees nothing of this one's responses (the server takes both keys? no: one key; a 401 instead)
-    assert http.get("/v1/responses/resp_nope").status_code == 404
+    missing = http.get("/v1/responses/resp_nope")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "response_id"
 
 
 # -- Anthropic Messages ------------------------------------------------------------------------------------------
