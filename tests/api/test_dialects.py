@@ -53,7 +53,8 @@ def test_a_responses_body_becomes_the_chat_request_of_the_same_conversation(pars
     want = parser.chat({"model": MODEL, "max_tokens": 30, "temperature": 0, "tool_choice": "required", "messages": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}],
         "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]}, "r1")
     assert got.prompt_ids == want.prompt_ids and got.sampling == want.sampling and got.tools == want.tools
@@ -118,7 +119,8 @@ def test_a_messages_body_becomes_the_chat_request_of_the_same_conversation(parse
                         "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "messages": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "Sunny"}, {"role": "user", "content": "Thanks"}],
         "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
                                                     "parameters": SCHEMA}}]}, "m1")
@@ -126,9 +128,9 @@ def test_a_messages_body_becomes_the_chat_request_of_the_same_conversation(parse
     assert got.tools.mode == "named" and got.tools.function == "get_weather"
 
 
-@pytest.mark.parametrize("choice, mode, parallel", [({"type": "any"}, "required", True), ({"type": "auto"}, "auto", True),
-                                                    ({"type": "any", "disable_parallel_tool_use": True}, "required",
-                                                     False), ({"type": "none"}, None, None)])
+@pytest.mark.parametrize("choice, mode, parallel", [
+    ({"type": "any"}, "required", True), ({"type": "auto"}, "auto", True),
+    ({"type": "any", "disable_parallel_tool_use": True}, "required", False), ({"type": "none"}, None, None)])
 def test_anthropic_tool_choice_maps_onto_the_chat_tools_plan(parser, choice, mode, parallel):
     body = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tool_choice": choice,
             "tools": [{"name": "f", "input_schema": SCHEMA}]}
@@ -225,8 +227,9 @@ def test_the_messages_stream_is_the_documented_event_sequence():
     assert got[10][1]["usage"]["output_tokens"] == 5 and got[10][1]["usage"]["cache_read_input_tokens"] == 4
 
 
-@pytest.mark.parametrize("reason, stop_string, want", [("stop", None, "end_turn"), ("stop", "END", "stop_sequence"),
-                                                       ("length", None, "max_tokens"), ("tool_calls", None, "tool_use")])
+@pytest.mark.parametrize("reason, stop_string, want", [
+    ("stop", None, "end_turn"), ("stop", "END", "stop_sequence"), ("length", None, "max_tokens"),
+    ("tool_calls", None, "tool_use")])
 def test_finish_reasons_map_onto_anthropic_stop_reasons(reason, stop_string, want):
     outcome = Outcome(text="x", reason=reason, stop_string=stop_string)
     if reason == "tool_calls":
