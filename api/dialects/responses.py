@@ -33,7 +33,10 @@ IGNORED_FIELDS = frozenset({"reasoning", "include", "truncation", "service_tier"
                             "background", "top_logprobs"})
 FIELDS = IGNORED_FIELDS | {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
                            "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id",
-                           "metadata"}
+                           "metadata", "conversation", "prompt"}
+# documented fields this server cannot honour: a 400 saying so (not "unrecognized") unless null
+UNSUPPORTED = {"conversation": "the Conversations API is not served; use previous_response_id",
+               "prompt": "stored prompt templates are not served; send the text as input"}
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 # chat parser names -> this dialect's names (in the error's param and message)
 _RENAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input",
@@ -169,6 +172,9 @@ def translate(body: Any, history: list[dict] | None = None) -> tuple[dict, list[
         if name not in FIELDS:
             raise InvalidRequestError(f"unrecognized request argument '{name}' for this route", param=name,
                                       code="unknown_parameter")
+    for name, why in UNSUPPORTED.items():
+        if body.get(name) is not None:
+            raise InvalidRequestError(f"'{name}' is not supported ({why})", param=name, code="unsupported_parameter")
     for name in ("store", "stream", "background"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise InvalidRequestError(f"'{name}' must be a boolean", param=name)

@@ -81,6 +81,7 @@ def test_a_stored_conversation_is_prepended_and_text_format_becomes_a_grammar(pa
     ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "instructions": 3}, "instructions"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation"),
 ])
 def test_bad_responses_bodies_are_400s_naming_the_responses_field(body, param):
     with pytest.raises(InvalidRequestError) as exc:
