@@ -81,25 +81,35 @@ def test_responses_stream_events_arrive_in_the_documented_order_and_rebuild_the_
     # the same request, not streamed, is the same greedy text
     full = oai.responses.create(model=MODEL, input="Count from one to five.", max_output_tokens=16, temperature=0)
     assert full.output_text == deltas
+    # the SDK's stream helper checks each event against the response it accumulates (item ids, indices, one
+    # response id); an incomplete response has no final `response.completed`, as with OpenAI's own server
+    with oai.responses.stream(model=MODEL, input="Count from one to five.", max_output_tokens=16,
+                              temperature=0) as helper:
+        seen = list(helper)
+    assert "".join(e.delta for e in seen if e.type == "response.output_text.delta") == deltas
+    assert seen[-1].type == "response.incomplete" and seen[-1].response.output_text == deltas
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_responses_function_call_round_trip_with_previous_response_id(oai, stream):
     tools = [{"type": "function", "name": "get_weather", "description": "Weather of a city", "parameters": WEATHER}]
-    first = oai.responses.create(model=MODEL, input="What is the weather in Paris?", tools=tools,
-                                 tool_choice="required", temperature=0, max_output_tokens=60, stream=stream)
-    if stream:
-        events = list(first)
+    request = dict(model=MODEL, input="What is the weather in Paris?", tools=tools, tool_choice="required",
+                   temperature=0, max_output_tokens=60)
+    if stream:   # through the SDK's stream helper, which checks every event against what it accumulated
+        with oai.responses.stream(**request) as helper:
+            events = list(helper)
+            first = helper.get_final_response()
         kinds = [e.type for e in events]
         assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
         args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
-        first = events[-1].response
         assert args == "".join(item.arguments for item in first.output if item.type == "function_call")
+    else:
+        first = oai.responses.create(**request)
     calls = [item for item in first.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and "city" in json.loads(calls[0].arguments)
     second = oai.responses.create(model=MODEL, previous_response_id=first.id, temperature=0, max_output_tokens=20,
                                   tools=tools, input=[{"type": "function_call_output", "call_id": calls[0].call_id,
-                                          "output": "Sunny, 21 C"}])
+                                                       "output": "Sunny, 21 C"}])
     assert second.previous_response_id == first.id and second.output_text
     # the stored conversation was prepended: the second prompt holds the first one, the call and its result
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
