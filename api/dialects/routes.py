@@ -170,6 +170,7 @@ class DialectRoutes:
             body, gen, conversation = await self._prepare(request, build)
             handles = self._submit(gen)
         except PdserveError as exc:
+            log.info("%s %d (param %s): %s", request.url.path, exc.http_status, exc.param, exc.message)
             return self._openai_error(exc)
         except ClientDisconnect:
             return Response(status_code=499)
@@ -246,7 +247,7 @@ class DialectRoutes:
             gen = await self._prepare(request, build)
             handles = self._submit(gen)
         except PdserveError as exc:
-            log.info("%s %d: %s", request.url.path, exc.http_status, exc.message)
+            log.info("%s %d (param %s): %s", request.url.path, exc.http_status, exc.param, exc.message)
             return self._anthropic_error(exc)
         except ClientDisconnect:
             return Response(status_code=499)
