@@ -2,9 +2,10 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models, GET /v1/models/{id},
 POST /v1/embeddings (a 400: a generation model), each also without the ``/v1`` prefix (as llama.cpp serves them);
-POST /tokenize, POST /detokenize; GET (and HEAD) /, /health (readiness, with its report), /health/live,
-/health/ready; GET /metrics, GET /debug/state (tools/inspect's snapshot, api/debug_state.py). Errors are OpenAI
-error JSON with the right status; nothing raises out of a handler.
+the Responses and Messages dialects' routes (api/dialects/routes.py); POST /tokenize, POST /detokenize; GET (and
+HEAD) /, /health (readiness, with its report), /health/live, /health/ready; GET /metrics, GET /debug/state
+(tools/inspect's snapshot, api/debug_state.py). Errors are OpenAI error JSON (Anthropic's on /v1/messages) with the
+right status; nothing raises out of a handler.
 """
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ class StopStringMatcher:
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.pending = ""
+        self.matched: str | None = None   # the stop string that ended the text
 
     def push(self, text: str) -> tuple[str, bool]:
         """Return (text safe to emit, matched)."""
@@ -87,7 +89,9 @@ class StopStringMatcher:
             return out, False
         hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.pending = self.pending[:min(hits)], ""
+            first = min(hits)
+            self.matched = next(s for s in self.stops if self.pending.find(s) == first)
+            out, self.pending = self.pending[:first], ""
             return out, True
         cut = max(len(self.pending) - self.hold, 0)
         out, self.pending = self.pending[:cut], self.pending[cut:]
@@ -137,6 +141,7 @@ async def generate_text(client: EngineClient, tokenizer, handle: RequestHandle,
             text += detok.flush().rstrip("\ufffd")
         out, matched = stops.push(text)
         if matched:
+            handle.stop_string = stops.matched
             client.stop_generation(handle)
             yield out, "stop", logprobs
             return
@@ -554,7 +559,9 @@ class Routes:
         return JSONResponse(error_body("internal error; see the server log", "internal_error"), status_code=500)
 
     def app(self, extra_routes: tuple = ()) -> Starlette:
-        routes = [*extra_routes]
+        from api.dialects.routes import DialectRoutes
+
+        routes = [*extra_routes, *DialectRoutes(self).routes()]
         for prefix in ("/v1", ""):   # llama.cpp serves them without /v1 too
             routes += [
                 Route(prefix + "/chat/completions", self.chat_completions, methods=["POST"]),

@@ -1,6 +1,6 @@
-"""ASGI middleware around the Starlette app: API keys on ``/v1/*`` (and its routes without ``/v1``), ``/debug/*``
-and ``/internal/*``;
-``x-request-id`` on every response; one log line per 4xx/5xx response (ErrorLogMiddleware).
+"""ASGI middleware around the Starlette app: API keys (Bearer or x-api-key) on ``/v1/*`` (and its routes without
+``/v1``), ``/debug/*`` and ``/internal/*``; ``x-request-id`` on every response; one log line per 4xx/5xx response
+(ErrorLogMiddleware).
 
 Both are plain ASGI (not Starlette's BaseHTTPMiddleware, which buffers streamed bodies and hides client
 disconnects from the handlers): they look at the request's headers and add or answer with response headers.
@@ -28,6 +28,7 @@ ERROR_BODY_LOG_BYTES = 16384   # an error body is read for its message and param
 # /health*, /metrics and / stay open (as vLLM does); the OpenAI routes are served without /v1 too
 PROTECTED_PREFIXES = ("/v1/", "/debug/", "/internal/", "/chat/", "/completions", "/models", "/embeddings",
                       "/tokenize", "/detokenize")
+ANTHROPIC_PREFIX = "/v1/messages"   # a 401 there is in Anthropic's error shape
 
 
 def _header(scope: dict, name: bytes) -> str | None:
@@ -67,28 +68,31 @@ class RequestIdMiddleware:
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` required on ``PROTECTED_PREFIXES`` (``/v1/*`` and its routes without
-    ``/v1``, ``/tokenize``, ``/detokenize``, ``/debug/*`` and the router-to-node ``/internal/*``) when keys are
-    configured.
+    """``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, when no Authorization header is sent) required on
+    ``PROTECTED_PREFIXES`` (``/v1/*`` and its routes without ``/v1``, ``/tokenize``, ``/detokenize``, ``/debug/*``
+    and the router-to-node ``/internal/*``) when keys are configured.
 
     Keys are compared in constant time: the SHA-256 digests of the offered and of every configured key go through
     ``hmac.compare_digest`` (equal lengths whatever the offered key's length), all of them, without an early
     exit. A missing header, another scheme or a wrong key is a 401 in OpenAI's error shape
-    (``invalid_request_error``, code ``invalid_api_key``) with ``WWW-Authenticate: Bearer``.
+    (``invalid_request_error``, code ``invalid_api_key``; on ``/v1/messages`` Anthropic's ``authentication_error``)
+    with ``WWW-Authenticate: Bearer``.
     """
 
     def __init__(self, app: ASGIApp, keys: Iterable[str]):
         self.app = app
         self.digests = [hashlib.sha256(k.encode("utf-8")).digest() for k in keys]
 
-    def authorized(self, header: str | None) -> bool:
-        """Whether an ``Authorization`` header value carries one of the keys."""
-        if header is None:
+    def authorized(self, header: str | None, x_api_key: str | None = None) -> bool:
+        """Whether an ``Authorization`` header value (``Bearer <key>``), or else an ``x-api-key`` header value (as
+        Anthropic's clients send it), carries one of the keys."""
+        scheme, _, token = (header or "").strip().partition(" ")
+        if header is not None and (scheme.lower() != "bearer" or not token.strip()):
             return False
-        scheme, _, token = header.strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = token.strip() if header is not None else (x_api_key or "").strip()
+        if not token:
             return False
-        offered = hashlib.sha256(token.strip().encode("utf-8", errors="surrogateescape")).digest()
+        offered = hashlib.sha256(token.encode("utf-8", errors="surrogateescape")).digest()
         match = False
         for digest in self.digests:
             match |= hmac.compare_digest(offered, digest)
@@ -96,15 +100,18 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if (scope["type"] != "http" or not self.digests or not scope.get("path", "").startswith(PROTECTED_PREFIXES)
-                or self.authorized(_header(scope, b"authorization"))):
+                or self.authorized(_header(scope, b"authorization"), _header(scope, b"x-api-key"))):
             await self.app(scope, receive, send)
             return
-        if _header(scope, b"authorization") is None:
+        if _header(scope, b"authorization") is None and _header(scope, b"x-api-key") is None:
             message = ("You didn't provide an API key. Provide it in the Authorization header as "
                        "'Authorization: Bearer YOUR_KEY'.")
         else:
             message = "Incorrect API key provided (expected 'Authorization: Bearer YOUR_KEY' with a configured key)."
-        body = orjson.dumps(error_body(message, "invalid_request_error", None, "invalid_api_key"))
+        if scope["path"].startswith(ANTHROPIC_PREFIX):   # Anthropic's clients parse their own error shape
+            body = orjson.dumps({"type": "error", "error": {"type": "authentication_error", "message": message}})
+        else:
+            body = orjson.dumps(error_body(message, "invalid_request_error", None, "invalid_api_key"))
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b'Bearer realm="pdserve"')]})

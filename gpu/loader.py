@@ -203,42 +203,15 @@ def _gguf_config(meta: dict[str, Any], path: pathlib.Path) -> ModelConfig:
     if vocab is None:
         raise ModelLoadError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens is present")
 
-    rope_scaling = None
-    stype = opt("rope.scaling.type", "none")
-    if stype not in ("none", "", None):
-        if stype != "linear":
-            raise ModelLoadError(f"{path}: RoPE scaling type {stype!r} is not supported "
-                                 "(only linear, llama3)")
-        factor = float(opt("rope.scaling.factor", 1.0))
-        if factor != 1.0:
-            rope_scaling = RopeScaling("linear", factor)
-
-    # sliding windows: llama.cpp's defaults per architecture (Gemma 2: every other layer from the first; Gemma 3:
-    # five of every six), or the file's per-layer pattern when it has one
-    window = int(opt("attention.sliding_window", 0) or 0)
-    windows: tuple[int, ...] = ()
-    if window:
-        pattern = opt("attention.sliding_window_pattern")
-        if pattern is not None and len(pattern) == n_layers:
-            sliding = [bool(b) for b in pattern]
-        elif fam.name == "gemma2":
-            sliding = [i % 2 == 0 for i in range(n_layers)]
-        elif fam.name == "gemma3":
-            sliding = [i % 6 < 5 for i in range(n_layers)]
-        else:
-            sliding = [True] * n_layers
-        windows = tuple(window if s else 0 for s in sliding)
+    rope_scaling = _gguf_rope_scaling(opt, path)
+    windows = _gguf_windows(opt, fam.name, n_layers)
     scale = opt("attention.scale")
     local_theta = None
     if fam.name == "gemma3":
         local_theta = float(opt("rope.freq_base_swa", 10000.0))
 
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos_ids: list[int] = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        v = meta.get(key)
-        if v is not None and int(v) not in eos_ids:
-            eos_ids.append(int(v))
+    eos_ids = _gguf_eos_ids(meta)
     return ModelConfig(
         name=str(meta.get("general.name") or path.stem),
         num_layers=n_layers,
@@ -267,6 +240,46 @@ def _gguf_config(meta: dict[str, Any], path: pathlib.Path) -> ModelConfig:
             norm_topk_prob=bool(opt("expert_weights_norm", True)),  # llama.cpp's qwen3moe always renormalises
             moe_layers=(True,) * n_layers)),
     )
+
+
+def _gguf_rope_scaling(opt, path: pathlib.Path) -> RopeScaling | None:
+    """The GGUF's RoPE scaling (``opt(key, default)`` reads ``<arch>.<key>``); only linear is supported."""
+    stype = opt("rope.scaling.type", "none")
+    if stype in ("none", "", None):
+        return None
+    if stype != "linear":
+        raise ModelLoadError(f"{path}: RoPE scaling type {stype!r} is not supported "
+                             "(only linear, llama3)")
+    factor = float(opt("rope.scaling.factor", 1.0))
+    return RopeScaling("linear", factor) if factor != 1.0 else None
+
+
+def _gguf_windows(opt, family: str, n_layers: int) -> tuple[int, ...]:
+    """Per-layer sliding windows (0 = global): llama.cpp's defaults per architecture (Gemma 2: every other layer from
+    the first; Gemma 3: five of every six), or the file's per-layer pattern when it has one; () without a window."""
+    window = int(opt("attention.sliding_window", 0) or 0)
+    if not window:
+        return ()
+    pattern = opt("attention.sliding_window_pattern")
+    if pattern is not None and len(pattern) == n_layers:
+        sliding = [bool(b) for b in pattern]
+    elif family == "gemma2":
+        sliding = [i % 2 == 0 for i in range(n_layers)]
+    elif family == "gemma3":
+        sliding = [i % 6 < 5 for i in range(n_layers)]
+    else:
+        sliding = [True] * n_layers
+    return tuple(window if s else 0 for s in sliding)
+
+
+def _gguf_eos_ids(meta: dict[str, Any]) -> list[int]:
+    """The end-of-sequence ids a GGUF names (eos, eot, eom), each once, in that order."""
+    eos_ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        v = meta.get(key)
+        if v is not None and int(v) not in eos_ids:
+            eos_ids.append(int(v))
+    return eos_ids
 
 
 def _cap(v: Any) -> float | None:

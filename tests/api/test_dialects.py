@@ -1,0 +1,277 @@
+"""The dialects' plain code (api/dialects): Responses and Messages bodies translated into the chat request the
+engine runs (the same prompt ids, tools plan and grammar as the equivalent chat body), engine events rendered as
+each dialect's SSE sequence, the bounded response store, error shapes, and x-api-key on the key check."""
+from __future__ import annotations
+
+import json
+
+import orjson
+import pytest
+
+from api.dialects import anthropic, responses
+from api.dialects.events import Outcome
+from api.middleware import ApiKeyMiddleware
+from api.protocol import RequestParser
+from gpu.grammar import GrammarCompiler
+from gpu.tokenizer import Tokenizer
+from pdserve.errors import InvalidRequestError, ModelNotFoundError
+
+MODEL = "SmolLM2-135M-Instruct"
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+@pytest.fixture(scope="module")
+def parser() -> RequestParser:
+    tokenizer = Tokenizer.load(None)
+    return RequestParser(tokenizer, MODEL, 2048, reserve_tokens=16, grammars=GrammarCompiler(tokenizer=tokenizer))
+
+
+def frames(raw: list[bytes]) -> list[tuple[str, dict]]:
+    out = []
+    for frame in raw:
+        event, data = frame.decode().strip().split("\n")
+        assert event.startswith("event: ") and data.startswith("data: ")
+        body = orjson.loads(data[6:])
+        assert body["type"] == event[7:]
+        out.append((body["type"], body))
+    return out
+
+
+# -- translation: the same internal request as chat ---------------------------------------------------------------
+
+def test_a_responses_body_becomes_the_chat_request_of_the_same_conversation(parser):
+    tools = [{"type": "function", "name": "get_weather", "parameters": SCHEMA}]
+    body = {"model": MODEL, "instructions": "Be brief.", "tools": tools, "max_output_tokens": 30, "temperature": 0,
+            "tool_choice": "required", "reasoning": {"effort": "low"}, "prompt_cache_key": "k", "store": False,
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+                      {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                       "arguments": '{"city": "Paris"}'},
+                      {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"},
+                      {"type": "reasoning", "summary": []}]}
+    chat_body, conversation = responses.translate(body)
+    got = parser.chat(chat_body, "r1")
+    want = parser.chat({"model": MODEL, "max_tokens": 30, "temperature": 0, "tool_choice": "required", "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]}, "r1")
+    assert got.prompt_ids == want.prompt_ids and got.sampling == want.sampling and got.tools == want.tools
+    assert got.sampling.grammar and got.tools.mode == "required"
+    assert [m["role"] for m in conversation] == ["user", "assistant", "tool"]   # no instructions kept
+
+
+def test_a_stored_conversation_is_prepended_and_text_format_becomes_a_grammar(parser):
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    body = {"input": "And now?", "text": {"format": {"type": "json_schema", "name": "w", "schema": SCHEMA}}}
+    chat_body, conversation = responses.translate(body, history)
+    assert conversation == history + [{"role": "user", "content": "And now?"}]
+    gen = parser.chat(chat_body, "r2")
+    assert gen.sampling.grammar == parser.chat({"messages": conversation, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}}, "r2").sampling.grammar
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "hi", "max_output_token": 5}, "max_output_token"),
+    ({"input": ""}, "input"),
+    ({"input": [{"type": "input_image"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "instructions": 3}, "instructions"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation"),
+])
+def test_bad_responses_bodies_are_400s_naming_the_responses_field(body, param):
+    with pytest.raises(InvalidRequestError) as exc:
+        responses.translate(body)
+    assert exc.value.param == param
+
+
+def test_the_chat_parsers_errors_come_back_with_the_dialects_field_names(parser):
+    chat_body, _ = responses.translate({"input": "hi", "max_output_tokens": 10**6})
+    with pytest.raises(InvalidRequestError) as exc:
+        parser.chat(chat_body, "r")
+    error = responses.renamed(exc.value)
+    assert error.param == "max_output_tokens" and "max_output_tokens" in error.message
+    chat_body = anthropic.translate({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                                     "stop_sequences": [""]})
+    with pytest.raises(InvalidRequestError) as exc:
+        parser.chat(chat_body, "r")
+    assert anthropic.renamed(exc.value).param == "stop_sequences"
+
+
+def test_a_messages_body_becomes_the_chat_request_of_the_same_conversation(parser):
+    tools = [{"name": "get_weather", "description": "Weather", "input_schema": SCHEMA, "cache_control": {}}]
+    body = {"model": MODEL, "max_tokens": 40, "temperature": 0, "top_k": 5,
+            "system": [{"type": "text", "text": "Be brief."}], "tools": tools,
+            "tool_choice": {"type": "tool", "name": "get_weather"}, "thinking": {"type": "disabled"},
+            "messages": [{"role": "user", "content": "Weather in Paris?"},
+                         {"role": "assistant", "content": [
+                             {"type": "thinking", "thinking": "...", "signature": "s"},
+                             {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+                         {"role": "user", "content": [
+                             {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text",
+                                                                                           "text": "Sunny"}]},
+                             {"type": "text", "text": "Thanks"}]}]}
+    got = parser.chat(anthropic.translate(body), "m1")
+    want = parser.chat({"model": MODEL, "max_tokens": 40, "temperature": 0, "top_k": 5,
+                        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "Sunny"}, {"role": "user", "content": "Thanks"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                                    "parameters": SCHEMA}}]}, "m1")
+    assert got.prompt_ids == want.prompt_ids and got.sampling == want.sampling
+    assert got.tools.mode == "named" and got.tools.function == "get_weather"
+    # stop_sequences become chat's stop (a stop string beside a forced tool call is a 400, as in chat)
+    unforced = parser.chat(anthropic.translate({**body, "tool_choice": {"type": "auto"}, "stop_sequences": ["END"]}),
+                           "m2")
+    assert unforced.stop == ("END",)
+
+
+@pytest.mark.parametrize("choice, mode, parallel", [
+    ({"type": "any"}, "required", True), ({"type": "auto"}, "auto", True),
+    ({"type": "any", "disable_parallel_tool_use": True}, "required", False), ({"type": "none"}, None, None)])
+def test_anthropic_tool_choice_maps_onto_the_chat_tools_plan(parser, choice, mode, parallel):
+    body = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tool_choice": choice,
+            "tools": [{"name": "f", "input_schema": SCHEMA}]}
+    plan = parser.chat(anthropic.translate(body), "m").tools
+    if mode is None:
+        assert plan is None
+    else:
+        assert (plan.mode, plan.parallel) == (mode, parallel)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ({"max_tokens": 5, "messages": []}, "messages"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "temperature": 1.5}, "temperature"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "bash_20250124"}]},
+     "tools"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "max_token": 5}, "max_token"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "all"}},
+     "tool_choice"),
+])
+def test_bad_messages_bodies_are_400s_naming_the_field(body, param):
+    with pytest.raises(InvalidRequestError) as exc:
+        anthropic.translate(body)
+    assert exc.value.param == param
+
+
+def test_anthropic_error_bodies_follow_the_status():
+    assert anthropic.error_body(InvalidRequestError("bad")) == {
+        "type": "error", "error": {"type": "invalid_request_error", "message": "bad"}}
+    assert anthropic.error_body(ModelNotFoundError("no"))["error"]["type"] == "not_found_error"
+    assert anthropic.error_body("x", 529)["error"]["type"] == "overloaded_error"
+    assert anthropic.error_body("x", 500)["error"]["type"] == "api_error"
+
+
+# -- rendering the shared engine events ---------------------------------------------------------------------------
+
+TEXT_EVENTS = [("text", "Hel"), ("text", "lo"), ("call", "call_ab", "get_weather", '{"ci'), ("args", 'ty": "Oslo"}'),
+               ("finish", "tool_calls", None)]
+
+
+def test_the_responses_stream_is_the_documented_event_sequence():
+    meta = responses.ResponseMeta("resp_1", MODEL, {"input": "x"})
+    stream = responses.ResponseStream(meta)
+    raw = stream.start()
+    for event in TEXT_EVENTS[:-1]:
+        raw += stream.event(event)
+    closing, final = stream.finish("tool_calls", responses.usage_body(10, 5))
+    got = frames(raw + closing)
+    assert [k for k, _ in got] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert [b["sequence_number"] for _, b in got] == list(range(len(got)))
+    assert final["status"] == "completed" and final["usage"]["total_tokens"] == 15
+    message, call = final["output"]
+    assert message["content"][0]["text"] == "Hello" and message["status"] == "completed"
+    assert call["arguments"] == '{"city": "Oslo"}' and call["call_id"] == "call_ab" and call["name"] == "get_weather"
+    assert got[-1][1]["response"] == final
+    assert all(b["output_index"] == 1 for k, b in got if k.startswith("response.function_call"))
+
+
+def test_a_length_cut_response_is_incomplete_with_max_output_tokens():
+    meta = responses.ResponseMeta("resp_2", MODEL, {"input": "x", "max_output_tokens": 2})
+    outcome = Outcome()
+    for event in [("text", "ab"), ("finish", "length", None)]:
+        outcome.add(event)
+    body = responses.response_object(meta, outcome, responses.usage_body(3, 2))
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    stream = responses.ResponseStream(meta)
+    stream.start()
+    stream.event(("text", "ab"))
+    closing, final = stream.finish("length", responses.usage_body(3, 2))
+    assert frames(closing)[-1][0] == "response.incomplete" and final["status"] == "incomplete"
+
+
+def test_the_messages_stream_is_the_documented_event_sequence():
+    stream = anthropic.MessageStream("msg_1", MODEL)
+    raw = stream.start(anthropic.usage_body(10, 0))
+    for event in TEXT_EVENTS[:-1]:
+        raw += stream.event(event)
+    raw += stream.finish("tool_calls", None, anthropic.usage_body(10, 5, 4))
+    got = frames(raw)
+    assert [k for k, _ in got] == ["message_start", "ping", "content_block_start", "content_block_delta",
+                                   "content_block_delta", "content_block_stop", "content_block_start",
+                                   "content_block_delta", "content_block_delta", "content_block_stop",
+                                   "message_delta", "message_stop"]
+    assert got[6][1] == {"type": "content_block_start", "index": 1, "content_block": {
+        "type": "tool_use", "id": "toolu_ab", "name": "get_weather", "input": {}}}
+    assert "".join(b["delta"]["partial_json"] for k, b in got[7:9]) == '{"city": "Oslo"}'
+    assert got[10][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert got[10][1]["usage"]["output_tokens"] == 5 and got[10][1]["usage"]["cache_read_input_tokens"] == 4
+
+
+@pytest.mark.parametrize("reason, stop_string, want", [
+    ("stop", None, "end_turn"), ("stop", "END", "stop_sequence"), ("length", None, "max_tokens"),
+    ("tool_calls", None, "tool_use")])
+def test_finish_reasons_map_onto_anthropic_stop_reasons(reason, stop_string, want):
+    outcome = Outcome(text="x", reason=reason, stop_string=stop_string)
+    if reason == "tool_calls":
+        outcome.calls.append({"id": "call_1", "name": "f", "arguments": '{"a": 1}'})
+    body = anthropic.message_object("msg_1", MODEL, outcome, anthropic.usage_body(3, 1))
+    assert body["stop_reason"] == want and body["stop_sequence"] == stop_string
+    if reason == "tool_calls":
+        assert body["content"][1] == {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"a": 1}}
+
+
+# -- the response store -------------------------------------------------------------------------------------------
+
+def test_the_store_is_per_key_bounded_and_expires():
+    now = [0.0]
+    store = responses.ResponseStore(max_entries=2, ttl_s=10, clock=lambda: now[0])
+    for i in range(3):
+        store.put("k1", {"id": f"r{i}"}, [{"role": "user", "content": str(i)}])
+    assert store.get("k1", "r0") is None   # the oldest went out at the cap
+    assert store.history("k1", "r2") == [{"role": "user", "content": "2"}]
+    assert store.get("k2", "r2") is None and not store.delete("k2", "r2")   # another key sees nothing
+    with pytest.raises(ModelNotFoundError) as exc:
+        store.history("k2", "r2")
+    assert exc.value.param == "previous_response_id" and exc.value.http_status == 404
+    now[0] = 10.5
+    assert store.get("k1", "r1") is None and store.get("k1", "r2") is None and not store.entries
+    store.put("k1", {"id": "r3"}, [])
+    assert store.delete("k1", "r3") and store.get("k1", "r3") is None
+
+
+def test_the_assistant_message_stored_carries_the_calls():
+    outcome = Outcome(text="", calls=[{"id": "call_1", "name": "f", "arguments": "{}"}], reason="tool_calls")
+    message = responses.assistant_message(outcome)
+    assert message["content"] is None and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {}
+
+
+@pytest.mark.parametrize("header, x_api_key, ok", [(None, "sk-right", True), (None, "sk-wrong", False),
+                                                   ("Bearer sk-right", None, True), (None, None, False),
+                                                   ("Bearer sk-wrong", "sk-right", False), (None, "", False)])
+def test_the_key_check_takes_x_api_key_when_no_authorization_is_sent(header, x_api_key, ok):
+    assert ApiKeyMiddleware(None, ["sk-right"]).authorized(header, x_api_key) is ok
