@@ -146,7 +146,8 @@ class ConnectionLedger(_shm.ShmSegment):
         self.closes = _shm.shm_array(mm, "<u8", len(CLOSE_REASONS), CLOSES_OFFSET)
         self.detections = _shm.shm_array(mm, "<u8", len(DETECTIONS), DETECTIONS_OFFSET)
         self.rows = _shm.shm_array(mm, ROW_DTYPE, self.num_live, ROWS_OFFSET)
-        self.closed_ring = _shm.shm_array(mm, ROW_DTYPE, self.num_closed, ROWS_OFFSET + self.num_live * ROW_DTYPE.itemsize)
+        self.closed_ring = _shm.shm_array(mm, ROW_DTYPE, self.num_closed,
+                                          ROWS_OFFSET + self.num_live * ROW_DTYPE.itemsize)
         self.flags = _shm.shm_array(mm, FLAG_DTYPE, self.num_live,
                                     ROWS_OFFSET + (self.num_live + self.num_closed) * ROW_DTYPE.itemsize)
         # the writer's own bookkeeping (only meaningful in the one writing process)
