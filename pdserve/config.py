@@ -48,9 +48,10 @@ class EngineConfig:
     served_model_name: str = _setting("", "name listed by /v1/models; empty = the model's own name")
     host: str = _setting("127.0.0.1", "address the HTTP server binds")
     port: int = _setting(8000, "TCP port of the HTTP server (0 = pick a free one)", _port, "0..65535")
-    keep_alive_timeout_s: float = _setting(75.0, "idle HTTP connections are closed after this (HTTP/1.1 close, "
-                                           "HTTP/2 GOAWAY); keep it above the idle timeout of the pools of the "
-                                           "proxies and clients in front (nginx, load balancers: 60 s)",
+    keep_alive_timeout_s: float = _setting(120.0, "idle HTTP connections are closed after this (HTTP/1.1 close, "
+                                           "HTTP/2 GOAWAY); keep it above the idle timeout of the connection pools "
+                                           "in front (nginx and cloud load balancers 60 s, Go's net/http 90 s): "
+                                           "the server must outlive the client's pool (README)",
                                            _positive, "> 0")
     sse_ping_interval_s: float = _setting(15.0, "a stream that sent nothing this long (queueing, a long prefill) "
                                           "gets an SSE comment ': ping' so proxies do not time it out; 0 = off",
