@@ -157,7 +157,8 @@ def _ledger_families(ledger):
     now = time.monotonic_ns()
     states = {s: 0 for s in ("reading", "engine", "responding", "write-blocked", "idle")}
     for row in ledger.live_rows():
-        states[row_state(row, now)] += 1
+        state = row_state(row, now)
+        states[state] = states.get(state, 0) + 1   # a row caught mid-close reads "closed"
     open_family = _gauge("pdserve_http_connections", "open HTTP connections by what they are doing (reading a "
                          "request, waiting on the engine, responding, write-blocked, idle)", labels=["state"])
     for state, n in states.items():

@@ -153,9 +153,12 @@ class ConnectionLedger(_shm.ShmSegment):
         # the writer's own bookkeeping (only meaningful in the one writing process)
         self._free = [i for i in range(self.num_live - 1, -1, -1) if int(self.rows["conn_id"][i]) == 0]
         self._seq = self.rows["seq"]
+        self._last_out, self._bytes_out = self.rows["last_out_ns"], self.rows["bytes_out"]
+        self._sock_buffered = self.rows["socket_buffered_bytes"]
 
     def _teardown(self) -> None:
         self.rows = self.closed_ring = self.flags = self._seq = None
+        self._last_out = self._bytes_out = self._sock_buffered = None
         self._counters = self.closes = self.detections = None
 
     # ---- writer (the API process) -----------------------------------------------------------------------
@@ -198,13 +201,14 @@ class ConnectionLedger(_shm.ShmSegment):
         self._end(i)
 
     def note_out(self, i: int, nbytes: int, buffered_bytes: int, now_ns: int) -> None:
-        """Bytes handed to the transport; ``buffered_bytes``: its write buffer after that."""
-        self._begin(i)
-        row = self.rows[i]
-        row["last_out_ns"] = now_ns
-        row["bytes_out"] += nbytes
-        row["socket_buffered_bytes"] = buffered_bytes
-        self._end(i)
+        """Bytes handed to the transport; ``buffered_bytes``: its write buffer after that. (The hot path: one call
+        per socket write, through per-field views.)"""
+        seq = self._seq
+        seq[i] += 1
+        self._last_out[i] = now_ns
+        self._bytes_out[i] += nbytes
+        self._sock_buffered[i] = buffered_bytes
+        seq[i] += 1
 
     def note_blocked(self, i: int, since_ns: int, socket_bytes: int = -1, flow_bytes: int = -1) -> None:
         """A write waits (``since_ns``) or no longer does (0); the buffered byte counts when given (>= 0)."""

@@ -64,7 +64,7 @@ def http_request(path: str, body: dict, request_id: str) -> bytes:
 def test_s15_a_client_that_stops_reading_is_named_write_blocked_others_are_served_and_it_resumes_whole(
         engine, ledger):
     rid = "s15-stopped-reader"
-    body = {"model": "x", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True,
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True,
             "logprobs": 20, "stream_options": {"include_usage": True}}
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -84,7 +84,7 @@ def test_s15_a_client_that_stops_reading_is_named_write_blocked_others_are_serve
         wait_until(lambda: f"http write_blocked: connection {int(row['conn_id'])}" in engine.log_text()
                    and rid in engine.log_text(), 5, 0.1, "the log line naming the connection and request")
         with httpx.Client(base_url=engine.base_url, timeout=60) as other:   # others are served meanwhile
-            answer = other.post("/v1/completions", json={"model": "x", "prompt": "Hi", "max_tokens": 4})
+            answer = other.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
             assert answer.status_code == 200
             assert scrape(engine.base_url)['pdserve_http_problems_total{reason=write_blocked}'] >= 1
         data = b""
@@ -110,7 +110,7 @@ def test_s16_a_response_the_engine_finished_while_the_api_is_stopped_is_named_an
     def send() -> None:
         with httpx.Client(base_url=engine.base_url, timeout=120) as client:
             result["response"] = client.post("/v1/completions", headers={"x-request-id": rid},
-                                             json={"model": "x", "prompt": "Count: 1 2 3", "max_tokens": 48,
+                                             json={"prompt": "Count: 1 2 3", "max_tokens": 48,
                                                    "ignore_eos": True})
 
     thread = threading.Thread(target=send)
@@ -148,7 +148,7 @@ def test_s16_a_response_the_engine_finished_while_the_api_is_stopped_is_named_an
 def test_a_silent_prefill_stream_gets_sse_pings_before_its_first_token(engine):
     with httpx.Client(base_url=engine.base_url, timeout=60) as client:
         with client.stream("POST", "/v1/completions", headers={"x-request-id": "slowp-pinged"},
-                           json={"model": "x", "prompt": "Hello", "max_tokens": 2, "stream": True}) as response:
+                           json={"prompt": "Hello", "max_tokens": 2, "stream": True}) as response:
             lines = [line for line in response.iter_lines() if line]
     first_data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
     assert lines[:first_data].count(": ping") >= int(PREFILL_DELAY_S / PING_S) - 2
@@ -157,7 +157,7 @@ def test_a_silent_prefill_stream_gets_sse_pings_before_its_first_token(engine):
 
 @pytest.mark.parametrize("offset_s", [-0.05, 0.05])
 def test_http1_reuse_at_the_idle_edge_is_answered_or_cleanly_closed_never_reset(engine, ledger, offset_s):
-    body = {"model": "x", "prompt": "Hi", "max_tokens": 1}
+    body = {"prompt": "Hi", "max_tokens": 1}
     with socket.create_connection(("127.0.0.1", engine.port)) as sock:
         port = sock.getsockname()[1]
         sock.sendall(http_request("/v1/completions", body, "edge-1"))
@@ -183,3 +183,54 @@ def test_http1_reuse_at_the_idle_edge_is_answered_or_cleanly_closed_never_reset(
         assert who in ("client_fin", "idle_close")
     else:   # the server closed first, and the ledger says so
         assert who == "idle_close" and row["late_bytes_in"] > 0
+
+
+def _h2_exchange(client, sock, stream_id: int, request_id: str) -> tuple[bool, int | None]:
+    """Send one request on ``stream_id``; returns (its response ended, the last_stream_id of a GOAWAY received)."""
+    import h2.events
+
+    body = json.dumps({"prompt": "Hi", "max_tokens": 1}).encode()
+    client.send_headers(stream_id, [(":method", "POST"), (":path", "/v1/completions"), (":scheme", "http"),
+                                    (":authority", "x"), ("content-type", "application/json"),
+                                    ("x-request-id", request_id)])
+    client.send_data(stream_id, body, end_stream=True)
+    sock.sendall(client.data_to_send())
+    goaway = None
+    while True:
+        data = sock.recv(65536)
+        if not data:
+            return False, goaway
+        for event in client.receive_data(data):
+            if isinstance(event, h2.events.StreamEnded) and event.stream_id == stream_id:
+                return True, goaway
+            if isinstance(event, h2.events.StreamReset) and event.stream_id == stream_id:
+                pytest.fail(f"stream {stream_id} reset ({event.error_code!r}) at the idle edge")
+            if isinstance(event, h2.events.ConnectionTerminated):
+                goaway = event.last_stream_id
+        sock.sendall(client.data_to_send())
+
+
+@pytest.mark.parametrize("offset_s", [-0.05, 0.05])
+def test_http2_reuse_at_the_idle_edge_is_answered_or_refused_by_goaway_never_reset(engine, ledger, offset_s):
+    import h2.config
+    import h2.connection
+
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    with socket.create_connection(("127.0.0.1", engine.port)) as sock:
+        port = sock.getsockname()[1]
+        sock.sendall(client.data_to_send())
+        assert _h2_exchange(client, sock, 1, "edge-h2-1") == (True, None)
+        time.sleep(KEEP_ALIVE_S + offset_s)   # the scenario itself: a pool reusing the connection at the edge
+        sock.settimeout(10)
+        try:
+            answered, goaway = _h2_exchange(client, sock, 3, "edge-h2-2")
+        except ConnectionResetError:
+            pytest.fail("a reset under a request at the idle edge, before any GOAWAY")
+        assert answered or (goaway is not None and goaway < 3)   # refused by GOAWAY: safe to retry
+    row = wait_until(lambda: closed(ledger, port), KEEP_ALIVE_S + 10, 0.05, "the closed row")
+    assert row["protocol"] == 2
+    who = CLOSE_REASONS[int(row["close_reason"])]
+    assert who == ("client_fin" if answered else "idle_close")
+    if not answered:
+        assert row["goaway_code"] == 0
