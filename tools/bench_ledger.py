@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
     ratios = [on / off for on, off in zip(tok_s["ledger on"], tok_s["ledger off"])]
     result = {"tok_s": tok_s, "ratios_on_off": ratios, "median_ratio_on_off": statistics.median(ratios),
               "load_average_after": os.getloadavg()[0]}
-    print(f"ratio on/off per round: {', '.join(f'{x:.3f}' for x in ratios)}; median {result['median_ratio_on_off']:.3f}")
+    print(f"ratio on/off per round: {', '.join(f'{x:.3f}' for x in ratios)}; "
+          f"median {result['median_ratio_on_off']:.3f}")
     print(f"load average after: {result['load_average_after']:.1f}")
     return result
 

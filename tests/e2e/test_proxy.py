@@ -28,6 +28,9 @@ pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (m
 PREFILL_S = 8.0            # the silent prefill (the issue's 10 s, shortened for the suite's time)
 PROXY_READ_TIMEOUT_S = 4   # nginx gives up on an upstream silent this long
 STALL_S = 2.0
+# the stopped reader's stream: echo + logprobs of a long prompt for 8 choices, ~5 MB of SSE, more than the kernel's
+# socket buffers (tcp_wmem's 4 MiB cap) and the transport's 64 KiB high-water mark hold
+PROMPT_TOKENS = 700
 TICK_S = 0.5
 
 NGINX_CONF = """
@@ -152,7 +155,7 @@ def test_a_client_that_stops_reading_through_tls_and_nginx_is_named_and_resumes_
 
     ledger = ConnectionLedger.attach(segment_name(eng.engine_id, "conns"), readonly=True)
     rid = "proxied-stopped-reader"
-    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+    body = json.dumps({"prompt": [1000] * PROMPT_TOKENS, "echo": True, "max_tokens": 200, "n": 8, "ignore_eos": True,
                        "stream": True, "logprobs": 20, "stream_options": {"include_usage": True}}).encode()
     raw = socket.socket()
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -180,8 +183,9 @@ def test_a_client_that_stops_reading_through_tls_and_nginx_is_named_and_resumes_
             data += part
         text = data.decode(errors="replace")
         events = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: {")]
-        tokens = sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"])
-        assert tokens == events[-1]["usage"]["completion_tokens"] == 400   # nothing lost
+        tokens = sum(len(c["logprobs"]["tokens"]) for e in events for c in e["choices"] if c.get("logprobs"))
+        assert events[-1]["usage"]["completion_tokens"] == 8 * 200
+        assert tokens == 8 * (PROMPT_TOKENS + 200)   # nothing lost: every echoed and generated token's entry
     finally:
         sock.close()
         ledger.close()
