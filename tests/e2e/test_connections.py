@@ -64,6 +64,44 @@ def http_request(path: str, body: dict, request_id: str) -> bytes:
             f"content-length: {len(data)}\r\n\r\n").encode() + data
 
 
+def h11_post(body: dict, request_id: str):
+    """(an h11 client connection, the bytes of a POST /v1/completions of ``body``)."""
+    import h11
+
+    conn = h11.Connection(h11.CLIENT)
+    data = json.dumps(body).encode()
+    out = conn.send(h11.Request(method="POST", target="/v1/completions",
+                                headers=[("host", "x"), ("content-type", "application/json"),
+                                         ("x-request-id", request_id), ("content-length", str(len(data)))]))
+    return conn, out + conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage())
+
+
+def h11_body(conn, sock) -> bytes:
+    """The whole (de-chunked) response body read from ``sock``."""
+    import h11
+
+    body = b""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            part = sock.recv(1 << 20)
+            assert part, "the server closed the connection before the response ended"
+            conn.receive_data(part)
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            return body
+
+
+def sse_tokens(body: bytes) -> tuple[int, dict]:
+    """(log-probability entries over every choice's chunks, the usage chunk's usage) of a completions stream."""
+    text = body.decode()
+    assert text.endswith("data: [DONE]\n\n")
+    events = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: {")]
+    tokens = sum(len(c["logprobs"]["tokens"]) for e in events for c in e["choices"] if c.get("logprobs"))
+    return tokens, events[-1]["usage"]
+
+
 def test_s15_a_client_that_stops_reading_is_named_write_blocked_others_are_served_and_it_resumes_whole(
         engine, ledger):
     rid = "s15-stopped-reader"
@@ -74,7 +112,8 @@ def test_s15_a_client_that_stops_reading_is_named_write_blocked_others_are_serve
     sock.connect(("127.0.0.1", engine.port))
     try:
         port = sock.getsockname()[1]
-        sock.sendall(http_request("/v1/completions", body, rid))
+        client, request = h11_post(body, rid)
+        sock.sendall(request)
         row = wait_until(lambda: (r := mine(ledger, port)) is not None and r["blocked_since_ns"] and r, 120, 0.05,
                          "the stream to block on the client")
         blocked_at = time.monotonic_ns()
@@ -90,15 +129,9 @@ def test_s15_a_client_that_stops_reading_is_named_write_blocked_others_are_serve
             answer = other.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
             assert answer.status_code == 200
             assert scrape(engine.base_url)['pdserve_http_problems_total{reason=write_blocked}'] >= 1
-        data = b""
         sock.settimeout(120)
-        while not data.endswith(b"data: [DONE]\n\n"):
-            part = sock.recv(1 << 20)
-            assert part, "the server closed the stream before its end"
-            data += part
-        events = [json.loads(line[6:]) for line in data.decode().split("\n") if line.startswith("data: {")]
-        tokens = sum(len(c["logprobs"]["tokens"]) for e in events for c in e["choices"] if c.get("logprobs"))
-        assert events[-1]["usage"]["completion_tokens"] == 8 * 200
+        tokens, usage = sse_tokens(h11_body(client, sock))
+        assert usage["completion_tokens"] == 8 * 200
         assert tokens == 8 * (PROMPT_TOKENS + 200)   # nothing lost: every echoed and generated token's entry
         wait_until(lambda: not mine(ledger, port)["blocked_since_ns"], 10, 0.05, "the block to clear")
     finally:

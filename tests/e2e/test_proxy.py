@@ -6,7 +6,6 @@ Two engines with a slow prefill (fault ``slow_prefill``) behind two nginx server
 the prefill: one sends SSE pings, one does not (``sse_ping_interval_s 0``)."""
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import socket
@@ -19,6 +18,7 @@ import pytest
 
 from ipc.ledger import ConnectionLedger
 from tests.conftest import cleanup_engine, free_port, start_engine
+from tests.e2e.test_connections import h11_body, h11_post, sse_tokens
 from tests.e2e.test_openai_api import self_signed
 from tools.engine_process import wait_until
 
@@ -155,8 +155,8 @@ def test_a_client_that_stops_reading_through_tls_and_nginx_is_named_and_resumes_
 
     ledger = ConnectionLedger.attach(segment_name(eng.engine_id, "conns"), readonly=True)
     rid = "proxied-stopped-reader"
-    body = json.dumps({"prompt": [1000] * PROMPT_TOKENS, "echo": True, "max_tokens": 200, "n": 8, "ignore_eos": True,
-                       "stream": True, "logprobs": 20, "stream_options": {"include_usage": True}}).encode()
+    body = {"prompt": [1000] * PROMPT_TOKENS, "echo": True, "max_tokens": 200, "n": 8, "ignore_eos": True,
+            "stream": True, "logprobs": 20, "stream_options": {"include_usage": True}}
     raw = socket.socket()
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     raw.connect(("127.0.0.1", proxy.port))
@@ -164,8 +164,8 @@ def test_a_client_that_stops_reading_through_tls_and_nginx_is_named_and_resumes_
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     sock = context.wrap_socket(raw, server_hostname="localhost")
     try:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     + f"x-request-id: {rid}\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+        client, request = h11_post(body, rid)
+        sock.sendall(request)
 
         def flagged():
             for r in ledger.live_rows():
@@ -175,16 +175,9 @@ def test_a_client_that_stops_reading_through_tls_and_nginx_is_named_and_resumes_
         row = wait_until(flagged, 180, 0.1, "the upstream connection to be flagged write_blocked")
         assert row["forwarded"] == b"127.0.0.1" and row["protocol"] == 1   # nginx's upstream: HTTP/1.1
         assert f"http write_blocked: connection {int(row['conn_id'])}" in eng.log_text()
-        data = b""
         sock.settimeout(120)
-        while b"data: [DONE]" not in data:
-            part = sock.recv(1 << 20)
-            assert part, "the stream ended before [DONE]"
-            data += part
-        text = data.decode(errors="replace")
-        events = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: {")]
-        tokens = sum(len(c["logprobs"]["tokens"]) for e in events for c in e["choices"] if c.get("logprobs"))
-        assert events[-1]["usage"]["completion_tokens"] == 8 * 200
+        tokens, usage = sse_tokens(h11_body(client, sock))
+        assert usage["completion_tokens"] == 8 * 200
         assert tokens == 8 * (PROMPT_TOKENS + 200)   # nothing lost: every echoed and generated token's entry
     finally:
         sock.close()
