@@ -28,9 +28,9 @@ pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (m
 PREFILL_S = 8.0            # the silent prefill (the issue's 10 s, shortened for the suite's time)
 PROXY_READ_TIMEOUT_S = 4   # nginx gives up on an upstream silent this long
 STALL_S = 2.0
-# the stopped reader's stream: echo + logprobs of a long prompt for 8 choices, ~5 MB of SSE, more than the kernel's
-# socket buffers (tcp_wmem's 4 MiB cap) and the transport's 64 KiB high-water mark hold
-PROMPT_TOKENS = 700
+# the stopped reader's stream: echo + logprobs of a long prompt for 8 choices, ~10 MB of SSE, more than the socket
+# buffers on both sides of nginx (tcp_wmem's 4 MiB cap each; nginx's client side is capped by sndbuf= below) hold
+PROMPT_TOKENS = 1500
 TICK_S = 0.5
 
 NGINX_CONF = """
@@ -45,7 +45,7 @@ http {{
     uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
     upstream pdserve {{ server 127.0.0.1:{upstream}; keepalive 8; keepalive_timeout 60s; }}
     server {{
-        listen 127.0.0.1:{port} ssl;
+        listen 127.0.0.1:{port} ssl sndbuf=32k;
         ssl_certificate {cert}; ssl_certificate_key {key};
         location / {{
             proxy_pass http://pdserve;
