@@ -22,7 +22,7 @@ def test_a_silent_stream_gets_pings_between_its_items_which_pass_unchanged():
                 release.set()
         return got
 
-    got = asyncio.run(scenario())
+    got = asyncio.run(asyncio.wait_for(scenario(), 10))   # without pings it would wait forever
     assert got == [b"data: 1\n\n", PING, PING, PING, b"data: 2\n\n"]
 
 
