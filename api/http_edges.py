@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 
 log = logging.getLogger("pdserve.api")
 
@@ -106,6 +107,7 @@ def install_idle_close() -> bool:
 
     async def _initiate_server_close(self) -> None:
         protocol = getattr(getattr(self, "protocol", None), "protocol", None)   # ProtocolWrapper.protocol
+        _ledger_server_closing(self, isinstance(protocol, H2Protocol))
         if isinstance(protocol, H2Protocol) and not getattr(protocol, "closed", True):
             try:
                 # last_stream_id defaults to the highest stream id received: every one of them was answered
@@ -294,3 +296,321 @@ def ignore_cancelled_connection_callbacks(loop) -> None:
         loop.default_exception_handler(context)
 
     loop.set_exception_handler(handler)
+
+
+# --------------------------------------------------------------------------------------------------------
+# the connection ledger (ipc/ledger.py): what each connection is doing, written from Hypercorn's edges
+
+_LEDGER = None          # the API process's ConnectionLedger once install_connection_ledger ran
+_BY_PEER: dict = {}     # (peer host, peer port) -> _LedgerConn: how an ASGI scope finds its connection
+_SERVER_FIRST = ("idle_close", "drain", "server_close")   # close reasons where the server acted first
+
+
+class _LedgerConn:
+    """One connection's ledger row, from the API process's side: who acted first at the end, writes waiting."""
+
+    __slots__ = ("ledger", "index", "key", "first", "server_reason", "goaway_code", "blocked", "protocol_known")
+
+    def __init__(self, ledger, index: int, key):
+        self.ledger, self.index, self.key = ledger, index, key
+        self.first = ""             # the first close event seen: a CLOSE_REASONS name
+        self.server_reason = ""
+        self.goaway_code = -1
+        self.blocked = 0            # writes waiting now (HTTP/2: one per stream)
+        self.protocol_known = False
+
+    def saw(self, reason: str) -> None:
+        if not self.first:
+            self.first = reason
+
+    def server_closing(self, reason: str, goaway_code: int = -1) -> None:
+        if self.index >= 0:
+            self.saw(reason)
+            self.ledger.note_server_close(self.index, time.monotonic_ns(), self.first, goaway_code)
+
+    def block(self, socket_bytes: int = -1, flow_bytes: int = -1) -> None:
+        self.blocked += 1
+        if self.blocked == 1 and self.index >= 0:
+            self.ledger.note_blocked(self.index, time.monotonic_ns(), socket_bytes, flow_bytes)
+
+    def unblock(self, socket_bytes: int = -1, flow_bytes: int = -1) -> None:
+        self.blocked -= 1
+        if self.index >= 0:
+            since = 0 if self.blocked <= 0 else int(self.ledger.rows["blocked_since_ns"][self.index])
+            self.ledger.note_blocked(self.index, since, socket_bytes, flow_bytes)
+
+
+class _LedgerReader:
+    """The connection's StreamReader, counting what arrives and telling a client FIN from a reset."""
+
+    def __init__(self, reader, conn: _LedgerConn):
+        self._reader, self._conn = reader, conn
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+    def at_eof(self) -> bool:
+        return self._reader.at_eof()
+
+    async def read(self, n: int = -1) -> bytes:
+        conn = self._conn
+        try:
+            data = await self._reader.read(n)
+        except ConnectionResetError:
+            conn.saw("client_rst")
+            raise
+        except OSError:
+            conn.saw("error")
+            raise
+        if conn.index >= 0:
+            if data:
+                conn.ledger.note_in(conn.index, len(data), time.monotonic_ns(), late=conn.first in _SERVER_FIRST)
+            else:
+                conn.saw("client_fin")
+        return data
+
+
+class _LedgerWriter:
+    """The connection's StreamWriter, counting what is written and marking a drain that has to wait."""
+
+    def __init__(self, writer, conn: _LedgerConn):
+        self._writer, self._conn = writer, conn
+
+    def __getattr__(self, name):
+        return getattr(self._writer, name)
+
+    def _buffered(self) -> int:
+        try:
+            return self._writer.transport.get_write_buffer_size()
+        except (AttributeError, RuntimeError):
+            return 0
+
+    def write(self, data) -> None:
+        self._writer.write(data)
+        conn = self._conn
+        if conn.index >= 0:
+            conn.ledger.note_out(conn.index, len(data), self._buffered(), time.monotonic_ns())
+
+    async def drain(self) -> None:
+        try:
+            high = self._writer.transport.get_write_buffer_limits()[1]
+        except (AttributeError, RuntimeError):
+            high = None
+        size = self._buffered()
+        if high is None or size <= high:   # asyncio's drain waits only above the high-water mark
+            await self._writer.drain()
+            return
+        self._conn.block(socket_bytes=size)
+        try:
+            await self._writer.drain()
+        finally:
+            self._conn.unblock(socket_bytes=self._buffered())
+
+    def write_eof(self):
+        self._server_closes()
+        return self._writer.write_eof()
+
+    def close(self):
+        self._server_closes()
+        return self._writer.close()
+
+    def _server_closes(self) -> None:
+        conn = self._conn
+        if not conn.first:   # the server acts first: Connection: close, a protocol error, GOAWAY received...
+            conn.server_closing(conn.server_reason or "server_close")
+
+
+def _ledger_conn(server) -> _LedgerConn | None:
+    return getattr(server, "_pdserve_conn", None)
+
+
+def _ledger_server_closing(server, h2: bool) -> None:
+    """Called by the idle-close wrapper: the server closes an idle connection (or every one, at shutdown)."""
+    conn = _ledger_conn(server)
+    if conn is not None:
+        conn.server_reason = "drain" if server.context.terminated.is_set() else "idle_close"
+        conn.server_closing(conn.server_reason, 0 if h2 else -1)
+
+
+def install_connection_ledger(ledger) -> bool:
+    """Record every connection in ``ledger`` (an ipc.ledger.ConnectionLedger this process writes): wraps
+    ``TCPServer.run`` (the row's life; its reader and writer count bytes, tell who closed first, mark a drain that
+    waits), ``H2Protocol.stream_send`` (a stream waiting for the client's flow-control window) and
+    ``H2Protocol._handle_events`` (a GOAWAY from the client). Requests on a connection are recorded by
+    ``record_requests``. Returns True when in place, False (no ledger) with Hypercorn internals it does not know."""
+    global _LEDGER
+    try:
+        import h2.events
+        from hypercorn.asyncio.tcp_server import TCPServer
+        from hypercorn.protocol import h2 as hypercorn_h2
+        from hypercorn.protocol.events import Body, Data, EndBody, EndData
+    except ImportError as exc:
+        log.warning("no connection ledger: cannot import hypercorn/h2 internals (%s)", exc)
+        return False
+    H2Protocol = hypercorn_h2.H2Protocol
+    run, stream_send = TCPServer.__dict__.get("run"), H2Protocol.__dict__.get("stream_send")
+    handle_events = H2Protocol.__dict__.get("_handle_events")
+    _LEDGER = ledger
+    if getattr(run, _PATCH_MARK, False):
+        return True
+    high_water = getattr(hypercorn_h2, "BUFFER_HIGH_WATER", None)
+    if not (asyncio.iscoroutinefunction(run) and asyncio.iscoroutinefunction(stream_send)
+            and asyncio.iscoroutinefunction(handle_events) and isinstance(high_water, int)):
+        log.warning("no connection ledger: hypercorn %s has no TCPServer.run / H2Protocol.stream_send / "
+                    "_handle_events coroutines or BUFFER_HIGH_WATER", _hypercorn_version())
+        _LEDGER = None
+        return False
+
+    wrappers = ((TCPServer, "run", _recorded_run(run), run),
+                (H2Protocol, "stream_send", _recorded_stream_send(stream_send, high_water, (Body, Data),
+                                                                  (EndBody, EndData)), stream_send),
+                (H2Protocol, "_handle_events", _recorded_handle_events(handle_events,
+                                                                       h2.events.ConnectionTerminated), handle_events))
+    for cls, name, wrapper, original in wrappers:
+        _mark(wrapper, original)
+        setattr(cls, name, wrapper)
+    return True
+
+
+def _recorded_run(run):
+    """``TCPServer.run`` with the connection's ledger row around it (its reader and writer wrapped)."""
+    async def run_recorded(self) -> None:
+        ledger = _LEDGER
+        conn = None
+        if ledger is not None:
+            peer = self.writer.get_extra_info("peername")
+            host, port = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) and len(peer) >= 2 else ("?", 0)
+            index = ledger.open(host, port, time.monotonic_ns())
+            if index >= 0:
+                conn = _LedgerConn(ledger, index, (host, port))
+                self._pdserve_conn = conn
+                _BY_PEER[conn.key] = conn
+                self.reader = _LedgerReader(self.reader, conn)
+                self.writer = _LedgerWriter(self.writer, conn)
+        try:
+            await run(self)
+        finally:
+            if conn is not None:
+                _BY_PEER.pop(conn.key, None)
+                index, conn.index = conn.index, -1
+                ledger.close_connection(index, conn.first or "error", time.monotonic_ns(), conn.goaway_code)
+
+    return run_recorded
+
+
+def _recorded_stream_send(stream_send, high_water: int, data_events: tuple, end_events: tuple):
+    """``H2Protocol.stream_send`` marking the connection write-blocked while a stream's send waits for the client's
+    flow-control window (hypercorn's StreamBuffer: a push at BUFFER_HIGH_WATER, an end with data left)."""
+    def flow_buffered(protocol) -> int:
+        return sum(len(b.buffer) for b in protocol.stream_buffers.values())
+
+    async def stream_send_recorded(self, event) -> None:
+        conn = _ledger_conn(getattr(self.send, "__self__", None))
+        if conn is None or conn.index < 0:
+            await stream_send(self, event)
+            return
+        buffer = self.stream_buffers.get(getattr(event, "stream_id", None))
+        waits = buffer is not None and (
+            (isinstance(event, data_events) and len(buffer.buffer) + len(event.data) >= high_water)
+            or (isinstance(event, end_events) and len(buffer.buffer) > 0
+                and self.connection.local_flow_control_window(event.stream_id) <= 0))
+        if not waits:
+            await stream_send(self, event)
+            return
+        conn.block(flow_bytes=flow_buffered(self) + len(getattr(event, "data", b"")))
+        try:
+            await stream_send(self, event)
+        finally:
+            conn.unblock(flow_bytes=flow_buffered(self))
+
+    return stream_send_recorded
+
+
+def _recorded_handle_events(handle_events, connection_terminated):
+    """``H2Protocol._handle_events`` noting a GOAWAY from the client (its error code)."""
+    async def handle_events_recorded(self, events) -> None:
+        conn = _ledger_conn(getattr(self.send, "__self__", None))
+        if conn is not None:
+            for event in events:
+                if isinstance(event, connection_terminated):
+                    conn.goaway_code = int(event.error_code or 0)
+                    conn.saw("client_goaway")
+        await handle_events(self, events)
+
+    return handle_events_recorded
+
+
+def _header_value(scope, names: tuple[bytes, ...]) -> str:
+    for key, value in scope.get("headers") or ():
+        if key in names:
+            return value.decode("latin-1")
+    return ""
+
+
+def record_requests(app):
+    """ASGI wrapper: each HTTP request in the connection ledger (installed by ``install_connection_ledger``):
+    headers received, response started, response ended; the connection's protocol and first Forwarded /
+    X-Forwarded-For. A handler that admits engine requests calls ``note_engine_requests``."""
+    async def wrapped(scope, receive, send) -> None:
+        conn = _BY_PEER.get(tuple(scope.get("client") or ())) if scope["type"] == "http" else None
+        if conn is None or conn.index < 0:
+            await app(scope, receive, send)
+            return
+        ledger = conn.ledger
+        now = time.monotonic_ns()
+        if not conn.protocol_known:
+            conn.protocol_known = True
+            tls = scope.get("scheme") == "https"
+            protocol = ("h2" if tls else "h2c") if scope.get("http_version") == "2" else ("h1-tls" if tls else "h1")
+            ledger.note_protocol(conn.index, protocol, _header_value(scope, (b"forwarded", b"x-forwarded-for")))
+        entry = _RequestEntry(conn, ledger.request_start(conn.index, _header_value(scope, (b"x-request-id",)), now))
+        scope["pdserve.ledger"] = entry
+
+        async def recording_send(message) -> None:
+            kind = message["type"]
+            if kind == "http.response.start":
+                entry.responding(_header_value(message, (b"x-request-id",)))
+            await send(message)
+            if kind == "http.response.body" and not message.get("more_body", False):
+                entry.end(served=True)
+
+        try:
+            await app(scope, receive, recording_send)
+        finally:
+            entry.end(served=False)
+
+    return wrapped
+
+
+class _RequestEntry:
+    __slots__ = ("conn", "index", "entry", "ended")
+
+    def __init__(self, conn: _LedgerConn, entry: int):
+        self.conn, self.index, self.entry, self.ended = conn, conn.index, entry, False
+
+    def live(self) -> bool:
+        return not self.ended and self.conn.index == self.index and self.index >= 0
+
+    def engine(self, slot: int, generation: int, request_id: str) -> None:
+        if self.live() and self.entry >= 0:
+            self.conn.ledger.request_engine(self.index, self.entry, slot, generation, request_id,
+                                            time.monotonic_ns())
+
+    def responding(self, request_id: str) -> None:
+        if self.live() and self.entry >= 0:
+            self.conn.ledger.request_responding(self.index, self.entry, time.monotonic_ns())
+
+    def end(self, served: bool) -> None:
+        if self.live():
+            self.conn.ledger.request_end(self.index, self.entry, served)
+        self.ended = True
+
+
+def note_engine_requests(scope, handles) -> None:
+    """Tell the connection ledger which engine request (state-table slot and generation: the first of ``handles``)
+    the HTTP request of ``scope`` waits on; a no-op without a ledger. Every route that submits to the engine calls
+    it right after ``EngineClient.submit``, so the monitor can match the row's end with the response's."""
+    entry = scope.get("pdserve.ledger")
+    if entry is not None and handles:
+        first = handles[0]
+        entry.engine(first.slot, first.generation, first.request.request_id)

@@ -12,6 +12,10 @@ Queue gauges (SGLang's names with our prefix):
   pdserve_num_prefill_inflight_queue_reqs   rows in BOOTSTRAP or TRANSFERRING (prefill holds their KV)
   pdserve_num_decode_transfer_queue_reqs    rows in TRANSFERRING (decode pulling their KV)
   pdserve_num_decode_waiting_reqs           rows in DECODE_WAITING
+
+HTTP families from the connection ledger (ipc/ledger.py; README "Connections"): pdserve_http_connections{state},
+pdserve_http_connections_closed_total{reason}, pdserve_http_problems_total{reason} (the monitor's detections),
+pdserve_http_connections_unrecorded_total.
 """
 from __future__ import annotations
 
@@ -141,6 +145,36 @@ class _SharedStateCollector:
         yield handoffs
         yield _gauge("pdserve_api_active_requests", "requests the API process is waiting on",
                      client.num_active())
+        if self.owner.ledger is not None:
+            yield from _ledger_families(self.owner.ledger)
+
+
+def _ledger_families(ledger):
+    """From the connection ledger (ipc/ledger.py): open connections by state, closed ones by reason, the monitor's
+    detections by reason (actors/connection_watch.py), connections not recorded (every row taken)."""
+    from ipc.ledger import DETECTIONS, row_state
+
+    now = time.monotonic_ns()
+    states = {s: 0 for s in ("reading", "engine", "responding", "write-blocked", "idle")}
+    for row in ledger.live_rows():
+        state = row_state(row, now)
+        states[state] = states.get(state, 0) + 1   # a row caught mid-close reads "closed"
+    open_family = _gauge("pdserve_http_connections", "open HTTP connections by what they are doing (reading a "
+                         "request, waiting on the engine, responding, write-blocked, idle)", labels=["state"])
+    for state, n in states.items():
+        open_family.add_metric([state], n)
+    counters = ledger.counters()
+    closed = CounterMetricFamily("pdserve_http_connections_closed", "HTTP connections closed, by how and by whom",
+                                 labels=["reason"])
+    for reason, n in counters["closes"].items():
+        closed.add_metric([reason], n)
+    detected = CounterMetricFamily("pdserve_http_problems", "problems the monitor found between the engine and "
+                                   "the client, each counted once", labels=["reason"])
+    for reason in DETECTIONS:
+        detected.add_metric([reason], counters["detections"][reason])
+    dropped = CounterMetricFamily("pdserve_http_connections_unrecorded", "connections the ledger had no row for")
+    dropped.add_metric([], counters["dropped"])
+    yield from (open_family, closed, detected, dropped)
 
 
 def _prefix_cache_families(rows):
@@ -215,6 +249,7 @@ class EngineMetrics(RequestMetrics):
         super().__init__("requests admitted to the engine")
         self.client = client
         self.handoffs = 0
+        self.ledger = None   # the connection ledger, when the API process writes one (api/server.py)
         r = self.registry
         self.queue_time = self.latency("pdserve_queue_time_seconds", "admission to prefill start")
         self.prefill_time = self.latency("pdserve_prefill_time_seconds", "prompt forward pass")

@@ -6,7 +6,8 @@ The process beats its heartbeat from the asyncio loop, so a wedged event loop sh
 
 Connection edges Hypercorn and h2 handle short of the RFCs (idle close: GOAWAY on HTTP/2, a staged close on
 HTTP/1.1; ``Keep-Alive: timeout=N``; REFUSED_STREAM for a stream over the HTTP/2 limit; a 503 for a request cut
-by the shutdown) are fixed by the guarded wrappers of ``api/http_edges.py``.
+by the shutdown) are fixed by the guarded wrappers of ``api/http_edges.py``, which also keep the connection ledger
+(ipc/ledger.py): what each connection is doing, readable by tools/inspect with this process stopped.
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class ApiActor(Actor):
         from api.app import build_app
         from api.engine_client import EngineClient
         from api.http_edges import (answer_cancelled_requests, ignore_cancelled_connection_callbacks,
-                                    install_idle_close, install_refused_streams, keep_alive_config)
+                                    install_connection_ledger, install_idle_close, install_refused_streams,
+                                    keep_alive_config, record_requests)
         from api.metrics import EngineMetrics
         from api.middleware import load_api_keys
         from pdserve.config import allowed_origins
@@ -90,6 +92,12 @@ class ApiActor(Actor):
         hconfig.graceful_timeout = 1.0
         install_idle_close()
         install_refused_streams()
+        if "conns" in self.layout.segments:   # the connection ledger (ipc/ledger.py): this process writes it
+            from ipc.ledger import ConnectionLedger
+
+            ledger = ConnectionLedger.attach(self.layout.segment("conns"))
+            if install_connection_ledger(ledger):
+                app, metrics.ledger = record_requests(app), ledger
         ignore_cancelled_connection_callbacks(asyncio.get_running_loop())
         certfile = getattr(self.config, "ssl_certfile", "") or ""
         keyfile = getattr(self.config, "ssl_keyfile", "") or ""

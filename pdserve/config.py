@@ -50,8 +50,21 @@ class EngineConfig:
                                       "the model's own name", repeatable=True)
     host: str = _setting("127.0.0.1", "address the HTTP server binds")
     port: int = _setting(8000, "TCP port of the HTTP server (0 = pick a free one)", _port, "0..65535")
-    keep_alive_timeout_s: float = _setting(5.0, "idle HTTP connections are closed after this (HTTP/1.1 close, "
-                                           "HTTP/2 GOAWAY)", _positive, "> 0")
+    keep_alive_timeout_s: float = _setting(120.0, "idle HTTP connections are closed after this (HTTP/1.1 close, "
+                                           "HTTP/2 GOAWAY); keep it above the idle timeout of the connection pools "
+                                           "in front (nginx and cloud load balancers 60 s, Go's net/http 90 s): "
+                                           "the server must outlive the client's pool (README)",
+                                           _positive, "> 0")
+    sse_ping_interval_s: float = _setting(15.0, "a stream that sent nothing this long (queueing, a long prefill) "
+                                          "gets an SSE comment ': ping' so proxies do not time it out; 0 = off",
+                                          _non_negative, ">= 0")
+    connection_ledger_rows: int = _setting(256, "open HTTP connections the connection ledger records (shm, read "
+                                           "by tools/inspect --connections); 0 = no ledger", _non_negative, ">= 0")
+    connection_ledger_closed_rows: int = _setting(64, "closed connections the ledger keeps (a ring)", _positive,
+                                                  "> 0")
+    http_stall_s: float = _setting(10.0, "the monitor reports a response the engine finished but that is not "
+                                   "written, a write blocked on the client, or a request with no response started "
+                                   "after this long", _positive, "> 0")
     body_read_timeout_s: float = _setting(30.0, "longest wait for the next bytes of a request body before a 408 "
                                           "(a client that stops sending mid-body cannot hold a handler)",
                                           _positive, "> 0")

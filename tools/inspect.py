@@ -4,7 +4,8 @@ memory, or over HTTP from any number of nodes (and routers) through their ``GET 
     python -m tools.inspect                 # the only running engine (or the list, if several)
     python -m tools.inspect --list          # running engines on this host
     python -m tools.inspect ENGINE_ID --json
-    python -m tools.inspect ENGINE_ID --watch [--interval-s 1]
+    python -m tools.inspect ENGINE_ID --watch [--interval-s 1] [--connections]
+    python -m tools.inspect ENGINE_ID --connections [--json]   # open HTTP connections, worst first
     python -m tools.inspect --url http://10.0.0.5:8000 --url http://10.0.0.6:8000 [--json] [--watch]
 
 Local mode never goes through HTTP and never writes: every segment is mapped read-only, so it answers while the
@@ -76,10 +77,16 @@ class EngineView:
         self.state = StateTable.attach(segments["state"], readonly=True)
         self.actors = ActorTable.attach(segments["actors"], readonly=True)
         self.status = EngineStatus.attach(segments["status"], readonly=True)
+        self.ledger = None   # the connection ledger (tools/connections_view.py), if the engine keeps one
+        if "conns" in segments:
+            from ipc.ledger import ConnectionLedger
+
+            self.ledger = ConnectionLedger.attach(segments["conns"], readonly=True)
 
     def close(self) -> None:
-        for segment in (self.state, self.actors, self.status):
-            segment.close()
+        for segment in (self.state, self.actors, self.status, self.ledger):
+            if segment is not None:
+                segment.close()
 
     def snapshot(self, sample_s: float = 0.2) -> dict[str, Any]:
         """One consistent-enough snapshot; samples the actor table twice ``sample_s`` apart for loop rates."""
@@ -335,6 +342,32 @@ def _main_urls(args, console) -> int:
     return urls_exit_status(sources)
 
 
+def _main_connections(view: EngineView, args, console) -> int:
+    """--connections (without --watch): the ledger once, as a table or JSON."""
+    from tools import connections_view
+
+    if view.ledger is None:
+        print(f"engine {view.engine_id} keeps no connection ledger (connection_ledger_rows=0)", file=sys.stderr)
+        return EXIT_NO_ENGINE
+    snap = connections_view.snapshot(view.ledger)
+    if args.json:
+        sys.stdout.write(orjson.dumps(snap, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        console.print(connections_view.render(snap))
+    return EXIT_PROBLEM if any(c["problems"] for c in snap["connections"]) else EXIT_OK
+
+
+def _watch_screen(view: EngineView, snap: dict[str, Any], args):
+    """The --watch screen: the engine's tables, then (--connections) the connection ledger's."""
+    if not (args.connections and view.ledger is not None):
+        return render(snap)
+    from rich.console import Group
+
+    from tools import connections_view
+
+    return Group(render(snap), connections_view.render(connections_view.snapshot(view.ledger)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve-inspect", description=__doc__.split("\n\n")[0])
     parser.add_argument("engine_id", nargs="?", help="engine id (default: the only running engine)")
@@ -342,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON snapshot (schema in the module doc)")
     parser.add_argument("--watch", action="store_true", help="refresh in place, like top")
     parser.add_argument("--interval-s", type=float, default=1.0, help="--watch refresh period")
+    parser.add_argument("--connections", action="store_true", help="the connection ledger: every open HTTP "
+                        "connection, worst first, and the last closed ones (with --json: tools/connections_view.py's "
+                        "schema; with --watch: below the engine's tables)")
     parser.add_argument("--url", action="append", metavar="URL",
                         help="a node's or router's base URL (repeatable): read its /debug/state over HTTP")
     parser.add_argument("--timeout-s", type=float, default=5.0, help="--url: limit of each HTTP call")
@@ -378,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engine {engine_id} not found: {exc}", file=sys.stderr)
         return EXIT_NO_ENGINE
     try:
+        if args.connections and not args.watch:
+            return _main_connections(view, args, console)
         if args.json:
             snap = view.snapshot()
             sys.stdout.write(orjson.dumps(snap, option=orjson.OPT_INDENT_2).decode() + "\n")
@@ -389,11 +427,11 @@ def main(argv: list[str] | None = None) -> int:
         from rich.live import Live
 
         snap = view.snapshot()
-        with Live(render(snap), console=console, screen=False, auto_refresh=False) as live:
+        with Live(_watch_screen(view, snap, args), console=console, screen=False, auto_refresh=False) as live:
             try:
                 while True:
                     snap = view.snapshot(sample_s=min(args.interval_s, 1.0))
-                    live.update(render(snap), refresh=True)
+                    live.update(_watch_screen(view, snap, args), refresh=True)
                     time.sleep(max(args.interval_s - 1.0, 0.0))
             except KeyboardInterrupt:
                 pass

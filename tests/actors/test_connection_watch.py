@@ -1,0 +1,86 @@
+"""The monitor's connection detectors (actors/connection_watch.py) over a real ledger segment, without processes."""
+from __future__ import annotations
+
+import pytest
+
+from actors.connection_watch import ConnectionWatch, find_problems
+from ipc.ledger import DETECTIONS, ConnectionLedger
+from ipc.lifecycle import RequestState as S
+
+S_NS = 1_000_000_000
+STALL_S = 10.0
+
+
+@pytest.fixture
+def ledger(engine_id):
+    from ipc import naming
+
+    led = ConnectionLedger.create(naming.segment_name(engine_id, "conns"), num_live=8, num_closed=4)
+    try:
+        yield led
+    finally:
+        led.close()
+        led.unlink()
+
+
+def problems(ledger, engine_rows, now_ns):
+    return find_problems(ledger.live_rows(), ledger.closed_rows(), engine_rows, now_ns, STALL_S)
+
+
+def test_a_write_blocked_past_the_bound_is_found_once_with_its_request_and_cleared_when_it_drains(ledger):
+    i = ledger.open("10.1.1.1", 4000, 0)
+    j = ledger.request_start(i, "chatcmpl-x", 1 * S_NS)
+    ledger.request_engine(i, j, 3, 1, "chatcmpl-x", 1 * S_NS)
+    ledger.request_responding(i, j, 2 * S_NS)
+    ledger.note_blocked(i, 5 * S_NS, socket_bytes=200_000)
+    watch = ConnectionWatch()
+    live = {3: (int(S.DECODING), 1, 2 * S_NS)}
+    assert problems(ledger, live, 14 * S_NS) == []   # blocked 9 s: under the bound
+    (found,) = problems(ledger, live, 15 * S_NS)
+    assert (found.reason, found.conn_id, found.request_id, found.row) == ("write_blocked", 1, "chatcmpl-x", i)
+    assert "connection 1 (10.1.1.1:4000)" in found.message() and "chatcmpl-x" in found.message()
+    new, masks = watch.update([found])
+    assert new == [found] and masks == {i: 1 << DETECTIONS.index("write_blocked")}
+    assert watch.update(problems(ledger, live, 16 * S_NS))[0] == []   # still standing: not new again
+    ledger.note_blocked(i, 0)
+    assert watch.update(problems(ledger, live, 17 * S_NS)) == ([], {})
+
+
+def test_an_engine_row_final_past_the_bound_with_its_http_request_still_open_is_done_not_written(ledger):
+    i = ledger.open("::1", 5000, 0)
+    j = ledger.request_start(i, "", 1 * S_NS)
+    ledger.request_engine(i, j, 7, 4, "cmpl-7", 1 * S_NS)
+    finished = {7: (int(S.FINISHED), 4, 20 * S_NS)}
+    assert problems(ledger, finished, 29 * S_NS) == []
+    (found,) = problems(ledger, finished, 30 * S_NS)
+    assert (found.reason, found.request_id, found.slot, found.conn_id) == ("done_not_written", "cmpl-7", 7, 1)
+    assert found.age_s == pytest.approx(10.0)
+    reused = {7: (int(S.FINISHED), 5, 20 * S_NS)}   # the slot now belongs to another request
+    assert [f.reason for f in problems(ledger, reused, 30 * S_NS)] == ["no_response"]
+    ledger.request_end(i, j, served=True)
+    assert problems(ledger, finished, 40 * S_NS) == []
+
+
+def test_headers_without_a_response_are_found_only_when_the_engine_holds_nothing_for_them(ledger):
+    i = ledger.open("p", 1, 0)
+    j = ledger.request_start(i, "slow-body", 1 * S_NS)          # never admitted (its body never came)
+    k = ledger.request_start(i, "long-prefill", 1 * S_NS)
+    ledger.request_engine(i, k, 2, 9, "long-prefill", 1 * S_NS)
+    engine = {2: (int(S.PREFILLING), 9, 1 * S_NS)}
+    (found,) = problems(ledger, engine, 12 * S_NS)
+    assert (found.reason, found.request_id, found.slot) == ("no_response", "slow-body", -1)
+    ledger.request_responding(i, j, 12 * S_NS)
+    assert problems(ledger, engine, 13 * S_NS) == []
+
+
+def test_a_client_that_wrote_after_the_server_began_closing_is_found_on_the_closed_connection(ledger):
+    i = ledger.open("p", 1, 0)
+    ledger.note_server_close(i, 5 * S_NS, "idle_close")
+    ledger.note_in(i, 120, 5 * S_NS + 1, late=True)
+    ledger.close_connection(i, "client_rst", 6 * S_NS)
+    (found,) = problems(ledger, {}, 7 * S_NS)
+    assert (found.reason, found.conn_id, found.row) == ("wrote_after_close", 1, -1)
+    watch = ConnectionWatch()
+    new, masks = watch.update([found])
+    assert new == [found] and masks == {}   # a closed connection has no live row to flag
+    assert watch.update(problems(ledger, {}, 8 * S_NS))[0] == []
