@@ -20,7 +20,9 @@ from starlette.routing import Route
 
 from api.dialects import anthropic, responses
 from api.dialects.events import Outcome, engine_events
+from api.http_edges import note_engine_requests
 from api.protocol import check_request_id, error_body
+from api.sse import with_pings
 from pdserve.errors import InvalidRequestError, PdserveError
 
 log = logging.getLogger("pdserve.api")
@@ -77,11 +79,17 @@ class DialectRoutes:
         except PdserveError as exc:
             raise renamed(exc) from None
 
-    def _submit(self, gen) -> list:
+    def _submit(self, request: Request, gen) -> list:
         handles = self.r.client.submit(gen)
         for _ in handles:
             self.r.metrics.on_admitted()
+        note_engine_requests(request.scope, handles)   # the connection ledger (api/http_edges.py)
         return handles
+
+    def _sse(self, events, rid: str) -> StreamingResponse:
+        """A dialect's event stream with SSE comment pings while it is silent (api/sse.py)."""
+        return StreamingResponse(with_pings(events, self.r.client.config.sse_ping_interval_s),
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
 
     def _usage(self, handles: list, shape: Callable) -> dict:
         from api.app import cached_prompt_tokens
@@ -168,7 +176,7 @@ class DialectRoutes:
 
         try:
             body, gen, conversation = await self._prepare(request, build)
-            handles = self._submit(gen)
+            handles = self._submit(request, gen)
         except PdserveError as exc:
             log.info("%s %d (param %s): %s", request.url.path, exc.http_status, exc.param, exc.message)
             return self._openai_error(exc)
@@ -189,8 +197,7 @@ class DialectRoutes:
                 keep(outcome, response)
                 return frames
 
-            return StreamingResponse(self._stream(handles, stream, stream.start(), on_finish, stream.failed),
-                                     media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
+            return self._sse(self._stream(handles, stream, stream.start(), on_finish, stream.failed), rid)
         outcome = await self._collect(request, handles)
         if outcome is None:
             return Response(status_code=499)
@@ -245,7 +252,7 @@ class DialectRoutes:
 
         try:
             gen = await self._prepare(request, build)
-            handles = self._submit(gen)
+            handles = self._submit(request, gen)
         except PdserveError as exc:
             log.info("%s %d (param %s): %s", request.url.path, exc.http_status, exc.param, exc.message)
             return self._anthropic_error(exc)
@@ -258,8 +265,7 @@ class DialectRoutes:
             def on_finish(event: tuple, outcome: Outcome) -> list[bytes]:
                 return stream.finish(event[1], event[2], self._usage(handles, anthropic.usage_body))
 
-            return StreamingResponse(self._stream(handles, stream, start, on_finish, stream.failed),
-                                     media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
+            return self._sse(self._stream(handles, stream, start, on_finish, stream.failed), rid)
         outcome = await self._collect(request, handles)
         if outcome is None:
             return Response(status_code=499)
