@@ -25,6 +25,7 @@ from actors.messages import KVReady, RequestError, TokenBatch, TransferDone
 from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort, TransfersPort
 from ipc.lifecycle import LIVE_STATES, TransferStatus
 from ipc.lifecycle import RequestState as S
+from ipc.recorder import EventKind, record_request
 from pdserve.errors import OutOfKVBlocksError
 
 Key = tuple[int, int]
@@ -348,6 +349,8 @@ class DecodeCore:
                          "transfer_s": (self.clock() - entry.transfer_start_ns) / 1e9,
                          "transfer_bytes": 0 if self.transfers.local else entry.pulled_blocks * self.block_bytes,
                          "cached_tokens": ready.cached_tokens}
+        record_request(EventKind.KV_HANDOFF, ready.request_id, *entry.key, a=int(entry.timings["transfer_bytes"]),
+                       b=int(entry.timings["transfer_s"] * 1e9), c=len(ready.src_block_ids), aux=int(self.transfers.local))
         self.outbox.send("prefill" if ready.prefill_actor == -1 else ready.prefill_actor, TransferDone(*entry.key),
                          ready.request_id)
         if self.table.transition(*entry.key, S.DECODE_WAITING, owner=self.actor_index):

@@ -86,6 +86,15 @@ def fail_requests_held_by(table, status, to_api, topology: Topology, index: int,
     return failed
 
 
+def record_timeout(expired) -> None:
+    """The flight recorder's TIMEOUT event: which deadline fired, at what age (ipc/recorder.py)."""
+    from ipc.recorder import EventKind, TimeoutReason, record_request
+
+    record_request(EventKind.TIMEOUT, expired.request_id, expired.slot, expired.generation, old=int(expired.stage),
+                   a=int(expired.age_s * 1e9), b=int(expired.limit_s * 1e9),
+                   aux=int(TimeoutReason[expired.reason.upper()]))
+
+
 def table_counts_by_actor(rows: np.ndarray, indices) -> dict[int, int]:
     """Per engine actor index, the rows (a state-table snapshot) not FREE that name it as their prefill or decode
     actor: what the router's ``routed_requests`` for that actor should equal (the API holds a row from
@@ -201,6 +210,7 @@ class HeartbeatMonitor(Actor):
         final = self.S.FAILED if expired.reason == "bad_timestamp" else self.S.TIMED_OUT
         if not self.table.transition(expired.slot, expired.generation, final, owner=self.index):
             return  # it finished (or was aborted) since the snapshot: it was not stuck
+        record_timeout(expired)
         rec = self.status.rec
         if expired.reason == "bad_timestamp":
             self._notify(expired.slot, expired.generation, 500, "internal_error", expired.message())

@@ -27,6 +27,7 @@ from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort
 from actors.prefix_cache import CachingAllocator, PromptBlocks
 from ipc.lifecycle import LIVE_STATES, held_by
 from ipc.lifecycle import RequestState as S
+from ipc.recorder import EventKind, record_request
 from pdserve.errors import OutOfKVBlocksError
 
 Key = tuple[int, int]   # (state-table slot, generation)
@@ -196,6 +197,9 @@ class PrefillCore:
         for chunk in chunks:
             work = chunk.work
             work.done_tokens, work.chunks_done = chunk.end, work.chunks_done + 1
+            for _, key in work.rows:   # the flight recorder: the chunk, which renewed the row's deadline
+                record_request(EventKind.PREFILL_CHUNK, work.request.request_id, *key, a=chunk.end - chunk.start,
+                               b=chunk.end, t_ns=now_ns)
             if not self.any_live(work):
                 self.abandon(work)
             elif chunk.last:
@@ -230,6 +234,9 @@ class PrefillCore:
             return None
         row = self.table.read(*rows[0][1])
         now_ns = self.clock()
+        if prompt.cached_tokens:
+            for _, key in rows:
+                record_request(EventKind.CACHE_HIT, request.request_id, *key, a=prompt.cached_tokens)
         return PrefillWork(request, prompt, rows, now_ns, int(row["created_ns"]) if row else now_ns,
                            done_tokens=prompt.cached_tokens)
 

@@ -23,6 +23,7 @@ from api.engine_client import EngineClient, RequestHandle
 from api.protocol import (ChoiceResult, GenerationRequest, RequestParser, chat_logprobs, chunk, completion_logprobs,
                           error_body, full_response, usage)
 from api.tools import ToolDeltas, finished_choice
+from ipc.recorder import ClosedBy, EventKind, record_request
 from pdserve.errors import InvalidRequestError, PdserveError
 
 log = logging.getLogger("pdserve.api")
@@ -66,7 +67,22 @@ def error_response(error: PdserveError, request_id: str | None = None) -> JSONRe
         headers["Accept-Encoding"] = ", ".join(BODY_ENCODINGS)   # RFC 9110 section 15.5.16
     if request_id:
         headers["x-request-id"] = request_id
-    return JSONResponse(error_body(error), status_code=error.http_status, headers=headers or None)
+    body = error_body(error)
+    body["error"]["message"] += timeline_hint(error.http_status, request_id)
+    return JSONResponse(body, status_code=error.http_status, headers=headers or None)
+
+
+def record_api(kind: int, handles: list[RequestHandle], **fields) -> None:
+    """One flight-recorder event (ipc/recorder.py) per row of a request: headers, admission, bytes, close."""
+    for h in handles:
+        record_request(kind, h.request.request_id, h.slot, h.generation, **fields)
+
+
+def timeline_hint(status: int, request_id: str | None) -> str:
+    """What a 503/504 body and log line add: the id and how to read its timeline (ipc/recorder.py)."""
+    if status not in (503, 504) or not request_id:
+        return ""
+    return f" (request id {request_id}; its timeline: tools/inspect --request {request_id})"
 
 
 class StopStringMatcher:
@@ -327,6 +343,7 @@ class Routes:
         self.debug = DebugState(client)
 
     async def run_request(self, request: Request, kind: str) -> Response:
+        headers_ns = time.monotonic_ns()
         rid = request.headers.get("x-request-id")
         try:
             raw = await read_decoded_body(request, self.client.config.body_read_timeout_s)
@@ -345,6 +362,8 @@ class Routes:
             return error_response(exc, gen.request_id)
         for _ in handles:
             self.metrics.on_admitted()
+        record_api(EventKind.HTTP_HEADERS, handles, t_ns=headers_ns, a=len(raw))
+        record_api(EventKind.ADMITTED, handles)
         if gen.stream:
             return StreamingResponse(self.stream_events(handles), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "x-request-id": gen.request_id})
@@ -407,14 +426,19 @@ class Routes:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
             if work not in done:
                 self.finished(handles, reasons, 499)
+                record_api(EventKind.CLOSED, handles, aux=ClosedBy.CLIENT, a=499)
                 return Response(status_code=499)
             try:
                 choices = work.result()
             except PdserveError as exc:
-                log.warning("request %s: %d %s", req.request_id, exc.http_status, exc.message)   # the whole id
+                log.warning("request %s: %d %s%s", req.request_id, exc.http_status, exc.message,   # the whole id
+                            timeline_hint(exc.http_status, req.request_id))
                 self.finished(handles, reasons, exc.http_status)
+                record_api(EventKind.CLOSED, handles, aux=ClosedBy.SERVER, a=exc.http_status)
                 return error_response(exc, req.request_id)
             self.finished(handles, reasons)
+            record_api(EventKind.LAST_BYTE, handles, a=200)
+            record_api(EventKind.CLOSED, handles, aux=ClosedBy.SERVER, a=200)
             return JSONResponse(full_response(req, choices, sum(h.completion_tokens for h in handles),
                                               cached_prompt_tokens(handles)),
                                 headers={"x-request-id": req.request_id})
@@ -450,6 +474,8 @@ class Routes:
                                          logprobs=self.format_logprobs(handles, piece_logprobs, offsets[index],
                                                                   index in first), tool_calls=calls)
                             offsets[index] += len(piece or "")
+                            if len(first) == len(handles):
+                                record_api(EventKind.FIRST_BYTE, handles)
                             first.discard(index)
                             yield b"data: " + orjson.dumps(body) + b"\n\n"
                 status = 200
@@ -459,11 +485,16 @@ class Routes:
                                                                    cached_prompt_tokens(handles)))
                     yield b"data: " + orjson.dumps(body) + b"\n\n"
             except PdserveError as exc:
-                log.warning("request %s: %d %s", req.request_id, exc.http_status, exc.message)   # the whole id
+                log.warning("request %s: %d %s%s", req.request_id, exc.http_status, exc.message,   # the whole id
+                            timeline_hint(exc.http_status, req.request_id))
                 status = exc.http_status
-                yield b"data: " + orjson.dumps(error_body(exc)) + b"\n\n"
+                body = error_body(exc)
+                body["error"]["message"] += timeline_hint(exc.http_status, req.request_id)
+                yield b"data: " + orjson.dumps(body) + b"\n\n"
             yield b"data: [DONE]\n\n"
+            record_api(EventKind.LAST_BYTE, handles, a=status)
         finally:
+            record_api(EventKind.CLOSED, handles, aux=ClosedBy.CLIENT if status == 499 else ClosedBy.SERVER, a=status)
             self.finished(handles, reasons, status)
             self.client.finish_all(handles)
 

@@ -61,8 +61,9 @@ from typing import Iterable
 
 import numpy as np
 
-from ipc import _shm
+from ipc import _shm, recorder
 from ipc._shm import RobustLock
+from ipc.recorder import EventKind
 from ipc.lifecycle import ALLOCATE_STATES, ALLOWED, FINAL_STATES, LIVE_STATES, RequestState, check_transition  # noqa: F401
 from pdserve.errors import StateTableFullError
 
@@ -278,9 +279,10 @@ class StateTable(_shm.ShmSegment):
             finally:
                 self._end_write(slot)
             U4.pack_into(self._mm, OFF_CURSOR, (slot + 1) % self.num_rows)
-            return slot, gen
         finally:
             self._release()
+        recorder.record_request(EventKind.ALLOCATE, rid, slot, gen, new=int(state), a=deadline_ns, b=prompt_tokens)
+        return slot, gen
 
     def transition(self, slot: int, generation: int, new_state: RequestState, *, owner: int | None = None,
                    expect: RequestState | Iterable[RequestState] | None = None,
@@ -324,9 +326,13 @@ class StateTable(_shm.ShmSegment):
                 c["state"][slot] = new
             finally:
                 self._end_write(slot)
-            return True
+            rid, deadline_ns, code = c["request_id"][slot], int(c["deadline_ns"][slot]), int(c["error_code"][slot])
         finally:
             self._release()
+        # the flight recorder (ipc/recorder.py): every transition, recorded here so no call site can forget it
+        recorder.record_request(EventKind.TRANSITION, rid, slot, generation, old=cur, new=int(new), a=deadline_ns,
+                                c=code, t_ns=now)
+        return True
 
     def update(self, slot: int, generation: int, **fields) -> bool:
         """Set counters/gauges of a row: any of ``UPDATABLE_FIELDS`` (output_tokens, prefill_blocks,
@@ -391,12 +397,15 @@ class StateTable(_shm.ShmSegment):
             self._begin_write(slot)
             try:
                 c["state_since_ns"][slot] = time.monotonic_ns()
+                final = int(c["state"][slot])
                 c["state"][slot] = RequestState.FREE
             finally:
                 self._end_write(slot)
-            return True
+            rid = c["request_id"][slot]
         finally:
             self._release()
+        recorder.record_request(EventKind.RELEASE, rid, slot, generation, old=final)
+        return True
 
     # ------------------------------------------------------------------ readers (no lock)
 
