@@ -78,6 +78,20 @@ def record_api(kind: int, handles: list[RequestHandle], **fields) -> None:
         record_request(kind, h.request.request_id, h.slot, h.generation, **fields)
 
 
+def request_timelines(client: EngineClient, request_id: str) -> dict | None:
+    """``ipc.timeline.requests_report`` for ``request_id`` from this process's recorder; None without one."""
+    import dataclasses
+
+    from ipc.recorder import installed
+    from ipc.timeline import requests_report
+
+    writer = installed()
+    if writer is None:
+        return None
+    return requests_report(writer.recorder.events(), time.monotonic_ns(), dataclasses.asdict(client.config),
+                           client.topology.names, request_id)
+
+
 def timeline_hint(status: int, request_id: str | None) -> str:
     """What a 503/504 body and log line add: the id and how to read its timeline (ipc/recorder.py)."""
     if status not in (503, 504) or not request_id:
@@ -525,6 +539,15 @@ class Routes:
         except PdserveError as exc:
             return error_response(exc)
 
+    async def debug_requests(self, request: Request) -> Response:
+        """GET /debug/requests/{id}: the request's timelines from the flight recorder (ipc/timeline.py's
+        ``requests_report``; the same JSON as tools/inspect --request ID --json)."""
+        report = await asyncio.to_thread(request_timelines, self.client, request.path_params["request_id"])
+        if report is None:
+            return JSONResponse(error_body("this engine runs without a flight recorder (recorder_events=0)",
+                                           "not_found_error"), status_code=404)
+        return JSONResponse(report, status_code=200 if report["timelines"] else 404)
+
     async def not_found(self, request: Request, exc: Exception) -> Response:
         return JSONResponse(error_body(f"no route {request.method} {request.url.path}", "not_found_error"),
                             status_code=404)
@@ -546,6 +569,7 @@ class Routes:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_route, methods=["GET"]),
             Route("/debug/state", self.debug_state, methods=["GET"]),
+            Route("/debug/requests/{request_id:path}", self.debug_requests, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={404: self.not_found, 405: self.method_not_allowed,
                                                             500: self.server_error})

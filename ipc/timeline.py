@@ -240,3 +240,18 @@ def trace_events(timelines: Iterable[dict[str, Any]], now_ns: int) -> dict[str, 
                         "ts": start_us + ev["t_s"] * 1e6,
                         "args": {k: v for k, v in ev.items() if k not in ("t_s", "kind")}})
     return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def requests_report(events: np.ndarray, now_ns: int, config: dict[str, Any], actor_names: tuple[str, ...],
+                    request_id: str | None = None, *, failed: bool = False, slowest: int = 0,
+                    recent: int = 0) -> dict[str, Any]:
+    """The document /debug/requests/{id} answers and tools/inspect --request/--recent/--failed/--slowest prints:
+    ``{"schema": 1, "request_id": id|null, "timelines": [...]}``. ``config``: the effective config (values or
+    the manifest's ``{"value", "source"}`` entries)."""
+    limits = stage_deadlines(config)
+    if request_id is not None:
+        found = timelines_of(events, request_id, now_ns, limits, actor_names)
+    else:
+        found = select(all_timelines(events, now_ns, limits, actor_names), failed=failed, slowest=slowest,
+                       recent=recent or (0 if failed or slowest else 20))
+    return {"schema": SCHEMA_VERSION, "request_id": request_id, "timelines": found}
