@@ -255,3 +255,35 @@ def requests_report(events: np.ndarray, now_ns: int, config: dict[str, Any], act
         found = select(all_timelines(events, now_ns, limits, actor_names), failed=failed, slowest=slowest,
                        recent=recent or (0 if failed or slowest else 20))
     return {"schema": SCHEMA_VERSION, "request_id": request_id, "timelines": found}
+
+
+def diverging_ids(events: np.ndarray, rows: np.ndarray, api_actor: int) -> dict[str, list[dict[str, Any]]]:
+    """Id-level reconciliation of the API's holdings with the state table's rows.
+
+    The API's side, from the recorder: row lives it allocated and has not released (ALLOCATE / RELEASE events
+    written by actor ``api_actor``); the table's side: its rows not FREE (``rows``, a snapshot of ROW_DTYPE). Only
+    rows created after the recorder's oldest API event are judged (older ones fell off the ring). Returns
+    ``{"api_only": [...], "table_only": [...]}``, each entry ``{"slot", "generation", "key", "request_id"}``
+    (request_id from the table row, else null)."""
+    api = events[events["actor"] == api_actor]
+    if not api.size:
+        return {"api_only": [], "table_only": []}
+    oldest_ns = int(api["t_ns"].min())
+    held: dict[tuple[int, int], int] = {}
+    for ev in api[np.isin(api["kind"], [EventKind.ALLOCATE, EventKind.RELEASE])]:
+        life = (int(ev["slot"]), int(ev["generation"]))
+        if int(ev["kind"]) == EventKind.ALLOCATE:
+            held[life] = int(ev["key"])
+        else:
+            held.pop(life, None)
+    table: dict[tuple[int, int], str] = {}
+    for slot in np.flatnonzero((rows["state"] != int(S.FREE)) & (rows["created_ns"] >= oldest_ns)):
+        rid = rows["request_id"][slot]
+        table[(int(slot), int(rows["generation"][slot]))] = rid.decode("ascii", "replace") \
+            if isinstance(rid, bytes) else str(rid)
+
+    def entry(life, key, rid):
+        return {"slot": life[0], "generation": life[1], "key": f"{key:016x}", "request_id": rid}
+    return {"api_only": [entry(life, key, None) for life, key in sorted(held.items()) if life not in table],
+            "table_only": [entry(life, request_key(rid), rid) for life, rid in sorted(table.items())
+                           if life not in held]}

@@ -346,6 +346,8 @@ def add_timeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slowest", type=int, metavar="N", help="the N longest request timelines")
     parser.add_argument("--trace-out", metavar="FILE", help="write Chrome/Perfetto trace JSON of the timelines")
     parser.add_argument("--window-s", type=float, help="--trace-out: only requests started this recently")
+    parser.add_argument("--reconcile", action="store_true", help="the ids the API holds that the state table "
+                        "does not, and the reverse, with their timelines (exit 1 if any)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ with the API process stopped and after the request's row was reused.
     python -m tools.inspect --request ID              # client id or completion id (one string in pdserve)
     python -m tools.inspect --recent 20 | --failed | --slowest 10 [--json]
     python -m tools.inspect --trace-out trace.json [--window-s 60]   # open in ui.perfetto.dev or chrome://tracing
+    python -m tools.inspect --reconcile     # ids the API holds that the table does not, and the reverse
 """
 from __future__ import annotations
 
@@ -28,7 +29,25 @@ def read_events(manifest: dict[str, Any]):
 
 
 def wants_timelines(args) -> bool:
-    return bool(args.request or args.recent or args.failed or args.slowest or args.trace_out)
+    return bool(args.request or args.recent or args.failed or args.slowest or args.trace_out or args.reconcile)
+
+
+def reconcile(manifest: dict[str, Any], events, now_ns: int) -> dict[str, Any]:
+    """``{"api_only": [...], "table_only": [...]}`` (ipc/timeline.py's ``diverging_ids``), each entry with its
+    ``timeline`` (or null)."""
+    from ipc.state_table import StateTable
+    from ipc.timeline import all_timelines, diverging_ids, stage_deadlines
+
+    names = tuple(manifest.get("actors", ()))
+    with StateTable.attach(manifest["segments"]["state"], readonly=True) as table:
+        rows = table.snapshot()
+    diff = diverging_ids(events, rows, names.index("api") if "api" in names else -2)
+    timelines = {(t["slot"], t["generation"], t["key"]): t
+                 for t in all_timelines(events, now_ns, stage_deadlines(manifest.get("config", {})), names)}
+    for side in diff.values():
+        for e in side:
+            e["timeline"] = timelines.get((e["slot"], e["generation"], e["key"]))
+    return diff
 
 
 def main_timelines(args, manifest: dict[str, Any]) -> int:
@@ -43,6 +62,8 @@ def main_timelines(args, manifest: dict[str, Any]) -> int:
         return 2
     now_ns = time.monotonic_ns()
     names = tuple(manifest.get("actors", ()))
+    if args.reconcile:
+        return print_reconcile(reconcile(manifest, events, now_ns), args.json)
     report = requests_report(events, now_ns, manifest.get("config", {}), names, args.request, failed=args.failed,
                              slowest=args.slowest or 0, recent=args.recent or 0)
     if args.trace_out:
@@ -61,3 +82,20 @@ def main_timelines(args, manifest: dict[str, Any]) -> int:
     for timeline in [] if args.json else report["timelines"]:
         print("\n".join(render_text(timeline)))
     return 1 if args.request and not report["timelines"] else 0
+
+
+def print_reconcile(diff: dict[str, Any], as_json: bool) -> int:
+    """Print the diverging ids (and their timelines); exit 1 if any."""
+    from ipc.timeline import render_text
+
+    if as_json:
+        sys.stdout.write(orjson.dumps(diff, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        for side, title in (("api_only", "held by the API, not in the table"),
+                            ("table_only", "in the table, not held by the API")):
+            print(f"{title}: {len(diff[side])}")
+            for e in diff[side]:
+                print(f"  {e['request_id'] or e['key']} slot {e['slot']} generation {e['generation']}")
+                if e["timeline"] is not None:
+                    print("\n".join("    " + line for line in render_text(e["timeline"])))
+    return 1 if diff["api_only"] or diff["table_only"] else 0

@@ -22,7 +22,7 @@ MAX_QUEUED = 8   # a table of 2 * 8 + 16 = 32 rows: 50 requests reuse every one 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     eng = start_engine(tmp_path_factory.mktemp("recorder"), "--max-queued-requests", str(MAX_QUEUED),
-                       env={"PDSERVE_FAULTS": "transfer_stuck:match=stuck-",
+                       env={"PDSERVE_FAULTS": "transfer_stuck:match=stuck-;router_count_drift:count_delta=1,match=drift-",
                             "PDSERVE_INFLIGHT_TIMEOUT_S": str(INFLIGHT_TIMEOUT_S), "PDSERVE_MONITOR_TICK_S": "0.5"})
     yield eng
     cleanup_engine(eng)
@@ -82,3 +82,18 @@ def test_a_timed_out_requests_timeline_outlives_its_row_and_reads_with_the_api_s
     assert over_http.status_code == 200
     assert over_http.json()["timelines"][0]["path"] == timeline["path"]
     assert httpx.get(engine.base_url + "/debug/requests/never-sent", timeout=10).status_code == 404
+
+
+def test_a_router_count_drift_is_logged_with_the_ids_each_side_holds(engine, probe):
+    """router_count_drift bends the router's count, not its set of requests: the monitor's log line says so by
+    naming no diverging id on either side, and tools/inspect --reconcile agrees (exit 0). Runs last: the drift
+    stays."""
+    response = httpx.post(engine.base_url + "/v1/completions", headers={"X-Request-Id": "drift-1"},
+                          json={"prompt": "drift", "max_tokens": 2}, timeout=60)
+    assert response.status_code == 200, response.text
+    wait_until(lambda: "router count mismatch" in engine.log_text(), 5, 0.1, "the mismatch log line")
+    line = next(x for x in engine.log_text().splitlines() if "router count mismatch" in x)
+    assert "ids the API holds and the table does not: none; the table holds and the API does not: none" in line
+    shown = inspect(engine, "--reconcile", "--json")
+    assert shown.returncode == 0, shown.stdout
+    assert orjson.loads(shown.stdout) == {"api_only": [], "table_only": []}

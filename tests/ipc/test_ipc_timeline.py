@@ -103,3 +103,24 @@ def test_trace_event_format():
     assert stages[1]["ts"] == 1e6 and stages[1]["dur"] == 3e6
     assert any(e["ph"] == "i" and e["name"] == "timeout" for e in trace["traceEvents"])
     assert all(e["pid"] == 1 for e in trace["traceEvents"])
+
+
+def test_diverging_ids_name_what_each_side_holds_that_the_other_does_not():
+    from ipc.state_table import ROW_DTYPE
+    from ipc.timeline import diverging_ids
+
+    rows = [(1.0, EventKind.ALLOCATE, "a", 0, 1, 2, {"new": int(S.QUEUED)}),
+            (1.1, EventKind.ALLOCATE, "b", 1, 1, 2, {"new": int(S.QUEUED)}),
+            (1.2, EventKind.ALLOCATE, "c", 2, 1, 2, {"new": int(S.QUEUED)}),
+            (1.3, EventKind.RELEASE, "c", 2, 1, 2, {"old": int(S.FINISHED)}),
+            (1.4, EventKind.RELEASE, "b", 1, 1, 3, {"old": int(S.FAILED)})]   # the monitor reclaimed b's row
+    table = np.zeros(6, ROW_DTYPE)
+    for slot, rid, state, created_s in ((0, b"a", S.DECODING, 1.0), (3, b"d", S.QUEUED, 2.0),
+                                        (4, b"old", S.DECODING, 0.5)):
+        table[slot]["request_id"], table[slot]["state"] = rid, int(state)
+        table[slot]["generation"], table[slot]["created_ns"] = 1, int(created_s * S_NS)
+    diff = diverging_ids(events_of(rows), table, api_actor=2)
+    assert [(e["slot"], e["generation"]) for e in diff["api_only"]] == [(1, 1)]
+    assert diff["api_only"][0]["key"] == f"{request_key('b'):016x}"
+    assert [(e["slot"], e["request_id"]) for e in diff["table_only"]] == [(3, "d")]   # "old": before the ring
+    assert diverging_ids(events_of(rows[:1]), table[:1], api_actor=2) == {"api_only": [], "table_only": []}
