@@ -1,8 +1,9 @@
 """Starlette app: OpenAI-compatible routes, /health, /metrics and /debug/state.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models, GET /health,
-GET /metrics, GET /debug/state (tools/inspect's snapshot, api/debug_state.py). Errors are OpenAI error JSON with
-the right status; nothing raises out of a handler.
+GET /metrics, GET /debug/state (tools/inspect's snapshot, api/debug_state.py), GET /debug/requests/{id} (the
+request's timelines from the flight recorder, ipc/timeline.py). Errors are OpenAI error JSON with the right status;
+nothing raises out of a handler; a 503/504 names the request id and how to read its timeline.
 """
 from __future__ import annotations
 

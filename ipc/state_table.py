@@ -47,6 +47,9 @@ Row (``ROW_DTYPE``, 128 bytes, 8-byte fields aligned so a concurrent reader neve
 ``prefill_actor`` and ``decode_actor`` are written once, by the API at ``allocate``; the monitor fails a row
 held by a dead or hung actor only when the row names that actor.
 
+``allocate``, ``transition`` and ``release`` also append an event to the process's flight recorder
+(ipc/recorder.py; a no-op where none is installed), after the lock is released.
+
 Writers (allocate/transition/update/release) take one table-wide lock (posix_ipc semaphore ``name + "_lock"``,
 waited for at most ``lock_timeout_s``; a holder that died is taken over, see ``ipc._shm``). Readers never
 lock: ``row``/``read`` use the per-row seqlock for a consistent row; ``snapshot``/``count_by_state``/
