@@ -6,9 +6,10 @@ All engines are up at once (an idle engine blocks on its queues' semaphores) and
 in turn, never together. Low load (concurrency 1) is interleaved request by request: prompt ``i`` (its own
 seed) goes to every engine in turn, the order rotating per prompt, so the machine's drift (a busy shared host
 changes speed within seconds) hits both modes alike; the report gives each mode's TTFT p50 and the per-prompt
-ratios disaggregated / colocated (median and quartiles). Then one run per engine at high load (concurrency 16):
-TTFT p50 and output throughput. ``--baseline-root DIR`` also starts both modes from another checkout (e.g. the
-code before a change) and interleaves them with the same prompts. Load average (1 min) before and after.
+ratios disaggregated / colocated (median and quartiles) and output tok/s. Then two runs per engine at high load
+(concurrency 16, in the order A B B A): the mean TTFT p50 and output throughput. ``--baseline-root DIR`` also
+starts both modes from another checkout (e.g. the code before a change) and interleaves them with the same
+prompts. Load average (1 min) before and after.
 
     python -m tools.bench_colocated [--num-prompts 16] [--input-len 64] [--output-len 16] [--baseline-root DIR]
     python -m tools.bench_colocated --compare recorder      # recorder on vs off
@@ -56,6 +57,12 @@ def ratio_summary(dis_ms: list[float], col_ms: list[float]) -> dict:
             "dis_p50": statistics.median(dis_ms), "col_p50": statistics.median(col_ms)}
 
 
+def mean_run(runs: list[dict]) -> dict:
+    """The mean of bench_serving summaries' TTFT p50 and output throughput (the fields the report prints)."""
+    return {"ttft_ms": {"p50": statistics.mean(r["ttft_ms"]["p50"] for r in runs)},
+            "output_throughput": statistics.mean(r["output_throughput"] for r in runs)}
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=16, help="concurrency-1 prompts, each to every engine")
@@ -86,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
                 one = run_serving(bases[label], args, 1, 1, seed, warmup=0)
                 ttft_ms[label].append(one["ttft_ms"]["p50"])
                 tok_s[label].append(one["output_throughput"])
-        high = {label: run_serving(bases[label], args, 16, 2 * args.num_prompts, seed=1000, warmup=1)
-                for label in labels}
+        runs16: dict[str, list[dict]] = {label: [] for label in labels}
+        for label in labels + labels[::-1]:   # A B B A: the machine's drift hits both modes alike
+            runs16[label].append(run_serving(bases[label], args, 16, 2 * args.num_prompts, seed=1000, warmup=1))
+        high = {label: mean_run(runs) for label, runs in runs16.items()}
     load_after = os.getloadavg()[0]
     print(f"\n# {first} vs {second}, {time.strftime('%Y-%m-%d %H:%M:%S')}, input {args.input_len} "
           f"tokens, output {args.output_len}, greedy with ignore_eos; load average (1 min) {load_before:.1f} "
