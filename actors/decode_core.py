@@ -25,7 +25,7 @@ from actors.messages import KVReady, RequestError, TokenBatch, TransferDone
 from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort, TransfersPort
 from ipc.lifecycle import LIVE_STATES, TransferStatus
 from ipc.lifecycle import RequestState as S
-from ipc.recorder import EventKind, record_request
+from ipc.recorder import EventKind, Renewal, record_request
 from pdserve.errors import OutOfKVBlocksError
 
 Key = tuple[int, int]
@@ -217,6 +217,8 @@ class DecodeCore:
                     if received > entry.blocks_received:
                         entry.blocks_received = received
                         self._updates.append((*entry.key, {"last_progress_ns": self.clock()}))
+                        record_request(EventKind.RENEWAL, entry.ready.request_id, *entry.key, aux=Renewal.BLOCKS,
+                                       a=received)
                     keep.append(entry)
                     continue
                 self.transfers.release(entry.transfer_handle)
@@ -404,6 +406,8 @@ class DecodeCore:
             return
         self.renewed_ns = now_ns
         self._updates.extend((*e.key, {"last_progress_ns": now_ns}) for e in self.bootstrap + self.decode_waiting)
+        for e in self.bootstrap + self.decode_waiting:   # the flight recorder: what renewed them
+            record_request(EventKind.RENEWAL, e.ready.request_id, *e.key, aux=Renewal.QUEUE, t_ns=now_ns)
 
 
 def _transfer_failure(status: int) -> str:

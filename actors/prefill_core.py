@@ -27,7 +27,7 @@ from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort
 from actors.prefix_cache import CachingAllocator, PromptBlocks
 from ipc.lifecycle import LIVE_STATES, held_by
 from ipc.lifecycle import RequestState as S
-from ipc.recorder import EventKind, record_request
+from ipc.recorder import EventKind, Renewal, record_request
 from pdserve.errors import OutOfKVBlocksError
 
 Key = tuple[int, int]   # (state-table slot, generation)
@@ -282,6 +282,9 @@ class PrefillCore:
         self.renewed_ns = now_ns
         self.table.update_many([(*key, {"last_progress_ns": now_ns})
                                 for request in self.queued for key in request_rows(request)])
+        for request in self.queued:   # the flight recorder: what renewed them
+            for key in request_rows(request):
+                record_request(EventKind.RENEWAL, request.request_id, *key, aux=Renewal.QUEUE, t_ns=now_ns)
 
     def own_gauges(self) -> dict[str, int]:
         """This role's own counts, cross-checked by the monitor against the table: QUEUED rows, rows in the

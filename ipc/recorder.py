@@ -84,7 +84,7 @@ class EventKind(enum.IntEnum):
     FIRST_BYTE = 10     # the first response byte was handed to the server
     LAST_BYTE = 11      # the last response byte was handed to the server; a = HTTP status
     CLOSED = 12         # the exchange ended; aux = ClosedBy; a = HTTP status
-    RENEWAL = 13        # a deadline renewal; aux = Renewal (what renewed it)
+    RENEWAL = 13        # a deadline renewal; aux = Renewal (what renewed it); BLOCKS: a = blocks received so far
 
 
 class ClosedBy(enum.IntEnum):
@@ -93,10 +93,12 @@ class ClosedBy(enum.IntEnum):
 
 
 class Renewal(enum.IntEnum):
-    CHUNK = 1      # a prefill chunk finished
+    """What renewed a deadline (a finished prefill chunk is its own PREFILL_CHUNK event; tokens are not
+    recorded one by one)."""
+    CHUNK = 1      # a prefill chunk finished (recorded as PREFILL_CHUNK)
     BLOCKS = 2     # KV blocks arrived
-    QUEUE = 3      # the queue ahead moved
-    TOKEN = 4      # a decoded token
+    QUEUE = 3      # the queue ahead moved (at most once per renew interval)
+    TOKEN = 4      # a decoded token (not recorded)
 
 
 class TimeoutReason(enum.IntEnum):
