@@ -352,7 +352,8 @@ class DecodeCore:
                          "transfer_bytes": 0 if self.transfers.local else entry.pulled_blocks * self.block_bytes,
                          "cached_tokens": ready.cached_tokens}
         record_request(EventKind.KV_HANDOFF, ready.request_id, *entry.key, a=int(entry.timings["transfer_bytes"]),
-                       b=int(entry.timings["transfer_s"] * 1e9), c=len(ready.src_block_ids), aux=int(self.transfers.local))
+                       b=int(entry.timings["transfer_s"] * 1e9), c=len(ready.src_block_ids),
+                       aux=int(self.transfers.local))
         self.outbox.send("prefill" if ready.prefill_actor == -1 else ready.prefill_actor, TransferDone(*entry.key),
                          ready.request_id)
         if self.table.transition(*entry.key, S.DECODE_WAITING, owner=self.actor_index):

@@ -125,8 +125,9 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
                           f"context {shape.context_length} and the KV pool's {pool_tokens} tokens)",
                           param="max_model_len")
     engine_actors = topo.prefill + topo.decode
-    names = ("state", "actors", "status", "q_api") + (("recorder",) if config.recorder_events else ()) + tuple(topo.segment(what, i) for i in engine_actors
-                                                          for what in ("q", "kv"))
+    recorder = ("recorder",) if config.recorder_events else ()   # the flight recorder (ipc/recorder.py)
+    names = ("state", "actors", "status", "q_api") + recorder + tuple(topo.segment(what, i) for i in engine_actors
+                                                                      for what in ("q", "kv"))
     return EngineLayout(engine_id=engine_id, config=config, model_path=model_path,
                         served_model_name=config.served_model_name or model_file_name(model_path), shape=shape,
                         max_context_tokens=max_context_tokens, http_port=config.port or free_port(config.host),
@@ -252,7 +253,6 @@ class Supervisor:
 
         if recorder.installed() is not None and any(s is recorder.installed().recorder for s in self._owned):
             recorder.install(None, 0, 0)
-
         for segment in reversed(self._owned):
             try:
                 segment.close()

@@ -17,12 +17,13 @@ from tests.conftest import ROOT, cleanup_engine, probe_fixture, start_engine, wa
 
 INFLIGHT_TIMEOUT_S = 2.0
 MAX_QUEUED = 8   # a table of 2 * 8 + 16 = 32 rows: 50 requests reuse every one of them
+FAULTS = "transfer_stuck:match=stuck-;router_count_drift:count_delta=1,match=drift-"
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     eng = start_engine(tmp_path_factory.mktemp("recorder"), "--max-queued-requests", str(MAX_QUEUED),
-                       env={"PDSERVE_FAULTS": "transfer_stuck:match=stuck-;router_count_drift:count_delta=1,match=drift-",
+                       env={"PDSERVE_FAULTS": FAULTS,
                             "PDSERVE_INFLIGHT_TIMEOUT_S": str(INFLIGHT_TIMEOUT_S), "PDSERVE_MONITOR_TICK_S": "0.5"})
     yield eng
     cleanup_engine(eng)

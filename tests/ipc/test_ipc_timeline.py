@@ -59,8 +59,8 @@ def test_a_timed_out_request_after_its_row_was_reused():
     assert t["stages"][3]["deadline_field"] == "inflight_timeout_s" and t["stages"][3]["deadline_s"] == 2.0
     assert t["stages"][3]["by"] == "decode0" and t["stages"][4]["by"] == "monitor"
     assert round(t["timeout"]["age_s"], 3) == 2.05
-    assert {k: v for k, v in t["timeout"].items() if k != "age_s"} == {"stage": "transfer", "reason": "stage_deadline", "limit_s": 2.0,
-                            "deadline_field": "inflight_timeout_s"}
+    assert {k: v for k, v in t["timeout"].items() if k != "age_s"} == {
+        "stage": "transfer", "reason": "stage_deadline", "limit_s": 2.0, "deadline_field": "inflight_timeout_s"}
     assert t["final"] == "TIMED_OUT" and t["released"] and (t["slot"], t["generation"]) == (0, 7)
     text = "\n".join(render_text(t))
     assert "QUEUED -> PREFILLING -> BOOTSTRAP -> TRANSFERRING -> TIMED_OUT" in text
