@@ -140,3 +140,15 @@ def test_layout_and_bad_sizes(name):
     finally:
         ring.close()
         ring.unlink()
+
+
+def test_the_ring_size_is_a_setting_on_by_default():
+    from pdserve.config import load_config
+    from pdserve.errors import ConfigError
+
+    assert load_config(None, {}).config.recorder_events == 262144
+    assert load_config({"recorder_events": 0}, {}).config.recorder_events == 0
+    loaded = load_config(None, {"PDSERVE_RECORDER_EVENTS": "4096"})
+    assert loaded.config.recorder_events == 4096 and loaded.sources["recorder_events"] == "env"
+    with pytest.raises(ConfigError, match="recorder_events"):
+        load_config({"recorder_events": -1}, {})
