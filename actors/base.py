@@ -225,6 +225,18 @@ def run_actor(class_path: str, layout: EngineLayout, index: int, stop_event: Any
     getattr(importlib.import_module(module), name)(layout, index).child_main(stop_event)
 
 
+def open_recorder(layout: EngineLayout, index: int):
+    """Attach the flight recorder (ipc/recorder.py) and install sub-ring ``index`` as this process's; None when
+    the engine runs without one (recorder_events=0)."""
+    from ipc import recorder
+
+    if "recorder" not in layout.segments:
+        return None
+    ring = recorder.Recorder.attach(layout.segment("recorder"))
+    recorder.install(ring, index, index)
+    return ring
+
+
 class Actor:
     """Base class. Subclasses implement ``on_start``, ``run_once()`` and optionally ``on_stop``.
 
@@ -271,6 +283,7 @@ class Actor:
         self.actors = ActorTable.attach(self.layout.segment("actors"))
         self.status = EngineStatus.attach(self.layout.segment("status"))
         self.actors.starting(self.index, os.getpid())
+        self.recorder = open_recorder(self.layout, self.index)
         self.on_start()
         self.actors.set_status(self.index, ActorStatus.READY)
         self.actors.beat(self.index)

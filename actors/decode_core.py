@@ -27,6 +27,7 @@ from actors.messages import KVReady, RequestError, TokenBatch, TransferDone
 from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort, TransfersPort
 from ipc.lifecycle import LIVE_STATES, TransferStatus
 from ipc.lifecycle import RequestState as S
+from ipc.recorder import EventKind, Renewal, record_request
 from pdserve.errors import OutOfKVBlocksError
 from pdserve.kv_budget import blocks_for
 
@@ -230,6 +231,8 @@ class DecodeCore:
                     if received > entry.blocks_received:
                         entry.blocks_received = received
                         self._updates.append((*entry.key, {"last_progress_ns": self.clock()}))
+                        record_request(EventKind.RENEWAL, entry.ready.request_id, *entry.key, aux=Renewal.BLOCKS,
+                                       a=received)
                     keep.append(entry)
                     continue
                 self.transfers.release(entry.transfer_handle)
@@ -362,6 +365,9 @@ class DecodeCore:
                          "transfer_s": (self.clock() - entry.transfer_start_ns) / 1e9,
                          "transfer_bytes": 0 if self.transfers.local else entry.pulled_blocks * self.block_bytes,
                          "cached_tokens": ready.cached_tokens}
+        record_request(EventKind.KV_HANDOFF, ready.request_id, *entry.key, a=int(entry.timings["transfer_bytes"]),
+                       b=int(entry.timings["transfer_s"] * 1e9), c=len(ready.src_block_ids),
+                       aux=int(self.transfers.local))
         self.outbox.send("prefill" if ready.prefill_actor == -1 else ready.prefill_actor, TransferDone(*entry.key),
                          ready.request_id)
         if self.table.transition(*entry.key, S.DECODE_WAITING, owner=self.actor_index, by="decode"):
@@ -431,6 +437,8 @@ class DecodeCore:
             return
         self.renewed_ns = now_ns
         self._updates.extend((*e.key, {"last_progress_ns": now_ns}) for e in self.bootstrap + self.decode_waiting)
+        for e in self.bootstrap + self.decode_waiting:   # the flight recorder: what renewed them
+            record_request(EventKind.RENEWAL, e.ready.request_id, *e.key, aux=Renewal.QUEUE, t_ns=now_ns)
 
 
 def _transfer_failure(status: int) -> str:

@@ -87,6 +87,33 @@ def fail_requests_held_by(table, status, to_api, topology: Topology, index: int,
     return failed
 
 
+def record_timeout(expired) -> None:
+    """The flight recorder's TIMEOUT event: which deadline fired, at what age (ipc/recorder.py)."""
+    from ipc.recorder import EventKind, TimeoutReason, record_request
+
+    record_request(EventKind.TIMEOUT, expired.request_id, expired.slot, expired.generation, old=int(expired.stage),
+                   a=int(expired.age_s * 1e9), b=int(expired.limit_s * 1e9),
+                   aux=int(TimeoutReason[expired.reason.upper()]))
+
+
+def diverging_text(rows: np.ndarray, api_actor: int) -> str:
+    """Which ids the API holds that the table does not and the reverse, from the flight recorder
+    (ipc/timeline.py's ``diverging_ids``), for the mismatch log line."""
+    from ipc.recorder import installed
+    from ipc.timeline import diverging_ids
+
+    writer = installed()
+    if writer is None:
+        return "no flight recorder to name the ids (recorder_events=0)"
+    diff = diverging_ids(writer.recorder.events(), rows, api_actor)
+
+    def ids(entries) -> str:
+        return ", ".join(e["request_id"] or f"slot {e['slot']} gen {e['generation']} key {e['key']}"
+                         for e in entries[:10]) or "none"
+    return (f"ids the API holds and the table does not: {ids(diff['api_only'])}; the table holds and the API does "
+            f"not: {ids(diff['table_only'])} (their timelines: tools/inspect --reconcile)")
+
+
 def table_counts_by_actor(rows: np.ndarray, indices) -> dict[int, int]:
     """Per engine actor index, the rows (a state-table snapshot) not FREE that name it as their prefill or decode
     actor: what the router's ``routed_requests`` for that actor should equal (the API holds a row from
@@ -211,6 +238,7 @@ class HeartbeatMonitor(Actor):
         final = self.S.FAILED if expired.reason == "bad_timestamp" else self.S.TIMED_OUT
         if not self.table.transition(expired.slot, expired.generation, final, owner=self.index, by="monitor"):
             return  # it finished (or was aborted) since the snapshot: it was not stuck
+        record_timeout(expired)
         rec = self.status.rec
         if expired.reason == "bad_timestamp":
             self._notify(expired.slot, expired.generation, 500, "internal_error", expired.message())
@@ -296,7 +324,8 @@ class HeartbeatMonitor(Actor):
             flag = self.router_mismatch_ticks[index] >= ROUTER_MISMATCH_TICKS
             if flag and not row["router_mismatch"]:
                 log.error("router count mismatch for actor %s: the router counts %d requests on it, the state "
-                          "table %d (the table wins)", row["name"], routed, table_counts[index])
+                          "table %d (the table wins); %s", row["name"], routed, table_counts[index],
+                          diverging_text(rows, self.topology.api))
             if flag != bool(row["router_mismatch"]):
                 self.actors.set_router_mismatch(index, flag)
 

@@ -27,6 +27,7 @@ from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort
 from actors.prefix_cache import CachingAllocator, PromptBlocks
 from ipc.lifecycle import LIVE_STATES, held_by
 from ipc.lifecycle import RequestState as S
+from ipc.recorder import EventKind, Renewal, record_request
 from pdserve.errors import OutOfKVBlocksError
 
 Key = tuple[int, int]   # (state-table slot, generation)
@@ -198,6 +199,9 @@ class PrefillCore:
         for chunk in chunks:
             work = chunk.work
             work.done_tokens, work.chunks_done = chunk.end, work.chunks_done + 1
+            for _, key in work.rows:   # the flight recorder: the chunk, which renewed the row's deadline
+                record_request(EventKind.PREFILL_CHUNK, work.request.request_id, *key, a=chunk.end - chunk.start,
+                               b=chunk.end, t_ns=now_ns)
             if not self.any_live(work):
                 self.abandon(work)
             elif chunk.last:
@@ -234,6 +238,9 @@ class PrefillCore:
             return None
         row = self.table.read(*rows[0][1])
         now_ns = self.clock()
+        if prompt.cached_tokens:
+            for _, key in rows:
+                record_request(EventKind.CACHE_HIT, request.request_id, *key, a=prompt.cached_tokens)
         return PrefillWork(request, prompt, rows, now_ns, int(row["created_ns"]) if row else now_ns,
                            done_tokens=prompt.cached_tokens)
 
@@ -279,6 +286,9 @@ class PrefillCore:
         self.renewed_ns = now_ns
         self.table.update_many([(*key, {"last_progress_ns": now_ns})
                                 for request in self.queued for key in request_rows(request)])
+        for request in self.queued:   # the flight recorder: what renewed them
+            for key in request_rows(request):
+                record_request(EventKind.RENEWAL, request.request_id, *key, aux=Renewal.QUEUE, t_ns=now_ns)
 
     def own_gauges(self) -> dict[str, int]:
         """This role's own counts, cross-checked by the monitor against the table: QUEUED rows, rows in the

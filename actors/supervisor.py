@@ -125,8 +125,9 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
                           f"context {shape.context_length} and the KV pool's {pool_tokens} tokens)",
                           param="max_model_len")
     engine_actors = topo.prefill + topo.decode
-    names = ("state", "actors", "status", "q_api") + tuple(topo.segment(what, i) for i in engine_actors
-                                                          for what in ("q", "kv"))
+    recorder = ("recorder",) if config.recorder_events else ()   # the flight recorder (ipc/recorder.py)
+    names = ("state", "actors", "status", "q_api") + recorder + tuple(topo.segment(what, i) for i in engine_actors
+                                                                      for what in ("q", "kv"))
     names += ("conns",) if config.connection_ledger_rows else ()   # the connection ledger (ipc/ledger.py)
     return EngineLayout(engine_id=engine_id, config=config, model_path=model_path,
                         served_model_name=config.served_model_name or model_file_name(model_path), shape=shape,
@@ -215,6 +216,7 @@ class Supervisor:
             self.actors.register(index, name, self.devices.get(index, ""))
         self.status = EngineStatus.create(lay.segment("status"))
         self._owned.append(self.status)
+        self._create_recorder()
         for q in ("q_api",) + tuple(topo.segment("q", i) for i in engine_actors):
             self.queues[q] = ShmQueue.create(lay.segment(q), num_slots=cfg.queue_slots, slot_bytes=cfg.queue_slot_bytes,
                                              mode=queue_mode(queue_producers(q, topo, cfg.colocated)))
@@ -230,6 +232,19 @@ class Supervisor:
                                              num_kv_heads=lay.shape.num_kv_heads, head_dim=lay.shape.head_dim,
                                              dtype=torch.float32))
 
+    def _create_recorder(self) -> None:
+        """The flight recorder (ipc/recorder.py): one sub-ring per actor, then the supervisor's own (installed
+        here, so its transitions are recorded too)."""
+        from ipc import recorder
+
+        cfg, writers = self.layout.config, len(self.topology.names) + 1
+        if not cfg.recorder_events:
+            return
+        ring = recorder.Recorder.create(self.layout.segment("recorder"), num_writers=writers,
+                                        events_per_writer=max(16, cfg.recorder_events // writers))
+        self._owned.append(ring)
+        recorder.install(ring, writers - 1, recorder.SUPERVISOR_ACTOR)
+
     def _prepare_model(self) -> None:
         """Build the prepared-model file once (gpu/prepared.py) so the actors only memory-map it; on a warm
         cache this is a check of its key."""
@@ -241,8 +256,11 @@ class Supervisor:
         log.info("prepared model %s (%.1f s)", path or "cache off", time.monotonic() - started)
 
     def _unlink_segments(self) -> None:
+        from ipc import recorder
         from ipc.naming import unlink_all
 
+        if recorder.installed() is not None and any(s is recorder.installed().recorder for s in self._owned):
+            recorder.install(None, 0, 0)
         for segment in reversed(self._owned):
             try:
                 segment.close()

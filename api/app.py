@@ -4,8 +4,9 @@ Routes: POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1
 POST /v1/embeddings (a 400: a generation model), each also without the ``/v1`` prefix (as llama.cpp serves them);
 the Responses and Messages dialects' routes (api/dialects/routes.py); POST /tokenize, POST /detokenize; GET (and
 HEAD) /, /health (readiness, with its report), /health/live, /health/ready; GET /metrics, GET /debug/state
-(tools/inspect's snapshot, api/debug_state.py). Errors are OpenAI error JSON (Anthropic's on /v1/messages) with the
-right status; nothing raises out of a handler.
+(tools/inspect's snapshot, api/debug_state.py), GET /debug/requests/{id} (the request's timelines from the flight
+recorder, ipc/timeline.py). Errors are OpenAI error JSON (Anthropic's on /v1/messages) with the right status;
+nothing raises out of a handler; a 503/504 names the request id and how to read its timeline.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from api.protocol import (ChoiceResult, GenerationRequest, RequestParser, chat_l
                           error_body, full_response, usage)
 from api.sse import with_pings
 from api.tools import ToolDeltas, finished_choice
+from ipc.recorder import ClosedBy, EventKind, record_request
 from pdserve.errors import InvalidRequestError, PdserveError
 
 log = logging.getLogger("pdserve.api")
@@ -71,7 +73,36 @@ def error_response(error: PdserveError, request_id: str | None = None) -> JSONRe
         headers["Accept-Encoding"] = ", ".join(BODY_ENCODINGS)   # RFC 9110 section 15.5.16
     if request_id:
         headers["x-request-id"] = request_id
-    return JSONResponse(error_body(error), status_code=error.http_status, headers=headers or None)
+    body = error_body(error)
+    body["error"]["message"] += timeline_hint(error.http_status, request_id)
+    return JSONResponse(body, status_code=error.http_status, headers=headers or None)
+
+
+def record_api(kind: int, handles: list[RequestHandle], **fields) -> None:
+    """One flight-recorder event (ipc/recorder.py) per row of a request: headers, admission, bytes, close."""
+    for h in handles:
+        record_request(kind, h.request.request_id, h.slot, h.generation, **fields)
+
+
+def request_timelines(client: EngineClient, request_id: str) -> dict | None:
+    """``ipc.timeline.requests_report`` for ``request_id`` from this process's recorder; None without one."""
+    import dataclasses
+
+    from ipc.recorder import installed
+    from ipc.timeline import requests_report
+
+    writer = installed()
+    if writer is None:
+        return None
+    return requests_report(writer.recorder.events(), time.monotonic_ns(), dataclasses.asdict(client.config),
+                           client.topology.names, request_id)
+
+
+def timeline_hint(status: int, request_id: str | None) -> str:
+    """What a 503/504 body and log line add: the id and how to read its timeline (ipc/recorder.py)."""
+    if status not in (503, 504) or not request_id:
+        return ""
+    return f" (request id {request_id}; its timeline: tools/inspect --request {request_id})"
 
 
 class StopStringMatcher:
@@ -344,6 +375,7 @@ class Routes:
         self.debug = DebugState(client)
 
     async def run_request(self, request: Request, kind: str) -> Response:
+        headers_ns = time.monotonic_ns()
         rid = request.headers.get("x-request-id")
         try:
             raw = await read_decoded_body(request, self.client.config.body_read_timeout_s)
@@ -363,6 +395,8 @@ class Routes:
         note_engine_requests(request.scope, handles)   # the connection ledger (api/http_edges.py)
         for _ in handles:
             self.metrics.on_admitted()
+        record_api(EventKind.HTTP_HEADERS, handles, t_ns=headers_ns, a=len(raw))
+        record_api(EventKind.ADMITTED, handles)
         if gen.stream:
             events = with_pings(self.stream_events(handles), self.client.config.sse_ping_interval_s)
             return StreamingResponse(events, media_type="text/event-stream",
@@ -426,13 +460,17 @@ class Routes:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
             if work not in done:
                 self.finished(handles, reasons, 499)
+                record_api(EventKind.CLOSED, handles, aux=ClosedBy.CLIENT, a=499)
                 return Response(status_code=499)
             try:
                 choices = work.result()
             except PdserveError as exc:   # logged by ErrorLogMiddleware
                 self.finished(handles, reasons, exc.http_status)
+                record_api(EventKind.CLOSED, handles, aux=ClosedBy.SERVER, a=exc.http_status)
                 return error_response(exc, req.request_id)
             self.finished(handles, reasons)
+            record_api(EventKind.LAST_BYTE, handles, a=200)
+            record_api(EventKind.CLOSED, handles, aux=ClosedBy.SERVER, a=200)
             return JSONResponse(full_response(req, choices, sum(h.completion_tokens for h in handles),
                                               cached_prompt_tokens(handles)),
                                 headers={"x-request-id": req.request_id})
@@ -468,6 +506,8 @@ class Routes:
                                          logprobs=self.format_logprobs(handles, piece_logprobs, offsets[index],
                                                                   index in first), tool_calls=calls)
                             offsets[index] += len(piece or "")
+                            if len(first) == len(handles):
+                                record_api(EventKind.FIRST_BYTE, handles)
                             first.discard(index)
                             yield b"data: " + orjson.dumps(body) + b"\n\n"
                 status = 200
@@ -477,11 +517,16 @@ class Routes:
                                                                    cached_prompt_tokens(handles)))
                     yield b"data: " + orjson.dumps(body) + b"\n\n"
             except PdserveError as exc:
-                log.warning("request %s: %d %s", req.request_id, exc.http_status, exc.message)   # the whole id
+                log.warning("request %s: %d %s%s", req.request_id, exc.http_status, exc.message,   # the whole id
+                            timeline_hint(exc.http_status, req.request_id))
                 status = exc.http_status
-                yield b"data: " + orjson.dumps(error_body(exc)) + b"\n\n"
+                body = error_body(exc)
+                body["error"]["message"] += timeline_hint(exc.http_status, req.request_id)
+                yield b"data: " + orjson.dumps(body) + b"\n\n"
             yield b"data: [DONE]\n\n"
+            record_api(EventKind.LAST_BYTE, handles, a=status)
         finally:
+            record_api(EventKind.CLOSED, handles, aux=ClosedBy.CLIENT if status == 499 else ClosedBy.SERVER, a=status)
             self.finished(handles, reasons, status)
             self.client.finish_all(handles)
 
@@ -549,6 +594,15 @@ class Routes:
         except PdserveError as exc:
             return error_response(exc)
 
+    async def debug_requests(self, request: Request) -> Response:
+        """GET /debug/requests/{id}: the request's timelines from the flight recorder (ipc/timeline.py's
+        ``requests_report``; the same JSON as tools/inspect --request ID --json)."""
+        report = await asyncio.to_thread(request_timelines, self.client, request.path_params["request_id"])
+        if report is None:
+            return JSONResponse(error_body("this engine runs without a flight recorder (recorder_events=0)",
+                                           "not_found_error"), status_code=404)
+        return JSONResponse(report, status_code=200 if report["timelines"] else 404)
+
     async def not_found(self, request: Request, exc: Exception) -> Response:
         return JSONResponse(error_body(f"no route {request.method} {request.url.path}", "not_found_error"),
                             status_code=404)
@@ -583,6 +637,7 @@ class Routes:
             Route("/health/ready", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_route, methods=["GET"]),
             Route("/debug/state", self.debug_state, methods=["GET"]),
+            Route("/debug/requests/{request_id:path}", self.debug_requests, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={404: self.not_found, 405: self.method_not_allowed,
                                                             500: self.server_error})

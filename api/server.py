@@ -16,7 +16,7 @@ import logging
 import os
 import pathlib
 
-from actors.base import API_INDEX, Actor, exit_now, leave_signals_to_the_supervisor, parent_is_gone
+from actors.base import API_INDEX, Actor, exit_now, leave_signals_to_the_supervisor, open_recorder, parent_is_gone
 
 log = logging.getLogger("pdserve.api")
 
@@ -42,6 +42,7 @@ class ApiActor(Actor):
 
         self.actors = ActorTable.attach(self.layout.segment("actors"))
         self.actors.starting(self.index, os.getpid())
+        self.recorder = open_recorder(self.layout, self.index)
         asyncio.run(self._serve(stop_event))
         self.actors.set_status(self.index, ActorStatus.STOPPED)
         exit_now()

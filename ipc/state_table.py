@@ -47,6 +47,9 @@ Row (``ROW_DTYPE``, 128 bytes, 8-byte fields aligned so a concurrent reader neve
 ``prefill_actor`` and ``decode_actor`` are written once, by the API at ``allocate``; the monitor fails a row
 held by a dead or hung actor only when the row names that actor.
 
+``allocate``, ``transition`` and ``release`` also append an event to the process's flight recorder
+(ipc/recorder.py; a no-op where none is installed), after the lock is released.
+
 Writers (allocate/transition/update/release) take one table-wide lock (posix_ipc semaphore ``name + "_lock"``,
 waited for at most ``lock_timeout_s``; a holder that died is taken over, see ``ipc._shm``). Readers never
 lock: ``row``/``read`` use the per-row seqlock for a consistent row; ``snapshot``/``count_by_state``/
@@ -61,10 +64,11 @@ from typing import Iterable
 
 import numpy as np
 
-from ipc import _shm
+from ipc import _shm, recorder
 from ipc._shm import RobustLock
 from ipc.lifecycle import (ALLOCATE_STATES, ALLOWED, FINAL_STATES, LIVE_STATES, RequestState,  # noqa: F401
                            check_mover, check_transition)
+from ipc.recorder import EventKind
 from pdserve.errors import StateTableFullError
 
 
@@ -279,9 +283,10 @@ class StateTable(_shm.ShmSegment):
             finally:
                 self._end_write(slot)
             U4.pack_into(self._mm, OFF_CURSOR, (slot + 1) % self.num_rows)
-            return slot, gen
         finally:
             self._release()
+        recorder.record_request(EventKind.ALLOCATE, rid, slot, gen, new=int(state), a=deadline_ns, b=prompt_tokens)
+        return slot, gen
 
     def transition(self, slot: int, generation: int, new_state: RequestState, *, owner: int | None = None,
                    expect: RequestState | Iterable[RequestState] | None = None,
@@ -326,9 +331,13 @@ class StateTable(_shm.ShmSegment):
                 c["state"][slot] = new
             finally:
                 self._end_write(slot)
-            return True
+            rid, deadline_ns, code = c["request_id"][slot], int(c["deadline_ns"][slot]), int(c["error_code"][slot])
         finally:
             self._release()
+        # the flight recorder (ipc/recorder.py): every transition, recorded here so no call site can forget it
+        recorder.record_request(EventKind.TRANSITION, rid, slot, generation, old=cur, new=int(new), a=deadline_ns,
+                                c=code, t_ns=now)
+        return True
 
     def update(self, slot: int, generation: int, **fields) -> bool:
         """Set counters/gauges of a row: any of ``UPDATABLE_FIELDS`` (output_tokens, prefill_blocks,
@@ -393,12 +402,15 @@ class StateTable(_shm.ShmSegment):
             self._begin_write(slot)
             try:
                 c["state_since_ns"][slot] = time.monotonic_ns()
+                final = int(c["state"][slot])
                 c["state"][slot] = RequestState.FREE
             finally:
                 self._end_write(slot)
-            return True
+            rid = c["request_id"][slot]
         finally:
             self._release()
+        recorder.record_request(EventKind.RELEASE, rid, slot, generation, old=final)
+        return True
 
     # ------------------------------------------------------------------ readers (no lock)
 

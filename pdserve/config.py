@@ -162,6 +162,9 @@ class EngineConfig:
                                            _positive, "> 0")
     stuck_gauge_s: float = _setting(30.0, "a gauge > 0 with nothing leaving its stage this long is stuck",
                                     _positive, "> 0")
+    recorder_events: int = _setting(262144, "flight recorder: events kept in its shm ring (64 B each, split evenly "
+                                    "between the writer processes; the oldest are overwritten; tools/inspect "
+                                    "--request reads it); 0 = off", _non_negative, ">= 0")
     faults: str = _setting("", "fault injection spec (see pdserve/faults.py); empty = none")
     drain_timeout_s: float = _setting(10.0, "on SIGTERM, how long running requests may finish", _non_negative,
                                       ">= 0")

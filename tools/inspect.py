@@ -7,6 +7,7 @@ memory, or over HTTP from any number of nodes (and routers) through their ``GET 
     python -m tools.inspect ENGINE_ID --watch [--interval-s 1] [--connections]
     python -m tools.inspect ENGINE_ID --connections [--json]   # open HTTP connections, worst first
     python -m tools.inspect --url http://10.0.0.5:8000 --url http://10.0.0.6:8000 [--json] [--watch]
+    python -m tools.inspect --request ID | --recent N | --failed | --slowest N | --trace-out FILE  (tools/timelines.py)
 
 Local mode never goes through HTTP and never writes: every segment is mapped read-only, so it answers while the
 API process is wedged and cannot disturb the engine. ``--url`` asks each URL's ``/debug/state`` (the same snapshot,
@@ -58,6 +59,7 @@ from typing import Any
 import orjson
 
 from api.debug_state import SCHEMA_VERSION, take_snapshot
+from tools.timelines import main_timelines, wants_timelines
 
 EXIT_OK, EXIT_PROBLEM, EXIT_NO_ENGINE = 0, 1, 2
 
@@ -368,6 +370,19 @@ def _watch_screen(view: EngineView, snap: dict[str, Any], args):
     return Group(render(snap), connections_view.render(connections_view.snapshot(view.ledger)))
 
 
+def add_timeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flight recorder's views (tools/timelines.py)."""
+    parser.add_argument("--request", metavar="ID", help="the timeline of one request (client or completion id), "
+                        "also after it ended and its row was reused")
+    parser.add_argument("--recent", type=int, metavar="N", help="the N newest request timelines")
+    parser.add_argument("--failed", action="store_true", help="timelines that timed out or failed")
+    parser.add_argument("--slowest", type=int, metavar="N", help="the N longest request timelines")
+    parser.add_argument("--trace-out", metavar="FILE", help="write Chrome/Perfetto trace JSON of the timelines")
+    parser.add_argument("--window-s", type=float, help="--trace-out: only requests started this recently")
+    parser.add_argument("--reconcile", action="store_true", help="the ids the API holds that the state table "
+                        "does not, and the reverse, with their timelines (exit 1 if any)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve-inspect", description=__doc__.split("\n\n")[0])
     parser.add_argument("engine_id", nargs="?", help="engine id (default: the only running engine)")
@@ -382,12 +397,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="a node's or router's base URL (repeatable): read its /debug/state over HTTP")
     parser.add_argument("--timeout-s", type=float, default=5.0, help="--url: limit of each HTTP call")
     parser.add_argument("--api-key", help="--url: the nodes' API key (default: the first of $PDSERVE_API_KEY)")
+    add_timeline_arguments(parser)
     args = parser.parse_args(argv)
     if args.url and (args.engine_id or args.list):
         parser.error("--url reads nodes over HTTP: it takes no engine id and no --list")
     from rich.console import Console
 
-    from ipc.manifest import running_engines
+    from ipc.manifest import read_manifest, running_engines
 
     console = Console(width=None if sys.stdout.isatty() else 140)
     if args.url:
@@ -408,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         print("no pdserve engine found" if not engines else
               f"several engines are running ({', '.join(engines)}); name one", file=sys.stderr)
         return EXIT_NO_ENGINE
+    if wants_timelines(args):
+        return main_timelines(args, read_manifest(engine_id))
     try:
         view = EngineView(engine_id)
     except (FileNotFoundError, ValueError) as exc:

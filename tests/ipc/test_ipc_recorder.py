@@ -1,0 +1,154 @@
+"""The flight recorder's ring (ipc/recorder.py) with real processes: a reader racing a wrapping writer never sees
+a torn event, a SIGKILLed writer's half-written event is skipped and its successor continues the count, a stopped
+reader never blocks a writer; and the state table records every transition through it."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from ipc import recorder
+from ipc.recorder import EVENT_DTYPE, EventKind, Recorder, request_key
+from ipc.state_table import RequestState as S
+from ipc.state_table import StateTable
+from ipc_children import join_all
+from recorder_children import payload, read_forever, write_events, write_then_die_mid_event
+
+
+def whole(events: np.ndarray) -> np.ndarray:
+    """The events whose every field matches payload(head): True per event."""
+    head = events["head"].astype(np.int64)
+    return ((events["a"] == head * 7) & (events["b"] == -head * 7) & (events["generation"] == head)
+            & (events["key"] == (head * 31 + 7).astype(np.uint64)) & (events["slot"] == head % 1000))
+
+
+def test_a_reader_racing_a_wrapping_writer_sees_only_whole_events(name, ctx):
+    ring = Recorder.create(name("rec"), num_writers=2, events_per_writer=64)
+    count = 200_000
+    started = ctx.Event()
+    writer = ctx.Process(target=write_events, args=(ring.name, 1, count, started))
+    writer.start()
+    try:
+        assert started.wait(20)
+        reader = Recorder.attach(ring.name, readonly=True)
+        reads = seen = 0
+        while writer.is_alive() or reads == 0:
+            events = reader.events()
+            mine = events[events["actor"] == 1]
+            assert whole(mine).all(), mine[~whole(mine)]
+            assert len(mine) <= 64 and (len(mine) == 0 or np.ptp(mine["head"].astype(np.int64)) < 64)
+            reads, seen = reads + 1, seen + len(mine)
+        assert join_all([writer]) == [0]
+        final = reader.events()
+        assert ring.written(1) == count and len(final) == 64 and whole(final).all()
+        assert sorted(final["head"].tolist()) == list(range(count - 63, count + 1))
+        assert reads > 10 and seen > 0   # the reads overlapped the writing
+        reader.close()
+    finally:
+        join_all([writer])
+        ring.close()
+        ring.unlink()
+
+
+def test_a_sigkilled_writers_half_event_is_skipped_and_its_successor_continues(name, ctx):
+    ring = Recorder.create(name("rec"), num_writers=1, events_per_writer=16)
+    try:
+        child = ctx.Process(target=write_then_die_mid_event, args=(ring.name, 0, 20))
+        child.start()
+        join_all([child])
+        assert child.exitcode == -signal.SIGKILL
+        events = ring.events()
+        assert whole(events).all() and sorted(events["head"].tolist()) == list(range(6, 21))   # 21 is torn
+        assert ring.written(0) == 20
+        started = ctx.Event()
+        successor = ctx.Process(target=write_events, args=(ring.name, 0, 3, started))   # the restarted actor
+        successor.start()
+        assert join_all([successor]) == [0]
+        events = ring.events()
+        assert whole(events).all() and sorted(events["head"].tolist()) == list(range(8, 24))
+    finally:
+        ring.close()
+        ring.unlink()
+
+
+def test_a_stopped_reader_never_blocks_a_writer(name, ctx):
+    ring = Recorder.create(name("rec"), num_writers=1, events_per_writer=32)
+    started = ctx.Event()
+    reader = ctx.Process(target=read_forever, args=(ring.name, started))
+    reader.start()
+    try:
+        assert started.wait(20)
+        os.kill(reader.pid, signal.SIGSTOP)   # stopped wherever it was, mid-read included
+        w = ring.open_writer(0, actor=0)
+        deadline = time.monotonic() + 10
+        for _ in range(10_000):
+            w.append(2, **payload(w._written + 1))
+        assert time.monotonic() < deadline and ring.written(0) == 10_000 and whole(ring.events()).all()
+    finally:
+        os.kill(reader.pid, signal.SIGCONT)
+        reader.kill()
+        join_all([reader])
+        ring.close()
+        ring.unlink()
+
+
+def test_the_state_table_records_allocate_transitions_and_release(name):
+    ring = Recorder.create(name("rec"), num_writers=3, events_per_writer=64)
+    table = StateTable.create(name("state"), num_rows=4)
+    try:
+        recorder.install(ring, 2, 5)
+        slot, gen = table.allocate("client-id-1", prompt_tokens=3, deadline_ns=123)
+        assert table.transition(slot, gen, S.PREFILLING)
+        assert not table.transition(slot, gen + 1, S.BOOTSTRAP)   # refused: nothing recorded
+        assert table.transition(slot, gen, S.FAILED, error_code=7)
+        assert table.release(slot, gen)
+        events = Recorder.attach(ring.name, readonly=True).events()
+        assert events["kind"].tolist() == [EventKind.ALLOCATE, EventKind.TRANSITION, EventKind.TRANSITION,
+                                           EventKind.RELEASE]
+        assert (events["key"] == request_key("client-id-1")).all() and (events["actor"] == 5).all()
+        assert events[["old", "new"]].tolist() == [(0, S.QUEUED), (S.QUEUED, S.PREFILLING),
+                                                   (S.PREFILLING, S.FAILED), (S.FAILED, 0)]
+        assert events["a"].tolist()[:3] == [123, 123, 123] and events["c"][2] == 7
+        assert (events["slot"] == slot).all() and (events["generation"] == gen).all()
+    finally:
+        recorder.install(None, 0, 0)
+        table.close()
+        table.unlink()
+        ring.close()
+        ring.unlink()
+
+
+def test_layout_and_bad_sizes(name):
+    assert EVENT_DTYPE.itemsize == 64 and EVENT_DTYPE.fields["tail"][1] == 56
+    with pytest.raises(ValueError):
+        Recorder.create(name("rec"), num_writers=0, events_per_writer=64)
+    with pytest.raises(ValueError):
+        Recorder.create(name("rec"), num_writers=1, events_per_writer=8)
+    ring = Recorder.create(name("rec"), num_writers=2, events_per_writer=16)
+    try:
+        assert Recorder.size_bytes(2, 16) == len(ring._mm)
+        ro = Recorder.attach(ring.name, readonly=True)
+        with pytest.raises(PermissionError):
+            ro.open_writer(0, 0)
+        with pytest.raises(IndexError):
+            ring.open_writer(2, 0)
+        assert len(ro.events()) == 0
+        ro.close()
+    finally:
+        ring.close()
+        ring.unlink()
+
+
+def test_the_ring_size_is_a_setting_on_by_default():
+    from pdserve.config import load_config
+    from pdserve.errors import ConfigError
+
+    assert load_config(None, {}).config.recorder_events == 262144
+    assert load_config({"recorder_events": 0}, {}).config.recorder_events == 0
+    loaded = load_config(None, {"PDSERVE_RECORDER_EVENTS": "4096"})
+    assert loaded.config.recorder_events == 4096 and loaded.sources["recorder_events"] == "env"
+    with pytest.raises(ConfigError, match="recorder_events"):
+        load_config({"recorder_events": -1}, {})

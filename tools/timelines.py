@@ -1,0 +1,101 @@
+"""tools/inspect's flight-recorder views (ipc/recorder.py, ipc/timeline.py): a request's timeline by id, the recent,
+failed or slowest ones, and a Chrome/Perfetto trace of a window. Reads the engine's shm read-only, so it answers
+with the API process stopped and after the request's row was reused.
+
+    python -m tools.inspect --request ID              # client id or completion id (one string in pdserve)
+    python -m tools.inspect --recent 20 | --failed | --slowest 10 [--json]
+    python -m tools.inspect --trace-out trace.json [--window-s 60]   # open in ui.perfetto.dev or chrome://tracing
+    python -m tools.inspect --reconcile     # ids the API holds that the table does not, and the reverse
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import orjson
+
+
+def read_events(manifest: dict[str, Any]):
+    """Every whole event of the engine's recorder (read-only). Raises FileNotFoundError when the engine runs
+    without one (recorder_events=0) or is gone."""
+    from ipc.recorder import Recorder
+
+    name = manifest["segments"].get("recorder")
+    if name is None:
+        raise FileNotFoundError("this engine runs without a flight recorder (recorder_events=0)")
+    with Recorder.attach(name, readonly=True) as ring:
+        return ring.events()
+
+
+def wants_timelines(args) -> bool:
+    return bool(args.request or args.recent or args.failed or args.slowest or args.trace_out or args.reconcile)
+
+
+def reconcile(manifest: dict[str, Any], events, now_ns: int) -> dict[str, Any]:
+    """``{"api_only": [...], "table_only": [...]}`` (ipc/timeline.py's ``diverging_ids``), each entry with its
+    ``timeline`` (or null)."""
+    from ipc.state_table import StateTable
+    from ipc.timeline import all_timelines, diverging_ids, stage_deadlines
+
+    names = tuple(manifest.get("actors", ()))
+    with StateTable.attach(manifest["segments"]["state"], readonly=True) as table:
+        rows = table.snapshot()
+    diff = diverging_ids(events, rows, names.index("api") if "api" in names else -2)
+    timelines = {(t["slot"], t["generation"], t["key"]): t
+                 for t in all_timelines(events, now_ns, stage_deadlines(manifest.get("config", {})), names)}
+    for side in diff.values():
+        for e in side:
+            e["timeline"] = timelines.get((e["slot"], e["generation"], e["key"]))
+    return diff
+
+
+def main_timelines(args, manifest: dict[str, Any]) -> int:
+    """--request / --recent / --failed / --slowest / --trace-out. Exit 0; 1 when --request finds nothing; 2 when
+    there is no recorder to read."""
+    from ipc.timeline import render_text, requests_report, trace_events
+
+    try:
+        events = read_events(manifest)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"cannot read the flight recorder: {exc}", file=sys.stderr)
+        return 2
+    now_ns = time.monotonic_ns()
+    names = tuple(manifest.get("actors", ()))
+    if args.reconcile:
+        return print_reconcile(reconcile(manifest, events, now_ns), args.json)
+    report = requests_report(events, now_ns, manifest.get("config", {}), names, args.request, failed=args.failed,
+                             slowest=args.slowest or 0, recent=args.recent or 0)
+    if args.trace_out:
+        window = [t for t in report["timelines"] if args.request or args.window_s is None
+                  or t["started_ago_s"] <= args.window_s]
+        with open(args.trace_out, "wb") as f:
+            f.write(orjson.dumps(trace_events(window, now_ns)))
+        print(f"wrote {len(window)} request timelines to {args.trace_out} (Trace Event Format: open it in "
+              "ui.perfetto.dev or chrome://tracing)")
+        return 0
+    if args.json:
+        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
+    elif not report["timelines"]:
+        print(f"no events of request {args.request!r} in the flight recorder (wrong id, or older than its ring)"
+              if args.request else "no request timelines in the flight recorder")
+    for timeline in [] if args.json else report["timelines"]:
+        print("\n".join(render_text(timeline)))
+    return 1 if args.request and not report["timelines"] else 0
+
+
+def print_reconcile(diff: dict[str, Any], as_json: bool) -> int:
+    """Print the diverging ids (and their timelines); exit 1 if any."""
+    from ipc.timeline import render_text
+
+    if as_json:
+        sys.stdout.write(orjson.dumps(diff, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        for side, title in (("api_only", "held by the API, not in the table"),
+                            ("table_only", "in the table, not held by the API")):
+            print(f"{title}: {len(diff[side])}")
+            for e in diff[side]:
+                print(f"  {e['request_id'] or e['key']} slot {e['slot']} generation {e['generation']}")
+                if e["timeline"] is not None:
+                    print("\n".join("    " + line for line in render_text(e["timeline"])))
+    return 1 if diff["api_only"] or diff["table_only"] else 0
