@@ -43,6 +43,7 @@ class Finding:
     request_id: str
     slot: int
     age_s: float
+    requests: tuple = ()   # (slot, generation, request id) of each request it is about, for the flight recorder
 
     @property
     def key(self) -> tuple:
@@ -88,20 +89,25 @@ def find_problems(live: np.ndarray, closed: np.ndarray, engine_rows: dict[int, t
         conn_id, index, peer = int(row["conn_id"]), int(row["index"]), f"{_text(row['peer'])}:{int(row['peer_port'])}"
         blocked = int(row["blocked_since_ns"])
         if blocked and now_ns - blocked >= limit_ns:
-            ids = [_text(r) for r, p in zip(row["req_id"], row["req_phase"]) if p == _RESPONDING]
-            out.append(Finding("write_blocked", conn_id, index, peer, ",".join(ids), -1, (now_ns - blocked) / 1e9))
+            responding = [(int(s), int(g), _text(r)) for s, g, r, p in zip(row["req_slot"], row["req_generation"],
+                                                                           row["req_id"], row["req_phase"])
+                          if p == _RESPONDING]
+            out.append(Finding("write_blocked", conn_id, index, peer, ",".join(r for _, _, r in responding), -1,
+                               (now_ns - blocked) / 1e9, tuple(responding)))
         for j in np.flatnonzero(row["req_phase"]).tolist():
             slot, generation = int(row["req_slot"][j]), int(row["req_generation"][j])
             rid = _text(row["req_id"][j])
             state, row_generation, since_ns = engine_rows.get(slot, (-1, -1, 0)) if slot >= 0 else (-1, -1, 0)
             mine = row_generation == generation
             if mine and state in _FINAL and now_ns - since_ns >= limit_ns:
-                out.append(Finding("done_not_written", conn_id, index, peer, rid, slot, (now_ns - since_ns) / 1e9))
+                out.append(Finding("done_not_written", conn_id, index, peer, rid, slot, (now_ns - since_ns) / 1e9,
+                                   ((slot, generation, rid),)))
                 continue
             headers_ns = int(row["req_headers_ns"][j])
             waiting = int(row["req_phase"][j]) != _RESPONDING
             if waiting and not (mine and state in _LIVE | _FINAL) and now_ns - headers_ns >= limit_ns:
-                out.append(Finding("no_response", conn_id, index, peer, rid, slot, (now_ns - headers_ns) / 1e9))
+                out.append(Finding("no_response", conn_id, index, peer, rid, slot, (now_ns - headers_ns) / 1e9,
+                                   ((slot, generation, rid),)))
     for row in (*live, *closed):
         if int(row["late_bytes_in"]):
             close_ns = int(row["server_close_ns"])

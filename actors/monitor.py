@@ -87,6 +87,17 @@ def fail_requests_held_by(table, status, to_api, topology: Topology, index: int,
     return failed
 
 
+def record_http_problem(finding) -> None:
+    """The flight recorder's HTTP_PROBLEM event in the timeline of each request a connection finding is about
+    (actors/connection_watch.py; ipc/recorder.py)."""
+    from ipc.ledger import DETECTIONS
+    from ipc.recorder import EventKind, record_request
+
+    for slot, generation, request_id in finding.requests:
+        record_request(EventKind.HTTP_PROBLEM, request_id, slot, generation, a=finding.conn_id,
+                       b=int(finding.age_s * 1e9), aux=DETECTIONS.index(finding.reason) + 1)
+
+
 def record_timeout(expired) -> None:
     """The flight recorder's TIMEOUT event: which deadline fired, at what age (ipc/recorder.py)."""
     from ipc.recorder import EventKind, TimeoutReason, record_request
@@ -344,6 +355,7 @@ class HeartbeatMonitor(Actor):
         for finding in new:
             self.ledger.count_detection(finding.reason)
             log.warning("%s", finding.message())
+            record_http_problem(finding)
         for row in live:
             index, flag = int(row["index"]), (int(row["conn_id"]), masks.get(int(row["index"]), 0))
             if self.conn_flags.get(index, (0, 0)) != flag:

@@ -85,6 +85,7 @@ class EventKind(enum.IntEnum):
     LAST_BYTE = 11      # the last response byte was handed to the server; a = HTTP status
     CLOSED = 12         # the exchange ended; aux = ClosedBy; a = HTTP status
     RENEWAL = 13        # a deadline renewal; aux = Renewal (what renewed it); BLOCKS: a = blocks received so far
+    HTTP_PROBLEM = 14   # a connection detection (ipc/ledger.DETECTIONS[aux - 1]); a = connection id; b = age_ns
 
 
 class ClosedBy(enum.IntEnum):

@@ -24,6 +24,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from ipc.ledger import DETECTIONS
 from ipc.lifecycle import FINAL_STATES, STAGE_NAME, STAGE_TIMEOUT_FIELD
 from ipc.lifecycle import RequestState as S
 from ipc.recorder import ClosedBy, EventKind, Renewal, TimeoutReason, request_key
@@ -86,6 +87,10 @@ def _event_fields(ev, actor_names: tuple[str, ...]) -> dict[str, Any]:
         if kind == EventKind.CLOSED:
             out["by"] = ClosedBy(int(ev["aux"])).name.lower() if int(ev["aux"]) in ClosedBy._value2member_map_ \
                 else "unknown"
+    elif kind == EventKind.HTTP_PROBLEM:
+        reason = int(ev["aux"]) - 1
+        out.update({"reason": DETECTIONS[reason] if 0 <= reason < len(DETECTIONS) else str(reason + 1),
+                    "connection": a, "age_s": b / 1e9})
     elif kind == EventKind.RENEWAL:
         out["what"] = Renewal(int(ev["aux"])).name.lower() if int(ev["aux"]) in Renewal._value2member_map_ \
             else str(int(ev["aux"]))

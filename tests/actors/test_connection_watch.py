@@ -84,3 +84,35 @@ def test_a_client_that_wrote_after_the_server_began_closing_is_found_on_the_clos
     new, masks = watch.update([found])
     assert new == [found] and masks == {}   # a closed connection has no live row to flag
     assert watch.update(problems(ledger, {}, 8 * S_NS))[0] == []
+
+
+def test_a_new_finding_lands_in_the_timeline_of_each_request_it_is_about(ledger, engine_id):
+    from actors.monitor import record_http_problem
+    from ipc import naming, recorder
+    from ipc.recorder import Recorder, request_key
+    from ipc.timeline import build_timeline
+
+    ring = Recorder.create(naming.segment_name(engine_id, "rec"), num_writers=1, events_per_writer=64)
+    recorder.install(ring, 0, 0)
+    try:
+        i = ledger.open("10.1.1.1", 4000, 0)
+        for rid, slot in (("blocked-a", 3), ("blocked-b", 4)):
+            j = ledger.request_start(i, rid, 1 * S_NS)
+            ledger.request_engine(i, j, slot, 2, rid, 1 * S_NS)
+            ledger.request_responding(i, j, 2 * S_NS)
+        ledger.note_blocked(i, 5 * S_NS, socket_bytes=200_000)
+        live = {3: (int(S.DECODING), 2, 2 * S_NS), 4: (int(S.DECODING), 2, 2 * S_NS)}
+        (found,) = problems(ledger, live, 16 * S_NS)
+        assert sorted(found.requests) == [(3, 2, "blocked-a"), (4, 2, "blocked-b")]
+        record_http_problem(found)
+        events = ring.events()
+        for rid, slot in (("blocked-a", 3), ("blocked-b", 4)):
+            mine = events[events["key"] == request_key(rid)]
+            assert [(int(e["slot"]), int(e["generation"])) for e in mine] == [(slot, 2)]
+            (event,) = build_timeline(mine, 17 * S_NS, request_id=rid)["events"]
+            assert (event["kind"], event["reason"], event["connection"]) == ("http_problem", "write_blocked", 1)
+            assert event["age_s"] == pytest.approx(11.0)
+    finally:
+        recorder.install(None, 0, 0)
+        ring.close()
+        ring.unlink()
