@@ -30,9 +30,10 @@ from pdserve.errors import InvalidRequestError, PdserveError
 IGNORED_FIELDS = frozenset({"thinking", "metadata", "service_tier", "container", "context_management",
                             "mcp_servers"})
 FIELDS = IGNORED_FIELDS | {"model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature",
-                           "top_p", "top_k", "tools", "tool_choice"}
+                           "top_p", "top_k", "tools", "tool_choice", "output_config"}
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "context_management",
-                          "mcp_servers"})
+                          "mcp_servers", "output_config"})
+OUTPUT_CONFIG_EFFORTS = ("low", "medium", "high", "max")   # output_config.effort: accepted and ignored
 _RENAMES = {"stop": "stop_sequences", "prompt": "messages"}
 
 # HTTP status -> Anthropic error type (https://docs.anthropic.com/en/api/errors)
@@ -66,8 +67,12 @@ def _message(message: Any, index: int) -> list[dict]:
     """One Messages turn -> chat messages (``tool_result`` blocks become ``tool`` messages, before the turn's
     text; ``tool_use`` blocks an assistant's ``tool_calls``)."""
     where = f"messages.{index}"
+    if isinstance(message, dict) and message.get("role") == "system":   # Claude Code 2.1 sends these mid-list
+        content = message.get("content")
+        return [{"role": "system", "content": content if isinstance(content, str) else _text(content, where)}]
     if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-        raise InvalidRequestError(f"{where}: each message needs a role 'user' or 'assistant'", param="messages")
+        raise InvalidRequestError(f"{where}: each message needs a role 'user', 'assistant' or 'system'",
+                                  param="messages")
     role, content = message["role"], message.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
@@ -177,6 +182,7 @@ def translate(body: Any, count_only: bool = False) -> dict:
     for name in ("model", "temperature", "top_p", "top_k", "max_tokens", "stream"):
         if body.get(name) is not None:
             chat[name] = body[name]
+    chat.update(_output_config(body.get("output_config")))
     if count_only:
         chat["max_tokens"] = 1
     stops = body.get("stop_sequences")
@@ -189,6 +195,32 @@ def translate(body: Any, count_only: bool = False) -> dict:
             and chat["temperature"] > 1:
         raise InvalidRequestError("temperature: must be between 0 and 1", param="temperature")
     return chat
+
+
+def _output_config(config: Any) -> dict:
+    """``output_config`` (Claude Code sends ``{"effort": "high"}``): ``effort`` is accepted and ignored (a hint for
+    reasoning models); ``format`` ``{"type": "json_schema", "schema": {...}}`` becomes chat's json_schema
+    ``response_format`` (grammar-constrained). Other keys are a 400 naming them."""
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise InvalidRequestError("output_config: must be an object", param="output_config")
+    for key, value in config.items():
+        if key == "effort":
+            if value is not None and value not in OUTPUT_CONFIG_EFFORTS:
+                raise InvalidRequestError(f"output_config.effort: must be one of {', '.join(OUTPUT_CONFIG_EFFORTS)}",
+                                          param="output_config.effort")
+        elif key != "format":
+            raise InvalidRequestError(f"output_config.{key}: Extra inputs are not permitted",
+                                      param=f"output_config.{key}", code="unknown_parameter")
+    fmt = config.get("format")
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict) \
+            or set(fmt) - {"type", "schema"}:
+        raise InvalidRequestError('output_config.format: must be {"type": "json_schema", "schema": {...}}',
+                                  param="output_config.format")
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}}
 
 
 def renamed(exc: PdserveError) -> PdserveError:

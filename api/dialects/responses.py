@@ -30,7 +30,11 @@ from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 # hints a model without reasoning or server-side tools has no use for (OpenAI documents each)
 IGNORED_FIELDS = frozenset({"reasoning", "include", "truncation", "service_tier", "prompt_cache_key",
                             "prompt_cache_retention", "safety_identifier", "user", "max_tool_calls", "stream_options",
-                            "background", "top_logprobs"})
+                            "background", "top_logprobs", "client_metadata"})
+# tool types that run on OpenAI's side (or group tools for one client): not offered to the model, dropped (the Codex
+# CLI sends web_search and a namespace on every request); an unknown type is a 400
+HOSTED_TOOL_TYPES = frozenset({"web_search", "web_search_preview", "file_search", "code_interpreter",
+                               "computer_use_preview", "image_generation", "mcp", "local_shell", "namespace"})
 FIELDS = IGNORED_FIELDS | {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
                            "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id",
                            "metadata", "conversation", "prompt"}
@@ -121,10 +125,12 @@ def _tools(body: dict) -> dict:
             raise InvalidRequestError("'tools' must be a list", param="tools")
         converted = []
         for i, tool in enumerate(tools):
-            if not isinstance(tool, dict) or tool.get("type") != "function":
-                kind = tool.get("type") if isinstance(tool, dict) else None
-                raise InvalidRequestError(f"tools[{i}]: only tools of type 'function' are supported, got {kind!r}",
-                                          param="tools")
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind in HOSTED_TOOL_TYPES:
+                continue
+            if kind != "function":
+                raise InvalidRequestError(f"tools[{i}]: only tools of type 'function' are served (hosted tools such as "
+                                          f"web_search are dropped), got {kind!r}", param="tools")
             converted.append({"type": "function", "function": {k: tool[k] for k in
                               ("name", "description", "parameters", "strict") if tool.get(k) is not None}})
         chat["tools"] = converted

@@ -118,8 +118,7 @@ class DialectRoutes:
                 return None
             try:
                 outcome = tasks[0].result()
-            except PdserveError as exc:
-                log.warning("request %s: %d %s", handles[0].request.request_id, exc.http_status, exc.message)
+            except PdserveError as exc:   # answered with its status: logged by ErrorLogMiddleware
                 self.r.finished(handles, reasons, exc.http_status)
                 return exc
             self.r.finished(handles, reasons)
@@ -177,8 +176,7 @@ class DialectRoutes:
         try:
             body, gen, conversation = await self._prepare(request, build)
             handles = self._submit(request, gen)
-        except PdserveError as exc:
-            log.info("%s %d (param %s): %s", request.url.path, exc.http_status, exc.param, exc.message)
+        except PdserveError as exc:   # logged by ErrorLogMiddleware (api/middleware.py)
             return self._openai_error(exc)
         except ClientDisconnect:
             return Response(status_code=499)
@@ -253,8 +251,7 @@ class DialectRoutes:
         try:
             gen = await self._prepare(request, build)
             handles = self._submit(request, gen)
-        except PdserveError as exc:
-            log.info("%s %d (param %s): %s", request.url.path, exc.http_status, exc.param, exc.message)
+        except PdserveError as exc:   # logged by ErrorLogMiddleware (api/middleware.py)
             return self._anthropic_error(exc)
         except ClientDisconnect:
             return Response(status_code=499)

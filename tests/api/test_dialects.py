@@ -77,7 +77,7 @@ def test_a_stored_conversation_is_prepended_and_text_format_becomes_a_grammar(pa
     ({"input": ""}, "input"),
     ({"input": [{"type": "input_image"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "hi", "tools": [{"type": "retrieval"}]}, "tools"),
     ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "instructions": 3}, "instructions"),
@@ -275,3 +275,53 @@ def test_the_assistant_message_stored_carries_the_calls():
                                                    ("Bearer sk-wrong", "sk-right", False), (None, "", False)])
 def test_the_key_check_takes_x_api_key_when_no_authorization_is_sent(header, x_api_key, ok):
     assert ApiKeyMiddleware(None, ["sk-right"]).authorized(header, x_api_key) is ok
+
+
+def test_claude_codes_output_config_effort_is_accepted_and_a_json_schema_format_constrains_the_answer(parser):
+    base = {"model": MODEL, "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}
+    plain = parser.chat(anthropic.translate(base), "oc0")
+    hinted = parser.chat(anthropic.translate({**base, "output_config": {"effort": "high"},
+                                              "thinking": {"type": "adaptive"}}), "oc1")
+    assert hinted.prompt_ids == plain.prompt_ids and hinted.sampling == plain.sampling
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    chat = anthropic.translate({**base, "output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    assert parser.chat(chat, "oc2").sampling != plain.sampling   # the grammar is on
+
+
+@pytest.mark.parametrize("config, param", [
+    ({"effort": "extreme"}, "output_config.effort"), ({"verbosity": "low"}, "output_config.verbosity"),
+    ({"format": {"type": "json_object"}}, "output_config.format"), ("high", "output_config")])
+def test_an_output_config_we_do_not_honour_is_a_400_naming_it(config, param):
+    body = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "output_config": config}
+    with pytest.raises(InvalidRequestError) as err:
+        anthropic.translate(body)
+    assert err.value.param == param
+
+
+def test_a_system_message_inside_the_messages_list_becomes_a_chat_system_message():
+    # Claude Code 2.1 sends {"role": "system", "content": "..."} among the turns (seen against pdserve)
+    body = {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                                          {"role": "system", "content": "Remember the rules."},
+                                          {"role": "user", "content": "go"}]}
+    assert anthropic.translate(body)["messages"] == [
+        {"role": "user", "content": "hi"}, {"role": "system", "content": "Remember the rules."},
+        {"role": "user", "content": "go"}]
+    with pytest.raises(InvalidRequestError) as err:
+        anthropic.translate({**body, "messages": [{"role": "tool", "content": "x"}]})
+    assert err.value.param == "messages"
+
+
+def test_the_codex_clis_request_fields_and_hosted_tools_are_accepted_and_only_function_tools_reach_the_model():
+    # what Codex CLI 0.171 sent against pdserve: client_metadata, include, reasoning, developer messages, and a
+    # web_search and a namespace tool beside its function tools
+    fn = {"type": "function", "name": "exec_command", "parameters": SCHEMA}
+    body = {"model": MODEL, "stream": True, "tool_choice": "auto", "parallel_tool_calls": True,
+            "reasoning": {"summary": "auto"}, "store": False, "include": ["reasoning.encrypted_content"],
+            "prompt_cache_key": "t1", "client_metadata": {"thread_id": "t1"},
+            "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "rules"}]},
+                      {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+            "tools": [fn, {"type": "namespace", "name": "multi_agent_v1", "tools": []}, {"type": "web_search"}]}
+    chat, _ = responses.translate(body)
+    assert [t["function"]["name"] for t in chat["tools"]] == ["exec_command"]
+    assert [m["role"] for m in chat["messages"]][-1] == "user"
