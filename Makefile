@@ -51,7 +51,7 @@ test: install
 	@$(PY) -m pytest -q -p no:cacheprovider --shm-leaks=fail $(PYTEST_ARGS); rc=$$?; sleep 2; \
 	ls /dev/shm 2>/dev/null | grep '^sem\.mp-' | sort | comm -13 .shm-before - > .shm-after; \
 	if [ -s .shm-after ]; then echo "/dev/shm: WARNING: the run left $$(wc -l < .shm-after) multiprocessing" \
-		"semaphores (not yet a failure: a known leak, see README 'Tests'):" $$(cat .shm-after); \
+		"semaphores (a warning until their source is fixed: README, Tests):" $$(cat .shm-after); \
 		else echo "/dev/shm: no multiprocessing semaphore left"; fi; \
 	rm -f .shm-before .shm-after; exit $$rc
 
