@@ -31,8 +31,9 @@ MAX_LOGIT_BIAS_ENTRIES = 1024   # tokens one logit_bias may name (OpenAI allows 
 # the field, as OpenAI answers "Unrecognized request argument": a typo such as ``max_token`` is never ignored).
 CHAT_FIELDS = fields.CHAT.names
 COMPLETION_FIELDS = fields.COMPLETION.names
-TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                             "continue_final_message"})
+TOKENIZE = fields.FieldTable("/tokenize", frozenset({"model", "prompt", "messages", "add_special_tokens",
+                                                     "add_generation_prompt", "continue_final_message"}))
+DETOKENIZE = fields.FieldTable("/detokenize", frozenset({"model", "tokens"}))
 
 
 def check_request_id(value: str | None, default: str) -> str:
@@ -576,10 +577,7 @@ class RequestParser:
         ModelNotFoundError (404)."""
         if not isinstance(body, dict):
             raise InvalidRequestError("the request body must be a JSON object")
-        for name in body:
-            if name not in TOKENIZE_FIELDS:
-                raise InvalidRequestError(f"unrecognized request argument '{name}' for /tokenize", param=name,
-                                          code="unknown_parameter")
+        TOKENIZE.check(body)
         self._model(body)
         if ("prompt" in body) == ("messages" in body):
             raise InvalidRequestError("send one of 'prompt' (text) or 'messages'", param="prompt")
@@ -605,10 +603,7 @@ class RequestParser:
         InvalidRequestError (400) or ModelNotFoundError (404)."""
         if not isinstance(body, dict):
             raise InvalidRequestError("the request body must be a JSON object")
-        for name in body:
-            if name not in ("model", "tokens"):
-                raise InvalidRequestError(f"unrecognized request argument '{name}' for /detokenize", param=name,
-                                          code="unknown_parameter")
+        DETOKENIZE.check(body)
         self._model(body)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):

@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from api import fields
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 
 # hints a model without reasoning or server-side tools has no use for (OpenAI documents each)
@@ -38,6 +39,8 @@ HOSTED_TOOL_TYPES = frozenset({"web_search", "web_search_preview", "file_search"
 FIELDS = IGNORED_FIELDS | {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
                            "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id",
                            "metadata", "conversation", "prompt"}
+TABLE = fields.FieldTable("/v1/responses", FIELDS - IGNORED_FIELDS,
+                          {name: "a hint for OpenAI's servers or reasoning models" for name in IGNORED_FIELDS})
 # documented fields this server cannot honour: a 400 saying so (not "unrecognized") unless null
 UNSUPPORTED = {"conversation": "the Conversations API is not served; use previous_response_id",
                "prompt": "stored prompt templates are not served; send the text as input"}
@@ -174,10 +177,7 @@ def translate(body: Any, history: list[dict] | None = None) -> tuple[dict, list[
     """
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
-    for name in body:
-        if name not in FIELDS:
-            raise InvalidRequestError(f"unrecognized request argument '{name}' for this route", param=name,
-                                      code="unknown_parameter")
+    TABLE.check(body)
     for name, why in UNSUPPORTED.items():
         if body.get(name) is not None:
             raise InvalidRequestError(f"'{name}' is not supported ({why})", param=name, code="unsupported_parameter")

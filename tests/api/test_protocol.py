@@ -335,3 +335,12 @@ def test_logit_bias_reaches_the_sampling_settings_and_bad_entries_are_a_400(pars
     for bad in ({"-1": 1}, {"x": 1}, {str(10**9): 1}, {"5": 101}, {"5": "1"}, {"5": True}, [5],
                 {str(i): 1 for i in range(1025)}):
         rejected(parser.completion, completion_body(logit_bias=bad), "logit_bias")
+
+
+@pytest.mark.parametrize("method, body", [("tokenize", {"prompt": "hi", "add_special_token": True}),
+                                          ("detokenize", {"tokens": [1], "skip_special_tokens": True})])
+def test_tokenize_and_detokenize_refuse_an_unknown_field_naming_it(parser, method, body):
+    (name,) = set(body) - {"prompt", "tokens"}
+    with pytest.raises(InvalidRequestError) as err:
+        getattr(parser, method)(body)
+    assert err.value.param == name and err.value.code == "unknown_parameter"
