@@ -24,6 +24,7 @@ import numpy as np
 
 from actors.base import MONITOR_INDEX, Actor, Topology
 from actors.messages import RequestError, to_wire
+from actors.watchdog import state_mask
 from ipc.lifecycle import FINAL_STATES, LIVE_STATES, held_by
 from ipc.lifecycle import RequestState as S
 from pdserve.errors import ShmLockTimeoutError
@@ -45,7 +46,7 @@ def held_mask(rows: np.ndarray, topology: Topology, index: int) -> np.ndarray:
     states = rows["state"]
 
     def held(states_of_role) -> np.ndarray:
-        return np.isin(states, [int(s) for s in states_of_role])
+        return state_mask(states_of_role)[states]
     if role == "api":
         return held(LIVE_STATES)
     if role == "prefill":
@@ -134,12 +135,13 @@ def table_counts_by_actor(rows: np.ndarray, indices) -> dict[int, int]:
             for i in indices}
 
 
-# the API publishes its counts at every admission and release (and every 0.1 s), so they lag the table by a
+# the API publishes its counts at every admission and release (and every idle_wait_s), so they lag the table by a
 # moment only: a disagreement seen on this many consecutive ticks is flagged (the second tick that sees it)
 ROUTER_MISMATCH_TICKS = 2
 
 
 FINAL_ROW_RECLAIM_S = 30.0
+_FINAL = state_mask(FINAL_STATES)
 LOCK_STUCK_LOG_INTERVAL_S = 30.0   # ticks cut short by one stuck lock are logged once, then this often
 MISMATCH_MIN_S = 5.0  # a disagreement must persist this long (counts race by a loop iteration or a message)
 
@@ -233,8 +235,9 @@ class HeartbeatMonitor(Actor):
                 self.expire(dataclasses.replace(confirmed, slot=slots[confirmed.slot]))
         rows = self.table.snapshot()
         now_ns = time.monotonic_ns()
-        self.check_gauges(rows, now_ns)
-        self.check_router_counts(rows)
+        actor_rows = self.actors.rows()   # read once for both checks below
+        self.check_gauges(rows, now_ns, actor_rows)
+        self.check_router_counts(rows, actor_rows)
         self.reclaim_final_rows(rows, now_ns)
         if self.conn_watch is not None:
             self.check_connections()
@@ -291,7 +294,10 @@ class HeartbeatMonitor(Actor):
         fail_requests_held_by(self.table, self.status, self.to_api, self.topology, index, message,
                               by=self.index, rows=rows)
 
-    def check_gauges(self, rows: np.ndarray, now_ns: int) -> None:
+    def check_gauges(self, rows: np.ndarray, now_ns: int, actor_rows: list[dict]) -> None:
+        """Stuck gauges from ``rows`` (a state-table snapshot), and the table's counts against the actors' own
+        (``actor_rows``: ``ActorTable.rows()``)."""
+        from ipc.actor_table import sum_own_gauges
         from ipc.engine_status import GAUGES
 
         rec = self.status.rec
@@ -307,7 +313,7 @@ class HeartbeatMonitor(Actor):
             rec["stuck"][i] = int(g.stuck)
             rec["gauge_nonzero_since_ns"][i] = g.nonzero_since_ns
             rec["gauge_moved_ns"][i] = g.moved_ns
-        own = self.actors.own_gauges()
+        own = sum_own_gauges(actor_rows)
         for i, name in enumerate(GAUGES):
             if own[i] < 0:
                 continue
@@ -321,11 +327,11 @@ class HeartbeatMonitor(Actor):
                           own[i], tracked[name].value)
             rec["mismatch"][i] = int(flag)
 
-    def check_router_counts(self, rows: np.ndarray) -> None:
+    def check_router_counts(self, rows: np.ndarray, actor_rows: list[dict]) -> None:
         """Compare the router's per-actor count (actor table, written by the API) with the table's; a
         disagreement on more than ROUTER_MISMATCH_TICKS consecutive ticks is flagged (logged once, counted)."""
         table_counts = table_counts_by_actor(rows, self.topology_engine)
-        for row in self.actors.rows():
+        for row in actor_rows:
             index = row["index"]
             if index not in table_counts or row["routed_requests"] < 0:
                 continue
@@ -365,8 +371,7 @@ class HeartbeatMonitor(Actor):
     def reclaim_final_rows(self, rows: np.ndarray, now_ns: int) -> None:
         """Release rows final for FINAL_ROW_RECLAIM_S that nobody released (their API process died)."""
         limit_ns = int(FINAL_ROW_RECLAIM_S * 1e9)
-        final_states = [int(s) for s in FINAL_STATES]
-        old = np.flatnonzero(np.isin(rows["state"], final_states) & (now_ns - rows["state_since_ns"] > limit_ns))
+        old = np.flatnonzero(_FINAL[rows["state"]] & (now_ns - rows["state_since_ns"] > limit_ns))
         if not old.size:
             return
         fresh = self.table.consistent_rows(old.tolist())  # the snapshot may mix a row's old and new fields

@@ -28,6 +28,9 @@ LOCK_STUCK_LOG_INTERVAL_S = 30.0   # a restart held back by a stuck shm lock is 
 # the monitor does not judge itself; the supervisor kills it after actor_hang_timeout_s plus this without a
 # heartbeat (one tick may wait a lock timeout before it gives up: docs/architecture.md, "Shared memory")
 MONITOR_HANG_SLACK_S = 5.0
+# how often the idle supervisor looks for actors the monitor marked hung; an actor's exit and a stop request wake
+# it at once (process sentinels, the stop pipe), so this bounds only its idle CPU and how soon a hung actor is killed
+SUPERVISE_PERIOD_S = 1.0
 
 # Who puts into each engine queue (each has one consumer: the actor or api named by the queue). A queue with
 # one producer gets the mutex-free single-producer/single-consumer ring; the others the MPMC one.
@@ -178,6 +181,8 @@ class Supervisor:
         self.ctx = multiprocessing.get_context("spawn")
         self.stop_event = self.ctx.Event()
         self.shutdown = threading.Event()
+        self._stop_r, self._stop_w = os.pipe()   # request_stop writes a byte: run()'s wait wakes at once
+        os.set_blocking(self._stop_w, False)
         self.processes: dict[int, Any] = {}
         self.started_at: dict[int, float] = {}
         self.queues: dict[str, Any] = {}
@@ -334,7 +339,13 @@ class Supervisor:
         return self.layout
 
     def request_stop(self) -> None:
+        """Ask ``run()`` to drain and return; safe from a signal handler."""
         self.shutdown.set()
+        if self._stop_w >= 0:
+            try:
+                os.write(self._stop_w, b"s")
+            except BlockingIOError:   # the pipe is full: a stop is pending anyway
+                pass
 
     def run(self) -> int:
         """Watch the actors until a stop is requested, restarting dead ones and killing hung ones (the
@@ -342,7 +353,9 @@ class Supervisor:
         after a clean stop). A stuck shm lock (ShmLockTimeoutError) holds a restart back, never stops the loop."""
         while not self.shutdown.is_set():
             sentinels = {p.sentinel: i for i, p in self.processes.items()}
-            for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=0.2):
+            for sentinel in multiprocessing.connection.wait([*sentinels, self._stop_r], timeout=SUPERVISE_PERIOD_S):
+                if sentinel == self._stop_r:
+                    continue   # the loop's condition sees the stop
                 index = sentinels[sentinel]
                 self.processes[index].join(timeout=1)  # reap it, so its exit code is known
                 if index not in self.lock_stuck_since:   # a held-back restart was logged already
@@ -452,6 +465,10 @@ class Supervisor:
         for index, process in self.processes.items():
             log.info("actor %s exited with code %s", self.topology.names[index], process.exitcode)
         self._unlink_segments()
+        if self._stop_w >= 0:   # the stop pipe: a later request_stop (a late signal) writes nothing
+            stop_w, self._stop_w = self._stop_w, -1
+            os.close(stop_w)
+            os.close(self._stop_r)
 
 
 def serve(loaded: LoadedConfig) -> int:

@@ -27,8 +27,18 @@ from ipc.engine_status import GAUGES
 from ipc.lifecycle import GAUGE_STATES, LIVE_STATES, RENEWABLE_STATES, STAGE_NAME, STAGE_TIMEOUT_FIELD
 from ipc.lifecycle import RequestState as S
 
-_LIVE = [int(s) for s in LIVE_STATES]
-_RENEWABLE = [int(s) for s in RENEWABLE_STATES]
+
+
+def state_mask(states) -> np.ndarray:
+    """A 256-entry lookup table: ``mask[s]`` is True for each state in ``states``, so ``mask[rows["state"]]`` (a
+    u1 column) is ``np.isin``'s answer in one gather, at a fraction of its cost (the monitor does this each tick)."""
+    mask = np.zeros(256, dtype=bool)
+    mask[[int(s) for s in states]] = True
+    return mask
+
+
+_LIVE = state_mask(LIVE_STATES)
+_RENEWABLE = state_mask(RENEWABLE_STATES)
 
 
 @dataclass(frozen=True)
@@ -71,12 +81,12 @@ def find_expired(rows: np.ndarray, now_ns: int, config, limits_ns: np.ndarray | 
         config: EngineConfig (the *_timeout_s fields).
     """
     limits_ns = stage_limits_ns(config) if limits_ns is None else limits_ns
-    state = rows["state"].astype(np.int64)
-    live = np.isin(state, _LIVE)
+    live = _LIVE[rows["state"]]
     if not live.any():
         return []
+    state = rows["state"].astype(np.int64)
     since = rows["state_since_ns"].astype(np.int64)
-    renewable = np.isin(state, _RENEWABLE)
+    renewable = _RENEWABLE[rows["state"]]
     progress = np.where(renewable, np.maximum(since, rows["last_progress_ns"].astype(np.int64)), since)
     limit = limits_ns[state]
     bad = live & ((since <= 0) | (since > now_ns))
@@ -128,13 +138,14 @@ class StuckGaugeTracker:
     def __init__(self, stuck_gauge_s: float):
         self.stuck_ns = int(stuck_gauge_s * 1e9)
         self.gauges = {g: GaugeState() for g in GAUGES}
+        self.masks = {g: state_mask(states) for g, states in GAUGE_STATES.items()}
 
     def update(self, rows: np.ndarray, now_ns: int) -> dict[str, GaugeState]:
         state = rows["state"]
         all_keys = (np.arange(len(rows), dtype=np.int64) << 32) | rows["generation"].astype(np.int64)
-        for gauge, states in GAUGE_STATES.items():
+        for gauge, mask in self.masks.items():
             g = self.gauges[gauge]
-            idx = np.flatnonzero(np.isin(state, [int(s) for s in states]))
+            idx = np.flatnonzero(mask[state])
             keys, markers = all_keys[idx], rows["output_tokens"][idx].astype(np.int64)  # keys ascend with idx
             if keys.size == 0:
                 g.keys, g.markers, g.nonzero_since_ns, g.moved_ns, g.stuck = keys, markers, 0, now_ns, False

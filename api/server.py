@@ -34,7 +34,7 @@ class ApiActor(Actor):
                             format=f"%(asctime)s {self.name} %(levelname)s %(message)s")
         self.parent_died = False
 
-        def parent_died() -> None:   # from a signal handler: the shutdown trigger below notices within 0.1 s
+        def parent_died() -> None:   # from a signal handler: the shutdown trigger below notices within idle_wait_s
             self.parent_died = True
 
         self.parent = leave_signals_to_the_supervisor(self.name, parent_died)
@@ -114,7 +114,7 @@ class ApiActor(Actor):
                 self.actors.beat(self.index)
                 self.actors.set_active_requests(self.index, client.num_active())
                 client.publish_routed()
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(self.config.idle_wait_s)
 
         try:
             await serve(answer_cancelled_requests(app), hconfig, shutdown_trigger=shutdown_trigger)

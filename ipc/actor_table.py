@@ -364,8 +364,8 @@ def _ascii(value: str, what: str) -> bytes:
 
 
 def _row_dict(rec: np.void, index: int) -> dict:
-    d = {name: rec[name].item() for name in ROW_DTYPE.names if name != "own_gauges"}
-    d["own_gauges"] = rec["own_gauges"].tolist()
+    d = dict(zip(ROW_DTYPE.names, rec.item()))   # one C call (the monitor reads every row each tick)
+    d["own_gauges"] = d["own_gauges"].tolist()
     d["name"] = d["name"].decode("ascii", "replace")
     d["device"] = d["device"].decode("ascii", "replace")
     if d["actor_pid"] != d["pid"]:  # the actor-written fields are a dead predecessor's (or nobody's yet)

@@ -139,8 +139,10 @@ class EngineConfig:
                                       "like a request without max_tokens)", choices=("reject", "clamp"))
     queue_slots: int = _setting(512, "slots in each shm message queue", _positive, "> 0")
     queue_slot_bytes: int = _setting(131072, "bytes per shm queue slot (largest message)", _positive, "> 0")
-    idle_wait_s: float = _setting(0.05, "longest an actor loop (and the API's inbox thread) blocks on its inbox "
-                                  "before it beats its heartbeat and checks for stop", _positive, "> 0")
+    idle_wait_s: float = _setting(0.5, "longest an actor loop (and the API's inbox thread and heartbeat loop) "
+                                  "blocks on its inbox before it beats its heartbeat and checks for stop; a message "
+                                  "wakes it at once, so this bounds idle CPU and stop latency, not request latency",
+                                  _positive, "> 0")
     queue_put_timeout_s: float = _setting(5.0, "longest an engine actor blocks on a full shm queue before it "
                                           "gives the message up (its consumer is hung or dead)", _positive, "> 0")
     admission_put_timeout_s: float = _setting(1.0, "longest the API waits for room in the prefill queue before "
