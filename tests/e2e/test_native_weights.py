@@ -51,14 +51,13 @@ def test_native_engine_answers_alone_in_a_ragged_batch_and_with_n_children(engin
                                                                json={**body, "prompt": p}) for p in PROMPTS))
                 return [_tokens(r.json()["choices"][0]) for r in responses]
 
-        # four rows of different lengths decode in one step: each attends over its own keys only (a wrong
-        # mask or block table would change the first tokens); later tokens may part at a near tie
+        # four rows of different lengths decode in one step: each attends over its own keys only, and each row's
+        # arithmetic is the same whatever shares its step (batch-invariant kernels), so the answers are equal
         for batched, single in zip(asyncio.run(together()), alone):
-            assert len(batched) == len(single) == 12
-            assert batched[:4] == single[:4], (batched, single)
+            assert batched == single, (batched, single)
         many = httpx.post(engine.base_url + "/v1/completions", timeout=120,
                           json={**body, "prompt": PROMPTS[3], "n": 3}).json()
-        assert all(_tokens(c)[:4] == alone[3][:4] for c in many["choices"]), many
+        assert all(_tokens(c) == alone[3] for c in many["choices"]), many
         metrics = scrape(engine.base_url)
         assert metrics["pdserve_requests_admitted_total"] >= 1 + 2 * len(PROMPTS) + 3
         assert_recovered(engine, probe)
