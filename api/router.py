@@ -8,8 +8,8 @@ so one hot prefix cannot pile every request onto the actor that caches it while 
 free KV blocks, less those the requests routed there but not yet prefilled will reserve (``with_routed``; an actor
 whose pool cannot fit prompt + max_tokens now keeps the request in BOOTSTRAP until its batch makes room, so the most
 free blocks is also the shortest wait), then the fewest running requests, then the lowest index. An actor that is
-not serving (hung, dead, restarting, draining) gets no new work. With no eligible actor of a role the request is refused with a retryable
-503 (``EngineOverloadedError``), never queued on a sick actor.
+not serving (hung, dead, restarting, draining) gets no new work. With no eligible actor of a role the request is
+refused with a retryable 503 (``EngineOverloadedError``), never queued on a sick actor.
 """
 from __future__ import annotations
 
