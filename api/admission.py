@@ -95,10 +95,17 @@ class ActorsPort(Protocol):
     def set_routed_requests(self, index: int, count: int) -> None: ...
 
 
+def _serving(row: dict) -> bool:
+    """An actor row that may get new work: READY, not hung or dead (a restarting row reads RESTARTING)."""
+    return row["status"] == ActorStatus.READY and row["health"] not in (ActorHealth.HUNG, ActorHealth.DEAD)
+
+
 class SummariesPort(Protocol):
     """The prefill actors' cache summaries (ipc.cache_summary.CacheSummary fits it; region = prefill actor index)."""
 
     def cached_blocks(self, index: int, keys: Sequence[bytes], pid: int | None = None) -> int: ...
+
+    def words(self, index: int, pid: int | None = None) -> Any: ...
 
 
 class PrefixLookup:
@@ -205,13 +212,26 @@ class Admission:
 
         def load(index: int, prefill: bool) -> ActorLoad:
             r = rows[index]
-            serving = r["status"] == ActorStatus.READY and r["health"] not in (ActorHealth.HUNG, ActorHealth.DEAD)
+            serving = _serving(r)
             cached = functools.partial(self.prefix.tokens, index, r.get("actor_pid")) \
                 if prefill and self.prefix is not None else None
             return ActorLoad(index, r["name"], serving, kv_blocks_free=int(r["kv_blocks_free"]),
                              block_tokens=self.config.kv_block_tokens, cached_prefix_tokens=cached)
         return (with_routed([load(i, True) for i in self.prefill], routed),
                 with_routed([load(j, False) for j in self.decode], routed))
+
+    def cached_words(self) -> Any:
+        """The block keys (ipc/cache_summary.py slot values: sorted unique u8 array) the serving prefill actors'
+        caches hold, all actors together; None without summaries. A prefill node reports them to `pdserve router`
+        (api/node_api.py ``/internal/status``), which prefers the node caching a prompt's longest prefix."""
+        if self.prefix is None:
+            return None
+        import numpy as np
+
+        rows = self.actors.rows()
+        parts = [self.prefix.summaries.words(i, rows[i].get("actor_pid")) for i in self.prefill
+                 if _serving(rows[i])]
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype="<u8")
 
     def _choose(self, request: Any, remote_decode: bool) -> tuple[int, int]:
         """``(prefill actor, decode actor)``; prefill -1 = colocated, decode REMOTE_ACTOR = the router's decode

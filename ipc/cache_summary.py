@@ -36,6 +36,7 @@ the actor table's pid for the row never counts a predecessor's slots.
 """
 from __future__ import annotations
 
+import base64
 import os
 import struct
 from typing import Sequence
@@ -62,6 +63,29 @@ def key_words(keys: Sequence[bytes]) -> np.ndarray:
     words = np.frombuffer(b"".join(k[:8] for k in keys), dtype="<u8").copy()
     words[words == 0] = 1
     return words
+
+
+def encode_words(words: np.ndarray) -> str:
+    """Slot values as text for a JSON report (base64 of the little-endian u8 array): a node's ``/internal/status``
+    ``cache.words`` (api/node_api.py), read back by ``decode_words`` in `pdserve router`."""
+    return base64.b64encode(np.asarray(words, dtype="<u8").tobytes()).decode("ascii")
+
+
+def decode_words(text: str) -> np.ndarray:
+    """``encode_words``'s inverse, sorted and unique. Raises ValueError for text that is not base64 of whole u8s."""
+    raw = base64.b64decode(text.encode("ascii"), validate=True)
+    if len(raw) % 8:
+        raise ValueError(f"{len(raw)} bytes of cache words: not a whole number of 8-byte words")
+    return np.unique(np.frombuffer(raw, dtype="<u8"))
+
+
+def leading_run(words: np.ndarray, keys: Sequence[bytes]) -> int:
+    """How many of ``keys`` (chain keys, first block first) are among ``words`` (slot values), counted from the
+    first up to the first missing one."""
+    if not keys or not len(words):
+        return 0
+    found = np.isin(key_words(keys), words)
+    return len(keys) if found.all() else int(np.argmin(found))
 
 
 class CacheSummary(_shm.ShmSegment):
@@ -130,6 +154,14 @@ class CacheSummary(_shm.ShmSegment):
         """Blocks region ``index`` lists as cached."""
         return int(np.count_nonzero(self._slots[self._region(index)]))
 
+    def words(self, index: int, pid: int | None = None) -> np.ndarray:
+        """Region ``index``'s cached keys as slot values (sorted, unique, u8); empty when ``pid`` is given and the
+        region is another process's. For a node's ``/internal/status`` (api/node_api.py)."""
+        slots = self._slots[self._region(index)]
+        if pid is not None and self.writer_pid(index) != pid:
+            return np.zeros(0, dtype="<u8")
+        return np.unique(slots[slots != 0])
+
     def cached_blocks(self, index: int, keys: Sequence[bytes], pid: int | None = None) -> int:
         """How many of ``keys`` (a prompt's chain keys, first block first) region ``index`` lists, counted from
         the first up to the first missing one: the prompt's cached prefix in blocks. ``pid``: the actor process
@@ -137,8 +169,7 @@ class CacheSummary(_shm.ShmSegment):
         slots = self._slots[self._region(index)]
         if not keys or (pid is not None and self.writer_pid(index) != pid):
             return 0
-        found = np.isin(key_words(keys), slots)
-        return len(keys) if found.all() else int(np.argmin(found))
+        return leading_run(slots, keys)
 
     # ---- the writer -------------------------------------------------------------------------------------
     def writer(self, index: int) -> "SummaryWriter":

@@ -16,6 +16,8 @@ import httpx
 import psutil
 import pytest
 
+from ipc.cache_summary import CacheSummary
+from ipc.naming import segment_name
 from tests.conftest import assert_recovered, cleanup_engine, probe_fixture, scrape, start_engine, wait_until
 from tools import inspect as inspect_tool
 
@@ -290,6 +292,14 @@ def test_the_restarted_actors_rejoin_the_rotation_by_themselves(engine, probe):
         return all(probe.actor(a)["status"] == ActorStatus.READY and probe.actor(a)["health"] == ActorHealth.OK
                    for a in ACTORS)
     wait_until(all_serving, 400, 0.2, "decode0 and prefill1 restarted")
+    summary = CacheSummary.attach(segment_name(engine.engine_id, "cachesum"), readonly=True)
+    try:   # the router's view of each prefill cache (ipc/cache_summary.py) is the restarted process's, and exact
+        for index, name in enumerate(("prefill0", "prefill1")):
+            row = probe.actor(name)
+            assert (summary.writer_pid(index), summary.num_cached(index)) == \
+                (row["actor_pid"], row["prefix_cached_blocks"]), name
+    finally:
+        summary.close()
     before = done_by_actor(engine.base_url)
     responses = asyncio.run(post_all(engine.base_url, [{"prompt": "Hello", "max_tokens": 4}] * 16))
     assert [r.status_code for r in responses] == [200] * 16
