@@ -29,7 +29,8 @@ Region (one writer: its prefill actor)::
 A slot per pool block makes the summary exact and bounded (a pool caches at most its block count) and each
 change one aligned 8-byte store. The keys are the prefix cache's own (``actors.prefix_cache.block_keys``):
 equal keys mean equal token prefixes, so the API hashes a prompt's full blocks and counts the leading run found
-in a region. Readers take no lock: a lookup racing a change may count one block more or fewer, which only
+in a region (each reader keeps its own dict of a region's values, updated from the slots that changed since its
+last look). Readers take no lock: a lookup racing a change may count one block more or fewer, which only
 sways a routing choice (the actor's own cache decides what is reused). A restarted actor clears its region
 before it serves (``SummaryWriter.clear``: writer_pid 0, slots zeroed, then its own pid), and a reader passing
 the actor table's pid for the row never counts a predecessor's slots.
@@ -80,11 +81,13 @@ def decode_words(text: str) -> np.ndarray:
 
 
 def leading_run(words: np.ndarray, keys: Sequence[bytes]) -> int:
-    """How many of ``keys`` (chain keys, first block first) are among ``words`` (slot values), counted from the
-    first up to the first missing one."""
+    """How many of ``keys`` (chain keys, first block first) are among ``words`` (slot values, sorted and unique, as
+    ``decode_words`` gives them), counted from the first up to the first missing one. O(len(keys) log len(words))."""
     if not keys or not len(words):
         return 0
-    found = np.isin(key_words(keys), words)
+    wanted = key_words(keys)
+    at = np.minimum(np.searchsorted(words, wanted), len(words) - 1)
+    found = words[at] == wanted
     return len(keys) if found.all() else int(np.argmin(found))
 
 
@@ -101,6 +104,8 @@ class CacheSummary(_shm.ShmSegment):
         super().__init__()
         self.num_actors = self.slots = 0
         self._slots: list[np.ndarray] = []
+        self._seen: list[np.ndarray] = []               # per region: the slots as this reader last saw them
+        self._counts: list[dict[int, int]] = []          # per region: slot value -> slots holding it (of _seen)
         self._region_offsets: list[int] = []
 
     @classmethod
@@ -128,9 +133,11 @@ class CacheSummary(_shm.ShmSegment):
         region_bytes = REGION_HEADER_BYTES + 8 * self.slots
         self._region_offsets = [offset + i * region_bytes for i in range(self.num_actors)]
         self._slots = [_shm.shm_array(mm, "<u8", self.slots, o + REGION_HEADER_BYTES) for o in self._region_offsets]
+        self._seen = [np.zeros(self.slots, dtype="<u8") for _ in range(self.num_actors)]
+        self._counts = [{} for _ in range(self.num_actors)]
 
     def _teardown(self) -> None:
-        self._slots, self._region_offsets = [], []
+        self._slots, self._region_offsets, self._seen, self._counts = [], [], [], []
 
     def _repr_fields(self) -> str:
         return f", num_actors={self.num_actors}, slots={self.slots}"
@@ -166,10 +173,36 @@ class CacheSummary(_shm.ShmSegment):
         """How many of ``keys`` (a prompt's chain keys, first block first) region ``index`` lists, counted from
         the first up to the first missing one: the prompt's cached prefix in blocks. ``pid``: the actor process
         the caller believes serves the row (the actor table's); a region written by another process counts 0."""
-        slots = self._slots[self._region(index)]
+        index = self._region(index)
         if not keys or (pid is not None and self.writer_pid(index) != pid):
             return 0
-        return leading_run(slots, keys)
+        cached = self._refresh(index)
+        run = 0
+        for word in key_words(keys).tolist():
+            if word not in cached:
+                break
+            run += 1
+        return run
+
+    def _refresh(self, index: int) -> dict[int, int]:
+        """Region ``index``'s slot values as a dict (value -> slots holding it), brought up to date with the slots
+        that changed since this reader's last look (one vectorised compare, then the changed ones: a lookup costs
+        O(changes + keys), not O(pool blocks))."""
+        slots, seen, counts = self._slots[index], self._seen[index], self._counts[index]
+        changed = np.flatnonzero(slots != seen)
+        if changed.size:
+            now = slots[changed]   # one read of each changed slot: seen and counts stay consistent with it
+            for old, new in zip(seen[changed].tolist(), now.tolist()):
+                if old:
+                    left = counts[old] - 1
+                    if left:
+                        counts[old] = left
+                    else:
+                        del counts[old]
+                if new:
+                    counts[new] = counts.get(new, 0) + 1
+            seen[changed] = now
+        return counts
 
     # ---- the writer -------------------------------------------------------------------------------------
     def writer(self, index: int) -> "SummaryWriter":

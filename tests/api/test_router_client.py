@@ -54,6 +54,10 @@ def test_the_router_sends_a_prompt_to_the_prefill_node_caching_its_longest_prefi
     nodes = [Node("http://p0:1", "prefill", healthy=True, in_flight=0), cached_node("http://p1:1", prompt[:48], 5),
              cached_node("http://p2:1", prompt[:16], 3)]
     assert cached_prefix_tokens(nodes[1], prompt) == 48 and cached_prefix_tokens(nodes[2], prompt) == 16
+    keys = block_keys(prompt[:48], 16)
+    gap = cached_node("http://p3:1", [])   # blocks 0 and 2 cached, 1 evicted: the prefix ends at block 1
+    gap.cache_words = read_cache_report({"block_tokens": 16, "words": encode_words(key_words([keys[0], keys[2]]))})[0]
+    assert cached_prefix_tokens(gap, prompt) == 16
     assert pick_node(nodes, "prefill", prompt, {}, 2048).url == "http://p1:1"
     assert pick_node(nodes, "prefill", prompt, {"http://p1:1": 3000}, 2048).url == "http://p2:1"
     assert pick_node(nodes, "prefill", prompt, {"http://p1:1": 3000}, None).url == "http://p1:1"
