@@ -37,6 +37,13 @@ class PrefillActor(Actor):
         self.model, self.pool = load_model(self, decode=False)   # the prefill actor never decodes
         # created after the reset: warm-up's block and a predecessor's cache are never served from it
         self.allocator = CachingAllocator(self.pool, enabled=self.config.prefix_cache)
+        self.summary = None
+        if "cachesum" in self.layout.segments:   # what the cache holds, for the router: empty until it fills
+            from ipc.cache_summary import CacheSummary
+
+            self.summary = CacheSummary.attach(self.layout.segment("cachesum"))
+            self.allocator.cache.listener = self.summary.writer(self.index)
+            self.allocator.cache.listener.clear()
         self.kv = self.pool.tensor()
         # mooncake: register the pool with this process's transfer engine, publish where it lives (else None)
         set_transport_host(self.config.kv_transport, self.config.kv_transfer_host)

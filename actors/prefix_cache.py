@@ -46,12 +46,16 @@ class CachedBlock:
 
 class PrefixCache:
     """Cached blocks by key and by block id, with reference counts; blocks no request holds wait in
-    least-recently-released order (``evictable``) to be evicted first."""
+    least-recently-released order (``evictable``) to be evicted first.
 
-    def __init__(self) -> None:
+    ``listener`` (None, or an object with ``cached(block_id, key)`` and ``evicted(block_id)``, e.g. an
+    ipc/cache_summary.py ``SummaryWriter``) is told of every block that enters or leaves the cache."""
+
+    def __init__(self, listener=None) -> None:
         self.by_key: dict[bytes, CachedBlock] = {}
         self.by_block: dict[int, CachedBlock] = {}
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()   # oldest first
+        self.listener = listener
 
     def __len__(self) -> int:
         return len(self.by_key)
@@ -102,6 +106,8 @@ class PrefixCache:
         entry = CachedBlock(block_id, key, refs=1)
         self.by_key[key] = entry
         self.by_block[block_id] = entry
+        if self.listener is not None:
+            self.listener.cached(block_id, key)
         return True
 
     def evict(self, n: int) -> list[int]:
@@ -114,6 +120,8 @@ class PrefixCache:
             b, _ = self.evictable.popitem(last=False)
             entry = self.by_block.pop(b)
             del self.by_key[entry.key]
+            if self.listener is not None:
+                self.listener.evicted(b)
             out.append(b)
         return out
 

@@ -132,6 +132,8 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     names = ("state", "actors", "status", "q_api") + recorder + tuple(topo.segment(what, i) for i in engine_actors
                                                                       for what in ("q", "kv"))
     names += ("conns",) if config.connection_ledger_rows else ()   # the connection ledger (ipc/ledger.py)
+    # the prefill actors' prefix-cache summaries, read by the router (ipc/cache_summary.py)
+    names += ("cachesum",) if config.prefix_cache and topo.prefill else ()
     return EngineLayout(engine_id=engine_id, config=config, model_path=model_path,
                         served_model_name=config.served_model_name or model_file_name(model_path), shape=shape,
                         max_context_tokens=max_context_tokens, http_port=config.port or free_port(config.host),
@@ -231,6 +233,11 @@ class Supervisor:
 
             self._owned.append(ConnectionLedger.create(lay.segment("conns"), cfg.connection_ledger_rows,
                                                        cfg.connection_ledger_closed_rows))
+        if "cachesum" in lay.segments:
+            from ipc.cache_summary import CacheSummary
+
+            self._owned.append(CacheSummary.create(lay.segment("cachesum"), num_actors=len(topo.prefill),
+                                                   slots=lay.kv_blocks_per_pool))
         for pool in (topo.segment("kv", i) for i in engine_actors):
             self._owned.append(KVPool.create(lay.segment(pool), num_layers=lay.shape.num_layers,
                                              num_blocks=lay.kv_blocks_per_pool, block_tokens=cfg.kv_block_tokens,

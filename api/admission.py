@@ -7,7 +7,8 @@ tests/api/test_admission.py in-memory ones.
 | `RequestHandle`   | one admitted sequence: its row, reservation, events queue                         |
 | `AdmissionPolicy` | capacity and deadline cap (also `pdserve router`'s, api/router_client.py)         |
 | `Admission`       | admit / admit_prefilled / transfer_done / stop / release over the ports below     |
-| `TablePort` ...   | the table (with allocate/release), outbox, actors' loads and draining flag ports  |
+| `PrefixLookup`    | a prompt's cached prefix on each prefill actor, from the cache summaries            |
+| `TablePort` ...   | the table (with allocate/release), outbox, actors' loads, cache summaries, draining |
 
 "Admit" is the API's step only: the row enters QUEUED (or BOOTSTRAP on a decode node); prefill's QUEUED ->
 PREFILLING and decode's DECODE_WAITING -> DECODING are the actors' own moves (docs/architecture.md, "Who moves
@@ -18,13 +19,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from actors.messages import REMOTE_ACTOR, KVReady, PrefillRequest, TransferDone
 from actors.ports import Clock, OutboxPort
+from actors.prefix_cache import block_keys
 from api.router import ActorLoad, Routed, pick_decode, pick_prefill, route, with_routed
 from ipc.actor_table import ActorHealth, ActorStatus
 from ipc.lifecycle import RequestState as S
@@ -92,6 +95,42 @@ class ActorsPort(Protocol):
     def set_routed_requests(self, index: int, count: int) -> None: ...
 
 
+def _serving(row: dict) -> bool:
+    """An actor row that may get new work: READY, not hung or dead (a restarting row reads RESTARTING)."""
+    return row["status"] == ActorStatus.READY and row["health"] not in (ActorHealth.HUNG, ActorHealth.DEAD)
+
+
+class SummariesPort(Protocol):
+    """The prefill actors' cache summaries (ipc.cache_summary.CacheSummary fits it; region = prefill actor index)."""
+
+    def cached_blocks(self, index: int, keys: Sequence[bytes], pid: int | None = None) -> int: ...
+
+    def words(self, index: int, pid: int | None = None) -> Any: ...
+
+
+class PrefixLookup:
+    """``tokens(index, pid, prompt_ids)``: the tokens of a prompt's cached prefix on prefill actor ``index``
+    (process ``pid``; None: unchecked) per its summary, in whole blocks of ``block_tokens``, at most
+    ``(len - 1) // block_tokens`` of them (what the actor's cache would reuse: its last token is always
+    computed). The prompt's chain keys (actors.prefix_cache.block_keys) are hashed once per prompt object."""
+
+    def __init__(self, summaries: SummariesPort, block_tokens: int):
+        self.summaries, self.block_tokens = summaries, block_tokens
+        self._ids: Sequence[int] | None = None   # the last prompt hashed (held, so its identity stays its own)
+        self._keys: list[bytes] = []
+
+    def keys(self, prompt_ids: Sequence[int]) -> list[bytes]:
+        if prompt_ids is not self._ids:
+            bt = self.block_tokens
+            usable = max(len(prompt_ids) - 1, 0) // bt * bt
+            self._ids, self._keys = prompt_ids, block_keys(prompt_ids[:usable], bt)
+        return self._keys
+
+    def tokens(self, index: int, pid: int | None, prompt_ids: Sequence[int]) -> int:
+        keys = self.keys(prompt_ids)
+        return self.summaries.cached_blocks(index, keys, pid) * self.block_tokens if keys else 0
+
+
 class AdmissionPolicy:
     """Capacity and the deadline cap: ``max_queued_requests`` sequences in flight (every choice counts) and
     ``request_timeout_s`` as the longest deadline a client may ask for."""
@@ -126,18 +165,20 @@ class Admission:
     Ports: ``table`` (TablePort), ``outbox`` (``send(actor index, message)``; raises QueueFullError /
     MessageTooLargeError), ``actors`` (ActorsPort), ``clock`` (monotonic ns), ``draining`` (() -> bool);
     ``intake``: the actor indices taking new requests (prefill actors; colocated: decode actors);
-    ``prefill`` / ``decode``: the topology's actor indices; ``faults``: a pdserve.faults.FaultPlan or None.
+    ``prefill`` / ``decode``: the topology's actor indices; ``faults``: a pdserve.faults.FaultPlan or None;
+    ``summaries``: the prefill actors' cache summaries (SummariesPort) or None (routing by load alone).
     """
 
     def __init__(self, config, table: TablePort, outbox: OutboxPort, actors: ActorsPort, clock: Clock,
                  draining: Callable[[], bool], *, owner: int, prefill: Iterable[int], decode: Iterable[int],
-                 faults=None):
+                 faults=None, summaries: SummariesPort | None = None):
         self.config = config
         self.policy = AdmissionPolicy(config.max_queued_requests, config.request_timeout_s)
         self.table, self.outbox, self.actors, self.clock, self.draining = table, outbox, actors, clock, draining
         self.owner = owner
         self.prefill, self.decode = list(prefill), list(decode)
         self.faults = faults
+        self.prefix = PrefixLookup(summaries, config.kv_block_tokens) if summaries is not None else None
         self.handles: dict[tuple[int, int], RequestHandle] = {}
         self.count_drift = 0   # fault router_count_drift: added to every published routed count
         self.stale_messages: collections.Counter[str] = collections.Counter()   # by message kind, for /metrics
@@ -162,18 +203,35 @@ class Admission:
     def actor_loads(self) -> tuple[list[ActorLoad], list[ActorLoad]]:
         """``(prefill loads, decode loads)`` for api/router.py: serving = READY, not hung or dead (a restarting
         row reads as RESTARTING); free blocks from the table less what requests routed there but not yet
-        reserved will take; queued prompt tokens and running requests from the API's own handles."""
+        reserved will take; queued prompt tokens and running requests from the API's own handles; a prefill
+        actor's cached prefix from its cache summary (``PrefixLookup``; the row's ``actor_pid`` names the process
+        whose summary counts)."""
         rows = self.actors.rows()
         routed = [Routed(h.prefill_actor, h.decode_actor, len(h.request.prompt_ids), h.reserve_blocks, h.prefilled)
                   for h in self.handles.values()]
 
-        def load(index: int) -> ActorLoad:
+        def load(index: int, prefill: bool) -> ActorLoad:
             r = rows[index]
-            serving = r["status"] == ActorStatus.READY and r["health"] not in (ActorHealth.HUNG, ActorHealth.DEAD)
+            serving = _serving(r)
+            cached = functools.partial(self.prefix.tokens, index, r.get("actor_pid")) \
+                if prefill and self.prefix is not None else None
             return ActorLoad(index, r["name"], serving, kv_blocks_free=int(r["kv_blocks_free"]),
-                             block_tokens=self.config.kv_block_tokens)
-        return (with_routed([load(i) for i in self.prefill], routed),
-                with_routed([load(j) for j in self.decode], routed))
+                             block_tokens=self.config.kv_block_tokens, cached_prefix_tokens=cached)
+        return (with_routed([load(i, True) for i in self.prefill], routed),
+                with_routed([load(j, False) for j in self.decode], routed))
+
+    def cached_words(self) -> Any:
+        """The block keys (ipc/cache_summary.py slot values: sorted unique u8 array) the serving prefill actors'
+        caches hold, all actors together; None without summaries. A prefill node reports them to `pdserve router`
+        (api/node_api.py ``/internal/status``), which prefers the node caching a prompt's longest prefix."""
+        if self.prefix is None:
+            return None
+        import numpy as np
+
+        rows = self.actors.rows()
+        parts = [self.prefix.summaries.words(i, rows[i].get("actor_pid")) for i in self.prefill
+                 if _serving(rows[i])]
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype="<u8")
 
     def _choose(self, request: Any, remote_decode: bool) -> tuple[int, int]:
         """``(prefill actor, decode actor)``; prefill -1 = colocated, decode REMOTE_ACTOR = the router's decode
@@ -185,9 +243,11 @@ class Admission:
                                       if role != "both" else "this engine runs both sides; it takes no "
                                       "request for a remote decode node")
         prefill_loads, decode_loads = self.actor_loads()
+        bound = self.config.cache_routing_max_imbalance_tokens
         if remote_decode:
-            return pick_prefill(prefill_loads, request.prompt_ids).index, REMOTE_ACTOR
-        chosen = route(prefill_loads, decode_loads, request.prompt_ids, request.sampling.reserved_output_tokens)
+            return pick_prefill(prefill_loads, request.prompt_ids, bound).index, REMOTE_ACTOR
+        chosen = route(prefill_loads, decode_loads, request.prompt_ids, request.sampling.reserved_output_tokens,
+                       bound)
         return -1 if chosen.prefill is None else chosen.prefill, chosen.decode
 
     # ---- admission ----------------------------------------------------------------------------------------

@@ -60,9 +60,15 @@ class EngineClient:
                        for i in (topo.prefill or topo.decode)}
         self.faults = FaultPlan(self.config.faults, "api")
         outbox = QueueOutbox(self.intake, self.config.admission_put_timeout_s)
+        summaries = None
+        if "cachesum" in self.layout.segments:   # the prefill actors' cache contents, for routing
+            from ipc.cache_summary import CacheSummary
+
+            summaries = CacheSummary.attach(self.layout.segment("cachesum"), readonly=True)
         self.admission = Admission(self.config, self.table, outbox,
                                    self.actors, time.monotonic_ns, lambda: bool(self.status.rec["draining"]),
-                                   owner=self.index, prefill=topo.prefill, decode=topo.decode, faults=self.faults)
+                                   owner=self.index, prefill=topo.prefill, decode=topo.decode, faults=self.faults,
+                                   summaries=summaries)
         self.inbox = ShmQueue.attach(self.layout.segment("q_api"))
         self._thread = threading.Thread(target=self._receive, name="engine-inbox", daemon=True)
         self._thread.start()

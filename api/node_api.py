@@ -16,7 +16,9 @@ Decode node:
         true}`` once the
         KV is pulled, ``{"token": [token_id, finish_reason, logprobs], "timings": {...}}`` per token (timings with
         the first), ``{"error": {"message", "type", "status"}}``. Closing the stream aborts the row.
-Both: ``GET /internal/status`` -> ``{"engine_id", "role", "healthy", "problems", "active", "kv_blocks_free"}``.
+Both: ``GET /internal/status`` -> ``{"engine_id", "role", "healthy", "problems", "active", "kv_blocks_free"}``; a
+prefill node with a prefix cache adds ``"cache": {"block_tokens", "words"}``: the block keys its prefill actors
+cache (ipc/cache_summary.py ``encode_words``), for `pdserve router`'s cache-aware choice.
 
 REQUEST is ``{"request_id", "prompt_ids", "sampling": Sampling wire list, "n", "timeout_s"}``. Errors before a
 stream starts are OpenAI error JSON with their status (a bad body: 400).
@@ -37,6 +39,7 @@ from starlette.routing import Route
 from actors.messages import KVReady, Sampling, from_wire, to_wire
 from api.engine_client import EngineClient, RequestHandle
 from api.protocol import GenerationRequest, error_body
+from ipc.cache_summary import encode_words
 from pdserve.errors import InvalidRequestError, PdserveError
 
 log = logging.getLogger("pdserve.api")
@@ -356,7 +359,11 @@ class NodeRoutes:
         report = await asyncio.get_running_loop().run_in_executor(None, self.health)
         rows = self.client.actors.rows()
         engine = self.client.topology.prefill + self.client.topology.decode
-        return JSONResponse({"engine_id": self.engine_id, "role": self.client.config.role,
-                             "healthy": report["status"] == "ok", "problems": report["problems"],
-                             "active": self.client.num_active(),
-                             "kv_blocks_free": sum(int(rows[i]["kv_blocks_free"]) for i in engine)})
+        answer = {"engine_id": self.engine_id, "role": self.client.config.role,
+                  "healthy": report["status"] == "ok", "problems": report["problems"],
+                  "active": self.client.num_active(),
+                  "kv_blocks_free": sum(int(rows[i]["kv_blocks_free"]) for i in engine)}
+        words = self.client.admission.cached_words() if self.client.config.role == "prefill" else None
+        if words is not None:   # what its prefill caches hold, for the router's cache-aware choice
+            answer["cache"] = {"block_tokens": self.client.config.kv_block_tokens, "words": encode_words(words)}
+        return JSONResponse(answer)

@@ -1,13 +1,15 @@
 """The router's decisions: which prefill actor and which decode actor take a request (plain code over a snapshot of
 the actors' loads; the API process gathers the snapshot and carries out the choice).
 
-Prefill: the longest cached prompt prefix first (when the actor reports a prefix cache), then the fewest queued
-prompt tokens, then the lowest index. Decode: the most free KV blocks, less those the requests routed there but
-not yet prefilled will reserve (``with_routed``; an actor whose pool cannot fit prompt + max_tokens now keeps the
-request in BOOTSTRAP until its batch makes room, so the most free blocks is also the shortest wait), then the
-fewest running requests, then the lowest index. An actor that is not serving (hung, dead,
-restarting, draining) gets no new work. With no eligible actor of a role the request is refused with a retryable
-503 (``EngineOverloadedError``), never queued on a sick actor.
+Prefill: the longest cached prompt prefix first (as the actors' cache summaries report it, ipc/cache_summary.py),
+then the fewest queued prompt tokens, then the lowest index; but only among the actors whose queued prompt tokens
+exceed the least-queued one's by at most ``max_imbalance_tokens`` (config ``cache_routing_max_imbalance_tokens``),
+so one hot prefix cannot pile every request onto the actor that caches it while another idles. Decode: the most
+free KV blocks, less those the requests routed there but not yet prefilled will reserve (``with_routed``; an actor
+whose pool cannot fit prompt + max_tokens now keeps the request in BOOTSTRAP until its batch makes room, so the most
+free blocks is also the shortest wait), then the fewest running requests, then the lowest index. An actor that is
+not serving (hung, dead, restarting, draining) gets no new work. With no eligible actor of a role the request is
+refused with a retryable 503 (``EngineOverloadedError``), never queued on a sick actor.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from pdserve.errors import EngineOverloadedError
 @dataclass(frozen=True)
 class ActorLoad:
     """One actor's load as the router sees it. ``cached_prefix_tokens`` maps a prompt to the tokens of it the
-    actor's prefix cache holds (None: the actor has no cache)."""
+    actor's prefix cache holds (None: the actor has no cache; api/admission.py ``PrefixLookup`` reads the
+    summaries)."""
 
     index: int
     name: str
@@ -71,11 +74,19 @@ class Route:
     decode: int
 
 
-def pick_prefill(actors: Sequence[ActorLoad], prompt_ids: Sequence[int]) -> ActorLoad:
-    """The prefill actor for a prompt. Raises EngineOverloadedError when none is serving."""
+def pick_prefill(actors: Sequence[ActorLoad], prompt_ids: Sequence[int],
+                 max_imbalance_tokens: int | None = None) -> ActorLoad:
+    """The prefill actor for a prompt: among the serving actors whose queued prompt tokens are within
+    ``max_imbalance_tokens`` of the least-queued one's (None: all serving ones), the longest cached prefix, then
+    the fewest queued prompt tokens, then the lowest index. Raises EngineOverloadedError when none is serving."""
     eligible = [a for a in actors if a.serving]
     if not eligible:
         raise EngineOverloadedError("no prefill actor is serving (hung, dead or restarting); retry the request")
+    if max_imbalance_tokens is not None:
+        least = min(a.queued_prompt_tokens for a in eligible)
+        eligible = [a for a in eligible if a.queued_prompt_tokens - least <= max_imbalance_tokens]
+    if len(eligible) == 1:   # no choice: no prompt hashing
+        return eligible[0]
 
     def key(actor: ActorLoad):
         cached = actor.cached_prefix_tokens(prompt_ids) if actor.cached_prefix_tokens else 0
@@ -93,8 +104,8 @@ def pick_decode(actors: Sequence[ActorLoad], prompt_tokens: int, max_tokens: int
 
 
 def route(prefill: Sequence[ActorLoad], decode: Sequence[ActorLoad], prompt_ids: Sequence[int],
-          max_tokens: int) -> Route:
+          max_tokens: int, max_imbalance_tokens: int | None = None) -> Route:
     """Both choices for one request; ``prefill`` empty = colocated mode. Raises EngineOverloadedError."""
     chosen_decode = pick_decode(decode, len(prompt_ids), max_tokens)
-    chosen_prefill = pick_prefill(prefill, prompt_ids).index if prefill else None
+    chosen_prefill = pick_prefill(prefill, prompt_ids, max_imbalance_tokens).index if prefill else None
     return Route(chosen_prefill, chosen_decode.index)

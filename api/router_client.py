@@ -20,15 +20,17 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import orjson
 
+from actors.prefix_cache import block_keys
 from api.admission import AdmissionPolicy, RequestHandle
 from api.engine_client import wait_event
 from api.flight import Effect, Flight
 from api.node_api import request_wire
 from api.protocol import GenerationRequest
+from ipc.cache_summary import decode_words, leading_run
 from pdserve.errors import EngineOverloadedError, InvalidRequestError, PdserveError
 
 log = logging.getLogger("pdserve.router")
@@ -57,6 +59,8 @@ class Node:
     in_flight: int = 0
     mismatch_ticks: int = 0
     mismatches_total: int = 0
+    cache_words: Any = None   # a prefill node's cached block keys at the last poll (sorted u8 array; None: none)
+    block_tokens: int = 16    # its KV block size (the unit of its cache keys)
 
     def view(self, now: float) -> dict[str, Any]:
         return {"url": self.url, "role": self.role, "healthy": self.healthy and not self.dead, "dead": self.dead,
@@ -87,13 +91,45 @@ class InFlight:
         return [n.role for n in (self.prefill, self.decode) if n.dead]
 
 
-def pick_node(nodes: list[Node], role: str) -> Node:
-    """The serving node of ``role`` with the fewest of the router's requests in flight (then list order).
-    Raises EngineOverloadedError when none is serving."""
+def cached_prefix_tokens(node: Node, prompt_ids: Sequence[int]) -> int:
+    """The tokens of ``prompt_ids``' longest prefix ``node`` reported cached at its last poll, in whole blocks, at
+    most ``(len - 1) // block_tokens`` of them (as api/admission.py ``PrefixLookup``)."""
+    if node.cache_words is None or not len(node.cache_words):
+        return 0
+    bt = node.block_tokens
+    usable = max(len(prompt_ids) - 1, 0) // bt * bt
+    return leading_run(node.cache_words, block_keys(prompt_ids[:usable], bt)) * bt
+
+
+def pick_node(nodes: list[Node], role: str, prompt_ids: Sequence[int] = (),
+              queued_tokens: dict[str, int] | None = None, max_imbalance_tokens: int | None = None) -> Node:
+    """The serving node of ``role`` with the fewest of the router's requests in flight (then list order); for a
+    prefill node first the longest cached prefix of ``prompt_ids`` (its last poll's report), among the nodes whose
+    queued prompt tokens (``queued_tokens``: node url -> the router's prompts there not yet prefilled) exceed the
+    least-queued one's by at most ``max_imbalance_tokens`` (None: no bound), as api/router.py ``pick_prefill``
+    within one node. Raises EngineOverloadedError when none is serving."""
     serving = [n for n in nodes if n.role == role and n.healthy and not n.dead]
     if not serving:
         raise EngineOverloadedError(f"no {role} node is serving (unreachable, dead or unhealthy); retry")
-    return min(serving, key=lambda n: n.in_flight)
+    if role != "prefill" or len(serving) == 1:
+        return min(serving, key=lambda n: n.in_flight)
+    queued = queued_tokens or {}
+    if max_imbalance_tokens is not None:
+        least = min(queued.get(n.url, 0) for n in serving)
+        serving = [n for n in serving if queued.get(n.url, 0) - least <= max_imbalance_tokens]
+    return min(serving, key=lambda n: (-cached_prefix_tokens(n, prompt_ids), n.in_flight))
+
+
+def read_cache_report(report: Any) -> tuple[Any, int]:
+    """``(cache words, block tokens)`` from a node's ``/internal/status`` ``cache`` field (None: no cache
+    reported). Raises ValueError for a malformed one."""
+    if report is None:
+        return None, 16
+    if not isinstance(report, dict) or not isinstance(report.get("words"), str) or \
+            not isinstance(report.get("block_tokens"), int) or report["block_tokens"] < 1:
+        raise ValueError(f"a node's cache report wants {{'block_tokens': int > 0, 'words': str}}; got "
+                         f"{str(report)[:100]}")
+    return decode_words(report["words"]), report["block_tokens"]
 
 
 class RouterClient:
@@ -182,6 +218,11 @@ class RouterClient:
         node.engine_id = str(report.get("engine_id", ""))
         node.reported_active = int(report.get("active", 0))
         node.kv_blocks_free = int(report.get("kv_blocks_free", 0))
+        try:
+            node.cache_words, node.block_tokens = read_cache_report(report.get("cache"))
+        except ValueError as exc:   # a bad report loses the node its cache preference, nothing more
+            node.cache_words = None
+            log.warning("%s node %s: %s", node.role, node.url, exc)
         self._cross_check(node, before)
 
     def _cross_check(self, node: Node, before: int) -> None:
@@ -216,7 +257,9 @@ class RouterClient:
         EngineOverloadedError (no node of a role serving, or too many sequences in flight), InvalidRequestError
         (``n`` alone over max_queued_requests: api/admission.py ``AdmissionPolicy``)."""
         self.policy.check_room(len(self.handles), request.n)
-        prefill, decode = pick_node(self.nodes, "prefill"), pick_node(self.nodes, "decode")
+        prefill = pick_node(self.nodes, "prefill", request.prompt_ids, self.queued_prompt_tokens(),
+                            self.config.cache_routing_max_imbalance_tokens)
+        decode = pick_node(self.nodes, "decode")
         timeout_s = self.policy.timeout_s(request, timeout_s)
         request_id = next(self._ids)
         handles = []
@@ -231,6 +274,17 @@ class RouterClient:
         for flight in flights:
             flight.prefill_task, flight.siblings = task, flights
         return handles
+
+    def queued_prompt_tokens(self) -> dict[str, int]:
+        """Prefill node url -> prompt tokens of the router's requests there whose prefill call has not answered
+        (each request once, whatever its ``n``)."""
+        queued: dict[str, int] = {}
+        for flight in self.flights.values():
+            task = flight.prefill_task
+            if flight.siblings and flight is flight.siblings[0] and task is not None and not task.done():
+                url = flight.prefill.url
+                queued[url] = queued.get(url, 0) + len(flight.handle.request.prompt_ids)
+        return queued
 
     async def next_event(self, handle: RequestHandle) -> tuple:
         return await wait_event(handle, self.config.request_timeout_s)

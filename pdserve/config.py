@@ -119,6 +119,12 @@ class EngineConfig:
                                   _non_negative, ">= 0")
     prefix_cache: bool = _setting(True, "keep full blocks of prompt KV in the prefill pool after a request ends and "
                                   "reuse them for prompts that start with the same tokens (--no-prefix-cache: off)")
+    cache_routing_max_imbalance_tokens: int = _setting(2048, "with several prefill actors a prompt goes to the one "
+                                                       "caching its longest prefix unless that one's queued prompt "
+                                                       "tokens exceed the least-queued actor's by more than this; "
+                                                       "then to the longest cached prefix among those within it "
+                                                       "(0 = the cache only breaks ties of load)",
+                                                       _non_negative, ">= 0")
     prefill_chunk_tokens: int = _setting(128, "most tokens of one prompt in one prefill forward pass (a longer "
                                          "prompt advances a chunk per pass, beside other prompts)",
                                          _positive, "> 0")

@@ -24,7 +24,7 @@ class Engine:
     """One admission core with its fakes: ``prefill`` / ``decode`` actor indices (colocated: no prefill)."""
 
     def __init__(self, role: str = "both", prefill=(0, 1), decode=(2, 3), num_rows: int = 64,
-                 kv_blocks_free: int = 100):
+                 kv_blocks_free: int = 100, summaries=None, max_imbalance_tokens: int = 2048):
         self.clock = FakeClock()
         self.table = FakeTable(self.clock, num_rows=num_rows)
         self.outbox = Outbox()
@@ -32,9 +32,9 @@ class Engine:
         self.actors = FakeActors(names, kv_blocks_free)
         self.draining = False
         self.config = EngineConfig(role=role, max_queued_requests=MAX_QUEUED, request_timeout_s=TIMEOUT_S,
-                                   kv_block_tokens=16)
+                                   kv_block_tokens=16, cache_routing_max_imbalance_tokens=max_imbalance_tokens)
         self.core = Admission(self.config, self.table, self.outbox, self.actors, self.clock, lambda: self.draining,
-                              owner=API, prefill=prefill, decode=decode)
+                              owner=API, prefill=prefill, decode=decode, summaries=summaries)
 
     def live(self) -> dict[int, dict]:
         return dict(self.table.rows)
@@ -112,6 +112,63 @@ def test_a_reservation_not_yet_made_counts_against_its_decode_pool_until_the_fir
     assert engine.core.actor_loads()[0][0].queued_prompt_tokens == 40   # both prompts: prefill 0 then 1
     first.prefilled = True   # the decode actor reserved them: the table's count has them now
     assert [load.kv_blocks_free for load in engine.core.actor_loads()[1]] == [10, 4]
+
+
+@pytest.fixture
+def summaries(engine_id):
+    """The prefill actors' cache summaries (real shm, 2 regions of 64 slots); unlinked with the test's engine id."""
+    from ipc.cache_summary import CacheSummary
+    from ipc.naming import segment_name
+
+    summary = CacheSummary.create(segment_name(engine_id, "cachesum"), num_actors=2, slots=64)
+    try:
+        yield summary
+    finally:
+        summary.close()
+
+
+def cache_on(summaries, index: int, prompt_ids: list[int], pid: int = 4242) -> None:
+    """Prefill actor ``index`` (process ``pid``) caches every full block of ``prompt_ids``, as its PrefixCache
+    listener would publish it."""
+    from actors.prefix_cache import block_keys
+
+    writer = summaries.writer(index)
+    writer.clear(pid)
+    for block, key in enumerate(block_keys(prompt_ids, 16)):
+        writer.cached(block, key)
+
+
+def test_a_prompt_goes_to_the_prefill_actor_caching_its_prefix_until_that_ones_queue_is_past_the_bound(summaries):
+    """Load alone sends the first prompt to prefill 0. Prefill 1's summary lists the prompt's 2 full blocks: it
+    takes the prompts while its queue is within 64 tokens of prefill 0's; the third (80 queued there, 0 on
+    prefill 0) goes to prefill 0. A prompt with another first block has no cached prefix: load decides."""
+    engine = Engine(summaries=summaries, max_imbalance_tokens=64)
+    engine.actors.table[1]["actor_pid"] = 4242
+    cache_on(summaries, 1, list(range(1, 41)))
+    chosen = [engine.core.admit(request(f"r{i}", prompt_tokens=40))[0].prefill_actor for i in range(3)]
+    assert chosen == [1, 1, 0]
+    other = GenerationRequest("completion", "x", "m", [7] * 40, Sampling(max_tokens=4))
+    assert engine.core.admit(other)[0].prefill_actor == 0   # 40 queued on 0, 80 on 1
+
+
+def test_a_summary_from_another_process_than_the_actor_rows_is_no_hit(summaries):
+    """The actor row names process 999 (the actor restarted): the region its predecessor 4242 wrote counts
+    nothing, and load decides."""
+    engine = Engine(summaries=summaries)
+    engine.actors.table[1]["actor_pid"] = 999
+    cache_on(summaries, 1, list(range(1, 41)), pid=4242)
+    assert engine.core.admit(request("r", prompt_tokens=40))[0].prefill_actor == 0
+
+
+def test_a_prompts_last_token_is_never_counted_cached(summaries):
+    """Prefill 0 caches 3 blocks; a prompt of exactly 2 blocks of them counts 1 (the actor reuses at most
+    (len - 1) // 16 blocks: its last token must be computed)."""
+    from api.admission import PrefixLookup
+
+    cache_on(summaries, 0, list(range(48)))
+    lookup = PrefixLookup(summaries, 16)
+    assert [lookup.tokens(0, 4242, list(range(n))) for n in (15, 16, 17, 32, 33, 48, 49)] == \
+        [0, 0, 16, 16, 32, 32, 48]
 
 
 def test_a_full_pool_still_admits_the_request_to_wait_in_bootstrap():

@@ -26,6 +26,25 @@ def test_a_longer_cached_prefix_beats_a_shorter_queue():
     assert pick_prefill([prefill(0, 0, cached=0), prefill(1, 900, cached=64)], list(range(80))).index == 1
 
 
+def test_a_cached_prefix_wins_only_while_its_actors_queue_is_within_the_imbalance_bound():
+    prompt = list(range(80))
+    assert pick_prefill([prefill(0, 0, cached=0), prefill(1, 500, cached=64)], prompt, 500).index == 1
+    assert pick_prefill([prefill(0, 0, cached=0), prefill(1, 501, cached=64)], prompt, 500).index == 0
+
+
+def test_past_the_bound_the_longest_cached_prefix_among_the_actors_within_it_wins():
+    """A hot prefix: prefill 0 caches the most of it but is far behind; prefill 2 caches some and is within the
+    bound of the idle prefill 1, so it wins over the idle one."""
+    actors = [prefill(0, 3000, cached=96), prefill(1, 0, cached=0), prefill(2, 100, cached=32)]
+    assert pick_prefill(actors, list(range(100)), 2048).index == 2
+    assert pick_prefill(actors, list(range(100)), None).index == 0   # no bound: the cache alone
+
+
+def test_a_bound_of_0_lets_the_cache_break_ties_of_load_only():
+    assert pick_prefill([prefill(0, 0, cached=0), prefill(1, 0, cached=32)], list(range(40)), 0).index == 1
+    assert pick_prefill([prefill(0, 0, cached=0), prefill(1, 1, cached=32)], list(range(40)), 0).index == 0
+
+
 def test_decode_goes_to_the_most_free_blocks_then_the_fewest_running():
     assert pick_decode([decode(0, 10), decode(1, 40, running=9), decode(2, 40, running=2)], 20, 10).index == 2
 

@@ -3,6 +3,7 @@ report, the internal REQUEST wire form and the CLI's node URLs (the processes: t
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import orjson
 import pytest
@@ -10,10 +11,12 @@ import pytest
 from actors.messages import Sampling
 from api.node_api import generation_request, request_wire
 from api.protocol import GenerationRequest
-from api.router_client import Node, RouterClient, pick_node
+from actors.prefix_cache import block_keys
+from api.router_client import Node, RouterClient, cached_prefix_tokens, pick_node, read_cache_report
 from api.router_server import RouterMetrics
 from pdserve.cli import node_urls
 from pdserve.config import load_config
+from ipc.cache_summary import encode_words, key_words
 from pdserve.errors import ConfigError, EngineOverloadedError, InvalidRequestError
 
 
@@ -32,6 +35,94 @@ def test_the_router_picks_the_serving_node_of_a_role_with_the_fewest_requests_in
     nodes[-1].dead = True
     with pytest.raises(EngineOverloadedError, match="no decode node is serving"):
         pick_node(nodes, "decode")
+
+
+def cached_node(url: str, prompt_ids: list[int], in_flight: int = 0) -> Node:
+    """A serving prefill node whose last poll reported every full block of ``prompt_ids`` cached (16 tokens each),
+    through the wire form a node sends (api/node_api.py ``/internal/status``)."""
+    words = key_words(block_keys(prompt_ids, 16))
+    node = Node(url, "prefill", healthy=True, in_flight=in_flight)
+    node.cache_words, node.block_tokens = read_cache_report({"block_tokens": 16, "words": encode_words(words)})
+    return node
+
+
+def test_the_router_sends_a_prompt_to_the_prefill_node_caching_its_longest_prefix_within_the_bound():
+    """p1 caches the first 3 blocks of the prompt, p2 the first 1: p1 wins though it has more in flight, until its
+    queued prompt tokens pass the least-queued node's by more than the bound; then the longest cached prefix among
+    the nodes within it (p2). A prompt none caches goes by requests in flight."""
+    prompt = list(range(1, 70))
+    nodes = [Node("http://p0:1", "prefill", healthy=True, in_flight=0), cached_node("http://p1:1", prompt[:48], 5),
+             cached_node("http://p2:1", prompt[:16], 3)]
+    assert cached_prefix_tokens(nodes[1], prompt) == 48 and cached_prefix_tokens(nodes[2], prompt) == 16
+    keys = block_keys(prompt[:48], 16)
+    gap = cached_node("http://p3:1", [])   # blocks 0 and 2 cached, 1 evicted: the prefix ends at block 1
+    gap.cache_words = read_cache_report({"block_tokens": 16, "words": encode_words(key_words([keys[0], keys[2]]))})[0]
+    assert cached_prefix_tokens(gap, prompt) == 16
+    assert pick_node(nodes, "prefill", prompt, {}, 2048).url == "http://p1:1"
+    assert pick_node(nodes, "prefill", prompt, {"http://p1:1": 3000}, 2048).url == "http://p2:1"
+    assert pick_node(nodes, "prefill", prompt, {"http://p1:1": 3000}, None).url == "http://p1:1"
+    assert pick_node(nodes, "prefill", [9] * 70, {}, 2048).url == "http://p0:1"
+
+
+def test_a_malformed_cache_report_is_refused_and_no_report_means_no_cache():
+    assert read_cache_report(None) == (None, 16)
+    for bad in ({"block_tokens": 16, "words": "not base64!"}, {"block_tokens": 16, "words": "AAAA"},
+                {"block_tokens": 0, "words": ""}, ["words"]):
+        with pytest.raises(ValueError):
+            read_cache_report(bad)
+
+
+def test_a_prefill_nodes_report_is_what_its_serving_actors_cache(engine_id):
+    """The node side: the union of its prefill actors' summaries (real shm), a restarted actor's predecessor's
+    region left out (its row names another pid)."""
+    from api.admission import Admission
+    from ipc.actor_table import ActorStatus
+    from ipc.cache_summary import CacheSummary
+    from ipc.naming import segment_name
+    from tests.actors.fakes import FakeActors, FakeClock, FakeTable, Outbox
+
+    summary = CacheSummary.create(segment_name(engine_id, "cachesum"), num_actors=2, slots=8)
+    try:
+        for index, tokens in ((0, list(range(32))), (1, [5] * 16)):
+            writer = summary.writer(index)
+            writer.clear(100 + index)
+            for block, key in enumerate(block_keys(tokens, 16)):
+                writer.cached(block, key)
+        actors = FakeActors(["prefill0", "prefill1", "decode0"])
+        actors.table[0]["actor_pid"], actors.table[1]["actor_pid"] = 100, 101
+        config = load_config({}, env={}).config
+        admission = Admission(config, FakeTable(FakeClock()), Outbox(), actors, FakeClock(), lambda: False,
+                              owner=4, prefill=(0, 1), decode=(2,), summaries=summary)
+        expected = sorted(key_words(block_keys(list(range(32)), 16)).tolist() + key_words(block_keys([5] * 16, 16))
+                          .tolist())
+        assert admission.cached_words().tolist() == expected
+        actors.table[1]["actor_pid"] = 999   # prefill1 restarted, its new process has not cleared the region yet
+        assert admission.cached_words().tolist() == sorted(key_words(block_keys(list(range(32)), 16)).tolist())
+        actors.table[0]["status"] = ActorStatus.STARTING
+        assert admission.cached_words().tolist() == []
+    finally:
+        summary.close()
+
+
+def test_queued_prompt_tokens_count_each_request_once_until_its_prefill_call_answers():
+    from api.admission import RequestHandle
+    from api.router_client import InFlight
+
+    async def scenario():
+        client = router()
+        p0, p1, d0 = client.nodes
+        loop = asyncio.get_running_loop()
+        waiting, answered = loop.create_future(), loop.create_future()
+        answered.set_result(None)
+        for request_id, node, task, n in ((1, p0, waiting, 2), (2, p1, waiting, 1), (3, p1, answered, 1)):
+            request = GenerationRequest("completion", f"r{request_id}", "m", list(range(10 * request_id)),
+                                        Sampling(max_tokens=4), n=n)
+            flights = [InFlight(RequestHandle(request, request_id, i + 1, i), node, d0) for i in range(n)]
+            for flight in flights:
+                client.flights[flight.handle.key] = flight
+                flight.prefill_task, flight.siblings = task, flights
+        return client.queued_prompt_tokens()
+    assert asyncio.run(scenario()) == {"http://p0:1": 10, "http://p1:1": 20}
 
 
 def test_router_and_node_counts_are_flagged_after_two_disagreeing_polls_in_a_row():

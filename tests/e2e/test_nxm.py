@@ -16,6 +16,8 @@ import httpx
 import psutil
 import pytest
 
+from ipc.cache_summary import CacheSummary
+from ipc.naming import segment_name
 from tests.conftest import assert_recovered, cleanup_engine, probe_fixture, scrape, start_engine, wait_until
 from tools import inspect as inspect_tool
 
@@ -53,6 +55,12 @@ probe = probe_fixture()
 def done_by_actor(base_url: str) -> dict[str, float]:
     metrics = scrape(base_url)
     return {a: metrics[f"pdserve_actor_requests_done_total{{actor={a}}}"] for a in ACTORS}
+
+
+def prefill_hits(base_url: str) -> dict[str, float]:
+    """Prompt tokens each prefill actor found in its prefix cache so far (/metrics)."""
+    metrics = scrape(base_url)
+    return {a: metrics.get(f"pdserve_prefix_cache_hit_tokens_total{{actor={a}}}", 0) for a in ("prefill0", "prefill1")}
 
 
 async def post_all(base_url: str, bodies: list[dict], headers: list[dict] | None = None) -> list[httpx.Response]:
@@ -134,9 +142,7 @@ def test_multi_block_prompts_hand_off_between_the_pools_and_each_prefill_actor_r
     body = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 
     def hits() -> dict[str, float]:
-        metrics = scrape(engine.base_url)
-        return {a: metrics.get(f"pdserve_prefix_cache_hit_tokens_total{{actor={a}}}", 0)
-                for a in ("prefill0", "prefill1")}
+        return prefill_hits(engine.base_url)
     before = hits()
     first = asyncio.run(post_all(engine.base_url, [{**body, "prompt": p} for p in prompts]))
     again = asyncio.run(post_all(engine.base_url, [{**body, "prompt": p} for p in prompts]))
@@ -145,6 +151,32 @@ def test_multi_block_prompts_hand_off_between_the_pools_and_each_prefill_actor_r
     assert [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in first + again] == [0, 0, 64, 64]
     after = hits()
     assert all(after[a] - before[a] == 64 for a in after), (before, after)   # one repeat on each prefill actor
+    assert_recovered(engine, probe)
+
+
+def test_each_turn_of_a_session_goes_to_the_prefill_actor_that_cached_its_earlier_turns(engine, probe):
+    """Issue 28, cache-aware routing: 4 sessions of 4 turns, each turn's prompt the previous one plus 20 new
+    tokens. The first turns go out at once (load spreads them over both prefill actors); turns 2-4 one at a time,
+    last session first, so load alone (every queue empty) would send each to prefill0. Every later turn reuses
+    at least the full blocks of its session's previous prompt, and both prefill actors serve such hits."""
+    sessions = [[(i * 7919 + 31 * s) % 30000 + 200 for i in range(40)] for s in range(4)]
+    body = {"temperature": 0, "max_tokens": 2, "ignore_eos": True}
+    before = prefill_hits(engine.base_url)
+    first = asyncio.run(post_all(engine.base_url, [{**body, "prompt": p} for p in sessions]))
+    assert [r.status_code for r in first] == [200] * 4
+    cached: dict[tuple[int, int], tuple[int, int]] = {}   # (session, turn) -> (cached tokens, full blocks' tokens)
+    for turn in range(2, 5):
+        for s in reversed(range(4)):
+            previous = sessions[s]
+            sessions[s] = previous + [(t * 104729 + 17 * s + turn) % 30000 + 200 for t in range(20)]
+            response = httpx.post(engine.base_url + "/v1/completions", json={**body, "prompt": sessions[s]},
+                                  timeout=300)
+            assert response.status_code == 200, response.text
+            cached[s, turn] = (response.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+                               len(previous) // 16 * 16)
+    assert all(hit >= full for hit, full in cached.values()), cached
+    after = prefill_hits(engine.base_url)
+    assert all(after[a] > before[a] for a in after), (before, after)   # the sessions were on both actors
     assert_recovered(engine, probe)
 
 
@@ -272,6 +304,14 @@ def test_the_restarted_actors_rejoin_the_rotation_by_themselves(engine, probe):
         return all(probe.actor(a)["status"] == ActorStatus.READY and probe.actor(a)["health"] == ActorHealth.OK
                    for a in ACTORS)
     wait_until(all_serving, 400, 0.2, "decode0 and prefill1 restarted")
+    summary = CacheSummary.attach(segment_name(engine.engine_id, "cachesum"), readonly=True)
+    try:   # the router's view of each prefill cache (ipc/cache_summary.py) is the restarted process's, and exact
+        for index, name in enumerate(("prefill0", "prefill1")):
+            row = probe.actor(name)
+            assert (summary.writer_pid(index), summary.num_cached(index)) == \
+                (row["actor_pid"], row["prefix_cached_blocks"]), name
+    finally:
+        summary.close()
     before = done_by_actor(engine.base_url)
     responses = asyncio.run(post_all(engine.base_url, [{"prompt": "Hello", "max_tokens": 4}] * 16))
     assert [r.status_code for r in responses] == [200] * 16

@@ -273,3 +273,24 @@ def kv_mooncake_source(pool_name: str, geometry: dict, seed: int, ready, done) -
             source.close(unlink=True)
         pool.close()
         pool.unlink()
+
+
+# ---------------------------------------------------------------------------------------------- cache summary
+
+def cs_prefill_actor(name: str, index: int, prompts: list, block_tokens: int, done) -> None:
+    """A prefill actor's start and work as its cache summary sees it: clear its region, then cache every full
+    block of ``prompts`` (one pool block each, numbered from 0) through a PrefixCache whose listener writes it."""
+    from actors.prefix_cache import PrefixCache, block_keys
+    from ipc.cache_summary import CacheSummary
+
+    summary = CacheSummary.attach(name)
+    writer = summary.writer(index)
+    writer.clear()
+    cache = PrefixCache(listener=writer)
+    block = 0
+    for prompt in prompts:
+        for key in block_keys(prompt, block_tokens):
+            if cache.insert(key, block):
+                block += 1
+    done.set()
+    summary.close()

@@ -19,6 +19,9 @@ import httpx
 import psutil
 import pytest
 
+from actors.prefix_cache import block_keys
+from api.router_client import read_cache_report
+from ipc.cache_summary import key_words
 from tests.conftest import (ROOT, EngineProbe, cleanup_engine, free_port, signal_pids, start_engine, sweep_engine,
                             wait_until)
 from tools.netns import start_in_namespace, stop_process, wait_http_ok
@@ -133,6 +136,19 @@ def test_sixteen_concurrent_greedy_requests_equal_the_single_node_answers(cluste
     assert re.search(r'pdserve_router_node_up\{node="%s",role="prefill"\} 1\.0' % re.escape(prefill.url), metrics)
     view = httpx.get(base + "/health", trust_env=False).json()
     assert view["status"] == "ok", view
+
+
+def test_the_prefill_node_reports_the_blocks_its_cache_holds_to_the_router(cluster):
+    """Cache-aware routing across nodes: a prompt of 2 full blocks prefilled through the router shows up in the
+    prefill node's /internal/status cache report (what the router polls and prefers a node by)."""
+    base, prefill, _, _ = cluster
+    prompt = [(i * 7919) % 30000 + 200 for i in range(40)]
+    response = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0},
+                          timeout=120, trust_env=False)
+    assert response.status_code == 200, response.text
+    report = httpx.get(prefill.url + "/internal/status", timeout=10, trust_env=False).json()
+    words, block_tokens = read_cache_report(report["cache"])
+    assert set(key_words(block_keys(prompt, block_tokens)).tolist()) <= set(words.tolist())
 
 
 def stuck_where(base: str, request_id: str) -> list[tuple[str, str]]:
