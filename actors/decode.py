@@ -75,8 +75,8 @@ class DecodeActor(Actor):
                                             batch_tokens=self.config.max_prefill_batch_tokens,
                                             chunk_tokens=self.config.prefill_chunk_tokens)
             self.prefill_runner = PrefillRunner(self.model, self.kv, self.sampler, self.outbox, self.grammars)
-            self.queue_outbox.add_route("prefill", self.prefill_core)
-            self.queue_outbox.add_route("decode", self.core)
+            self.queue_outbox.add_local("prefill", self.prefill_core)
+            self.queue_outbox.add_local("decode", self.core)
         self.gauges = GaugePublisher(self.actors, self.index, self.pool, self.allocator)
         self._publish()
 

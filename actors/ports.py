@@ -120,21 +120,23 @@ class PeerTransfers:
 class QueueOutbox:
     """OutboxPort over the engine's shm queues (``{actor index or "api": q}``); frames are
     ``actors.messages.to_wire`` lists, each put waiting at most ``put_timeout_s`` for room (then QueueFullError).
-    A destination may be a local core (colocated mode): any object with ``on_message(message)``."""
+    A destination may instead be a local core (colocated mode), registered with ``add_local``."""
 
     def __init__(self, queues: dict[str, Any], put_timeout_s: float):
         self.queues = queues
+        self.local: dict[int | str, Any] = {}
         self.put_timeout_s = put_timeout_s
 
-    def add_route(self, dest: int | str, target: Any) -> None:
-        """Send to ``dest`` through ``target`` (a queue, or a local core) from now on."""
-        self.queues[dest] = target
+    def add_local(self, dest: int | str, core: Any) -> None:
+        """Hand messages for ``dest`` straight to ``core.on_message(message)`` (a core in this process) from now
+        on, instead of a queue."""
+        self.local[dest] = core
 
     def send(self, dest: str, message: Any, request_id: str = "") -> None:
         from actors.messages import to_wire
 
-        target = self.queues[dest]
-        if hasattr(target, "on_message"):
-            target.on_message(message)
+        core = self.local.get(dest)
+        if core is not None:
+            core.on_message(message)
         else:
-            target.put(to_wire(message), timeout_s=self.put_timeout_s)
+            self.queues[dest].put(to_wire(message), timeout_s=self.put_timeout_s)

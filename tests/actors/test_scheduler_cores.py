@@ -334,7 +334,8 @@ def test_colocated_mode_runs_the_same_prefill_core_over_the_decode_pool():
     prefill = PrefillCore(table, pool, outbox, clock, actor_index=DECODE)
     decode = DecodeCore(table, pool, FakeTransfers(local=True), outbox, clock, actor_index=DECODE, eos_ids=[EOS],
                         max_num_seqs=4, block_bytes=100)
-    local.update(prefill=prefill, decode=decode)
+    outbox.add_local("prefill", prefill)
+    outbox.add_local("decode", decode)
     request = prefill_request(table, "colo", prompt_tokens=20, max_tokens=2, n=2)
     prefill.on_message(request)
     work = prefill_one(prefill)
@@ -666,7 +667,8 @@ def test_colocated_mode_shares_one_caching_allocator_and_decode_reservations_evi
     prefill = PrefillCore(table, pool, outbox, clock, actor_index=DECODE)
     decode = DecodeCore(table, pool, FakeTransfers(local=True), outbox, clock, actor_index=DECODE, eos_ids=[EOS],
                         max_num_seqs=4, block_bytes=100)
-    outbox.queues.update(prefill=prefill, decode=decode)
+    outbox.add_local("prefill", prefill)
+    outbox.add_local("decode", decode)
 
     def serve(request_id: str, max_tokens: int, offset: int = 0) -> None:
         request = prefill_request(table, request_id, prompt_tokens=40, max_tokens=max_tokens)
