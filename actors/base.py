@@ -267,23 +267,31 @@ class Actor:
         """Runs in the child after the loop ends; answer or fail what is still queued."""
 
     # ---- child process entry ----------------------------------------------------------------------
-    def child_main(self, stop_event: Any) -> None:
-        """The child's entry. ``stop_event`` is the engine's shutdown event: only the supervisor sets it."""
+    def enter_child(self, on_parent_death: Callable[[], None]) -> int:
+        """What every child does first (the API's own entry too): logging, signals left to the supervisor
+        (``on_parent_death`` runs when it dies), its actor-table row marked starting, its flight recorder.
+        Returns the supervisor's pid (for ``parent_is_gone``)."""
         logging.basicConfig(level=self.config.log_level.upper(),
                             format=f"%(asctime)s {self.name} %(levelname)s %(message)s")
+        parent = leave_signals_to_the_supervisor(self.name, on_parent_death)
+        from ipc.actor_table import ActorTable
 
+        self.actors = ActorTable.attach(self.layout.segment("actors"))
+        self.actors.starting(self.index, os.getpid())
+        self.recorder = open_recorder(self.layout, self.index)
+        return parent
+
+    def child_main(self, stop_event: Any) -> None:
+        """The child's entry. ``stop_event`` is the engine's shutdown event: only the supervisor sets it."""
         def parent_died() -> None:
             raise ParentGone(f"{self.name}: the supervisor is gone; exiting")
 
-        parent = leave_signals_to_the_supervisor(self.name, parent_died)
+        parent = self.enter_child(parent_died)
         self.stop_event = stop_event
-        from ipc.actor_table import ActorStatus, ActorTable
+        from ipc.actor_table import ActorStatus
         from ipc.engine_status import EngineStatus
 
-        self.actors = ActorTable.attach(self.layout.segment("actors"))
         self.status = EngineStatus.attach(self.layout.segment("status"))
-        self.actors.starting(self.index, os.getpid())
-        self.recorder = open_recorder(self.layout, self.index)
         self.on_start()
         self.actors.set_status(self.index, ActorStatus.READY)
         self.actors.beat(self.index)

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import pathlib
 
-from actors.base import API_INDEX, Actor, exit_now, leave_signals_to_the_supervisor, open_recorder, parent_is_gone
+from actors.base import API_INDEX, Actor, exit_now, parent_is_gone
 
 log = logging.getLogger("pdserve.api")
 
@@ -30,19 +29,14 @@ class ApiActor(Actor):
     def child_main(self, stop_event) -> None:
         """The API process's entry: signals as every child (base.leave_signals_to_the_supervisor); the HTTP
         server stops gracefully when the supervisor sets ``stop_event`` or dies."""
-        logging.basicConfig(level=self.config.log_level.upper(),
-                            format=f"%(asctime)s {self.name} %(levelname)s %(message)s")
         self.parent_died = False
 
         def parent_died() -> None:   # from a signal handler: the shutdown trigger below notices within idle_wait_s
             self.parent_died = True
 
-        self.parent = leave_signals_to_the_supervisor(self.name, parent_died)
-        from ipc.actor_table import ActorStatus, ActorTable
+        self.parent = self.enter_child(parent_died)
+        from ipc.actor_table import ActorStatus
 
-        self.actors = ActorTable.attach(self.layout.segment("actors"))
-        self.actors.starting(self.index, os.getpid())
-        self.recorder = open_recorder(self.layout, self.index)
         asyncio.run(self._serve(stop_event))
         self.actors.set_status(self.index, ActorStatus.STOPPED)
         exit_now()
