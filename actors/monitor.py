@@ -57,13 +57,16 @@ def held_mask(rows: np.ndarray, topology: Topology, index: int) -> np.ndarray:
 
 
 def fail_requests_held_by(table, status, to_api, topology: Topology, index: int, message: str, *, by: int,
-                          rows: np.ndarray | None = None, role: str = "monitor") -> int:
+                          rows: np.ndarray | None = None, role: str = "monitor",
+                          counter: str = "actor_failures") -> int:
     """Fail (503, retryable) every live request that actor ``index`` holds (``held_mask``); returns how many.
 
     Used by the monitor for dead or hung actors and by the supervisor the moment it sees an actor's process
     exit (before restarting it, so a fast restart cannot hide the death from the monitor's next tick). Every
     put is non-blocking; after one put timed out on the API inbox's lock (a stopped producer holds it) the rest
     are skipped, so a call waits at most one lock timeout there (the API's own deadline answers those clients).
+    ``counter``: the status field this caller writes (each has one writer: the supervisor passes
+    ``"exit_failures"``).
 
     Raises:
         ShmLockTimeoutError: a live process holds the state table lock past its timeout (the rows not yet
@@ -77,7 +80,7 @@ def fail_requests_held_by(table, status, to_api, topology: Topology, index: int,
         stage = int(rows["state"][slot])
         if table.transition(slot, generation, S.FAILED, owner=by, by=role):
             failed += 1
-            status.rec["actor_failures"][stage] += 1
+            status.rec[counter][stage] += 1
             if api_lock_stuck:
                 continue
             try:
@@ -376,7 +379,7 @@ class HeartbeatMonitor(Actor):
             return
         fresh = self.table.consistent_rows(old.tolist())  # the snapshot may mix a row's old and new fields
         for slot, row in zip(old.tolist(), fresh):
-            if int(row["state"]) in final_states and now_ns - int(row["state_since_ns"]) > limit_ns:
+            if _FINAL[int(row["state"])] and now_ns - int(row["state_since_ns"]) > limit_ns:
                 if self.table.release(slot, int(row["generation"])):
                     log.warning("released the final row of request %s nobody released in %.0f s (did the API "
                                 "process die?)", row["request_id"].decode(errors="replace"), FINAL_ROW_RECLAIM_S)

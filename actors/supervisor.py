@@ -154,7 +154,8 @@ def fail_held_for_restart(state, status, to_api, topo, index: int, exitcode) -> 
     name = topo.names[index]
     return fail_requests_held_by(state, status, to_api, topo, index,
                                  f"actor {name} is dead (its process exited with code {exitcode}); "
-                                 "the request was dropped, retry it", by=-1, role="supervisor")
+                                 "the request was dropped, retry it", by=-1, role="supervisor",
+                                 counter="exit_failures")
 
 
 def monitor_is_hung(row, alive: bool, now_ns: int, config) -> bool:

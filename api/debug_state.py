@@ -67,7 +67,7 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
                    now_ns: int) -> dict[str, Any]:
     """Assemble the JSON snapshot from raw reads (``rows``: a StateTable snapshot; schema: tools/inspect.py)."""
     from ipc.actor_table import sum_own_gauges
-    from ipc.engine_status import GAUGE_METRIC, GAUGES
+    from ipc.engine_status import GAUGE_METRIC, GAUGES, actor_failures
     from ipc.lifecycle import (GAUGE_STATES, LIVE_STATES, RENEWABLE_STATES, STAGE_NAME, STAGE_TIMEOUT_FIELD,
                                RequestState)
 
@@ -131,7 +131,7 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
         "watchdog": {"ticks": int(status["watchdog_ticks"]), "last_tick_age_s": tick_age_s,
                      "tick_cpu_ms": status["watchdog_tick_cpu_ns"] / 1e6,
                      "timeouts_by_stage": {STAGE_NAME[s]: int(status["timeouts"][int(s)]) for s in STAGE_NAME},
-                     "actor_failures_by_stage": {STAGE_NAME[s]: int(status["actor_failures"][int(s)])
+                     "actor_failures_by_stage": {STAGE_NAME[s]: int(actor_failures(status)[int(s)])
                                                  for s in STAGE_NAME}},
         "active_requests": {"api": api_active, "engine": engine_active, "agree": api_active == engine_active},
     }

@@ -28,7 +28,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from actors.watchdog import actor_state
 from ipc.lifecycle import GAUGE_STATES, STAGE_NAME
-from ipc.engine_status import GAUGES
+from ipc.engine_status import GAUGES, actor_failures
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -118,9 +118,10 @@ class _SharedStateCollector:
                                        labels=["stage"])
         failures = CounterMetricFamily("pdserve_request_actor_failures",
                                        "requests failed because their actor was dead or hung", labels=["stage"])
+        failed_by_stage = actor_failures(status)
         for state, stage in STAGE_NAME.items():
             timeouts.add_metric([stage], status["timeouts"][int(state)])
-            failures.add_metric([stage], status["actor_failures"][int(state)])
+            failures.add_metric([stage], failed_by_stage[int(state)])
         yield from (timeouts, failures)
         stuck = _gauge("pdserve_stuck_gauge", "1 = gauge > 0 while nothing left its stage for stuck_gauge_s",
                        labels=["gauge"])

@@ -22,6 +22,8 @@ Record (``STATUS_DTYPE``; ``S`` = len(RequestState), indexed by state; ``G`` = l
     watchdog_tick_cpu_ns   i8      monitor     CPU time the last tick took
     timeouts               u8[S]   monitor     requests timed out, by the RequestState they were in
     actor_failures         u8[S]   monitor     requests failed because their actor was dead or hung
+    exit_failures          u8[S]   supervisor  the same, failed by the supervisor the moment the process exited
+                                               (each counter has one writer; readers add them: ``actor_failures``)
     gauge_nonzero_since_ns i8[G]   monitor     since when each gauge has been > 0 (0 = it is 0)
     gauge_moved_ns         i8[G]   monitor     last time a request left that stage
     stuck                  u1[G]   monitor     1 = gauge > 0 and nothing left the stage for stuck_gauge_s
@@ -50,6 +52,7 @@ STATUS_DTYPE = np.dtype([
     ("watchdog_tick_cpu_ns", "<i8"),
     ("timeouts", "<u8", (_S,)),
     ("actor_failures", "<u8", (_S,)),
+    ("exit_failures", "<u8", (_S,)),
     ("gauge_nonzero_since_ns", "<i8", (_G,)),
     ("gauge_moved_ns", "<i8", (_G,)),
     ("stuck", "u1", (_G,)),
@@ -58,6 +61,12 @@ STATUS_DTYPE = np.dtype([
 ], align=True)
 
 MAGIC = b"PDES"
+
+
+def actor_failures(rec) -> np.ndarray:
+    """Requests failed because their actor was dead or hung, by state (u8[S]): the monitor's count plus the
+    supervisor's (``rec``: the record, or ``EngineStatus.snapshot()``'s dict of lists)."""
+    return np.add(rec["actor_failures"], rec["exit_failures"])
 VERSION = 1
 HEADER = struct.Struct("<4sII")  # magic, version, record_bytes
 RECORD_OFFSET = 64
