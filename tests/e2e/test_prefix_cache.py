@@ -3,8 +3,9 @@ tokens, reused to the token (hits ending mid-block: the cached rows are copied i
 greedy output equals output computed without the cache (an echo-with-logprobs request skips the cache lookup: it
 needs every prompt position's logits), the metrics and tools/inspect show the cache (hit tokens not a multiple of
 the block), a cache evicted under pressure still gives the same output, identical prompts aborted mid-prefill leave
-nothing in the cache (their KV was never complete), and a request aborted after a mid-block hit holds nothing. Faults with cached blocks held: tests/e2e/test_watchdog.py (its recovery check
-requires every cached block released)."""
+nothing in the cache (their KV was never complete), and a request aborted after a mid-block hit holds nothing.
+Faults with cached blocks held: tests/e2e/test_watchdog.py (its recovery check requires every cached block
+released)."""
 from __future__ import annotations
 
 import asyncio
