@@ -8,6 +8,7 @@ is a copy inside the pool (the same transport opened on its own pool).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -26,7 +27,7 @@ class DecodeActor(Actor):
     def on_start(self) -> None:
         from actors.decode_core import DecodeCore
         from actors.fault_ports import FaultyOutbox, FaultyTransfers
-        from actors.model_runner import DecodeRunner, PrefillRunner
+        from actors.model_runner import DecodeRunner, PrefillRunner, copy_block_rows
         from actors.ports import PeerTransfers, QueueOutbox, TransportTransfers
         from actors.prefill_core import PrefillCore
         from actors.prefix_cache import CachingAllocator
@@ -62,7 +63,8 @@ class DecodeActor(Actor):
         self.remote_peers: dict[str, int] = {}   # a prefill node's pool (descriptor JSON) -> its PeerTransfers key
         transfers = FaultyTransfers(self.peer_transfers, self.faults)
         # colocated: both cores allocate through the prefill core's prefix cache (decode's allocations evict it)
-        self.allocator = CachingAllocator(self.pool, enabled=colocated and self.config.prefix_cache)
+        self.allocator = CachingAllocator(self.pool, enabled=colocated and self.config.prefix_cache,
+                                          copy_rows=functools.partial(copy_block_rows, self.kv))
         self.core = DecodeCore(self.table, self.allocator, transfers, self.outbox, time.monotonic_ns,
                                actor_index=self.index, eos_ids=self.model.config.eos_token_ids,
                                max_num_seqs=self.config.max_num_seqs, block_bytes=self.pool.block_bytes)

@@ -121,6 +121,15 @@ class PrefillRunner:
             del self.echo[key]
 
 
+def copy_block_rows(kv, src_block: int, dst_block: int, rows: int) -> None:
+    """``kv[:, :, dst_block, :rows] = kv[:, :, src_block, :rows]``: the first ``rows`` token rows of one block,
+    every layer, K and V, into another block of the same pool (``kv``: the pool tensor ``[num_layers, 2,
+    num_blocks, block_tokens, num_kv_heads, head_dim]``, on any device). The prefix cache's copy-on-write of a hit
+    ending mid-block (actors/prefix_cache.py ``copy_rows``): one strided copy of a part of one block, where the
+    transports' whole-block copies (ipc/kv_copy.py, gpu/kernels/kv_copy.py) move many blocks between two pools."""
+    kv[:, :, dst_block, :rows].copy_(kv[:, :, src_block, :rows])
+
+
 def warm_up(model, pool, decode: bool = True) -> None:
     """One tiny prefill (and with ``decode``, one decode step) into a borrowed block, before the actor reports
     READY: the first real request then pays no lazy initialization (kernel selection, allocations, numba's

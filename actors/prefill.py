@@ -6,6 +6,7 @@ publishes the core's counts. Every scheduling decision is the core's.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -23,7 +24,7 @@ class PrefillActor(Actor):
 
     def on_start(self) -> None:
         from actors.fault_ports import FaultyOutbox
-        from actors.model_runner import PrefillRunner
+        from actors.model_runner import PrefillRunner, copy_block_rows
         from actors.ports import QueueOutbox
         from actors.prefill_core import PrefillCore
         from actors.prefix_cache import CachingAllocator
@@ -35,8 +36,10 @@ class PrefillActor(Actor):
 
         topo = self.topology
         self.model, self.pool = load_model(self, decode=False)   # the prefill actor never decodes
+        self.kv = self.pool.tensor()
         # created after the reset: warm-up's block and a predecessor's cache are never served from it
-        self.allocator = CachingAllocator(self.pool, enabled=self.config.prefix_cache)
+        self.allocator = CachingAllocator(self.pool, enabled=self.config.prefix_cache,
+                                          copy_rows=functools.partial(copy_block_rows, self.kv))
         self.summary = None
         if "cachesum" in self.layout.segments:   # what the cache holds, for the router: empty until it fills
             from ipc.cache_summary import CacheSummary
@@ -44,7 +47,6 @@ class PrefillActor(Actor):
             self.summary = CacheSummary.attach(self.layout.segment("cachesum"))
             self.allocator.cache.listener = self.summary.writer(self.index)
             self.allocator.cache.listener.clear()
-        self.kv = self.pool.tensor()
         # mooncake: register the pool with this process's transfer engine, publish where it lives (else None)
         set_transport_host(self.config.kv_transport, self.config.kv_transfer_host)
         self.kv_source = publish_source(self.config.kv_transport, self.pool)

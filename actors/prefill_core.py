@@ -13,8 +13,8 @@ a lost TransferDone costs one loop iteration, not a pinned request), or when the
 the fact in the row (``prefill_blocks = 0``). Every path frees each block exactly once.
 
 Prompt blocks go through the allocator's prefix cache (actors/prefix_cache.py ``CachingAllocator``): a request
-reuses the cached blocks of its longest cached prefix and prefills only the tokens after it; its full blocks are
-cached once its forward pass is done; "freeing" drops its references to cached blocks (kept until evicted).
+reuses the cached blocks of its longest cached prefix (to the token: a hit ending mid-block is copied into its own
+block inside ``acquire``) and prefills only the tokens after it; its blocks are cached once its forward pass is done; "freeing" drops its references to cached blocks (kept until evicted).
 """
 from __future__ import annotations
 
@@ -251,7 +251,7 @@ class PrefillCore:
         """The forward pass ended with each row's first token (``(token_id, wire logprobs or None)`` per entry
         of ``work.rows``): move each live row to BOOTSTRAP and send decode its KVReady."""
         self.prefilling.remove(work)
-        self.allocator.commit(work.prompt)   # its KV is complete: later prompts may reuse its full blocks
+        self.allocator.commit(work.prompt)   # its KV is complete: later prompts may reuse its blocks
         request = work.request
         now_ns = self.clock()
         queue_s, prefill_s = (work.start_ns - work.created_ns) / 1e9, (now_ns - work.start_ns) / 1e9

@@ -1,6 +1,7 @@
-"""Prefix cache of a prefill pool: full blocks of prompt KV kept after their request ends, found again by a
-hash chain over the block's tokens (vLLM's automatic prefix caching, "block-hash chain"; the design and why
-it was chosen over a radix tree are in docs/architecture.md, "Prefix cache").
+"""Prefix cache of a prefill pool: blocks of prompt KV kept after their request ends, found again by a hash chain
+over the full blocks' tokens (vLLM's automatic prefix caching, "block-hash chain"), then token by token inside the
+next block (a hit may end mid-block; the design and why it was chosen over a radix tree are in
+docs/architecture.md, "Prefix cache").
 
 Plain synchronous code, no shm, torch or clock. ``PrefixCache`` is the bookkeeping (key -> block, reference
 counts, least-recently-used order); ``CachingAllocator`` puts it in front of a block allocator (the KVPool,
@@ -9,8 +10,10 @@ or any AllocatorPort) and is what the prefill core (actors/prefill_core.py) allo
 A block's key is ``blake2b(parent key + its tokens as int32 bytes)``, 128 bits, the first block's parent
 being empty: equal keys mean equal token prefixes up to the block's end (a collision is ~2**-64 likely at
 2**32 blocks), and the KV of a token depends only on the tokens up to it, so one cached block serves every
-prompt that starts with the same tokens. Only full blocks are cached; the partial last block of a prompt
-stays the request's own.
+prompt that starts with the same tokens. A prompt's partial last block is cached too, with no key: every cached
+block is also filed under its parent's key and its first token, and after the longest chain of full-block hits
+``acquire`` looks there for the cached block sharing the most leading tokens with the prompt's next block, and has
+the shell copy those rows into the request's own new block (``copy_rows``; a cached block is never written).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import collections
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -40,13 +43,16 @@ def block_keys(token_ids: Sequence[int], block_tokens: int) -> list[bytes]:
 @dataclass
 class CachedBlock:
     block_id: int
-    key: bytes
+    key: bytes | None   # chain key of a full block; None: a partial block (found through its parent only)
     refs: int = 0   # requests holding the block now; 0 = evictable
+    parent: bytes = b""   # the chain key of the block before it (b"": the prompt's first block)
+    tokens: tuple[int, ...] = ()   # its tokens (block_tokens of them when full); () = not filed under its parent
 
 
 class PrefixCache:
-    """Cached blocks by key and by block id, with reference counts; blocks no request holds wait in
-    least-recently-released order (``evictable``) to be evicted first.
+    """Cached blocks by key (full blocks), by block id, and by (parent key, first token) (every block cached with
+    its tokens, full or partial), with reference counts; blocks no request holds wait in least-recently-released
+    order (``evictable``) to be evicted first.
 
     ``listener`` (None, or an object with ``cached(block_id, key)`` and ``evicted(block_id)``, e.g. an
     ipc/cache_summary.py ``SummaryWriter``) is told of every block that enters or leaves the cache."""
@@ -54,11 +60,12 @@ class PrefixCache:
     def __init__(self, listener=None) -> None:
         self.by_key: dict[bytes, CachedBlock] = {}
         self.by_block: dict[int, CachedBlock] = {}
+        self.children: dict[tuple[bytes, int], dict[int, CachedBlock]] = {}   # (parent key, first token) -> blocks
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()   # oldest first
         self.listener = listener
 
     def __len__(self) -> int:
-        return len(self.by_key)
+        return len(self.by_block)
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self.by_block
@@ -72,6 +79,23 @@ class PrefixCache:
                 break
             out.append(entry.block_id)
         return out
+
+    def match_rows(self, parent: bytes, tokens: Sequence[int]) -> tuple[int, int]:
+        """``(block id, rows)``: of the cached blocks after ``parent`` (a chain key, b"" for a prompt's first
+        block), the one whose leading tokens match the most leading ``tokens`` (at most ``len(tokens)``), and how
+        many match; ``(-1, 0)`` if none matches even the first. References unchanged."""
+        if not tokens:
+            return -1, 0
+        best, rows = -1, 0
+        for entry in self.children.get((parent, int(tokens[0])), {}).values():
+            n = 1
+            for a, b in zip(entry.tokens[1:], tokens[1:]):
+                if a != b:
+                    break
+                n += 1
+            if n > rows:
+                best, rows = entry.block_id, n
+        return best, rows
 
     def refs(self, block_id: int) -> int:
         return self.by_block[block_id].refs
@@ -96,19 +120,37 @@ class PrefixCache:
             if entry.refs == 0:
                 self.evictable[b] = None
 
-    def insert(self, key: bytes, block_id: int) -> bool:
-        """Cache ``block_id`` under ``key``, held by its inserting request (refs 1). False (nothing changes) if
-        ``key`` is cached already (another request computed the same tokens first)."""
+    def insert(self, key: bytes, block_id: int, parent: bytes = b"", tokens: Sequence[int] = ()) -> bool:
+        """Cache full block ``block_id`` under ``key``, held by its inserting request (refs 1), and file it under
+        ``parent`` (the previous block's key) and its ``tokens`` (if given) for ``match_rows``. False (nothing
+        changes) if ``key`` is cached already (another request computed the same tokens first)."""
         if key in self.by_key:
             return False
-        if block_id in self.by_block:
-            raise KVBlockStateError(f"prefix cache: block {block_id} is cached already under another key (a bug)")
-        entry = CachedBlock(block_id, key, refs=1)
+        entry = self._add(CachedBlock(block_id, key, 1, parent, tuple(int(t) for t in tokens)))
         self.by_key[key] = entry
-        self.by_block[block_id] = entry
         if self.listener is not None:
             self.listener.cached(block_id, key)
         return True
+
+    def insert_partial(self, parent: bytes, tokens: Sequence[int], block_id: int) -> bool:
+        """Cache ``block_id``, a prompt's last block holding only ``tokens`` (1 .. block_tokens - 1 of them) after
+        the block keyed ``parent``, held by its inserting request (refs 1); found by ``match_rows`` only. False
+        (nothing changes) if a block cached after ``parent`` starts with those tokens already."""
+        tokens = tuple(int(t) for t in tokens)
+        if not tokens:
+            raise ValueError("insert_partial: a partial block holds at least one token")
+        if self.match_rows(parent, tokens)[1] == len(tokens):
+            return False
+        self._add(CachedBlock(block_id, None, 1, parent, tokens))
+        return True
+
+    def _add(self, entry: CachedBlock) -> CachedBlock:
+        if entry.block_id in self.by_block:
+            raise KVBlockStateError(f"prefix cache: block {entry.block_id} is cached already (a bug)")
+        self.by_block[entry.block_id] = entry
+        if entry.tokens:
+            self.children.setdefault((entry.parent, entry.tokens[0]), {})[entry.block_id] = entry
+        return entry
 
     def evict(self, n: int) -> list[int]:
         """Drop the ``n`` least recently released blocks nobody holds; returns their ids (the caller frees them).
@@ -119,9 +161,15 @@ class PrefixCache:
         for _ in range(n):
             b, _ = self.evictable.popitem(last=False)
             entry = self.by_block.pop(b)
-            del self.by_key[entry.key]
-            if self.listener is not None:
-                self.listener.evicted(b)
+            if entry.key is not None:
+                del self.by_key[entry.key]
+                if self.listener is not None:   # the summary holds keyed (full) blocks only
+                    self.listener.evicted(b)
+            if entry.tokens:
+                siblings = self.children[(entry.parent, entry.tokens[0])]
+                del siblings[b]
+                if not siblings:
+                    del self.children[(entry.parent, entry.tokens[0])]
             out.append(b)
         return out
 
@@ -132,14 +180,18 @@ class PrefixCache:
 @dataclass
 class PromptBlocks:
     """A prompt's blocks in the pool, in position order: ``blocks[i]`` holds positions ``i * block_tokens ..``.
-    The first ``cached_tokens // block_tokens`` came from the cache (their KV is there already); ``in_cache[i]``
-    says whether block ``i`` is a cached one (shared, reference-counted) or the request's own."""
+    Its first ``cached_tokens`` tokens' KV is there already: the first ``cached_tokens // block_tokens`` blocks
+    came from the cache, and the next (the request's own) got its first ``copied_rows`` rows copied from a cached
+    block (``cached_tokens % block_tokens`` of them). ``in_cache[i]`` says whether block ``i`` is a cached one
+    (shared, reference-counted) or the request's own. ``token_ids``: the prompt (``commit`` files its blocks)."""
 
     blocks: list[int]
     owner_slot: int
     cached_tokens: int
     keys: list[bytes]
     in_cache: list[bool]
+    token_ids: Sequence[int] = ()
+    copied_rows: int = 0
     released: bool = field(default=False)
 
 
@@ -150,16 +202,21 @@ class CachingAllocator:
     Cached blocks belong to ``CACHE_OWNER`` in ``base``. ``num_free`` counts the evictable cached blocks as
     free (they are, on demand): ``allocate`` evicts least-recently-released cached blocks when ``base`` runs
     out. Prompts go through ``acquire`` (reuse the longest cached prefix, allocate the rest), ``commit`` (after
-    the forward pass: cache its newly computed full blocks) and ``release`` (exactly once per acquire).
+    the forward pass: cache its newly computed blocks) and ``release`` (exactly once per acquire).
     ``enabled=False``: no lookups and nothing cached; ``acquire`` is a plain allocation.
 
-    Counters (monotonic): ``query_tokens`` (prompt tokens looked up), ``hit_tokens`` (of them found cached),
-    ``evicted_blocks``.
+    ``copy_rows(src_block, dst_block, rows)``: the pool's copy of a block's first ``rows`` token rows (every
+    layer, K and V) into another block (actors/model_runner.copy_block_rows), called inside ``acquire``; a hit
+    may then end mid-block and prompts' partial last blocks are cached. None: hits end on block boundaries.
+
+    Counters (monotonic): ``query_tokens`` (prompt tokens looked up), ``hit_tokens`` (of them found cached,
+    copied rows included), ``evicted_blocks``.
     """
 
-    def __init__(self, base, *, enabled: bool = True):
+    def __init__(self, base, *, enabled: bool = True, copy_rows: Callable[[int, int, int], None] | None = None):
         self.base = base
         self.enabled = enabled
+        self.copy_rows = copy_rows
         self.block_tokens = base.block_tokens
         self.cache = PrefixCache()
         self.query_tokens = self.hit_tokens = self.evicted_blocks = 0
@@ -194,38 +251,68 @@ class CachingAllocator:
 
     def acquire(self, prompt_ids: Sequence[int], owner_slot: int, *, use_cache: bool = True) -> PromptBlocks:
         """Blocks for a prompt of ``len(prompt_ids)`` tokens: its longest cached prefix of full blocks (at most
-        ``(len - 1) // block_tokens`` of them, so the last token is always computed and gives logits), then
-        newly allocated ones. ``use_cache=False`` skips the lookup (a request that needs every position's
-        logits) but still lets ``commit`` cache its blocks. Raises OutOfKVBlocksError (holding nothing)."""
-        bt = self.block_tokens
-        total = math.ceil(len(prompt_ids) / bt)
+        ``(len - 1) // block_tokens`` of them), then newly allocated ones, the first of which gets the rows of the
+        cached block after that prefix that share the most leading tokens with the prompt (with ``copy_rows``; at
+        most up to the prompt's last token, so the last token is always computed and gives logits).
+        ``use_cache=False`` skips the lookup (a request that needs every position's logits) but still lets
+        ``commit`` cache its blocks. Raises OutOfKVBlocksError (holding nothing)."""
+        bt, n = self.block_tokens, len(prompt_ids)
+        total = math.ceil(n / bt)
+        lookup = self.enabled and use_cache
         keys = block_keys(prompt_ids, bt) if self.enabled else []
-        hit = self.cache.match(keys[:(len(prompt_ids) - 1) // bt]) if self.enabled and use_cache else []
+        hit = self.cache.match(keys[:(n - 1) // bt]) if lookup else []
+        src, rows = -1, 0
+        if lookup and self.copy_rows is not None:   # the next block: how many of its leading rows are cached
+            start = len(hit) * bt
+            src, rows = self.cache.match_rows(keys[len(hit) - 1] if hit else b"",
+                                              prompt_ids[start:min(start + bt, n - 1)])
         need = total - len(hit)
-        idle_hits = sum(1 for b in hit if self.cache.refs(b) == 0)
-        if need > self.num_free - idle_hits:
-            raise OutOfKVBlocksError(f"a prompt of {len(prompt_ids)} tokens needs {need} new KV blocks "
-                                     f"({len(hit)} cached), {self.num_free - idle_hits} of {self.num_blocks} free; "
-                                     f"keep the request waiting until blocks are freed")
-        self.cache.ref(hit)
+        held = hit + [src] if rows else hit   # the copy's source is held only until it is copied
+        idle = sum(1 for b in held if self.cache.refs(b) == 0)
+        if need > self.num_free - idle:
+            raise OutOfKVBlocksError(f"a prompt of {n} tokens needs {need} new KV blocks ({len(hit)} cached), "
+                                     f"{self.num_free - idle} of {self.num_blocks} free; keep the request waiting "
+                                     f"until blocks are freed")
+        self.cache.ref(held)
         self._make_room(need)
         new = self.base.allocate(need, owner_slot)
-        if self.enabled and use_cache:
-            self.query_tokens += len(prompt_ids)
-            self.hit_tokens += len(hit) * bt
-        return PromptBlocks(hit + new, owner_slot, len(hit) * bt, keys, [True] * len(hit) + [False] * need)
+        if rows:
+            try:
+                self.copy_rows(src, new[0], rows)
+            except BaseException:
+                self.cache.unref(reversed(held))
+                self.base.free(new, owner_slot)
+                raise
+            self.cache.unref([src])
+        cached = len(hit) * bt + rows
+        if lookup:
+            self.query_tokens += n
+            self.hit_tokens += cached
+        return PromptBlocks(hit + new, owner_slot, cached, keys, [True] * len(hit) + [False] * need,
+                            prompt_ids, rows)
 
     def commit(self, prompt: PromptBlocks) -> int:
-        """The prompt's KV is computed: cache each of its full blocks whose key is not cached yet (the block
-        moves to CACHE_OWNER; this request holds one reference). Returns how many blocks it cached."""
-        added = 0
+        """The prompt's KV is computed: cache each of its full blocks whose key is not cached yet, and (with
+        ``copy_rows``) its partial last block unless a cached block after the same parent starts with its tokens
+        (each block moves to CACHE_OWNER; this request holds one reference). Returns how many blocks it cached."""
+        added, bt, ids = 0, self.block_tokens, prompt.token_ids
         for i, key in enumerate(prompt.keys):
             block = prompt.blocks[i]
-            if not prompt.in_cache[i] and self.cache.insert(key, block):
-                self.base.reassign([block], prompt.owner_slot, CACHE_OWNER)
-                prompt.in_cache[i] = True
+            if not prompt.in_cache[i] and self.cache.insert(key, block, prompt.keys[i - 1] if i else b"",
+                                                            ids[i * bt:(i + 1) * bt]):
+                self._to_cache(prompt, i)
                 added += 1
+        last = len(prompt.keys)   # the partial last block, if any
+        if (self.enabled and self.copy_rows is not None and last < len(prompt.blocks) and not prompt.in_cache[last]
+                and self.cache.insert_partial(prompt.keys[-1] if prompt.keys else b"", ids[last * bt:],
+                                              prompt.blocks[last])):
+            self._to_cache(prompt, last)
+            added += 1
         return added
+
+    def _to_cache(self, prompt: PromptBlocks, i: int) -> None:
+        self.base.reassign([prompt.blocks[i]], prompt.owner_slot, CACHE_OWNER)
+        prompt.in_cache[i] = True
 
     def release(self, prompt: PromptBlocks) -> None:
         """The request no longer needs the prompt's blocks: drop its references to cached ones (tail first into

@@ -198,3 +198,161 @@ def test_a_cached_block_is_never_evicted_while_a_request_holds_it(second_holder)
     alloc.release(b)
     alloc.free(third, 7)
     assert alloc.num_free == 6 and alloc.cached_blocks_in_use == 0
+
+
+# ---- token-granular hits: a hit may end mid-block (the cached rows are copied into the request's own block) -----
+class RowPool:
+    """A model of the pool's KV, row by row: ``rows[block][r]`` is the token prefix whose last token's KV row ``r``
+    of ``block`` holds (KV depends on every token up to it), None = never written. ``copy`` is the allocator's
+    ``copy_rows`` port and checks it never writes into a cached block."""
+
+    def __init__(self, num_blocks: int):
+        self.base = FakeAllocator(num_blocks, block_tokens=BT)
+        self.alloc = CachingAllocator(self.base, copy_rows=self.copy)
+        self.rows = {b: [None] * BT for b in range(num_blocks)}
+        self.copies: list[tuple[int, int, int]] = []
+
+    def copy(self, src: int, dst: int, rows: int) -> None:
+        assert src in self.alloc.cache and dst not in self.alloc.cache, "copied into a cached block"
+        assert 0 < rows < BT + 1 and self.alloc.cache.refs(src) > 0, "copied from a block nobody holds"
+        self.rows[dst][:rows] = self.rows[src][:rows]
+        self.copies.append((src, dst, rows))
+
+    def prefill(self, prompt: list[int], p) -> None:
+        """Check the cached part holds the prompt's own prefix, then 'compute' the rest into the own blocks."""
+        for pos in range(len(prompt)):
+            b, r = p.blocks[pos // BT], pos % BT
+            if pos < p.cached_tokens:
+                assert self.rows[b][r] == tuple(prompt[:pos + 1]), f"position {pos} reused another prefix's KV"
+            else:
+                assert not p.in_cache[pos // BT], "a forward pass would write into a cached block"
+                self.rows[b][r] = tuple(prompt[:pos + 1])
+
+    def run(self, prompt: list[int], slot: int = 0, commit: bool = True):
+        p = self.alloc.acquire(prompt, slot)
+        self.prefill(prompt, p)
+        if commit:
+            self.alloc.commit(p)
+        self.alloc.release(p)
+        return p
+
+
+def test_a_repeated_prompt_reuses_its_partial_last_block_to_the_token_and_computes_only_its_last_token():
+    pool = RowPool(16)
+    first = pool.run(list(range(10)))                    # 4 + 4 + 2 tokens: the 2-token block is cached too
+    assert pool.alloc.cached_blocks == 3 and pool.alloc.cache.by_block[first.blocks[2]].key is None
+    again = pool.alloc.acquire(list(range(10)), 1)
+    assert (again.cached_tokens, again.copied_rows) == (9, 1)   # token 9 is computed: there are logits
+    assert pool.copies == [(first.blocks[2], again.blocks[2], 1)] and again.in_cache == [True, True, False]
+    assert pool.alloc.cache.refs(first.blocks[2]) == 0, "the copy's source stays held after the copy"
+    assert (pool.alloc.query_tokens, pool.alloc.hit_tokens) == (20, 9)
+    pool.prefill(list(range(10)), again)
+    assert pool.alloc.commit(again) == 0                 # its partial block is cached already: it stays its own
+    pool.alloc.release(again)
+    assert pool.base.num_free == 16 - 3 and pool.alloc.num_free == 16
+
+
+def test_a_hit_may_end_inside_a_cached_full_block_or_where_the_prompt_diverges_mid_block():
+    pool = RowPool(16)
+    a = list(range(12))
+    pool.run(a)                                         # 3 full blocks
+    p = pool.run(a[:10] + [99, 98])                     # diverges at token 10, inside block 2
+    assert (p.cached_tokens, p.copied_rows) == (10, 2)
+    p = pool.run(a[:7])                                 # ends inside block 1: rows 4, 5 copied, token 6 computed
+    assert (p.cached_tokens, p.copied_rows) == (6, 2)
+    p = pool.run(a)                                     # ends on a block boundary: 3 rows of block 2, not 0
+    assert (p.cached_tokens, p.copied_rows) == (11, 3)
+    p = pool.run([0, 1, 5])                             # the first block's rows are found too (parent b"")
+    assert (p.cached_tokens, p.copied_rows) == (2, 2)
+    p = pool.run([7, 7, 7])                             # nothing shared
+    assert (p.cached_tokens, p.copied_rows) == (0, 0)
+    assert pool.alloc.hit_tokens == 10 + 6 + 11 + 2
+
+
+def test_the_cached_block_sharing_the_most_leading_tokens_is_the_one_copied():
+    pool = RowPool(16)
+    x = pool.run(list(range(4)) + [10, 11, 12])          # block 1 cached as a partial: 10 11 12
+    y = pool.run(list(range(4)) + [10, 20])              # another partial after the same parent: 10 20
+    p = pool.alloc.acquire(list(range(4)) + [10, 11, 99, 5], 2)
+    assert (p.cached_tokens, pool.copies[-1]) == (6, (x.blocks[1], p.blocks[1], 2))
+    pool.alloc.release(p)
+    p = pool.alloc.acquire(list(range(4)) + [10, 20, 30], 2)
+    assert (p.cached_tokens, pool.copies[-1]) == (6, (y.blocks[1], p.blocks[1], 2))
+    pool.alloc.release(p)
+
+
+def test_the_copy_source_is_not_evicted_to_make_room_for_its_own_copy_and_a_refused_acquire_holds_nothing():
+    pool = RowPool(4)
+    prompt = list(range(6))                              # 1 full block + a 2-token partial one, both cached
+    first = pool.run(prompt)
+    other = pool.alloc.allocate(2, owner_slot=9)         # left: the two idle cached blocks
+    with pytest.raises(OutOfKVBlocksError):
+        pool.alloc.acquire(prompt, 1)                    # holds block 0, copies from block 1: no room for a new one
+    assert [pool.alloc.cache.refs(b) for b in first.blocks] == [0, 0] and pool.copies == []
+    assert pool.alloc.cached_blocks == 2 and pool.alloc.num_free == 2
+    pool.alloc.free(other[:1], 9)
+    again = pool.alloc.acquire(prompt, 1)                # one truly free block: the copy's destination
+    assert (again.cached_tokens, pool.copies) == (5, [(first.blocks[1], again.blocks[1], 1)])
+    pool.alloc.release(again)
+    pool.alloc.free(other[1:], 9)
+    assert pool.alloc.num_free == 4 and pool.alloc.cached_blocks_in_use == 0
+
+
+def test_a_failed_copy_holds_nothing():
+    pool = RowPool(8)
+    pool.run(list(range(6)))
+
+    def broken(src, dst, rows):
+        raise RuntimeError("device error")
+
+    pool.alloc.copy_rows = broken
+    with pytest.raises(RuntimeError):
+        pool.alloc.acquire(list(range(6)), 1)
+    assert pool.alloc.cached_blocks_in_use == 0 and pool.base.num_free == 8 - 2 and pool.alloc.num_free == 8
+
+
+def test_without_a_copy_port_hits_end_on_block_boundaries_and_partial_blocks_stay_the_requests_own():
+    alloc = cache()
+    p = alloc.acquire(list(range(10)), 0)
+    assert alloc.commit(p) == 2
+    alloc.release(p)
+    again = alloc.acquire(list(range(10)), 1)
+    assert again.cached_tokens == 8 and again.copied_rows == 0
+    alloc.release(again)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, num_blocks=st.integers(4, 12))
+def test_every_reused_row_holds_exactly_the_prompts_prefix_and_no_reference_outlives_its_request(ops, num_blocks):
+    """The row-level model (``RowPool``) under random acquires, finishes and aborts (release without commit): every
+    reused row, in a cached block or copied, holds the prompt's own prefix; nothing writes into a cached block; a
+    cached block's references are exactly the live requests listing it (a copy's source is held by nobody after
+    it); after every release each block is free or evictable."""
+    pool = RowPool(num_blocks)
+    alloc = pool.alloc
+    live: list = []
+    for slot, (op, prompt, pick) in enumerate(ops):
+        if op == "acquire":
+            try:
+                p = alloc.acquire(prompt, owner_slot=slot)
+            except OutOfKVBlocksError:
+                continue
+            held = {b for _, q in live for b in q.blocks}
+            assert not {b for b, c in zip(p.blocks, p.in_cache) if not c} & held, "a held block handed out again"
+            assert p.cached_tokens < len(prompt)
+            pool.prefill(prompt, p)
+            live.append((prompt, p))
+        elif live:
+            prompt, p = live.pop(pick % len(live))
+            if op == "finish":
+                alloc.commit(p)
+            alloc.release(p)
+        cached = set(alloc.cache.by_block)
+        assert all(alloc.cache.refs(b) == sum(b in q.blocks for _, q in live) for b in cached)
+        in_use = {b for _, q in live for b in q.blocks}
+        assert pool.base.num_free + len(cached) + len(in_use - cached) == num_blocks
+    for _, p in live:
+        alloc.release(p)
+    assert alloc.num_free == num_blocks and alloc.cached_blocks_in_use == 0
+    alloc.clear()
+    assert pool.base.num_free == num_blocks and not alloc.cache.children and not alloc.cache.by_key

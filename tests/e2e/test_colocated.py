@@ -36,8 +36,12 @@ def test_colocated_engine_answers_without_a_prefill_actor_or_a_handoff(engine):
             async with httpx.AsyncClient(timeout=120) as client:
                 responses = await asyncio.gather(*(client.post(engine.base_url + "/v1/completions",
                                                                json={**body, "prompt": p}) for p in PROMPTS))
-                return [r.json()["choices"][0]["text"] for r in responses]
-        assert asyncio.run(together()) == alone
+                return [r.json() for r in responses]
+        again = asyncio.run(together())
+        assert [r["choices"][0]["text"] for r in again] == alone
+        # each repeat came from the prefix cache in the decode pool to its last token but one (a partial block)
+        assert [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in again] == \
+            [r["usage"]["prompt_tokens"] - 1 for r in again]
         # n > 1: the prompt runs once and its KV blocks are copied to each child; greedy children equal the answer
         # alone, so the copies are right (a 20-token prompt spans two 16-token blocks)
         long_prompt = PROMPTS[0] + " and the three secondary colors are"

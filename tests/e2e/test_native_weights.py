@@ -66,7 +66,7 @@ def test_native_engine_answers_alone_in_a_ragged_batch_and_with_n_children(engin
 
 
 def test_a_repeated_request_gets_the_same_first_token_logits_although_the_cache_holds_its_prompt(engine):
-    """The repeat prefills only its last partial block; every prefill runs the float32 copies, so the first token's
+    """The repeat prefills only its last token; every prefill runs the float32 copies, so the first token's
     log-probabilities (sampled by prefill) equal the first request's up to float32 rounding. With the cached suffix
     on the low-bit kernels (a bug seen once) they differ by int8 rounding, 1e-2 and more. The rest of the answer is
     decoded with int8-rounded activations and is not batch-invariant (README): a near tie may part the two texts
