@@ -305,11 +305,12 @@ def test_the_restarted_actors_rejoin_the_rotation_by_themselves(engine, probe):
                    for a in ACTORS)
     wait_until(all_serving, 400, 0.2, "decode0 and prefill1 restarted")
     summary = CacheSummary.attach(segment_name(engine.engine_id, "cachesum"), readonly=True)
-    try:   # the router's view of each prefill cache (ipc/cache_summary.py) is the restarted process's, and exact
+    try:   # the router's view of each prefill cache (ipc/cache_summary.py) is the restarted process's: its full
+        # blocks (the summary holds chain keys; partial blocks, found by their tokens only, are not in it)
         for index, name in enumerate(("prefill0", "prefill1")):
             row = probe.actor(name)
-            assert (summary.writer_pid(index), summary.num_cached(index)) == \
-                (row["actor_pid"], row["prefix_cached_blocks"]), name
+            assert summary.writer_pid(index) == row["actor_pid"], name
+            assert summary.num_cached(index) <= row["prefix_cached_blocks"], name
     finally:
         summary.close()
     before = done_by_actor(engine.base_url)
