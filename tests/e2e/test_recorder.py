@@ -5,7 +5,8 @@ fired. GET /debug/requests/{id} answers the same timeline; --trace-out writes a 
 
 The engine also exports OpenTelemetry traces (--otlp-traces-endpoint, api/tracing.py) to a real OTLP/HTTP collector
 in this module (protobuf decoded with opentelemetry-proto): a completion's trace has its stage spans in order under
-the caller's traceparent; a collector that hangs or is down leaves the answers working."""
+the caller's traceparent; a collector that hangs or is down leaves the answers working. The dialect routes record the
+API's HTTP events as chat does, and tools/inspect --bundle writes an incident bundle that reads back whole."""
 from __future__ import annotations
 
 import os
@@ -296,6 +297,29 @@ def test_the_dialect_routes_record_the_apis_http_events(engine, collector):
         for rid, path in (("resp-rec", "/v1/responses"), ("msg-rec", "/v1/messages")):
             spans = wait_until(lambda: collector.request_spans(rid), 20, 0.1, f"{rid}'s trace")
             assert f"POST {path}" in {s.name for s in spans} and "decode" in {s.name for s in spans}
+
+
+def test_an_incident_bundle_holds_the_state_config_timelines_and_connections(engine, tmp_path):
+    from tools.bundle import read_bundle
+
+    assert httpx.post(engine.base_url + "/v1/completions", headers={"X-Request-Id": "stuck-bundle"}, timeout=60,
+                      json={"prompt": "lighthouses", "max_tokens": 2}).status_code == 504
+    path = tmp_path / "incident.tar.gz"
+    made = inspect(engine, "--bundle", str(path), "--recent", "5")
+    assert made.returncode == 0, made.stderr.decode()
+    bundle = read_bundle(str(path))
+    index = bundle["bundle.json"]
+    assert index["engine_id"] == engine.engine_id and index["errors"] == {} and "pdserve" in index["versions"]
+    assert set(index["members"]) == set(bundle) == {"bundle.json", "config.json", "state.json",
+                                                    "timelines/recent.json", "timelines/failed.json",
+                                                    "connections.json"}
+    assert bundle["config.json"]["inflight_timeout_s"] == {"value": INFLIGHT_TIMEOUT_S, "source": "env"}
+    assert bundle["state.json"]["engine_id"] == engine.engine_id and bundle["state.json"]["actors"]
+    failed = [t for t in bundle["timelines/failed.json"]["timelines"] if t["request_id"] is None]
+    assert any(t["final"] == "TIMED_OUT" and t["timeout"]["stage"] == "transfer" for t in failed)
+    assert 0 < len(bundle["timelines/recent.json"]["timelines"]) <= 5
+    ledger = bundle["connections.json"]   # the connection ledger: this test's own connections were recorded
+    assert ledger["counters"]["last_conn_id"] > 0 and {"connections", "closed"} <= set(ledger)
 
 
 def test_a_router_count_drift_is_logged_with_the_ids_each_side_holds(engine, probe):
