@@ -241,7 +241,7 @@ class EventBuffer:
     request claims them (``take``) or they go stale: a released life after ``keep_released_s``, any life whose
     newest event is older than ``keep_live_s``; past ``max_lives`` the oldest go first."""
 
-    def __init__(self, keep_live_s: float, keep_released_s: float = KEEP_RELEASED_S, max_lives: int = 65536):
+    def __init__(self, keep_live_s: float, keep_released_s: float = KEEP_RELEASED_S, max_lives: int = 16384):
         self.keep_live_ns = int(keep_live_s * 1e9)
         self.keep_released_ns = int(keep_released_s * 1e9)
         self.max_lives = max_lives
@@ -254,9 +254,10 @@ class EventBuffer:
         if not events.size:
             return
         ids = (events["slot"].astype(np.int64) << 32) | events["generation"].astype(np.int64)
-        uniq, inverse = np.unique(ids, return_inverse=True)
-        for i, life_id in enumerate(uniq.tolist()):
-            chunk = events[inverse.reshape(-1) == i]
+        order = np.argsort(ids, kind="stable")
+        ids, events = ids[order], events[order]
+        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+        for life_id, chunk in zip(ids[starts].tolist(), np.split(events, starts[1:])):
             life = (life_id >> 32, life_id & 0xFFFFFFFF)
             self.lives.setdefault(life, []).append(chunk)
             self.newest_ns[life] = max(self.newest_ns.get(life, 0), int(chunk["t_ns"].max()))
