@@ -10,6 +10,7 @@ recorder's timelines (ipc/timeline.py) and exported over OTLP/HTTP by the SDK's 
 | `EventBuffer`     | the recorder's new events per row life, kept until their trace is built or they go stale |
 | `RequestTracer`   | the thread: reads new recorder events, waits for a request's rows to be released, emits |
 | `start_tracer`    | the SDK's TracerProvider + BatchSpanProcessor(OTLP/HTTP exporter) for the config        |
+| `QuietSdkLog`     | a log filter: one OpenTelemetry SDK record a minute (a down collector logs every retry) |
 
 A trace: the HTTP request's SERVER span (the caller's ``traceparent`` as its parent), with the gen_ai semantic
 conventions' attributes (model, usage, finish reasons; vLLM's ``gen_ai.latency.*`` for TTFT, queue time, e2e),
@@ -471,6 +472,31 @@ class TraceMiddleware:
 
 # ---- the SDK --------------------------------------------------------------------------------------------------------
 
+class QuietSdkLog(logging.Filter):
+    """On a log handler: lets one record of the OpenTelemetry SDK's loggers (names starting ``opentelemetry``)
+    through per ``interval_s`` (a collector that is down makes the exporter log every retry and every failed
+    batch); the next one let through says how many were left out. Other records pass untouched."""
+
+    def __init__(self, interval_s: float = 60.0, clock=time.monotonic):
+        super().__init__()
+        self.interval_s, self.clock = interval_s, clock
+        self.last_s = -float("inf")
+        self.left_out = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("opentelemetry"):
+            return True
+        now = self.clock()
+        if now - self.last_s < self.interval_s:
+            self.left_out += 1
+            return False
+        if self.left_out:   # no "%" in the suffix: the record's own formatting is untouched
+            record.msg = f"{record.msg} (and {self.left_out} more OpenTelemetry log records left out in the last " \
+                         f"{now - self.last_s:.0f} s)"
+        self.last_s, self.left_out = now, 0
+        return True
+
+
 def otlp_url(endpoint: str) -> str:
     """The OTLP/HTTP traces URL of ``endpoint``: as given, or with ``/v1/traces`` when it has no path."""
     scheme, _, rest = endpoint.partition("://")
@@ -514,6 +540,9 @@ def start_tracer(config, recorder, actor_names: tuple[str, ...], engine_id: str 
     provider.add_span_processor(BatchSpanProcessor(counting_exporter(exporter, tracer.counts),
                                                    schedule_delay_millis=500))
     tracer.start()
+    quiet = QuietSdkLog()
+    for handler in logging.getLogger().handlers:   # the process's log lines (api/server.py's basicConfig)
+        handler.addFilter(quiet)
     if recorder is None:
         log.warning("tracing: the flight recorder is off (recorder_events=0): traces carry the HTTP span only")
     log.info("tracing: requests' traces go to %s (OTLP/HTTP)", otlp_url(config.otlp_traces_endpoint))

@@ -4,12 +4,13 @@ in-memory exporter; and the config refusing the endpoint without the ``otel`` ex
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import time
 
 import pytest
 
-from api.tracing import EventBuffer, RequestFacts, RequestTracer, otlp_url, span_plan
+from api.tracing import EventBuffer, QuietSdkLog, RequestFacts, RequestTracer, otlp_url, span_plan
 from ipc import naming
 from ipc.recorder import EventKind, Recorder, TimeoutReason, request_key
 from ipc.state_table import RequestState as S
@@ -218,3 +219,21 @@ def test_the_endpoint_is_refused_without_the_otel_extra_or_a_url(monkeypatch):
         load_config(None, {"PDSERVE_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318"})
     assert info.value.param == "otlp_traces_endpoint"
     assert load_config(None, {}).config.otlp_traces_endpoint == ""
+
+
+def test_the_sdks_log_records_are_let_through_once_a_minute_saying_how_many_were_left_out():
+    now = [100.0]
+    quiet = QuietSdkLog(60.0, clock=lambda: now[0])
+
+    def record(name: str, msg: str = "Failed to export %s", args=("batch",)) -> logging.LogRecord:
+        return logging.LogRecord(name, logging.ERROR, __file__, 1, msg, args, None)
+    sdk = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+    assert quiet.filter(record(sdk))
+    assert [quiet.filter(record(sdk)) for _ in range(5)] == [False] * 5
+    assert quiet.filter(record("pdserve.api")) and quiet.filter(record("uvicorn"))   # others untouched
+    now[0] += 61
+    kept = record(sdk)
+    assert quiet.filter(kept)
+    assert kept.getMessage() == ("Failed to export batch (and 5 more OpenTelemetry log records left out in the last "
+                                 "61 s)")
+    assert not quiet.filter(record(sdk))

@@ -271,6 +271,9 @@ def test_a_collector_that_hangs_or_is_down_leaves_the_answers_working(engine, co
     stream_chat(engine, "otel-back")
     wait_until(lambda: len(collector.request_spans("otel-back")) == 1 + len(STAGES), 30, 0.2,
                "the trace of a request sent once the collector is back")
+    # the SDK logs each retry and each failed batch (3 lines or more here); api/tracing.QuietSdkLog lets one a minute
+    # through (two if this test outlasted a minute)
+    assert len([line for line in engine.log_text().splitlines() if "spans batch" in line]) <= 2
 
 
 def test_the_dialect_routes_record_the_apis_http_events(engine, collector):
