@@ -297,8 +297,6 @@ class DialectRoutes:
         return JSONResponse(body, headers={"x-request-id": rid})
 
     async def count_tokens(self, request: Request) -> Response:
-        from api.app import JSONResponse
-
         def build(body: Any) -> int:
             translated = anthropic.translate(body, count_only=True)
             return len(self._chat(translated, "count-tokens", anthropic.renamed).prompt_ids)
