@@ -27,9 +27,9 @@ class ApiActor(Actor):
     def __init__(self, layout, index: int = API_INDEX):
         super().__init__(layout, index)
 
-    def child_main(self, stop_event) -> None:
+    def child_main(self) -> None:
         """The API process's entry: signals as every child (base.leave_signals_to_the_supervisor); the HTTP
-        server stops gracefully when the supervisor sets ``stop_event`` or dies."""
+        server stops gracefully when the supervisor sets the stop flag (``engine_stopping``) or dies."""
         logging.basicConfig(level=self.config.log_level.upper(),
                             format=f"%(asctime)s {self.name} %(levelname)s %(message)s")
         self.parent_died = False
@@ -39,18 +39,20 @@ class ApiActor(Actor):
 
         self.parent = leave_signals_to_the_supervisor(self.name, parent_died)
         from ipc.actor_table import ActorStatus, ActorTable
+        from ipc.engine_status import EngineStatus
 
         self.actors = ActorTable.attach(self.layout.segment("actors"))
+        self.status = EngineStatus.attach(self.layout.segment("status"), readonly=True)
         self.actors.starting(self.index, os.getpid())
         self.recorder = open_recorder(self.layout, self.index)
-        asyncio.run(self._serve(stop_event))
+        asyncio.run(self._serve())
         self.actors.set_status(self.index, ActorStatus.STOPPED)
         exit_now()
 
-    def _stopping(self, stop_event) -> bool:
-        return stop_event.is_set() or self.parent_died or parent_is_gone(self.parent)
+    def _stopping(self) -> bool:
+        return self.engine_stopping() or self.parent_died or parent_is_gone(self.parent)
 
-    async def _serve(self, stop_event) -> None:
+    async def _serve(self) -> None:
         from hypercorn.asyncio import serve
 
         from api.app import build_app
@@ -110,7 +112,7 @@ class ApiActor(Actor):
 
         async def shutdown_trigger() -> None:
             self.actors.set_status(self.index, ActorStatus.READY)
-            while not self._stopping(stop_event):
+            while not self._stopping():
                 self.actors.beat(self.index)
                 self.actors.set_active_requests(self.index, client.num_active())
                 client.publish_routed()
