@@ -62,15 +62,24 @@ def assert_reclaimed_the_killed(eng) -> None:
 
 
 def mapped_shm_objects(pids: list[int]) -> set[str]:
-    """The /dev/shm entries (segments and named semaphores, ``sem.NAME``) that ``pids`` have mapped and that
-    still exist, from /proc/PID/maps."""
-    names = set()
+    """The /dev/shm entries (segments and named semaphores, ``sem.NAME``) that ``pids`` have mapped, matched by
+    inode with /proc/PID/maps: a named semaphore's creator maps it under glibc's temporary name, unlinked since."""
+    inodes = set()
     for pid in pids:
         try:
-            maps = open(f"/proc/{pid}/maps").read()
+            with open(f"/proc/{pid}/maps") as maps:
+                lines = maps.read().splitlines()
         except OSError:
             continue
-        names.update(m.group(1) for m in re.finditer(r" /dev/shm/(\S+)$", maps, re.M))
+        for line in lines:   # address perms offset dev inode path
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                inodes.add(int(fields[4]))
+    names = set()
+    for entry in os.scandir("/dev/shm"):
+        with contextlib.suppress(OSError):
+            if entry.inode() in inodes:
+                names.add(entry.name)
     return names
 
 
