@@ -301,4 +301,4 @@ class Actor:
                 self.on_stop()
             finally:
                 self.actors.set_status(self.index, ActorStatus.STOPPED)
-        exit_now()   # the loop ended normally (stop event or parent gone); an exception takes the usual way out
+        exit_now()   # the loop ended normally (stop flag or parent gone); an exception takes the usual way out
