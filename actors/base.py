@@ -3,7 +3,7 @@
 Lifecycle of one actor process (spawn start method):
     parent: Actor(layout, index)  -> pickled into the child
     child:  _child_main -> on_start() (heavy imports, shm attach, model load)
-            -> actor table status READY -> loop: run_once(); heartbeat  (until the stop event is set)
+            -> actor table status READY -> loop: run_once(); heartbeat  (until the status record's stop flag)
             -> on_stop() -> status STOPPED
 The heartbeat (count, CLOCK_MONOTONIC ns, loop iterations) is written to the shm actor table on every
 loop iteration, idle ones included, so the heartbeat monitor can tell a hung actor from an idle one.
@@ -214,15 +214,14 @@ class ParentGone(SystemExit):
     ``on_stop`` still runs."""
 
 
-def run_actor(class_path: str, layout: EngineLayout, index: int, stop_event: Any,
-              env: dict[str, str] | None = None) -> None:
+def run_actor(class_path: str, layout: EngineLayout, index: int, env: dict[str, str] | None = None) -> None:
     """Child process entry: set ``env`` (``CUDA_VISIBLE_DEVICES``: actors/placement.py) before anything imports
     torch, then import ``class_path`` ("module:Class"), build the actor and run its loop."""
     import importlib
 
     os.environ.update(env or {})
     module, _, name = class_path.partition(":")
-    getattr(importlib.import_module(module), name)(layout, index).child_main(stop_event)
+    getattr(importlib.import_module(module), name)(layout, index).child_main()
 
 
 def open_recorder(layout: EngineLayout, index: int):
@@ -267,37 +266,42 @@ class Actor:
         """Runs in the child after the loop ends; answer or fail what is still queued."""
 
     # ---- child process entry ----------------------------------------------------------------------
-    def enter_child(self, on_parent_death: Callable[[], None]) -> int:
+    def engine_stopping(self) -> bool:
+        """Whether the supervisor has stopped the engine (ipc/engine_status.py's ``stopping``; only it sets it)."""
+        return bool(self.status.rec["stopping"])
+
+    def enter_child(self, on_parent_death: Callable[[], None], status_readonly: bool = False) -> int:
         """What every child does first (the API's own entry too): logging, signals left to the supervisor
-        (``on_parent_death`` runs when it dies), its actor-table row marked starting, its flight recorder.
-        Returns the supervisor's pid (for ``parent_is_gone``)."""
+        (``on_parent_death`` runs when it dies), the engine status attached (``engine_stopping`` reads it), its
+        actor-table row marked starting, its flight recorder. Returns the supervisor's pid (for
+        ``parent_is_gone``)."""
         logging.basicConfig(level=self.config.log_level.upper(),
                             format=f"%(asctime)s {self.name} %(levelname)s %(message)s")
         parent = leave_signals_to_the_supervisor(self.name, on_parent_death)
         from ipc.actor_table import ActorTable
+        from ipc.engine_status import EngineStatus
 
         self.actors = ActorTable.attach(self.layout.segment("actors"))
+        self.status = EngineStatus.attach(self.layout.segment("status"), readonly=status_readonly)
         self.actors.starting(self.index, os.getpid())
         self.recorder = open_recorder(self.layout, self.index)
         return parent
 
-    def child_main(self, stop_event: Any) -> None:
-        """The child's entry. ``stop_event`` is the engine's shutdown event: only the supervisor sets it."""
+    def child_main(self) -> None:
+        """The child's entry; the loop runs until the supervisor sets the stop flag (``engine_stopping``) or
+        dies."""
         def parent_died() -> None:
             raise ParentGone(f"{self.name}: the supervisor is gone; exiting")
 
         parent = self.enter_child(parent_died)
-        self.stop_event = stop_event
         from ipc.actor_table import ActorStatus
-        from ipc.engine_status import EngineStatus
 
-        self.status = EngineStatus.attach(self.layout.segment("status"))
         self.on_start()
         self.actors.set_status(self.index, ActorStatus.READY)
         self.actors.beat(self.index)
         log.info("%s ready (pid %d)", self.name, os.getpid())
         try:
-            while not stop_event.is_set() and not parent_is_gone(parent):
+            while not self.engine_stopping() and not parent_is_gone(parent):
                 self.run_once()
                 self.actors.beat(self.index)
         finally:
@@ -306,4 +310,4 @@ class Actor:
                 self.on_stop()
             finally:
                 self.actors.set_status(self.index, ActorStatus.STOPPED)
-        exit_now()   # the loop ended normally (stop event or parent gone); an exception takes the usual way out
+        exit_now()   # the loop ended normally (stop flag or parent gone); an exception takes the usual way out

@@ -227,7 +227,7 @@ class HeartbeatMonitor(Actor):
         # for one with a timestamp from the future (a false "engine bug" 500)
         rows = self.table.snapshot()
         now_ns = time.monotonic_ns()
-        if not self.stop_event.is_set():   # once the supervisor stops the engine, actors exiting are not deaths
+        if not self.engine_stopping():   # once the supervisor stops the engine, actors exiting are not deaths
             self.check_actors(rows, now_ns)
         candidates = find_expired(rows, now_ns, self.config, self.limits_ns)
         if candidates:  # the snapshot is consistent per field only: decide again on rows read consistently

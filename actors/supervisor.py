@@ -181,8 +181,8 @@ class Supervisor:
         self.layout: EngineLayout | None = None
         self.topology = None
         self.devices: dict[int, str] = {}
+        # processes only: the engine creates no multiprocessing semaphore (ipc/engine_status.py, the stop flag)
         self.ctx = multiprocessing.get_context("spawn")
-        self.stop_event = self.ctx.Event()
         self.shutdown = threading.Event()
         self._stop_r, self._stop_w = os.pipe()   # request_stop writes a byte: run()'s wait wakes at once
         os.set_blocking(self._stop_w, False)
@@ -289,7 +289,6 @@ class Supervisor:
         from actors.placement import child_environment
 
         process = self.ctx.Process(target=run_actor, args=(self.topology.class_path(index), self.layout, index,
-                                                           self.stop_event,
                                                            child_environment(self.devices.get(index, ""))),
                                    name=f"pdserve-{self.engine_id}-{self.topology.names[index]}", daemon=False)
         # the child inherits the blocked mask through fork and exec, so a SIGTERM to the process group while it
@@ -458,9 +457,11 @@ class Supervisor:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        """Stop every actor (the stop event, then SIGKILL after STOP_JOIN_TIMEOUT_S: the children ignore SIGTERM),
-        join them, unlink every segment."""
-        self.stop_event.set()
+        """Stop every actor (the status record's stop flag, then SIGKILL after STOP_JOIN_TIMEOUT_S: the children
+        ignore SIGTERM), join them, unlink every segment."""
+        status = getattr(self, "status", None)   # absent: start-up failed before the segments existed
+        if status is not None and not status.closed:
+            status.rec["stopping"] = 1
         deadline = time.monotonic() + STOP_JOIN_TIMEOUT_S
         for process in self.processes.values():
             process.join(timeout=max(deadline - time.monotonic(), 0.1))

@@ -26,25 +26,25 @@ class ApiActor(Actor):
     def __init__(self, layout, index: int = API_INDEX):
         super().__init__(layout, index)
 
-    def child_main(self, stop_event) -> None:
+    def child_main(self) -> None:
         """The API process's entry: signals as every child (base.leave_signals_to_the_supervisor); the HTTP
-        server stops gracefully when the supervisor sets ``stop_event`` or dies."""
+        server stops gracefully when the supervisor sets the stop flag (``engine_stopping``) or dies."""
         self.parent_died = False
 
         def parent_died() -> None:   # from a signal handler: the shutdown trigger below notices within idle_wait_s
             self.parent_died = True
 
-        self.parent = self.enter_child(parent_died)
+        self.parent = self.enter_child(parent_died, status_readonly=True)
         from ipc.actor_table import ActorStatus
 
-        asyncio.run(self._serve(stop_event))
+        asyncio.run(self._serve())
         self.actors.set_status(self.index, ActorStatus.STOPPED)
         exit_now()
 
-    def _stopping(self, stop_event) -> bool:
-        return stop_event.is_set() or self.parent_died or parent_is_gone(self.parent)
+    def _stopping(self) -> bool:
+        return self.engine_stopping() or self.parent_died or parent_is_gone(self.parent)
 
-    async def _serve(self, stop_event) -> None:
+    async def _serve(self) -> None:
         from hypercorn.asyncio import serve
 
         from api.app import build_app
@@ -111,7 +111,7 @@ class ApiActor(Actor):
 
         async def shutdown_trigger() -> None:
             self.actors.set_status(self.index, ActorStatus.READY)
-            while not self._stopping(stop_event):
+            while not self._stopping():
                 self.actors.beat(self.index)
                 self.actors.set_active_requests(self.index, client.num_active())
                 client.publish_routed()

@@ -1,4 +1,4 @@
-"""Engine-wide status record in POSIX shm: the watchdog's counters and stuck-gauge flags, the drain flag.
+"""Engine-wide status record in POSIX shm: the watchdog's counters and stuck-gauge flags, the drain and stop flags.
 
 One segment per engine (``/pdserve_<id>_status``), created and unlinked by the supervisor. Each field has
 exactly one writer (named below); everyone else reads. Values are plain numbers so the API's /metrics and
@@ -9,7 +9,7 @@ Layout (little endian)::
 
     offset  size  field
     0       4     magic         b"PDES"
-    4       4     version       u4 = 1
+    4       4     version       u4 = 2
     8       4     record_bytes  u4 = STATUS_DTYPE.itemsize
     64      ...   one record of STATUS_DTYPE (aligned: no field straddles its own size)
 
@@ -29,6 +29,12 @@ Record (``STATUS_DTYPE``; ``S`` = len(RequestState), indexed by state; ``G`` = l
     stuck                  u1[G]   monitor     1 = gauge > 0 and nothing left the stage for stuck_gauge_s
     mismatch               u1[G]   monitor     1 = the actors' own count disagrees with the table
     draining               u1      supervisor  1 = stop admitting (SIGTERM received)
+    stopping               u1      supervisor  1 = every actor leaves its loop (the supervisor's stop)
+
+The stop flag is a field here rather than a multiprocessing.Event, whose named semaphores (``sem.mp-*``, random
+names) only the creating process or its resource tracker unlinks: a SIGKILL of every engine process at once
+(docker kill, systemd's final SIGKILL, an OOM kill of the cgroup) left them in /dev/shm for good. Everything the
+engine maps is named with its engine id, so the next start reclaims it (ipc/manifest.py).
 """
 from __future__ import annotations
 
@@ -58,18 +64,19 @@ STATUS_DTYPE = np.dtype([
     ("stuck", "u1", (_G,)),
     ("mismatch", "u1", (_G,)),
     ("draining", "u1"),
+    ("stopping", "u1"),
 ], align=True)
 
 MAGIC = b"PDES"
+VERSION = 2
+HEADER = struct.Struct("<4sII")  # magic, version, record_bytes
+RECORD_OFFSET = 64
 
 
 def actor_failures(rec) -> np.ndarray:
     """Requests failed because their actor was dead or hung, by state (u8[S]): the monitor's count plus the
     supervisor's (``rec``: the record, or ``EngineStatus.snapshot()``'s dict of lists)."""
     return np.add(rec["actor_failures"], rec["exit_failures"])
-VERSION = 1
-HEADER = struct.Struct("<4sII")  # magic, version, record_bytes
-RECORD_OFFSET = 64
 
 
 class EngineStatus(_shm.ShmSegment):

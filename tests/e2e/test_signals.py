@@ -4,12 +4,14 @@ SIGTERM to every process at once (systemd's KillMode=control-group, ``kill -- -P
 to the supervisor; children still leave when the supervisor dies, without needing SIGTERM for it.
 
 One engine for the per-process cases (its last test kills its supervisor; before that it also serves a hundred
-streams over one HTTP/2 connection); one more, in its own process group, for the group signal, whose start
-reclaims what the killed supervisor left in /dev/shm."""
+streams over one HTTP/2 connection); one in its own process group that gets SIGKILL, every process at once (the
+resource tracker too); one more, in its own process group, for the group SIGTERM. Each of the last two starts
+reclaims what the engine killed before it left in /dev/shm."""
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import re
 import signal
@@ -20,13 +22,13 @@ import orjson
 import psutil
 import pytest
 
-from tests.conftest import (EngineProbe, cleanup_engine, probe_fixture, shm_segments, start_engine,
+from tests.conftest import (EngineProbe, cleanup_engine, descendants, probe_fixture, shm_segments, start_engine,
                             wait_until)
 
 DRAIN_TIMEOUT_S = 10.0   # the short stream (16 tokens) finishes inside it even on a loaded 2-core machine
 PROCESS_KINDS = ("prefill0", "decode0", "monitor", "api")
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-KILLED: list[str] = []   # engines whose supervisor a test SIGKILLed (their segments stay until an engine starts)
+KILLED: list[str] = []   # engines a test SIGKILLed (their segments stay until the next engine starts and reclaims them)
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +39,48 @@ def engine(tmp_path_factory):
 
 
 probe = probe_fixture()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def killed_engines_swept():
+    """Whatever happens to the test that was to reclaim them, the KILLED engines' segments are gone after the
+    module (the reclaim itself is asserted by ``assert_reclaimed_the_killed``)."""
+    yield
+    from ipc.naming import unlink_all
+
+    for engine_id in KILLED:
+        unlink_all(engine_id)
+
+
+def assert_reclaimed_the_killed(eng) -> None:
+    """``eng``'s start reclaimed the segments of each engine a test before it SIGKILLed, and its log names it."""
+    for killed in KILLED:
+        assert shm_segments(killed) == []
+        assert re.search(rf"reclaimed engine {killed} \(supervisor pid \d+ is gone\): \d+ segments, \d+ "
+                         rf"semaphores, [1-9]\d* bytes", eng.log_text()), eng.log_text()[-3000:]
+    KILLED.clear()
+
+
+def mapped_shm_objects(pids: list[int]) -> set[str]:
+    """The /dev/shm entries (segments and named semaphores, ``sem.NAME``) that ``pids`` have mapped, matched by
+    inode with /proc/PID/maps: a named semaphore's creator maps it under glibc's temporary name, unlinked since."""
+    inodes = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                lines = maps.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:   # address perms offset dev inode path
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                inodes.add(int(fields[4]))
+    names = set()
+    for entry in os.scandir("/dev/shm"):
+        with contextlib.suppress(OSError):
+            if entry.inode() in inodes:
+                names.add(entry.name)
+    return names
 
 
 def stream_completion(base_url: str, max_tokens: int, request_id: str, timeout_s: float = 120) -> tuple[int, bytes]:
@@ -147,19 +191,51 @@ def read_http1_response(sock: socket.socket) -> tuple[bytes, bytes]:
     return head, body
 
 
+def test_sigkill_to_every_engine_process_at_once_leaves_only_what_the_next_start_reclaims(tmp_path):
+    """SIGKILL to the whole process group (docker kill, systemd's SIGKILL when the stop timeout passes, an OOM kill
+    of the cgroup): no process cleans up, the multiprocessing resource tracker included, so every /dev/shm object
+    the engine had mapped stays. Each must be named with the engine id, which the next start reclaims them by (the
+    group-SIGTERM test below checks that it does): an object of random name, such as a multiprocessing
+    semaphore (sem.mp-*), would stay for good. Its own start reclaimed what the test before left."""
+    eng = start_engine(tmp_path, "--kv-pool-tokens", "2048", new_session=True)
+    left: list[str] = []
+    try:
+        assert_reclaimed_the_killed(eng)
+        pids = [eng.proc.pid] + descendants(eng.proc.pid)
+        assert any("resource_tracker" in " ".join(psutil.Process(pid).cmdline()) for pid in pids), pids
+        mapped = mapped_shm_objects(pids)
+        assert any(eng.engine_id in name for name in mapped), mapped   # the maps were read
+        os.killpg(eng.proc.pid, signal.SIGKILL)
+        eng.proc.wait(timeout=10)
+
+        def gone(pid: int) -> bool:
+            try:
+                return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+        wait_until(lambda: all(gone(pid) for pid in pids), 15, 0.05, "every process of the engine to die")
+        left = sorted(name for name in mapped if os.path.exists(f"/dev/shm/{name}"))
+        strays = [name for name in left if eng.engine_id not in name]
+        assert not strays, f"left in /dev/shm, not named with engine id {eng.engine_id}: {strays}"
+        assert shm_segments(eng.engine_id)   # nobody cleaned up: the next engine to start reclaims them
+        KILLED.append(eng.engine_id)
+    finally:
+        if eng.engine_id not in KILLED:   # it failed: nothing is left for the next start to reclaim
+            cleanup_engine(eng)
+            for name in left:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"/dev/shm/{name}")
+
+
 def test_sigterm_to_every_engine_process_at_once_drains_like_sigterm_to_the_supervisor(tmp_path):
     """``kill -TERM -- -PGID`` while streams run: new requests get 503 + Retry-After, a short stream finishes, a
     long one gets an error event at drain_timeout_s and [DONE], a request still sending its body when the HTTP
     server stops gets a 503 OpenAI error (never a 500 with an empty body); then exit 0, no process and no /dev/shm
-    segment left. Its start reclaimed the segments of the engine whose supervisor the test before SIGKILLed, and
-    its log names it."""
+    segment left. Its start reclaimed the segments of the engine the test before SIGKILLed, and its log names it."""
     eng = start_engine(tmp_path, "--kv-pool-tokens", "4096", "--drain-timeout-s", str(DRAIN_TIMEOUT_S),
                        new_session=True)
     try:
-        for killed in KILLED:
-            assert shm_segments(killed) == []
-            assert re.search(rf"reclaimed engine {killed} \(supervisor pid \d+ is gone\): \d+ segments, \d+ "
-                             rf"semaphores, [1-9]\d* bytes", eng.log_text()), eng.log_text()[-3000:]
+        assert_reclaimed_the_killed(eng)
         probe = EngineProbe(eng.engine_id)
         children = list(eng.child_pids)
         body = orjson.dumps({"prompt": "Hello", "max_tokens": 2})
