@@ -283,3 +283,66 @@ def test_config_flags_refuse_unknown_names():
 def test_arguments_are_json_text():
     _, calls = tool_parser("mistral").parse(MISTRAL)
     assert [json.loads(c["arguments"]) for c in calls] == [{"city": "Paris"}, {"zone": "CET"}]
+
+
+# ------------------------------------------------------------------------------- reasoning in the other dialects
+
+THOUGHT_EVENTS = [("reasoning", "The user "), ("reasoning", "greets."), ("text", "Hello"), ("finish", "stop", None)]
+
+
+def sse(raw: list[bytes]) -> list[tuple[str, dict]]:
+    out = []
+    for frame in raw:
+        head, data = frame.decode().strip().split("\n", 1)
+        out.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out
+
+
+@pytest.mark.parametrize("events", [THOUGHT_EVENTS, THOUGHT_EVENTS[:2] + THOUGHT_EVENTS[3:]])
+def test_responses_carry_reasoning_as_an_item(events):
+    from api.dialects import responses
+    from api.dialects.events import Outcome
+
+    meta = responses.ResponseMeta("resp_1", "m", {"input": "x"})
+    outcome = Outcome()
+    for event in events:
+        outcome.add(event)
+    body = responses.response_object(meta, outcome, responses.usage_body(3, 2))
+    stream = responses.ResponseStream(meta)
+    raw = stream.start()
+    for event in events[:-1]:
+        raw += stream.event(event)
+    closing, final = stream.finish("stop", responses.usage_body(3, 2))
+    got = sse(raw + closing)
+    for response in (body, final):
+        item, message = response["output"]
+        assert item["type"] == "reasoning" and item["summary"] == [{"type": "summary_text",
+                                                                    "text": "The user greets."}]
+        assert item["content"] == [{"type": "reasoning_text", "text": "The user greets."}]
+        assert message["type"] == "message" and message["content"][0]["text"] == outcome.text
+    assert "".join(b["delta"] for k, b in got if k == "response.reasoning_text.delta") == "The user greets."
+    assert [b["output_index"] for k, b in got if k == "response.output_item.added"] == [0, 1]
+    assert [b["sequence_number"] for _, b in got] == list(range(len(got)))
+
+
+@pytest.mark.parametrize("events", [THOUGHT_EVENTS, THOUGHT_EVENTS[:2] + THOUGHT_EVENTS[3:]])
+def test_messages_carry_reasoning_as_a_thinking_block(events):
+    from api.dialects import anthropic
+    from api.dialects.events import Outcome
+
+    outcome = Outcome()
+    for event in events:
+        outcome.add(event)
+    body = anthropic.message_object("msg_1", "m", outcome, anthropic.usage_body(3, 1))
+    assert body["content"] == [{"type": "thinking", "thinking": "The user greets.", "signature": ""},
+                               {"type": "text", "text": outcome.text}]
+    stream = anthropic.MessageStream("msg_1", "m")
+    raw = stream.start(anthropic.usage_body(3, 0))
+    for event in events[:-1]:
+        raw += stream.event(event)
+    got = sse(raw + stream.finish("stop", None, anthropic.usage_body(3, 1)))
+    starts = [b["content_block"]["type"] for k, b in got if k == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    assert "".join(b["delta"].get("thinking", "") for k, b in got if k == "content_block_delta") == \
+        "The user greets."
+    assert [b["index"] for k, b in got if k == "content_block_stop"] == [0, 1]
