@@ -19,7 +19,7 @@ The choice (:func:`choose`): ``--tool-call-parser`` / ``--reasoning-parser`` whe
 (:data:`FAMILY_DEFAULTS`; a template that does not render ``tools`` gets ``hermes``, the format the fallback
 prompt describes). Reasoning is split before tool calls: the content after ``</think>`` goes to the tool parser.
 A request that turns thinking off (``chat_template_kwargs: {"enable_thinking": false}``) or whose output a grammar
-constrains (``response_format``, forced tool calls) has no reasoning opened by the prompt.
+constrains from its first token (``response_format``, forced tool calls) has no reasoning split off.
 
 Streams hold back text that may be the start of a marker (``<tool_call>``, ``[TOOL_CALLS]``, ``</think>``), so a
 marker split across deltas never leaks into the content. Plain synchronous code, no I/O.

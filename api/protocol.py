@@ -570,11 +570,10 @@ class RequestParser:
         elif fmt is not False:
             sampling = self._constrain(sampling, self._schema_grammar(fmt, "response_format"), "response_format")
         constrained_by = None if sampling.grammar is None else "tool_choice" if plan else "response_format"
-        # no reasoning when the request turns thinking off; a grammar-constrained answer never starts inside one
+        # no reasoning when the request turns thinking off, nor in an answer a grammar constrains from its first token
         thinking = kwargs.get("enable_thinking", kwargs.get("thinking", True)) is not False
-        reasoning = self.reasoning_parser if thinking else None
-        formats = OutputFormats(parser.name, reasoning, bool(reasoning) and sampling.grammar is None
-                                and prompt_opens_reasoning(text))
+        reasoning = self.reasoning_parser if thinking and sampling.grammar is None else None
+        formats = OutputFormats(parser.name, reasoning, bool(reasoning) and prompt_opens_reasoning(text))
         return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body, constrained_by), stream,
                                  include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan,
                                  formats=formats)

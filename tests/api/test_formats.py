@@ -72,6 +72,7 @@ def test_family_formats_complete_and_streamed(parser, text, content, calls):
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\n</tool_call>'),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par'),
     ("llama3_json", '{"answer": 42}'),   # JSON that is not a call
+    ("llama3_json", '{"name": "Paris", "population": 2100000}'),   # an answer about a name, not a call
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Par'),
     ("mistral", '[TOOL_CALLS] [{"nom": "get_weather"}]'),
 ])
@@ -346,3 +347,37 @@ def test_messages_carry_reasoning_as_a_thinking_block(events):
     assert "".join(b["delta"].get("thinking", "") for k, b in got if k == "content_block_delta") == \
         "The user greets."
     assert [b["index"] for k, b in got if k == "content_block_stop"] == [0, 1]
+
+
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{%- else %}<think>\n{%- endif %}{%- endif %}")
+
+
+@pytest.mark.parametrize("reasoning", ["qwen3", "deepseek_r1"])
+def test_request_formats_follow_the_prompt_and_chat_template_kwargs(reasoning, compiler):
+    """A prompt the template ends inside <think> starts the answer in the reasoning; enable_thinking false (through
+    chat_template_kwargs, which reach the template) splits nothing, nor does a grammar-constrained answer; a
+    malformed chat_template_kwargs is a 400 naming it."""
+    from api.protocol import RequestParser
+    from gpu.tokenizer import Tokenizer
+    from pdserve.errors import InvalidRequestError
+
+    tok = Tokenizer.load(None)
+    tok.set_chat_template(THINKING_TEMPLATE)
+    parse = RequestParser(tok, "m", 2048, reserve_tokens=16, grammars=compiler, formats=("hermes", reasoning))
+    messages = [{"role": "user", "content": "Hi"}]
+    gen = parse.chat({"messages": messages})
+    assert gen.formats == OutputFormats("hermes", reasoning, True)
+    assert tok.decode(gen.prompt_ids).rstrip().endswith("<think>")
+    off = parse.chat({"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
+    assert off.formats == OutputFormats("hermes", None, False)
+    assert tok.decode(off.prompt_ids).rstrip().endswith("</think>")
+    constrained = parse.chat({"messages": messages, "response_format": {"type": "json_object"}})
+    assert constrained.formats == OutputFormats("hermes", None, False)   # the JSON is never reasoning
+    for bad in (["enable_thinking"], {"messages": []}):
+        with pytest.raises(InvalidRequestError) as err:
+            parse.chat({"messages": messages, "chat_template_kwargs": bad})
+        assert err.value.param == "chat_template_kwargs"
