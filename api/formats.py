@@ -346,12 +346,15 @@ def _loads_or_text(text: str) -> Any:
 class _MarkerStream:
     """Mistral: content streams until ``[TOOL_CALLS]`` (a tail that may start it is held); after it the calls are
     held until they parse (a JSON list, or v11's ``name[ARGS]{...}``), then go out as calls and content resumes.
-    Text after the marker that never parses goes out as content at the end, marker included."""
+    Text after the marker that never parses goes out as content at the end, marker included. An answer that starts
+    with a list of calls without the marker is read as calls too: ``[TOOL_CALLS]`` is a control token of Mistral's
+    tokenizer, which detokenization drops with the other special tokens."""
 
     def __init__(self, parallel: bool):
         self.parallel = parallel
         self.buffer = ""
         self.inside = False   # after a [TOOL_CALLS] whose calls have not parsed yet
+        self.mark = 0         # characters of the marker at the buffer's start while inside (0: it was dropped)
         self.calls = 0
         self.sent = False
 
@@ -371,6 +374,8 @@ class _MarkerStream:
         self.buffer += text
         events: list[tuple[str, Any]] = []
         while True:
+            if not self.inside and not self.sent and not self.calls and self.buffer.lstrip().startswith("[{"):
+                self.buffer, self.inside, self.mark = self.buffer.lstrip(), True, 0
             if not self.inside:
                 start = self.buffer.find(MISTRAL_CALLS)
                 if start < 0:
@@ -381,14 +386,14 @@ class _MarkerStream:
                     self.buffer = self.buffer[cut:]
                     return events
                 self._content(self.buffer[:start].rstrip(), events)
-                self.buffer, self.inside = self.buffer[start:], True
-            parsed = _mistral_calls(self.buffer[len(MISTRAL_CALLS):])
+                self.buffer, self.inside, self.mark = self.buffer[start:], True, len(MISTRAL_CALLS)
+            parsed = _mistral_calls(self.buffer[self.mark:])
             if parsed is None:
                 return events
             calls, used = parsed
             for call in calls:
                 self._call(call, events)
-            self.buffer, self.inside = self.buffer[len(MISTRAL_CALLS) + used:].lstrip(), False
+            self.buffer, self.inside = self.buffer[self.mark + used:].lstrip(), False
 
     def finish(self, names: tuple[str, ...] | None = None) -> list[tuple[str, Any]]:
         rest, self.buffer, self.inside = self.buffer.rstrip(), "", False

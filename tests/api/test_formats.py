@@ -27,6 +27,8 @@ LLAMA_TAGGED = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Pa
 MISTRAL = ('Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
            '{"name": "get_time", "arguments": {"zone": "CET"}}]')
 MISTRAL_V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+# the same calls as detokenization writes them: [TOOL_CALLS] is a control token, dropped with the special tokens
+MISTRAL_DROPPED = ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 PARIS = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
 CET = {"name": "get_time", "arguments": '{"zone": "CET"}'}
 
@@ -58,6 +60,7 @@ def streamed(parser: str, pieces: list[str], parallel: bool = True):
     ("llama3_json", LLAMA_TAGGED, None, [PARIS, CET]),
     ("mistral", MISTRAL, "Let me check.", [PARIS, CET]),
     ("mistral", MISTRAL_V11, None, [PARIS]),
+    ("mistral", MISTRAL_DROPPED, None, [PARIS]),
 ])
 def test_family_formats_complete_and_streamed(parser, text, content, calls):
     assert tool_parser(parser).parse(text) == (content, calls)
@@ -75,6 +78,8 @@ def test_family_formats_complete_and_streamed(parser, text, content, calls):
     ("llama3_json", '{"name": "Paris", "population": 2100000}'),   # an answer about a name, not a call
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Par'),
     ("mistral", '[TOOL_CALLS] [{"nom": "get_weather"}]'),
+    ("mistral", '[{"nom": "get_weather"}] is a list'),
+    ("mistral", 'See [1] and [{"name": "x", "arguments": {}}]'),   # a list after content needs the marker
 ])
 def test_malformed_calls_are_content(parser, text):
     content, calls = tool_parser(parser).parse(text)
