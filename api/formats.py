@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,6 +207,10 @@ class ToolParser:
 
     def render_calls(self, calls: list[dict]) -> str:
         raise NotImplementedError
+
+    def new_call_id(self) -> str:
+        """The id of a new call (OpenAI's ``call_...`` form)."""
+        return hermes.new_call_id()
 
 
 def _collect(events: list) -> tuple[str | None, list[dict]]:
@@ -443,6 +449,10 @@ class MistralParser(ToolParser):
         return ("# Tools\n\nYou can call these functions:\n" + _tools_lines(tools) +
                 f"\n\nTo call functions, write {MISTRAL_CALLS} followed by a JSON list of "
                 '{"name": function name, "arguments": arguments object} entries.')
+
+    def new_call_id(self):
+        """9 letters and digits: Mistral's templates refuse any other tool-call id in the history."""
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
     def render_calls(self, calls):
         return MISTRAL_CALLS + json.dumps([{"name": c["name"], "arguments": _loads_or_text(c["arguments"])}

@@ -360,10 +360,10 @@ def _partial_suffix(text: str, token: str) -> int:
     return 0
 
 
-def openai_call(call: dict, index: int | None = None) -> dict:
-    """A parsed call as an OpenAI ``tool_calls`` entry (a new ``call_...`` id); with ``index``, as a streamed
-    ``delta.tool_calls`` entry."""
-    out = {"id": new_call_id(), "type": "function",
+def openai_call(call: dict, index: int | None = None, parser=None) -> dict:
+    """A parsed call as an OpenAI ``tool_calls`` entry (a new id: ``call_...``, or the form ``parser`` gives);
+    with ``index``, as a streamed ``delta.tool_calls`` entry."""
+    out = {"id": parser.new_call_id() if parser is not None else new_call_id(), "type": "function",
            "function": {"name": call["name"], "arguments": call["arguments"]}}
     return out if index is None else {"index": index, **out}
 
@@ -385,7 +385,7 @@ def finished_choice(plan: ToolPlan, text: str, reason: str | None,
                 calls.append(partial)
     if calls and reason == "stop":
         reason = "tool_calls"
-    return content, [openai_call(c) for c in calls], reason
+    return content, [openai_call(c, None, parser) for c in calls], reason
 
 
 class ToolDeltas:
@@ -396,6 +396,7 @@ class ToolDeltas:
 
     def __init__(self, plan: ToolPlan, parser=None):
         self.plan = plan
+        self.parser = parser
         self.stream = None if plan.mode == "named" else (parser.stream(plan.parallel) if parser
                                                          else ToolCallStream(plan.parallel))
         self.calls = 0
@@ -406,7 +407,7 @@ class ToolDeltas:
         if self.stream is None:
             if self.calls == 0:
                 self.calls = 1
-                return [(None, [openai_call({"name": self.plan.function, "arguments": text}, 0)])]
+                return [(None, [openai_call({"name": self.plan.function, "arguments": text}, 0, self.parser)])]
             return [(None, [{"index": 0, "function": {"arguments": text}}])] if text else []
         events = self.stream.push(text) + (self.stream.finish(self.plan.names if final == "length" else None)
                                            if final else [])
@@ -415,7 +416,7 @@ class ToolDeltas:
             if kind == "content":
                 out.append((value, None))
             else:
-                out.append((None, [openai_call(value, self.calls)]))
+                out.append((None, [openai_call(value, self.calls, self.parser)]))
                 self.calls += 1
         return out
 

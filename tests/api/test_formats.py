@@ -238,8 +238,14 @@ def test_chat_deltas_with_other_parsers(parser, text):
     plan = ToolPlan("auto", ("get_weather", "get_time"))
     deltas = ChatDeltas(OutputFormats(parser), plan)
     out = deltas.push(text[:7], None) + deltas.push(text[7:], "stop")
-    assert [c["function"]["name"] for _, cs, _ in out for c in cs or ()][:1] == ["get_weather"]
+    calls = [c for _, cs, _ in out for c in cs or ()]
+    assert [c["function"]["name"] for c in calls][:1] == ["get_weather"]
     assert deltas.finish_reason("stop") == "tool_calls"
+    choice = ChoiceResult(0, text, "stop")
+    finish_choice(OutputFormats(parser), plan, choice)
+    for call in calls + choice.tool_calls:   # Mistral's templates take 9-character ids alone in the history
+        assert (len(call["id"]) == 9 and call["id"].isalnum()) if parser == "mistral" else \
+            call["id"].startswith("call_")
 
 
 # ------------------------------------------------------------------------------------------------------- choice

@@ -67,6 +67,7 @@ def test_required_call_is_decoded_and_parsed_in_the_mistral_format(client, strea
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         assert reasoning_of(choice.message) is None
         calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in choice.message.tool_calls)   # Mistral's ids
     [(name, arguments)] = calls
     assert name == "get_weather"
     jsonschema.validate(json.loads(arguments), WEATHER)
