@@ -16,8 +16,9 @@ reasoning             the answer starts inside the reasoning (DeepSeek-R1's temp
 =====================  ==========================================================================================
 
 The choice (:func:`choose`): ``--tool-call-parser`` / ``--reasoning-parser`` when given, else by the model's family
-(:data:`FAMILY_DEFAULTS`; a template that does not render ``tools`` gets ``hermes``, the format the fallback
-prompt describes). Reasoning is split before tool calls: the content after ``</think>`` goes to the tool parser.
+(:data:`FAMILY_DEFAULTS`), unless the chat template says otherwise: one that does not render ``tools`` gets
+``hermes`` (the format the fallback prompt describes), one that writes a format's marker (:data:`TEMPLATE_MARKERS`)
+gets that format's parser. Reasoning is split before tool calls: the content after ``</think>`` goes to the tool parser.
 A request that turns thinking off (``chat_template_kwargs: {"enable_thinking": false}``) or whose output a grammar
 constrains from its first token (``response_format``, forced tool calls) has no reasoning split off.
 
@@ -44,6 +45,8 @@ PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
 MISTRAL_ARGS = "[ARGS]"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# the marker a chat template writes -> the parser of that format (Qwen2.5/Hermes, Mistral v3+, Llama 3.1+)
+TEMPLATE_MARKERS = (("<tool_call>", "hermes"), (MISTRAL_CALLS, "mistral"), (PYTHON_TAG, "llama3_json"))
 
 # family (gpu/families.py) -> (tool-call parser, reasoning parser or None), as vLLM's recipes pick them
 FAMILY_DEFAULTS: dict[str, tuple[str, str | None]] = {
@@ -69,8 +72,11 @@ def choose(family: str, template: str | None, tool_flag: str = "auto",
     ``tool_flag`` / ``reasoning_flag``: the config's ``tool_call_parser`` / ``reasoning_parser`` ("auto": by
     family; "none" for reasoning: no split). Raises ValueError naming the choices for an unknown name."""
     tool, reasoning = FAMILY_DEFAULTS.get(family, ("hermes", None))
-    if "tools" not in (template or ""):
+    text = template or ""
+    if "tools" not in text:
         tool = "hermes"   # the fallback tools prompt (api/tools.py) teaches the Hermes format
+    else:   # a template that writes one format's marker asks for that format, whatever the weights' family
+        tool = next((name for marker, name in TEMPLATE_MARKERS if marker in text), tool)
     if reasoning is None and THINK_CLOSE in (template or ""):
         reasoning = "deepseek_r1"   # a template that writes </think> (DeepSeek-R1 distills of Qwen2.5 / Llama)
     if tool_flag != "auto":
@@ -195,9 +201,12 @@ class ToolParser:
     def stream(self, parallel: bool = True):
         raise NotImplementedError
 
-    def cut(self, content: str | None, names: tuple[str, ...]) -> tuple[str | None, dict | None]:
-        """``content`` without an unclosed call at its end, and that call (cut by ``max_tokens``); None: none."""
-        return content, None
+    def cut(self, content: str | None, names: tuple[str, ...]) -> tuple[str | None, list[dict]]:
+        """An answer cut by ``max_tokens`` (``content``: what :meth:`parse` left as content): the content without
+        the unclosed calls at its end, and those calls, the last with the arguments written so far
+        (:func:`api.tools.partial_call`); ``(content, [])`` when there are none."""
+        stream = self.stream(True)
+        return _collect(stream.push(content or "") + stream.finish(names))
 
     def required_grammar(self, tools: list[dict], parallel: bool) -> str:
         raise NotImplementedError
@@ -253,7 +262,8 @@ class HermesParser(ToolParser):
         return hermes.ToolCallStream(parallel)
 
     def cut(self, content, names):
-        return hermes._cut_call(content, names)
+        content, call = hermes._cut_call(content, names)
+        return content, [call] if call is not None else []
 
     def required_grammar(self, tools, parallel):
         return hermes.required_call_grammar(tools, parallel)
@@ -289,10 +299,14 @@ class _WholeMessageStream:
         return []
 
     def finish(self, names: tuple[str, ...] | None = None) -> list[tuple[str, Any]]:
+        """The held answer; with ``names`` (cut by ``max_tokens``) an unclosed last call is the partial call it
+        began."""
         text, self.buffer = self.buffer, ""
         if self.mode == "content":
             return [("content", text)] if text else []
         calls = _llama_calls(text.strip())
+        if calls is None and names is not None:
+            calls = _cut_calls(text.strip().removeprefix(PYTHON_TAG), ";", names)
         if calls is None:
             text = text.strip()
             return [("content", text)] if text else []
@@ -319,6 +333,29 @@ def _llama_calls(text: str) -> list[dict] | None:
         if call is None or not ("parameters" in obj or "arguments" in obj):
             return None
         calls.append(call)
+
+
+def _cut_calls(text: str, separator: str, names: tuple[str, ...]) -> list[dict] | None:
+    """The calls of a list cut by ``max_tokens``: the complete ones (JSON objects separated by ``separator``) and
+    the partial call the last began (:func:`api.tools.partial_call`), or None when that one names no function."""
+    decoder = json.JSONDecoder()
+    calls, pos = [], 0
+    while True:
+        while pos < len(text) and (text[pos].isspace() or text[pos] == separator):
+            pos += 1
+        if pos == len(text):
+            return calls or None
+        try:
+            obj, end = decoder.raw_decode(text, pos)
+        except ValueError:
+            break
+        call = _as_call(obj)
+        if call is None:
+            return None
+        calls.append(call)
+        pos = end
+    partial = hermes.partial_call(text[pos:], names)
+    return calls + [partial] if partial is not None else None
 
 
 class Llama3JsonParser(ToolParser):
@@ -402,8 +439,18 @@ class _MarkerStream:
             self.buffer, self.inside = self.buffer[self.mark + used:].lstrip(), False
 
     def finish(self, names: tuple[str, ...] | None = None) -> list[tuple[str, Any]]:
-        rest, self.buffer, self.inside = self.buffer.rstrip(), "", False
+        """The held text, as content; with ``names`` (cut by ``max_tokens``) unclosed calls after the marker are the
+        calls they began, the last with its partial arguments."""
+        rest, self.buffer = self.buffer.rstrip(), ""
         events: list[tuple[str, Any]] = []
+        if self.inside and names is not None:
+            after = rest[self.mark:].lstrip()
+            calls = _cut_calls(after[1:] if after.startswith("[") else after, ",", names)
+            if calls is not None:
+                for call in calls:
+                    self._call(call, events)
+                rest = ""
+        self.inside = False
         self._content(rest, events)
         return events
 

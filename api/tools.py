@@ -34,7 +34,7 @@ TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.S)
-_PARTIAL = re.compile(r'\{\s*"name"\s*:\s*"([^"]*)("?)\s*(?:,\s*"arguments"\s*:\s*(.*))?', re.S)
+_PARTIAL = re.compile(r'\{\s*"name"\s*:\s*"([^"]*)("?)\s*(?:,\s*"(?:arguments|parameters)"\s*:\s*(.*))?', re.S)
 MAX_TOOLS = 128
 
 
@@ -380,9 +380,14 @@ def finished_choice(plan: ToolPlan, text: str, reason: str | None,
     else:
         content, calls = parser.parse(text, plan.parallel) if parser else parse_tool_calls(text, plan.parallel)
         if reason == "length":
-            content, partial = parser.cut(content, plan.names) if parser else _cut_call(content, plan.names)
-            if partial is not None and (plan.parallel or not calls):
-                calls.append(partial)
+            if parser is not None:
+                content, partial = parser.cut(content, plan.names)
+            else:
+                content, one = _cut_call(content, plan.names)
+                partial = [one] if one is not None else []
+            for call in partial:
+                if plan.parallel or not calls:
+                    calls.append(call)
     if calls and reason == "stop":
         reason = "tool_calls"
     return content, [openai_call(c, None, parser) for c in calls], reason

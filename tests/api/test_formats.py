@@ -264,6 +264,9 @@ def test_every_family_has_defaults():
     ("qwen3", "{{ tools }}", ("hermes", "qwen3")),
     ("qwen3_moe", "{{ tools }}", ("hermes", "qwen3")),
     ("gemma3", "{{ messages }}", ("hermes", None)),
+    ("llama", "{{ tools }} <tool_call>", ("hermes", None)),   # examples/chatml_tools.jinja on SmolLM2
+    ("llama", "{{ tools }} <|python_tag|>", ("llama3_json", None)),   # Llama 3.1's own
+    ("qwen2", "{{ tools }} [TOOL_CALLS]", ("mistral", None)),
 ])
 def test_choice_by_family(family, template, expected):
     assert choose(family, template) == expected
@@ -392,3 +395,29 @@ def test_request_formats_follow_the_prompt_and_chat_template_kwargs(reasoning, c
         with pytest.raises(InvalidRequestError) as err:
             parse.chat({"messages": messages, "chat_template_kwargs": bad})
         assert err.value.param == "chat_template_kwargs"
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CE'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": '
+                    '{"zone": "CE'),
+    ("mistral", 'Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "get_time", "arguments": {"zone": "CE'),
+])
+def test_a_call_cut_by_max_tokens_is_a_call_with_partial_arguments(parser, text):
+    """As OpenAI returns a call cut by ``length``: the call with the arguments written so far, never markup as
+    content; the same streamed (ChatDeltas with finish reason "length") and whole (finish_choice)."""
+    plan = ToolPlan("auto", ("get_weather", "get_time"))
+    choice = ChoiceResult(0, text, "length")
+    finish_choice(OutputFormats(parser), plan, choice)
+    assert choice.finish_reason == "length"
+    assert [c["function"] for c in choice.tool_calls] == [PARIS, {"name": "get_time", "arguments": '{"zone": "CE'}]
+    assert choice.text == ("Let me check." if parser == "mistral" else None)
+    for pieces in chunkings(text, seed=2):
+        deltas = ChatDeltas(OutputFormats(parser), plan)
+        out = []
+        for k, piece in enumerate(pieces):
+            out += deltas.push(piece, "length" if k == len(pieces) - 1 else None)
+        assert [c["function"] for _, cs, _ in out for c in cs or ()] == [c["function"] for c in choice.tool_calls]
+        assert "".join(c for c, _, _ in out if c).strip() == (choice.text or "")
