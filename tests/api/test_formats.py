@@ -421,3 +421,24 @@ def test_a_call_cut_by_max_tokens_is_a_call_with_partial_arguments(parser, text)
             out += deltas.push(piece, "length" if k == len(pieces) - 1 else None)
         assert [c["function"] for _, cs, _ in out for c in cs or ()] == [c["function"] for c in choice.tool_calls]
         assert "".join(c for c, _, _ in out if c).strip() == (choice.text or "")
+
+
+@pytest.mark.parametrize("family, flags, expected", [
+    ("qwen3", {}, ("hermes", "qwen3")),
+    ("qwen2", {"reasoning_parser": "deepseek_r1", "tool_call_parser": "mistral"}, ("mistral", "deepseek_r1")),
+])
+def test_the_served_model_s_family_picks_its_parsers(family, flags, expected, tmp_path):
+    """A tiny GGUF of the family (tests/gpu/tiny_families.py): plan_layout reads the family into the layout and
+    formats_for picks the parsers from it (the embedded SmolLM2 tokenizer's template renders no tools: hermes)."""
+    pytest.importorskip("transformers")
+    from actors.supervisor import plan_layout
+    from api.formats import formats_for
+    from gpu.tokenizer import Tokenizer
+    from pdserve.config import load_config
+    from tests.gpu.tiny_families import build_hf, write_gguf
+
+    path = write_gguf(family, build_hf(family), tmp_path / f"tiny-{family}.gguf")
+    layout = plan_layout(load_config({"model": str(path), "port": "0", "model_cache_dir": "off", **flags}, {}),
+                         "e1")
+    assert layout.shape.family == family
+    assert formats_for(layout, Tokenizer.load(path)) == expected
