@@ -23,7 +23,10 @@ A request that turns thinking off (``chat_template_kwargs: {"enable_thinking": f
 constrains from its first token (``response_format``, forced tool calls) has no reasoning split off.
 
 Streams hold back text that may be the start of a marker (``<tool_call>``, ``[TOOL_CALLS]``, ``</think>``), so a
-marker split across deltas never leaks into the content. Plain synchronous code, no I/O.
+marker split across deltas never leaks into the content; a call cut by ``max_tokens`` comes back as a call with
+the arguments written so far, whatever the parser. Entry points: :func:`formats_for` (API start-up),
+:class:`OutputFormats` (per request, api/protocol.py), :class:`ChatDeltas` (a streamed choice: api/app.py,
+api/dialects/events.py) and :func:`finish_choice` (a whole one). Plain synchronous code, no I/O.
 """
 from __future__ import annotations
 
