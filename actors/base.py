@@ -102,6 +102,7 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     context_length: int
+    family: str = "llama"   # gpu/families.py; the API picks its output parsers by it (api/formats.py)
 
 
 @dataclass(frozen=True)

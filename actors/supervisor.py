@@ -115,7 +115,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     # the GGUF header from the model cache (3-4 s to parse the file; saved there on the first start)
     model_config = read_model_config(model_path or None, model_cache_dir(config.model_cache_dir))
     shape = ModelShape(model_config.name, model_config.num_layers, model_config.num_kv_heads,
-                       model_config.head_dim, model_config.max_position_embeddings)
+                       model_config.head_dim, model_config.max_position_embeddings, model_config.family)
     blocks = config.kv_pool_tokens // config.kv_block_tokens
     if blocks < 1:
         raise ConfigError(f"config field kv_pool_tokens={config.kv_pool_tokens}: must hold at least one block "

@@ -28,7 +28,7 @@ from api.http_edges import note_engine_requests
 from api.protocol import (ChoiceResult, GenerationRequest, RequestParser, chat_logprobs, chunk, completion_logprobs,
                           error_body, full_response, usage)
 from api.sse import with_pings
-from api.tools import ToolDeltas, finished_choice
+from api.formats import ChatDeltas, finish_choice, request_formats
 from ipc.recorder import ClosedBy, EventKind, record_request
 from pdserve.errors import InvalidRequestError, PdserveError
 
@@ -441,9 +441,10 @@ class Routes:
                     reasons[index] = reason
             results = [ChoiceResult(i, "".join(texts[i]), reasons.get(i),
                                     self.format_logprobs(handles, tokens[i], 0, True)) for i in texts]
-            if req.tools is not None:   # the answer's <tool_call> blocks (or a named function's arguments)
+            formats = request_formats(req)
+            if formats is not None:   # reasoning, then the tool calls (or a named function's arguments)
                 for c in results:
-                    c.text, c.tool_calls, c.finish_reason = finished_choice(req.tools, c.text, c.finish_reason)
+                    finish_choice(formats, req.tools, c)
                     reasons[c.index] = c.finish_reason
             return results
 
@@ -485,26 +486,28 @@ class Routes:
         status = 499   # until the stream ends normally or with an error event
         first = {h.index for h in handles}   # choices whose first chunk is still to come
         offsets = {h.index: 0 for h in handles}   # characters of the choice's text sent so far (echo included)
-        tools = {h.index: ToolDeltas(req.tools) for h in handles} if req.tools is not None else {}
+        formats = request_formats(req)   # reasoning and tool calls parsed out of the text (api/formats.py)
+        tools = {h.index: ChatDeltas(formats, req.tools) for h in handles} if formats is not None else {}
         try:
             try:
                 async for index, text, reason, logprobs in merged_choices(
                     self.client, self.tokenizer, handles, self.metrics):
                     if index in first and req.echo_text:
                         text = req.echo_text + text
-                    pieces: list = [(text, None)]
-                    if tools:   # text becomes content and delta.tool_calls pieces
-                        pieces = tools[index].push(text, reason) or [("", None)]
+                    pieces: list = [(text, None, None)]
+                    if tools:   # text becomes content, delta.tool_calls and delta.reasoning_content pieces
+                        pieces = tools[index].push(text, reason) or [("", None, None)]
                         reason = tools[index].finish_reason(reason)
                     if reason is not None:
                         reasons[index] = reason
-                    for k, (piece, calls) in enumerate(pieces):
+                    for k, (piece, calls, thought) in enumerate(pieces):
                         piece_reason = reason if k == len(pieces) - 1 else None
                         piece_logprobs = logprobs if k == 0 else []
-                        if piece or calls or piece_reason is not None or index in first or piece_logprobs:
+                        if piece or calls or thought or piece_reason is not None or index in first or piece_logprobs:
                             body = chunk(req, piece, piece_reason, first=index in first, index=index,
                                          logprobs=self.format_logprobs(handles, piece_logprobs, offsets[index],
-                                                                  index in first), tool_calls=calls)
+                                                                  index in first), tool_calls=calls,
+                                         reasoning=thought)
                             offsets[index] += len(piece or "")
                             if len(first) == len(handles):
                                 record_api(EventKind.FIRST_BYTE, handles)

@@ -84,7 +84,7 @@ _HONOURED_COMMON = _EXTENSIONS | {
 CHAT = FieldTable("/v1/chat/completions", frozenset(_HONOURED_COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
     # vLLM's chat-template controls
-    "add_generation_prompt", "continue_final_message",
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
     # deprecated; refused unless neutral (use tools / tool_choice)
     "functions", "function_call",
 }), _IGNORED_CHAT)

@@ -14,7 +14,8 @@ from typing import Any
 
 from actors.messages import Sampling
 from api import fields
-from api.tools import ToolPlan, parameters_schema, parse_tools, required_call_grammar, template_messages
+from api.formats import OutputFormats, prompt_opens_reasoning, tool_parser
+from api.tools import ToolPlan, parameters_schema, parse_tools, template_messages
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 from pdserve.kv_budget import blocks_for
 
@@ -64,6 +65,7 @@ class GenerationRequest:
     n: int = 1                       # choices; the engine prefills once and decodes n sequences
     echo_text: str | None = None     # completions with ``echo``: the prompt, returned before each choice's text
     tools: ToolPlan | None = None    # chat with tools offered (tool_choice other than "none"); see api/tools.py
+    formats: OutputFormats | None = None   # chat: its tool-call and reasoning parsers (api/formats.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -228,6 +230,23 @@ def _known_keys(value: dict, known: set[str], where: str) -> None:
                                   f"{', '.join(sorted(known))})", param="response_format")
 
 
+def _template_kwargs(body: dict) -> dict[str, Any]:
+    """vLLM's ``chat_template_kwargs``: extra variables for the chat template (e.g. Qwen3's ``enable_thinking``).
+    Raises InvalidRequestError naming the field for a non-object or a key that would replace the template's own
+    inputs."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise InvalidRequestError("'chat_template_kwargs' must be an object of template variables",
+                                  param="chat_template_kwargs")
+    reserved = sorted(set(value) & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+    if reserved:
+        raise InvalidRequestError(f"'chat_template_kwargs' cannot set {', '.join(reserved)} (the request's own "
+                                  "fields do)", param="chat_template_kwargs")
+    return dict(value)
+
+
 def _response_format(body: dict) -> dict | None | bool:
     """The JSON schema ``response_format`` asks for: False for none (absent or ``{"type": "text"}``), None for
     any JSON object (``json_object``), else the schema of ``json_schema``, or the ``schema`` of a ``json_object``
@@ -343,6 +362,8 @@ class RequestParser:
             ``n`` choices of one request can be checked to fit together; 0 blocks skips the check.
         grammars: gpu.grammar.GrammarCompiler, which checks ``response_format`` and forced tool calls on
             admission; None refuses both.
+        formats: ``(tool-call parser, reasoning parser or None)`` of chat answers (api.formats.choose); None:
+            ``hermes`` and no reasoning.
 
     A text prompt longer than ``max_token_chars * max_context_tokens`` characters cannot fit whatever its
     tokenization (one token covers at most ``max_token_chars`` characters), so it is rejected before the
@@ -351,8 +372,10 @@ class RequestParser:
 
     def __init__(self, tokenizer, served_model_name: str, max_context_tokens: int, reserve_tokens: int,
                  kv_pool_blocks: int = 0, kv_block_tokens: int = 16, grammars=None,
-                 max_tokens_policy: str = "reject"):
+                 max_tokens_policy: str = "reject", formats: tuple[str, str | None] | None = None):
         self.tokenizer = tokenizer
+        self.tool_parser, self.reasoning_parser = formats or ("hermes", None)
+        tool_parser(self.tool_parser)   # KeyError naming the choices
         self.grammars = grammars                 # gpu.grammar.GrammarCompiler; None = no constrained decoding
         self.template_has_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
         self.kv_pool_blocks = kv_pool_blocks     # the decode pool's blocks; 0 = no check of n against it
@@ -527,9 +550,12 @@ class RequestParser:
                 f"{chars} characters, more than that many tokens can hold", param="messages",
                 code="context_length_exceeded")
         history_has_tools = any(m.get("tool_calls") or m["role"] == "tool" for m in conversation)
-        if tools or history_has_tools:
-            conversation = template_messages(conversation, tools, self.template_has_tools)
-        extra = {"tools": tools} if tools and self.template_has_tools else {}
+        parser = tool_parser(self.tool_parser)
+        if tools or history_has_tools:   # a template without tools is taught the parser's format (Hermes: as before)
+            conversation = template_messages(conversation, tools, self.template_has_tools,
+                                             None if parser.name == "hermes" else parser)
+        kwargs = _template_kwargs(body)
+        extra = {**kwargs, "tools": tools} if tools and self.template_has_tools else kwargs
         text = self.render_chat(conversation, body, extra)
         prompt_ids = self._encode(text, "messages")
         sampling = self._sampling(body, len(prompt_ids), "chat")
@@ -539,13 +565,18 @@ class RequestParser:
         elif plan is not None and plan.mode == "required":
             from gpu.grammar import lark_grammar
 
-            sampling = self._constrain(sampling, lark_grammar(required_call_grammar(tools, plan.parallel)),
+            sampling = self._constrain(sampling, lark_grammar(parser.required_grammar(tools, plan.parallel)),
                                        "tool_choice")
         elif fmt is not False:
             sampling = self._constrain(sampling, self._schema_grammar(fmt, "response_format"), "response_format")
         constrained_by = None if sampling.grammar is None else "tool_choice" if plan else "response_format"
+        # no reasoning when the request turns thinking off, nor in an answer a grammar constrains from its first token
+        thinking = kwargs.get("enable_thinking", kwargs.get("thinking", True)) is not False
+        reasoning = self.reasoning_parser if thinking and sampling.grammar is None else None
+        formats = OutputFormats(parser.name, reasoning, bool(reasoning) and prompt_opens_reasoning(text))
         return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body, constrained_by), stream,
-                                 include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan)
+                                 include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan,
+                                 formats=formats)
 
     def render_chat(self, conversation: list[dict], body: dict, extra: dict | None = None) -> str:
         """The chat template over ``conversation`` with vLLM's controls from ``body``: ``add_generation_prompt``
@@ -734,6 +765,7 @@ class ChoiceResult:
     finish_reason: str | None
     logprobs: dict | None = None
     tool_calls: list[dict] | None = None   # chat with tools: OpenAI ``message.tool_calls`` entries
+    reasoning: str | None = None           # chat with a reasoning parser: ``message.reasoning_content``
 
 
 def full_response(req: GenerationRequest, choices: list[ChoiceResult], completion_tokens: int,
@@ -743,6 +775,8 @@ def full_response(req: GenerationRequest, choices: list[ChoiceResult], completio
     for c in sorted(choices, key=lambda c: c.index):
         if req.kind == "chat":
             message = {"role": "assistant", "content": c.text}
+            if c.reasoning is not None:
+                message["reasoning_content"] = c.reasoning
             if c.tool_calls:
                 message["tool_calls"] = c.tool_calls
             out.append({"index": c.index, "message": message, "logprobs": c.logprobs,
@@ -756,13 +790,16 @@ def full_response(req: GenerationRequest, choices: list[ChoiceResult], completio
 
 def chunk(req: GenerationRequest, text: str | None, finish_reason: str | None, *, first: bool = False,
           usage_body: dict | None = None, index: int = 0, logprobs: dict | None = None,
-          tool_calls: list[dict] | None = None) -> dict:
+          tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
     """One SSE chunk of choice ``index``. ``usage_body`` set = the final usage-only chunk (choices empty).
-    ``tool_calls``: chat ``delta.tool_calls`` entries (the first chunk then has ``content: null``)."""
+    ``tool_calls``: chat ``delta.tool_calls`` entries (the first chunk then has ``content: null``); ``reasoning``:
+    chat ``delta.reasoning_content`` (vLLM's and SGLang's field)."""
     if req.kind == "chat":
         obj = "chat.completion.chunk"
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text or (first and not tool_calls):
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if text or (first and not tool_calls and not reasoning):
             delta["content"] = text or ""
         elif first:
             delta["content"] = None

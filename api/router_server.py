@@ -105,6 +105,7 @@ async def _serve(layout, prefill_urls: list[str], decode_urls: list[str]) -> Non
     from api.http_edges import (answer_cancelled_requests, ignore_cancelled_connection_callbacks,
                                 install_idle_close, install_refused_streams, keep_alive_config)
     from api.middleware import load_api_keys
+    from api.formats import formats_for
     from api.protocol import RequestParser
     from gpu.grammar import GrammarCompiler
     from gpu.model_files import model_cache_dir
@@ -123,7 +124,7 @@ async def _serve(layout, prefill_urls: list[str], decode_urls: list[str]) -> Non
     await client.start()
     parser = RequestParser(tokenizer, layout.served_model_name, layout.max_context_tokens,
                            config.reserve_output_tokens, layout.kv_blocks_per_pool, config.kv_block_tokens, grammars,
-                           config.max_tokens_policy)
+                           config.max_tokens_policy, formats_for(layout, tokenizer))
     app = build_app(client, tokenizer, parser, RouterMetrics(client), load_api_keys(config), (debug_route(client),),
                     allowed_origins(config))
     hconfig = keep_alive_config(config.keep_alive_timeout_s)

@@ -56,6 +56,7 @@ class ApiActor(Actor):
         from api.middleware import load_api_keys
         from pdserve.config import allowed_origins
         from api.node_api import NodeLimits, NodeRoutes
+        from api.formats import formats_for
         from api.protocol import RequestParser
         from gpu.grammar import GrammarCompiler
         from gpu.model_files import model_cache_dir
@@ -72,7 +73,8 @@ class ApiActor(Actor):
         client.start(asyncio.get_running_loop())
         parser = RequestParser(tokenizer, self.layout.served_model_name, self.layout.max_context_tokens,
                                self.config.reserve_output_tokens, self.layout.kv_blocks_per_pool,
-                               self.config.kv_block_tokens, grammars, self.config.max_tokens_policy)
+                               self.config.kv_block_tokens, grammars, self.config.max_tokens_policy,
+                               formats_for(self.layout, tokenizer))
         metrics = EngineMetrics(client, parser.served_model_name)
         limits = NodeLimits(tokenizer.vocab_size, self.layout.max_context_tokens, self.config.kv_block_tokens)
         node_routes = NodeRoutes(client, metrics.health, self.layout.engine_id, limits).routes()   # for the router

@@ -34,7 +34,7 @@ TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.S)
-_PARTIAL = re.compile(r'\{\s*"name"\s*:\s*"([^"]*)("?)\s*(?:,\s*"arguments"\s*:\s*(.*))?', re.S)
+_PARTIAL = re.compile(r'\{\s*"name"\s*:\s*"([^"]*)("?)\s*(?:,\s*"(?:arguments|parameters)"\s*:\s*(.*))?', re.S)
 MAX_TOOLS = 128
 
 
@@ -164,12 +164,14 @@ def call_block(name: str, arguments: str) -> str:
     return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
 
 
-def template_messages(messages: list[dict], tools: list[dict] | None, template_has_tools: bool) -> list[dict]:
+def template_messages(messages: list[dict], tools: list[dict] | None, template_has_tools: bool,
+                      parser=None) -> list[dict]:
     """The messages the chat template renders.
 
     ``messages`` are validated chat messages (``role``, ``content`` str or None, ``tool_calls`` on an assistant,
     ``tool_call_id`` on a tool message). A template that handles tools gets them as transformers passes them
-    (arguments parsed back to objects, as vLLM does); for any other template they are written as text.
+    (arguments parsed back to objects, as vLLM does); for any other template they are written as text, in the
+    format of ``parser`` (an api.formats tool-call parser; None: Hermes blocks).
     """
     if template_has_tools:
         out = []
@@ -183,7 +185,11 @@ def template_messages(messages: list[dict], tools: list[dict] | None, template_h
     out: list[dict] = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
-            blocks = "\n".join(call_block(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"])
+            if parser is not None:
+                blocks = parser.render_calls([c["function"] for c in m["tool_calls"]])
+            else:
+                blocks = "\n".join(call_block(c["function"]["name"], c["function"]["arguments"])
+                                   for c in m["tool_calls"])
             text = f"{m['content']}\n{blocks}" if m.get("content") else blocks
             out.append({"role": "assistant", "content": text})
         elif m["role"] == "tool":
@@ -197,7 +203,7 @@ def template_messages(messages: list[dict], tools: list[dict] | None, template_h
     for m in out:
         m.pop("_tool_turn", None)
     if tools:
-        text = tools_system_text(tools)
+        text = parser.instructions(tools) if parser is not None else tools_system_text(tools)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{text}"}
         else:
@@ -354,41 +360,50 @@ def _partial_suffix(text: str, token: str) -> int:
     return 0
 
 
-def openai_call(call: dict, index: int | None = None) -> dict:
-    """A parsed call as an OpenAI ``tool_calls`` entry (a new ``call_...`` id); with ``index``, as a streamed
-    ``delta.tool_calls`` entry."""
-    out = {"id": new_call_id(), "type": "function",
+def openai_call(call: dict, index: int | None = None, parser=None) -> dict:
+    """A parsed call as an OpenAI ``tool_calls`` entry (a new id: ``call_...``, or the form ``parser`` gives);
+    with ``index``, as a streamed ``delta.tool_calls`` entry."""
+    out = {"id": parser.new_call_id() if parser is not None else new_call_id(), "type": "function",
            "function": {"name": call["name"], "arguments": call["arguments"]}}
     return out if index is None else {"index": index, **out}
 
 
-def finished_choice(plan: ToolPlan, text: str, reason: str | None) -> tuple[str | None, list[dict], str | None]:
+def finished_choice(plan: ToolPlan, text: str, reason: str | None,
+                    parser=None) -> tuple[str | None, list[dict], str | None]:
     """A finished chat choice of a request with tools: ``(content, tool_calls, finish_reason)``. A named function's
     output is its arguments; otherwise the text is parsed for ``<tool_call>`` blocks. ``finish_reason`` becomes
     "tool_calls" when the answer ended normally ("stop") with at least one call. An answer cut by ``max_tokens``
     ("length") inside a block keeps "length" and returns the call it began with its partial arguments (as OpenAI
-    does), never the markup as content."""
+    does), never the markup as content. ``parser``: the api.formats tool-call parser (None: Hermes blocks)."""
     if plan.mode == "named":
         content, calls = None, [{"name": plan.function, "arguments": text}]
     else:
-        content, calls = parse_tool_calls(text, plan.parallel)
+        content, calls = parser.parse(text, plan.parallel) if parser else parse_tool_calls(text, plan.parallel)
         if reason == "length":
-            content, partial = _cut_call(content, plan.names)
-            if partial is not None and (plan.parallel or not calls):
-                calls.append(partial)
+            if parser is not None:
+                content, partial = parser.cut(content, plan.names)
+            else:
+                content, one = _cut_call(content, plan.names)
+                partial = [one] if one is not None else []
+            for call in partial:
+                if plan.parallel or not calls:
+                    calls.append(call)
     if calls and reason == "stop":
         reason = "tool_calls"
-    return content, [openai_call(c) for c in calls], reason
+    return content, [openai_call(c, None, parser) for c in calls], reason
 
 
 class ToolDeltas:
     """One streamed chat choice of a request with tools: text deltas in, ``(content, delta_tool_calls)`` pieces out,
     as OpenAI streams them (a named function: the first piece names it, later ones carry ``arguments`` pieces;
-    otherwise one piece per ``<tool_call>`` block, when it closes)."""
+    otherwise one piece per call, when it is complete). ``parser``: the api.formats tool-call parser (None: Hermes
+    ``<tool_call>`` blocks)."""
 
-    def __init__(self, plan: ToolPlan):
+    def __init__(self, plan: ToolPlan, parser=None):
         self.plan = plan
-        self.stream = None if plan.mode == "named" else ToolCallStream(plan.parallel)
+        self.parser = parser
+        self.stream = None if plan.mode == "named" else (parser.stream(plan.parallel) if parser
+                                                         else ToolCallStream(plan.parallel))
         self.calls = 0
 
     def push(self, text: str, final: bool | str | None) -> list[tuple[str | None, list[dict] | None]]:
@@ -397,7 +412,7 @@ class ToolDeltas:
         if self.stream is None:
             if self.calls == 0:
                 self.calls = 1
-                return [(None, [openai_call({"name": self.plan.function, "arguments": text}, 0)])]
+                return [(None, [openai_call({"name": self.plan.function, "arguments": text}, 0, self.parser)])]
             return [(None, [{"index": 0, "function": {"arguments": text}}])] if text else []
         events = self.stream.push(text) + (self.stream.finish(self.plan.names if final == "length" else None)
                                            if final else [])
@@ -406,7 +421,7 @@ class ToolDeltas:
             if kind == "content":
                 out.append((value, None))
             else:
-                out.append((None, [openai_call(value, self.calls)]))
+                out.append((None, [openai_call(value, self.calls, self.parser)]))
                 self.calls += 1
         return out
 

@@ -81,6 +81,12 @@ class EngineConfig:
     api_key_file: str = _setting("", "file of API keys, one per line ('#' starts a comment); added to api_key")
     chat_template: str = _setting("", "jinja2 chat template file replacing the model's own (e.g. one that "
                                       "renders 'tools'); empty = the model's template")
+    tool_call_parser: str = _setting("auto", "format of the model's tool calls in chat answers (api/formats.py); "
+                                     "auto = by the model's family (README)",
+                                     choices=("auto", "hermes", "llama3_json", "mistral"))
+    reasoning_parser: str = _setting("auto", "format of the model's reasoning, returned as reasoning_content "
+                                     "(api/formats.py); auto = by the model's family, none = no split",
+                                     choices=("auto", "none", "qwen3", "deepseek_r1"))
     device: str = _setting("cpu", "device of both actors", choices=("cpu", "cuda"))
     colocated: bool = _setting(False, "one decode actor also prefills (no prefill actor, no KV handoff); for "
                                       "comparing with disaggregation")

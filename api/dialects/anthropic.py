@@ -13,7 +13,8 @@ Honoured: ``system`` (string or text blocks), ``messages`` with text, ``tool_use
 ``tools`` (``input_schema``), ``tool_choice`` (auto / any / tool / none, ``disable_parallel_tool_use``),
 ``stop_sequences``, ``max_tokens`` (required), ``temperature``, ``top_p``, ``top_k``, ``stream``. Accepted and
 ignored: :data:`IGNORED_FIELDS`; ``thinking`` blocks of earlier turns are dropped, ``cache_control`` ignored.
-Usage follows Anthropic: ``input_tokens`` excludes the prompt tokens read from the prefix cache
+The served model's reasoning (api/formats.py) comes back as a ``thinking`` block first (``thinking_delta``
+while streaming; the signature is empty). Usage follows Anthropic: ``input_tokens`` excludes the prompt tokens read from the prefix cache
 (``cache_read_input_tokens``).
 """
 from __future__ import annotations
@@ -266,6 +267,8 @@ def _input(arguments: str) -> Any:
 def message_object(message_id: str, model: str, outcome, usage: dict) -> dict:
     """The Message of a finished sequence (api.dialects.events.Outcome)."""
     content: list[dict] = []
+    if outcome.reasoning:   # api/formats.py's reasoning as a thinking block (no signature: nothing to verify)
+        content.append({"type": "thinking", "thinking": outcome.reasoning, "signature": ""})
     if outcome.text or not outcome.calls:
         content.append({"type": "text", "text": outcome.text})
     for call in outcome.calls:
@@ -288,7 +291,7 @@ class MessageStream:
     def __init__(self, message_id: str, model: str):
         self.id, self.model = message_id, model
         self.index = -1
-        self.open: str | None = None   # "text" or "tool_use"
+        self.open: str | None = None   # "thinking", "text" or "tool_use"
 
     def start(self, usage: dict) -> list[bytes]:
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
@@ -310,7 +313,12 @@ class MessageStream:
     def event(self, event: tuple) -> list[bytes]:
         kind = event[0]
         frames: list[bytes] = []
-        if kind == "text":
+        if kind == "reasoning":
+            if self.open != "thinking":
+                frames += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            frames.append(_frame("content_block_delta", {"index": self.index,
+                                                         "delta": {"type": "thinking_delta", "thinking": event[1]}}))
+        elif kind == "text":
             if self.open != "text":
                 frames += self._start("text", {"type": "text", "text": ""})
             frames.append(_frame("content_block_delta", {"index": self.index,
@@ -331,7 +339,8 @@ class MessageStream:
 
     def finish(self, reason: str | None, stop_string: str | None, usage: dict) -> list[bytes]:
         """The closing frames; ``usage``: the final usage (message_delta carries all of it, as Anthropic's does)."""
-        frames = [] if self.index >= 0 else self._start("text", {"type": "text", "text": ""})
+        answered = self.index >= 0 and self.open != "thinking" or self.index > 0
+        frames = [] if answered else self._start("text", {"type": "text", "text": ""})
         frames += self._close()
         delta = {"stop_reason": stop_reason(reason, stop_string),
                  "stop_sequence": stop_string if reason == "stop" else None}

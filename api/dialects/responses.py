@@ -12,7 +12,9 @@ Honoured: ``input`` (a string, or items: messages with text parts, ``function_ca
 ``reasoning`` items are skipped), ``instructions`` (not carried to a later turn, as OpenAI), ``tools`` (type
 ``function``), ``tool_choice``, ``parallel_tool_calls``, ``text.format`` (text / json_object / json_schema),
 ``max_output_tokens``, ``temperature``, ``top_p``, ``stream``, ``store``, ``previous_response_id``, ``metadata``
-(echoed). Accepted and ignored: :data:`IGNORED_FIELDS`.
+(echoed). Accepted and ignored: :data:`IGNORED_FIELDS`. The served model's reasoning (api/formats.py) comes back as
+a ``reasoning`` output item first (summary text and ``reasoning_text`` content; ``response.reasoning_text.delta``
+while streaming).
 """
 from __future__ import annotations
 
@@ -237,6 +239,15 @@ def output_text(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    """The answer's reasoning (api/formats.py) as a ``reasoning`` output item: its text as the summary and as
+    ``reasoning_text`` content (vLLM's form for open-weight models)."""
+    done = status != "in_progress"
+    return {"id": item_id, "type": "reasoning", "status": status,
+            "summary": [{"type": "summary_text", "text": text}] if done else [],
+            "content": [{"type": "reasoning_text", "text": text}] if done else []}
+
+
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
     return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
@@ -273,7 +284,7 @@ def status_of(reason: str | None) -> str:
 
 def response_object(meta: ResponseMeta, outcome, usage: dict) -> dict:
     """The Response of a finished sequence (api.dialects.events.Outcome)."""
-    output = []
+    output = [reasoning_item(new_id("rs"), outcome.reasoning)] if outcome.reasoning else []
     if outcome.text or not outcome.calls:
         output.append(message_item(new_id("msg"), outcome.text, status_of(outcome.reason)))
     for call in outcome.calls:
@@ -321,7 +332,11 @@ class ResponseStream:
         if item is None:
             return []
         index = len(self.output)
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            done = reasoning_item(item["id"], self.text)
+            frames = [self._frame("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=self.text)]
+        elif item["type"] == "message":
             part = output_text(self.text)
             done = message_item(item["id"], self.text, status)
             frames = [self._frame("response.output_text.done", item_id=item["id"], output_index=index,
@@ -339,7 +354,16 @@ class ResponseStream:
         kind = event[0]
         index = len(self.output)
         frames: list[bytes] = []
-        if kind == "text":
+        if kind == "reasoning":
+            if self.open is None or self.open["type"] != "reasoning":
+                frames += self._close()
+                index = len(self.output)
+                self.open, self.text = reasoning_item(new_id("rs"), "", "in_progress"), ""
+                frames.append(self._frame("response.output_item.added", output_index=index, item=self.open))
+            self.text += event[1]
+            frames.append(self._frame("response.reasoning_text.delta", item_id=self.open["id"], output_index=index,
+                                      content_index=0, delta=event[1]))
+        elif kind == "text":
             if self.open is None or self.open["type"] != "message":
                 frames += self._close()
                 index = len(self.output)
@@ -369,13 +393,15 @@ class ResponseStream:
 
     def finish(self, reason: str | None, usage: dict) -> tuple[list[bytes], dict]:
         """The closing frames and the final Response object (to store)."""
-        if not self.output and self.open is None:   # an empty answer is still one (empty) message
+        frames: list[bytes] = []
+        if self.open is not None and self.open["type"] == "reasoning":
+            frames += self._close()
+        if self.open is None and all(i["type"] == "reasoning" for i in self.output):   # no answer: an empty message
+            index = len(self.output)
             self.open, self.text = message_item(new_id("msg"), "", "in_progress"), ""
-            frames = [self._frame("response.output_item.added", output_index=0, item=self.open),
-                      self._frame("response.content_part.added", item_id=self.open["id"], output_index=0,
-                                  content_index=0, part=output_text(""))]
-        else:
-            frames = []
+            frames += [self._frame("response.output_item.added", output_index=index, item=self.open),
+                       self._frame("response.content_part.added", item_id=self.open["id"], output_index=index,
+                                   content_index=0, part=output_text(""))]
         frames += self._close(status_of(reason))
         response = self.meta.response(status_of(reason), self.output, usage, reason)
         kind = "response.incomplete" if reason == "length" else "response.completed"

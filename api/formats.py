@@ -1,0 +1,591 @@
+"""Output formats per model family: the tool-call parser and the reasoning parser a chat answer goes through.
+
+=====================  ==========================================================================================
+name                   what the model writes
+=====================  ==========================================================================================
+tool ``hermes``        ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks (Qwen2.5/Qwen3,
+                       Hermes; api/tools.py, also what the fallback tools prompt teaches a template without tools)
+tool ``llama3_json``   the whole message is ``{"name": ..., "parameters": {...}}`` (Llama 3.1-3.3's template),
+                       optionally after ``<|python_tag|>``; several calls separated by ``;``
+tool ``mistral``       ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after any content (Mistral v3
+                       tokenizer); the v11 form ``[TOOL_CALLS]name[ARGS]{...}`` is read as well
+reasoning ``qwen3``    ``<think>...</think>`` at the start of the answer (or opened by the prompt's end, as Qwen3's
+                       thinking templates do); an answer that does not start in it has no reasoning
+reasoning             the answer starts inside the reasoning (DeepSeek-R1's template opens ``<think>`` in the
+``deepseek_r1``        prompt); everything before ``</think>`` is reasoning, all of it when none comes
+=====================  ==========================================================================================
+
+The choice (:func:`choose`): ``--tool-call-parser`` / ``--reasoning-parser`` when given, else by the model's family
+(:data:`FAMILY_DEFAULTS`), unless the chat template says otherwise: one that does not render ``tools`` gets
+``hermes`` (the format the fallback prompt describes), one that writes a format's marker (:data:`TEMPLATE_MARKERS`)
+gets that format's parser. Reasoning is split before tool calls: the content after ``</think>`` goes to the tool parser.
+A request that turns thinking off (``chat_template_kwargs: {"enable_thinking": false}``) or whose output a grammar
+constrains from its first token (``response_format``, forced tool calls) has no reasoning split off.
+
+Streams hold back text that may be the start of a marker (``<tool_call>``, ``[TOOL_CALLS]``, ``</think>``), so a
+marker split across deltas never leaks into the content; a call cut by ``max_tokens`` comes back as a call with
+the arguments written so far, whatever the parser. Entry points: :func:`formats_for` (API start-up),
+:class:`OutputFormats` (per request, api/protocol.py), :class:`ChatDeltas` (a streamed choice: api/app.py,
+api/dialects/events.py) and :func:`finish_choice` (a whole one). Plain synchronous code, no I/O.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass
+from typing import Any
+
+from api import tools as hermes
+
+__all__ = ["FAMILY_DEFAULTS", "REASONING_PARSERS", "TOOL_PARSERS", "OutputFormats", "ReasoningStream", "choose",
+           "split_reasoning", "tool_parser"]
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+PYTHON_TAG = "<|python_tag|>"
+MISTRAL_CALLS = "[TOOL_CALLS]"
+MISTRAL_ARGS = "[ARGS]"
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# the marker a chat template writes -> the parser of that format (Qwen2.5/Hermes, Mistral v3+, Llama 3.1+)
+TEMPLATE_MARKERS = (("<tool_call>", "hermes"), (MISTRAL_CALLS, "mistral"), (PYTHON_TAG, "llama3_json"))
+
+# family (gpu/families.py) -> (tool-call parser, reasoning parser or None), as vLLM's recipes pick them
+FAMILY_DEFAULTS: dict[str, tuple[str, str | None]] = {
+    "llama": ("llama3_json", None), "mistral": ("mistral", None), "qwen2": ("hermes", None),
+    "qwen3": ("hermes", "qwen3"), "qwen3_moe": ("hermes", "qwen3"), "phi3": ("hermes", None),
+    "gemma2": ("hermes", None), "gemma3": ("hermes", None)}
+
+
+@dataclass(frozen=True)
+class OutputFormats:
+    """The parsers of one chat request. ``tool_parser``: a :data:`TOOL_PARSERS` name. ``reasoning``: a
+    :data:`REASONING_PARSERS` name or None (no split). ``opened``: the prompt ends inside ``<think>``, so the answer
+    starts in the reasoning."""
+
+    tool_parser: str = "hermes"
+    reasoning: str | None = None
+    opened: bool = False
+
+
+def choose(family: str, template: str | None, tool_flag: str = "auto",
+           reasoning_flag: str = "auto") -> tuple[str, str | None]:
+    """``(tool parser, reasoning parser or None)`` for a model of ``family`` whose chat template is ``template``.
+    ``tool_flag`` / ``reasoning_flag``: the config's ``tool_call_parser`` / ``reasoning_parser`` ("auto": by
+    family; "none" for reasoning: no split). Raises ValueError naming the choices for an unknown name."""
+    tool, reasoning = FAMILY_DEFAULTS.get(family, ("hermes", None))
+    text = template or ""
+    if "tools" not in text:
+        tool = "hermes"   # the fallback tools prompt (api/tools.py) teaches the Hermes format
+    else:   # a template that writes one format's marker asks for that format, whatever the weights' family
+        tool = next((name for marker, name in TEMPLATE_MARKERS if marker in text), tool)
+    if reasoning is None and THINK_CLOSE in (template or ""):
+        reasoning = "deepseek_r1"   # a template that writes </think> (DeepSeek-R1 distills of Qwen2.5 / Llama)
+    if tool_flag != "auto":
+        if tool_flag not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool-call parser {tool_flag!r}; choose from auto, {', '.join(TOOL_PARSERS)}")
+        tool = tool_flag
+    if reasoning_flag != "auto":
+        if reasoning_flag not in REASONING_PARSERS + ("none",):
+            raise ValueError(f"unknown reasoning parser {reasoning_flag!r}; choose from auto, none, "
+                             f"{', '.join(REASONING_PARSERS)}")
+        reasoning = None if reasoning_flag == "none" else reasoning_flag
+    return tool, reasoning
+
+
+def prompt_opens_reasoning(prompt_text: str) -> bool:
+    """True when the rendered prompt ends inside a ``<think>`` block (the template opened it)."""
+    text = prompt_text.rstrip()
+    return text.endswith(THINK_OPEN)
+
+
+def _suffix(text: str, token: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``token``."""
+    for n in range(min(len(token) - 1, len(text)), 0, -1):
+        if text.endswith(token[:n]):
+            return n
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- reasoning
+
+
+class ReasoningStream:
+    """Splits answer text deltas into reasoning and content. ``push(text)`` / ``finish()`` return events
+    ``("reasoning", text)`` or ``("content", text)``; whitespace between ``</think>`` and the content is dropped.
+
+    ``parser``: "qwen3" or "deepseek_r1"; ``opened``: the prompt opened ``<think>`` (deepseek_r1 always starts
+    inside the reasoning)."""
+
+    def __init__(self, parser: str, opened: bool = False):
+        self.parser = parser
+        self.state = "start"
+        self.opened = opened or parser == "deepseek_r1"
+        self.buffer = ""
+        self.content_started = False
+
+    def _emit_content(self, text: str, events: list) -> None:
+        if not self.content_started:
+            text = text.lstrip()
+        if text:
+            self.content_started = True
+            events.append(("content", text))
+
+    def push(self, text: str) -> list[tuple[str, str]]:
+        self.buffer += text
+        events: list[tuple[str, str]] = []
+        if self.state == "start":
+            head = self.buffer.lstrip()
+            if head.startswith(THINK_OPEN):
+                self.buffer, self.state = head[len(THINK_OPEN):], "reasoning"
+            elif THINK_OPEN.startswith(head):
+                return events   # maybe the start of <think>: wait
+            else:
+                self.state = "reasoning" if self.opened else "content"
+        if self.state == "reasoning":
+            end = self.buffer.find(THINK_CLOSE)
+            if end < 0:
+                keep = _suffix(self.buffer, THINK_CLOSE)
+                piece, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                if piece:
+                    events.append(("reasoning", piece))
+                return events
+            if end:
+                events.append(("reasoning", self.buffer[:end]))
+            self.buffer, self.state = self.buffer[end + len(THINK_CLOSE):], "content"
+        if self.state == "content":
+            piece, self.buffer = self.buffer, ""
+            self._emit_content(piece, events)
+        return events
+
+    def finish(self) -> list[tuple[str, str]]:
+        """The held text: content, or reasoning when the answer ended inside it (cut by ``max_tokens``)."""
+        rest, self.buffer = self.buffer, ""
+        events: list[tuple[str, str]] = []
+        if self.state == "start" and self.opened:
+            self.state = "reasoning"
+        if self.state == "reasoning":
+            if rest:
+                events.append(("reasoning", rest))
+        else:
+            self._emit_content(rest, events)
+        return events
+
+
+def split_reasoning(parser: str, text: str, opened: bool = False) -> tuple[str | None, str]:
+    """A finished answer as ``(reasoning or None, content)``, exactly as :class:`ReasoningStream` streams it
+    (reasoning stripped; None when there was none)."""
+    stream = ReasoningStream(parser, opened)
+    events = stream.push(text) + stream.finish()
+    reasoning = "".join(t for k, t in events if k == "reasoning").strip()
+    content = "".join(t for k, t in events if k == "content")
+    seen = any(k == "reasoning" for k, _ in events) or stream.state != "content" or THINK_CLOSE in text
+    return (reasoning if seen and reasoning else None), content
+
+
+# --------------------------------------------------------------------------------------------- tool-call parsers
+
+
+class ToolParser:
+    """One tool-call format. ``parse(text, parallel) -> (content or None, [{"name", "arguments"}])`` (arguments:
+    JSON text); ``stream(parallel)``: an object with ``push(text)`` and ``finish(names=None)`` returning events
+    ``("content", text)`` / ``("call", {"name", "arguments"})``; ``required_grammar(tools, parallel)``: the Lark
+    grammar (llguidance) of ``tool_choice: "required"`` in this format; ``instructions(tools)``: the system text that
+    teaches the format to a model whose template does not render tools; ``render_calls(calls)``: an assistant's
+    earlier calls (``{"name", "arguments"}``) as the model writes them."""
+
+    name = ""
+
+    def parse(self, text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
+        stream = self.stream(parallel)
+        return _collect(stream.push(text) + stream.finish())
+
+    def stream(self, parallel: bool = True):
+        raise NotImplementedError
+
+    def cut(self, content: str | None, names: tuple[str, ...]) -> tuple[str | None, list[dict]]:
+        """An answer cut by ``max_tokens`` (``content``: what :meth:`parse` left as content): the content without
+        the unclosed calls at its end, and those calls, the last with the arguments written so far
+        (:func:`api.tools.partial_call`); ``(content, [])`` when there are none."""
+        stream = self.stream(True)
+        return _collect(stream.push(content or "") + stream.finish(names))
+
+    def required_grammar(self, tools: list[dict], parallel: bool) -> str:
+        raise NotImplementedError
+
+    def instructions(self, tools: list[dict]) -> str:
+        raise NotImplementedError
+
+    def render_calls(self, calls: list[dict]) -> str:
+        raise NotImplementedError
+
+    def new_call_id(self) -> str:
+        """The id of a new call (OpenAI's ``call_...`` form)."""
+        return hermes.new_call_id()
+
+
+def _collect(events: list) -> tuple[str | None, list[dict]]:
+    content = "".join(v for k, v in events if k == "content").strip()
+    return content or None, [v for k, v in events if k == "call"]
+
+
+def _call_schema(tools: list[dict], arguments_key: str) -> str:
+    """The JSON schema (llguidance %json) of one call ``{"name": const, <arguments_key>: parameters}``."""
+    variants = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
+                 "properties": {"name": {"const": t["function"]["name"]},
+                                arguments_key: hermes.parameters_schema(tools, t["function"]["name"])}}
+                for t in tools]
+    schema = {"anyOf": variants} if len(variants) > 1 else dict(variants[0])
+    schema["x-guidance"] = {"whitespace_flexible": False}
+    return json.dumps(schema)
+
+
+def _as_call(obj: Any) -> dict | None:
+    """``{"name", "arguments"}`` of a decoded call object (``arguments`` or Llama's ``parameters``), or None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}
+
+
+def _tools_lines(tools: list[dict]) -> str:
+    return "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+
+
+class HermesParser(ToolParser):
+    """``<tool_call>`` blocks: api/tools.py's parser (partial calls cut by ``max_tokens`` included)."""
+
+    name = "hermes"
+
+    def parse(self, text, parallel=True):
+        return hermes.parse_tool_calls(text, parallel)
+
+    def stream(self, parallel=True):
+        return hermes.ToolCallStream(parallel)
+
+    def cut(self, content, names):
+        content, call = hermes._cut_call(content, names)
+        return content, [call] if call is not None else []
+
+    def required_grammar(self, tools, parallel):
+        return hermes.required_call_grammar(tools, parallel)
+
+    def instructions(self, tools):
+        return hermes.tools_system_text(tools)
+
+    def render_calls(self, calls):
+        return "\n".join(hermes.call_block(c["name"], c["arguments"]) for c in calls)
+
+
+class _WholeMessageStream:
+    """Llama 3.x: an answer that starts with ``{`` (or ``<|python_tag|>``) is held whole and parsed at the end as
+    calls separated by ``;``; any other answer streams as content at once."""
+
+    def __init__(self, parallel: bool):
+        self.parallel = parallel
+        self.buffer = ""
+        self.mode = "start"   # "start" (deciding), "content", "calls" (held to the end)
+
+    def push(self, text: str) -> list[tuple[str, Any]]:
+        if self.mode == "content":
+            return [("content", text)] if text else []
+        self.buffer += text
+        if self.mode == "start":
+            head = self.buffer.lstrip()
+            if not head or (PYTHON_TAG.startswith(head) and len(head) < len(PYTHON_TAG)):
+                return []
+            self.mode = "calls" if head.startswith(("{", PYTHON_TAG)) else "content"
+            if self.mode == "content":
+                out, self.buffer = head, ""
+                return [("content", out)]
+        return []
+
+    def finish(self, names: tuple[str, ...] | None = None) -> list[tuple[str, Any]]:
+        """The held answer; with ``names`` (cut by ``max_tokens``) an unclosed last call is the partial call it
+        began."""
+        text, self.buffer = self.buffer, ""
+        if self.mode == "content":
+            return [("content", text)] if text else []
+        calls = _llama_calls(text.strip())
+        if calls is None and names is not None:
+            calls = _cut_calls(text.strip().removeprefix(PYTHON_TAG), ";", names)
+        if calls is None:
+            text = text.strip()
+            return [("content", text)] if text else []
+        return [("call", c) for c in (calls if self.parallel else calls[:1])]
+
+
+def _llama_calls(text: str) -> list[dict] | None:
+    """The calls of a whole Llama 3.x answer (``<|python_tag|>`` optional, objects separated by ``;``), or None
+    when any part is not a call."""
+    if text.startswith(PYTHON_TAG):
+        text = text[len(PYTHON_TAG):]
+    decoder = json.JSONDecoder()
+    calls, pos = [], 0
+    while True:
+        while pos < len(text) and (text[pos].isspace() or text[pos] == ";"):
+            pos += 1
+        if pos == len(text):
+            return calls or None
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return None
+        call = _as_call(obj)
+        if call is None or not ("parameters" in obj or "arguments" in obj):
+            return None
+        calls.append(call)
+
+
+def _cut_calls(text: str, separator: str, names: tuple[str, ...]) -> list[dict] | None:
+    """The calls of a list cut by ``max_tokens``: the complete ones (JSON objects separated by ``separator``) and
+    the partial call the last began (:func:`api.tools.partial_call`), or None when that one names no function."""
+    decoder = json.JSONDecoder()
+    calls, pos = [], 0
+    while True:
+        while pos < len(text) and (text[pos].isspace() or text[pos] == separator):
+            pos += 1
+        if pos == len(text):
+            return calls or None
+        try:
+            obj, end = decoder.raw_decode(text, pos)
+        except ValueError:
+            break
+        call = _as_call(obj)
+        if call is None:
+            return None
+        calls.append(call)
+        pos = end
+    partial = hermes.partial_call(text[pos:], names)
+    return calls + [partial] if partial is not None else None
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+
+    def stream(self, parallel=True):
+        return _WholeMessageStream(parallel)
+
+    def required_grammar(self, tools, parallel):
+        repeat = ' ("; " call)*' if parallel else ""
+        return f"start: call{repeat}\ncall: %json {_call_schema(tools, 'parameters')}\n"
+
+    def instructions(self, tools):
+        return ("# Tools\n\nYou have access to the following functions:\n\n" + _tools_lines(tools) +
+                "\n\nTo call a function, respond with only a JSON object of the form "
+                '{"name": function name, "parameters": dictionary of argument name and its value}. '
+                "Do not use variables.")
+
+    def render_calls(self, calls):
+        return "; ".join(json.dumps({"name": c["name"], "parameters": _loads_or_text(c["arguments"])},
+                                    ensure_ascii=False) for c in calls)
+
+
+def _loads_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class _MarkerStream:
+    """Mistral: content streams until ``[TOOL_CALLS]`` (a tail that may start it is held); after it the calls are
+    held until they parse (a JSON list, or v11's ``name[ARGS]{...}``), then go out as calls and content resumes.
+    Text after the marker that never parses goes out as content at the end, marker included. An answer that starts
+    with a list of calls without the marker is read as calls too: ``[TOOL_CALLS]`` is a control token of Mistral's
+    tokenizer, which detokenization drops with the other special tokens."""
+
+    def __init__(self, parallel: bool):
+        self.parallel = parallel
+        self.buffer = ""
+        self.inside = False   # after a [TOOL_CALLS] whose calls have not parsed yet
+        self.mark = 0         # characters of the marker at the buffer's start while inside (0: it was dropped)
+        self.calls = 0
+        self.sent = False
+
+    def _content(self, text: str, events: list) -> None:
+        if not self.sent:
+            text = text.lstrip()
+        if text:
+            self.sent = True
+            events.append(("content", text))
+
+    def _call(self, call: dict, events: list) -> None:
+        if self.parallel or self.calls == 0:
+            self.calls += 1
+            events.append(("call", call))
+
+    def push(self, text: str) -> list[tuple[str, Any]]:
+        self.buffer += text
+        events: list[tuple[str, Any]] = []
+        while True:
+            if not self.inside and not self.sent and not self.calls and self.buffer.lstrip().startswith("[{"):
+                self.buffer, self.inside, self.mark = self.buffer.lstrip(), True, 0
+            if not self.inside:
+                start = self.buffer.find(MISTRAL_CALLS)
+                if start < 0:
+                    keep = _suffix(self.buffer, MISTRAL_CALLS)
+                    head = self.buffer[:len(self.buffer) - keep]
+                    cut = len(head.rstrip())
+                    self._content(head[:cut], events)
+                    self.buffer = self.buffer[cut:]
+                    return events
+                self._content(self.buffer[:start].rstrip(), events)
+                self.buffer, self.inside, self.mark = self.buffer[start:], True, len(MISTRAL_CALLS)
+            parsed = _mistral_calls(self.buffer[self.mark:])
+            if parsed is None:
+                return events
+            calls, used = parsed
+            for call in calls:
+                self._call(call, events)
+            self.buffer, self.inside = self.buffer[self.mark + used:].lstrip(), False
+
+    def finish(self, names: tuple[str, ...] | None = None) -> list[tuple[str, Any]]:
+        """The held text, as content; with ``names`` (cut by ``max_tokens``) unclosed calls after the marker are the
+        calls they began, the last with its partial arguments."""
+        rest, self.buffer = self.buffer.rstrip(), ""
+        events: list[tuple[str, Any]] = []
+        if self.inside and names is not None:
+            after = rest[self.mark:].lstrip()
+            calls = _cut_calls(after[1:] if after.startswith("[") else after, ",", names)
+            if calls is not None:
+                for call in calls:
+                    self._call(call, events)
+                rest = ""
+        self.inside = False
+        self._content(rest, events)
+        return events
+
+
+_V11_NAME = re.compile(r"\s*([a-zA-Z0-9_-]{1,64})" + re.escape(MISTRAL_ARGS))
+
+
+def _mistral_calls(text: str) -> tuple[list[dict], int] | None:
+    """The calls after a ``[TOOL_CALLS]`` and the characters they take, or None (incomplete or not calls)."""
+    decoder = json.JSONDecoder()
+    lead = len(text) - len(text.lstrip())
+    if text[lead:lead + 1] == "[":
+        try:
+            obj, end = decoder.raw_decode(text, lead)
+        except ValueError:
+            return None
+        calls = [_as_call(o) for o in obj] if isinstance(obj, list) else [None]
+        return (calls, end) if calls and None not in calls else None
+    match = _V11_NAME.match(text)
+    if match is None:
+        return None
+    try:
+        args, end = decoder.raw_decode(text, match.end())
+    except ValueError:
+        return None
+    if not isinstance(args, dict):
+        return None
+    return [{"name": match.group(1), "arguments": json.dumps(args, ensure_ascii=False)}], end
+
+
+class MistralParser(ToolParser):
+    name = "mistral"
+
+    def stream(self, parallel=True):
+        return _MarkerStream(parallel)
+
+    def required_grammar(self, tools, parallel):
+        repeat = ' (", " call)*' if parallel else ""
+        return (f'start: "{MISTRAL_CALLS}[" call{repeat} "]"\n'
+                f"call: %json {_call_schema(tools, 'arguments')}\n")
+
+    def instructions(self, tools):
+        return ("# Tools\n\nYou can call these functions:\n" + _tools_lines(tools) +
+                f"\n\nTo call functions, write {MISTRAL_CALLS} followed by a JSON list of "
+                '{"name": function name, "arguments": arguments object} entries.')
+
+    def new_call_id(self):
+        """9 letters and digits: Mistral's templates refuse any other tool-call id in the history."""
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+    def render_calls(self, calls):
+        return MISTRAL_CALLS + json.dumps([{"name": c["name"], "arguments": _loads_or_text(c["arguments"])}
+                                           for c in calls], ensure_ascii=False)
+
+
+TOOL_PARSERS: dict[str, ToolParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser())}
+
+
+def tool_parser(name: str) -> ToolParser:
+    """The parser called ``name``. Raises KeyError naming the choices."""
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        raise KeyError(f"unknown tool-call parser {name!r}; choose from {', '.join(TOOL_PARSERS)}") from None
+
+
+# ------------------------------------------------------------------------------------------- one chat choice
+
+
+def request_formats(req) -> OutputFormats | None:
+    """The parsers of a GenerationRequest (api/protocol.py): None when its text goes out untouched (a completion,
+    or a chat with neither tools nor reasoning)."""
+    formats = getattr(req, "formats", None)
+    if req.kind != "chat" or (req.tools is None and (formats is None or formats.reasoning is None)):
+        return None
+    return formats or OutputFormats()
+
+
+class ChatDeltas:
+    """One streamed chat choice: text deltas in, ``(content, delta_tool_calls, reasoning)`` pieces out (as vLLM
+    streams ``delta.reasoning_content``, then ``delta.content`` / ``delta.tool_calls`` from the text after
+    ``</think>``)."""
+
+    def __init__(self, formats: OutputFormats, plan):
+        self.reasoning = ReasoningStream(formats.reasoning, formats.opened) if formats.reasoning else None
+        self.tools = hermes.ToolDeltas(plan, tool_parser(formats.tool_parser)) if plan is not None else None
+
+    def push(self, text: str, final: bool | str | None) -> list[tuple[str | None, list[dict] | None, str | None]]:
+        """``final``: the choice's finish reason when this is its last text (falsy before)."""
+        if self.reasoning is None:
+            events = [("content", text)]
+        else:
+            events = self.reasoning.push(text) + (self.reasoning.finish() if final else [])
+        out: list[tuple[str | None, list[dict] | None, str | None]] = []
+        for kind, piece in events:
+            if kind == "reasoning":
+                out.append((None, None, piece))
+            elif self.tools is None:
+                out.append((piece, None, None))
+            else:
+                out += [(c, calls, None) for c, calls in self.tools.push(piece, None)]
+        if final and self.tools is not None:
+            out += [(c, calls, None) for c, calls in self.tools.push("", final)]
+        return out
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return self.tools.finish_reason(reason) if self.tools is not None else reason
+
+
+def finish_choice(formats: OutputFormats, plan, choice) -> None:
+    """Parse a finished chat choice (api.protocol.ChoiceResult) in place: ``reasoning`` split off, then ``text``,
+    ``tool_calls`` and ``finish_reason`` from the tool-call parser (api.tools.finished_choice)."""
+    text = choice.text or ""
+    if formats.reasoning:
+        choice.reasoning, text = split_reasoning(formats.reasoning, text, formats.opened)
+    if plan is not None:
+        choice.text, choice.tool_calls, choice.finish_reason = hermes.finished_choice(
+            plan, text, choice.finish_reason, tool_parser(formats.tool_parser))
+    else:
+        choice.text = text
+    if choice.reasoning and not choice.text:
+        choice.text = None   # all reasoning: no content (as vLLM)
+
+
+def formats_for(layout, tokenizer) -> tuple[str, str | None]:
+    """The parsers of the served model (actors.base.EngineLayout: its family and config's ``tool_call_parser`` /
+    ``reasoning_parser``; the tokenizer's chat template), logged once at start-up."""
+    import logging
+
+    config = layout.config
+    tool, reasoning = choose(layout.shape.family, getattr(tokenizer, "chat_template", None),
+                             config.tool_call_parser, config.reasoning_parser)
+    logging.getLogger(__name__).info("chat output: tool-call parser %s, reasoning parser %s (family %s)", tool,
+                                     reasoning or "none", layout.shape.family)
+    return tool, reasoning

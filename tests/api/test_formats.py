@@ -1,0 +1,444 @@
+"""Tool-call and reasoning parsers per family (api/formats.py) on the formats the families' chat templates write,
+complete and streamed with awkward chunk boundaries, and their choice by family and flags."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from api.formats import (FAMILY_DEFAULTS, TOOL_PARSERS, ChatDeltas, OutputFormats, ReasoningStream, choose,
+                         finish_choice, prompt_opens_reasoning, split_reasoning, tool_parser)
+from api.protocol import ChoiceResult
+from api.tools import ToolPlan, parse_tools
+from gpu.families import FAMILIES
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+
+# what each family's model writes, as its chat template renders an assistant's tool calls (and the model cards show)
+QWEN = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+LLAMA_TAGGED = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; ' \
+               '{"name": "get_time", "parameters": {"zone": "CET"}}'
+MISTRAL = ('Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+           '{"name": "get_time", "arguments": {"zone": "CET"}}]')
+MISTRAL_V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+# the same calls as detokenization writes them: [TOOL_CALLS] is a control token, dropped with the special tokens
+MISTRAL_DROPPED = ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+PARIS = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+CET = {"name": "get_time", "arguments": '{"zone": "CET"}'}
+
+
+def chunkings(text: str, seed: int = 0):
+    """The text one character at a time, in random pieces, and whole."""
+    rng = random.Random(seed)
+    yield list(text)
+    for _ in range(20):
+        pieces, pos = [], 0
+        while pos < len(text):
+            n = rng.randint(1, 7)
+            pieces.append(text[pos:pos + n])
+            pos += n
+        yield pieces
+    yield [text]
+
+
+def streamed(parser: str, pieces: list[str], parallel: bool = True):
+    stream = tool_parser(parser).stream(parallel)
+    events = [e for p in pieces for e in stream.push(p)] + stream.finish()
+    content = "".join(v for k, v in events if k == "content").strip() or None
+    return content, [v for k, v in events if k == "call"], events
+
+
+@pytest.mark.parametrize("parser, text, content, calls", [
+    ("hermes", QWEN, "Let me check.", [PARIS, CET]),
+    ("llama3_json", LLAMA, None, [PARIS]),
+    ("llama3_json", LLAMA_TAGGED, None, [PARIS, CET]),
+    ("mistral", MISTRAL, "Let me check.", [PARIS, CET]),
+    ("mistral", MISTRAL_V11, None, [PARIS]),
+    ("mistral", MISTRAL_DROPPED, None, [PARIS]),
+])
+def test_family_formats_complete_and_streamed(parser, text, content, calls):
+    assert tool_parser(parser).parse(text) == (content, calls)
+    for pieces in chunkings(text):
+        got_content, got_calls, events = streamed(parser, pieces)
+        assert (got_content, got_calls) == (content, calls), pieces
+        for kind, value in events:   # no piece of a marker ever leaks into the content
+            assert kind != "content" or not any(m in value for m in ("<tool_call", "[TOOL_CALLS", "<|python"))
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\n</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par'),
+    ("llama3_json", '{"answer": 42}'),   # JSON that is not a call
+    ("llama3_json", '{"name": "Paris", "population": 2100000}'),   # an answer about a name, not a call
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Par'),
+    ("mistral", '[TOOL_CALLS] [{"nom": "get_weather"}]'),
+    ("mistral", '[{"nom": "get_weather"}] is a list'),
+    ("mistral", 'See [1] and [{"name": "x", "arguments": {}}]'),   # a list after content needs the marker
+])
+def test_malformed_calls_are_content(parser, text):
+    content, calls = tool_parser(parser).parse(text)
+    assert calls == [] and content == text.strip()
+    for pieces in chunkings(text):
+        assert streamed(parser, pieces)[:2] == (text.strip(), [])
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_plain_answers_stream_at_once(parser):
+    stream = tool_parser(parser).stream(True)
+    first = stream.push("The weather in Paris ")
+    assert "".join(v for _, v in first).rstrip() == "The weather in Paris"
+    rest = stream.push("is mild.") + stream.finish()
+    assert "".join(v for _, v in first + rest) == "The weather in Paris is mild."
+
+
+def test_llama_answer_not_starting_with_a_call_streams_as_content():
+    stream = tool_parser("llama3_json").stream(True)
+    assert stream.push("  ") == []
+    assert stream.push("<|py") == []   # could be <|python_tag|>
+    assert stream.push("thon is a language") == [("content", "<|python is a language")]
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_parallel_false_keeps_the_first_call(parser):
+    text = {"hermes": QWEN, "llama3_json": LLAMA_TAGGED, "mistral": MISTRAL}[parser]
+    assert tool_parser(parser).parse(text, parallel=False)[1] == [PARIS]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from gpu.tokenizer import Tokenizer
+
+    return Tokenizer.load(None)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    from gpu.grammar import GrammarCompiler
+
+    return GrammarCompiler(tokenizer=tokenizer)
+
+
+REQUIRED_SAMPLES = {
+    "hermes": '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>\n'
+              '<tool_call>\n{"name":"get_time","arguments":{"zone":"CET"}}\n</tool_call>',
+    "llama3_json": '{"name":"get_weather","parameters":{"city":"Paris"}}; {"name":"get_time","parameters":{"zone":"CET"}}',
+    "mistral": '[TOOL_CALLS][{"name":"get_weather","arguments":{"city":"Paris"}}, '
+               '{"name":"get_time","arguments":{"zone":"CET"}}]'}
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_required_grammar_output_is_read_by_its_parser(parser, tokenizer, compiler):
+    """tool_choice "required" with each parser: the request's grammar (api/protocol.py) accepts calls in that
+    parser's format, exactly, and the parser reads them back."""
+    from api.protocol import RequestParser
+
+    parse = RequestParser(tokenizer, "m", 2048, reserve_tokens=16, grammars=compiler, formats=(parser, None))
+    gen = parse.chat({"messages": [{"role": "user", "content": "Weather and time in Paris?"}],
+                      "tools": [WEATHER, TIME], "tool_choice": "required"})
+    assert gen.formats.tool_parser == parser
+    sample = REQUIRED_SAMPLES[parser]
+    matcher = compiler.matcher(gen.sampling.grammar)
+    for token in tokenizer.encode(sample):
+        assert matcher.accept(token), (parser, tokenizer.decode([token]))
+    assert matcher.accept(min(compiler.eos_ids))   # the answer may end here
+    content, calls = tool_parser(parser).parse(sample)
+    assert content is None
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                      ("get_time", {"zone": "CET"})]
+    other = REQUIRED_SAMPLES["hermes" if parser != "hermes" else "mistral"]
+    wrong = compiler.matcher(gen.sampling.grammar)
+    assert not all(wrong.accept(t) for t in tokenizer.encode(other)[:3])   # another format is refused
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_history_and_instructions_round_trip(parser):
+    """An assistant's earlier calls are written in the parser's own format (a template without tools), and the
+    parser reads them back; the instructions name every tool."""
+    p = tool_parser(parser)
+    assert p.parse(p.render_calls([PARIS, CET]))[1] == [PARIS, CET]
+    text = p.instructions([WEATHER, TIME])
+    assert "get_weather" in text and "get_time" in text
+
+
+# ---------------------------------------------------------------------------------------------------- reasoning
+
+QWEN3_THINKING = "<think>\nThe user wants the weather in Paris.\n</think>\n\nIt is sunny in Paris."
+R1 = "Okay, 2 + 2 is 4.\n</think>\n\nThe answer is 4."   # DeepSeek-R1's template opened <think> in the prompt
+
+
+def reasoning_streamed(parser: str, pieces: list[str], opened: bool = False):
+    stream = ReasoningStream(parser, opened)
+    events = [e for p in pieces for e in stream.push(p)] + stream.finish()
+    reasoning = "".join(v for k, v in events if k == "reasoning").strip() or None
+    return reasoning, "".join(v for k, v in events if k == "content"), events
+
+
+@pytest.mark.parametrize("parser, text, opened, reasoning, content", [
+    ("qwen3", QWEN3_THINKING, False, "The user wants the weather in Paris.", "It is sunny in Paris."),
+    ("qwen3", "It is sunny.", False, None, "It is sunny."),   # thinking off: no <think> block at all
+    ("qwen3", "It is sunny. </think> stays", False, None, "It is sunny. </think> stays"),
+    ("qwen3", "Hmm, sunny.\n</think>\n\nSunny.", True, "Hmm, sunny.", "Sunny."),   # the prompt opened <think>
+    ("qwen3", "<think>\nStill thinking when cut", False, "Still thinking when cut", ""),
+    ("deepseek_r1", R1, False, "Okay, 2 + 2 is 4.", "The answer is 4."),
+    ("deepseek_r1", "<think>\n" + R1, False, "Okay, 2 + 2 is 4.", "The answer is 4."),
+    ("deepseek_r1", "Cut while thinking", False, "Cut while thinking", ""),
+])
+def test_reasoning_complete_and_streamed(parser, text, opened, reasoning, content):
+    assert split_reasoning(parser, text, opened) == (reasoning, content)
+    for pieces in chunkings(text):
+        got_reasoning, got_content, events = reasoning_streamed(parser, pieces, opened)
+        assert (got_reasoning, got_content) == (reasoning, content), pieces
+        for kind, value in events:
+            assert "<think" not in value and ("</think" not in value or "stays" in text)
+
+
+def test_prompt_opens_reasoning():
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")   # enable_thinking false
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n")
+
+
+def test_reasoning_then_tool_calls():
+    """Qwen3: the reasoning is split off first, the content after </think> goes to the tool-call parser."""
+    plan = parse_tools({"tools": [WEATHER, TIME]})[1]
+    text = "<think>\nI need the weather tool.\n</think>\n\n" + QWEN
+    formats = OutputFormats("hermes", "qwen3")
+    choice = ChoiceResult(0, text, "stop")
+    finish_choice(formats, plan, choice)
+    assert choice.reasoning == "I need the weather tool."
+    assert choice.text == "Let me check."
+    assert [c["function"] for c in choice.tool_calls] == [PARIS, CET]
+    assert choice.finish_reason == "tool_calls"
+    for pieces in chunkings(text, seed=1):
+        deltas = ChatDeltas(formats, plan)
+        out = []
+        for k, piece in enumerate(pieces):
+            out += deltas.push(piece, "stop" if k == len(pieces) - 1 else None)
+        assert "".join(r for _, _, r in out if r).strip() == "I need the weather tool."
+        assert "".join(c for c, _, _ in out if c).strip() == "Let me check."
+        calls = [c for _, cs, _ in out for c in cs or ()]
+        assert [c["function"] for c in calls] == [PARIS, CET] and [c["index"] for c in calls] == [0, 1]
+        assert deltas.finish_reason("stop") == "tool_calls"
+
+
+def test_reasoning_alone_has_no_content():
+    choice = ChoiceResult(0, "<think>only thoughts</think>", "stop")
+    finish_choice(OutputFormats("hermes", "qwen3"), None, choice)
+    assert (choice.reasoning, choice.text) == ("only thoughts", None)
+
+
+@pytest.mark.parametrize("parser, text", [("mistral", MISTRAL), ("llama3_json", LLAMA)])
+def test_chat_deltas_with_other_parsers(parser, text):
+    plan = ToolPlan("auto", ("get_weather", "get_time"))
+    deltas = ChatDeltas(OutputFormats(parser), plan)
+    out = deltas.push(text[:7], None) + deltas.push(text[7:], "stop")
+    calls = [c for _, cs, _ in out for c in cs or ()]
+    assert [c["function"]["name"] for c in calls][:1] == ["get_weather"]
+    assert deltas.finish_reason("stop") == "tool_calls"
+    choice = ChoiceResult(0, text, "stop")
+    finish_choice(OutputFormats(parser), plan, choice)
+    for call in calls + choice.tool_calls:   # Mistral's templates take 9-character ids alone in the history
+        assert (len(call["id"]) == 9 and call["id"].isalnum()) if parser == "mistral" else \
+            call["id"].startswith("call_")
+
+
+# ------------------------------------------------------------------------------------------------------- choice
+
+
+def test_every_family_has_defaults():
+    assert set(FAMILY_DEFAULTS) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("family, template, expected", [
+    ("llama", "{% if tools %}...{% endif %}", ("llama3_json", None)),
+    ("llama", "{{ messages }}", ("hermes", None)),    # SmolLM2: no tools in the template, the Hermes prompt
+    ("mistral", "[AVAILABLE_TOOLS] {{ tools }}", ("mistral", None)),
+    ("qwen2", "{{ tools }}", ("hermes", None)),
+    ("qwen2", "{{ tools }} <think>\n...</think>", ("hermes", "deepseek_r1")),   # an R1 distill of Qwen2.5
+    ("qwen3", "{{ tools }}", ("hermes", "qwen3")),
+    ("qwen3_moe", "{{ tools }}", ("hermes", "qwen3")),
+    ("gemma3", "{{ messages }}", ("hermes", None)),
+    ("llama", "{{ tools }} <tool_call>", ("hermes", None)),   # examples/chatml_tools.jinja on SmolLM2
+    ("llama", "{{ tools }} <|python_tag|>", ("llama3_json", None)),   # Llama 3.1's own
+    ("qwen2", "{{ tools }} [TOOL_CALLS]", ("mistral", None)),
+])
+def test_choice_by_family(family, template, expected):
+    assert choose(family, template) == expected
+
+
+def test_flags_override_and_unknown_names_are_refused():
+    assert choose("qwen3", "{{ tools }}", "mistral", "none") == ("mistral", None)
+    assert choose("llama", "", "llama3_json", "deepseek_r1") == ("llama3_json", "deepseek_r1")
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+        choose("llama", "", "pythonic")
+    with pytest.raises(ValueError, match="none, qwen3, deepseek_r1"):
+        choose("llama", "", "auto", "granite")
+    with pytest.raises(KeyError, match="choose from"):
+        tool_parser("xml")
+
+
+def test_config_flags_refuse_unknown_names():
+    from pdserve.config import load_config
+    from pdserve.errors import ConfigError
+
+    config = load_config({"tool_call_parser": "mistral", "reasoning_parser": "none"}, env={}).config
+    assert (config.tool_call_parser, config.reasoning_parser) == ("mistral", "none")
+    with pytest.raises(ConfigError, match="hermes, llama3_json, mistral"):
+        load_config({"tool_call_parser": "pythonic"}, env={})
+    with pytest.raises(ConfigError, match="qwen3, deepseek_r1"):
+        load_config({"reasoning_parser": "granite"}, env={})
+
+
+def test_arguments_are_json_text():
+    _, calls = tool_parser("mistral").parse(MISTRAL)
+    assert [json.loads(c["arguments"]) for c in calls] == [{"city": "Paris"}, {"zone": "CET"}]
+
+
+# ------------------------------------------------------------------------------- reasoning in the other dialects
+
+THOUGHT_EVENTS = [("reasoning", "The user "), ("reasoning", "greets."), ("text", "Hello"), ("finish", "stop", None)]
+
+
+def sse(raw: list[bytes]) -> list[tuple[str, dict]]:
+    out = []
+    for frame in raw:
+        head, data = frame.decode().strip().split("\n", 1)
+        out.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out
+
+
+@pytest.mark.parametrize("events", [THOUGHT_EVENTS, THOUGHT_EVENTS[:2] + THOUGHT_EVENTS[3:]])
+def test_responses_carry_reasoning_as_an_item(events):
+    from api.dialects import responses
+    from api.dialects.events import Outcome
+
+    meta = responses.ResponseMeta("resp_1", "m", {"input": "x"})
+    outcome = Outcome()
+    for event in events:
+        outcome.add(event)
+    body = responses.response_object(meta, outcome, responses.usage_body(3, 2))
+    stream = responses.ResponseStream(meta)
+    raw = stream.start()
+    for event in events[:-1]:
+        raw += stream.event(event)
+    closing, final = stream.finish("stop", responses.usage_body(3, 2))
+    got = sse(raw + closing)
+    for response in (body, final):
+        item, message = response["output"]
+        assert item["type"] == "reasoning" and item["summary"] == [{"type": "summary_text",
+                                                                    "text": "The user greets."}]
+        assert item["content"] == [{"type": "reasoning_text", "text": "The user greets."}]
+        assert message["type"] == "message" and message["content"][0]["text"] == outcome.text
+    assert "".join(b["delta"] for k, b in got if k == "response.reasoning_text.delta") == "The user greets."
+    assert [b["output_index"] for k, b in got if k == "response.output_item.added"] == [0, 1]
+    assert [b["sequence_number"] for _, b in got] == list(range(len(got)))
+
+
+@pytest.mark.parametrize("events", [THOUGHT_EVENTS, THOUGHT_EVENTS[:2] + THOUGHT_EVENTS[3:]])
+def test_messages_carry_reasoning_as_a_thinking_block(events):
+    from api.dialects import anthropic
+    from api.dialects.events import Outcome
+
+    outcome = Outcome()
+    for event in events:
+        outcome.add(event)
+    body = anthropic.message_object("msg_1", "m", outcome, anthropic.usage_body(3, 1))
+    assert body["content"] == [{"type": "thinking", "thinking": "The user greets.", "signature": ""},
+                               {"type": "text", "text": outcome.text}]
+    stream = anthropic.MessageStream("msg_1", "m")
+    raw = stream.start(anthropic.usage_body(3, 0))
+    for event in events[:-1]:
+        raw += stream.event(event)
+    got = sse(raw + stream.finish("stop", None, anthropic.usage_body(3, 1)))
+    starts = [b["content_block"]["type"] for k, b in got if k == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    assert "".join(b["delta"].get("thinking", "") for k, b in got if k == "content_block_delta") == \
+        "The user greets."
+    assert [b["index"] for k, b in got if k == "content_block_stop"] == [0, 1]
+
+
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{%- else %}<think>\n{%- endif %}{%- endif %}")
+
+
+@pytest.mark.parametrize("reasoning", ["qwen3", "deepseek_r1"])
+def test_request_formats_follow_the_prompt_and_chat_template_kwargs(reasoning, compiler):
+    """A prompt the template ends inside <think> starts the answer in the reasoning; enable_thinking false (through
+    chat_template_kwargs, which reach the template) splits nothing, nor does a grammar-constrained answer; a
+    malformed chat_template_kwargs is a 400 naming it."""
+    from api.protocol import RequestParser
+    from gpu.tokenizer import Tokenizer
+    from pdserve.errors import InvalidRequestError
+
+    tok = Tokenizer.load(None)
+    tok.set_chat_template(THINKING_TEMPLATE)
+    parse = RequestParser(tok, "m", 2048, reserve_tokens=16, grammars=compiler, formats=("hermes", reasoning))
+    messages = [{"role": "user", "content": "Hi"}]
+    gen = parse.chat({"messages": messages})
+    assert gen.formats == OutputFormats("hermes", reasoning, True)
+    assert tok.decode(gen.prompt_ids).rstrip().endswith("<think>")
+    off = parse.chat({"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
+    assert off.formats == OutputFormats("hermes", None, False)
+    assert tok.decode(off.prompt_ids).rstrip().endswith("</think>")
+    constrained = parse.chat({"messages": messages, "response_format": {"type": "json_object"}})
+    assert constrained.formats == OutputFormats("hermes", None, False)   # the JSON is never reasoning
+    for bad in (["enable_thinking"], {"messages": []}):
+        with pytest.raises(InvalidRequestError) as err:
+            parse.chat({"messages": messages, "chat_template_kwargs": bad})
+        assert err.value.param == "chat_template_kwargs"
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CE'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": '
+                    '{"zone": "CE'),
+    ("mistral", 'Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "get_time", "arguments": {"zone": "CE'),
+])
+def test_a_call_cut_by_max_tokens_is_a_call_with_partial_arguments(parser, text):
+    """As OpenAI returns a call cut by ``length``: the call with the arguments written so far, never markup as
+    content; the same streamed (ChatDeltas with finish reason "length") and whole (finish_choice)."""
+    plan = ToolPlan("auto", ("get_weather", "get_time"))
+    choice = ChoiceResult(0, text, "length")
+    finish_choice(OutputFormats(parser), plan, choice)
+    assert choice.finish_reason == "length"
+    assert [c["function"] for c in choice.tool_calls] == [PARIS, {"name": "get_time", "arguments": '{"zone": "CE'}]
+    assert choice.text == ("Let me check." if parser == "mistral" else None)
+    for pieces in chunkings(text, seed=2):
+        deltas = ChatDeltas(OutputFormats(parser), plan)
+        out = []
+        for k, piece in enumerate(pieces):
+            out += deltas.push(piece, "length" if k == len(pieces) - 1 else None)
+        assert [c["function"] for _, cs, _ in out for c in cs or ()] == [c["function"] for c in choice.tool_calls]
+        assert "".join(c for c, _, _ in out if c).strip() == (choice.text or "")
+
+
+@pytest.mark.parametrize("family, flags, expected", [
+    ("qwen3", {}, ("hermes", "qwen3")),
+    ("qwen2", {"reasoning_parser": "deepseek_r1", "tool_call_parser": "mistral"}, ("mistral", "deepseek_r1")),
+])
+def test_the_served_model_s_family_picks_its_parsers(family, flags, expected, tmp_path):
+    """A tiny GGUF of the family (tests/gpu/tiny_families.py): plan_layout reads the family into the layout and
+    formats_for picks the parsers from it (the embedded SmolLM2 tokenizer's template renders no tools: hermes)."""
+    pytest.importorskip("transformers")
+    from actors.supervisor import plan_layout
+    from api.formats import formats_for
+    from gpu.tokenizer import Tokenizer
+    from pdserve.config import load_config
+    from tests.gpu.tiny_families import build_hf, write_gguf
+
+    path = write_gguf(family, build_hf(family), tmp_path / f"tiny-{family}.gguf")
+    layout = plan_layout(load_config({"model": str(path), "port": "0", "model_cache_dir": "off", **flags}, {}),
+                         "e1")
+    assert layout.shape.family == family
+    assert formats_for(layout, Tokenizer.load(path)) == expected
