@@ -44,6 +44,25 @@ class ApiActor(Actor):
     def _stopping(self) -> bool:
         return self.engine_stopping() or self.parent_died or parent_is_gone(self.parent)
 
+    def _hypercorn_config(self):
+        """Hypercorn's config: the bind address; idle connections close after keep_alive_timeout_s (HTTP/1.1: in
+        stages; HTTP/2: GOAWAY first), announced on HTTP/1.1 responses by Keep-Alive: timeout=N, and a request
+        that has started is never cut by it; TLS with ALPN (h2, then HTTP/1.1) when certificates are given."""
+        from api.http_edges import keep_alive_config
+
+        hconfig = keep_alive_config(self.config.keep_alive_timeout_s)
+        hconfig.bind = [f"{self.config.host}:{self.layout.http_port}"]
+        hconfig.accesslog = None
+        hconfig.graceful_timeout = 1.0
+        certfile = getattr(self.config, "ssl_certfile", "") or ""
+        keyfile = getattr(self.config, "ssl_keyfile", "") or ""
+        if certfile or keyfile:
+            if not (certfile and keyfile):
+                raise ValueError("ssl_certfile and ssl_keyfile must be given together")
+            hconfig.certfile, hconfig.keyfile = certfile, keyfile
+            hconfig.alpn_protocols = ["h2", "http/1.1"]   # HTTP/2 over TLS, HTTP/1.1 for clients without h2
+        return hconfig
+
     async def _serve(self) -> None:
         from hypercorn.asyncio import serve
 
@@ -51,7 +70,7 @@ class ApiActor(Actor):
         from api.engine_client import EngineClient
         from api.http_edges import (answer_cancelled_requests, ignore_cancelled_connection_callbacks,
                                     install_connection_ledger, install_idle_close, install_refused_streams,
-                                    keep_alive_config, record_requests)
+                                    record_requests)
         from api.metrics import EngineMetrics
         from api.middleware import load_api_keys
         from pdserve.config import allowed_origins
@@ -81,12 +100,7 @@ class ApiActor(Actor):
         app = build_app(client, tokenizer, parser, metrics, load_api_keys(self.config), node_routes,
                         allowed_origins(self.config))
 
-        # Idle connections close after keep_alive_timeout_s (HTTP/1.1: in stages; HTTP/2: GOAWAY first), announced
-        # on HTTP/1.1 responses by Keep-Alive: timeout=N; a request that has started is never cut by it.
-        hconfig = keep_alive_config(self.config.keep_alive_timeout_s)
-        hconfig.bind = [f"{self.config.host}:{self.layout.http_port}"]
-        hconfig.accesslog = None
-        hconfig.graceful_timeout = 1.0
+        hconfig = self._hypercorn_config()
         install_idle_close()
         install_refused_streams()
         if "conns" in self.layout.segments:   # the connection ledger (ipc/ledger.py): this process writes it
@@ -103,13 +117,6 @@ class ApiActor(Actor):
             app = TraceMiddleware(app, tracer)
             metrics.registry.register(tracer.collector())
         ignore_cancelled_connection_callbacks(asyncio.get_running_loop())
-        certfile = getattr(self.config, "ssl_certfile", "") or ""
-        keyfile = getattr(self.config, "ssl_keyfile", "") or ""
-        if certfile or keyfile:
-            if not (certfile and keyfile):
-                raise ValueError("ssl_certfile and ssl_keyfile must be given together")
-            hconfig.certfile, hconfig.keyfile = certfile, keyfile
-            hconfig.alpn_protocols = ["h2", "http/1.1"]   # HTTP/2 over TLS, HTTP/1.1 for clients without h2
 
         async def shutdown_trigger() -> None:
             self.actors.set_status(self.index, ActorStatus.READY)
