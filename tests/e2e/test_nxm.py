@@ -91,8 +91,8 @@ def test_an_idle_engine_wakes_each_process_a_few_times_a_second_and_never_polls_
     IDLE_WAKEUPS_PER_S times a second (its loop blocks on its inbox or timer for idle_wait_s, the monitor ticks
     every monitor_tick_s, the supervisor waits a second; a loop polling at 20 Hz, as before, fails) and uses under
     IDLE_CPU_FRACTION of a core (a hot loop uses all of it). The CPU share is printed: issue 13's 1% target is not
-    asserted, because on this VM a Python process's wake-up from idle costs 0.6 ms (a bare sleep loop) to 7 ms (an
-    actor: measured with schedstat, 2026-12-02), so 2-4 wake-ups a second cost 0.5-2% whatever the loop does.
+    asserted, because on this VM a wake-up from idle costs a Python process milliseconds of CPU whatever the loop
+    does (docs/performance.md section 21).
     Measured once start-up's background work (grammar warm-ups, off the actors' loops after READY) has ended."""
     supervisor = psutil.Process(engine.proc.pid)
     children = {c.pid for c in supervisor.children()}
