@@ -124,9 +124,10 @@ class ReasoningStream:
         self.opened = opened or parser == "deepseek_r1"
         self.buffer = ""
         self.content_started = False
+        self.after_think = False   # the content follows </think>: its leading whitespace is the template's
 
     def _emit_content(self, text: str, events: list) -> None:
-        if not self.content_started:
+        if not self.content_started and self.after_think:
             text = text.lstrip()
         if text:
             self.content_started = True
@@ -153,7 +154,7 @@ class ReasoningStream:
                 return events
             if end:
                 events.append(("reasoning", self.buffer[:end]))
-            self.buffer, self.state = self.buffer[end + len(THINK_CLOSE):], "content"
+            self.buffer, self.state, self.after_think = self.buffer[end + len(THINK_CLOSE):], "content", True
         if self.state == "content":
             piece, self.buffer = self.buffer, ""
             self._emit_content(piece, events)

@@ -182,6 +182,7 @@ def reasoning_streamed(parser: str, pieces: list[str], opened: bool = False):
 @pytest.mark.parametrize("parser, text, opened, reasoning, content", [
     ("qwen3", QWEN3_THINKING, False, "The user wants the weather in Paris.", "It is sunny in Paris."),
     ("qwen3", "It is sunny.", False, None, "It is sunny."),   # thinking off: no <think> block at all
+    ("qwen3", " sunny, with a space first", False, None, " sunny, with a space first"),   # kept as generated
     ("qwen3", "It is sunny. </think> stays", False, None, "It is sunny. </think> stays"),
     ("qwen3", "Hmm, sunny.\n</think>\n\nSunny.", True, "Hmm, sunny.", "Sunny."),   # the prompt opened <think>
     ("qwen3", "<think>\nStill thinking when cut", False, "Still thinking when cut", ""),
