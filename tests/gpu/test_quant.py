@@ -206,53 +206,6 @@ def test_one_call_decode_matches_the_op_by_op_decode_on_a_ragged_batch(native_mo
     assert (p.exp() * (p - q)).sum(-1).max() < 0.02
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_each_row_of_a_low_bit_linear_is_the_same_bits_whatever_rows_share_the_call(kind):
-    """Batch invariance (issue 28): a row's output does not depend on how many rows share the call nor on its
-    place among them (Q4 rows run in pairs, an odd last row alone). Fastmath in the inlined activation
-    quantization once made rows differ in the last bit."""
-    from gpu import lowbit_cpu as lb
-
-    rng = np.random.default_rng(3)
-    n, k = 64, 256
-    if kind == "q4":
-        tiles = lb.q4_tiles(torch.from_numpy(rng.integers(0, 16, (n, k), dtype=np.uint8)),
-                            torch.from_numpy(rng.random((n, k // 32), dtype=np.float32) * 0.01),
-                            torch.from_numpy(rng.random((n, k // 32), dtype=np.float32) * -0.05))
-        linear = lb.q4_linear
-    else:
-        tiles = lb.q8_tiles(torch.from_numpy(rng.integers(-127, 128, (n, k), dtype=np.int8)),
-                            torch.from_numpy(rng.random((n, k // 32), dtype=np.float32) * 0.01))
-        linear = lb.q8_linear
-    x = torch.from_numpy(rng.standard_normal((5, k), dtype=np.float32))
-    alone = [linear(x[r:r + 1], n, *tiles.values())[0] for r in range(5)]
-    for first in range(5):
-        for rows in range(1, 6 - first):
-            together = linear(x[first:first + rows], n, *tiles.values())
-            for r in range(rows):
-                assert torch.equal(together[r], alone[first + r]), (kind, first, rows, r)
-
-
-def test_a_row_of_the_one_call_decode_gets_the_same_logits_alone_and_in_a_ragged_batch(native_model):
-    """Batch invariance of a whole low-bit decode step: each row's logits are the same bits alone as in a batch
-    with rows at other positions (what lets `--weights auto` answer a request the same alone and concurrently)."""
-    m, c = native_model, native_model.config
-    ids = list(range(300, 340))
-    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-    lengths = [40, 17, 31]
-    kv = torch.zeros(kv_pool_shape(c, 9, 16))
-    for table, n in zip(tables, lengths):
-        m.prefill(kv, ids[:n], table)
-    assert m._stack_layers() is not None   # the one-call numba decode runs these steps
-    batch = m.decode(kv.clone(), [7, 8, 9], lengths, tables)
-    for r in range(3):
-        alone = m.decode(kv.clone(), [[7, 8, 9][r]], [lengths[r]], [tables[r]])
-        assert torch.equal(alone[0], batch[r]), (r, (alone[0] - batch[r]).abs().max())
-        # a full default batch (max_num_seqs 32; rows repeating a sequence write the same K/V to the same slot)
-        full = m.decode(kv.clone(), [7, 8, 9] * 11, lengths * 11, tables * 11)[:33]
-        assert all(torch.equal(alone[0], full[i]) for i in range(r, 33, 3)), r
-
-
 def test_the_portable_q4_loop_gives_the_same_sums_as_the_one_the_host_runs():
     # hosts without AVX2 compile the Q4 loop's pair products in portable IR: check it here, where AVX2 is used
     import numba

@@ -53,6 +53,8 @@ def test_a_reader_racing_a_wrapping_writer_sees_only_whole_events(name, ctx):
         ring.unlink()
 
 
+@pytest.mark.xfail(strict=False, reason="a race in Recorder.events_since: in one CI-style run (2026-12-02) an "
+                   "incremental read got an event twice or missed one; not yet understood (issue 26)")
 def test_incremental_reads_racing_a_writer_get_each_whole_event_once(name, ctx):
     """events_since (the tracer's reader, api/tracing.py): every read returns only whole events newer than the
     previous one, none twice; whatever the ring still holds at the end comes with the last read."""
