@@ -24,74 +24,10 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from actors.topology import topology
 from pdserve.config import EngineConfig
 
 log = logging.getLogger("pdserve.actors")
-
-# The default 1 x 1 topology's indices (``topology(config)`` gives any N x M one); also the ``owner`` values.
-PREFILL_INDEX = 0
-DECODE_INDEX = 1
-API_INDEX = 2
-MONITOR_INDEX = 3
-ACTOR_NAMES = ("prefill0", "decode0", "api", "monitor")
-# What each role runs, as "module:Class", imported in the child by run_actor: the supervisor imports no actor's
-# heavy code (torch, the model, HTTP), and the actors package does not depend on the api package.
-ROLE_CLASSES = {"prefill": "actors.prefill:PrefillActor", "decode": "actors.decode:DecodeActor",
-                "api": "api.server:ApiActor", "monitor": "actors.monitor:HeartbeatMonitor"}
-ACTOR_CLASSES = tuple(ROLE_CLASSES[n.rstrip("0123456789")] for n in ACTOR_NAMES)
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Which actor sits at which actor-table index: ``prefill0..N-1``, ``decode0..M-1``, ``api``, ``monitor``
-    (in that order; colocated mode has no prefill actor). Indices are also the values of the state row's
-    ``owner``, ``prefill_actor`` and ``decode_actor`` fields."""
-
-    num_prefill: int
-    num_decode: int
-
-    @property
-    def prefill(self) -> tuple[int, ...]:
-        return tuple(range(self.num_prefill))
-
-    @property
-    def decode(self) -> tuple[int, ...]:
-        return tuple(range(self.num_prefill, self.num_prefill + self.num_decode))
-
-    @property
-    def api(self) -> int:
-        return self.num_prefill + self.num_decode
-
-    @property
-    def monitor(self) -> int:
-        return self.api + 1
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple([f"prefill{i}" for i in range(self.num_prefill)] + [f"decode{j}" for j in range(self.num_decode)]
-                     + ["api", "monitor"])
-
-    def role(self, index: int) -> str:
-        """"prefill", "decode", "api" or "monitor". Raises IndexError outside the table."""
-        return self.names[index].rstrip("0123456789")
-
-    def class_path(self, index: int) -> str:
-        return ROLE_CLASSES[self.role(index)]
-
-    def segment(self, what: str, index: int) -> str:
-        """The segment key (``EngineLayout.segments``) of actor ``index``'s ``what`` ("q" inbox or "kv" pool):
-        e.g. ``q_prefill0``, ``kv_decode1``; the API's inbox is ``q_api``."""
-        return f"{what}_{self.names[index]}"
-
-
-def topology(config: EngineConfig) -> Topology:
-    """The actors ``config`` asks for: ``prefill_actors`` x ``decode_actors``, or one per listed GPU
-    (``prefill_devices`` / ``decode_devices``); no prefill actor when colocated (actors/placement.py). Raises
-    ConfigError for a refused placement."""
-    from actors.placement import role_counts
-
-    return Topology(*role_counts(config))
-
 
 @dataclass(frozen=True)
 class ModelShape:

@@ -12,8 +12,9 @@ import functools
 import logging
 import time
 
-from actors.base import DECODE_INDEX, Actor
-from actors.messages import REMOTE_ACTOR, KVReady, parse_frames
+from actors.base import Actor
+from actors.topology import API, DECODE_INDEX, LOCAL_DECODE, LOCAL_PREFILL, REMOTE, peer_address
+from actors.messages import KVReady, parse_frames
 
 log = logging.getLogger("pdserve.decode")
 
@@ -44,14 +45,14 @@ class DecodeActor(Actor):
         set_transport_host(self.config.kv_transport, self.config.kv_transfer_host)
         # one transport per source pool (each prefill actor's; colocated: its own pool, KVReady naming no peer)
         self.transports = {}
-        for peer in (-1,) if colocated else topo.prefill:
+        for peer in (self.index,) if colocated else topo.prefill:
             transport = make_transport(self.config.kv_transport, self.pool)
-            transport.open_peer(self.layout.segment(topo.segment("kv", self.index if peer < 0 else peer)))
-            self.transports[peer] = transport
+            transport.open_peer(self.layout.segment(topo.segment("kv", peer)))
+            self.transports[LOCAL_PREFILL if colocated else topo.address(peer)] = transport
         self.inbox = ShmQueue.attach(self.layout.segment(topo.segment("q", self.index)))
         self.faults = FaultPlan(self.config.faults, self.name)
-        self.queues = {i: ShmQueue.attach(self.layout.segment(topo.segment("q", i))) for i in topo.prefill}
-        self.queues["api"] = ShmQueue.attach(self.layout.segment("q_api"))
+        self.queues = {topo.address(i): ShmQueue.attach(self.layout.segment(topo.segment("q", i))) for i in topo.prefill}
+        self.queues[API] = ShmQueue.attach(self.layout.segment("q_api"))
         self.queue_outbox = QueueOutbox(self.queues, self.queue_put_timeout_s)
         self.outbox = FaultyOutbox(self.queue_outbox, self.faults)
         self.table = StateTable.attach(self.layout.segment("state"))
@@ -60,7 +61,7 @@ class DecodeActor(Actor):
         self.peer_transfers = PeerTransfers(
             {peer: TransportTransfers(t, synchronous, local=colocated) for peer, t in self.transports.items()},
             synchronous, local=colocated)
-        self.remote_peers: dict[str, int] = {}   # a prefill node's pool (descriptor JSON) -> its PeerTransfers key
+        self.remote_peers: dict[str, str] = {}   # a prefill node's pool (descriptor JSON) -> its peer_address
         transfers = FaultyTransfers(self.peer_transfers, self.faults)
         # colocated: both cores allocate through the prefill core's prefix cache (decode's allocations evict it)
         self.allocator = CachingAllocator(self.pool, enabled=colocated and self.config.prefix_cache,
@@ -77,8 +78,8 @@ class DecodeActor(Actor):
                                             batch_tokens=self.config.max_prefill_batch_tokens,
                                             chunk_tokens=self.config.prefill_chunk_tokens)
             self.prefill_runner = PrefillRunner(self.model, self.kv, self.sampler, self.outbox, self.grammars)
-            self.queue_outbox.add_local("prefill", self.prefill_core)
-            self.queue_outbox.add_local("decode", self.core)
+            self.queue_outbox.add_local(LOCAL_PREFILL, self.prefill_core)
+            self.queue_outbox.add_local(LOCAL_DECODE, self.core)
         self.gauges = GaugePublisher(self.actors, self.index, self.pool, self.allocator)
         self._publish()
 
@@ -109,7 +110,7 @@ class DecodeActor(Actor):
         from actors.fault_ports import accept_kv_ready, apply_actor_faults
 
         for message in parse_frames(frames, log):
-            if isinstance(message, KVReady) and message.prefill_actor == REMOTE_ACTOR:
+            if isinstance(message, KVReady) and message.prefill_actor == REMOTE:
                 message = self._remote_ready(message)
                 if message is None:
                     continue
@@ -141,11 +142,11 @@ class DecodeActor(Actor):
                 self.core.reject(ready, 502, "bad_gateway", f"the prefill node's KV pool cannot feed {self.name}: "
                                                             f"{exc}")
                 return None
-            key = -100 - len(self.remote_peers)   # below every local index and REMOTE_ACTOR
+            key = peer_address(len(self.remote_peers))
             self.remote_peers[ready.peer] = key
             self.transports[key] = transport
             self.peer_transfers.add_peer(key, TransportTransfers(transport, synchronous=False))
-            self.queue_outbox.add_queue(key, self.queues["api"])   # its TransferDone: through the API
+            self.queue_outbox.add_queue(key, self.queues[API])   # its TransferDone: through the API
         return replace(ready, prefill_actor=key)
 
     def _prefill_here(self) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 from actors.messages import KVReady, RequestError, TokenBatch, TransferDone
 from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort, TransfersPort
+from actors.topology import API
 from ipc.lifecycle import LIVE_STATES, TransferStatus
 from ipc.lifecycle import RequestState as S
 from ipc.recorder import EventKind, Renewal, record_request
@@ -125,7 +126,7 @@ class DecodeCore:
         message)``. Returns False (nothing sent) if the row had ended already."""
         if not self.table.transition(ready.slot, ready.generation, S.FAILED, owner=self.actor_index, by="decode"):
             return False
-        self.outbox.send("api", RequestError(ready.slot, ready.generation, http_status, error_type, message),
+        self.outbox.send(API, RequestError(ready.slot, ready.generation, http_status, error_type, message),
                          ready.request_id)
         return True
 
@@ -307,7 +308,7 @@ class DecodeCore:
             self.table.update_many(self._updates)
             self._updates = []
         if self._items:
-            self.outbox.send("api", TokenBatch(self._items))
+            self.outbox.send(API, TokenBatch(self._items))
             self._items = []
 
     def own_gauges(self) -> dict[str, int]:
@@ -356,7 +357,7 @@ class DecodeCore:
 
     def _fail(self, entry: DecodeEntry, http_status: int, error_type: str, message: str) -> None:
         if self.table.transition(*entry.key, S.FAILED, owner=self.actor_index, by="decode"):
-            self.outbox.send("api", RequestError(*entry.key, http_status, error_type, message))
+            self.outbox.send(API, RequestError(*entry.key, http_status, error_type, message))
         self._release(entry)
 
     def _transfer_done(self, entry: DecodeEntry) -> None:
@@ -368,8 +369,7 @@ class DecodeCore:
         record_request(EventKind.KV_HANDOFF, ready.request_id, *entry.key, a=int(entry.timings["transfer_bytes"]),
                        b=int(entry.timings["transfer_s"] * 1e9), c=len(ready.src_block_ids),
                        aux=int(self.transfers.local))
-        self.outbox.send("prefill" if ready.prefill_actor == -1 else ready.prefill_actor, TransferDone(*entry.key),
-                         ready.request_id)
+        self.outbox.send(ready.prefill_actor, TransferDone(*entry.key), ready.request_id)
         if self.table.transition(*entry.key, S.DECODE_WAITING, owner=self.actor_index, by="decode"):
             self.decode_waiting.append(entry)
         else:

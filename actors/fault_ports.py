@@ -10,6 +10,7 @@ import signal
 import time
 
 from actors.messages import TransferDone
+from actors.topology import LOCAL_PREFILL
 from ipc.lifecycle import TransferStatus
 
 log = logging.getLogger("pdserve.faults")
@@ -82,7 +83,7 @@ class FaultyTransfers:
         self.synchronous, self.local = inner.synchronous, inner.local
         self._forced: dict[int, int] = {}
 
-    def start(self, request_id, src_block_ids, dst_block_ids, num_tokens, peer: int = -1) -> int:
+    def start(self, request_id, src_block_ids, dst_block_ids, num_tokens, peer: str = LOCAL_PREFILL) -> int:
         handle = self.inner.start(request_id, src_block_ids, dst_block_ids, num_tokens, peer=peer)
         if self.faults.fires("transfer_stuck", request_id):
             self._forced[handle] = int(TransferStatus.IN_PROGRESS)

@@ -1,7 +1,7 @@
 """Messages between actors: small frozen dataclasses, grouped by recipient, carrying ids and numbers only.
 
-On the wire a message is an orjson-encoded list ``[kind, field1, field2, ...]`` (positional, so frames
-stay small). Every message about a request carries ``(slot, generation)`` of its state-table row: a
+On the wire a message is an orjson-encoded list ``[kind, WIRE_VERSION, field1, field2, ...]`` (positional, so
+frames stay small; a frame of another version is refused, not misread). Every message about a request carries ``(slot, generation)`` of its state-table row: a
 message whose generation no longer matches the row is stale and is counted and dropped by the receiver.
 """
 from __future__ import annotations
@@ -10,9 +10,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-# ``PrefillRequest.decode_actor`` / ``KVReady.prefill_actor`` value for the other side on another node (role
-# prefill or decode): the message goes to this node's API, which carries it across (api/node_api.py)
-REMOTE_ACTOR = -2
+from actors.topology import LOCAL_DECODE, LOCAL_PREFILL
+
+# 2: PrefillRequest.decode_actor and KVReady.prefill_actor are addresses (actors/topology.py), no longer indices
+WIRE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,9 @@ class PrefillRequest:
     # further rows of an ``n > 1`` request: ``[[slot, generation], ...]``; they share this one prefill (one KV
     # computation, one set of prefill blocks) and each gets its own first token and its own decode sequence
     children: list[list[int]] = dataclasses.field(default_factory=list)
-    decode_actor: int = -1   # the decode actor (actor-table index) the router chose; -1 = the outbox's "decode";
-    # REMOTE_ACTOR = a decode node elsewhere (KVReady to the API)
+    # the address of the decode actor the router chose ("decode1"); LOCAL_DECODE colocated; REMOTE a decode node
+    # elsewhere (KVReady to this node's API)
+    decode_actor: str = LOCAL_DECODE
 
 
 @dataclass(frozen=True)
@@ -98,9 +100,11 @@ class KVReady:
     prefill_s: float = 0.0    # the prompt's forward pass
     first_logprobs: list | None = None   # [logprob, [[token_id, logprob], ...]] when sampling.logprobs is set
     prompt_ids: list[int] = dataclasses.field(default_factory=list)   # sent only for a repetition penalty
-    prefill_actor: int = -1   # the prefill actor holding the blocks (its pool, its TransferDone); -1 = "prefill"
+    # the address of the prefill actor holding the blocks (its pool, its TransferDone): "prefill0"; LOCAL_PREFILL
+    # colocated; REMOTE from a prefill node (the decode actor renames it to the pool's peer_address)
+    prefill_actor: str = LOCAL_PREFILL
     cached_tokens: int = 0    # leading prompt tokens whose KV came from prefill's prefix cache (not recomputed)
-    # across nodes (prefill_actor REMOTE_ACTOR): the source pool's ipc.mooncake_transport.PeerDescriptor JSON
+    # across nodes (prefill_actor REMOTE): the source pool's ipc.mooncake_transport.PeerDescriptor JSON
     peer: str = ""
     # ``[slot, generation]`` of the request's first row on the prefill side: the same in every KVReady of an
     # ``n > 1`` request's children, so decode holds their full prompt blocks once (actors/decode_core.py)
@@ -153,8 +157,8 @@ _BY_KIND = {cls.kind: cls for cls in _ALL}
 
 
 def to_wire(message: Any) -> list[Any]:
-    """Encode a message dataclass as ``[kind, *fields]`` (nested Sampling becomes a list)."""
-    out: list[Any] = [message.kind]
+    """Encode a message dataclass as ``[kind, WIRE_VERSION, *fields]`` (nested Sampling becomes a list)."""
+    out: list[Any] = [message.kind, WIRE_VERSION]
     for f in dataclasses.fields(message):
         value = getattr(message, f.name)
         if isinstance(value, Sampling):
@@ -164,15 +168,19 @@ def to_wire(message: Any) -> list[Any]:
 
 
 def from_wire(frame: list[Any]) -> Any:
-    """Decode ``[kind, *fields]``. Raises ValueError for an unknown kind or a wrong field count."""
+    """Decode ``[kind, WIRE_VERSION, *fields]``. Raises ValueError for an unknown kind, another wire version or a
+    wrong field count."""
     if not isinstance(frame, list) or not frame or frame[0] not in _BY_KIND:
         raise ValueError(f"unknown message frame: {str(frame)[:80]}")
     cls = _BY_KIND[frame[0]]
+    if len(frame) < 2 or frame[1] != WIRE_VERSION:
+        raise ValueError(f"{cls.__name__} frame of wire version {frame[1] if len(frame) > 1 else None!r}; this "
+                         f"engine speaks {WIRE_VERSION}")
     fields = dataclasses.fields(cls)
-    if len(frame) - 1 != len(fields):
-        raise ValueError(f"{cls.__name__} needs {len(fields)} fields, got {len(frame) - 1}")
+    if len(frame) - 2 != len(fields):
+        raise ValueError(f"{cls.__name__} needs {len(fields)} fields, got {len(frame) - 2}")
     values = {}
-    for f, value in zip(fields, frame[1:]):
+    for f, value in zip(fields, frame[2:]):
         if f.name == "sampling":
             value = Sampling(*value)
             value = dataclasses.replace(value, stop_token_ids=tuple(value.stop_token_ids),

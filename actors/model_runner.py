@@ -9,6 +9,7 @@ import time
 from typing import Callable
 
 from actors.messages import PromptLogprobs
+from actors.topology import API
 
 log = logging.getLogger("pdserve.actors")
 
@@ -52,7 +53,7 @@ def send_prompt_logprobs(outbox, slot: int, generation: int, entries: list, top_
     """Send a prompt's log-probabilities to the API as PromptLogprobs frames of at most ~48 KiB each."""
     per_frame = max(1, 49152 // (32 * (top_n + 1) + 24))
     for start in range(0, len(entries), per_frame):
-        outbox.send("api", PromptLogprobs(slot, generation, start, entries[start:start + per_frame]))
+        outbox.send(API, PromptLogprobs(slot, generation, start, entries[start:start + per_frame]))
 
 
 def first_tokens(sampler, logits, prompt_ids: list[int], samplings: list,

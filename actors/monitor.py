@@ -22,7 +22,8 @@ import time
 
 import numpy as np
 
-from actors.base import MONITOR_INDEX, Actor, Topology
+from actors.base import Actor
+from actors.topology import MONITOR_INDEX, Topology
 from actors.messages import RequestError, to_wire
 from actors.watchdog import state_mask
 from ipc.lifecycle import FINAL_STATES, LIVE_STATES, held_by

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
+from actors.topology import LOCAL_PREFILL
+
 Clock = Callable[[], int]   # CLOCK_MONOTONIC now, in ns (time.monotonic_ns)
 
 
@@ -44,7 +46,7 @@ class TransfersPort(Protocol):
     local: bool
 
     def start(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-              num_tokens: int, peer: int = -1) -> int: ...
+              num_tokens: int, peer: str = LOCAL_PREFILL) -> int: ...
 
     def poll(self, handle: int) -> tuple[int, int]: ...
 
@@ -52,11 +54,11 @@ class TransfersPort(Protocol):
 
 
 class OutboxPort(Protocol):
-    """Messages to the other actors: ``dest`` is an actor-table index (a prefill or decode actor), or "prefill",
-    "decode" (colocated mode's local cores) or "api"; ``request_id`` lets a fault decorator aim at one request
-    (pdserve/faults.py)."""
+    """Messages to the other actors: ``dest`` is an address (actors/topology.py: an actor's name, ``API``,
+    ``LOCAL_PREFILL`` / ``LOCAL_DECODE``, ``REMOTE``, a ``peer_address``); ``request_id`` lets a fault decorator
+    aim at one request (pdserve/faults.py)."""
 
-    def send(self, dest: int | str, message: Any, request_id: str = "") -> None: ...
+    def send(self, dest: str, message: Any, request_id: str = "") -> None: ...
 
 
 class TransportTransfers:
@@ -69,7 +71,7 @@ class TransportTransfers:
         self.local = local
         self._blocks: dict[int, int] = {}
 
-    def start(self, request_id, src_block_ids, dst_block_ids, num_tokens, peer: int = -1) -> int:
+    def start(self, request_id, src_block_ids, dst_block_ids, num_tokens, peer: str = LOCAL_PREFILL) -> int:
         handle = self.transport.start_copy(list(src_block_ids), list(dst_block_ids), num_tokens=num_tokens)
         self._blocks[handle] = len(src_block_ids)
         return handle
@@ -86,22 +88,23 @@ class TransportTransfers:
 
 
 class PeerTransfers:
-    """TransfersPort over one transfers port per source pool: ``start(..., peer=i)`` pulls from prefill actor
-    ``i``'s pool (N x M: a decode actor opens one transport per prefill pool). Raises KeyError for an unknown
-    peer. Handles are this object's own (the inner ports' handles may collide)."""
+    """TransfersPort over one transfers port per source pool: ``start(..., peer=address)`` pulls from the pool of
+    the prefill actor at that address (N x M: a decode actor opens one transport per prefill pool; a remote pool is
+    a ``peer_address``). Raises KeyError for an unknown peer. Handles are this object's own (the inner ports'
+    handles may collide)."""
 
-    def __init__(self, by_peer: dict[int, Any], synchronous: bool, local: bool = False):
+    def __init__(self, by_peer: dict[str, Any], synchronous: bool, local: bool = False):
         self.by_peer = by_peer
         self.synchronous = synchronous
         self.local = local
         self._handles: dict[int, tuple[Any, int]] = {}
         self._next = 1
 
-    def add_peer(self, peer: int, port) -> None:
+    def add_peer(self, peer: str, port) -> None:
         """Pull from ``port`` for ``start(..., peer=peer)`` from now on (a remote pool opened on first use)."""
         self.by_peer[peer] = port
 
-    def start(self, request_id, src_block_ids, dst_block_ids, num_tokens, peer: int = -1) -> int:
+    def start(self, request_id, src_block_ids, dst_block_ids, num_tokens, peer: str = LOCAL_PREFILL) -> int:
         inner = self.by_peer[peer]
         handle, self._next = self._next, self._next + 1
         self._handles[handle] = (inner, inner.start(request_id, src_block_ids, dst_block_ids, num_tokens))
@@ -118,20 +121,22 @@ class PeerTransfers:
 
 
 class QueueOutbox:
-    """OutboxPort over the engine's shm queues (``{actor index or "api": q}``); frames are
+    """OutboxPort and one process's address directory: an address (actors/topology.py) resolves to an shm queue
+    (``{address: q}``: ``"prefill0"``, ``"api"``, ``REMOTE`` = the API's inbox...) or to a local core (colocated
+    mode: ``LOCAL_PREFILL`` / ``LOCAL_DECODE``), registered with ``add_local``. Frames are
     ``actors.messages.to_wire`` lists, each put waiting at most ``put_timeout_s`` for room (then QueueFullError).
-    A destination may instead be a local core (colocated mode), registered with ``add_local``."""
+    Raises KeyError for an address this process cannot reach."""
 
     def __init__(self, queues: dict[str, Any], put_timeout_s: float):
         self.queues = queues
-        self.local: dict[int | str, Any] = {}
+        self.local: dict[str, Any] = {}
         self.put_timeout_s = put_timeout_s
 
-    def add_queue(self, dest: int | str, queue: Any) -> None:
+    def add_queue(self, dest: str, queue: Any) -> None:
         """Send to ``dest`` through ``queue`` (an shm queue) from now on (a remote prefill peer: via the API's)."""
         self.queues[dest] = queue
 
-    def add_local(self, dest: int | str, core: Any) -> None:
+    def add_local(self, dest: str, core: Any) -> None:
         """Hand messages for ``dest`` straight to ``core.on_message(message)`` (a core in this process) from now
         on, instead of a queue."""
         self.local[dest] = core

@@ -10,8 +10,9 @@ import functools
 import logging
 import time
 
-from actors.base import PREFILL_INDEX, Actor
-from actors.messages import REMOTE_ACTOR, parse_frames
+from actors.base import Actor
+from actors.topology import API, PREFILL_INDEX, REMOTE
+from actors.messages import parse_frames
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -52,13 +53,13 @@ class PrefillActor(Actor):
         self.kv_source = publish_source(self.config.kv_transport, self.pool)
         self.inbox = ShmQueue.attach(self.layout.segment(topo.segment("q", self.index)))
         self.faults = FaultPlan(self.config.faults, self.name)
-        queues = {j: ShmQueue.attach(self.layout.segment(topo.segment("q", j))) for j in topo.decode}
-        queues["api"] = ShmQueue.attach(self.layout.segment("q_api"))
-        queues[REMOTE_ACTOR] = queues["api"]   # a prefill node: KVReady for a decode node goes through the API
+        queues = {topo.address(j): ShmQueue.attach(self.layout.segment(topo.segment("q", j))) for j in topo.decode}
+        queues[API] = ShmQueue.attach(self.layout.segment("q_api"))
+        queues[REMOTE] = queues[API]   # a prefill node: KVReady for a decode node goes through the API
         self.outbox = FaultyOutbox(QueueOutbox(queues, self.queue_put_timeout_s), self.faults)
         self.sampler, self.grammars = load_sampling(self)
         self.core = PrefillCore(StateTable.attach(self.layout.segment("state")), self.allocator, self.outbox,
-                                time.monotonic_ns, actor_index=self.index, handoff_from=self.index,
+                                time.monotonic_ns, actor_index=self.index, handoff_from=topo.address(self.index),
                                 on_late=lambda: self.actors.count_late_message(self.index),
                                 batch_tokens=self.config.max_prefill_batch_tokens,
                                 chunk_tokens=self.config.prefill_chunk_tokens)

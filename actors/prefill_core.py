@@ -25,6 +25,7 @@ from typing import Any, Callable
 from actors.messages import KVReady, PrefillRequest, TransferDone
 from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort
 from actors.prefix_cache import CachingAllocator, PromptBlocks
+from actors.topology import LOCAL_PREFILL
 from ipc.lifecycle import LIVE_STATES, held_by
 from ipc.lifecycle import RequestState as S
 from ipc.recorder import EventKind, Renewal, record_request
@@ -106,16 +107,16 @@ class PrefillCore:
     """Queue, block allocation, handoff and clean-up of one prefill role.
 
     ``on_late`` is called for a message about a request already cleaned up (counted by the shell).
-    ``handoff_from``: the actor index KVReady names as the holder of the blocks (a decode actor pulls from that
-    actor's pool and sends it TransferDone); -1 (colocated mode) = the outbox's "prefill". KVReady goes to the
-    request's ``decode_actor`` (-1 = the outbox's "decode"). ``batch_tokens``: most prompt tokens one forward
+    ``handoff_from``: the address KVReady names as the holder of the blocks (a decode actor pulls from that
+    actor's pool and sends it TransferDone): this actor's name, or LOCAL_PREFILL in colocated mode. KVReady goes
+    to the request's ``decode_actor`` address (actors/topology.py). ``batch_tokens``: most prompt tokens one forward
     pass packs; ``chunk_tokens``: most tokens of one prompt in it. ``allocator``: a CachingAllocator (its prefix
     cache on or off), or a plain allocator, which gets one with the cache off.
     """
 
     def __init__(self, table: TablePort, allocator: AllocatorPort, outbox: OutboxPort, clock: Clock, *,
                  actor_index: int, renew_interval_s: float = 1.0, on_late: Callable[[], None] = lambda: None,
-                 handoff_from: int = -1, batch_tokens: int = 512, chunk_tokens: int = 128):
+                 handoff_from: str = LOCAL_PREFILL, batch_tokens: int = 512, chunk_tokens: int = 128):
         if not isinstance(allocator, CachingAllocator):
             allocator = CachingAllocator(allocator, enabled=False)
         self.table, self.allocator, self.outbox, self.clock = table, allocator, outbox, clock
@@ -260,8 +261,7 @@ class PrefillCore:
                 self._free(key)
                 continue
             history = request.prompt_ids if sampling.repetition_penalty != 1.0 else []
-            dest = "decode" if request.decode_actor == -1 else request.decode_actor
-            self.outbox.send(dest, KVReady(key[0], key[1], request.request_id, work.blocks,
+            self.outbox.send(request.decode_actor, KVReady(key[0], key[1], request.request_id, work.blocks,
                                            len(request.prompt_ids), token, sampling, queue_s, prefill_s,
                                            logprobs, history, self.handoff_from, work.cached_tokens,
                                            prompt_row=[request.slot, request.generation]),

@@ -16,7 +16,8 @@ import threading
 import time
 from typing import Any
 
-from actors.base import ENGINE_STOP_SIGNALS, EngineLayout, ModelShape, run_actor, topology
+from actors.base import ENGINE_STOP_SIGNALS, EngineLayout, ModelShape, run_actor
+from actors.topology import topology
 from pdserve.config import LoadedConfig
 from pdserve.errors import ConfigError, PdserveError, ShmLockTimeoutError
 
@@ -68,7 +69,7 @@ def check_device(device: str) -> None:
         raise ConfigError(
             f"config field device={device!r}: the engine is not wired for it yet. The model would run there, "
             f"but the KV pools are host shared memory (ipc/kv_pool.KVPool) and nothing connects the device "
-            f"path: a device KV pool per actor (ipc/cuda_ipc.allocate_device_pool), the cuda-ipc KV transport "
+            f"path: a device KV pool per actor (gpu/cuda_ipc.allocate_device_pool), the cuda-ipc KV transport "
             f"(kv_transport accepts only cpu-shm), and a visible device per actor set before CUDA starts "
             f"(docs/gpu.md, 'What is left'). Use device=cpu", param="device")
 

@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
-from actors.messages import REMOTE_ACTOR, KVReady, PrefillRequest, TransferDone
+from actors.messages import KVReady, PrefillRequest, TransferDone
+from actors.topology import LOCAL_DECODE, NO_ACTOR, REMOTE, REMOTE_ACTOR, Topology
 from actors.ports import Clock, OutboxPort
 from actors.prefix_cache import block_keys
 from api.router import ActorLoad, Routed, pick_decode, pick_prefill, route, with_routed
@@ -62,8 +63,8 @@ class RequestHandle:
     finish_reason: str | None = None   # the choice's finish reason once it ended (api.app.Routes.finished)
     timings: dict | None = None   # queue_s, prefill_s, transfer_s, transfer_bytes (from the decode actor)
     prompt_logprobs: list = field(default_factory=list)   # echo + logprobs: one wire entry per prompt token
-    prefill_actor: int = -1        # the actors the router chose (actor-table indices; -1 = none, colocated)
-    decode_actor: int = -1
+    prefill_actor: int = NO_ACTOR  # the actors the router chose (actor-table indices; NO_ACTOR colocated)
+    decode_actor: int = NO_ACTOR
     reserve_blocks: int = 0        # decode blocks the request will reserve (pdserve.kv_budget.blocks_for)
     prefilled: bool = False        # a token arrived: its prompt is off the prefill queue, its blocks reserved
     handed_across: bool = False    # a prefill node: its KVReady went to the router; the row ends by its messages
@@ -76,8 +77,9 @@ class RequestHandle:
 class TablePort(Protocol):
     """The request state table as the API uses it (ipc.state_table.StateTable fits it)."""
 
-    def allocate(self, request_id: str, *, prompt_tokens: int, deadline_ns: int = 0, prefill_actor: int = -1,
-                 decode_actor: int = -1, state: int = S.QUEUED) -> tuple[int, int]: ...
+    def allocate(self, request_id: str, *, prompt_tokens: int, deadline_ns: int = 0,
+                 prefill_actor: int = NO_ACTOR, decode_actor: int = NO_ACTOR,
+                 state: int = S.QUEUED) -> tuple[int, int]: ...
 
     def update(self, slot: int, generation: int, **fields) -> bool: ...
 
@@ -163,21 +165,20 @@ class AdmissionPolicy:
 class Admission:
     """Admission and release of one API process's requests.
 
-    Ports: ``table`` (TablePort), ``outbox`` (``send(actor index, message)``; raises QueueFullError /
-    MessageTooLargeError), ``actors`` (ActorsPort), ``clock`` (monotonic ns), ``draining`` (() -> bool);
-    ``intake``: the actor indices taking new requests (prefill actors; colocated: decode actors);
-    ``prefill`` / ``decode``: the topology's actor indices; ``faults``: a pdserve.faults.FaultPlan or None;
+    Ports: ``table`` (TablePort), ``outbox`` (``send(address, message)``, actors/topology.py; raises QueueFullError
+    / MessageTooLargeError), ``actors`` (ActorsPort), ``clock`` (monotonic ns), ``draining`` (() -> bool);
+    ``topology``: which actor sits at which index (actors/topology.py ``Topology``); ``faults``: a pdserve.faults.FaultPlan or None;
     ``summaries``: the prefill actors' cache summaries (SummariesPort) or None (routing by load alone).
     """
 
     def __init__(self, config, table: TablePort, outbox: OutboxPort, actors: ActorsPort, clock: Clock,
-                 draining: Callable[[], bool], *, owner: int, prefill: Iterable[int], decode: Iterable[int],
-                 faults=None, summaries: SummariesPort | None = None):
+                 draining: Callable[[], bool], *, owner: int, topology: Topology, faults=None, summaries: SummariesPort | None = None):
         self.config = config
         self.policy = AdmissionPolicy(config.max_queued_requests, config.request_timeout_s)
         self.table, self.outbox, self.actors, self.clock, self.draining = table, outbox, actors, clock, draining
         self.owner = owner
-        self.prefill, self.decode = list(prefill), list(decode)
+        self.topology = topology
+        self.prefill, self.decode = list(topology.prefill), list(topology.decode)
         self.faults = faults
         self.prefix = PrefixLookup(summaries, config.kv_block_tokens) if summaries is not None else None
         self.handles: dict[tuple[int, int], RequestHandle] = {}
@@ -192,7 +193,7 @@ class Admission:
         counts = {i: self.count_drift for i in self.prefill + self.decode}
         for handle in self.handles.values():
             for index in (handle.prefill_actor, handle.decode_actor):
-                if index >= 0:   # REMOTE_ACTOR: the other side is another node's
+                if index not in (NO_ACTOR, REMOTE_ACTOR):   # REMOTE_ACTOR: the other side is another node's
                     counts[index] += 1
         return counts
 
@@ -235,8 +236,8 @@ class Admission:
         return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype="<u8")
 
     def _choose(self, request: Any, remote_decode: bool) -> tuple[int, int]:
-        """``(prefill actor, decode actor)``; prefill -1 = colocated, decode REMOTE_ACTOR = the router's decode
-        node. Raises EngineOverloadedError (none serving), InvalidRequestError for a prompt sent to a node of one
+        """``(prefill actor, decode actor)`` indices; prefill NO_ACTOR = colocated, decode REMOTE_ACTOR = the
+        router's decode node. Raises EngineOverloadedError (none serving), InvalidRequestError for a prompt sent to a node of one
         side (only ``pdserve router`` talks to those)."""
         role = self.config.role
         if (role == "prefill") != remote_decode or role == "decode":
@@ -249,7 +250,7 @@ class Admission:
             return pick_prefill(prefill_loads, request.prompt_ids, bound).index, REMOTE_ACTOR
         chosen = route(prefill_loads, decode_loads, request.prompt_ids, request.sampling.reserved_output_tokens,
                        bound)
-        return -1 if chosen.prefill is None else chosen.prefill, chosen.decode
+        return NO_ACTOR if chosen.prefill is None else chosen.prefill, chosen.decode
 
     # ---- admission ----------------------------------------------------------------------------------------
     def _open_rows(self, request: Any, n: int, timeout_s: float, *, prompt_tokens: int, max_tokens: int,
@@ -297,12 +298,13 @@ class Admission:
                                   max_tokens=request.sampling.reserved_output_tokens, prefill_actor=prefill_actor,
                                   decode_actor=decode_actor)
         first = handles[0]
-        colocated = prefill_actor < 0   # the decode actor prefills itself: KVReady stays inside it
+        colocated = prefill_actor == NO_ACTOR   # the decode actor prefills itself: KVReady stays inside it
         message = PrefillRequest(first.slot, first.generation, request.request_id, request.prompt_ids,
                                  request.sampling, [[h.slot, h.generation] for h in handles[1:]],
-                                 -1 if colocated else decode_actor)
+                                 LOCAL_DECODE if colocated else self.topology.address(decode_actor))
         try:
-            self.outbox.send(decode_actor if colocated else prefill_actor, message, request.request_id)
+            self.outbox.send(self.topology.address(decode_actor if colocated else prefill_actor), message,
+                             request.request_id)
         except QueueFullError:
             self.release_all(handles)
             raise EngineOverloadedError("the prefill queue is full; retry") from None
@@ -332,12 +334,12 @@ class Admission:
         decode_actor = pick_decode(self.actor_loads()[1], ready.num_tokens,
                                    ready.sampling.reserved_output_tokens).index
         handle, = self._open_rows(request, 1, timeout_s, prompt_tokens=ready.num_tokens,
-                                  max_tokens=ready.sampling.reserved_output_tokens, prefill_actor=-1,
+                                  max_tokens=ready.sampling.reserved_output_tokens, prefill_actor=NO_ACTOR,
                                   decode_actor=decode_actor, state=S.BOOTSTRAP)
         message = dataclasses.replace(ready, slot=handle.slot, generation=handle.generation,
-                                      prefill_actor=REMOTE_ACTOR)
+                                      prefill_actor=REMOTE)
         try:
-            self.outbox.send(decode_actor, message, ready.request_id)
+            self.outbox.send(self.topology.address(decode_actor), message, ready.request_id)
         except (QueueFullError, MessageTooLargeError) as exc:
             self.release(handle)
             raise EngineOverloadedError(f"decode actor {decode_actor}'s inbox refused the request ({exc}); retry") \
@@ -356,7 +358,8 @@ class Admission:
             return False
         self.table.transition(slot, generation, S.FINISHED, owner=self.owner, by="api")
         try:
-            self.outbox.send(handle.prefill_actor, TransferDone(slot, generation), handle.request.request_id)
+            self.outbox.send(self.topology.address(handle.prefill_actor), TransferDone(slot, generation),
+                             handle.request.request_id)
         except QueueFullError:   # the wake-up only: the actor frees on seeing the row final anyway
             log.warning("prefill actor %d inbox full: its TransferDone wake-up is dropped", handle.prefill_actor)
         self.release(handle)

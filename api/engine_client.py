@@ -20,7 +20,8 @@ import threading
 import time
 from typing import Any
 
-from actors.base import EngineLayout, topology
+from actors.base import EngineLayout
+from actors.topology import topology
 from actors.messages import KVReady, PromptLogprobs, RequestError, TokenBatch, TransferDone, parse_frames
 from api.admission import Admission, RequestHandle
 from api.protocol import GenerationRequest
@@ -56,7 +57,7 @@ class EngineClient:
         self.status = EngineStatus.attach(self.layout.segment("status"))
         # one inbox per actor taking new requests: the prefill actors (colocated mode: the decode actors)
         topo = self.topology
-        self.intake = {i: ShmQueue.attach(self.layout.segment(topo.segment("q", i)))
+        self.intake = {topo.address(i): ShmQueue.attach(self.layout.segment(topo.segment("q", i)))
                        for i in (topo.prefill or topo.decode)}
         self.faults = FaultPlan(self.config.faults, "api")
         outbox = QueueOutbox(self.intake, self.config.admission_put_timeout_s)
@@ -67,7 +68,7 @@ class EngineClient:
             summaries = CacheSummary.attach(self.layout.segment("cachesum"), readonly=True)
         self.admission = Admission(self.config, self.table, outbox,
                                    self.actors, time.monotonic_ns, lambda: bool(self.status.rec["draining"]),
-                                   owner=self.index, prefill=topo.prefill, decode=topo.decode, faults=self.faults,
+                                   owner=self.index, topology=topo, faults=self.faults,
                                    summaries=summaries)
         self.inbox = ShmQueue.attach(self.layout.segment("q_api"))
         self._thread = threading.Thread(target=self._receive, name="engine-inbox", daemon=True)

@@ -38,7 +38,7 @@ from starlette.routing import Route
 
 from actors.messages import KVReady, Sampling, from_wire, to_wire
 from api.engine_client import EngineClient, RequestHandle
-from api.protocol import GenerationRequest, error_body
+from api.protocol import SAMPLING_BOUNDS, SAMPLING_NOT_ZERO, GenerationRequest, error_body
 from ipc.cache_summary import encode_words
 from pdserve.errors import InvalidRequestError, PdserveError
 
@@ -74,14 +74,15 @@ _OPTIONAL_INT = ("seed", "logprobs", "prompt_logprobs")
 
 
 def _field_ok(name: str, default: Any, value: Any) -> bool:
+    """``value``'s type fits Sampling field ``name`` (whose default is ``default``)."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if name in _OPTIONAL_INT:
         return value is None or (isinstance(value, int) and not isinstance(value, bool))
     if name == "grammar":
         return value is None or isinstance(value, str)
     if name == "logit_bias_values":
-        return isinstance(value, (list, tuple)) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100 for v in value)
+        return isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                        for v in value)
     if isinstance(default, bool):
         return isinstance(value, bool)
     if isinstance(default, int):
@@ -91,25 +92,25 @@ def _field_ok(name: str, default: Any, value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
-# (low, high) of each numeric Sampling field, as api/protocol.py's parser bounds them (None: no bound)
-_SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (1e-12, 1.0), "top_k": (-1, 1 << 20), "min_p": (0.0, 1.0),
-                    "max_tokens": (1, 2**31 - 1), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
-                    "repetition_penalty": (1e-12, 10.0), "logprobs": (0, 20), "prompt_logprobs": (0, 20),
-                    "reserve_tokens": (0, 2**31 - 1),
-                    "seed": (-(2**63), 2**63 - 1)}
+def _in_bounds(name: str, value: Any) -> bool:
+    """``value`` is within what the public parser accepts for Sampling field ``name`` (api/protocol.py
+    ``SAMPLING_BOUNDS``, ``SAMPLING_NOT_ZERO``); a field without bounds always is."""
+    if name not in SAMPLING_BOUNDS or value is None:
+        return True
+    low, high = SAMPLING_BOUNDS[name]
+    values = value if isinstance(value, (list, tuple)) else (value,)
+    return all(low <= v <= high and not (v == 0 and name in SAMPLING_NOT_ZERO) for v in values)
 
 
 def sampling_from_wire(values: Any) -> Sampling:
-    """A ``Sampling`` from its wire list (``dataclasses.astuple`` order), every field type-checked: the actors
-    trust what reaches them. Raises InvalidRequestError naming the first bad field."""
+    """A ``Sampling`` from its wire list (``dataclasses.astuple`` order), every field type-checked and within the
+    public parser's bounds: the actors trust what reaches them. Raises InvalidRequestError naming the first bad
+    field."""
     fields = dataclasses.fields(Sampling)
     if not isinstance(values, list) or len(values) != len(fields):
         raise InvalidRequestError(f"'sampling' must be a list of {len(fields)} values", param="sampling")
     for f, value in zip(fields, values):
-        low, high = _SAMPLING_RANGES.get(f.name, (None, None))
-        if not _field_ok(f.name, f.default, value) or (value is not None and low is not None
-                                                         and not low <= value <= high) \
-                or (f.name == "top_k" and value == 0):
+        if not _field_ok(f.name, f.default, value) or not _in_bounds(f.name, value):
             raise InvalidRequestError(f"'sampling' field {f.name} has a bad value {value!r}", param="sampling")
     sampling = Sampling(*values)
     if len(sampling.logit_bias_ids) != len(sampling.logit_bias_values) or any(t < 0 for t in sampling.logit_bias_ids):
@@ -317,8 +318,7 @@ class NodeRoutes:
             if not isinstance(frame, list) or frame[:1] != [KVReady.kind] or not isinstance(body.get("peer"), str):
                 raise InvalidRequestError("'kv_ready' must be a KVReady frame and 'peer' a descriptor string")
             try:   # the sampling that travels is the request's, checked above
-                ready = dataclasses.replace(from_wire(frame[:7] + [list(dataclasses.astuple(gen.sampling))]
-                                                      + frame[8:]), peer=body["peer"])
+                ready = dataclasses.replace(from_wire(frame), sampling=gen.sampling, peer=body["peer"])
             except (ValueError, TypeError) as exc:
                 raise InvalidRequestError(f"'kv_ready' is not a KVReady frame ({exc})") from None
             self.limits.check_kv_ready(ready)

@@ -27,6 +27,15 @@ MAX_TIMEOUT_S = 86400.0
 MAX_LOGPROBS = 20   # top alternatives per token (chat's top_logprobs, completions' logprobs)
 MAX_N = 128         # choices per request (OpenAI's limit)
 MAX_LOGIT_BIAS_ENTRIES = 1024   # tokens one logit_bias may name (OpenAI allows 300; the wire frame stays small)
+# The inclusive range of each numeric Sampling field as the parser accepts it; SAMPLING_NOT_ZERO: in range, but 0
+# is refused (top_p 0 keeps nothing, top_k 0 is neither off nor a count, repetition_penalty 0 divides by zero).
+# api/node_api.py checks a Sampling from another node against the same table.
+SAMPLING_BOUNDS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (-1, 1 << 20), "min_p": (0.0, 1.0),
+                   "seed": (0, MAX_SEED), "max_tokens": (1, 2**31 - 1), "presence_penalty": (-2.0, 2.0),
+                   "frequency_penalty": (-2.0, 2.0), "repetition_penalty": (0.0, 10.0), "logprobs": (0, MAX_LOGPROBS),
+                   "prompt_logprobs": (0, MAX_LOGPROBS), "reserve_tokens": (0, 2**31 - 1),
+                   "logit_bias_values": (-100.0, 100.0)}
+SAMPLING_NOT_ZERO = frozenset({"top_p", "top_k", "repetition_penalty"})
 
 # Top-level fields each route takes: api/fields.py (honoured, or accepted and ignored; anything else is a 400 naming
 # the field, as OpenAI answers "Unrecognized request argument": a typo such as ``max_token`` is never ignored).
@@ -131,7 +140,7 @@ def _unsupported(name: str, why: str) -> InvalidRequestError:
 
 
 def _repetition_penalty(body: dict) -> float:
-    value = _number(body, "repetition_penalty", 1.0, 0.0, 10.0)
+    value = _number(body, "repetition_penalty", 1.0, *SAMPLING_BOUNDS["repetition_penalty"])
     if value == 0.0:
         raise InvalidRequestError("'repetition_penalty' must be in (0, 10] (1 = off), got 0",
                                   param="repetition_penalty")
@@ -199,13 +208,14 @@ def _logprobs(body: dict, kind: str) -> int | None:
     if kind == "chat":
         if value is not None and not isinstance(value, bool):
             raise InvalidRequestError("'logprobs' must be a boolean", param="logprobs")
-        top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+        top = _integer(body, "top_logprobs", None, *SAMPLING_BOUNDS["logprobs"])
         if top and not value:
             raise InvalidRequestError("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
         return (top or 0) if value else None
     if value is None or value is False:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+    low, high = SAMPLING_BOUNDS["logprobs"]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise InvalidRequestError(f"'logprobs' must be an integer between 0 and {MAX_LOGPROBS}", param="logprobs")
     return value
 
@@ -423,8 +433,8 @@ class RequestParser:
         room = self.max_context_tokens - prompt_len
         if room <= 0:
             raise self._too_long(prompt_len)
-        max_tokens = _integer(body, "max_completion_tokens", None, 1, 2**31 - 1)
-        legacy = _integer(body, "max_tokens", None, 1, 2**31 - 1)
+        max_tokens = _integer(body, "max_completion_tokens", None, *SAMPLING_BOUNDS["max_tokens"])
+        legacy = _integer(body, "max_tokens", None, *SAMPLING_BOUNDS["max_tokens"])
         param = "max_completion_tokens" if max_tokens is not None else "max_tokens"
         if max_tokens is None:
             max_tokens = legacy
@@ -438,14 +448,15 @@ class RequestParser:
                 f"({prompt_len}) plus {param} ({max_tokens}) exceeds it (the server's max_tokens_policy is reject)",
                 param=param,
                 code="context_length_exceeded")
-        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+        bounds = SAMPLING_BOUNDS
+        temperature = _number(body, "temperature", 1.0, *bounds["temperature"])
+        top_p = _number(body, "top_p", 1.0, *bounds["top_p"])
         if top_p == 0.0:
             raise InvalidRequestError("'top_p' must be > 0", param="top_p")
-        top_k = _integer(body, "top_k", -1, -1, 1 << 20)
+        top_k = _integer(body, "top_k", -1, *bounds["top_k"])
         if top_k == 0:
             raise InvalidRequestError("'top_k' must be -1 (off) or >= 1", param="top_k")
-        min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
+        min_p = _number(body, "min_p", 0.0, *bounds["min_p"])
         seed = _integer(body, "seed", None, -MAX_SEED, MAX_SEED)
         ignore_eos = body.get("ignore_eos", False)
         if ignore_eos is None:
@@ -454,8 +465,8 @@ class RequestParser:
             raise InvalidRequestError("'ignore_eos' must be a boolean", param="ignore_eos")
         return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                         seed=None if seed is None else seed % (2**63), max_tokens=max_tokens,
-                        ignore_eos=ignore_eos, presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-                        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                        ignore_eos=ignore_eos, presence_penalty=_number(body, "presence_penalty", 0.0, *bounds["presence_penalty"]),
+                        frequency_penalty=_number(body, "frequency_penalty", 0.0, *bounds["frequency_penalty"]),
                         repetition_penalty=_repetition_penalty(body), logprobs=_logprobs(body, kind),
                         reserve_tokens=reserve, **self._logit_bias(body))
 
@@ -476,7 +487,8 @@ class RequestParser:
             if not 0 <= token < self.tokenizer.vocab_size:
                 raise InvalidRequestError(f"'logit_bias' key {key!r} is not a token id in [0, "
                                           f"{self.tokenizer.vocab_size})", param="logit_bias")
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            low, high = SAMPLING_BOUNDS["logit_bias_values"]
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not low <= bias <= high:
                 raise InvalidRequestError(f"'logit_bias' value for {key} must be a number in [-100, 100], got "
                                           f"{bias!r}", param="logit_bias")
             pairs.append((token, float(bias)))

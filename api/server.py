@@ -15,7 +15,8 @@ import asyncio
 import logging
 import pathlib
 
-from actors.base import API_INDEX, Actor, exit_now, parent_is_gone
+from actors.base import Actor, exit_now, parent_is_gone
+from actors.topology import API_INDEX
 
 log = logging.getLogger("pdserve.api")
 

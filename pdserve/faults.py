@@ -46,7 +46,7 @@ FAULT_KEYS = {
     "router_count_drift": {"count_delta"},
 }
 COMMON_KEYS = {"count", "fraction", "seed", "match"}
-ACTOR_NAME_RE = re.compile(r"^(prefill|decode)[0-9]{1,3}$")   # an engine actor (see actors.base.Topology)
+ACTOR_NAME_RE = re.compile(r"^(prefill|decode)[0-9]{1,3}$")   # an engine actor (see actors.topology.Topology)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 
 Sections (``--sections``, default all):
 
-* ``ipc``: CUDA IPC KV handoff (``ipc/cuda_ipc.py``: a producer process exports a Llama-3.2-1B-shaped bf16
+* ``ipc``: CUDA IPC KV handoff (``gpu/cuda_ipc.py``: a producer process exports a Llama-3.2-1B-shaped bf16
   pool, this process pulls scattered blocks) for prompts of 512 / 4096 / 16384 tokens: copy GB/s with the
   numba one-launch kernel and with torch index ops, against a plain device-to-device copy of the same bytes,
   and the handoff latency (``start_copy`` until ``poll`` says DONE, wall clock).
@@ -168,7 +168,7 @@ LLAMA_1B_KV = dict(num_layers=16, block_tokens=16, num_kv_heads=8, head_dim=64)
 
 def _ipc_producer(pool_name: str, ready, done) -> None:
     """The prefill side: a device pool filled with noise, exported once through CUDA IPC."""
-    from ipc.cuda_ipc import CudaIpcExport, allocate_device_pool  # noqa: PLC0415
+    from gpu.cuda_ipc import CudaIpcExport, allocate_device_pool  # noqa: PLC0415
     from ipc.kv_pool import KVPool  # noqa: PLC0415
 
     torch.cuda.init()
@@ -229,7 +229,7 @@ def bench_ipc(args) -> tuple[str, list[dict]]:
     import numpy as np  # noqa: PLC0415
 
     from ipc import naming  # noqa: PLC0415
-    from ipc.cuda_ipc import CudaIpcTransport, allocate_device_pool  # noqa: PLC0415
+    from gpu.cuda_ipc import CudaIpcTransport, allocate_device_pool  # noqa: PLC0415
     from ipc.kv_pool import KVPool  # noqa: PLC0415
 
     prompts = [512, 4096, 16384]

@@ -1,6 +1,6 @@
 """KV block gather/scatter in numba.cuda: every layer, K and V, of a list of blocks in ONE launch.
 
-Used by the KV transport (``ipc/cuda_ipc.py``) to move a request's blocks from the prefill pool to the decode
+Used by the KV transport (``gpu/cuda_ipc.py``) to move a request's blocks from the prefill pool to the decode
 pool, and to pack blocks into / unpack them from a contiguous staging buffer (a cross-device copy). The copy
 is bytewise (each pool is viewed with the widest integer type that divides one block's row), so every dtype,
 bf16 included, moves exactly. Pool layout (``gpu/model.py``)::

@@ -5,6 +5,7 @@ clock. Plain Python: the core tests run in microseconds, no process, no shm."""
 from __future__ import annotations
 
 from actors.messages import PrefillRequest, Sampling
+from actors.topology import LOCAL_PREFILL, NO_ACTOR
 from ipc.actor_table import ActorHealth, ActorStatus
 from ipc.lifecycle import ALLOCATE_STATES, FINAL_STATES, RequestState, TransferStatus, check_mover, check_transition
 from ipc.state_table import UPDATABLE_FIELDS
@@ -34,8 +35,8 @@ class FakeTable:
         self.released: list[tuple[int, int]] = []
         self.next_slot = 0
 
-    def allocate(self, request_id: str, prompt_tokens: int = 0, *, deadline_ns: int = 0, prefill_actor: int = -1,
-                 decode_actor: int = -1, state: RequestState = RequestState.QUEUED) -> tuple[int, int]:
+    def allocate(self, request_id: str, prompt_tokens: int = 0, *, deadline_ns: int = 0,
+                 prefill_actor: int = NO_ACTOR, decode_actor: int = NO_ACTOR, state: RequestState = RequestState.QUEUED) -> tuple[int, int]:
         if state not in ALLOCATE_STATES:
             raise ValueError(f"a row cannot start in {RequestState(state).name}")
         if len(self.rows) >= self.num_rows:
@@ -136,7 +137,7 @@ class FakeTransfers:
         self.released: list[int] = []
         self.next_handle = 1
 
-    def start(self, request_id, src, dst, num_tokens, peer: int = -1) -> int:
+    def start(self, request_id, src, dst, num_tokens, peer: str = LOCAL_PREFILL) -> int:
         handle = self.next_handle
         self.next_handle += 1
         self.started[handle] = (request_id, list(src), list(dst), num_tokens)

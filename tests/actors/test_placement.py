@@ -1,9 +1,9 @@
-"""N x M topology and GPU placement (actors/base.Topology, actors/placement.py): plain code, no GPU needed."""
+"""N x M topology and GPU placement (actors/topology.py, actors/placement.py): plain code, no GPU needed."""
 from __future__ import annotations
 
 import pytest
 
-from actors.base import topology
+from actors.topology import topology
 from actors.placement import actor_devices, child_environment, parse_devices
 from actors.supervisor import actor_device_map, check_device
 from pdserve.config import load_config

@@ -12,6 +12,7 @@ from actors.messages import KVReady, PrefillRequest, PromptLogprobs, from_wire, 
 from actors.ports import QueueOutbox
 from actors.prefill_core import PrefillCore
 from actors.prefix_cache import CACHE_OWNER, CachingAllocator
+from actors.topology import LOCAL_DECODE, LOCAL_PREFILL
 from ipc.lifecycle import RequestState as S
 from tests.actors.fakes import FakeAllocator, FakeClock, FakeTable, FakeTransfers, Outbox, prefill_request
 
@@ -50,7 +51,7 @@ class Pair:
             self.prefill.finish(work, [(first_token, None)] * len(work.rows))
 
     def deliver_to_decode(self) -> list[KVReady]:
-        readies = self.to_decode.take("decode")
+        readies = self.to_decode.take(LOCAL_DECODE)
         for ready in readies:
             self.decode.on_message(ready)
         return readies
@@ -69,7 +70,7 @@ class Pair:
         self.errors.extend(self.to_prefill_and_api.take("api", RequestError))
 
     def deliver_to_prefill(self) -> list[TransferDone]:
-        dones = self.to_prefill_and_api.take("prefill")
+        dones = self.to_prefill_and_api.take(LOCAL_PREFILL)
         for done in dones:
             self.prefill.on_message(done)
         return dones
@@ -209,7 +210,7 @@ def test_a_late_and_a_duplicate_transfer_done_are_counted_and_ignored():
     pair.prefill_step()
     pair.deliver_to_decode()
     pair.decode_step()
-    done = pair.to_prefill_and_api.take("prefill")
+    done = pair.to_prefill_and_api.take(LOCAL_PREFILL)
     assert done == [TransferDone(*key)] and pair.table.state(key) == S.FINISHED
     pair.prefill.reap()   # the row is final: prefill frees without the message
     assert pair.prefill_pool.num_free == 32
@@ -227,7 +228,7 @@ def test_a_lost_transfer_done_pins_nothing_prefill_frees_once_decode_moved_on():
     pair.prefill_step()
     pair.deliver_to_decode()
     pair.decode_step()
-    assert pair.to_prefill_and_api.take("prefill")   # dropped on the floor
+    assert pair.to_prefill_and_api.take(LOCAL_PREFILL)   # dropped on the floor
     assert pair.table.state(key) == S.DECODING and pair.prefill_pool.num_free == 30
     assert pair.prefill.own_gauges()["prefill_inflight"] == 1
     pair.prefill.reap()
@@ -300,7 +301,7 @@ def test_a_row_timed_out_by_the_monitor_while_its_copy_runs_is_released_on_both_
     assert pair.decode.own_gauges()["decode_transfer"] == 1
     assert pair.table.transition(*key, S.TIMED_OUT)   # the monitor
     pair.run(1)
-    assert pair.transfers.released and not pair.tokens and not pair.to_prefill_and_api.take("prefill")
+    assert pair.transfers.released and not pair.tokens and not pair.to_prefill_and_api.take(LOCAL_PREFILL)
     pair.assert_all_free()
 
 
@@ -334,8 +335,8 @@ def test_colocated_mode_runs_the_same_prefill_core_over_the_decode_pool():
     prefill = PrefillCore(table, pool, outbox, clock, actor_index=DECODE)
     decode = DecodeCore(table, pool, FakeTransfers(local=True), outbox, clock, actor_index=DECODE, eos_ids=[EOS],
                         max_num_seqs=4, block_bytes=100)
-    outbox.add_local("prefill", prefill)
-    outbox.add_local("decode", decode)
+    outbox.add_local(LOCAL_PREFILL, prefill)
+    outbox.add_local(LOCAL_DECODE, decode)
     request = prefill_request(table, "colo", prompt_tokens=20, max_tokens=2, n=2)
     prefill.on_message(request)
     work = prefill_one(prefill)
@@ -420,7 +421,7 @@ def test_one_forward_packs_queued_prompts_in_arrival_order_up_to_the_token_budge
     assert [w.request.request_id for w in pair.prefill.batch_done(second)] == ["c", "d", "e"]
     for work in [c.work for c in second]:
         pair.prefill.finish(work, [(5, None)])
-    assert [r.request_id for r in pair.to_decode.take("decode")] == ["a", "b", "c", "d", "e"]
+    assert [r.request_id for r in pair.to_decode.take(LOCAL_DECODE)] == ["a", "b", "c", "d", "e"]
     assert pair.prefill.next_batch() == [] and not pair.prefill.prefilling
 
 
@@ -667,8 +668,8 @@ def test_colocated_mode_shares_one_caching_allocator_and_decode_reservations_evi
     prefill = PrefillCore(table, pool, outbox, clock, actor_index=DECODE)
     decode = DecodeCore(table, pool, FakeTransfers(local=True), outbox, clock, actor_index=DECODE, eos_ids=[EOS],
                         max_num_seqs=4, block_bytes=100)
-    outbox.add_local("prefill", prefill)
-    outbox.add_local("decode", decode)
+    outbox.add_local(LOCAL_PREFILL, prefill)
+    outbox.add_local(LOCAL_DECODE, decode)
 
     def serve(request_id: str, max_tokens: int, offset: int = 0) -> None:
         request = prefill_request(table, request_id, prompt_tokens=40, max_tokens=max_tokens)
@@ -867,7 +868,7 @@ def test_a_kv_ready_refused_at_intake_fails_its_row_once_and_holds_nothing(via):
     key = (request.slot, request.generation)
     pair.prefill.on_message(request)
     pair.prefill_step()
-    [ready] = pair.to_decode.take("decode")
+    [ready] = pair.to_decode.take(LOCAL_DECODE)
     if via == "reject":
         assert pair.decode.reject(ready, 502, "bad_gateway", "unusable peer")
     else:

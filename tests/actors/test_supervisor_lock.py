@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from actors.base import Topology
+from actors.topology import Topology
 from actors.messages import RequestError, from_wire
 from actors.monitor import held_mask
 from actors.supervisor import Supervisor, fail_held_for_restart, monitor_is_hung

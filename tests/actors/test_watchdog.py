@@ -121,7 +121,7 @@ def test_dead_versus_hung_actors():
 
 # ---- N x M: a dead actor's rows are the ones naming it ------------------------------------------------------
 def test_a_dead_decode_actor_holds_only_the_rows_that_name_it():
-    from actors.base import Topology
+    from actors.topology import Topology
     from actors.monitor import held_mask
 
     topo = Topology(2, 2)   # prefill0=0, prefill1=1, decode0=2, decode1=3, api=4
@@ -139,7 +139,7 @@ def test_a_dead_decode_actor_holds_only_the_rows_that_name_it():
 
 
 def test_a_colocated_decode_actor_holds_its_own_queued_rows():
-    from actors.base import Topology
+    from actors.topology import Topology
     from actors.monitor import held_mask
 
     table = rows((S.QUEUED, 1.0, {"decode_actor": 0}), (S.PREFILLING, 1.0, {"decode_actor": 1}))

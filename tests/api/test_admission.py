@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.messages import REMOTE_ACTOR, KVReady, PrefillRequest, Sampling, TransferDone
+from actors.messages import KVReady, PrefillRequest, Sampling, TransferDone
+from actors.topology import LOCAL_DECODE, NO_ACTOR, REMOTE, REMOTE_ACTOR, Topology
 from api.admission import Admission, AdmissionPolicy
 from api.protocol import GenerationRequest
 from ipc.actor_table import ActorHealth, ActorStatus
@@ -34,7 +35,7 @@ class Engine:
         self.config = EngineConfig(role=role, max_queued_requests=MAX_QUEUED, request_timeout_s=TIMEOUT_S,
                                    kv_block_tokens=16, cache_routing_max_imbalance_tokens=max_imbalance_tokens)
         self.core = Admission(self.config, self.table, self.outbox, self.actors, self.clock, lambda: self.draining,
-                              owner=API, prefill=prefill, decode=decode, summaries=summaries)
+                              owner=API, topology=Topology(len(prefill), len(decode)), summaries=summaries)
 
     def live(self) -> dict[int, dict]:
         return dict(self.table.rows)
@@ -66,8 +67,8 @@ def test_an_accepted_request_has_one_queued_row_per_choice_and_one_prefill_reque
     assert all(r["deadline_ns"] == engine.clock() + int(TIMEOUT_S * 1e9) for r in rows)
     assert all(h.reserve_blocks == 3 for h in handles)           # ceil((20 + 13) / 16)
     (dest, message), = engine.outbox.sent
-    assert dest == 0 and isinstance(message, PrefillRequest)
-    assert (message.slot, message.generation) == handles[0].key and message.decode_actor == 2
+    assert dest == "prefill0" and isinstance(message, PrefillRequest)
+    assert (message.slot, message.generation) == handles[0].key and message.decode_actor == "decode0"
     assert message.children == [list(h.key) for h in handles[1:]]
     assert engine.actors.routed == {0: 3, 1: 0, 2: 3, 3: 0}
 
@@ -189,7 +190,7 @@ def test_a_full_table_rolls_back_every_row_it_took():
                                             (MessageTooLargeError("big"), InvalidRequestError)])
 def test_a_refused_prefill_queue_rolls_back_every_row(refusal, error):
     engine = Engine()
-    engine.outbox.refuse[0] = refusal
+    engine.outbox.refuse["prefill0"] = refusal
     with pytest.raises(error):
         engine.core.admit(request(n=2))
     assert_nothing_held(engine)
@@ -222,16 +223,16 @@ def test_an_unhealthy_actor_is_skipped():
     engine.actors.table[0]["health"] = ActorHealth.HUNG
     engine.actors.table[2]["status"] = ActorStatus.STARTING
     handle, = engine.core.admit(request())
-    assert (handle.prefill_actor, handle.decode_actor) == (1, 3) and engine.outbox.sent[0][0] == 1
+    assert (handle.prefill_actor, handle.decode_actor) == (1, 3) and engine.outbox.sent[0][0] == "prefill1"
 
 
 def test_colocated_sends_the_prompt_to_the_decode_actor_with_no_prefill_actor():
     engine = Engine(prefill=(), decode=(0, 1))
     engine.actors.table[0]["kv_blocks_free"] = 50
     handle, = engine.core.admit(request())
-    assert engine.table.rows[handle.slot]["prefill_actor"] == -1 and handle.decode_actor == 1
+    assert engine.table.rows[handle.slot]["prefill_actor"] == NO_ACTOR and handle.decode_actor == 1
     (dest, message), = engine.outbox.sent
-    assert dest == 1 and message.decode_actor == -1
+    assert dest == "decode1" and message.decode_actor == LOCAL_DECODE
     assert engine.actors.routed == {0: 0, 1: 1}
 
 
@@ -240,7 +241,7 @@ def test_a_prefill_node_sends_to_a_remote_decode_and_counts_only_its_own_actor()
     handle, = engine.core.admit(request(), remote_decode=True)
     assert (handle.prefill_actor, handle.decode_actor) == (0, REMOTE_ACTOR)
     (dest, message), = engine.outbox.sent
-    assert dest == 0 and message.decode_actor == REMOTE_ACTOR
+    assert dest == "prefill0" and message.decode_actor == REMOTE
     assert engine.actors.routed == {0: 1, 1: 0}
     with pytest.raises(InvalidRequestError, match="prefill side only"):
         engine.core.admit(request("local"))   # a prompt for this node's own decode: it has none
@@ -258,10 +259,10 @@ def test_a_decode_node_admits_a_prefilled_request_at_bootstrap_on_the_most_free_
     row = engine.table.rows[handle.slot]
     assert row["state"] == S.BOOTSTRAP and row["owner"] == API and row["decode_actor"] == 1
     assert row["prompt_tokens"] == 40 and row["deadline_ns"] == engine.clock() + 5_000_000_000
-    assert handle.reserve_blocks == 4 and handle.prefill_actor == -1   # ceil(49 / 16)
+    assert handle.reserve_blocks == 4 and handle.prefill_actor == NO_ACTOR   # ceil(49 / 16)
     (dest, message), = engine.outbox.sent
-    assert dest == 1 and isinstance(message, KVReady)
-    assert (message.slot, message.generation) == handle.key and message.prefill_actor == REMOTE_ACTOR
+    assert dest == "decode1" and isinstance(message, KVReady)
+    assert (message.slot, message.generation) == handle.key and message.prefill_actor == REMOTE
     assert message.peer == ready.peer and message.src_block_ids == ready.src_block_ids
     assert engine.actors.routed == {0: 0, 1: 1}
 
@@ -270,7 +271,7 @@ def test_a_prefilled_request_is_refused_without_a_peer_off_a_decode_node_and_rol
     engine = Engine(role="decode", prefill=(), decode=(0, 1))
     with pytest.raises(InvalidRequestError, match="peer"):
         engine.core.admit_prefilled(request(), kv_ready(peer=""))
-    engine.outbox.refuse[0] = QueueFullError("full")
+    engine.outbox.refuse["decode0"] = QueueFullError("full")
     with pytest.raises(EngineOverloadedError, match="inbox refused"):
         engine.core.admit_prefilled(request(), kv_ready())
     assert_nothing_held(engine)
@@ -287,7 +288,7 @@ def test_transfer_done_finishes_and_releases_the_row_and_wakes_its_prefill_actor
     engine.table.transition(*handle.key, S.BOOTSTRAP)
     assert engine.core.transfer_done(*handle.key)
     assert engine.table.rows == {} and engine.table.released == [handle.key]
-    assert engine.outbox.sent == [(0, TransferDone(*handle.key))]
+    assert engine.outbox.sent == [("prefill0", TransferDone(*handle.key))]
     assert engine.actors.routed == {0: 0, 1: 0}
     assert not engine.core.transfer_done(*handle.key)   # late: a second one
     assert engine.core.stale_messages["transfer_done"] == 1 and len(engine.outbox.sent) == 1
@@ -308,7 +309,7 @@ def test_a_transfer_done_whose_wake_up_is_refused_still_ends_the_row():
     handle, = engine.core.admit(request(), remote_decode=True)
     engine.table.transition(*handle.key, S.PREFILLING)
     engine.table.transition(*handle.key, S.BOOTSTRAP)
-    engine.outbox.refuse[0] = QueueFullError("full")
+    engine.outbox.refuse["prefill0"] = QueueFullError("full")
     assert engine.core.transfer_done(*handle.key)
     assert engine.table.released == [handle.key] and engine.core.handles == {}
 

@@ -7,7 +7,7 @@ import logging
 import orjson
 import pytest
 
-from actors.base import Topology
+from actors.topology import Topology
 from api.metrics import not_ready
 from api.middleware import error_reason, log_error
 

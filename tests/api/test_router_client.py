@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from actors.messages import Sampling
+from actors.topology import REMOTE, Topology
 from api.node_api import generation_request, request_wire
 from api.protocol import GenerationRequest
 from actors.prefix_cache import block_keys
@@ -92,7 +93,7 @@ def test_a_prefill_nodes_report_is_what_its_serving_actors_cache(engine_id):
         actors.table[0]["actor_pid"], actors.table[1]["actor_pid"] = 100, 101
         config = load_config({}, env={}).config
         admission = Admission(config, FakeTable(FakeClock()), Outbox(), actors, FakeClock(), lambda: False,
-                              owner=4, prefill=(0, 1), decode=(2,), summaries=summary)
+                              owner=4, topology=Topology(2, 1), summaries=summary)
         expected = sorted(key_words(block_keys(list(range(32)), 16)).tolist() + key_words(block_keys([5] * 16, 16))
                           .tolist())
         assert admission.cached_words().tolist() == expected
@@ -206,7 +207,8 @@ def test_a_decode_node_checks_every_number_of_a_kv_ready_before_an_actor_sees_it
     peer = orjson.dumps({"session_id": "10.0.0.1:1234", "base_addr": 4096, "data_bytes": 10 * 1024, "num_layers": 2,
                          "num_blocks": 10, "block_tokens": 16, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32",
                          "elem_bytes": 4, "epoch": 1}).decode()
-    good = KVReady(3, 1, "r-1", [4, 7], 20, 42, Sampling(max_tokens=8), 0.01, 0.2, None, [], -2, 0, peer, [3, 1])
+    good = KVReady(3, 1, "r-1", [4, 7], 20, 42, Sampling(max_tokens=8), 0.01, 0.2, None, [], REMOTE, 0,
+                   peer, [3, 1])
     limits.check_kv_ready(good)
     bad = [dict(src_block_ids=[4]), dict(src_block_ids=[4, 10]), dict(src_block_ids=[4, -1]),
            dict(src_block_ids=[4, "a"]), dict(num_tokens=0), dict(num_tokens=300), dict(first_token=1000),

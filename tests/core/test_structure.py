@@ -194,11 +194,6 @@ def test_every_transition_in_the_engine_names_its_role_and_the_table_checks_it_a
             check_mover(state, role)
 
 
-# the device transport plugin, loaded only by ipc.kv_transport.make_transport("cuda-ipc"); it belongs below gpu/
-# (not moved yet: see docs/architecture.md, "KV transports")
-DEVICE_MODULES = {"ipc/cuda_ipc.py"}
-
-
 def module_level_imports(tree: ast.Module) -> list[tuple[int, str]]:
     """``(line, module)`` of the imports that run when the module is imported (not inside a function or an
     ``if TYPE_CHECKING:`` block)."""
@@ -218,7 +213,77 @@ def module_level_imports(tree: ast.Module) -> list[tuple[int, str]]:
 
 def test_ipc_imports_neither_torch_nor_gpu_when_imported():
     heavy = [f"{path.relative_to(ROOT)}:{line} {module}" for path, tree in sources()
-             if path.relative_to(ROOT).parts[0] == "ipc" and path.relative_to(ROOT).as_posix() not in DEVICE_MODULES
+             if path.relative_to(ROOT).parts[0] == "ipc"
              for line, module in module_level_imports(tree) if module.split(".")[0] in ("torch", "gpu")]
     assert not heavy, heavy
     assert ("numpy" in {m for _, m in module_level_imports(ast.parse((ROOT / "ipc" / "kv_pool.py").read_text()))})
+
+
+# the state row's actor fields and the addresses messages carry: their values that name no actor of this engine
+ACTOR_VALUE_NAMES = re.compile(r"(prefill_actor|decode_actor|handoff_from|peer|dest)$")
+
+
+def negative_int(node) -> bool:
+    return isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant)
+
+
+def names_an_actor_value(node) -> bool:
+    return isinstance(node, (ast.Name, ast.Attribute, ast.arg)) and bool(ACTOR_VALUE_NAMES.search(
+        node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else node.arg))
+
+
+def actor_sentinels(tree: ast.Module) -> list[int]:
+    """Lines where an actor field or address is compared with, defaults to, or is given a negative integer, or a
+    constant named ``*_ACTOR`` is assigned one."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(negative_int(n) for n in [node.left, *node.comparators]) and \
+                any(names_an_actor_value(n) for n in [node.left, *node.comparators]):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.keyword) and node.arg and ACTOR_VALUE_NAMES.search(node.arg) and \
+                negative_int(node.value):
+            lines.append(node.value.lineno)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.posonlyargs + node.args.args
+            pairs = list(zip(args[len(args) - len(node.args.defaults):], node.args.defaults)) + \
+                [(a, d) for a, d in zip(node.args.kwonlyargs, node.args.kw_defaults) if d is not None]
+            lines += [d.lineno for a, d in pairs if names_an_actor_value(a) and negative_int(d)]
+        elif isinstance(node, ast.BinOp) and negative_int(node.left):   # -100 - k: a family of sentinels
+            lines.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and negative_int(node.value):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and (t.id.endswith("_ACTOR") or names_an_actor_value(t)) for t in targets):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_negative_actor_values_and_address_kinds_are_declared_only_in_the_topology_module():
+    """Sentinels such as ``REMOTE_ACTOR = -2`` or ``-100 - k`` live in actors/topology.py; elsewhere code names
+    them (``NO_ACTOR``, ``REMOTE``, ``peer_address(k)``). Two ipc record layouts keep their own encodings (ipc
+    does not import actors): the state row's "-1 = none" default, which the topology's NO_ACTOR names, and the
+    recorder's ``SUPERVISOR_ACTOR`` (an event's writer that has no actor-table row)."""
+    from actors.topology import NO_ACTOR
+    from ipc.state_table import StateTable
+
+    found = [f"{path.relative_to(ROOT)}:{line}" for path, tree in sources()
+             if path.relative_to(ROOT).as_posix() not in {"actors/topology.py", "ipc/state_table.py", "ipc/recorder.py"}
+             for line in actor_sentinels(tree)]
+    assert not found, f"negative actor values outside actors/topology.py: {found}"
+    import inspect
+    defaults = inspect.signature(StateTable.allocate).parameters
+    assert defaults["prefill_actor"].default == defaults["decode_actor"].default == NO_ACTOR
+    kinds = [f"{path.relative_to(ROOT)}:{node.lineno}" for path, tree in sources()
+             if path.relative_to(ROOT).as_posix() != "actors/topology.py"
+             for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and re.fullmatch(r"(local|peer):\w*", node.value)]
+    assert not kinds, f"address kinds spelled outside actors/topology.py: {kinds}"
+
+
+def test_the_sentinel_finder_finds_the_old_spellings():
+    old = ast.parse("REMOTE_ACTOR = -2\n"
+                    "def f(peer: int = -1): pass\n"
+                    "if ready.prefill_actor == -1: pass\n"
+                    "KVReady(prefill_actor=-2)\n"
+                    "key = -100 - len(peers)\n"
+                    "dest = 'decode' if request.decode_actor == -1 else request.decode_actor\n")
+    assert sorted(actor_sentinels(old)) == [1, 2, 3, 4, 5, 6]

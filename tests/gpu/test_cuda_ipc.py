@@ -1,4 +1,4 @@
-"""The cuda-ipc KV transport (ipc/cuda_ipc.py): its pure logic on CPU, and real CUDA IPC between two processes
+"""The cuda-ipc KV transport (gpu/cuda_ipc.py): its pure logic on CPU, and real CUDA IPC between two processes
 on a GPU (marker ``gpu``, skipped without one)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ipc import naming
-from ipc.cuda_ipc import (EXPORT_BYTES, CudaIpcExport, CudaIpcTransport, allocate_device_pool, export_name,
+from gpu.cuda_ipc import (EXPORT_BYTES, CudaIpcExport, CudaIpcTransport, allocate_device_pool, export_name,
                           open_export_segment, read_export, write_export)
 from ipc.kv_pool import KVPool
 from ipc.kv_transport import CpuShmTransport, TransferStatus, known_transports, make_transport, validate_copy
@@ -174,7 +174,7 @@ class FakeStream:
 def fake_cuda(monkeypatch):
     import contextlib
 
-    import ipc.cuda_ipc as cuda_ipc
+    import gpu.cuda_ipc as cuda_ipc
     import torch.multiprocessing.reductions as reductions
 
     FakeEvent.instances = []

@@ -280,7 +280,7 @@ class CudaIpcTransport(KVTransport):
         kv = device_kv if device_kv is not None else device_pool(local_pool.name)
         if kv is None:
             raise RuntimeError(f"no device tensor for KV pool {local_pool.name!r} in this process: call "
-                               f"ipc.cuda_ipc.allocate_device_pool(pool, device) before make_transport")
+                               f"gpu.cuda_ipc.allocate_device_pool(pool, device) before make_transport")
         check_device_pool(local_pool, kv, "CudaIpcTransport")
         if copy_backend not in ("auto", "numba", "torch"):
             raise ValueError(f"copy_backend {copy_backend!r}: use auto, numba or torch")
