@@ -35,6 +35,7 @@ from pdserve.errors import InvalidRequestError, PdserveError
 log = logging.getLogger("pdserve.api")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024   # larger request bodies get a 413 (checked on Content-Length and on the bytes read)
+MAX_DRAIN_BYTES = 64 * 1024 * 1024   # a refused body up to this size is read to its end before the 413 (_drain)
 INLINE_PARSE_BYTES = 64 * 1024     # larger bodies are parsed and tokenized in a worker thread
 
 
@@ -234,14 +235,15 @@ async def read_body(request: Request, limit: int | None = None, timeout_s: float
     """
     limit = MAX_BODY_BYTES if limit is None else limit
     declared = request.headers.get("content-length")
+    pieces = request.stream().__aiter__()
     if declared is not None:
         if not declared.strip().isdigit():
             raise InvalidRequestError(f"Content-Length {declared!r} is not a number", param="Content-Length")
         if int(declared) > limit:
+            await _drain(pieces, int(declared), timeout_s)
             raise PayloadTooLargeError(f"the request body has {int(declared)} bytes; the limit is {limit} "
                                        "(MAX_BODY_BYTES)")
     parts, size = [], 0
-    pieces = request.stream().__aiter__()
     while True:
         try:
             part = await asyncio.wait_for(pieces.__anext__(), timeout_s)
@@ -252,11 +254,26 @@ async def read_body(request: Request, limit: int | None = None, timeout_s: float
                                        f"{size} bytes (body_read_timeout_s)") from None
         size += len(part)
         if size > limit:
+            await _drain(pieces, MAX_DRAIN_BYTES, timeout_s)
             raise PayloadTooLargeError(f"the request body is over the limit of {limit} bytes (MAX_BODY_BYTES)")
         parts.append(part)
     if size == 0:
         raise InvalidRequestError("the request body is empty; send a JSON object")
     return b"".join(parts)
+
+
+async def _drain(pieces, declared_bytes: int, timeout_s: float) -> None:
+    """Read and drop the rest of a refused body (at most MAX_DRAIN_BYTES, each piece within ``timeout_s``), so a
+    client still sending it reads the 413 instead of a connection reset; a larger body is not read (the
+    connection closes on it)."""
+    if declared_bytes > MAX_DRAIN_BYTES:
+        return
+    dropped = 0
+    try:
+        while dropped <= MAX_DRAIN_BYTES:
+            dropped += len(await asyncio.wait_for(pieces.__anext__(), timeout_s))
+    except (StopAsyncIteration, asyncio.TimeoutError, ClientDisconnect):
+        pass
 
 
 # Content-Encoding codings of request bodies -> zlib wbits (None: nothing to decode)
