@@ -9,6 +9,9 @@ tool ``llama3_json``   the whole message is ``{"name": ..., "parameters": {...}}
                        optionally after ``<|python_tag|>``; several calls separated by ``;``
 tool ``mistral``       ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after any content (Mistral v3
                        tokenizer); the v11 form ``[TOOL_CALLS]name[ARGS]{...}`` is read as well
+tool ``deepseek_v3``   ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` + fenced JSON
+                       + ``<｜tool▁call▁end｜>`` ... ``<｜tool▁calls▁end｜>`` (DeepSeek-V3); ``deepseek_v31`` writes
+                       ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``; each reads both forms
 reasoning ``qwen3``    ``<think>...</think>`` at the start of the answer (or opened by the prompt's end, as Qwen3's
                        thinking templates do); an answer that does not start in it has no reasoning
 reasoning             the answer starts inside the reasoning (DeepSeek-R1's template opens ``<think>`` in the
@@ -49,7 +52,8 @@ MISTRAL_CALLS = "[TOOL_CALLS]"
 MISTRAL_ARGS = "[ARGS]"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 # the marker a chat template writes -> the parser of that format (Qwen2.5/Hermes, Mistral v3+, Llama 3.1+)
-TEMPLATE_MARKERS = (("<tool_call>", "hermes"), (MISTRAL_CALLS, "mistral"), (PYTHON_TAG, "llama3_json"))
+TEMPLATE_MARKERS = (("<tool_call>", "hermes"), (MISTRAL_CALLS, "mistral"), (PYTHON_TAG, "llama3_json"),
+                    ("<｜tool▁calls▁begin｜>", "deepseek_v3"))
 
 # family (gpu/families.py) -> (tool-call parser, reasoning parser or None), as vLLM's recipes pick them
 FAMILY_DEFAULTS: dict[str, tuple[str, str | None]] = {
@@ -510,7 +514,174 @@ class MistralParser(ToolParser):
                                            for c in calls], ensure_ascii=False)
 
 
-TOOL_PARSERS: dict[str, ToolParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser())}
+DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+_DS_FENCED = re.compile(r"\s*```(?:json)?\s*(.*?)\s*```\s*$", re.S)
+
+
+def _deepseek_call(body: str) -> tuple[str, str] | None:
+    """``(name, arguments text)`` of the text between ``<｜tool▁call▁begin｜>`` and ``<｜tool▁call▁end｜>``: V3's
+    ``function<｜tool▁sep｜>NAME\n```json\nARGS\n````` or V3.1's ``NAME<｜tool▁sep｜>ARGS``; the arguments as
+    written, possibly unclosed. None when no name can be read."""
+    head, sep, rest = body.partition(DS_SEP)
+    if not sep:
+        return None
+    if head.strip() == "function":   # V3: the type, then the name on its own line, then fenced JSON
+        name, _, rest = rest.partition("\n")
+        fenced = _DS_FENCED.match(rest)
+        rest = fenced.group(1) if fenced else rest.strip().removeprefix("```json").removeprefix("```").strip()
+    else:
+        name = head
+    name = name.strip()
+    return (name, rest.strip()) if re.fullmatch(r"[a-zA-Z0-9_.-]{1,64}", name) else None
+
+
+class _DeepSeekStream:
+    """DeepSeek V3 / V3.1: content streams until ``<｜tool▁calls▁begin｜>`` (a tail that may start it is held); after
+    it each ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`` goes out as a call once closed, and content resumes after
+    ``<｜tool▁calls▁end｜>``. Anything else after the marker, or a call that does not parse, makes the rest of the
+    answer content, markers included, at the end."""
+
+    def __init__(self, parallel: bool):
+        self.parallel = parallel
+        self.buffer = ""
+        self.inside = False   # after the calls marker, before its end
+        self.held = ""        # the marker and the raw text since the last call (content if the rest is malformed)
+        self.broken = False
+        self.calls = 0
+        self.sent = False
+
+    def _content(self, text: str, events: list) -> None:
+        if not self.sent:
+            text = text.lstrip()
+        if text:
+            self.sent = True
+            events.append(("content", text))
+
+    def push(self, text: str) -> list[tuple[str, Any]]:
+        self.buffer += text
+        events: list[tuple[str, Any]] = []
+        while not self.broken:
+            if not self.inside:
+                start = self.buffer.find(DS_CALLS_BEGIN)
+                if start < 0:
+                    keep = _suffix(self.buffer, DS_CALLS_BEGIN)
+                    head = self.buffer[:len(self.buffer) - keep]
+                    cut = len(head.rstrip())
+                    self._content(head[:cut], events)
+                    self.buffer = self.buffer[cut:]
+                    return events
+                self._content(self.buffer[:start].rstrip(), events)
+                self.held, self.buffer = DS_CALLS_BEGIN, self.buffer[start + len(DS_CALLS_BEGIN):]
+                self.inside = True
+            if not self._take_calls(events):
+                return events
+        return events
+
+    def _take_calls(self, events: list) -> bool:
+        """Consume closed calls and the end marker; False when more text is needed (or the calls are broken)."""
+        while True:
+            lead = len(self.buffer) - len(self.buffer.lstrip())
+            rest = self.buffer[lead:]
+            if rest.startswith(DS_CALLS_END):
+                self.buffer, self.inside, self.held = rest[len(DS_CALLS_END):], False, ""
+                return True
+            if rest.startswith(DS_CALL_BEGIN):
+                end = rest.find(DS_CALL_END)
+                if end < 0:
+                    return False
+                call = _deepseek_call(rest[len(DS_CALL_BEGIN):end])
+                if call is None or _loads_or_none(call[1]) is None:
+                    self.broken = True
+                    return False
+                if self.parallel or self.calls == 0:
+                    events.append(("call", {"name": call[0], "arguments": _compact(call[1])}))
+                self.calls += 1
+                self.held, self.buffer = DS_CALLS_BEGIN, self.buffer[lead + end + len(DS_CALL_END):]
+                continue
+            if not rest or DS_CALLS_END.startswith(rest) or DS_CALL_BEGIN.startswith(rest):
+                return False
+            self.broken = True
+            return False
+
+    def finish(self, names: tuple[str, ...] | None = None) -> list[tuple[str, Any]]:
+        """The held text, as content; with ``names`` (cut by ``max_tokens``) an unclosed call is the call it began,
+        with its partial arguments."""
+        events: list[tuple[str, Any]] = []
+        if self.inside and not self.broken:
+            if names is not None:
+                call = _deepseek_call(self.buffer.strip().removeprefix(DS_CALL_BEGIN))
+                if call is not None and call[0] in names:
+                    if self.parallel or self.calls == 0:
+                        events.append(("call", {"name": call[0], "arguments": call[1]}))
+                    self.buffer = ""
+            if not self.buffer.strip():   # the calls ended without their end marker: nothing is left over
+                self.inside = False
+        rest = (self.held + self.buffer if self.inside else self.buffer).rstrip()
+        self.buffer, self.held, self.inside = "", "", False
+        self._content(rest, events)
+        return events
+
+
+def _loads_or_none(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _compact(text: str) -> str:
+    return json.dumps(json.loads(text), ensure_ascii=False)
+
+
+class DeepSeekV3Parser(ToolParser):
+    """DeepSeek-V3's calls (``function<｜tool▁sep｜>NAME`` and fenced JSON); reads V3.1's form too."""
+
+    name = "deepseek_v3"
+
+    def stream(self, parallel=True):
+        return _DeepSeekStream(parallel)
+
+    def _call(self, name: str, arguments: str) -> str:
+        return f"{DS_CALL_BEGIN}function{DS_SEP}{name}\n```json\n{arguments}\n```{DS_CALL_END}"
+
+    def _call_rule(self, name: str, schema: str) -> str:
+        return f'"{DS_CALL_BEGIN}function{DS_SEP}{name}\\n```json\\n" %json {schema} "\\n```{DS_CALL_END}"'
+
+    def required_grammar(self, tools, parallel):
+        rules = []
+        for t in tools:
+            schema = dict(hermes.parameters_schema(tools, t["function"]["name"]))
+            schema["x-guidance"] = {"whitespace_flexible": False}
+            rules.append(self._call_rule(t["function"]["name"], json.dumps(schema)))
+        repeat = "+" if parallel else ""
+        return (f'start: "{DS_CALLS_BEGIN}" (call){repeat} "{DS_CALLS_END}"\n'
+                f"call: " + " | ".join(rules) + "\n")
+
+    def instructions(self, tools):
+        example = self._call("NAME", "ARGUMENTS")
+        return ("# Tools\n\nYou can call these functions:\n" + _tools_lines(tools) +
+                f"\n\nTo call functions, write {DS_CALLS_BEGIN}, then each call as {example}, then {DS_CALLS_END}.")
+
+    def render_calls(self, calls):
+        return DS_CALLS_BEGIN + "".join(self._call(c["name"], c["arguments"]) for c in calls) + DS_CALLS_END
+
+
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    """DeepSeek-V3.1's calls (``NAME<｜tool▁sep｜>ARGS``, no type, no fence); reads V3's form too."""
+
+    name = "deepseek_v31"
+
+    def _call(self, name: str, arguments: str) -> str:
+        return f"{DS_CALL_BEGIN}{name}{DS_SEP}{arguments}{DS_CALL_END}"
+
+    def _call_rule(self, name: str, schema: str) -> str:
+        return f'"{DS_CALL_BEGIN}{name}{DS_SEP}" %json {schema} "{DS_CALL_END}"'
+
+
+TOOL_PARSERS: dict[str, ToolParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser(),
+                                                            DeepSeekV3Parser(), DeepSeekV31Parser())}
 
 
 def tool_parser(name: str) -> ToolParser:

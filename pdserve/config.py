@@ -83,7 +83,8 @@ class EngineConfig:
                                       "renders 'tools'); empty = the model's template")
     tool_call_parser: str = _setting("auto", "format of the model's tool calls in chat answers (api/formats.py); "
                                      "auto = by the model's family (README)",
-                                     choices=("auto", "hermes", "llama3_json", "mistral"))
+                                     choices=("auto", "hermes", "llama3_json", "mistral", "deepseek_v3",
+                                              "deepseek_v31"))
     reasoning_parser: str = _setting("auto", "format of the model's reasoning, returned as reasoning_content "
                                      "(api/formats.py); auto = by the model's family, none = no split",
                                      choices=("auto", "none", "qwen3", "deepseek_r1"))

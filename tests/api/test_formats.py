@@ -29,6 +29,12 @@ MISTRAL = ('Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"c
 MISTRAL_V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
 # the same calls as detokenization writes them: [TOOL_CALLS] is a control token, dropped with the special tokens
 MISTRAL_DROPPED = ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+# DeepSeek-V3's template writes type, name and fenced JSON per call; V3.1's the name and the JSON
+DEEPSEEK_V3 = ('Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+               '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n'
+               '```json\n{"zone": "CET"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+DEEPSEEK_V31 = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
+                '<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"zone": "CET"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
 PARIS = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
 CET = {"name": "get_time", "arguments": '{"zone": "CET"}'}
 
@@ -61,6 +67,9 @@ def streamed(parser: str, pieces: list[str], parallel: bool = True):
     ("mistral", MISTRAL, "Let me check.", [PARIS, CET]),
     ("mistral", MISTRAL_V11, None, [PARIS]),
     ("mistral", MISTRAL_DROPPED, None, [PARIS]),
+    ("deepseek_v3", DEEPSEEK_V3, "Let me check.", [PARIS, CET]),
+    ("deepseek_v3", DEEPSEEK_V31, None, [PARIS, CET]),
+    ("deepseek_v31", DEEPSEEK_V31 + "\nDone.", "Done.", [PARIS, CET]),
 ])
 def test_family_formats_complete_and_streamed(parser, text, content, calls):
     assert tool_parser(parser).parse(text) == (content, calls)
@@ -68,7 +77,7 @@ def test_family_formats_complete_and_streamed(parser, text, content, calls):
         got_content, got_calls, events = streamed(parser, pieces)
         assert (got_content, got_calls) == (content, calls), pieces
         for kind, value in events:   # no piece of a marker ever leaks into the content
-            assert kind != "content" or not any(m in value for m in ("<tool_call", "[TOOL_CALLS", "<|python"))
+            assert kind != "content" or not any(m in value for m in ("<tool_call", "[TOOL_CALLS", "<|python", "<｜"))
 
 
 @pytest.mark.parametrize("parser, text", [
@@ -80,6 +89,9 @@ def test_family_formats_complete_and_streamed(parser, text, content, calls):
     ("mistral", '[TOOL_CALLS] [{"nom": "get_weather"}]'),
     ("mistral", '[{"nom": "get_weather"}] is a list'),
     ("mistral", 'See [1] and [{"name": "x", "arguments": {}}]'),   # a list after content needs the marker
+    ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Par'),
+    ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get weather<｜tool▁sep｜>{}<｜tool▁call▁end｜>'),
+    ("deepseek_v31", '<｜tool▁calls▁begin｜>get_weather{"city": "Paris"}<｜tool▁calls▁end｜>'),
 ])
 def test_malformed_calls_are_content(parser, text):
     content, calls = tool_parser(parser).parse(text)
@@ -106,7 +118,8 @@ def test_llama_answer_not_starting_with_a_call_streams_as_content():
 
 @pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
 def test_parallel_false_keeps_the_first_call(parser):
-    text = {"hermes": QWEN, "llama3_json": LLAMA_TAGGED, "mistral": MISTRAL}[parser]
+    text = {"hermes": QWEN, "llama3_json": LLAMA_TAGGED, "mistral": MISTRAL, "deepseek_v3": DEEPSEEK_V3,
+            "deepseek_v31": DEEPSEEK_V31}[parser]
     assert tool_parser(parser).parse(text, parallel=False)[1] == [PARIS]
 
 
@@ -129,7 +142,12 @@ REQUIRED_SAMPLES = {
               '<tool_call>\n{"name":"get_time","arguments":{"zone":"CET"}}\n</tool_call>',
     "llama3_json": '{"name":"get_weather","parameters":{"city":"Paris"}}; {"name":"get_time","parameters":{"zone":"CET"}}',
     "mistral": '[TOOL_CALLS][{"name":"get_weather","arguments":{"city":"Paris"}}, '
-               '{"name":"get_time","arguments":{"zone":"CET"}}]'}
+               '{"name":"get_time","arguments":{"zone":"CET"}}]',
+    "deepseek_v3": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                   '{"city":"Paris"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n'
+                   '```json\n{"zone":"CET"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "deepseek_v31": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city":"Paris"}<｜tool▁call▁end｜>'
+                    '<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"zone":"CET"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'}
 
 
 @pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
@@ -268,6 +286,7 @@ def test_every_family_has_defaults():
     ("llama", "{{ tools }} <tool_call>", ("hermes", None)),   # examples/chatml_tools.jinja on SmolLM2
     ("llama", "{{ tools }} <|python_tag|>", ("llama3_json", None)),   # Llama 3.1's own
     ("qwen2", "{{ tools }} [TOOL_CALLS]", ("mistral", None)),
+    ("llama", "{{ tools }}<｜tool▁calls▁begin｜>", ("deepseek_v3", None)),
 ])
 def test_choice_by_family(family, template, expected):
     assert choose(family, template) == expected
@@ -405,6 +424,11 @@ def test_request_formats_follow_the_prompt_and_chat_template_kwargs(reasoning, c
                     '{"zone": "CE'),
     ("mistral", 'Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                 '{"name": "get_time", "arguments": {"zone": "CE'),
+    ("deepseek_v3", 'Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n'
+                    '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>'
+                    'get_time\n```json\n{"zone": "CE'),
+    ("deepseek_v31", 'Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>'
+                     '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"zone": "CE'),
 ])
 def test_a_call_cut_by_max_tokens_is_a_call_with_partial_arguments(parser, text):
     """As OpenAI returns a call cut by ``length``: the call with the arguments written so far, never markup as
@@ -414,7 +438,7 @@ def test_a_call_cut_by_max_tokens_is_a_call_with_partial_arguments(parser, text)
     finish_choice(OutputFormats(parser), plan, choice)
     assert choice.finish_reason == "length"
     assert [c["function"] for c in choice.tool_calls] == [PARIS, {"name": "get_time", "arguments": '{"zone": "CE'}]
-    assert choice.text == ("Let me check." if parser == "mistral" else None)
+    assert choice.text == ("Let me check." if parser in ("mistral", "deepseek_v3", "deepseek_v31") else None)
     for pieces in chunkings(text, seed=2):
         deltas = ChatDeltas(OutputFormats(parser), plan)
         out = []
