@@ -5,7 +5,7 @@ array element); we read each file once per process and keep the result (``functo
 ``cache_dir`` (the engine's model cache) the header is also kept across processes and runs: a JSON file
 ``<cache_dir>/<file stem>-header-<16 hex digits of sha256(key)>.json`` holding ``{"key", "meta", "tensors"}``,
 the key being (resolved path, size, mtime in ns, the ``gguf`` package's version, :data:`HEADER_FORMAT_VERSION`),
-written to a temporary file and renamed into place; reading it takes ~20 ms. A cache file that does not parse or
+written to a temporary file and renamed into place. A cache file that does not parse or
 carries another key is logged and rewritten, never trusted. Values come from ``ReaderField.contents()``: scalars
 as int/float/bool/str, arrays as lists; all survive JSON unchanged.
 """

@@ -9,7 +9,7 @@ from the grammar and the tokens generated so far (:meth:`GrammarCompiler.matcher
 Per step, for each constrained row: ``allowed_tokens`` (the llguidance token bitmask, unpacked to one bool per
 token) masks the logits in the sampler (gpu.sampling.Sampler, ``allowed=``), then ``accept(token)`` advances the
 matcher. Compiling a grammar is cached per process (LRU keyed by the grammar text; a cached matcher is
-deep-copied, which costs microseconds), so a decode step pays only for the masks (~0.3 ms per row here).
+deep-copied), so a decode step pays only for the masks (one per row).
 
 Closing pressure: a sampled answer that runs into ``max_tokens`` mid-structure is cut and no longer parses. In
 the last ``CLOSE_WITHIN_TOKENS + open depth`` tokens of a request's budget (:meth:`GrammarMatcher.close_within`;

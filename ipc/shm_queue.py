@@ -130,9 +130,9 @@ SEM_SUFFIXES = ("_it", "_fr", "_pm", "_cm", "_rp")
 DEFAULT_LOCK_TIMEOUT_S = 1.0
 RECHECK_S = 1.0  # a waiter re-checks (dead mutex holder; spsc: a commit whose post never came) this often
 # a spsc get_many stops adding frames once it holds this many payload bytes: a batch of large frames stays in
-# L2 until it is decoded (64 frames of 64 KiB copied first and decoded after ran 0.4-0.8x one get() at a time)
+# L2 until it is decoded (copying a batch of frames first and decoding them after was slower)
 GET_MANY_BYTES = 256 * 1024
-DEFAULT_SPIN_S = 50e-6  # a spsc waiter re-reads the counter this long before it sleeps (a wake-up costs ~10 us)
+DEFAULT_SPIN_S = 50e-6  # a spsc waiter re-reads the counter this long before it sleeps (cheaper than a wake-up)
 ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 _dumps, _loads = orjson.dumps, orjson.loads
 SPSC_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
