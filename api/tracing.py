@@ -311,7 +311,7 @@ class RequestTracer:
         self.poll_s, self.settle_ns, self.max_pending = poll_s, int(settle_s * 1e9), max_pending
         self.buffer = EventBuffer(config.request_timeout_s + 60.0)
         self.counts = collections.Counter({"traced": 0, "dropped": 0, "failed": 0, "spans_exported": 0,
-                                           "spans_failed": 0})
+                                           "spans_failed": 0, "recorder_lapped": 0})
         self._incoming: collections.deque[RequestFacts] = collections.deque()
         self._pending: list[RequestFacts] = []
         self._seen: list[int] | None = None
@@ -327,7 +327,7 @@ class RequestTracer:
 
     def start(self) -> None:
         if self.recorder is not None:   # from now on: earlier events belong to no request traced here
-            _, self._seen = self.recorder.events_since(None)
+            _, self._seen, _ = self.recorder.events_since(None)
         self._thread = threading.Thread(target=self._run, name="otel-traces", daemon=True)
         self._thread.start()
 
@@ -356,7 +356,8 @@ class RequestTracer:
         """One poll: read the recorder's new events, emit each pending request whose rows are all released (or
         that waited ``settle_s``; every one when ``final``), forget stale events."""
         if self.recorder is not None:
-            events, self._seen = self.recorder.events_since(self._seen)
+            events, self._seen, lost = self.recorder.events_since(self._seen)
+            self.counts["recorder_lapped"] += lost
             self.buffer.add(events)
         while self._incoming:
             self._pending.append(self._incoming.popleft())
@@ -392,7 +393,7 @@ class RequestTracer:
 
     def collector(self):
         """A prometheus_client collector of ``counts``: pdserve_traces_total{outcome} and
-        pdserve_trace_spans_total{outcome}."""
+        pdserve_trace_spans_total{outcome}, pdserve_trace_recorder_events_lost_total."""
         from prometheus_client.core import CounterMetricFamily
 
         counts = self.counts
@@ -407,7 +408,10 @@ class RequestTracer:
                                             labels=["outcome"])
                 spans.add_metric(["exported"], counts["spans_exported"])
                 spans.add_metric(["failed"], counts["spans_failed"])
-                return [traces, spans]
+                lapped = CounterMetricFamily("pdserve_trace_recorder_events_lost", "flight-recorder events "
+                                             "overwritten before the tracer read them (their spans miss stages)")
+                lapped.add_metric([], counts["recorder_lapped"])
+                return [traces, spans, lapped]
 
         return Collector()
 

@@ -92,7 +92,7 @@ def config(**fields) -> EngineConfig:
 def test_a_finished_request_becomes_a_trace_of_its_stages_under_the_callers_span(ring):
     tracer, exported = sdk_tracer()
     traces = RequestTracer(tracer, ring, config(inflight_timeout_s=2.0), NAMES)
-    _, traces._seen = ring.events_since(None)   # what start() does, without the thread
+    _, traces._seen, _ = ring.events_since(None)   # what start() does, without the thread
     t0 = time.monotonic_ns()
     end = write_life(ring, "chat-1", 3, 7, t0)
     traces.submit(facts_of("chat-1", 3, 7, t0, end, carrier={"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}))
@@ -126,7 +126,7 @@ def test_a_finished_request_becomes_a_trace_of_its_stages_under_the_callers_span
 def test_a_timed_out_request_marks_its_stage_and_the_root_as_errors(ring):
     tracer, exported = sdk_tracer()
     traces = RequestTracer(tracer, ring, config(inflight_timeout_s=2.0), NAMES)
-    _, traces._seen = ring.events_since(None)
+    _, traces._seen, _ = ring.events_since(None)
     t0 = time.monotonic_ns()
     end = write_life(ring, "stuck-1", 0, 1, t0, timeout_in_transfer=True)
     traces.submit(facts_of("stuck-1", 0, 1, t0, end, status=504, reason=None))
@@ -143,7 +143,7 @@ def test_a_timed_out_request_marks_its_stage_and_the_root_as_errors(ring):
 def test_a_request_waits_for_its_rows_release_then_settles_without_it(ring):
     tracer, exported = sdk_tracer()
     traces = RequestTracer(tracer, ring, config(), NAMES, settle_s=1.0)
-    _, traces._seen = ring.events_since(None)
+    _, traces._seen, _ = ring.events_since(None)
     t0 = time.monotonic_ns()
     w = ring.open_writer(API, API)
     w.append(EventKind.ALLOCATE, 5, 2, request_key("open-1"), new=S.QUEUED, t_ns=t0)
@@ -170,7 +170,7 @@ def test_a_full_queue_drops_traces_and_counts_them(ring):
     traces.step(t0 + 2 * MS)
     assert traces.counts["dropped"] == 3 and traces.counts["traced"] == 2
     assert [s.name for s in exported.get_finished_spans()] == ["POST /v1/chat/completions"] * 2   # no recorder
-    (family, _) = traces.collector().collect()
+    (family, _, _) = traces.collector().collect()
     assert {s.labels["outcome"]: s.value for s in family.samples} == {"traced": 2, "dropped": 3, "failed": 0}
 
 
@@ -181,11 +181,11 @@ def test_the_event_buffer_keeps_lives_across_reads_and_forgets_stale_ones(ring):
     w.append(EventKind.TRANSITION, 1, 1, 11, t_ns=5 * MS)
     w.append(EventKind.ALLOCATE, 1, 1, 11, t_ns=1 * MS)
     w.append(EventKind.ALLOCATE, 2, 1, 22, t_ns=2 * MS)
-    events, seen = ring.events_since(seen)
+    events, seen, _ = ring.events_since(seen)
     buf.add(events)
     w.append(EventKind.RELEASE, 1, 1, 11, t_ns=9 * MS)
     w.append(EventKind.TRANSITION, -1, 0, 0, t_ns=9 * MS)   # no row: not kept
-    events, seen = ring.events_since(seen)
+    events, seen, _ = ring.events_since(seen)
     buf.add(events)
     assert buf.released((1, 1)) and not buf.released((2, 1)) and set(buf.lives) == {(1, 1), (2, 1)}
     assert buf.take((1, 1))["t_ns"].tolist() == [1 * MS, 5 * MS, 9 * MS] and buf.take((1, 1)) is None
