@@ -21,9 +21,9 @@ import numpy as np
 
 def main() -> int:
     from actors.incidents import Incident, IncidentWriter, LogTail
-    from ipc import naming, recorder
+    from ipc import naming
     from ipc.manifest import write_manifest
-    from ipc.recorder import Recorder
+    from ipc.recorder import EventKind, Recorder, request_key
     from ipc.state_table import RequestState as S
     from ipc.state_table import StateTable
 
@@ -36,12 +36,13 @@ def main() -> int:
     table = StateTable.create(seg["state"], 32)
     directory = tempfile.mkdtemp(prefix="pdserve-incidents-")
     try:
-        recorder.install(ring, 0, 2)
-        for i in range(7000):
-            slot, gen = table.allocate(f"req-{i}", prompt_tokens=3, deadline_ns=0)
-            table.transition(slot, gen, S.PREFILLING)
-            table.transition(slot, gen, S.FAILED)
-            table.release(slot, gen)
+        writer = ring.open_writer(0, actor=2)
+        for i in range(7000):   # a row life's events, as the state table records them
+            key, slot, gen = request_key(f"req-{i}"), i % 32, i // 32 + 1
+            writer.append(EventKind.ALLOCATE, slot, gen, key, new=int(S.QUEUED))
+            writer.append(EventKind.TRANSITION, slot, gen, key, old=int(S.QUEUED), new=int(S.PREFILLING))
+            writer.append(EventKind.TRANSITION, slot, gen, key, old=int(S.PREFILLING), new=int(S.FAILED))
+            writer.append(EventKind.RELEASE, slot, gen, key, old=int(S.FAILED))
 
         def tick() -> None:
             rows = table.snapshot()
@@ -78,7 +79,6 @@ def main() -> int:
               f"{len(writer.written)} bundles of {len(reports)} asked, {statistics.mean(sizes) / 1e3:.0f} kB each")
         return 0
     finally:
-        recorder.install(None, 0, 0)
         for segment in (table, ring, manifest):
             segment.close()
             segment.unlink()
