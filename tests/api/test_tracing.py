@@ -3,6 +3,7 @@ actors write it, the tracer's thread logic stepped by hand, spans through the Op
 in-memory exporter; and the config refusing the endpoint without the ``otel`` extra."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import sys
@@ -10,7 +11,8 @@ import time
 
 import pytest
 
-from api.tracing import EventBuffer, QuietSdkLog, RequestFacts, RequestTracer, otlp_url, span_plan
+from api.tracing import (INCOMING, EventBuffer, QuietSdkLog, RequestFacts, RequestTracer, TraceContextMiddleware,
+                         otlp_url, span_plan)
 from ipc import naming
 from ipc.recorder import EventKind, Recorder, TimeoutReason, request_key
 from ipc.state_table import RequestState as S
@@ -237,3 +239,27 @@ def test_the_sdks_log_records_are_let_through_once_a_minute_saying_how_many_were
     assert kept.getMessage() == ("Failed to export batch (and 5 more OpenTelemetry log records left out in the last "
                                  "61 s)")
     assert not quiet.filter(record(sdk))
+
+
+def test_the_routers_middleware_hands_the_callers_trace_headers_to_the_tasks_a_request_starts():
+    """What api/router_client.py sends the nodes: INCOMING, read in a task started while the request is served
+    (as RouterClient.submit starts its prefill call), is that request's traceparent/tracestate and nothing else;
+    outside a request it is empty."""
+    seen = []
+
+    async def app(scope, receive, send):
+        async def call_a_node():
+            await asyncio.sleep(0)
+            seen.append(dict(INCOMING.get()))
+        await asyncio.create_task(call_a_node())
+
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    scope = {"type": "http", "headers": [(b"traceparent", parent.encode()), (b"tracestate", b"k=v"),
+                                         (b"x-request-id", b"r1")]}
+
+    async def serve_two():
+        wrapped = TraceContextMiddleware(app)
+        await asyncio.gather(wrapped(scope, None, None), wrapped({"type": "http", "headers": []}, None, None))
+        seen.append(dict(INCOMING.get()))
+    asyncio.run(serve_two())
+    assert seen == [{"traceparent": parent, "tracestate": "k=v"}, {}, {}]

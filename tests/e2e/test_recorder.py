@@ -38,11 +38,12 @@ FAULTS = "transfer_stuck:match=stuck-;router_count_drift:count_delta=1,match=dri
 
 
 class OtlpCollector:
-    """A real OTLP/HTTP trace receiver on ``port``: each POST's ExportTraceServiceRequest is decoded with
+    """A real OTLP/HTTP trace receiver on ``host``:``port``: each POST's ExportTraceServiceRequest is decoded with
     opentelemetry-proto and its spans kept. ``hang()``: exports are held unanswered until ``answer()``; ``stop()``
-    closes the port (connections refused), ``start()`` opens it again."""
+    closes the port (connections refused), ``start()`` opens it again. (tests/multinode uses it too.)"""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.port = free_port()
         self.spans: list = []
         self.lock = threading.Lock()
@@ -73,7 +74,7 @@ class OtlpCollector:
             def log_message(self, *args) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server = ThreadingHTTPServer((self.host, self.port), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
