@@ -112,22 +112,23 @@ def record_timeout(expired) -> None:
                    aux=int(TimeoutReason[expired.reason.upper()]))
 
 
-def diverging_text(rows: np.ndarray, api_actor: int) -> str:
+def diverging_text(rows: np.ndarray, api_actor: int) -> tuple[str, list[str]]:
     """Which ids the API holds that the table does not and the reverse, from the flight recorder
-    (ipc/timeline.py's ``diverging_ids``), for the mismatch log line."""
+    (ipc/timeline.py's ``diverging_ids``), for the mismatch log line; and those ids (for the incident bundle)."""
     from ipc.recorder import installed
     from ipc.timeline import diverging_ids
 
     writer = installed()
     if writer is None:
-        return "no flight recorder to name the ids (recorder_events=0)"
+        return "no flight recorder to name the ids (recorder_events=0)", []
     diff = diverging_ids(writer.recorder.events(), rows, api_actor)
+    named = [e["request_id"] for e in diff["api_only"] + diff["table_only"] if e["request_id"]]
 
     def ids(entries) -> str:
         return ", ".join(e["request_id"] or f"slot {e['slot']} gen {e['generation']} key {e['key']}"
                          for e in entries[:10]) or "none"
     return (f"ids the API holds and the table does not: {ids(diff['api_only'])}; the table holds and the API does "
-            f"not: {ids(diff['table_only'])} (their timelines: tools/inspect --reconcile)")
+            f"not: {ids(diff['table_only'])} (their timelines: tools/inspect --reconcile)"), named
 
 
 def table_counts_by_actor(rows: np.ndarray, indices) -> dict[int, int]:
@@ -184,6 +185,29 @@ class HeartbeatMonitor(Actor):
 
             self.ledger = ConnectionLedger.attach(self.layout.segment("conns"))
             self.conn_watch, self.conn_flags = ConnectionWatch(), {}
+        self.incidents = None             # incident bundles (actors/incidents.py), with an incident_dir
+        if self.config.incident_dir:
+            from actors.incidents import IncidentWriter, LogTail
+
+            self.log_tail = LogTail()
+            logging.getLogger().addHandler(self.log_tail)
+            self.incidents = IncidentWriter(self.layout.engine_id, self.config.incident_dir,
+                                            self.config.incident_min_interval_s, self.config.incident_dir_max_bytes,
+                                            self.log_tail)
+
+    def on_stop(self) -> None:
+        if self.incidents is not None:
+            self.incidents.close()
+
+    def incident(self, kind: str, detail: str, request_ids=(), expired=None) -> None:
+        """Hand an incident to the bundle writer (never blocks; rate-limited there); a no-op without one."""
+        if self.incidents is None:
+            return
+        from actors.incidents import Incident, timeout_incident
+
+        base_url = f"http://{self.config.host}:{self.layout.http_port}"
+        self.incidents.report(timeout_incident(expired, base_url) if expired is not None else
+                              Incident(kind, detail, [r for r in request_ids if r], base_url=base_url))
 
     def run_once(self) -> None:
         delay_ns = self.next_tick_ns - time.monotonic_ns()
@@ -267,6 +291,7 @@ class HeartbeatMonitor(Actor):
         owner = names[expired.owner] if 0 <= expired.owner < len(names) else "none"
         log.warning("timeout: request=%s stage=%s age_s=%.3f owner=%s reason=%s", expired.request_id,
                     expired.stage.name.lower(), expired.age_s, owner, expired.reason)
+        self.incident("timeout", expired.message(), expired=expired)
 
     def check_actors(self, rows: np.ndarray, now_ns: int) -> None:
         from actors.watchdog import classify_actor
@@ -285,6 +310,11 @@ class HeartbeatMonitor(Actor):
                 self.logged_health[index] = health
                 level = logging.INFO if health in (ActorHealth.OK, ActorHealth.UNKNOWN) else logging.ERROR
                 log.log(level, "actor %s (pid %d) is %s", self.topology.names[index], pid, health.name.lower())
+                if health in (ActorHealth.DEAD, ActorHealth.HUNG):
+                    held = np.flatnonzero(held_mask(rows, self.topology, index))
+                    self.incident("actor", f"actor {self.topology.names[index]} (pid {pid}) is "
+                                  f"{health.name.lower()}", [rows["request_id"][s].decode(errors="replace")
+                                                             for s in held[:20]])
             self.actors.set_health(index, health)
             verdicts[index] = (health, (now_ns - int(row["heartbeat_ns"])) / 1e9)
         for index, (health, age_s) in verdicts.items():
@@ -314,6 +344,9 @@ class HeartbeatMonitor(Actor):
                 age = (now_ns - oldest[1]) / 1e9 if oldest else 0.0
                 log.error("stuck gauge %s=%d: nothing left the stage for %.1f s; oldest request %s (%.1f s)",
                           name, g.value, (now_ns - g.moved_ns) / 1e9, rid, age)
+                self.incident("stuck_gauge", f"stuck gauge {name}={g.value}: nothing left the stage for "
+                              f"{(now_ns - g.moved_ns) / 1e9:.1f} s; oldest request {rid} ({age:.1f} s)",
+                              [rid] if oldest else [])
             rec["stuck"][i] = int(g.stuck)
             rec["gauge_nonzero_since_ns"][i] = g.nonzero_since_ns
             rec["gauge_moved_ns"][i] = g.moved_ns
@@ -329,6 +362,8 @@ class HeartbeatMonitor(Actor):
             if flag and not rec["mismatch"][i]:
                 log.error("gauge mismatch %s: actors count %d, the state table %d (the table wins)", name,
                           own[i], tracked[name].value)
+                self.incident("gauge_mismatch", f"gauge mismatch {name}: actors count {own[i]}, the state table "
+                              f"{tracked[name].value}")
             rec["mismatch"][i] = int(flag)
 
     def check_router_counts(self, rows: np.ndarray, actor_rows: list[dict]) -> None:
@@ -344,9 +379,11 @@ class HeartbeatMonitor(Actor):
             self.router_mismatch_ticks[index] = 0 if agree else self.router_mismatch_ticks[index] + 1
             flag = self.router_mismatch_ticks[index] >= ROUTER_MISMATCH_TICKS
             if flag and not row["router_mismatch"]:
+                text, ids = diverging_text(rows, self.topology.api)
                 log.error("router count mismatch for actor %s: the router counts %d requests on it, the state "
-                          "table %d (the table wins); %s", row["name"], routed, table_counts[index],
-                          diverging_text(rows, self.topology.api))
+                          "table %d (the table wins); %s", row["name"], routed, table_counts[index], text)
+                self.incident("router_mismatch", f"router count mismatch for actor {row['name']}: the router "
+                              f"counts {routed}, the state table {table_counts[index]}", ids)
             if flag != bool(row["router_mismatch"]):
                 self.actors.set_router_mismatch(index, flag)
 

@@ -199,6 +199,14 @@ def node_timeout(handle: RequestHandle) -> PdserveError:
     return RequestTimeoutError(f"request {handle.request.request_id} passed its deadline waiting for its KV")
 
 
+def note_trace(scope: dict, handles: list[RequestHandle]) -> None:
+    """Give the internal call's trace note (api/tracing.py, when tracing is on) its rows, so this node exports the
+    request's stages under the ``traceparent`` the router sent (one trace across the router's nodes)."""
+    trace = scope.get("pdserve.trace")
+    if trace is not None:
+        trace.handles = list(handles)
+
+
 def error_json(error: PdserveError) -> JSONResponse:
     return JSONResponse(error_body(error), status_code=error.http_status)
 
@@ -244,6 +252,7 @@ class NodeRoutes:
         try:
             gen = generation_request((await self._body(request)).get("request"), self.limits)
             handles = self.client.submit(gen, remote_decode=True)
+            note_trace(request.scope, handles)
             readies = [await self._kv_ready(h, request) for h in handles]
             answer = {"engine_id": self.engine_id, "rows": [list(h.key) for h in handles],
                       "kv_ready": [to_wire(r) for r in readies],
@@ -323,6 +332,7 @@ class NodeRoutes:
                 raise InvalidRequestError(f"'kv_ready' is not a KVReady frame ({exc})") from None
             self.limits.check_kv_ready(ready)
             handle = self.client.admit_prefilled(gen, ready, gen.timeout_s)
+            note_trace(request.scope, [handle])
         except PdserveError as exc:
             return error_json(exc)
         return StreamingResponse(self._stream(handle), media_type="application/x-ndjson")

@@ -30,6 +30,7 @@ from api.engine_client import wait_event
 from api.flight import Effect, Flight
 from api.node_api import request_wire
 from api.protocol import GenerationRequest
+from api.tracing import INCOMING
 from ipc.cache_summary import decode_words, leading_run
 from pdserve.errors import EngineOverloadedError, InvalidRequestError, PdserveError
 
@@ -298,7 +299,8 @@ class RouterClient:
         try:
             resp = await asyncio.wait_for(self.http.post(node.url + path, content=orjson.dumps(body),
                                                          timeout=timeout_s,
-                                                         headers={"content-type": "application/json"}),
+                                                         headers={"content-type": "application/json",
+                                                                  **INCOMING.get()}),
                                           timeout_s + 1.0)
         except (httpx.HTTPError, asyncio.TimeoutError) as exc:
             if isinstance(exc, httpx.ConnectError):   # nothing listens there: route elsewhere until it answers
@@ -344,7 +346,8 @@ class RouterClient:
         timeout = httpx.Timeout(5.0, read=max(handle.deadline_s - time.monotonic(), 0.0) + 5.0)
         try:
             async with self.http.stream("POST", node.url + "/internal/decode", content=orjson.dumps(body),
-                                        timeout=timeout, headers={"content-type": "application/json"}) as resp:
+                                        timeout=timeout,
+                                        headers={"content-type": "application/json", **INCOMING.get()}) as resp:
                 if resp.status_code != 200:
                     self._answer(node, "/internal/decode", resp.status_code, await resp.aread())
                 async for line in resp.aiter_lines():

@@ -11,6 +11,7 @@ recorder's timelines (ipc/timeline.py) and exported over OTLP/HTTP by the SDK's 
 | `RequestTracer`   | the thread: reads new recorder events, waits for a request's rows to be released, emits |
 | `start_tracer`    | the SDK's TracerProvider + BatchSpanProcessor(OTLP/HTTP exporter) for the config        |
 | `QuietSdkLog`     | a log filter: one OpenTelemetry SDK record a minute (a down collector logs every retry) |
+| `TraceContextMiddleware` | ASGI (the router): the request's W3C trace headers in ``INCOMING`` for its calls to nodes |
 
 A trace: the HTTP request's SERVER span (the caller's ``traceparent`` as its parent), with the gen_ai semantic
 conventions' attributes (model, usage, finish reasons; vLLM's ``gen_ai.latency.*`` for TTFT, queue time, e2e),
@@ -23,6 +24,7 @@ and counts it; a slow or dead collector only fills the BatchSpanProcessor's own 
 from __future__ import annotations
 
 import collections
+import contextvars
 import logging
 import os
 import threading
@@ -45,6 +47,16 @@ SETTLE_S = 2.0                     # longest a finished request waits for its ro
 KEEP_RELEASED_S = 30.0             # a released row life no request claimed is forgotten after this
 MAX_PENDING = 4096                 # finished requests waiting to be traced; past it their traces are dropped
 EXPORT_TIMEOUT_S = 5.0             # one OTLP/HTTP export (retries included) gives up after this
+TRACE_HEADERS = (b"traceparent", b"tracestate")
+# the W3C trace-context headers of the HTTP request being served (the router forwards them to the nodes; tasks
+# started while serving it inherit the value)
+INCOMING: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("pdserve_trace_headers", default={})
+
+
+def trace_headers(scope: dict) -> dict[str, str]:
+    """The W3C trace-context headers (``traceparent``, ``tracestate``) of an ASGI ``scope``, lower-case names."""
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or ()
+            if k.lower() in TRACE_HEADERS}
 
 
 @dataclass
@@ -311,7 +323,7 @@ class RequestTracer:
         self.poll_s, self.settle_ns, self.max_pending = poll_s, int(settle_s * 1e9), max_pending
         self.buffer = EventBuffer(config.request_timeout_s + 60.0)
         self.counts = collections.Counter({"traced": 0, "dropped": 0, "failed": 0, "spans_exported": 0,
-                                           "spans_failed": 0})
+                                           "spans_failed": 0, "recorder_lapped": 0})
         self._incoming: collections.deque[RequestFacts] = collections.deque()
         self._pending: list[RequestFacts] = []
         self._seen: list[int] | None = None
@@ -327,7 +339,7 @@ class RequestTracer:
 
     def start(self) -> None:
         if self.recorder is not None:   # from now on: earlier events belong to no request traced here
-            _, self._seen = self.recorder.events_since(None)
+            _, self._seen, _ = self.recorder.events_since(None)
         self._thread = threading.Thread(target=self._run, name="otel-traces", daemon=True)
         self._thread.start()
 
@@ -356,7 +368,8 @@ class RequestTracer:
         """One poll: read the recorder's new events, emit each pending request whose rows are all released (or
         that waited ``settle_s``; every one when ``final``), forget stale events."""
         if self.recorder is not None:
-            events, self._seen = self.recorder.events_since(self._seen)
+            events, self._seen, lost = self.recorder.events_since(self._seen)
+            self.counts["recorder_lapped"] += lost
             self.buffer.add(events)
         while self._incoming:
             self._pending.append(self._incoming.popleft())
@@ -392,7 +405,7 @@ class RequestTracer:
 
     def collector(self):
         """A prometheus_client collector of ``counts``: pdserve_traces_total{outcome} and
-        pdserve_trace_spans_total{outcome}."""
+        pdserve_trace_spans_total{outcome}, pdserve_trace_recorder_events_lost_total."""
         from prometheus_client.core import CounterMetricFamily
 
         counts = self.counts
@@ -407,7 +420,10 @@ class RequestTracer:
                                             labels=["outcome"])
                 spans.add_metric(["exported"], counts["spans_exported"])
                 spans.add_metric(["failed"], counts["spans_failed"])
-                return [traces, spans]
+                lapped = CounterMetricFamily("pdserve_trace_recorder_events_lost", "flight-recorder events "
+                                             "overwritten before the tracer read them (their spans miss stages)")
+                lapped.add_metric([], counts["recorder_lapped"])
+                return [traces, spans, lapped]
 
         return Collector()
 
@@ -437,6 +453,25 @@ def emit(tracer, plan: list[SpanSpec], facts: RequestFacts) -> None:
 
 # ---- the HTTP side ------------------------------------------------------------------------------------------------
 
+class TraceContextMiddleware:
+    """Plain ASGI for `pdserve router`: sets ``INCOMING`` to the request's trace headers while it is served, so the
+    router's calls to the nodes (api/router_client.py) carry the client's ``traceparent`` and both nodes' traces
+    join the client's trace."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        token = INCOMING.set(trace_headers(scope))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            INCOMING.reset(token)
+
+
 class TraceMiddleware:
     """Plain ASGI: a ``TraceNote`` per HTTP request in ``scope["pdserve.trace"]``; when the exchange ends (the
     app returned), a request the engine admitted goes to ``tracer.submit``."""
@@ -449,8 +484,7 @@ class TraceMiddleware:
             await self.app(scope, receive, send)
             return
         start_ns = time.monotonic_ns()
-        carrier = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or ()
-                   if k.lower() in (b"traceparent", b"tracestate")}
+        carrier = trace_headers(scope)
         note = TraceNote(start_ns, time.time_ns() - start_ns, scope.get("method", ""), scope.get("path", ""),
                          carrier)
         scope["pdserve.trace"] = note

@@ -184,6 +184,15 @@ class EngineConfig:
                                          "request's trace is exported to: its HTTP span and one span per stage, "
                                          "from the flight recorder; a URL without a path gets /v1/traces (as "
                                          "http://collector:4318); needs pip install .[otel] (README); empty = off")
+    incident_dir: str = _setting("", "directory the monitor writes an incident bundle into (a tar.gz: the inspect "
+                                 "snapshot, the involved requests' timelines, config, versions, its recent log "
+                                 "lines, a replay recipe; tools/inspect --bundle DIR reads them) when it times a "
+                                 "request out or flags a dead/hung actor, a stuck gauge or a count mismatch; "
+                                 "empty = off")
+    incident_min_interval_s: float = _setting(60.0, "at most one incident bundle this often (the incidents in "
+                                              "between are counted in the next one)", _non_negative, ">= 0")
+    incident_dir_max_bytes: int = _setting(256 << 20, "the incident bundles kept in incident_dir: the oldest are "
+                                           "deleted beyond this total", _positive, "> 0")
     faults: str = _setting("", "fault injection spec (see pdserve/faults.py); empty = none")
     drain_timeout_s: float = _setting(10.0, "on SIGTERM, how long running requests may finish", _non_negative,
                                       ">= 0")

@@ -9,6 +9,7 @@ memory, or over HTTP from any number of nodes (and routers) through their ``GET 
     python -m tools.inspect --url http://10.0.0.5:8000 --url http://10.0.0.6:8000 [--json] [--watch]
     python -m tools.inspect --request ID | --recent N | --failed | --slowest N | --trace-out FILE  (tools/timelines.py)
     python -m tools.inspect ENGINE_ID --bundle FILE [--recent N]   # a tar.gz for a bug report (tools/bundle.py)
+    python -m tools.inspect --bundle EXISTING_FILE_OR_INCIDENT_DIR [--json]   # read a bundle back (the newest)
 
 Local mode never goes through HTTP and never writes: every segment is mapped read-only, so it answers while the
 API process is wedged and cannot disturb the engine. ``--url`` asks each URL's ``/debug/state`` (the same snapshot,
@@ -53,6 +54,7 @@ seconds; ``in_flight``: the router's count of requests it sent that node; a node
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -382,9 +384,23 @@ def add_timeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-s", type=float, help="--trace-out: only requests started this recently")
     parser.add_argument("--reconcile", action="store_true", help="the ids the API holds that the state table "
                         "does not, and the reverse, with their timelines (exit 1 if any)")
-    parser.add_argument("--bundle", metavar="FILE", help="write a tar.gz of the engine's evidence for a bug report: "
-                        "state snapshot, config, recent (--recent N, default 200) and failed timelines, connection "
-                        "ledger (tools/bundle.py)")
+    parser.add_argument("--bundle", metavar="PATH", help="a new PATH: write a tar.gz of the engine's evidence for a "
+                        "bug report: state snapshot, config, recent (--recent N, default 200) and failed timelines, "
+                        "connection ledger; an existing bundle, or an incident_dir (its newest): print it "
+                        "(tools/bundle.py)")
+
+
+def _main_list() -> int:
+    """--list: reclaim the engines whose supervisor is gone, then list the running ones."""
+    from ipc.manifest import reclaim_stale_engines, running_engines
+
+    for gone in reclaim_stale_engines():   # engines whose supervisor is gone are not listed: their memory is freed
+        print(f"reclaimed engine {gone['engine_id']} ({gone['why']}): {gone['segments']} segments, "
+              f"{gone['semaphores']} semaphores, {gone['bytes']} bytes", file=sys.stderr)
+    engines = running_engines()
+    for line in list_lines(engines):
+        print(line)
+    return EXIT_OK if engines else EXIT_NO_ENGINE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -413,15 +429,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         return _main_urls(args, console)
     if args.list:
-        from ipc.manifest import reclaim_stale_engines
+        return _main_list()
+    if args.bundle and os.path.exists(args.bundle):   # an existing bundle, or incident_dir: read it back
+        from tools.bundle import main_read_bundle
 
-        for gone in reclaim_stale_engines():   # engines whose supervisor is gone are not listed: their memory is freed
-            print(f"reclaimed engine {gone['engine_id']} ({gone['why']}): {gone['segments']} segments, "
-                  f"{gone['semaphores']} semaphores, {gone['bytes']} bytes", file=sys.stderr)
-        engines = running_engines()
-        for line in list_lines(engines):
-            print(line)
-        return EXIT_OK if engines else EXIT_NO_ENGINE
+        return main_read_bundle(args.bundle, args.json)
     engine_id = _choose_engine(args.engine_id)
     if engine_id is None:
         engines = running_engines()

@@ -3,6 +3,7 @@ actors write it, the tracer's thread logic stepped by hand, spans through the Op
 in-memory exporter; and the config refusing the endpoint without the ``otel`` extra."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import sys
@@ -10,7 +11,8 @@ import time
 
 import pytest
 
-from api.tracing import EventBuffer, QuietSdkLog, RequestFacts, RequestTracer, otlp_url, span_plan
+from api.tracing import (INCOMING, EventBuffer, QuietSdkLog, RequestFacts, RequestTracer, TraceContextMiddleware,
+                         otlp_url, span_plan)
 from ipc import naming
 from ipc.recorder import EventKind, Recorder, TimeoutReason, request_key
 from ipc.state_table import RequestState as S
@@ -92,7 +94,7 @@ def config(**fields) -> EngineConfig:
 def test_a_finished_request_becomes_a_trace_of_its_stages_under_the_callers_span(ring):
     tracer, exported = sdk_tracer()
     traces = RequestTracer(tracer, ring, config(inflight_timeout_s=2.0), NAMES)
-    _, traces._seen = ring.events_since(None)   # what start() does, without the thread
+    _, traces._seen, _ = ring.events_since(None)   # what start() does, without the thread
     t0 = time.monotonic_ns()
     end = write_life(ring, "chat-1", 3, 7, t0)
     traces.submit(facts_of("chat-1", 3, 7, t0, end, carrier={"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}))
@@ -126,7 +128,7 @@ def test_a_finished_request_becomes_a_trace_of_its_stages_under_the_callers_span
 def test_a_timed_out_request_marks_its_stage_and_the_root_as_errors(ring):
     tracer, exported = sdk_tracer()
     traces = RequestTracer(tracer, ring, config(inflight_timeout_s=2.0), NAMES)
-    _, traces._seen = ring.events_since(None)
+    _, traces._seen, _ = ring.events_since(None)
     t0 = time.monotonic_ns()
     end = write_life(ring, "stuck-1", 0, 1, t0, timeout_in_transfer=True)
     traces.submit(facts_of("stuck-1", 0, 1, t0, end, status=504, reason=None))
@@ -143,7 +145,7 @@ def test_a_timed_out_request_marks_its_stage_and_the_root_as_errors(ring):
 def test_a_request_waits_for_its_rows_release_then_settles_without_it(ring):
     tracer, exported = sdk_tracer()
     traces = RequestTracer(tracer, ring, config(), NAMES, settle_s=1.0)
-    _, traces._seen = ring.events_since(None)
+    _, traces._seen, _ = ring.events_since(None)
     t0 = time.monotonic_ns()
     w = ring.open_writer(API, API)
     w.append(EventKind.ALLOCATE, 5, 2, request_key("open-1"), new=S.QUEUED, t_ns=t0)
@@ -170,7 +172,7 @@ def test_a_full_queue_drops_traces_and_counts_them(ring):
     traces.step(t0 + 2 * MS)
     assert traces.counts["dropped"] == 3 and traces.counts["traced"] == 2
     assert [s.name for s in exported.get_finished_spans()] == ["POST /v1/chat/completions"] * 2   # no recorder
-    (family, _) = traces.collector().collect()
+    (family, _, _) = traces.collector().collect()
     assert {s.labels["outcome"]: s.value for s in family.samples} == {"traced": 2, "dropped": 3, "failed": 0}
 
 
@@ -181,11 +183,11 @@ def test_the_event_buffer_keeps_lives_across_reads_and_forgets_stale_ones(ring):
     w.append(EventKind.TRANSITION, 1, 1, 11, t_ns=5 * MS)
     w.append(EventKind.ALLOCATE, 1, 1, 11, t_ns=1 * MS)
     w.append(EventKind.ALLOCATE, 2, 1, 22, t_ns=2 * MS)
-    events, seen = ring.events_since(seen)
+    events, seen, _ = ring.events_since(seen)
     buf.add(events)
     w.append(EventKind.RELEASE, 1, 1, 11, t_ns=9 * MS)
     w.append(EventKind.TRANSITION, -1, 0, 0, t_ns=9 * MS)   # no row: not kept
-    events, seen = ring.events_since(seen)
+    events, seen, _ = ring.events_since(seen)
     buf.add(events)
     assert buf.released((1, 1)) and not buf.released((2, 1)) and set(buf.lives) == {(1, 1), (2, 1)}
     assert buf.take((1, 1))["t_ns"].tolist() == [1 * MS, 5 * MS, 9 * MS] and buf.take((1, 1)) is None
@@ -237,3 +239,27 @@ def test_the_sdks_log_records_are_let_through_once_a_minute_saying_how_many_were
     assert kept.getMessage() == ("Failed to export batch (and 5 more OpenTelemetry log records left out in the last "
                                  "61 s)")
     assert not quiet.filter(record(sdk))
+
+
+def test_the_routers_middleware_hands_the_callers_trace_headers_to_the_tasks_a_request_starts():
+    """What api/router_client.py sends the nodes: INCOMING, read in a task started while the request is served
+    (as RouterClient.submit starts its prefill call), is that request's traceparent/tracestate and nothing else;
+    outside a request it is empty."""
+    seen = []
+
+    async def app(scope, receive, send):
+        async def call_a_node():
+            await asyncio.sleep(0)
+            seen.append(dict(INCOMING.get()))
+        await asyncio.create_task(call_a_node())
+
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    scope = {"type": "http", "headers": [(b"traceparent", parent.encode()), (b"tracestate", b"k=v"),
+                                         (b"x-request-id", b"r1")]}
+
+    async def serve_two():
+        wrapped = TraceContextMiddleware(app)
+        await asyncio.gather(wrapped(scope, None, None), wrapped({"type": "http", "headers": []}, None, None))
+        seen.append(dict(INCOMING.get()))
+    asyncio.run(serve_two())
+    assert seen == [{"traceparent": parent, "tracestate": "k=v"}, {}, {}]

@@ -38,11 +38,12 @@ FAULTS = "transfer_stuck:match=stuck-;router_count_drift:count_delta=1,match=dri
 
 
 class OtlpCollector:
-    """A real OTLP/HTTP trace receiver on ``port``: each POST's ExportTraceServiceRequest is decoded with
+    """A real OTLP/HTTP trace receiver on ``host``:``port``: each POST's ExportTraceServiceRequest is decoded with
     opentelemetry-proto and its spans kept. ``hang()``: exports are held unanswered until ``answer()``; ``stop()``
-    closes the port (connections refused), ``start()`` opens it again."""
+    closes the port (connections refused), ``start()`` opens it again. (tests/multinode uses it too.)"""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.port = free_port()
         self.spans: list = []
         self.lock = threading.Lock()
@@ -73,7 +74,7 @@ class OtlpCollector:
             def log_message(self, *args) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server = ThreadingHTTPServer((self.host, self.port), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -125,9 +126,12 @@ def collector():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, collector):
     traced = ("--otlp-traces-endpoint", f"http://127.0.0.1:{collector.port}") if OTEL else ()
+    incidents = tmp_path_factory.mktemp("incidents")
     eng = start_engine(tmp_path_factory.mktemp("recorder"), "--max-queued-requests", str(MAX_QUEUED), *traced,
                        env={"PDSERVE_FAULTS": FAULTS,
-                            "PDSERVE_INFLIGHT_TIMEOUT_S": str(INFLIGHT_TIMEOUT_S), "PDSERVE_MONITOR_TICK_S": "0.5"})
+                            "PDSERVE_INFLIGHT_TIMEOUT_S": str(INFLIGHT_TIMEOUT_S), "PDSERVE_MONITOR_TICK_S": "0.5",
+                            "PDSERVE_INCIDENT_DIR": str(incidents), "PDSERVE_INCIDENT_MIN_INTERVAL_S": "0"})
+    eng.incident_dir = incidents
     yield eng
     cleanup_engine(eng)
 
@@ -338,3 +342,71 @@ def test_a_router_count_drift_is_logged_with_the_ids_each_side_holds(engine, pro
     shown = inspect(engine, "--reconcile", "--json")
     assert shown.returncode == 0, shown.stdout
     assert orjson.loads(shown.stdout) == {"api_only": [], "table_only": []}
+
+
+def incident_bundles(directory) -> list[dict]:
+    """Every incident bundle in ``directory``, read back."""
+    from tools.bundle import read_bundle
+
+    return [read_bundle(str(p)) for p in sorted(directory.glob("incident-*.tar.gz"))]
+
+
+def bundle_of(directory, request_id: str) -> dict | None:
+    return next((b for b in incident_bundles(directory) if request_id in b["incident.json"]["request_ids"]), None)
+
+
+def multiround(argv: list[str], report) -> dict:
+    run = subprocess.run([sys.executable, "-m", "tools.multiround", *argv, "--json", str(report)], cwd=ROOT,
+                         capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stdout.decode()[-3000:] + run.stderr.decode()[-3000:]
+    return orjson.loads(report.read_bytes())
+
+
+def test_the_outage_one_keep_alive_connection_24_rounds_a_transfer_stuck_at_round_7(engine, tmp_path):
+    """The outage's case (scenario S14 in full): one session, 24 rounds on one keep-alive connection, the transfer
+    of round 7 (multiround's index 6) never completes and nothing else runs. Afterwards the recorder gives its
+    timeline (the row long reused), the 504 named the id, the monitor wrote an incident bundle for the timeout,
+    and that bundle's replay recipe, run against a fresh engine, gives a 504 at the same stage."""
+    rid = "stuck-s0r6"
+    report = multiround(["--base-url", engine.base_url, "--sessions", "1", "--rounds", "24", "--inject-round", "6",
+                         "--inject-id-prefix", "stuck-", "--round-timeout-s", "60"], tmp_path / "outage.json")
+    assert report["rounds_ok"] == 23 and report["connections_opened"] == 1 and not report["errors"], report
+    (expected,) = report["expected_errors"]
+    assert expected["round"] == 6 and expected["status"] == 504 and rid in expected["error"]
+    text = inspect(engine, "--request", rid)
+    assert text.returncode == 0, text.stderr.decode()
+    out = text.stdout.decode()
+    assert "QUEUED -> PREFILLING -> BOOTSTRAP -> TRANSFERRING -> TIMED_OUT" in out, out
+    assert f"TIMED OUT in stage transfer: inflight_timeout_s={INFLIGHT_TIMEOUT_S:g} s fired after" in out, out
+    assert "row released" in out and out.count(" age ") >= 5   # every stage with its age
+    bundle = wait_until(lambda: bundle_of(engine.incident_dir, rid), 20, 0.2, "the timeout's incident bundle")
+    incident = bundle["incident.json"]
+    assert incident["kind"] == "timeout" and incident["stage"] == "transfer"
+    assert incident["deadline_field"] == "inflight_timeout_s"
+    (timeline,) = bundle["timelines/incident.json"]["timelines"]
+    assert timeline["request_id"] == rid and timeline["timeout"]["stage"] == "transfer"
+    assert bundle["config.json"]["inflight_timeout_s"]["source"] == "env" and bundle["bundle.json"]["versions"]
+    assert bundle["state.json"]["engine_id"] == engine.engine_id
+    assert any(rid in line and "timeout" in line for line in bundle["log.json"]["lines"])
+    replay = bundle["replay.json"]
+    assert replay["faults"] == "transfer_stuck:count=1,match=replay-"
+    assert replay["env"]["PDSERVE_INFLIGHT_TIMEOUT_S"] == f"{INFLIGHT_TIMEOUT_S:g}"
+    argv = replay["multiround"]
+    assert argv[:3] == ["python", "-m", "tools.multiround"] and argv[argv.index("--inject-round") + 1] == "6"
+    read = inspect(engine, "--bundle", str(engine.incident_dir))   # the directory: its newest, read back
+    assert read.returncode == 0 and "incident: timeout" in read.stdout.decode(), read.stdout.decode()
+    # the replay recipe, as written, on a fresh engine
+    fresh = start_engine(tmp_path, env=replay["env"])
+    try:
+        args = argv[3:]
+        args[args.index("--base-url") + 1] = fresh.base_url
+        again = multiround(args, tmp_path / "replay.json")
+        (expected,) = again["expected_errors"]
+        assert expected["status"] == 504 and "replay-s0r6" in expected["error"] and "stage transfer" in \
+            expected["error"], expected
+        shown = subprocess.run([sys.executable, "-m", "tools.inspect", fresh.engine_id, "--request", "replay-s0r6",
+                                "--json"], cwd=ROOT, capture_output=True, timeout=60)
+        (replayed,) = orjson.loads(shown.stdout)["timelines"]
+        assert replayed["path"] == timeline["path"] and replayed["timeout"]["stage"] == "transfer"
+    finally:
+        cleanup_engine(fresh)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from api.router_client import read_cache_report
 from ipc.cache_summary import key_words
 from tests.conftest import (ROOT, EngineProbe, cleanup_engine, free_port, signal_pids, start_engine, sweep_engine,
                             wait_until)
+from tests.e2e.test_recorder import OTEL, OtlpCollector, needs_otel
 from tools.netns import start_in_namespace, stop_process, wait_http_ok
 
 # the first test also waits for three engines to start and a reference run (minutes when the machine is busy)
@@ -42,16 +44,17 @@ PROMPTS = [f"Question {i}: name a colour, a number and an animal." if i % 2 else
 
 
 class Node:
-    """One `pdserve serve --role ROLE` inside a namespace."""
+    """One `pdserve serve --role ROLE` inside a namespace; ``otlp``: the collector URL its traces go to."""
 
-    def __init__(self, net, role: str, log_dir: Path, faults: str = ""):
+    def __init__(self, net, role: str, log_dir: Path, faults: str = "", otlp: str = ""):
         self.role = role
         ns = net.prefill_ns if role == "prefill" else net.decode_ns
         self.addr = net.prefill_addr if role == "prefill" else net.decode_addr
         data_addr = net.prefill_data_addr if role == "prefill" else net.decode_data_addr
         self.log_path = log_dir / f"{role}.log"
         argv = [sys.executable, "-m", "pdserve.cli", "serve", "--role", role, "--host", self.addr, "--port",
-                str(NODE_PORT), "--kv-transfer-host", data_addr, *NODE_FLAGS] + (["--faults", faults] if faults else [])
+                str(NODE_PORT), "--kv-transfer-host", data_addr, *NODE_FLAGS] + (["--faults", faults] if faults else []) \
+            + (["--otlp-traces-endpoint", otlp] if otlp else [])
         # a read that stopped answering (link down) holds Mooncake's worker up to this many seconds (default 30)
         self.proc = start_in_namespace(ns, argv, self.log_path, env={"MC_TRANSFER_TIMEOUT": "5"})
         self.engine_id = ""
@@ -85,12 +88,27 @@ def answers(base_url: str, prompts: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(two_host_net, tmp_path_factory):
+def collector(two_host_net):
+    """A real OTLP/HTTP receiver on the root namespace's bridge address, which both nodes export their traces to
+    (None without the otel extra: the nodes then run untraced)."""
+    if not OTEL:
+        yield None
+        return
+    c = OtlpCollector(two_host_net.root_addr)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(two_host_net, tmp_path_factory, collector):
     """(router URL, prefill Node, decode Node, the single-node engine's answers to PROMPTS)."""
     log_dir = tmp_path_factory.mktemp("multinode")
     net = two_host_net
-    nodes = [Node(net, "prefill", log_dir),
-             Node(net, "decode", log_dir, faults="transfer_stuck:match=stuck-;drop_transfer_done:match=nodone-")]
+    otlp = f"http://{collector.host}:{collector.port}" if collector is not None else ""
+    nodes = [Node(net, "prefill", log_dir, otlp=otlp),
+             Node(net, "decode", log_dir, faults="transfer_stuck:match=stuck-;drop_transfer_done:match=nodone-",
+                  otlp=otlp)]
     router = None
     single = None
     try:
@@ -136,6 +154,29 @@ def test_sixteen_concurrent_greedy_requests_equal_the_single_node_answers(cluste
     assert re.search(r'pdserve_router_node_up\{node="%s",role="prefill"\} 1\.0' % re.escape(prefill.url), metrics)
     view = httpx.get(base + "/health", trust_env=False).json()
     assert view["status"] == "ok", view
+
+
+@needs_otel
+def test_one_trace_id_covers_the_router_and_both_nodes(cluster, collector):
+    """The router forwards the client's ``traceparent`` to the prefill and the decode node: each node's trace of
+    its internal call (its HTTP span and its stage spans) is a child of the client's span, in the client's trace."""
+    base = cluster[0]
+    trace_id, caller_span = secrets.token_hex(16), secrets.token_hex(8)
+    response = httpx.post(base + "/v1/completions", timeout=120, trust_env=False,
+                          headers={"traceparent": f"00-{trace_id}-{caller_span}-01"},
+                          json={"prompt": "Name a lighthouse", "max_tokens": 4, "temperature": 0})
+    assert response.status_code == 200, response.text
+
+    def both_nodes():
+        spans = collector.trace(trace_id)
+        roots = {s.name: s for s in spans if s.parent_span_id.hex() == caller_span}
+        return (roots, spans) if set(roots) == {"POST /internal/prefill", "POST /internal/decode"} and \
+            len(spans) >= 6 else None
+    roots, spans = wait_until(both_nodes, 30, 0.2, "both nodes' spans in the client's trace")
+    under = {name: {s.name for s in spans if s.parent_span_id == root.span_id} for name, root in roots.items()}
+    assert {"queued", "prefill"} <= under["POST /internal/prefill"], under
+    assert "decode" in under["POST /internal/decode"], under
+    assert {s.trace_id.hex() for s in spans} == {trace_id}
 
 
 def test_the_prefill_node_reports_the_blocks_its_cache_holds_to_the_router(cluster):
