@@ -400,3 +400,82 @@ def q8_rows(ids: torch.Tensor, tiles: torch.Tensor, tile_scale: torch.Tensor) ->
     t, r = ids // TILE_ROWS, ids % TILE_ROWS
     codes = tiles[t, :, :, r].float()  # [T, G, 32]
     return (codes * tile_scale[t, :, r][..., None]).reshape(len(ids), -1)
+
+
+# --- K-quant sub-groups (GGUF Q5_K, Q6_K, Q5_0, Q5_1; Q4_K runs on the Q4 tiles above) ---------------------------
+#
+#     Q8h codes  [N / R, G, 32, R] int8:  weight = scale[half] * code + min, half = input // 16 in the group
+#     scale      [N / R, G, 2, R] float32  (Q6_K's scale per 16 inputs; the other types repeat one per 32)
+#     min        [N / R, G, R] float32
+
+HALF = GROUP // 2  # inputs per Q8h scale (Q6_K's sub-block)
+
+
+@intrinsic
+def _q8h_group(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
+    """acc[r] += fx * (scale[0, r] * sum_{j<16} code[j, r] x[j] + scale[1, r] * sum_{j>=16} code[j, r] x[j])
+    + min[r] * sx over one group (32 inputs) of one Q8h tile; sx = fx * sum_j x[j]. Two products fit int16
+    (2 * 127 * 127); pairs are widened to int32 before they are summed (portable IR, as :func:`_q8_group`)."""
+    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.float32, types.float32, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ca, xa, sa, ma, fx, sx, aa = args
+        v8, v16, v32, vf = (ir.VectorType(t, TILE_ROWS) for t in (_I8, _I16, _I32, _F32))
+        xp = builder.inttoptr(xa, _I8.as_pointer())
+        halves = []
+        for h in (0, 1):
+            sums = ir.Constant(v32, [0] * TILE_ROWS)
+            for j in range(h * HALF, (h + 1) * HALF, 2):
+                pair = ir.Constant(v16, [0] * TILE_ROWS)
+                for jj in (j, j + 1):
+                    c = builder.sext(builder.load(_ptr(builder, ca, jj * TILE_ROWS, v8), align=1), v16)
+                    x = builder.sext(builder.load(builder.gep(xp, [ir.Constant(_I32, jj)])), _I16)
+                    pair = builder.add(pair, builder.mul(c, _splat(builder, x, v16)))
+                sums = builder.add(sums, builder.sext(pair, v32))
+            scale = builder.load(_ptr(builder, sa, h * 4 * TILE_ROWS, vf), align=4)
+            halves.append(builder.fmul(scale, builder.sitofp(sums, vf)))
+        acc_p = builder.inttoptr(aa, vf.as_pointer())
+        mins = builder.load(builder.inttoptr(ma, vf.as_pointer()), align=4)
+        dot = builder.fmul(builder.fadd(halves[0], halves[1]), _splat(builder, fx, vf))
+        acc = builder.fadd(builder.load(acc_p, align=4), dot)
+        builder.store(builder.fadd(acc, builder.fmul(mins, _splat(builder, sx, vf))), acc_p, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def _q8h_gemv(x, codes, scale, mins, y):
+    """y float32 [M, T * R] = x float32 [M, K] times the Q8h tiles (layout above)."""
+    M = x.shape[0]
+    T, G = codes.shape[0], codes.shape[1]
+    xq, fx, sx = _quantized(x)
+    acc = np.empty(TILE_ROWS, np.float32)
+    for t in range(T):
+        for b in range(M):
+            acc[:] = 0.0
+            for g in range(G):
+                _q8h_group(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, scale[t, g].ctypes.data,
+                           mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc.ctypes.data)
+            y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc
+
+
+def q8h_tiles(codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tiles for :func:`q8h_linear` from ``gpu.quant.Int8HalfGroups`` fields: codes int8 ``[N, K]``, scale
+    float32 ``[N, K / 16]``, min float32 ``[N, K / 32]`` (``w = code * scale[k // 16] + min[k // 32]``).
+
+    Returns ``{"tiles": int8 [T, G, 32, R], "tile_scale": float32 [T, G, 2, R], "tile_min": float32 [T, G, R]}``.
+    Raises ValueError if ``K`` is not a multiple of 32."""
+    n, k = codes.shape
+    if k % GROUP:
+        raise ValueError(f"Q8h tiles need K % {GROUP} == 0, got K = {k}")
+    return {"tiles": torch.from_numpy(_tile(codes.numpy().reshape(n, k // GROUP, GROUP))),
+            "tile_scale": torch.from_numpy(_tile(scale.float().numpy().reshape(n, k // GROUP, 2))),
+            "tile_min": torch.from_numpy(_tile(mins.float().numpy()))}
+
+
+def q8h_linear(x: torch.Tensor, n: int, tiles: torch.Tensor, tile_scale: torch.Tensor,
+               tile_min: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for float ``x`` ``[M, K]`` and the weight ``[n, K]`` in :func:`q8h_tiles` form: float32
+    ``[M, n]``."""
+    return _run(_q8h_gemv, x, n, tiles, tile_scale, tile_min)
