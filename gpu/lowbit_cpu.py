@@ -29,7 +29,7 @@ import torch
 from llvmlite import ir
 from llvmlite import binding as llvm
 from numba.core import cgutils, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 __all__ = ["TILE_ROWS", "q4_tiles", "q8_tiles", "q4_linear", "q8_linear", "q8_rows", "decode_layers"]
 
@@ -479,3 +479,77 @@ def q8h_linear(x: torch.Tensor, n: int, tiles: torch.Tensor, tile_scale: torch.T
     """``x @ w.T`` for float ``x`` ``[M, K]`` and the weight ``[n, K]`` in :func:`q8h_tiles` form: float32
     ``[M, n]``."""
     return _run(_q8h_gemv, x, n, tiles, tile_scale, tile_min)
+
+
+def _gemv_any(x, tiles, scale, mins, y):
+    """y = x times a (tiles, scale, min) triple in Q4 or Q8h form, chosen by the tiles' dtype when numba compiles
+    the caller (uint8: :func:`_q4_gemv`, int8: :func:`_q8h_gemv`)."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(_gemv_any, jit_options={"nogil": True, "cache": True})
+def _gemv_any_impl(x, tiles, scale, mins, y):
+    if tiles.dtype == types.uint8:
+        return lambda x, tiles, scale, mins, y: _q4_gemv(x, tiles, scale, mins, y)
+    return lambda x, tiles, scale, mins, y: _q8h_gemv(x, tiles, scale, mins, y)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=True)
+def decode_layers_mixed(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_tokens, tables, positions, cos, sin,
+                        n_heads, inter, eps, attn_scale):
+    """:func:`decode_layers` where each of qkv, o, gate_up, down is stacked Q4 tiles or stacked Q8h tiles
+    (a K-quant file's mix: Q4_K on the Q4 tiles, Q6_K/Q5_K/Q5_0 on Q8h); same arguments and result."""
+    B, hidden = x.shape
+    Hkv, D = pool.shape[3], pool.shape[4]
+    n_rope = n_heads + Hkv
+    h = np.empty((B, hidden), np.float32)
+    y_qkv = np.empty((B, qkv[0].shape[1] * TILE_ROWS), np.float32)
+    y_hidden = np.empty((B, o[0].shape[1] * TILE_ROWS), np.float32)
+    y_down = np.empty((B, down[0].shape[1] * TILE_ROWS), np.float32)
+    y_gu = np.empty((B, gate_up[0].shape[1] * TILE_ROWS), np.float32)
+    act = np.empty((B, inter), np.float32)
+    attn = np.empty((B, n_heads * D), np.float32)
+    heads = np.empty((n_heads + 2 * Hkv, D), np.float32)
+    head_out = np.empty((n_heads, D), np.float32)
+    scores = np.empty(np.max(positions) + 1, np.float32)
+    for li in range(ln_attn.shape[0]):
+        _rms_norm(x, ln_attn[li], eps, h)
+        _gemv_any(h, qkv[0][li], qkv[1][li], qkv[2][li], y_qkv)
+        for b in range(B):
+            p = positions[b]
+            for hh in range(n_heads + 2 * Hkv):
+                for i in range(D):
+                    heads[hh, i] = y_qkv[b, hh * D + i]
+            for hh in range(n_rope):
+                _rope_row(heads[hh], cos[p], sin[p])
+            slot = tables[b, p // block_tokens] * block_tokens + p % block_tokens
+            pool[li, 0, slot] = heads[n_heads:n_rope]
+            pool[li, 1, slot] = heads[n_rope:]
+            _attend(heads[:n_heads], pool[li, 0], pool[li, 1], tables[b], block_tokens, p + 1, attn_scale,
+                    scores, head_out)
+            for hh in range(n_heads):
+                for i in range(D):
+                    attn[b, hh * D + i] = head_out[hh, i]
+        _gemv_any(attn, o[0][li], o[1][li], o[2][li], y_hidden)
+        x += y_hidden[:, :hidden]
+        _rms_norm(x, ln_mlp[li], eps, h)
+        _gemv_any(h, gate_up[0][li], gate_up[1][li], gate_up[2][li], y_gu)
+        for b in range(B):
+            for i in range(inter):
+                g = y_gu[b, i]
+                act[b, i] = g / (np.float32(1.0) + np.exp(-g)) * y_gu[b, inter + i]
+        _gemv_any(act, down[0][li], down[1][li], down[2][li], y_down)
+        x += y_down[:, :hidden]
+
+
+def q4_to_q8h_tiles(tiles: torch.Tensor, tile_scale: torch.Tensor, tile_min: torch.Tensor) -> dict[str, torch.Tensor]:
+    """:func:`q4_tiles` output as :func:`q8h_tiles` output of the same weight (codes 0..15 as int8, the scale
+    for both halves, the same min): exact, for stacking a role whose layers mix Q4 and Q8h."""
+    T, G = tiles.shape[0], tiles.shape[1]
+    b = tiles.numpy().reshape(T, G, 8, TILE_ROWS, 2)             # (p, r, e): codes 2p + e (low), 16 + 2p + e (high)
+    low, high = (b & 15).transpose(0, 1, 2, 4, 3), (b >> 4).transpose(0, 1, 2, 4, 3)   # [T, G, 8, 2, R]
+    codes = np.concatenate([low.reshape(T, G, 16, TILE_ROWS), high.reshape(T, G, 16, TILE_ROWS)], axis=2)
+    s = tile_scale.numpy()
+    return {"tiles": torch.from_numpy(np.ascontiguousarray(codes.astype(np.int8))),
+            "tile_scale": torch.from_numpy(np.ascontiguousarray(np.stack([s, s], axis=2))),
+            "tile_min": tile_min.clone()}

@@ -4,6 +4,8 @@ Two weight forms, both in groups of 32 inputs as GGUF stores them:
 
 - :class:`Int4Groups`: 4-bit codes with a scale and a zero per group, ``w = (q - 8) * scale + zero``: Q4_1's
   ``d * q + m`` is scale ``d``, zero ``m + 8 d``; Q4_0's ``d * (q - 8)`` is scale ``d``, zero 0. Exact.
+- :class:`Int8HalfGroups`: int8 codes with a scale per 16 inputs and a min per 32: GGUF's Q5_K, Q6_K, Q5_0 and
+  Q5_1 exactly (Q4_K is Int4Groups: Q4_1's form per sub-block of 32; layouts at the K-quant section below).
 - :class:`Int8Groups`: 8-bit codes with a scale per group, GGUF's Q8_0 exactly (used for the token embedding /
   output projection; re-quantizing Q8_0 per row instead costs quality: top-1 agreement 0.96 instead of 0.99 on
   tools/bench_quality's text).
@@ -21,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["GROUP_SIZE", "Int4Groups", "Int8Groups", "int4_groups_from_gguf", "int8_groups_from_float",
-           "QuantLinear"]
+__all__ = ["GROUP_SIZE", "Int4Groups", "Int8Groups", "Int8HalfGroups", "int4_groups_from_gguf",
+           "int8_groups_from_float", "kquant_groups_from_gguf", "QuantLinear"]
 
 GROUP_SIZE = 32  # inputs per scale/zero group (GGUF's block size for Q4_0, Q4_1, Q8_0)
 Q4_TYPES = ("Q4_0", "Q4_1")
@@ -136,7 +138,7 @@ class QuantLinear:
     """``y = x @ w.T`` over one weight ``[N, K]``: ``linear.fn(x)`` for few rows, ``linear.big(x)`` for many.
 
     ``x`` and ``y`` are float32 ``[M, K]`` / ``[M, N]`` on every path. Kinds: ``"dense"`` (``F.linear``; ``fn`` and
-    ``big`` are the same), ``"int4"`` and ``"int8"`` (``fn`` runs gpu/lowbit_cpu.py's GEMV on int8-quantized
+    ``big`` are the same), ``"int4"``, ``"int8"`` and ``"int8h"`` (``fn`` runs gpu/lowbit_cpu.py's GEMV on int8-quantized
     ``x``, its cost linear in ``M``; ``big`` runs ``F.linear`` on the exact float32 weight ``tensors["dense"]``
     when it is there: MKL's fp32 GEMM wins at prefill sizes, see docs/performance.md). ``tensors`` is what the
     prepared-model cache stores (:meth:`from_tensors`).
@@ -261,7 +263,8 @@ _BLOCK_INPUTS = {"Q4_K": K_SUPER, "Q5_K": K_SUPER, "Q6_K": K_SUPER, "Q5_0": GROU
 class Int8HalfGroups:
     """A ``[N, K]`` weight as ``w = codes * scale[k // 16] + min[k // 32]``: ``codes`` int8 ``[N, K]``,
     ``scale`` float32 ``[N, K // 16]``, ``min`` float32 ``[N, K // 32]``. Q5_K, Q6_K, Q5_0 and Q5_1 exactly;
-    :meth:`from_int4` takes Int4Groups exactly too (a fused linear whose parts differ in type)."""
+    :meth:`from_int4` / :meth:`from_int8` take Int4Groups / Int8Groups exactly too (a fused linear whose parts
+    differ in type)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -287,9 +290,16 @@ class Int8HalfGroups:
                               w.scale.float().repeat_interleave(2, dim=1), w.zero.float())
 
     @staticmethod
+    def from_int8(w: Int8Groups) -> "Int8HalfGroups":
+        """``codes * scale`` (Q8_0) with the scale for both halves and min 0."""
+        return Int8HalfGroups(w.codes, w.scale.float().repeat_interleave(2, dim=1),
+                              torch.zeros(w.scale.shape, dtype=torch.float32))
+
+    @staticmethod
     def cat(parts: list) -> "Int8HalfGroups":
-        """Stack along N; Int4Groups parts are converted (:meth:`from_int4`)."""
-        parts = [Int8HalfGroups.from_int4(p) if isinstance(p, Int4Groups) else p for p in parts]
+        """Stack along N; Int4Groups and Int8Groups parts are converted (:meth:`from_int4`, :meth:`from_int8`)."""
+        parts = [Int8HalfGroups.from_int4(p) if isinstance(p, Int4Groups) else
+                 Int8HalfGroups.from_int8(p) if isinstance(p, Int8Groups) else p for p in parts]
         return Int8HalfGroups(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
                               torch.cat([p.min for p in parts]))
 
