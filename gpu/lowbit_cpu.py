@@ -404,41 +404,90 @@ def q8_rows(ids: torch.Tensor, tiles: torch.Tensor, tile_scale: torch.Tensor) ->
 
 # --- K-quant sub-groups (GGUF Q5_K, Q6_K, Q5_0, Q5_1; Q4_K runs on the Q4 tiles above) ---------------------------
 #
-#     Q8h codes  [N / R, G, 32, R] int8:  weight = scale[half] * code + min, half = input // 16 in the group
+#     Q8h codes  [N / R, G, 8, 4 R] int8: byte (t, g, q, 4 r + e) = code of input 4q + e of row t * R + r;
+#                weight = scale[half] * code + min, half = input // 16 in the group
 #     scale      [N / R, G, 2, R] float32  (Q6_K's scale per 16 inputs; the other types repeat one per 32)
 #     min        [N / R, G, R] float32
 
 HALF = GROUP // 2  # inputs per Q8h scale (Q6_K's sub-block)
+QUAD = 4           # inputs per Q8h lane group (one int32 sum per row and quad)
+
+
+def _quad_madd(builder, codes, x_quad, x86: bool):
+    """``<32 x i8>`` signed codes (8 rows x 4 inputs) and the 4 activations repeated -> ``<8 x i32>``: each row's
+    sum of 4 products. As ggml's AVX2 int8 dots: ``|code|`` times ``x`` with the code's sign (``pmaddubsw``, at most
+    2 * 128 * 127: no saturation), then adjacent pairs summed (``pmaddwd`` by ones); portable IR elsewhere."""
+    v8, half, v32 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+    zero = ir.Constant(v8, [0] * 32)
+    neg = builder.icmp_signed("<", codes, zero)
+    mag = builder.select(neg, builder.sub(zero, codes), codes)
+    signed_x = builder.select(neg, builder.sub(zero, x_quad), x_quad)
+    pairs = _pair_madd(builder, mag, signed_x, x86)   # <16 x i16>: lane 2i + f = row i, inputs 2f, 2f + 1
+    if x86:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [half, half]),
+                                            "llvm.x86.avx2.pmadd.wd")
+        return builder.call(fn, [pairs, ir.Constant(half, [1] * 16)])
+    wide = builder.sext(pairs, ir.VectorType(_I32, 16))
+    undef = ir.Constant(ir.VectorType(_I32, 16), ir.Undefined)
+    even, odd = (builder.shuffle_vector(wide, undef, ir.Constant(ir.VectorType(_I32, 8), list(range(e, 16, 2))))
+                 for e in (0, 1))
+    return builder.add(even, odd)
+
+
+def _q8h_rows_codegen(builder, codes_addr, scale_addr, min_addr, rows, x86: bool = HOST_AVX2):
+    """IR for :func:`_q8h_group` / :func:`_q8h_group2`: ``rows`` = [(x_addr, fx, sx, acc_addr)] share the loads of
+    the group's codes. Per row, half and 8-row block an int32 sum (at most 16 * 128 * 127)."""
+    v8, v32, vf = ir.VectorType(_I8, 32), ir.VectorType(_I32, 8), ir.VectorType(_F32, TILE_ROWS)
+    sums = [[[ir.Constant(v32, [0] * 8)] * 4 for _ in (0, 1)] for _ in rows]
+    for q in range(GROUP // QUAD):
+        h = q * QUAD // HALF
+        xs = [builder.bitcast(_splat(builder, builder.load(_ptr(builder, x_addr, q * QUAD, _I32), align=1), v32), v8)
+              for x_addr, _, _, _ in rows]
+        for k in range(TILE_ROWS // 8):
+            c = builder.load(_ptr(builder, codes_addr, q * QUAD * TILE_ROWS + 32 * k, v8), align=1)
+            for r, x_quad in enumerate(xs):
+                sums[r][h][k] = builder.add(sums[r][h][k], _quad_madd(builder, c, x_quad, x86))
+    cat16 = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
+    cat32 = ir.Constant(ir.VectorType(_I32, 32), list(range(32)))
+    mins = builder.load(builder.inttoptr(min_addr, vf.as_pointer()), align=4)
+    for (_, fx, sx, acc_addr), per_half in zip(rows, sums):
+        dot = None
+        for h, blocks in enumerate(per_half):
+            lo = builder.shuffle_vector(blocks[0], blocks[1], cat16)
+            hi = builder.shuffle_vector(blocks[2], blocks[3], cat16)
+            total = builder.sitofp(builder.shuffle_vector(lo, hi, cat32), vf)
+            term = builder.fmul(builder.load(_ptr(builder, scale_addr, h * 4 * TILE_ROWS, vf), align=4), total)
+            dot = term if dot is None else builder.fadd(dot, term)
+        acc_p = builder.inttoptr(acc_addr, vf.as_pointer())
+        acc = builder.fadd(builder.load(acc_p, align=4), builder.fmul(dot, _splat(builder, fx, vf)))
+        builder.store(builder.fadd(acc, builder.fmul(mins, _splat(builder, sx, vf))), acc_p, align=4)
 
 
 @intrinsic
 def _q8h_group(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
     """acc[r] += fx * (scale[0, r] * sum_{j<16} code[j, r] x[j] + scale[1, r] * sum_{j>=16} code[j, r] x[j])
-    + min[r] * sx over one group (32 inputs) of one Q8h tile; sx = fx * sum_j x[j]. Two products fit int16
-    (2 * 127 * 127); pairs are widened to int32 before they are summed (portable IR, as :func:`_q8_group`)."""
+    + min[r] * sx over one group (32 inputs) of one Q8h tile (codes: 8 x 4R bytes, layout above); sx = fx *
+    sum_j x[j]."""
     sig = types.void(types.intp, types.intp, types.intp, types.intp, types.float32, types.float32, types.intp)
 
     def codegen(context, builder, signature, args):
         ca, xa, sa, ma, fx, sx, aa = args
-        v8, v16, v32, vf = (ir.VectorType(t, TILE_ROWS) for t in (_I8, _I16, _I32, _F32))
-        xp = builder.inttoptr(xa, _I8.as_pointer())
-        halves = []
-        for h in (0, 1):
-            sums = ir.Constant(v32, [0] * TILE_ROWS)
-            for j in range(h * HALF, (h + 1) * HALF, 2):
-                pair = ir.Constant(v16, [0] * TILE_ROWS)
-                for jj in (j, j + 1):
-                    c = builder.sext(builder.load(_ptr(builder, ca, jj * TILE_ROWS, v8), align=1), v16)
-                    x = builder.sext(builder.load(builder.gep(xp, [ir.Constant(_I32, jj)])), _I16)
-                    pair = builder.add(pair, builder.mul(c, _splat(builder, x, v16)))
-                sums = builder.add(sums, builder.sext(pair, v32))
-            scale = builder.load(_ptr(builder, sa, h * 4 * TILE_ROWS, vf), align=4)
-            halves.append(builder.fmul(scale, builder.sitofp(sums, vf)))
-        acc_p = builder.inttoptr(aa, vf.as_pointer())
-        mins = builder.load(builder.inttoptr(ma, vf.as_pointer()), align=4)
-        dot = builder.fmul(builder.fadd(halves[0], halves[1]), _splat(builder, fx, vf))
-        acc = builder.fadd(builder.load(acc_p, align=4), dot)
-        builder.store(builder.fadd(acc, builder.fmul(mins, _splat(builder, sx, vf))), acc_p, align=4)
+        _q8h_rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _q8h_group2(typingctx, codes_addr, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr,
+                acc1_addr):
+    """:func:`_q8h_group` for two activation rows at once over one load of the codes."""
+    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp, types.float32, types.float32,
+                     types.float32, types.float32, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ca, xa, xa1, sa, ma, fx, sx, fx1, sx1, aa, aa1 = args
+        _q8h_rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa), (xa1, fx1, sx1, aa1)])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -450,26 +499,42 @@ def _q8h_gemv(x, codes, scale, mins, y):
     M = x.shape[0]
     T, G = codes.shape[0], codes.shape[1]
     xq, fx, sx = _quantized(x)
-    acc = np.empty(TILE_ROWS, np.float32)
+    acc = np.empty((2, TILE_ROWS), np.float32)
     for t in range(T):
-        for b in range(M):
+        for b in range(0, M - 1, 2):   # rows in pairs: one load of the codes serves both
             acc[:] = 0.0
             for g in range(G):
+                _q8h_group2(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data,
+                            xq[b + 1, g * GROUP:].ctypes.data, scale[t, g].ctypes.data, mins[t, g].ctypes.data,
+                            fx[b, g], sx[b, g], fx[b + 1, g], sx[b + 1, g], acc[0].ctypes.data, acc[1].ctypes.data)
+            y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
+            y[b + 1, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[1]
+        if M % 2:
+            b = M - 1
+            acc[0] = 0.0
+            for g in range(G):
                 _q8h_group(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, scale[t, g].ctypes.data,
-                           mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc.ctypes.data)
-            y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc
+                           mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc[0].ctypes.data)
+            y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
+
+
+def _quads(codes: np.ndarray) -> np.ndarray:
+    """Tiled codes [T, G, 32, R] -> the Q8h layout [T, G, 8, 4 R] (byte 4 r + e of quad q = input 4 q + e)."""
+    T, G = codes.shape[:2]
+    return np.ascontiguousarray(codes.reshape(T, G, GROUP // QUAD, QUAD, TILE_ROWS).transpose(0, 1, 2, 4, 3)
+                                ).reshape(T, G, GROUP // QUAD, QUAD * TILE_ROWS)
 
 
 def q8h_tiles(codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> dict[str, torch.Tensor]:
     """Tiles for :func:`q8h_linear` from ``gpu.quant.Int8HalfGroups`` fields: codes int8 ``[N, K]``, scale
     float32 ``[N, K / 16]``, min float32 ``[N, K / 32]`` (``w = code * scale[k // 16] + min[k // 32]``).
 
-    Returns ``{"tiles": int8 [T, G, 32, R], "tile_scale": float32 [T, G, 2, R], "tile_min": float32 [T, G, R]}``.
+    Returns ``{"tiles": int8 [T, G, 8, 4 R], "tile_scale": float32 [T, G, 2, R], "tile_min": float32 [T, G, R]}``.
     Raises ValueError if ``K`` is not a multiple of 32."""
     n, k = codes.shape
     if k % GROUP:
         raise ValueError(f"Q8h tiles need K % {GROUP} == 0, got K = {k}")
-    return {"tiles": torch.from_numpy(_tile(codes.numpy().reshape(n, k // GROUP, GROUP))),
+    return {"tiles": torch.from_numpy(_quads(_tile(codes.numpy().reshape(n, k // GROUP, GROUP)))),
             "tile_scale": torch.from_numpy(_tile(scale.float().numpy().reshape(n, k // GROUP, 2))),
             "tile_min": torch.from_numpy(_tile(mins.float().numpy()))}
 
@@ -550,6 +615,6 @@ def q4_to_q8h_tiles(tiles: torch.Tensor, tile_scale: torch.Tensor, tile_min: tor
     low, high = (b & 15).transpose(0, 1, 2, 4, 3), (b >> 4).transpose(0, 1, 2, 4, 3)   # [T, G, 8, 2, R]
     codes = np.concatenate([low.reshape(T, G, 16, TILE_ROWS), high.reshape(T, G, 16, TILE_ROWS)], axis=2)
     s = tile_scale.numpy()
-    return {"tiles": torch.from_numpy(np.ascontiguousarray(codes.astype(np.int8))),
+    return {"tiles": torch.from_numpy(_quads(codes.astype(np.int8))),
             "tile_scale": torch.from_numpy(np.ascontiguousarray(np.stack([s, s], axis=2))),
             "tile_min": tile_min.clone()}

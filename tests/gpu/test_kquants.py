@@ -157,3 +157,53 @@ def test_the_one_call_decode_of_a_q4_k_m_model_matches_its_op_by_op_decode(q4_k_
     p, q = one_call.log_softmax(-1), op_by_op.log_softmax(-1)
     assert torch.equal(one_call.argmax(-1), op_by_op.argmax(-1))
     assert (p.exp() * (p - q)).sum(-1).max() < 0.02
+
+
+def test_the_portable_q8h_loop_gives_the_same_integer_sums_as_the_one_the_host_runs():
+    # hosts without AVX2 compile the Q8h loop's products in portable IR: check it here against the host's
+    # (pmaddubsw + pmaddwd on AVX2). Unit scales, integer activations with a 127 in every group (so the int8
+    # rounding is exact) and codes over the whole int8 range: both must give the exact integer dot products.
+    import numba
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    from gpu import lowbit_cpu as lb
+
+    @intrinsic
+    def portable_group(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
+        sig = types.void(types.intp, types.intp, types.intp, types.intp, types.float32, types.float32, types.intp)
+
+        def codegen(context, builder, signature, args):
+            ca, xa, sa, ma, fx_, sx_, aa = args
+            lb._q8h_rows_codegen(builder, ca, sa, ma, [(xa, fx_, sx_, aa)], x86=False)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @numba.njit
+    def portable(x, codes, scale, mins, y):
+        xq, fx, sx = lb._quantized(x)
+        acc = np.empty(lb.TILE_ROWS, np.float32)
+        for t in range(codes.shape[0]):
+            for b in range(x.shape[0]):
+                acc[:] = 0.0
+                for g in range(codes.shape[1]):
+                    portable_group(codes[t, g].ctypes.data, xq[b, g * 32:].ctypes.data, scale[t, g].ctypes.data,
+                                   mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc.ctypes.data)
+                y[b, t * lb.TILE_ROWS:(t + 1) * lb.TILE_ROWS] = acc
+
+    rng = np.random.default_rng(8)
+    n, k = 64, 96
+    codes = torch.from_numpy(rng.integers(-128, 128, (n, k)).astype(np.int8))
+    codes[0], codes[1] = -128, 127
+    w = Int8HalfGroups(codes, torch.ones(n, k // 16), torch.zeros(n, k // 32))
+    x = rng.integers(-127, 128, (3, k)).astype(np.float32)
+    x[:, ::32] = 127.0
+    x[1] = -x[1]
+    tiles = lb.q8h_tiles(w.codes, w.scale, w.min)
+    y = np.empty((3, n), np.float32)
+    portable(x, *(tiles[name].numpy() for name in ("tiles", "tile_scale", "tile_min")), y)
+    exact = torch.from_numpy(x).double() @ codes.double().T
+    host = lb.q8h_linear(torch.from_numpy(x), n, **tiles)   # rows 0, 1 as a pair, row 2 alone
+    assert torch.equal(host.double(), exact)
+    assert torch.equal(torch.from_numpy(y).double(), exact)
