@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ def _serve_rate(path: Path, args, concurrency: int) -> float:
     from tools.engine_process import engine
 
     with engine("--model", str(path), "--weights", "auto", "--max-num-seqs", str(max(concurrency, 1)),
-                "--kv-pool-tokens", "4096") as eng:
+                "--kv-pool-tokens", "4096", *args.engine_args.split()) as eng:
         common = ["--base-url", eng.base_url, "--input-len", str(args.input_len), "--output-len",
                   str(args.output_len), "--max-concurrency", str(concurrency), "--json", "--seed", "1",
                   "--ignore-eos"]
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--dir", default="", help="where the files are written; default a temporary directory")
+    ap.add_argument("--no-quality", action="store_true", help="only the served tokens/s")
+    ap.add_argument("--engine-args", default="--actor-hang-timeout-s 120",
+                    help="more flags for each engine (default: a loaded VM's prefill of 8 prompts can pass the "
+                         "10 s heartbeat timeout)")
     args = ap.parse_args(argv)
 
     out: dict[str, Any] = {"quality": {}, "speed": {}}
@@ -58,9 +63,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         files = {"Q4_1": default_model_path()}
         for mix in args.types.split(","):
             files[mix] = where / f"SmolLM2-135M-Instruct.{mix}.gguf"
+            if args.dir and files[mix].exists():   # kept from an earlier run
+                continue
             counts = requantize(files["Q4_1"], files[mix], mix)
             print(f"{mix}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), flush=True)
         for mix, path in files.items():
+            if args.no_quality:
+                break
             res = bench_quality.main(["--model", str(path), "--decode-steps", "--json",
                                       "--max-tokens", str(args.quality_tokens)])
             out["quality"][mix] = res
@@ -72,7 +81,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     rate = _serve_rate(files[name], args, conc)
                     runs.setdefault(name, {}).setdefault(conc, []).append(rate)
                     print(f"rep {rep} {name} concurrency {conc}: {rate:.1f} output tok/s", flush=True)
-    med = {n: {c: sorted(v)[len(v) // 2] for c, v in by.items()} for n, by in runs.items()}
+    med = {n: {c: statistics.median(v) for c, v in by.items()} for n, by in runs.items()}
+    # per repetition (the files alternate within one): the ratio of each K-quant mix to Q4_1
+    out["ratios_per_rep"] = {n: {c: [a / b for a, b in zip(v, runs["Q4_1"][c])] for c, v in by.items()}
+                             for n, by in runs.items() if n != "Q4_1"}
     out["speed"] = med
     print("\nquality (native decode steps vs the same file in float32):")
     for mix, r in out["quality"].items():
@@ -81,6 +93,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("served output tok/s (median), ratio to Q4_1:")
     for n, by in med.items():
         print("  " + n + "  " + "  ".join(f"c={c}: {v:.1f} ({v / med['Q4_1'][c]:.2f}x)" for c, v in by.items()))
+    for n, by in out["ratios_per_rep"].items():
+        print(f"  {n} / Q4_1 per repetition: " + "  ".join(
+            f"c={c}: " + ", ".join(f"{r:.2f}x" for r in rs) for c, rs in by.items()))
     print(json.dumps(out, default=str))
     return out
 
