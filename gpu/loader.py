@@ -544,8 +544,9 @@ def load_weights(
             (:func:`gpu.model_files.default_model_path`).
         dtype: dtype of every returned tensor.
         progress: show a tqdm bar over tensors on stderr.
-        native: keep a GGUF's Q4_0/Q4_1 linear weights as :class:`gpu.quant.Int4Groups` and its Q8_0 ones as
-            :class:`gpu.quant.Int8Groups` (its own codes); every other tensor is dequantized to ``dtype``.
+        native: keep a GGUF's Q4_0/Q4_1/Q4_K linear weights as :class:`gpu.quant.Int4Groups`, its Q8_0 ones as
+            :class:`gpu.quant.Int8Groups` (its own codes) and its Q5_K/Q6_K/Q5_0/Q5_1 ones as
+            :class:`gpu.quant.Int8HalfGroups`; every other tensor is dequantized to ``dtype``.
     Returns:
         ``(config, weights)``; weights maps HF names to CPU tensors (or packed weights, see ``native``),
         linear weights ``[out, in]``, norms
@@ -637,13 +638,15 @@ def _dequantize(t, p: pathlib.Path) -> np.ndarray:
 
 
 def _native_weight(t, hf_name: str, heads: int | None):
-    """A GGUF linear weight kept quantized (Q4_0/Q4_1 -> Int4Groups, Q8_0 -> Int8Groups), Q/K rows unpermuted;
-    None for norms and every other type (the caller dequantizes those)."""
-    from .quant import Q4_TYPES, Int4Groups, int4_groups_from_gguf, int8_groups_from_float
+    """A GGUF linear weight kept quantized (Q4_0/Q4_1/Q4_K -> Int4Groups, Q8_0 -> Int8Groups, Q5_K/Q6_K/Q5_0/Q5_1
+    -> Int8HalfGroups), Q/K rows unpermuted; None for norms and every other type (the caller dequantizes those)."""
+    from .quant import KQUANT_TYPES, Q4_TYPES, int4_groups_from_gguf, int8_groups_from_float, \
+        kquant_groups_from_gguf
 
     kind = t.tensor_type.name
     shape = tuple(int(n) for n in reversed(t.shape))  # [out, in]
-    if len(shape) != 2 or hf_name.endswith(("norm.weight", "mlp.gate.weight")) or kind not in Q4_TYPES + ("Q8_0",):
+    if len(shape) != 2 or hf_name.endswith(("norm.weight", "mlp.gate.weight")) or kind not in (
+            Q4_TYPES + KQUANT_TYPES + ("Q8_0",)):
         return None
     if kind == "Q8_0":
         from gguf.quants import dequantize
@@ -652,7 +655,7 @@ def _native_weight(t, hf_name: str, heads: int | None):
         if heads is not None:
             w = unpermute_gguf_qk(w, heads)
         return int8_groups_from_float(torch.from_numpy(np.ascontiguousarray(w)))
-    groups: Int4Groups = int4_groups_from_gguf(t.data, kind, shape)
+    groups = (int4_groups_from_gguf if kind in Q4_TYPES else kquant_groups_from_gguf)(t.data, kind, shape)
     if heads is not None:
         order = unpermute_gguf_qk(np.arange(shape[0]), heads)  # the row order the float path ends with
         groups = groups.take_rows(order)

@@ -29,7 +29,7 @@ import torch
 from llvmlite import ir
 from llvmlite import binding as llvm
 from numba.core import cgutils, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 __all__ = ["TILE_ROWS", "q4_tiles", "q8_tiles", "q4_linear", "q8_linear", "q8_rows", "decode_layers"]
 
@@ -400,3 +400,221 @@ def q8_rows(ids: torch.Tensor, tiles: torch.Tensor, tile_scale: torch.Tensor) ->
     t, r = ids // TILE_ROWS, ids % TILE_ROWS
     codes = tiles[t, :, :, r].float()  # [T, G, 32]
     return (codes * tile_scale[t, :, r][..., None]).reshape(len(ids), -1)
+
+
+# --- K-quant sub-groups (GGUF Q5_K, Q6_K, Q5_0, Q5_1; Q4_K runs on the Q4 tiles above) ---------------------------
+#
+#     Q8h codes  [N / R, G, 8, 4 R] int8: byte (t, g, q, 4 r + e) = code of input 4q + e of row t * R + r;
+#                weight = scale[half] * code + min, half = input // 16 in the group
+#     scale      [N / R, G, 2, R] float32  (Q6_K's scale per 16 inputs; the other types repeat one per 32)
+#     min        [N / R, G, R] float32
+
+HALF = GROUP // 2  # inputs per Q8h scale (Q6_K's sub-block)
+QUAD = 4           # inputs per Q8h lane group (one int32 sum per row and quad)
+
+
+def _quad_madd(builder, codes, x_quad, x86: bool):
+    """``<32 x i8>`` signed codes (8 rows x 4 inputs) and the 4 activations repeated -> ``<8 x i32>``: each row's
+    sum of 4 products. As ggml's AVX2 int8 dots: ``|code|`` times ``x`` with the code's sign (``pmaddubsw``, at most
+    2 * 128 * 127: no saturation), then adjacent pairs summed (``pmaddwd`` by ones); portable IR elsewhere."""
+    v8, half, v32 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+    zero = ir.Constant(v8, [0] * 32)
+    neg = builder.icmp_signed("<", codes, zero)
+    mag = builder.select(neg, builder.sub(zero, codes), codes)
+    signed_x = builder.select(neg, builder.sub(zero, x_quad), x_quad)
+    pairs = _pair_madd(builder, mag, signed_x, x86)   # <16 x i16>: lane 2i + f = row i, inputs 2f, 2f + 1
+    if x86:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [half, half]),
+                                            "llvm.x86.avx2.pmadd.wd")
+        return builder.call(fn, [pairs, ir.Constant(half, [1] * 16)])
+    wide = builder.sext(pairs, ir.VectorType(_I32, 16))
+    undef = ir.Constant(ir.VectorType(_I32, 16), ir.Undefined)
+    even, odd = (builder.shuffle_vector(wide, undef, ir.Constant(ir.VectorType(_I32, 8), list(range(e, 16, 2))))
+                 for e in (0, 1))
+    return builder.add(even, odd)
+
+
+def _q8h_rows_codegen(builder, codes_addr, scale_addr, min_addr, rows, x86: bool = HOST_AVX2):
+    """IR for :func:`_q8h_group` / :func:`_q8h_group2`: ``rows`` = [(x_addr, fx, sx, acc_addr)] share the loads of
+    the group's codes. Per row, half and 8-row block an int32 sum (at most 16 * 128 * 127)."""
+    v8, v32, vf = ir.VectorType(_I8, 32), ir.VectorType(_I32, 8), ir.VectorType(_F32, TILE_ROWS)
+    sums = [[[ir.Constant(v32, [0] * 8)] * 4 for _ in (0, 1)] for _ in rows]
+    for q in range(GROUP // QUAD):
+        h = q * QUAD // HALF
+        xs = [builder.bitcast(_splat(builder, builder.load(_ptr(builder, x_addr, q * QUAD, _I32), align=1), v32), v8)
+              for x_addr, _, _, _ in rows]
+        for k in range(TILE_ROWS // 8):
+            c = builder.load(_ptr(builder, codes_addr, q * QUAD * TILE_ROWS + 32 * k, v8), align=1)
+            for r, x_quad in enumerate(xs):
+                sums[r][h][k] = builder.add(sums[r][h][k], _quad_madd(builder, c, x_quad, x86))
+    cat16 = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
+    cat32 = ir.Constant(ir.VectorType(_I32, 32), list(range(32)))
+    mins = builder.load(builder.inttoptr(min_addr, vf.as_pointer()), align=4)
+    for (_, fx, sx, acc_addr), per_half in zip(rows, sums):
+        dot = None
+        for h, blocks in enumerate(per_half):
+            lo = builder.shuffle_vector(blocks[0], blocks[1], cat16)
+            hi = builder.shuffle_vector(blocks[2], blocks[3], cat16)
+            total = builder.sitofp(builder.shuffle_vector(lo, hi, cat32), vf)
+            term = builder.fmul(builder.load(_ptr(builder, scale_addr, h * 4 * TILE_ROWS, vf), align=4), total)
+            dot = term if dot is None else builder.fadd(dot, term)
+        acc_p = builder.inttoptr(acc_addr, vf.as_pointer())
+        acc = builder.fadd(builder.load(acc_p, align=4), builder.fmul(dot, _splat(builder, fx, vf)))
+        builder.store(builder.fadd(acc, builder.fmul(mins, _splat(builder, sx, vf))), acc_p, align=4)
+
+
+@intrinsic
+def _q8h_group(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
+    """acc[r] += fx * (scale[0, r] * sum_{j<16} code[j, r] x[j] + scale[1, r] * sum_{j>=16} code[j, r] x[j])
+    + min[r] * sx over one group (32 inputs) of one Q8h tile (codes: 8 x 4R bytes, layout above); sx = fx *
+    sum_j x[j]."""
+    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.float32, types.float32, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ca, xa, sa, ma, fx, sx, aa = args
+        _q8h_rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _q8h_group2(typingctx, codes_addr, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr,
+                acc1_addr):
+    """:func:`_q8h_group` for two activation rows at once over one load of the codes."""
+    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp, types.float32, types.float32,
+                     types.float32, types.float32, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ca, xa, xa1, sa, ma, fx, sx, fx1, sx1, aa, aa1 = args
+        _q8h_rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa), (xa1, fx1, sx1, aa1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def _q8h_gemv(x, codes, scale, mins, y):
+    """y float32 [M, T * R] = x float32 [M, K] times the Q8h tiles (layout above)."""
+    M = x.shape[0]
+    T, G = codes.shape[0], codes.shape[1]
+    xq, fx, sx = _quantized(x)
+    acc = np.empty((2, TILE_ROWS), np.float32)
+    for t in range(T):
+        for b in range(0, M - 1, 2):   # rows in pairs: one load of the codes serves both
+            acc[:] = 0.0
+            for g in range(G):
+                _q8h_group2(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data,
+                            xq[b + 1, g * GROUP:].ctypes.data, scale[t, g].ctypes.data, mins[t, g].ctypes.data,
+                            fx[b, g], sx[b, g], fx[b + 1, g], sx[b + 1, g], acc[0].ctypes.data, acc[1].ctypes.data)
+            y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
+            y[b + 1, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[1]
+        if M % 2:
+            b = M - 1
+            acc[0] = 0.0
+            for g in range(G):
+                _q8h_group(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, scale[t, g].ctypes.data,
+                           mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc[0].ctypes.data)
+            y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
+
+
+def _quads(codes: np.ndarray) -> np.ndarray:
+    """Tiled codes [T, G, 32, R] -> the Q8h layout [T, G, 8, 4 R] (byte 4 r + e of quad q = input 4 q + e)."""
+    T, G = codes.shape[:2]
+    return np.ascontiguousarray(codes.reshape(T, G, GROUP // QUAD, QUAD, TILE_ROWS).transpose(0, 1, 2, 4, 3)
+                                ).reshape(T, G, GROUP // QUAD, QUAD * TILE_ROWS)
+
+
+def q8h_tiles(codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tiles for :func:`q8h_linear` from ``gpu.quant.Int8HalfGroups`` fields: codes int8 ``[N, K]``, scale
+    float32 ``[N, K / 16]``, min float32 ``[N, K / 32]`` (``w = code * scale[k // 16] + min[k // 32]``).
+
+    Returns ``{"tiles": int8 [T, G, 8, 4 R], "tile_scale": float32 [T, G, 2, R], "tile_min": float32 [T, G, R]}``.
+    Raises ValueError if ``K`` is not a multiple of 32."""
+    n, k = codes.shape
+    if k % GROUP:
+        raise ValueError(f"Q8h tiles need K % {GROUP} == 0, got K = {k}")
+    return {"tiles": torch.from_numpy(_quads(_tile(codes.numpy().reshape(n, k // GROUP, GROUP)))),
+            "tile_scale": torch.from_numpy(_tile(scale.float().numpy().reshape(n, k // GROUP, 2))),
+            "tile_min": torch.from_numpy(_tile(mins.float().numpy()))}
+
+
+def q8h_linear(x: torch.Tensor, n: int, tiles: torch.Tensor, tile_scale: torch.Tensor,
+               tile_min: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for float ``x`` ``[M, K]`` and the weight ``[n, K]`` in :func:`q8h_tiles` form: float32
+    ``[M, n]``."""
+    return _run(_q8h_gemv, x, n, tiles, tile_scale, tile_min)
+
+
+def _gemv_any(x, tiles, scale, mins, y):
+    """y = x times a (tiles, scale, min) triple in Q4 or Q8h form, chosen by the tiles' dtype when numba compiles
+    the caller (uint8: :func:`_q4_gemv`, int8: :func:`_q8h_gemv`)."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(_gemv_any, jit_options={"nogil": True, "cache": True})
+def _gemv_any_impl(x, tiles, scale, mins, y):
+    if tiles.dtype == types.uint8:
+        return lambda x, tiles, scale, mins, y: _q4_gemv(x, tiles, scale, mins, y)
+    return lambda x, tiles, scale, mins, y: _q8h_gemv(x, tiles, scale, mins, y)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=True)
+def decode_layers_mixed(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_tokens, tables, positions, cos, sin,
+                        n_heads, inter, eps, attn_scale):
+    """:func:`decode_layers` where each of qkv, o, gate_up, down is stacked Q4 tiles or stacked Q8h tiles
+    (a K-quant file's mix: Q4_K on the Q4 tiles, Q6_K/Q5_K/Q5_0 on Q8h); same arguments and result."""
+    B, hidden = x.shape
+    Hkv, D = pool.shape[3], pool.shape[4]
+    n_rope = n_heads + Hkv
+    h = np.empty((B, hidden), np.float32)
+    y_qkv = np.empty((B, qkv[0].shape[1] * TILE_ROWS), np.float32)
+    y_hidden = np.empty((B, o[0].shape[1] * TILE_ROWS), np.float32)
+    y_down = np.empty((B, down[0].shape[1] * TILE_ROWS), np.float32)
+    y_gu = np.empty((B, gate_up[0].shape[1] * TILE_ROWS), np.float32)
+    act = np.empty((B, inter), np.float32)
+    attn = np.empty((B, n_heads * D), np.float32)
+    heads = np.empty((n_heads + 2 * Hkv, D), np.float32)
+    head_out = np.empty((n_heads, D), np.float32)
+    scores = np.empty(np.max(positions) + 1, np.float32)
+    for li in range(ln_attn.shape[0]):
+        _rms_norm(x, ln_attn[li], eps, h)
+        _gemv_any(h, qkv[0][li], qkv[1][li], qkv[2][li], y_qkv)
+        for b in range(B):
+            p = positions[b]
+            for hh in range(n_heads + 2 * Hkv):
+                for i in range(D):
+                    heads[hh, i] = y_qkv[b, hh * D + i]
+            for hh in range(n_rope):
+                _rope_row(heads[hh], cos[p], sin[p])
+            slot = tables[b, p // block_tokens] * block_tokens + p % block_tokens
+            pool[li, 0, slot] = heads[n_heads:n_rope]
+            pool[li, 1, slot] = heads[n_rope:]
+            _attend(heads[:n_heads], pool[li, 0], pool[li, 1], tables[b], block_tokens, p + 1, attn_scale,
+                    scores, head_out)
+            for hh in range(n_heads):
+                for i in range(D):
+                    attn[b, hh * D + i] = head_out[hh, i]
+        _gemv_any(attn, o[0][li], o[1][li], o[2][li], y_hidden)
+        x += y_hidden[:, :hidden]
+        _rms_norm(x, ln_mlp[li], eps, h)
+        _gemv_any(h, gate_up[0][li], gate_up[1][li], gate_up[2][li], y_gu)
+        for b in range(B):
+            for i in range(inter):
+                g = y_gu[b, i]
+                act[b, i] = g / (np.float32(1.0) + np.exp(-g)) * y_gu[b, inter + i]
+        _gemv_any(act, down[0][li], down[1][li], down[2][li], y_down)
+        x += y_down[:, :hidden]
+
+
+def q4_to_q8h_tiles(tiles: torch.Tensor, tile_scale: torch.Tensor, tile_min: torch.Tensor) -> dict[str, torch.Tensor]:
+    """:func:`q4_tiles` output as :func:`q8h_tiles` output of the same weight (codes 0..15 as int8, the scale
+    for both halves, the same min): exact, for stacking a role whose layers mix Q4 and Q8h."""
+    T, G = tiles.shape[0], tiles.shape[1]
+    b = tiles.numpy().reshape(T, G, 8, TILE_ROWS, 2)             # (p, r, e): codes 2p + e (low), 16 + 2p + e (high)
+    low, high = (b & 15).transpose(0, 1, 2, 4, 3), (b >> 4).transpose(0, 1, 2, 4, 3)   # [T, G, 8, 2, R]
+    codes = np.concatenate([low.reshape(T, G, 16, TILE_ROWS), high.reshape(T, G, 16, TILE_ROWS)], axis=2)
+    s = tile_scale.numpy()
+    return {"tiles": torch.from_numpy(_quads(codes.astype(np.int8))),
+            "tile_scale": torch.from_numpy(np.ascontiguousarray(np.stack([s, s], axis=2))),
+            "tile_min": tile_min.clone()}

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .loader import ModelConfig, RopeScaling, load_weights
-from .quant import Int4Groups, Int8Groups, QuantLinear, int8_groups_from_float
+from .quant import Int4Groups, Int8Groups, Int8HalfGroups, QuantLinear, int8_groups_from_float
 
 __all__ = ["LlamaModel", "WEIGHT_MODES", "from_path", "kv_bytes_per_token", "kv_pool_shape", "resolve_weights_mode",
            "rope_inv_freq"]
@@ -112,7 +112,8 @@ DECODE_STACKED_MAX_ROWS = 65
 
 
 def resolve_weights_mode(mode: str, device: str | torch.device = "cpu") -> str:
-    """``"native"`` (GGUF Q4_0/Q4_1/Q8_0 kept in low bits, int8-quantized activations; CPU only) for ``"auto"``
+    """``"native"`` (GGUF Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K/Q5_0/Q5_1 kept in low bits, int8-quantized activations;
+    CPU only) for ``"auto"``
     on a CPU, else ``"float32"`` or ``"bfloat16"`` (every weight dequantized to that dtype).
 
     Raises:
@@ -127,12 +128,15 @@ def resolve_weights_mode(mode: str, device: str | torch.device = "cpu") -> str:
 
 def _linear(parts: list, native: bool, dtype: torch.dtype, device: torch.device) -> QuantLinear:
     """One linear over ``parts`` stacked along the output dim (fused QKV, gate-up). Natively: int4 when every part
-    is Q4 groups, int8 when every part is int8 groups (each with its float32 copy for large batches); anything
-    else is dequantized into a dense ``dtype`` weight."""
+    is Q4 groups, int8 when every part is int8 groups, int8h when the parts are half-scaled int8 groups or a
+    mix (Q4_K_M's, e.g. Q5_0 Q/K with a Q8_0 V; each with its float32 copy for large batches); anything else is
+    dequantized into a dense ``dtype`` weight."""
     if native and all(isinstance(p, Int4Groups) for p in parts):
         return QuantLinear.int4(Int4Groups.cat(parts))
     if native and all(isinstance(p, Int8Groups) for p in parts):
         return QuantLinear.int8(Int8Groups.cat(parts))
+    if native and all(isinstance(p, (Int4Groups, Int8Groups, Int8HalfGroups)) for p in parts):
+        return QuantLinear.int8h(Int8HalfGroups.cat(parts))   # K-quants, Q5, mixes (converted exactly)
     dense = [p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]
     return QuantLinear.dense(torch.cat([d.to(device=device, dtype=dtype) for d in dense]))
 
@@ -145,7 +149,8 @@ class LlamaModel:
         config: from :func:`gpu.loader.load_weights`.
         weights: HF-named weights from :func:`gpu.loader.load_weights`: tensors (their dtype becomes the compute
             dtype unless ``native``), or with ``native`` also :class:`gpu.quant.Int4Groups` /
-            :class:`gpu.quant.Int8Groups` for GGUF-quantized linears, kept packed.
+            :class:`gpu.quant.Int8Groups` / :class:`gpu.quant.Int8HalfGroups` for GGUF-quantized linears, kept
+            packed.
         device: where the weights (and every ``kv`` pool passed in) live.
         native: run packed weights with gpu/lowbit_cpu.py's GEMV (``weights="auto"`` in the engine) when a
             forward has fewer than ``dense_min_tokens`` tokens, their float32 copies otherwise (every prefill by
@@ -245,6 +250,7 @@ class LlamaModel:
         self._llama_layers = (config.spec.llama_like and not any(self._windows) and config.attn_scale is None
                               and config.attn_softcap is None and config.final_softcap is None)
         self._stacked: tuple | None = None  # the Q4 layers stacked for lowbit_cpu.decode_layers (_stack_layers)
+        self._stacked_mixed = False  # some stacks hold Q8h tiles: lowbit_cpu.decode_layers_mixed runs them
 
     @property
     def weights_mode(self) -> str:
@@ -716,16 +722,26 @@ class LlamaModel:
     def _stack_layers(self) -> tuple | None:
         """Every layer's norms and Q4 tiles stacked along a new first axis (numpy, for
         ``lowbit_cpu.decode_layers``), built once; the layers' own linears then run on views of the stacks, so
-        the tiles are not held twice. None unless native with every layer linear in Q4 tiles."""
+        the tiles are not held twice. None unless native with every layer linear in Q4 or Q8h tiles (K-quants:
+        a linear whose layers mix the two is stacked as Q8h, its Q4 layers converted exactly, and the step runs
+        ``lowbit_cpu.decode_layers_mixed``)."""
         names, keys = ("qkv", "o", "gate_up", "down"), ("tiles", "tile_scale", "tile_min")
         if self._stacked is None:
             if not self.native or not self._llama_layers or any(
-                    getattr(lay, n).kind != "int4" for lay in self.layers for n in names):
+                    getattr(lay, n).kind not in ("int4", "int8h") for lay in self.layers for n in names):
                 self._stacked = ()
                 return None
+            from .lowbit_cpu import q4_to_q8h_tiles  # noqa: PLC0415
+
             stacks = {}
             for n in names:
                 lins = [getattr(lay, n) for lay in self.layers]
+                if any(lin.kind == "int8h" for lin in lins):
+                    self._stacked_mixed = True
+                    lins = [lin if lin.kind == "int8h" else QuantLinear(
+                        "int8h", q4_to_q8h_tiles(*(lin.tensors[k] for k in keys)) | (
+                            {"dense": lin.tensors["dense"]} if "dense" in lin.tensors else {}), lin.out_features)
+                            for lin in lins]
                 parts = {k: torch.stack([lin.tensors[k] for lin in lins]) for k in keys}
                 for li, (lay, lin) in enumerate(zip(self.layers, lins)):
                     own = {k: lin.tensors[k] for k in lin.tensors if k not in parts} | {k: v[li] for k, v in
@@ -738,13 +754,15 @@ class LlamaModel:
 
     def _decode_stacked(self, kv: torch.Tensor, token_ids: list[int], positions: list[int], padded: list[list[int]],
                         stacked: tuple) -> torch.Tensor:
-        """``decode`` through ``lowbit_cpu.decode_layers`` (one numba call for all layers): logits ``[B, vocab]``."""
-        from .lowbit_cpu import decode_layers  # noqa: PLC0415
+        """``decode`` through ``lowbit_cpu.decode_layers`` (``decode_layers_mixed`` with Q8h stacks; one numba call
+        for all layers): logits ``[B, vocab]``."""
+        from .lowbit_cpu import decode_layers, decode_layers_mixed  # noqa: PLC0415
         c = self.config
         x = self._embed(torch.tensor(token_ids, dtype=torch.long))  # [B, hidden], fresh: updated in place
-        decode_layers(x.numpy(), *stacked, self._flat_pool(kv).numpy(), kv.shape[3], np.asarray(padded, np.int64),
-                      np.asarray(positions, np.int64), self._cos.numpy(), self._sin.numpy(), c.num_heads,
-                      c.intermediate_size, c.rms_norm_eps, self._scale)
+        run = decode_layers_mixed if self._stacked_mixed else decode_layers
+        run(x.numpy(), *stacked, self._flat_pool(kv).numpy(), kv.shape[3], np.asarray(padded, np.int64),
+            np.asarray(positions, np.int64), self._cos.numpy(), self._sin.numpy(), c.num_heads,
+            c.intermediate_size, c.rms_norm_eps, self._scale)
         x = F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
         return self._softcap_logits(
             (self.lm_head.big if len(token_ids) >= self.head_dense_min_rows else self.lm_head.fn)(x).float())

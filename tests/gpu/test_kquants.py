@@ -1,0 +1,209 @@
+"""K-quant weights (GGUF Q4_K, Q5_K, Q6_K and the Q5_0/Q5_1 fallbacks of a Q4_K_M file) kept low-bit.
+
+The blocks come from tools/kquantize.py's reference quantizer; the unpacking is checked against the gguf
+library's own dequantization, the GEMV against a float64 product of that dequantized weight with the
+int8-rounded activations (the kernel's only rounding), and a Q4_K_M re-quantization of the embedded model
+against its own float32 path.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from gpu.quant import Int4Groups, Int8HalfGroups, QuantLinear, kquant_groups_from_gguf
+from tools.kquantize import quantize, requantize
+
+TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
+
+
+def _weight(rows: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    # rows of different magnitudes and an offset, so scales and mins differ across rows and sub-blocks
+    return (rng.standard_normal((rows, k)) * rng.uniform(0.2, 3.0, (rows, 1)) + rng.uniform(-1, 1, (rows, 1))
+            ).astype(np.float32)
+
+
+def _linear(groups) -> QuantLinear:
+    return QuantLinear.int4(groups) if isinstance(groups, Int4Groups) else QuantLinear.int8h(groups)
+
+
+def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernels see it: rounded to int8 per group of 32 (scale max |x| / 127), in float64."""
+    g = x.double().view(x.shape[0], -1, 32)
+    scale = g.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(g / scale.clamp_min(1e-30)) * scale).view_as(x)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_kquant_blocks_unpack_to_exactly_what_gguf_dequantizes(qtype):
+    w = _weight(40, 512, 0)
+    raw = quantize(w, qtype)
+    ref = dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float32)
+    groups = kquant_groups_from_gguf(raw, qtype, (40, 512))
+    assert torch.equal(groups.dequantize(), torch.from_numpy(ref))
+    # the reference quantizer made valid, useful blocks: within a fraction of each row's spread
+    spread = w.max(1, keepdims=True) - w.min(1, keepdims=True)
+    assert (np.abs(ref - w) <= spread * {"Q4_K": 0.1, "Q5_0": 0.05}.get(qtype, 0.04)).all()
+    with pytest.raises(ValueError):
+        kquant_groups_from_gguf(raw, qtype, (40, 256))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_kquant_gemv_matches_the_dequantized_weight_times_the_rounded_activations(rows):
+    n, k = 80, 512   # 80 rows: three tiles of 32 (an odd count), the last one padded
+    x = torch.from_numpy(np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32))
+    xq = _int8_rounded(x)
+    for seed, qtype in enumerate(TYPES):
+        raw = quantize(_weight(n, k, 10 + seed), qtype)
+        ref_w = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float32))
+        lin = _linear(kquant_groups_from_gguf(raw, qtype, (n, k)))
+        y = lin.fn(x)
+        assert y.shape == (rows, n) and y.dtype == torch.float32
+        exact = xq @ ref_w.double().T   # the integer sums are exact; only float32 scaling rounds
+        assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item()), qtype
+        plain = F.linear(x, ref_w)      # and the activation rounding moves the result only a little
+        assert torch.allclose(y, plain, rtol=0.02, atol=0.02 * plain.abs().max().item()), qtype
+        assert torch.equal(lin.big(x), plain)   # large batches run the exact float32 weight
+
+
+def test_a_fused_linear_of_q4_k_and_q6_k_parts_keeps_every_part_exact():
+    # Q4_K_M's fused QKV: Q4_K Q/K rows with Q6_K V rows run as one int8h linear
+    k = 256
+    q4 = kquant_groups_from_gguf(quantize(_weight(48, k, 3), "Q4_K"), "Q4_K", (48, k))
+    q6 = kquant_groups_from_gguf(quantize(_weight(24, k, 4), "Q6_K"), "Q6_K", (24, k))
+    fused = Int8HalfGroups.cat([q4, q6])
+    assert torch.equal(fused.dequantize(), torch.cat([q4.dequantize(), q6.dequantize()]))
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((3, k)).astype(np.float32))
+    y = QuantLinear.int8h(fused).fn(x)
+    assert torch.allclose(y[:, :48], QuantLinear.int4(q4).fn(x), rtol=1e-5, atol=1e-4)
+    exact = _int8_rounded(x) @ fused.dequantize().double().T
+    assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+
+
+def test_kquant_gemv_sums_without_integer_overflow_at_the_extreme_codes():
+    # Q6_K's codes at -32 and Q5's at 31 with activations at +-127: the int16 pair sums at their largest
+    k = 64
+    for code in (-32, 31, 127, -128):
+        w = Int8HalfGroups(torch.full((32, k), code, dtype=torch.int8), torch.full((32, k // 16), 0.5),
+                           torch.zeros(32, k // 32))
+        x = torch.full((1, k), -3.0)
+        assert torch.allclose(QuantLinear.int8h(w, dense=False).fn(x), F.linear(x, w.dequantize())), code
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_models(gguf_path, tmp_path_factory):
+    from gpu.model import LlamaModel
+
+    path = tmp_path_factory.mktemp("kquants") / "smollm2-q4_k_m.gguf"
+    counts = requantize(gguf_path, path, "Q4_K_M")
+    native = LlamaModel.from_path(path, progress=False, weights="auto")
+    return counts, native, LlamaModel.from_path(path, progress=False)
+
+
+def test_a_q4_k_m_model_runs_its_k_quants_low_bit_and_agrees_with_its_float32_path(q4_k_m_models, tok):
+    from tools.bench_quality import DEFAULT_TEXT, compare
+
+    counts, native, reference = q4_k_m_models
+    # the embedded model's hidden size 576 is no multiple of 256: only ffn_down (input 1536) is a K-quant,
+    # the rest falls back as llama.cpp's does (Q5_0; the tied embedding Q8_0)
+    assert set(counts) == {"F32", "Q4_K", "Q6_K", "Q5_0", "Q8_0"}
+    kinds = {(lay.down.kind, lay.qkv.kind, lay.gate_up.kind) for lay in native.layers}
+    if not native._stacked:   # before a decode step stacks them: Q4_K downs on the Q4 tiles, Q6_K on Q8h
+        assert kinds == {("int4", "int8h", "int8h"), ("int8h", "int8h", "int8h")}
+    ids = tok.encode(DEFAULT_TEXT.read_text(encoding="utf-8"))[:129]
+    res = compare(reference, native, ids, chunk_tokens=128, candidate_by_decode=True)
+    assert native.weights_mode == "native" and res["tokens"] == 128
+    assert res["top1_agreement"] >= 0.9, res
+    assert res["ppl_candidate"] <= 1.05 * res["ppl_reference"], res
+
+
+def test_q4_tiles_converted_to_q8h_tiles_compute_the_same_linear():
+    from gpu.lowbit_cpu import q4_to_q8h_tiles, q8h_linear
+
+    k = 256
+    q4 = kquant_groups_from_gguf(quantize(_weight(40, k, 6), "Q4_K"), "Q4_K", (40, k))
+    lin = QuantLinear.int4(q4, dense=False)
+    converted = q4_to_q8h_tiles(*(lin.tensors[n] for n in ("tiles", "tile_scale", "tile_min")))
+    x = torch.from_numpy(np.random.default_rng(7).standard_normal((3, k)).astype(np.float32))
+    exact = _int8_rounded(x) @ q4.dequantize().double().T
+    y = q8h_linear(x, 40, **converted)
+    assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+
+
+def test_the_one_call_decode_of_a_q4_k_m_model_matches_its_op_by_op_decode(q4_k_m_models):
+    from gpu.model import DENSE_MIN_TOKENS, kv_pool_shape
+
+    _, m, _ = q4_k_m_models
+    ids = list(range(300, 340))
+    tables, lengths = [[0, 1, 2], [3, 4, 5], [6, 7, 8]], [40, 17, 31]
+    kv = torch.zeros(kv_pool_shape(m.config, 9, 16))
+    for table, n in zip(tables, lengths):
+        m.prefill(kv, ids[:n], table)
+    kv_op = kv.clone()
+    one_call = m.decode(kv, [7, 8, 9], lengths, tables)
+    assert m._stacked and m._stacked_mixed   # lowbit_cpu.decode_layers_mixed ran
+    assert {lay.down.kind for lay in m.layers} == {"int8h"}   # the Q4_K downs converted to stack with the Q6_K
+    stacked, m._stacked = m._stacked, ()   # () = "not applicable": the op-by-op path, on the same kernels
+    m.dense_min_tokens = 1 << 30
+    try:
+        op_by_op = m.decode(kv_op, [7, 8, 9], lengths, tables)
+    finally:
+        m._stacked, m.dense_min_tokens = stacked, DENSE_MIN_TOKENS
+    assert torch.allclose(kv[0], kv_op[0], atol=1e-4)
+    p, q = one_call.log_softmax(-1), op_by_op.log_softmax(-1)
+    assert torch.equal(one_call.argmax(-1), op_by_op.argmax(-1))
+    assert (p.exp() * (p - q)).sum(-1).max() < 0.02
+
+
+def test_the_portable_q8h_loop_gives_the_same_integer_sums_as_the_one_the_host_runs():
+    # hosts without AVX2 compile the Q8h loop's products in portable IR: check it here against the host's
+    # (pmaddubsw + pmaddwd on AVX2). Unit scales, integer activations with a 127 in every group (so the int8
+    # rounding is exact) and codes over the whole int8 range: both must give the exact integer dot products.
+    import numba
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    from gpu import lowbit_cpu as lb
+
+    @intrinsic
+    def portable_group(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
+        sig = types.void(types.intp, types.intp, types.intp, types.intp, types.float32, types.float32, types.intp)
+
+        def codegen(context, builder, signature, args):
+            ca, xa, sa, ma, fx_, sx_, aa = args
+            lb._q8h_rows_codegen(builder, ca, sa, ma, [(xa, fx_, sx_, aa)], x86=False)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @numba.njit
+    def portable(x, codes, scale, mins, y):
+        xq, fx, sx = lb._quantized(x)
+        acc = np.empty(lb.TILE_ROWS, np.float32)
+        for t in range(codes.shape[0]):
+            for b in range(x.shape[0]):
+                acc[:] = 0.0
+                for g in range(codes.shape[1]):
+                    portable_group(codes[t, g].ctypes.data, xq[b, g * 32:].ctypes.data, scale[t, g].ctypes.data,
+                                   mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc.ctypes.data)
+                y[b, t * lb.TILE_ROWS:(t + 1) * lb.TILE_ROWS] = acc
+
+    rng = np.random.default_rng(8)
+    n, k = 64, 96
+    codes = torch.from_numpy(rng.integers(-128, 128, (n, k)).astype(np.int8))
+    codes[0], codes[1] = -128, 127
+    w = Int8HalfGroups(codes, torch.ones(n, k // 16), torch.zeros(n, k // 32))
+    x = rng.integers(-127, 128, (3, k)).astype(np.float32)
+    x[:, ::32] = 127.0
+    x[1] = -x[1]
+    tiles = lb.q8h_tiles(w.codes, w.scale, w.min)
+    y = np.empty((3, n), np.float32)
+    portable(x, *(tiles[name].numpy() for name in ("tiles", "tile_scale", "tile_min")), y)
+    exact = torch.from_numpy(x).double() @ codes.double().T
+    host = lb.q8h_linear(torch.from_numpy(x), n, **tiles)   # rows 0, 1 as a pair, row 2 alone
+    assert torch.equal(host.double(), exact)
+    assert torch.equal(torch.from_numpy(y).double(), exact)
