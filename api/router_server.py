@@ -105,7 +105,7 @@ async def _serve(layout, prefill_urls: list[str], decode_urls: list[str]) -> Non
     from api.http_edges import (answer_cancelled_requests, ignore_cancelled_connection_callbacks,
                                 install_idle_close, install_refused_streams, keep_alive_config)
     from api.middleware import load_api_keys
-    from api.tracing import TraceContextMiddleware
+    from api.tracing import TraceContextMiddleware, start_router_tracer
     from api.formats import formats_for
     from api.protocol import RequestParser
     from gpu.grammar import GrammarCompiler
@@ -141,8 +141,12 @@ async def _serve(layout, prefill_urls: list[str], decode_urls: list[str]) -> Non
         loop.add_signal_handler(signum, stop.set)
     log.info("pdserve router serving on http://%s:%d (prefill nodes %s; decode nodes %s)", config.host,
              layout.http_port, ", ".join(prefill_urls), ", ".join(decode_urls))
+    tracing = start_router_tracer(config)
     try:
-        await serve(answer_cancelled_requests(TraceContextMiddleware(app)), hconfig, shutdown_trigger=stop.wait)
+        await serve(answer_cancelled_requests(TraceContextMiddleware(app, tracing[0] if tracing else None)), hconfig,
+                    shutdown_trigger=stop.wait)
     finally:
+        if tracing is not None:
+            tracing[1].shutdown()
         await client.stop()
         log.info("pdserve router stopped")

@@ -10,8 +10,9 @@ recorder's timelines (ipc/timeline.py) and exported over OTLP/HTTP by the SDK's 
 | `EventBuffer`     | the recorder's new events per row life, kept until their trace is built or they go stale |
 | `RequestTracer`   | the thread: reads new recorder events, waits for a request's rows to be released, emits |
 | `start_tracer`    | the SDK's TracerProvider + BatchSpanProcessor(OTLP/HTTP exporter) for the config        |
+| `start_router_tracer` | the same for `pdserve router`'s own spans (``TraceContextMiddleware``)              |
 | `QuietSdkLog`     | a log filter: one OpenTelemetry SDK record a minute (a down collector logs every retry) |
-| `TraceContextMiddleware` | ASGI (the router): the request's W3C trace headers in ``INCOMING`` for its calls to nodes |
+| `TraceContextMiddleware` | ASGI (the router): its own span per request; its W3C headers in ``INCOMING`` for node calls |
 
 A trace: the HTTP request's SERVER span (the caller's ``traceparent`` as its parent), with the gen_ai semantic
 conventions' attributes (model, usage, finish reasons; vLLM's ``gen_ai.latency.*`` for TTFT, queue time, e2e),
@@ -454,22 +455,70 @@ def emit(tracer, plan: list[SpanSpec], facts: RequestFacts) -> None:
 # ---- the HTTP side ------------------------------------------------------------------------------------------------
 
 class TraceContextMiddleware:
-    """Plain ASGI for `pdserve router`: sets ``INCOMING`` to the request's trace headers while it is served, so the
-    router's calls to the nodes (api/router_client.py) carry the client's ``traceparent`` and both nodes' traces
-    join the client's trace."""
+    """Plain ASGI for `pdserve router`: sets ``INCOMING`` to the trace headers the router's calls to the nodes
+    (api/router_client.py) carry while the request is served. With ``tracer`` (an OpenTelemetry tracer: the
+    router's ``--otlp-traces-endpoint``), each ``/v1/`` request gets the router's own SERVER span, the client's
+    ``traceparent`` as its parent, and the nodes' traces join it as its children: one trace per request, with or
+    without a client ``traceparent``. Without one, the client's headers are forwarded as they came."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, tracer=None):
+        self.app, self.tracer = app, tracer
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        token = INCOMING.set(trace_headers(scope))
+        carrier = trace_headers(scope)
+        span = self._start_span(scope, carrier) if self.tracer is not None else None
+        outgoing = carrier if span is None else _context_headers(span)
+        token = INCOMING.set(outgoing)
+
+        async def send_noting(message: dict) -> None:
+            if span is not None and message["type"] == "http.response.start":
+                span.set_attribute("http.response.status_code", int(message["status"]))
+                if int(message["status"]) >= 500:
+                    from opentelemetry.trace import Status, StatusCode
+
+                    span.set_status(Status(StatusCode.ERROR))
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_noting)
         finally:
             INCOMING.reset(token)
+            if span is not None:
+                span.end()
+
+    def _start_span(self, scope: dict, carrier: dict[str, str]):
+        """The router's SERVER span of a ``/v1/`` request (None for other paths, or when it cannot start: tracing
+        never costs an answer)."""
+        path = scope.get("path", "")
+        if not path.startswith("/v1/"):
+            return None
+        try:
+            from opentelemetry.trace import SpanKind
+            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+            method = scope.get("method", "")
+            request_id = dict(scope.get("headers") or ()).get(b"x-request-id", b"").decode("latin-1")
+            attributes = {"http.request.method": method, "url.path": path, "pdserve.role": "router"}
+            if request_id:
+                attributes["gen_ai.request.id"] = request_id
+            return self.tracer.start_span(f"{method} {path}", context=TraceContextTextMapPropagator().extract(carrier),
+                                          kind=SpanKind.SERVER, attributes=attributes)
+        except Exception:  # noqa: BLE001 - tracing never costs an answer
+            log.exception("tracing: the router's span of %s could not start", path)
+            return None
+
+
+def _context_headers(span) -> dict[str, str]:
+    """The W3C headers (``traceparent``, ``tracestate``) that make ``span`` the parent of a node's trace."""
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    headers: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(headers, context=trace.set_span_in_context(span))
+    return headers
 
 
 class TraceMiddleware:
@@ -554,6 +603,29 @@ def counting_exporter(inner, counts: collections.Counter):
             return inner.force_flush(timeout_millis)
 
     return CountingExporter()
+
+
+def start_router_tracer(config):
+    """``(tracer, provider)`` of `pdserve router`'s own spans (``TraceContextMiddleware``), exporting to
+    ``config.otlp_traces_endpoint`` in batches (never on the request path); None when that is empty. The
+    resource's ``service.name`` is ``OTEL_SERVICE_NAME`` or "pdserve-router". ``provider.shutdown()`` flushes."""
+    if not config.otlp_traces_endpoint:
+        return None
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or "pdserve-router",
+                                "service.instance.id": str(os.getpid())})
+    provider = TracerProvider(resource=resource)
+    exporter = OTLPSpanExporter(endpoint=otlp_url(config.otlp_traces_endpoint), timeout=EXPORT_TIMEOUT_S)
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
+    quiet = QuietSdkLog()
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(quiet)
+    log.info("tracing: the router's spans go to %s (OTLP/HTTP)", otlp_url(config.otlp_traces_endpoint))
+    return provider.get_tracer("pdserve.router"), provider
 
 
 def start_tracer(config, recorder, actor_names: tuple[str, ...], engine_id: str = "") -> RequestTracer | None:

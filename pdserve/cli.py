@@ -26,11 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# the config fields `pdserve router` uses: its HTTP server, the model's tokenizer and limits, deadlines, keys
+# the config fields `pdserve router` uses: its HTTP server, the model's tokenizer and limits, deadlines, keys, traces
 ROUTER_FIELDS = ("model", "served_model_name", "host", "port", "keep_alive_timeout_s", "body_read_timeout_s",
                  "api_key", "api_key_file", "chat_template", "model_cache_dir", "kv_block_tokens", "kv_pool_tokens",
                  "max_model_len", "reserve_output_tokens", "max_tokens_policy", "max_queued_requests",
-                 "request_timeout_s", "allowed_origins", "monitor_tick_s", "actor_hang_timeout_s", "log_level")
+                 "request_timeout_s", "allowed_origins", "monitor_tick_s", "actor_hang_timeout_s", "log_level",
+                 "otlp_traces_endpoint")
 
 
 def node_urls(args: argparse.Namespace) -> tuple[list[str], list[str]]:

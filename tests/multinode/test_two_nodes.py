@@ -122,7 +122,8 @@ def cluster(two_host_net, tmp_path_factory, collector):
         router_log = open(log_dir / "router.log", "wb")
         router = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "router", "--port", str(port),
                                    "--prefill-node", nodes[0].url, "--decode-node", nodes[1].url,
-                                   "--monitor-tick-s", str(TICK_S), "--actor-hang-timeout-s", str(NODE_HANG_S)],
+                                   "--monitor-tick-s", str(TICK_S), "--actor-hang-timeout-s", str(NODE_HANG_S)]
+                                  + (["--otlp-traces-endpoint", otlp] if otlp else []),
                                   cwd=ROOT, stdout=router_log, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         wait_http_ok(base + "/health", 120, router)
@@ -156,27 +157,54 @@ def test_sixteen_concurrent_greedy_requests_equal_the_single_node_answers(cluste
     assert view["status"] == "ok", view
 
 
+def one_trace(collector, trace_id: str, parent_of_router: str | None):
+    """``(router span, {node root name: span}, spans)`` once the router's span (its parent ``parent_of_router``,
+    None: none) and both nodes' internal calls as its children are in trace ``trace_id``; else None."""
+    spans = collector.trace(trace_id)
+    routers = [s for s in spans if s.name == "POST /v1/completions"]
+    if len(routers) != 1:
+        return None
+    router = routers[0]
+    roots = {s.name: s for s in spans if s.parent_span_id == router.span_id}
+    if set(roots) != {"POST /internal/prefill", "POST /internal/decode"} or len(spans) < 7:
+        return None
+    assert router.parent_span_id.hex() == (parent_of_router or ""), router.parent_span_id.hex()
+    return router, roots, spans
+
+
 @needs_otel
 def test_one_trace_id_covers_the_router_and_both_nodes(cluster, collector):
-    """The router forwards the client's ``traceparent`` to the prefill and the decode node: each node's trace of
-    its internal call (its HTTP span and its stage spans) is a child of the client's span, in the client's trace."""
+    """The router's span of a request has the client's ``traceparent`` as parent, and the router forwards its own
+    context to the prefill and the decode node: each node's trace of its internal call (its HTTP span and its stage
+    spans) is a child of the router's span, all in the client's trace."""
     base = cluster[0]
     trace_id, caller_span = secrets.token_hex(16), secrets.token_hex(8)
     response = httpx.post(base + "/v1/completions", timeout=120, trust_env=False,
                           headers={"traceparent": f"00-{trace_id}-{caller_span}-01"},
                           json={"prompt": "Name a lighthouse", "max_tokens": 4, "temperature": 0})
     assert response.status_code == 200, response.text
-
-    def both_nodes():
-        spans = collector.trace(trace_id)
-        roots = {s.name: s for s in spans if s.parent_span_id.hex() == caller_span}
-        return (roots, spans) if set(roots) == {"POST /internal/prefill", "POST /internal/decode"} and \
-            len(spans) >= 6 else None
-    roots, spans = wait_until(both_nodes, 30, 0.2, "both nodes' spans in the client's trace")
+    router, roots, spans = wait_until(lambda: one_trace(collector, trace_id, caller_span), 30, 0.2,
+                                      "the router's and both nodes' spans in the client's trace")
     under = {name: {s.name for s in spans if s.parent_span_id == root.span_id} for name, root in roots.items()}
     assert {"queued", "prefill"} <= under["POST /internal/prefill"], under
     assert "decode" in under["POST /internal/decode"], under
     assert {s.trace_id.hex() for s in spans} == {trace_id}
+
+
+@needs_otel
+def test_a_request_without_traceparent_is_one_trace_rooted_at_the_router(cluster, collector):
+    """No client ``traceparent``: the router's span starts the trace and both nodes' spans join it."""
+    base = cluster[0]
+    request_id = f"untraced-{secrets.token_hex(4)}"
+    response = httpx.post(base + "/v1/completions", timeout=120, trust_env=False, headers={"X-Request-Id": request_id},
+                          json={"prompt": "Name a river", "max_tokens": 4, "temperature": 0})
+    assert response.status_code == 200, response.text
+
+    def found():
+        ids = {s.trace_id.hex() for s in collector.request_spans(request_id)}
+        return one_trace(collector, ids.pop(), None) if len(ids) == 1 else None
+    router, roots, spans = wait_until(found, 30, 0.2, "one trace: the router's span and both nodes' spans under it")
+    assert len({s.trace_id for s in spans}) == 1
 
 
 def test_the_prefill_node_reports_the_blocks_its_cache_holds_to_the_router(cluster):
