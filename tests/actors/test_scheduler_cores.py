@@ -1077,3 +1077,36 @@ def test_a_full_prefill_queue_drops_the_hand_back_at_once_and_a_short_pool_takes
     pair.deliver_to_decode()
     pair.decode_step()
     assert not pair.decode.lingering and pair.table.state((third.slot, third.generation)) == S.DECODING
+
+
+def test_colocated_mode_hands_the_finished_blocks_over_to_the_cache_without_a_copy():
+    clock = FakeClock()
+    table = FakeTable(clock)
+    base = FakeAllocator(16)
+    pool = CachingAllocator(base, copy_rows=lambda s, d, r: None)
+    outbox = QueueOutbox({"api": type("ApiQueue", (), {"put": lambda self, frame, timeout_s: None})()}, 1.0)
+    prefill = PrefillCore(table, pool, outbox, clock, actor_index=DECODE)
+    decode = DecodeCore(table, pool, FakeTransfers(local=True), outbox, clock, actor_index=DECODE, eos_ids=[EOS],
+                        max_num_seqs=4, block_bytes=100, hand_back=True)
+    outbox.add_local("prefill", prefill)
+    outbox.add_local("decode", decode)
+
+    def serve(request_id: str, prompt: list[int], max_tokens: int):
+        request = prefill_request(table, request_id, prompt_tokens=len(prompt), max_tokens=max_tokens)
+        prefill.on_message(dataclasses.replace(request, prompt_ids=prompt))
+        work = prefill_one(prefill)
+        prefill.finish(work, [(5, None)])
+        decode.start_transfers()
+        decode.poll_transfers()
+        decode.join_batch()
+        while decode.batch():
+            decode.step_done(decode.batch(), [7] * len(decode.batch()), [None] * len(decode.batch()))
+        decode.flush()
+        return work
+
+    prompt = list(range(1, 21))
+    serve("turn1", prompt, max_tokens=20)   # 39 tokens with KV: decode's blocks 1 and 2 join the cache in place
+    assert pool.adopted_blocks == 2 and not decode.lingering and pool.cached_blocks_in_use == 0
+    assert base.num_free == 16 - pool.cached_blocks and pool.num_free == 16
+    work = serve("turn2", prompt + [5] + [7] * 19 + [100], max_tokens=1)
+    assert work.cached_tokens == 39 and pool.num_free == 16
