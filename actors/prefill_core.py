@@ -22,6 +22,8 @@ import collections
 import dataclasses
 from typing import Any, Callable
 
+import numpy as np
+
 from actors.messages import HandBackDone, KVHandBack, KVReady, PrefillRequest, TransferDone
 from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort
 from actors.prefix_cache import HANDBACK_OWNER, CachingAllocator, PromptBlocks
@@ -136,7 +138,7 @@ class PrefillCore:
         self.renewed_ns = 0
         self.hand_back_copy = hand_back_copy
         self.recent_prompts = recent_prompts
-        self.recent: collections.OrderedDict[Key, list[int]] = collections.OrderedDict()   # handed off, oldest first
+        self.recent: collections.OrderedDict[Key, np.ndarray] = collections.OrderedDict()   # handed off, oldest first
         self.hand_backs_dropped = 0   # KVHandBacks it could not cache (counted, never an error)
 
     # ---- events -------------------------------------------------------------------------------------
@@ -278,7 +280,7 @@ class PrefillCore:
                              request.request_id)
             self.handed_off += 1
             if self.allocator.enabled and not request.children:   # its KVHandBack may come: remember the prompt
-                self.recent[key] = request.prompt_ids
+                self.recent[key] = np.asarray(request.prompt_ids, dtype=np.int32)   # 4 bytes a token
                 if len(self.recent) > self.recent_prompts:
                     self.recent.popitem(last=False)
         self.renew_queued()
@@ -292,7 +294,7 @@ class PrefillCore:
         added = None
         bt = self.allocator.block_tokens
         if prompt is not None:
-            tokens = list(prompt) + list(message.output_ids)
+            tokens = prompt.tolist() + list(message.output_ids)
             if len(message.block_ids) == -(-len(tokens) // bt) == len(message.block_generations):
                 if local:
                     added = self.allocator.adopt(tokens, message.block_ids, HANDBACK_OWNER)
