@@ -74,10 +74,11 @@ def test_a_request_aborted_mid_decode_hands_nothing_back_and_holds_nothing(engin
                 chunks = 0
                 async for line in response.aiter_lines():
                     chunks += line.startswith("data: {")
-                    if chunks >= 5:
+                    if chunks >= 40:   # prompt + answer: 3 blocks and more
                         break   # leaving the block closes the connection: the engine aborts the request
     asyncio.run(abort_mid_decode())
     wait_until(lambda: not probe.live_rows(), 30, 0.1, "the aborted request's row to end")
     assert_recovered(engine, probe)   # every decode and prefill block free, no cached block held
-    # the probe request of assert_recovered is handed back (3 tokens), the aborted one is not: 40+ blocks
+    # the probe request of assert_recovered (after the abort in prefill's queue) is handed back, one partial
+    # block at most; the aborted one (3 blocks and more) is not
     assert scrape(engine.base_url)["pdserve_kv_hand_back_blocks_total{actor=prefill0}"] - before <= 1
