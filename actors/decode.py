@@ -14,7 +14,7 @@ import time
 
 from actors.base import Actor
 from actors.topology import API, DECODE_INDEX, LOCAL_DECODE, LOCAL_PREFILL, REMOTE, peer_address
-from actors.messages import KVReady, parse_frames
+from actors.messages import HandBackDone, KVReady, parse_frames
 
 log = logging.getLogger("pdserve.decode")
 
@@ -51,7 +51,8 @@ class DecodeActor(Actor):
             self.transports[LOCAL_PREFILL if colocated else topo.address(peer)] = transport
         self.inbox = ShmQueue.attach(self.layout.segment(topo.segment("q", self.index)))
         self.faults = FaultPlan(self.config.faults, self.name)
-        self.queues = {topo.address(i): ShmQueue.attach(self.layout.segment(topo.segment("q", i))) for i in topo.prefill}
+        self.queues = {topo.address(i): ShmQueue.attach(self.layout.segment(topo.segment("q", i)))
+                       for i in topo.prefill}
         self.queues[API] = ShmQueue.attach(self.layout.segment("q_api"))
         self.queue_outbox = QueueOutbox(self.queues, self.queue_put_timeout_s)
         self.outbox = FaultyOutbox(self.queue_outbox, self.faults)
@@ -66,9 +67,13 @@ class DecodeActor(Actor):
         # colocated: both cores allocate through the prefill core's prefix cache (decode's allocations evict it)
         self.allocator = CachingAllocator(self.pool, enabled=colocated and self.config.prefix_cache,
                                           copy_rows=functools.partial(copy_block_rows, self.kv))
+        hand_back = self.config.prefix_cache and self.config.kv_hand_back and (
+            colocated or self.config.kv_transport == "cpu-shm")   # the prefill pool reads this one (or is it)
         self.core = DecodeCore(self.table, self.allocator, transfers, self.outbox, time.monotonic_ns,
                                actor_index=self.index, eos_ids=self.model.config.eos_token_ids,
-                               max_num_seqs=self.config.max_num_seqs, block_bytes=self.pool.block_bytes)
+                               max_num_seqs=self.config.max_num_seqs, block_bytes=self.pool.block_bytes,
+                               hand_back=hand_back,
+                               address=LOCAL_DECODE if colocated else topo.address(self.index))
         self.runner = DecodeRunner(self.model, self.kv, self.sampler, self.grammars)
         self.prefill_core = None
         if colocated:   # the local cores talk directly; only the API stays behind a queue
@@ -118,6 +123,8 @@ class DecodeActor(Actor):
                 apply_actor_faults(self.faults, self.name, message.request_id, self.table)
                 if accept_kv_ready(self.faults, message, self.core):
                     self.core.on_message(message)
+            elif isinstance(message, HandBackDone):
+                self.core.on_message(message)
             elif self.prefill_core is None or not self.prefill_core.on_message(message):
                 log.warning("decode: unexpected message %r dropped", message)
 
@@ -159,10 +166,12 @@ class DecodeActor(Actor):
 
     def _publish(self) -> None:
         gauges = self.core.own_gauges()
+        dropped = self.core.hand_backs_dropped
         if self.prefill_core is not None:
             prefill = self.prefill_core.own_gauges()
             gauges = {**prefill, **gauges, "running": gauges["running"] + prefill["running"]}
-        self.gauges.publish(gauges, self.core.finished)
+            dropped += self.prefill_core.hand_backs_dropped
+        self.gauges.publish(gauges, self.core.finished, dropped)
 
     def on_stop(self) -> None:
         if self.prefill_core is not None:

@@ -17,15 +17,22 @@ step.
 The children of an ``n > 1`` request hold the prompt's full blocks once (``SharedPrompt``, keyed by
 ``prompt_key``): the first to be reserved pulls them, each child owns its partial last block and its generation
 blocks, and the last holder to leave frees them (docs/architecture.md, "`n` > 1: children share one prefill").
+
+Cross-turn reuse (``hand_back``): a request this role finished (stop or length; not one that ended elsewhere) hands
+the blocks holding its prompt + answer KV back to the prefill actor that served it (KVHandBack, sent without
+waiting: a full queue drops it, counted in ``hand_backs_dropped``). Colocated, the blocks go to the local prefill
+core at once; else they wait here under HANDBACK_OWNER (``lingering``) until HandBackDone, ``linger_s``, or a
+reservation that finds the pool short, whichever comes first (docs/architecture.md, "Cross-turn reuse").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.messages import KVReady, RequestError, TokenBatch, TransferDone
+from actors.messages import HandBackDone, KVHandBack, KVReady, RequestError, TokenBatch, TransferDone
 from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort, TransfersPort
-from actors.topology import API
+from actors.prefix_cache import HANDBACK_OWNER
+from actors.topology import API, LOCAL_DECODE, LOCAL_PREFILL, is_remote
 from ipc.lifecycle import LIVE_STATES, TransferStatus
 from ipc.lifecycle import RequestState as S
 from ipc.recorder import EventKind, Renewal, record_request
@@ -91,13 +98,17 @@ class DecodeCore:
     """Reservation, KV pull, joining the batch, token bookkeeping and clean-up of one decode role.
 
     ``block_bytes``: bytes of one KV block across layers, K and V (for the transfer timings).
+    ``hand_back``: hand finished requests' KV back to prefill; then ``allocator`` also has ``reassign`` and
+    ``generations`` (a KVPool's), and ``outbox`` has ``try_send(dest, message) -> bool`` (never waits).
+    ``linger_s``: longest a handed-back block waits here for HandBackDone.
     """
 
     def __init__(self, table: TablePort, allocator: AllocatorPort, transfers: TransfersPort, outbox: OutboxPort,
                  clock: Clock, *, actor_index: int, eos_ids, max_num_seqs: int, block_bytes: int,
-                 renew_interval_s: float = 1.0):
+                 renew_interval_s: float = 1.0, hand_back: bool = False, linger_s: float = 2.0,
+                 address: str = LOCAL_DECODE):
         self.table, self.allocator, self.transfers, self.outbox, self.clock = table, allocator, transfers, outbox, clock
-        self.actor_index = actor_index
+        self.actor_index, self.address = actor_index, address
         self.eos_ids = frozenset(eos_ids)
         self.max_num_seqs = max_num_seqs
         self.block_bytes = block_bytes
@@ -109,12 +120,18 @@ class DecodeCore:
         self.prompts: dict[tuple, SharedPrompt] = {}   # by prompt_key: prompt blocks held by at least one entry
         self.renewed_ns = 0
         self.finished = 0   # rows it moved to FINISHED (a per-actor work counter)
+        self.hand_back, self.linger_ns = hand_back, int(linger_s * 1e9)
+        self.lingering: dict[Key, tuple[list[int], int]] = {}   # handed back: (blocks, deadline ns), oldest first
+        self.hand_backs_dropped = 0   # hand-backs not sent (the prefill actor's queue was full)
         self._items: list[list[Any]] = []                 # this step's TokenBatch rows
         self._updates: list[tuple[int, int, dict]] = []   # this step's table writes
 
     # ---- events -------------------------------------------------------------------------------------
     def on_message(self, message: Any) -> bool:
-        """A KVReady (the request is in BOOTSTRAP); returns False for any other message."""
+        """A KVReady (the request is in BOOTSTRAP) or HandBackDone; returns False for any other message."""
+        if isinstance(message, HandBackDone):
+            self._unlinger((message.slot, message.generation))
+            return True
         if not isinstance(message, KVReady):
             return False
         self.bootstrap.append(DecodeEntry(ready=message))
@@ -145,7 +162,12 @@ class DecodeCore:
         return idle_wait_s
 
     def reap(self) -> None:
-        """Drop every entry whose row turned final elsewhere and free what it held."""
+        """Drop every entry whose row turned final elsewhere and free what it held; free handed-back blocks
+        whose ``linger_s`` ran out."""
+        if self.lingering:
+            now_ns = self.clock()
+            for key in [k for k, (_, deadline_ns) in self.lingering.items() if deadline_ns <= now_ns]:
+                self._unlinger(key)
         for name in ("bootstrap", "transferring", "decode_waiting", "decoding"):
             entries, keep = getattr(self, name), []
             for entry in entries:   # one read per row: a row turning final between two reads must not be kept
@@ -169,7 +191,7 @@ class DecodeCore:
             needed = blocks_for(ready.num_tokens, ready.sampling.reserved_output_tokens, bt) - (
                 len(shared.blocks) if shared else 0)
             try:
-                own = self.allocator.allocate(needed, ready.slot)
+                own = self._allocate(needed, ready.slot)
             except OutOfKVBlocksError:
                 return
             self.bootstrap.pop(0)
@@ -318,6 +340,58 @@ class DecodeCore:
         for entry in self.bootstrap + self.transferring + self.decode_waiting + self.decoding:
             self._release(entry)
         self.bootstrap, self.transferring, self.decode_waiting, self.decoding = [], [], [], []
+        for key in list(self.lingering):
+            self._unlinger(key)
+
+    # ---- cross-turn reuse ---------------------------------------------------------------------------
+    def _allocate(self, n: int, owner_slot: int) -> list[int]:
+        """``allocator.allocate``, first freeing handed-back blocks (oldest first) if the pool is short."""
+        while self.lingering and self.allocator.num_free < n:
+            self._unlinger(next(iter(self.lingering)))
+        return self.allocator.allocate(n, owner_slot)
+
+    def _unlinger(self, key: Key) -> None:
+        held = self.lingering.pop(key, None)
+        if held is not None:
+            self.allocator.free(held[0], HANDBACK_OWNER)
+
+    def _try_hand_back(self, entry: DecodeEntry) -> bool:
+        """``entry`` finished here: hand its prompt + answer KV back to its prefill actor. True if its blocks
+        went (to the local prefill core, or lingering here for HandBackDone); False: ``_release`` it as usual."""
+        ready, shared = entry.ready, entry.shared
+        colocated = self.transfers.local
+        if not self.hand_back or is_remote(ready.prefill_actor) or (ready.prefill_actor == LOCAL_PREFILL) != colocated:
+            return False   # a remote prefill node's pool: out of reach
+        if entry.transfer_handle is not None or (shared is not None and (
+                shared.holders != {entry.key} or not shared.done or shared.pull is not None or shared.parked)):
+            return False   # a child of an ``n > 1`` request (its siblings hold the prompt), or a pull running
+        bt = self.allocator.block_tokens
+        kv_tokens = ready.num_tokens + entry.output_tokens - 1   # the last token emitted has no KV
+        keep = -(-kv_tokens // bt)
+        if kv_tokens < bt or keep > len(entry.blocks):
+            return False
+        blocks, rest = entry.blocks[:keep], entry.blocks[keep:]
+        message = KVHandBack(ready.slot, ready.generation, LOCAL_DECODE if colocated else self.address,
+                             entry.output_ids[:-1], blocks, self.allocator.generations(blocks))
+        dest = ready.prefill_actor
+        self.allocator.reassign(blocks, ready.slot, HANDBACK_OWNER)
+        if not colocated:
+            self.lingering[entry.key] = (blocks, self.clock() + self.linger_ns)
+        if not self.outbox.try_send(dest, message):
+            self.hand_backs_dropped += 1
+            if colocated:
+                self.allocator.free(blocks, HANDBACK_OWNER)
+            else:
+                self._unlinger(entry.key)
+        if rest:
+            self.allocator.free(rest, ready.slot)
+        if shared is not None:
+            shared.blocks, shared.holders = [], set()
+            if self.prompts.get(shared.key) is shared:
+                del self.prompts[shared.key]
+        entry.shared, entry.blocks = None, []
+        self._updates.append((*entry.key, {"decode_blocks": 0}))
+        return True
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _live(self, key: Key) -> bool:
@@ -395,7 +469,7 @@ class DecodeCore:
         if entry.position < len(entry.blocks) * bt:
             return True
         try:
-            entry.blocks.extend(self.allocator.allocate(1, entry.ready.slot))
+            entry.blocks.extend(self._allocate(1, entry.ready.slot))
         except OutOfKVBlocksError:
             return False
         self._updates.append((*entry.key, {"decode_blocks": len(entry.blocks)}))
@@ -414,7 +488,8 @@ class DecodeCore:
                 return True
             self._updates.append((slot, generation, {"output_tokens": entry.output_tokens}))
             self.finished += 1
-            self._release(entry)
+            if not self._try_hand_back(entry):
+                self._release(entry)
         else:   # a token is progress: it renews the decode-stall deadline
             self._updates.append((slot, generation, {"output_tokens": entry.output_tokens,
                                                      "last_progress_ns": self.clock()}))

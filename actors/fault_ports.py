@@ -123,6 +123,9 @@ class FaultyOutbox:
                 return
         self.inner.send(dest, message, request_id)
 
+    def try_send(self, dest: str, message, request_id: str = "") -> bool:
+        return self.inner.try_send(dest, message, request_id)
+
     def flush(self) -> None:
         if not self.delayed:
             return

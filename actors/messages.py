@@ -78,7 +78,34 @@ class TransferDone:
     generation: int
 
 
+@dataclass(frozen=True)
+class KVHandBack:
+    """Decode -> prefill, best effort (cross-turn reuse, docs/architecture.md): request ``(slot, generation)``,
+    which this prefill actor served, finished; the KV of its prompt followed by ``output_ids`` (the answer but its
+    last token, which has no KV) is in ``block_ids`` of the pool of the decode actor at address ``decode_actor``
+    (LOCAL_DECODE: the same pool, colocated mode: the blocks are handed over), each of the generation in ``block_generations`` (a block
+    reallocated since reads another). Prefill caches what it lacks and answers HandBackDone."""
+
+    kind: ClassVar[str] = "kv_hand_back"
+    slot: int
+    generation: int
+    decode_actor: str
+    output_ids: list[int]
+    block_ids: list[int]
+    block_generations: list[int]
+
+
 # ---- to the decode actor ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HandBackDone:
+    """Prefill -> decode: prefill is done with the blocks of the KVHandBack of row ``(slot, generation)``
+    (copied or not); decode may free them."""
+
+    kind: ClassVar[str] = "hand_back_done"
+    slot: int
+    generation: int
+
+
 @dataclass(frozen=True)
 class KVReady:
     """Prefill -> decode (bootstrap): the prompt's KV sits in prefill's pool at ``src_block_ids``.
@@ -152,7 +179,7 @@ class RequestError:
     message: str
 
 
-_ALL = (PrefillRequest, TransferDone, KVReady, TokenBatch, PromptLogprobs, RequestError)
+_ALL = (PrefillRequest, TransferDone, KVHandBack, HandBackDone, KVReady, TokenBatch, PromptLogprobs, RequestError)
 _BY_KIND = {cls.kind: cls for cls in _ALL}
 
 

@@ -149,3 +149,19 @@ class QueueOutbox:
             core.on_message(message)
         else:
             self.queues[dest].put(to_wire(message), timeout_s=self.put_timeout_s)
+
+    def try_send(self, dest: int | str, message: Any, request_id: str = "") -> bool:
+        """``send`` without waiting (a best-effort message): False, nothing sent, if ``dest``'s queue has no free
+        slot now or the message does not fit one."""
+        from actors.messages import to_wire
+        from pdserve.errors import MessageTooLargeError, QueueFullError
+
+        core = self.local.get(dest)
+        if core is not None:
+            core.on_message(message)
+            return True
+        try:
+            self.queues[dest].put(to_wire(message), timeout_s=0.0)
+        except (QueueFullError, MessageTooLargeError):
+            return False
+        return True

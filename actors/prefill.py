@@ -58,11 +58,14 @@ class PrefillActor(Actor):
         queues[REMOTE] = queues[API]   # a prefill node: KVReady for a decode node goes through the API
         self.outbox = FaultyOutbox(QueueOutbox(queues, self.queue_put_timeout_s), self.faults)
         self.sampler, self.grammars = load_sampling(self)
+        self.decode_pools = {}   # decode actor address -> a cpu-shm transport from its pool (hand-backs), on first use
+        hand_back = self.config.prefix_cache and self.config.kv_hand_back and self.config.kv_transport == "cpu-shm"
         self.core = PrefillCore(StateTable.attach(self.layout.segment("state")), self.allocator, self.outbox,
                                 time.monotonic_ns, actor_index=self.index, handoff_from=topo.address(self.index),
                                 on_late=lambda: self.actors.count_late_message(self.index),
                                 batch_tokens=self.config.max_prefill_batch_tokens,
-                                chunk_tokens=self.config.prefill_chunk_tokens)
+                                chunk_tokens=self.config.prefill_chunk_tokens,
+                                hand_back_copy=self._copy_from_decode if hand_back else None)
         self.runner = PrefillRunner(self.model, self.kv, self.sampler, self.outbox, self.grammars)
         self.gauges = GaugePublisher(self.actors, self.index, self.pool, self.allocator)
         self._publish()
@@ -89,6 +92,40 @@ class PrefillActor(Actor):
             if not self.core.on_message(message):
                 log.warning("prefill: unexpected message %r dropped", message)
 
+    def _copy_from_decode(self, decode_actor: str, src: list[int], generations: list[int], dst: list[int]) -> bool:
+        """Copy blocks ``src`` of the pool of the decode actor at address ``decode_actor`` into ``dst`` of this
+        pool (a KVHandBack): False if that pool cannot be read or a source block is no longer the handed-back one
+        of that generation (checked before and after the copy: a block reallocated meanwhile may have been
+        written)."""
+        from actors.prefix_cache import HANDBACK_OWNER
+        from ipc.kv_transport import TransferStatus, make_transport
+
+        transport = self.decode_pools.get(decode_actor)
+        if transport is None:
+            try:
+                index = self.topology.index(decode_actor)
+            except ValueError:
+                return False
+            if index not in self.topology.decode:
+                return False
+            transport = make_transport("cpu-shm", self.pool)
+            try:
+                transport.open_peer(self.layout.segment(self.topology.segment("kv", index)))
+            except (OSError, ValueError) as exc:
+                log.warning("prefill: the pool of decode actor %s cannot be read for hand-backs: %s",
+                            decode_actor, exc)
+                return False
+            self.decode_pools[decode_actor] = transport
+        peer = transport.peer
+        if not peer.is_current(src, generations, HANDBACK_OWNER):
+            return False
+        handle = transport.start_copy(src, dst, num_tokens=len(src) * self.pool.block_tokens)
+        try:
+            done = transport.poll(handle) == TransferStatus.DONE
+        finally:
+            transport.release(handle)
+        return done and peer.is_current(src, generations, HANDBACK_OWNER)
+
     def _after_forward(self, chunks) -> None:
         """After a forward pass, before its rows are renewed: the injected prefill faults of each chunk's
         request (slow_prefill, stall_prefill), which beat the heartbeat while they hold the loop."""
@@ -103,7 +140,9 @@ class PrefillActor(Actor):
                                  lambda: self.actors.beat(self.index, iterations_delta=0))
 
     def _publish(self) -> None:
-        self.gauges.publish(self.core.own_gauges(), self.core.handed_off)
+        self.gauges.publish(self.core.own_gauges(), self.core.handed_off, self.core.hand_backs_dropped)
 
     def on_stop(self) -> None:
         self.core.stop()
+        for transport in self.decode_pools.values():
+            transport.close()

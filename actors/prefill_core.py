@@ -14,7 +14,8 @@ the fact in the row (``prefill_blocks = 0``). Every path frees each block exactl
 
 Prompt blocks go through the allocator's prefix cache (actors/prefix_cache.py ``CachingAllocator``): a request
 reuses the cached blocks of its longest cached prefix (to the token: a hit ending mid-block is copied into its own
-block inside ``acquire``) and prefills only the tokens after it; its blocks are cached once its forward pass is done; "freeing" drops its references to cached blocks (kept until evicted).
+block inside ``acquire``) and prefills only the tokens after it; its blocks are cached once its forward pass is
+done; "freeing" drops its references to cached blocks (kept until evicted).
 """
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ import collections
 import dataclasses
 from typing import Any, Callable
 
-from actors.messages import KVReady, PrefillRequest, TransferDone
+import numpy as np
+
+from actors.messages import HandBackDone, KVHandBack, KVReady, PrefillRequest, TransferDone
 from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort
-from actors.prefix_cache import CachingAllocator, PromptBlocks
-from actors.topology import LOCAL_PREFILL
+from actors.prefix_cache import HANDBACK_OWNER, CachingAllocator, PromptBlocks
+from actors.topology import LOCAL_DECODE, LOCAL_PREFILL
 from ipc.lifecycle import LIVE_STATES, held_by
 from ipc.lifecycle import RequestState as S
 from ipc.recorder import EventKind, Renewal, record_request
@@ -112,11 +115,15 @@ class PrefillCore:
     to the request's ``decode_actor`` address (actors/topology.py). ``batch_tokens``: most prompt tokens one forward
     pass packs; ``chunk_tokens``: most tokens of one prompt in it. ``allocator``: a CachingAllocator (its prefix
     cache on or off), or a plain allocator, which gets one with the cache off.
+    ``hand_back_copy(decode_actor, src_ids, src_generations, dst_ids) -> bool``: copy blocks of that decode actor's
+    pool into this pool, False if a source block's generation is not the one given (reallocated since); None:
+    KVHandBacks from another pool are dropped. ``recent_prompts``: how many handed-off prompts it remembers.
     """
 
     def __init__(self, table: TablePort, allocator: AllocatorPort, outbox: OutboxPort, clock: Clock, *,
                  actor_index: int, renew_interval_s: float = 1.0, on_late: Callable[[], None] = lambda: None,
-                 handoff_from: str = LOCAL_PREFILL, batch_tokens: int = 512, chunk_tokens: int = 128):
+                 handoff_from: str = LOCAL_PREFILL, batch_tokens: int = 512, chunk_tokens: int = 128,
+                 hand_back_copy: Callable[[int, list, list, list], bool] | None = None, recent_prompts: int = 256):
         if not isinstance(allocator, CachingAllocator):
             allocator = CachingAllocator(allocator, enabled=False)
         self.table, self.allocator, self.outbox, self.clock = table, allocator, outbox, clock
@@ -131,12 +138,18 @@ class PrefillCore:
         self.blocked = False   # the head request waits for free blocks: do not spin on it
         self.handed_off = 0    # rows whose KVReady it sent (a per-actor work counter)
         self.renewed_ns = 0
+        self.hand_back_copy = hand_back_copy
+        self.recent_prompts = recent_prompts
+        self.recent: collections.OrderedDict[Key, np.ndarray] = collections.OrderedDict()   # handed off, oldest first
+        self.hand_backs_dropped = 0   # KVHandBacks it could not cache (counted, never an error)
 
     # ---- events -------------------------------------------------------------------------------------
     def on_message(self, message: Any) -> bool:
-        """A PrefillRequest or TransferDone; returns False for any other message (the shell logs it)."""
+        """A PrefillRequest, TransferDone or KVHandBack; returns False for any other message (the shell logs it)."""
         if isinstance(message, PrefillRequest):
             self.queued.append(message)
+        elif isinstance(message, KVHandBack):
+            self._hand_back(message)
         elif isinstance(message, TransferDone):
             key = (message.slot, message.generation)
             if key in self.inflight:
@@ -267,7 +280,37 @@ class PrefillCore:
                                            prompt_row=[request.slot, request.generation]),
                              request.request_id)
             self.handed_off += 1
+            if self.allocator.enabled and not request.children:   # its KVHandBack may come: remember the prompt
+                self.recent[key] = np.asarray(request.prompt_ids, dtype=np.int32)   # 4 bytes a token
+                if len(self.recent) > self.recent_prompts:
+                    self.recent.popitem(last=False)
         self.renew_queued()
+
+    def _hand_back(self, message: KVHandBack) -> None:
+        """Cache a finished request's prompt + answer KV (``message``), or drop it (counted); blocks of this very
+        pool (colocated: ``decode_actor`` LOCAL_DECODE, held by HANDBACK_OWNER) are cached or freed here, another pool's
+        are copied and that decode actor gets HandBackDone either way."""
+        local = message.decode_actor == LOCAL_DECODE
+        prompt = self.recent.pop((message.slot, message.generation), None)
+        added = None
+        bt = self.allocator.block_tokens
+        if prompt is not None:
+            tokens = prompt.tolist() + list(message.output_ids)
+            if len(message.block_ids) == -(-len(tokens) // bt) == len(message.block_generations):
+                if local:
+                    added = self.allocator.adopt(tokens, message.block_ids, HANDBACK_OWNER)
+                elif self.hand_back_copy is not None:
+                    generation = dict(zip(message.block_ids, message.block_generations))
+                    added = self.allocator.adopt(
+                        tokens, message.block_ids, message.slot,
+                        copy=lambda src, dst: self.hand_back_copy(message.decode_actor, src,
+                                                                  [generation[b] for b in src], dst))
+        if added is None:
+            self.hand_backs_dropped += 1
+            if local:
+                self.allocator.free(message.block_ids, HANDBACK_OWNER)
+        if not local:
+            self.outbox.send(message.decode_actor, HandBackDone(message.slot, message.generation))
 
     def abandon(self, work: PrefillWork) -> None:
         """Stop prefilling ``work`` (every row turned final between chunks): free its blocks."""

@@ -28,6 +28,7 @@ import numpy as np
 from pdserve.errors import KVBlockStateError, OutOfKVBlocksError
 
 CACHE_OWNER = 2**31 - 1   # owner slot of cached blocks in the pool's owner array (no state-table slot is this)
+HANDBACK_OWNER = 2**31 - 2   # owner slot of a finished sequence's blocks a decode pool keeps for a hand-back
 
 
 def block_keys(token_ids: Sequence[int], block_tokens: int) -> list[bytes]:
@@ -209,8 +210,11 @@ class CachingAllocator:
     layer, K and V) into another block (actors/model_runner.copy_block_rows), called inside ``acquire``; a hit
     may then end mid-block and prompts' partial last blocks are cached. None: hits end on block boundaries.
 
+    Finished sequences come in through ``adopt`` (cross-turn reuse: a decode actor hands back the blocks of a
+    prompt and its answer, docs/architecture.md, "Cross-turn reuse").
+
     Counters (monotonic): ``query_tokens`` (prompt tokens looked up), ``hit_tokens`` (of them found cached,
-    copied rows included), ``evicted_blocks``.
+    copied rows included), ``evicted_blocks``, ``adopted_blocks`` (blocks ``adopt`` cached).
     """
 
     def __init__(self, base, *, enabled: bool = True, copy_rows: Callable[[int, int, int], None] | None = None):
@@ -219,7 +223,7 @@ class CachingAllocator:
         self.copy_rows = copy_rows
         self.block_tokens = base.block_tokens
         self.cache = PrefixCache()
-        self.query_tokens = self.hit_tokens = self.evicted_blocks = 0
+        self.query_tokens = self.hit_tokens = self.evicted_blocks = self.adopted_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -248,6 +252,13 @@ class CachingAllocator:
 
     def free(self, block_ids: Iterable[int], owner_slot: int) -> int:
         return self.base.free(block_ids, owner_slot)
+
+    def reassign(self, block_ids: Iterable[int], owner_slot: int, new_owner_slot: int) -> None:
+        self.base.reassign(block_ids, owner_slot, new_owner_slot)
+
+    def generations(self, block_ids: Iterable[int]) -> list[int]:
+        """The base pool's generation of each block (ipc/kv_pool.py ``KVPool.generations``)."""
+        return self.base.generations(block_ids)
 
     def acquire(self, prompt_ids: Sequence[int], owner_slot: int, *, use_cache: bool = True) -> PromptBlocks:
         """Blocks for a prompt of ``len(prompt_ids)`` tokens: its longest cached prefix of full blocks (at most
@@ -325,6 +336,57 @@ class CachingAllocator:
         self.cache.unref(reversed(shared))
         if own:
             self.base.free(own, prompt.owner_slot)
+
+    def adopt(self, token_ids: Sequence[int], block_ids: Sequence[int], owner_slot: int,
+              copy: Callable[[list[int], list[int]], bool] | None = None) -> int | None:
+        """Cache a finished sequence: ``token_ids`` (n tokens) whose KV is in ``block_ids`` (``ceil(n /
+        block_tokens)`` blocks, in position order), as ``commit`` caches a prompt; returns how many blocks it
+        cached, or None if it cached nothing because the pool had no room or the copy failed.
+
+        ``copy`` None: the blocks are this pool's, held by ``owner_slot``; each joins the cache or is freed
+        (its key is cached already). ``copy(src_ids, dst_ids) -> bool``: the blocks are another pool's; the
+        blocks after the longest cached prefix are copied into newly allocated ones (``owner_slot`` holds them
+        meanwhile), which then join the cache; ``copy`` returns False when the source blocks changed under it
+        (reallocated): their copies are freed, nothing is cached. Adopted blocks are evictable at once (no
+        request holds them). Raises ValueError if ``block_ids`` cannot hold ``token_ids``."""
+        bt, n = self.block_tokens, len(token_ids)
+        if len(block_ids) != math.ceil(n / bt):
+            raise ValueError(f"adopt: {n} tokens need {math.ceil(n / bt)} blocks of {bt}, got {len(block_ids)}")
+        if not self.enabled or not n:
+            if copy is None and block_ids:
+                self.base.free(block_ids, owner_slot)
+            return 0
+        keys = block_keys(token_ids, bt)
+        if copy is None:
+            prompt = PromptBlocks(list(block_ids), owner_slot, 0, keys, [False] * len(block_ids), token_ids)
+        else:
+            hit = self.cache.match(keys)
+            total = len(block_ids) if self.copy_rows is not None else len(keys)   # a partial block only with rows
+            need = total - len(hit)
+            if need <= 0:
+                return 0
+            self.cache.ref(hit)
+            if need > self.num_free:
+                self.cache.unref(reversed(hit))
+                return None
+            self._make_room(need)
+            new = self.base.allocate(need, owner_slot)
+            try:
+                ok = copy(list(block_ids[len(hit):total]), new)
+            except BaseException:
+                self.cache.unref(reversed(hit))
+                self.base.free(new, owner_slot)
+                raise
+            if not ok:
+                self.cache.unref(reversed(hit))
+                self.base.free(new, owner_slot)
+                return None
+            prompt = PromptBlocks(hit + new, owner_slot, len(hit) * bt, keys, [True] * len(hit) + [False] * need,
+                                  token_ids)
+        added = self.commit(prompt)
+        self.release(prompt)
+        self.adopted_blocks += added
+        return added
 
     def clear(self) -> int:
         """Evict every cached block nobody holds (returns how many); held ones stay."""

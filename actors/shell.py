@@ -12,8 +12,8 @@ from __future__ import annotations
 
 def load_model(actor, decode: bool):
     """``(model, pool)`` for ``actor`` (an actors.base.Actor): the prepared model and its attached KV pool, after
-    a warm-up pass (``decode=False``: an actor that never decodes skips the decode step) and a reset (a restarted
-    actor starts from an empty pool; its old requests were failed)."""
+    a warm-up pass (``decode=False``: an actor that never decodes skips the decode step) between two resets (a
+    restarted actor starts from an empty pool; its old requests were failed)."""
     import torch
 
     from actors.model_runner import warm_up
@@ -25,6 +25,7 @@ def load_model(actor, decode: bool):
     model = prepared_model(actor.layout.model_path or None, config.weights, config.device,
                            config.model_cache_dir or None)
     pool = KVPool.attach(actor.layout.segment(actor.topology.segment("kv", actor.index)))
+    pool.reset()   # a predecessor's blocks (a full prefix cache, say) must not leave warm-up without one
     warm_up(model, pool, decode=decode)
     pool.reset()
     return model, pool
@@ -51,9 +52,11 @@ class GaugePublisher:
         self.free = -1
         self.done = 0
         self.cache = (0, 0, 0)   # query tokens, hit tokens, evicted blocks published so far
+        self.hand_back = (0, 0)   # blocks cached from hand-backs, hand-backs dropped, published so far
 
-    def publish(self, gauges: dict[str, int], done: int) -> None:
-        """``gauges``: the core's ``own_gauges()``; ``done``: its requests done so far (a running total)."""
+    def publish(self, gauges: dict[str, int], done: int, hand_backs_dropped: int = 0) -> None:
+        """``gauges``: the core's ``own_gauges()``; ``done``: its requests done so far, ``hand_backs_dropped``:
+        KVHandBacks it dropped so far (running totals)."""
         self.actors.set_own_gauges(self.index, **gauges)
         if done != self.done:
             self.actors.count_requests_done(self.index, done - self.done)
@@ -68,3 +71,7 @@ class GaugePublisher:
                 self.cache = now
             self.actors.set_prefix_cache(self.index, self.allocator.cached_blocks,
                                          self.allocator.cached_blocks_in_use)
+        now = (self.allocator.adopted_blocks, hand_backs_dropped)
+        if now != self.hand_back:
+            self.actors.count_hand_backs(self.index, *(a - b for a, b in zip(now, self.hand_back)))
+            self.hand_back = now

@@ -41,6 +41,11 @@ def peer_address(k: int) -> str:
     return f"peer:{k}"
 
 
+def is_remote(address: str) -> bool:
+    """``address`` is on another node (``REMOTE`` or a ``peer_address``): its pool is out of this host's reach."""
+    return address == REMOTE or address.startswith("peer:")
+
+
 # ---- the state row's actor fields (i1 actor-table indices) -----------------------------------------------------
 NO_ACTOR = -1       # none: colocated (no prefill actor), or not routed
 REMOTE_ACTOR = -2   # the other side runs on another node (`pdserve router`)
@@ -96,6 +101,13 @@ class Topology:
         if not 0 <= index < len(self.names):
             raise ValueError(f"actor index {index} names no actor of this engine")
         return self.names[index]
+
+    def index(self, address: str) -> int:
+        """The actor-table index of the actor at ``address`` (its name). Raises ValueError for any other address."""
+        try:
+            return self.names.index(address)
+        except ValueError:
+            raise ValueError(f"address {address!r} names no actor of this engine") from None
 
 
 def topology(config: EngineConfig) -> Topology:

@@ -191,6 +191,12 @@ def _prefix_cache_families(rows):
                     "evictable)", labels=["actor"])
     in_use = _gauge("pdserve_prefix_cache_cached_blocks_in_use", "cached KV blocks that requests hold now",
                     labels=["actor"])
+    handed = CounterMetricFamily("pdserve_kv_hand_back_blocks", "KV blocks of finished requests (prompt + answer) "
+                                 "a prefill actor's prefix cache took from decode (cross-turn reuse)",
+                                 labels=["actor"])
+    dropped = CounterMetricFamily("pdserve_kv_hand_backs_dropped", "hand-backs of finished requests' KV dropped "
+                                  "(decode: prefill's queue full; prefill: prompt forgotten, no room, or the "
+                                  "blocks reallocated)", labels=["actor"])
     for r in rows:
         if r["name"] and (r["prefix_query_tokens"] or r["prefix_cached_blocks"] >= 0):
             query.add_metric([r["name"]], r["prefix_query_tokens"])
@@ -199,7 +205,10 @@ def _prefix_cache_families(rows):
         if r["name"] and r["prefix_cached_blocks"] >= 0:
             cached.add_metric([r["name"]], r["prefix_cached_blocks"])
             in_use.add_metric([r["name"]], r["prefix_cached_in_use"])
-    yield from (query, hit, evicted, cached, in_use)
+        if r["name"]:
+            handed.add_metric([r["name"]], r["hand_back_blocks"])
+            dropped.add_metric([r["name"]], r["hand_backs_dropped"])
+    yield from (query, hit, evicted, cached, in_use, handed, dropped)
 
 
 class RequestMetrics:

@@ -53,6 +53,10 @@ writes only through the method named::
                                     set_prefix_cache)              no prefix cache
     156     prefix_cached_in_use i4 actor (starting,               of them, blocks requests hold now (the rest
                                     set_prefix_cache)              are evictable and count as free)
+    160     hand_back_blocks u8     actor (count_hand_backs)       blocks its prefix cache took from decode's
+                                                                   hand-backs of finished requests (cross-turn)
+    168     hand_backs_dropped u8   actor (count_hand_backs)       hand-backs it dropped (decode: queue full;
+                                                                   prefill: prompt forgotten, no room, reallocated)
 
 Incarnations: the supervisor never rewrites an actor's fields when it restarts one. The actor-written fields
 belong to the process the supervisor last spawned only while ``actor_pid == pid``; until the new process
@@ -108,6 +112,7 @@ ROW_FIELDS = [  # (name, dtype, offset)
     ("routed_requests", "<i4", 116), ("router_mismatches", "<u4", 120), ("requests_done", "<u4", 124),
     ("prefix_query_tokens", "<u8", 128), ("prefix_hit_tokens", "<u8", 136), ("prefix_evicted_blocks", "<u8", 144),
     ("prefix_cached_blocks", "<i4", 152), ("prefix_cached_in_use", "<i4", 156),
+    ("hand_back_blocks", "<u8", 160), ("hand_backs_dropped", "<u8", 168),
 ]
 ROW_DTYPE = np.dtype({"names": [f[0] for f in ROW_FIELDS], "formats": [f[1] for f in ROW_FIELDS],
                       "offsets": [f[2] for f in ROW_FIELDS], "itemsize": 192})
@@ -281,6 +286,12 @@ class ActorTable(_shm.ShmSegment):
         rec["prefix_query_tokens"] += query_tokens
         rec["prefix_hit_tokens"] += hit_tokens
         rec["prefix_evicted_blocks"] += evicted_blocks
+
+    def count_hand_backs(self, index: int, blocks: int, dropped: int) -> None:
+        """Actor ``index`` cached ``blocks`` more blocks from hand-backs and dropped ``dropped`` more hand-backs."""
+        rec = self._row_for_write(index)
+        rec["hand_back_blocks"] += blocks
+        rec["hand_backs_dropped"] += dropped
 
     def set_prefix_cache(self, index: int, cached_blocks: int, in_use: int) -> None:
         """Actor ``index``'s prefix cache holds ``cached_blocks`` blocks, ``in_use`` of them held by requests."""

@@ -126,6 +126,9 @@ class EngineConfig:
                                   _non_negative, ">= 0")
     prefix_cache: bool = _setting(True, "keep full blocks of prompt KV in the prefill pool after a request ends and "
                                   "reuse them for prompts that start with the same tokens (--no-prefix-cache: off)")
+    kv_hand_back: bool = _setting(True, "with the prefix cache: a decode actor hands a finished request's prompt + "
+                                  "answer KV back to the prefill actor that served it, whose prefix cache keeps it "
+                                  "for the conversation's next turn (cpu-shm and colocated; --no-kv-hand-back: off)")
     cache_routing_max_imbalance_tokens: int = _setting(2048, "with several prefill actors a prompt goes to the one "
                                                        "caching its longest prefix unless that one's queued prompt "
                                                        "tokens exceed the least-queued actor's by more than this; "

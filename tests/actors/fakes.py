@@ -98,6 +98,7 @@ class FakeAllocator:
         self.block_tokens = block_tokens
         self.num_blocks = num_blocks
         self.owner = {b: None for b in range(num_blocks)}
+        self.generation: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -109,6 +110,7 @@ class FakeAllocator:
             raise OutOfKVBlocksError(f"need {n}, {len(free)} free")
         for b in free[:n]:
             self.owner[b] = owner_slot
+            self.generation[b] = self.generation.get(b, 0) + 1
         return free[:n]
 
     def free(self, block_ids, owner_slot: int) -> int:
@@ -122,6 +124,10 @@ class FakeAllocator:
         for b in block_ids:
             assert self.owner[b] == owner_slot, f"block {b} reassigned by {owner_slot} but held by {self.owner[b]}"
             self.owner[b] = new_owner_slot
+
+    def generations(self, block_ids) -> list[int]:
+        """Each block's allocation count (a KVPool's generation)."""
+        return [self.generation.get(b, 0) for b in block_ids]
 
 
 class FakeTransfers:
@@ -164,6 +170,12 @@ class Outbox:
         if dest in self.refuse:
             raise self.refuse[dest]
         self.sent.append((dest, message))
+
+    def try_send(self, dest: str, message, request_id: str = "") -> bool:
+        if dest in self.refuse:
+            return False
+        self.sent.append((dest, message))
+        return True
 
     def take(self, dest: str, kind=object) -> list:
         mine = [m for d, m in self.sent if d == dest and isinstance(m, kind)]

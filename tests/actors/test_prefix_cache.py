@@ -356,3 +356,32 @@ def test_every_reused_row_holds_exactly_the_prompts_prefix_and_no_reference_outl
     assert alloc.num_free == num_blocks and alloc.cached_blocks_in_use == 0
     alloc.clear()
     assert pool.base.num_free == num_blocks and not alloc.cache.children and not alloc.cache.by_key
+
+
+# ---- adopt: a finished sequence (prompt + answer) handed back from decode ---------------------------------------
+def test_adopt_copies_only_the_blocks_after_the_cached_prefix_and_never_evicts_that_prefix_for_them():
+    base = FakeAllocator(3)
+    c = CachingAllocator(base, copy_rows=lambda s, d, r: None)
+    prompt = list(range(1, 33))   # two full blocks, cached by its prefill
+    c.commit(p := c.acquire(prompt, 1))
+    c.release(p)
+    assert c.cached_blocks == 2 and c.num_free == 3
+    copies = []
+    answered = prompt + list(range(100, 120))   # 52 tokens: 2 cached blocks + a full one + a partial one to copy
+    # room for 2 copies only by evicting the very prefix they extend: refused, the prefix stays
+    assert c.adopt(answered, [10, 11, 12, 13], 7, copy=lambda s, d: copies.append((s, d)) or True) is None
+    assert not copies and len(c.cache.match(block_keys(prompt, 16))) == 2
+    assert base.num_free == 1 and c.cached_blocks_in_use == 0
+    shorter = prompt + list(range(100, 110))   # 42 tokens: only the partial third block to copy
+    assert c.adopt(shorter, [10, 11, 12], 7, copy=lambda s, d: copies.append((s, d)) or True) == 1
+    assert copies == [([12], [b for b, o in base.owner.items() if o == CACHE_OWNER and b not in p.blocks[:2]])]
+    keys = block_keys(shorter, 16)
+    assert len(c.cache.match(keys)) == 2 and c.cache.match_rows(keys[1], shorter[32:])[1] == 10
+    assert c.adopted_blocks == 1 and c.cached_blocks_in_use == 0
+
+
+def test_adopt_caches_nothing_when_the_source_changed_under_the_copy():
+    base = FakeAllocator(8)
+    c = CachingAllocator(base, copy_rows=lambda s, d, r: None)
+    assert c.adopt(list(range(40)), [3, 4, 5], 9, copy=lambda s, d: False) is None
+    assert c.cached_blocks == 0 and base.num_free == 8 and c.adopted_blocks == 0

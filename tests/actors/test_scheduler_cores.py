@@ -8,15 +8,16 @@ import dataclasses
 import pytest
 
 from actors.decode_core import DecodeCore
-from actors.messages import KVReady, PrefillRequest, PromptLogprobs, from_wire, RequestError, TokenBatch, TransferDone
+from actors.messages import HandBackDone, KVHandBack, KVReady, PrefillRequest, PromptLogprobs, from_wire, RequestError, TokenBatch, TransferDone
 from actors.ports import QueueOutbox
 from actors.prefill_core import PrefillCore
-from actors.prefix_cache import CACHE_OWNER, CachingAllocator
+from actors.prefix_cache import CACHE_OWNER, HANDBACK_OWNER, CachingAllocator
 from actors.topology import LOCAL_DECODE, LOCAL_PREFILL
 from ipc.lifecycle import RequestState as S
 from tests.actors.fakes import FakeAllocator, FakeClock, FakeTable, FakeTransfers, Outbox, prefill_request
 
 PREFILL, DECODE = 0, 1
+PREFILL_AT, DECODE_AT = "prefill0", "decode0"   # their addresses (actors/topology.py) in an N x M engine
 EOS = 0
 
 
@@ -911,3 +912,203 @@ def test_a_request_with_max_tokens_reserves_all_of_it_up_front_and_never_grows()
     pair.run(40)
     assert [t[3] for t in pair.tokens][-1] == "length" and len(pair.tokens) == 30
     pair.assert_all_free()
+
+
+# ---- cross-turn reuse: decode hands a finished request's KV back to prefill's prefix cache ----------------------
+class HandBackPair(Pair):
+    """A Pair whose decode core hands finished requests back (``hand_back``) to prefill actor PREFILL, which copies
+    what its cache lacks through ``copy`` (checking the source blocks' generations in the decode pool as the
+    shell's copy does; ``copies`` records each) and copies cached rows inside its pool (``rows_copied``)."""
+
+    def __init__(self, prefill_blocks: int = 32, decode_blocks: int = 32, **kw):
+        super().__init__(prefill_blocks, decode_blocks, prefix_cache=True, **kw)
+        self.copies: list[tuple[list, list]] = []
+        self.rows_copied: list[tuple] = []
+        self.cache = CachingAllocator(self.prefill_pool, copy_rows=lambda s, d, r: self.rows_copied.append((s, d, r)))
+        self.prefill = PrefillCore(self.table, self.cache, self.to_decode, self.clock, actor_index=PREFILL,
+                                   on_late=self._late, handoff_from=PREFILL_AT, hand_back_copy=self.copy)
+        self.decode = DecodeCore(self.table, self.decode_pool, self.transfers, self.to_prefill_and_api, self.clock,
+                                 actor_index=DECODE, eos_ids=[EOS], max_num_seqs=8, block_bytes=100,
+                                 hand_back=True, linger_s=2.0, address=DECODE_AT)
+
+    def copy(self, decode_actor, src, generations, dst) -> bool:
+        assert decode_actor == DECODE_AT
+        if (self.decode_pool.generations(src) != generations
+                or any(self.decode_pool.owner[b] != HANDBACK_OWNER for b in src)):
+            return False
+        self.copies.append((list(src), list(dst)))
+        return True
+
+    def deliver_to_decode(self) -> list:
+        messages = self.to_decode.take(LOCAL_DECODE) + self.to_decode.take(DECODE_AT)
+        for message in messages:
+            self.decode.on_message(message)
+        return messages
+
+    def deliver_to_prefill(self) -> list:
+        messages = self.to_prefill_and_api.take(PREFILL_AT)
+        for message in messages:
+            self.prefill.on_message(message)
+        return messages
+
+    def turn(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> tuple:
+        """Serve one request to the end; returns its key and the work that prefilled it."""
+        request = prefill_request(self.table, request_id, prompt_tokens=len(prompt_ids), max_tokens=max_tokens)
+        request = dataclasses.replace(request, prompt_ids=list(prompt_ids))
+        self.prefill.on_message(request)
+        work = prefill_one(self.prefill)
+        self.prefill.finish(work, [(5, None)])
+        self.run(max_tokens + 2)
+        return (request.slot, request.generation), work
+
+
+def test_a_finished_answer_is_handed_back_and_the_next_turn_hits_it_to_the_token():
+    pair = HandBackPair()
+    prompt = list(range(1, 21))
+    key, _ = pair.turn("turn1", prompt, max_tokens=20)   # answer 5, 7 x 19: KV of 20 + 19 tokens in 3 blocks
+    assert pair.table.state(key) == S.FINISHED
+    # prompt block 0 was cached at prefill: copied are block 1 (full) and the partial block 2 (7 tokens)
+    assert [len(src) for src, _ in pair.copies] == [2] and pair.cache.adopted_blocks == 2
+    assert pair.decode.hand_backs_dropped == pair.prefill.hand_backs_dropped == 0
+    pair.assert_all_free()   # decode freed its blocks on HandBackDone; the cache holds no reference
+    answer = [5] + [7] * 19
+    _, work = pair.turn("turn2", prompt + answer + [100, 101], max_tokens=1)
+    assert work.cached_tokens == 20 + 19   # every token with KV: the whole first turn but its last token
+    assert pair.rows_copied[-1][2] == 39 - 32
+    pair.assert_all_free()
+
+
+@pytest.mark.parametrize("end", ["abort", "timeout", "stop-actor"])
+def test_a_request_ended_mid_decode_hands_nothing_back_and_holds_nothing(end):
+    pair = HandBackPair()
+    request = prefill_request(pair.table, "r", prompt_tokens=40, max_tokens=30)
+    key = (request.slot, request.generation)
+    pair.prefill.on_message(request)
+    pair.run(5)
+    assert pair.table.state(key) == S.DECODING
+    if end == "stop-actor":
+        pair.decode.stop()
+        pair.prefill.stop()
+        assert pair.table.transition(*key, S.FAILED)   # the supervisor fails the rows of a restarted actor
+    else:
+        assert pair.table.transition(*key, S.ABORTED if end == "abort" else S.TIMED_OUT)
+    pair.run(3)
+    assert not pair.to_prefill_and_api.take(PREFILL_AT, KVHandBack) and not pair.copies
+    assert pair.cache.adopted_blocks == 0 and not pair.decode.lingering
+    pair.assert_all_free()
+
+
+def test_a_hand_back_whose_blocks_were_reallocated_meanwhile_is_dropped_and_counted():
+    pair = HandBackPair(decode_blocks=4)
+    request = prefill_request(pair.table, "a", prompt_tokens=20, max_tokens=20)
+    pair.prefill.on_message(request)
+    pair.run(25)   # ... but hold its hand-back back from prefill: it sits in prefill's queue
+    held = [m for d, m in pair.to_prefill_and_api.sent if isinstance(m, KVHandBack)]
+    assert held == [] and pair.cache.adopted_blocks == 2   # run() delivered the first; serve another, held back
+    b = prefill_request(pair.table, "b", prompt_tokens=20, max_tokens=20)
+    pair.prefill.on_message(dataclasses.replace(b, prompt_ids=[t + 500 for t in b.prompt_ids]))
+    pair.prefill.finish(prefill_one(pair.prefill), [(5, None)])
+    pair.deliver_to_decode()
+    for _ in range(25):
+        pair.decode_step()
+    [held] = pair.to_prefill_and_api.take(PREFILL_AT, KVHandBack)
+    assert pair.decode.lingering and pair.table.state((b.slot, b.generation)) == S.FINISHED
+    pair.clock.now_ns += 3 * 10**9   # linger_s passes without HandBackDone: decode frees the blocks ...
+    c = prefill_request(pair.table, "c", prompt_tokens=40, max_tokens=20)   # ... and c's reservation takes them
+    pair.prefill.on_message(c)
+    pair.prefill.finish(prefill_one(pair.prefill), [(5, None)])
+    pair.deliver_to_decode()
+    pair.decode_step()
+    assert not pair.decode.lingering and set(held.block_ids) & set(pair.decode.decoding[0].blocks)
+    cached = pair.cache.cached_blocks
+    pair.prefill.on_message(held)   # the late hand-back: its blocks hold c's KV now
+    assert pair.prefill.hand_backs_dropped == 1 and pair.cache.cached_blocks == cached
+    assert pair.to_decode.take(DECODE_AT, HandBackDone) == [HandBackDone(held.slot, held.generation)]
+    pair.run(30)
+    pair.assert_all_free()
+
+
+def test_a_hand_back_to_a_restarted_prefill_actor_is_dropped_and_decode_still_frees_its_blocks():
+    pair = HandBackPair()
+    request = prefill_request(pair.table, "r", prompt_tokens=20, max_tokens=20)
+    pair.prefill.on_message(request)
+    pair.prefill.finish(prefill_one(pair.prefill), [(5, None)])
+    pair.deliver_to_decode()
+    for _ in range(4):
+        pair.decode_step()
+        pair.deliver_to_prefill()   # TransferDone
+    for _ in range(25):
+        pair.decode_step()
+    [hand_back] = pair.to_prefill_and_api.take(PREFILL_AT, KVHandBack)
+    pair.prefill.stop()   # the prefill actor restarts: a new core, a new (empty) cache
+    pair.cache = CachingAllocator(pair.prefill_pool, copy_rows=lambda s, d, r: None)
+    pair.cache.clear()
+    pair.prefill = PrefillCore(pair.table, pair.cache, pair.to_decode, pair.clock, actor_index=PREFILL,
+                               handoff_from=PREFILL_AT, hand_back_copy=pair.copy)
+    pair.prefill.on_message(hand_back)
+    assert pair.prefill.hand_backs_dropped == 1 and not pair.copies and pair.cache.cached_blocks == 0
+    assert pair.deliver_to_decode() == [HandBackDone(*hand_back_key(hand_back))]
+    assert not pair.decode.lingering and pair.decode_pool.num_free == 32
+
+
+def hand_back_key(message: KVHandBack) -> tuple[int, int]:
+    return message.slot, message.generation
+
+
+def test_a_full_prefill_queue_drops_the_hand_back_at_once_and_a_short_pool_takes_lingering_blocks():
+    pair = HandBackPair(decode_blocks=4)
+    sent_nowait = pair.to_prefill_and_api.try_send
+    pair.to_prefill_and_api.try_send = lambda *args, **kwargs: False   # prefill's queue has no free slot now
+    pair.prefill.on_message(prefill_request(pair.table, "r", prompt_tokens=20, max_tokens=20))
+    pair.run(25)
+    assert pair.decode.hand_backs_dropped == 1 and not pair.decode.lingering and pair.cache.adopted_blocks == 0
+    pair.assert_all_free()
+    # a hand-back that lingers (its HandBackDone is lost), then a reservation the pool is short for without it
+    pair.to_prefill_and_api.try_send = sent_nowait
+    second = prefill_request(pair.table, "s", prompt_tokens=20, max_tokens=20)
+    pair.prefill.on_message(second)
+    pair.prefill.finish(prefill_one(pair.prefill), [(5, None)])
+    pair.deliver_to_decode()
+    for _ in range(25):
+        pair.decode_step()
+    assert pair.table.state((second.slot, second.generation)) == S.FINISHED
+    assert pair.decode.lingering and pair.decode_pool.num_free == 1
+    third = prefill_request(pair.table, "t", prompt_tokens=40, max_tokens=8)   # needs 3 blocks
+    pair.prefill.on_message(third)
+    pair.prefill.finish(prefill_one(pair.prefill), [(5, None)])
+    pair.deliver_to_decode()
+    pair.decode_step()
+    assert not pair.decode.lingering and pair.table.state((third.slot, third.generation)) == S.DECODING
+
+
+def test_colocated_mode_hands_the_finished_blocks_over_to_the_cache_without_a_copy():
+    clock = FakeClock()
+    table = FakeTable(clock)
+    base = FakeAllocator(16)
+    pool = CachingAllocator(base, copy_rows=lambda s, d, r: None)
+    outbox = QueueOutbox({"api": type("ApiQueue", (), {"put": lambda self, frame, timeout_s: None})()}, 1.0)
+    prefill = PrefillCore(table, pool, outbox, clock, actor_index=DECODE)
+    decode = DecodeCore(table, pool, FakeTransfers(local=True), outbox, clock, actor_index=DECODE, eos_ids=[EOS],
+                        max_num_seqs=4, block_bytes=100, hand_back=True)
+    outbox.add_local(LOCAL_PREFILL, prefill)
+    outbox.add_local(LOCAL_DECODE, decode)
+
+    def serve(request_id: str, prompt: list[int], max_tokens: int):
+        request = prefill_request(table, request_id, prompt_tokens=len(prompt), max_tokens=max_tokens)
+        prefill.on_message(dataclasses.replace(request, prompt_ids=prompt))
+        work = prefill_one(prefill)
+        prefill.finish(work, [(5, None)])
+        decode.start_transfers()
+        decode.poll_transfers()
+        decode.join_batch()
+        while decode.batch():
+            decode.step_done(decode.batch(), [7] * len(decode.batch()), [None] * len(decode.batch()))
+        decode.flush()
+        return work
+
+    prompt = list(range(1, 21))
+    serve("turn1", prompt, max_tokens=20)   # 39 tokens with KV: decode's blocks 1 and 2 join the cache in place
+    assert pool.adopted_blocks == 2 and not decode.lingering and pool.cached_blocks_in_use == 0
+    assert base.num_free == 16 - pool.cached_blocks and pool.num_free == 16
+    work = serve("turn2", prompt + [5] + [7] * 19 + [100], max_tokens=1)
+    assert work.cached_tokens == 39 and pool.num_free == 16
