@@ -99,14 +99,14 @@ class _Layer:
 
 
 WEIGHT_MODES = ("auto", "float32", "bfloat16")
-# native weights: forwards of >= this many tokens use the float32 copies (see QuantLinear). 1 = every prefill:
+# native weights: prefills of >= this many tokens use the float32 copies (see QuantLinear). 1 = every prefill:
 # a prompt's numbers must not depend on how much of it the prefix cache held (a 13-token suffix on the low-bit
 # kernels took 49 ms vs 105 ms, but greedy answers then changed between a first and a repeated request)
 DENSE_MIN_TOKENS = 1
 # native weights, decode steps (docs/performance.md §16): the output projection over >= HEAD_DENSE_MIN_ROWS rows
 # uses its float32 copy (the int8 one cheaper up to 32 rows, dearer from 48); steps of fewer than
-# DECODE_STACKED_MAX_ROWS rows run lowbit_cpu.decode_layers (measured 1.5-2.6x cheaper than the float32 copies
-# at 1-64 rows; not measured beyond)
+# DECODE_STACKED_MAX_ROWS rows run the low-bit GEMV, in lowbit_cpu.decode_layers where the layer is Llama's
+# (measured 1.5-2.6x cheaper than the float32 copies at 1-64 rows; not measured beyond), op by op otherwise
 HEAD_DENSE_MIN_ROWS = 32
 DECODE_STACKED_MAX_ROWS = 65
 
@@ -148,9 +148,10 @@ class LlamaModel:
             :class:`gpu.quant.Int8Groups` for GGUF-quantized linears, kept packed.
         device: where the weights (and every ``kv`` pool passed in) live.
         native: run packed weights with gpu/lowbit_cpu.py's GEMV (``weights="auto"`` in the engine) when a
-            forward has fewer than ``dense_min_tokens`` tokens, their float32 copies otherwise (every prefill by
-            default); decode steps of fewer than ``decode_stacked_max_rows`` rows run every layer in one numba call
-            (``lowbit_cpu.decode_layers``); a decode step's output projection runs low-bit below
+            prefill has fewer than ``dense_min_tokens`` tokens, their float32 copies otherwise (every prefill by
+            default); decode steps of fewer than ``decode_stacked_max_rows`` rows run the GEMV too, every layer in
+            one numba call (``lowbit_cpu.decode_layers``) where the layer is Llama's, op by op otherwise; a decode
+            step's output projection runs low-bit below
             ``head_dense_min_rows`` rows, a prefill's as its layers do; activations stay float32. False = the
             dense path in the tensors' dtype.
 
@@ -224,7 +225,8 @@ class LlamaModel:
         # a forward of at least this many tokens runs each linear's float32 weight (``QuantLinear.big``)
         self.dense_min_tokens = DENSE_MIN_TOKENS
         self.head_dense_min_rows = HEAD_DENSE_MIN_ROWS  # the same for the output projection
-        self.decode_stacked_max_rows = DECODE_STACKED_MAX_ROWS  # decode steps below this run decode_layers
+        # decode steps below this run the GEMV (decode_layers where it applies), at or above it the float32 copies
+        self.decode_stacked_max_rows = DECODE_STACKED_MAX_ROWS
         self.embedding = embedding  # [vocab, hidden]: a dense weight, or int8 groups (native)
         self.lm_head = lm_head  # [vocab, hidden]; the embedding itself when tied
         self.norm = norm  # [hidden]
@@ -799,7 +801,7 @@ class LlamaModel:
 
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         x = self._embed(ids)  # x: [B, hidden], a fresh tensor: the residual adds below run in place
-        big = B >= self.dense_min_tokens
+        big = B >= self.decode_stacked_max_rows  # the float32 copies only where decode_layers would not run
         eps, hidden = c.rms_norm_eps, (c.hidden_size,)
         for li, layer in enumerate(self.layers):
             h = F.rms_norm(x, hidden, layer.ln_attn, eps)  # h: [B, hidden]
