@@ -27,7 +27,7 @@ log = logging.getLogger("pdserve.prepared")
 __all__ = ["FORMAT_VERSION", "cache_path", "default_cache_dir", "ensure_prepared", "load_prepared",
            "prepared_key", "prepared_model", "save_prepared"]
 
-FORMAT_VERSION = 4  # bump when LlamaModel.to_state's layout changes
+FORMAT_VERSION = 5  # bump when LlamaModel.to_state's layout changes (5: native untied dense heads as int8)
 
 
 def prepared_key(model_path: str | os.PathLike | None, weights: str) -> str:
