@@ -108,6 +108,10 @@ DENSE_MIN_TOKENS = 1
 # DECODE_STACKED_MAX_ROWS rows run the low-bit GEMV, in lowbit_cpu.decode_layers where the layer is Llama's
 # (measured 1.5-2.6x cheaper than the float32 copies at 1-64 rows; not measured beyond), op by op otherwise
 HEAD_DENSE_MIN_ROWS = 32
+# native weights: the float32 copies run over blocks of this many rows (the last one zero-padded): MKL's GEMM gives a
+# row the same bits at any place of a call of a fixed number of rows (checked at 8-64), not across numbers of rows,
+# so a prompt's KV then does not depend on how it was packed with others or how much of it the prefix cache held
+PREFILL_BLOCK_ROWS = 32
 DECODE_STACKED_MAX_ROWS = 65
 
 
@@ -551,6 +555,8 @@ class LlamaModel:
         kv_flat = self._flat_pool(kv)  # [L, 2, slots, Hkv, D]
         seqs, w_slot, pos = self._packed_layout(kv, token_ids, tables, start_positions)
         rope = self._rope_at(pos)
+        # natively, every slot of each sequence's positions 0 .. end - 1 (the per-token attention reads them)
+        seq_slots = [w_slot[a:b] if r_slot is None else r_slot for a, b, r_slot, *_ in seqs] if self.native else []
 
         ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=self.device)
         x = self._embed(ids)  # x: [N, hidden]
@@ -562,7 +568,12 @@ class LlamaModel:
             k_pool, v_pool = kv_flat[li, 0], kv_flat[li, 1]  # [slots, Hkv, D] each
             k_pool.index_copy_(0, w_slot, k.to(kv.dtype))
             v_pool.index_copy_(0, w_slot, v.to(kv.dtype))
-            o = self._attend_packed(q, k, v, k_pool, v_pool, seqs, self._windows[li])  # o: [N, H D]
+            if self.native:  # each token over its own keys, as alone: the same KV however the prompt is packed or cached
+                o = torch.cat([self._attend_row(q[i:i + 1], k_pool, v_pool, slots[:p + 1], self._windows[li])
+                               for (a, b, *_), slots in zip(seqs, seq_slots)
+                               for i, p in zip(range(a, b), pos[a:b].tolist())]).reshape(N, -1)
+            else:
+                o = self._attend_packed(q, k, v, k_pool, v_pool, seqs, self._windows[li])  # o: [N, H D]
             x = self._layer_rest(layer, x, o, big)  # x: [N, hidden]
         # only the rows whose logits are asked for go through the norm and the LM head
         rows = [range(a, b) if f else range(b - 1, b) for (a, b, *_), f in zip(seqs, flags)]
@@ -571,7 +582,7 @@ class LlamaModel:
         # the output projection follows the layers: float32 in every prefill by default, as a request's first
         # token comes from here and int8-rounded activations flip near ties (SmolLM2's "The capital..." vs "L'..."
         # by 0.09 logits)
-        logits = self._softcap_logits((self.lm_head.big if big else self.lm_head.fn)(x).float())  # [rows, vocab]
+        logits = self._softcap_logits(self._linear(self.lm_head, x, big).float())  # [rows, vocab]
         parts = logits.split([len(r) for r in rows])
         return [part if f else part[0] for part, f in zip(parts, flags)]
 
@@ -698,6 +709,10 @@ class LlamaModel:
         """``lin`` over ``x`` ``[N, K]`` -> ``[N, out]``: its float32 copy when ``big``, else its own kernel. Natively
         a dense weight then runs row by row, so a decode row gets the bits it gets alone, as from the low-bit GEMVs
         (MKL's GEMM sums a row in an order that depends on the number of rows)."""
+        if big and self.native:  # blocks of PREFILL_BLOCK_ROWS rows, the last one zero-padded (see there)
+            n, r = x.shape[0], PREFILL_BLOCK_ROWS
+            xp = torch.cat([x, x.new_zeros(-n % r, x.shape[1])]) if n % r else x
+            return torch.cat([lin.big(xp[i:i + r]) for i in range(0, xp.shape[0], r)])[:n]
         if big:
             return lin.big(x)
         if self.native and lin.kind == "dense" and x.shape[0] > 1:

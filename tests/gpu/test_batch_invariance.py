@@ -141,3 +141,36 @@ def test_a_decode_step_of_every_family_gives_a_row_the_logits_it_gets_alone(name
     path = write_gguf(name, build_hf(name), tmp_path / f"tiny-{name}-q4.gguf", linear_type="Q4_0")
     m = LlamaModel.from_path(path, progress=False, weights="auto")
     assert _probe_places(m, 4, [13, 3, 21, 9, 17, 6], 6) == []
+
+
+def test_a_prompt_gets_the_same_kv_and_logits_alone_packed_with_others_and_after_a_cache_hit(native_model):
+    """Natively, prefill's float32 GEMMs run over fixed blocks of rows and each token attends over its own keys,
+    so a prompt's KV (every layer, bit for bit) and last logits do not depend on the prompts packed with it or on
+    how much of it an earlier prefill (the prefix cache) wrote, down to a one-token suffix."""
+    m, c = native_model, native_model.config
+    g = torch.Generator().manual_seed(0)
+    prompt, other, short = (torch.randint(3, c.vocab_size, (n,), generator=g).tolist() for n in (45, 30, 7))
+    t_prompt, t_other, t_short = [0, 1, 2], [3, 4], [5]
+
+    def pool() -> torch.Tensor:
+        return torch.zeros(kv_pool_shape(c, 8, 16))
+
+    def prompt_kv(kv: torch.Tensor) -> torch.Tensor:
+        return kv[:, :, 0:3].reshape(c.num_layers, 2, 48, -1)[:, :, :45]
+
+    kv = pool()
+    alone = m.prefill(kv, prompt, t_prompt)
+    ref = prompt_kv(kv).clone()
+    runs = {}
+    kv = pool()
+    runs["packed second of three"] = m.prefill_packed(kv, [other, prompt, short], [t_other, t_prompt, t_short],
+                                                      [0, 0, 0])[1], prompt_kv(kv)
+    kv = pool()
+    runs["packed first"] = m.prefill_packed(kv, [prompt, other], [t_prompt, t_other], [0, 0])[0], prompt_kv(kv)
+    for cached in (20, 32, 44):
+        kv = pool()
+        m.prefill(kv, prompt[:cached], t_prompt)
+        runs[f"{cached} cached, packed"] = m.prefill_packed(kv, [short, prompt[cached:]], [t_short, t_prompt],
+                                                            [0, cached])[1], prompt_kv(kv)
+    assert {name: (torch.equal(logits, alone), torch.equal(kv, ref)) for name, (logits, kv) in runs.items()} == {
+        name: (True, True) for name in runs}
