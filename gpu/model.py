@@ -557,6 +557,7 @@ class LlamaModel:
         rope = self._rope_at(pos)
         # natively, every slot of each sequence's positions 0 .. end - 1 (the per-token attention reads them)
         seq_slots = [w_slot[a:b] if r_slot is None else r_slot for a, b, r_slot, *_ in seqs] if self.native else []
+        # (a forward forced onto the low-bit kernels, dense_min_tokens raised, attends per sequence as float32 does)
 
         ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=self.device)
         x = self._embed(ids)  # x: [N, hidden]
@@ -568,7 +569,7 @@ class LlamaModel:
             k_pool, v_pool = kv_flat[li, 0], kv_flat[li, 1]  # [slots, Hkv, D] each
             k_pool.index_copy_(0, w_slot, k.to(kv.dtype))
             v_pool.index_copy_(0, w_slot, v.to(kv.dtype))
-            if self.native:  # each token over its own keys, as alone: the same KV however the prompt is packed or cached
+            if self.native and big:  # each token over its own keys: the same KV however the prompt is packed or cached
                 o = torch.cat([self._attend_row(q[i:i + 1], k_pool, v_pool, slots[:p + 1], self._windows[li])
                                for (a, b, *_), slots in zip(seqs, seq_slots)
                                for i, p in zip(range(a, b), pos[a:b].tolist())]).reshape(N, -1)
