@@ -17,7 +17,14 @@ vector lane per row (Q4: per row and pair of inputs), with no horizontal sums (`
 The inner loops are written in LLVM IR, so the partial sums stay in registers (numba's own loops kept them in
 memory and ran 3x slower). The Q4 loop multiplies pairs of unsigned codes by pairs of signed activations and adds
 each pair (x86's ``pmaddubsw``, as ggml's AVX2 path does: called directly where the host has AVX2, spelled out
-in portable IR elsewhere, ~3x slower); the Q8 loop is portable IR that LLVM widens to the host's vectors. Only
+in portable IR elsewhere, ~3x slower); the Q8 loop is portable IR that LLVM widens to the host's vectors.
+
+Batch invariance: a row's output never depends on the other rows of the call. The GEMVs and ``_quantized`` say
+``fastmath=False`` explicitly: numba's CPU target inherits ``fastmath`` from the caller for a callee that does not
+set it (``inherit_if_not_set`` in numba/core/cpu.py), so compiled first under ``decode_layers`` (fastmath) they got
+LLVM's fast flags, and the contraction into FMAs differed between the two rows of a pair and the odd row run
+alone (the last bit of a row moved with its place in the batch, and with which caller compiled the cached
+kernel first). Without fast flags each row's scale multiply-adds run as written, the same in both paths. Only
 the model's processes import this module (numba's import and its cached machine code load at actor start, not on
 a request's path).
 """
@@ -177,7 +184,7 @@ def _quantize_rows(x, xq, fx, sx):
             sx[b, g] = scale * total
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
 def _quantized(x):
     """x float32 [M, K] as (int8 codes [M, K], scales [M, K / 32], scale * sum of codes [M, K / 32])."""
     M, K = x.shape
@@ -188,7 +195,7 @@ def _quantized(x):
     return xq, fx, sx
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
 def _q4_gemv(x, codes, scale, mins, y):
     """y float32 [M, T * R] = x float32 [M, K] times the Q4 tiles (layout in the module docstring)."""
     M = x.shape[0]
@@ -213,7 +220,7 @@ def _q4_gemv(x, codes, scale, mins, y):
             y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
 def _q8_gemv(x, codes, scale, y):
     """y float32 [M, T * R] = x float32 [M, K] times the Q8 tiles."""
     M = x.shape[0]
@@ -493,7 +500,7 @@ def _q8h_group2(typingctx, codes_addr, x_addr, x1_addr, scale_addr, min_addr, fx
     return sig, codegen
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
 def _q8h_gemv(x, codes, scale, mins, y):
     """y float32 [M, T * R] = x float32 [M, K] times the Q8h tiles (layout above)."""
     M = x.shape[0]
@@ -552,7 +559,7 @@ def _gemv_any(x, tiles, scale, mins, y):
     raise NotImplementedError("only callable from numba-compiled code")
 
 
-@overload(_gemv_any, jit_options={"nogil": True, "cache": True})
+@overload(_gemv_any, jit_options={"nogil": True, "cache": True, "fastmath": False})
 def _gemv_any_impl(x, tiles, scale, mins, y):
     if tiles.dtype == types.uint8:
         return lambda x, tiles, scale, mins, y: _q4_gemv(x, tiles, scale, mins, y)

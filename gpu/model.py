@@ -99,15 +99,19 @@ class _Layer:
 
 
 WEIGHT_MODES = ("auto", "float32", "bfloat16")
-# native weights: forwards of >= this many tokens use the float32 copies (see QuantLinear). 1 = every prefill:
+# native weights: prefills of >= this many tokens use the float32 copies (see QuantLinear). 1 = every prefill:
 # a prompt's numbers must not depend on how much of it the prefix cache held (a 13-token suffix on the low-bit
 # kernels took 49 ms vs 105 ms, but greedy answers then changed between a first and a repeated request)
 DENSE_MIN_TOKENS = 1
 # native weights, decode steps (docs/performance.md §16): the output projection over >= HEAD_DENSE_MIN_ROWS rows
 # uses its float32 copy (the int8 one cheaper up to 32 rows, dearer from 48); steps of fewer than
-# DECODE_STACKED_MAX_ROWS rows run lowbit_cpu.decode_layers (measured 1.5-2.6x cheaper than the float32 copies
-# at 1-64 rows; not measured beyond)
+# DECODE_STACKED_MAX_ROWS rows run the low-bit GEMV, in lowbit_cpu.decode_layers where the layer is Llama's
+# (measured 1.5-2.6x cheaper than the float32 copies at 1-64 rows; not measured beyond), op by op otherwise
 HEAD_DENSE_MIN_ROWS = 32
+# native weights: the float32 copies run over blocks of this many rows (the last one zero-padded): MKL's GEMM gives a
+# row the same bits at any place of a call of a fixed number of rows (checked at 8-64), not across numbers of rows,
+# so a prompt's KV then does not depend on how it was packed with others or how much of it the prefix cache held
+PREFILL_BLOCK_ROWS = 32
 DECODE_STACKED_MAX_ROWS = 65
 
 
@@ -153,9 +157,10 @@ class LlamaModel:
             packed.
         device: where the weights (and every ``kv`` pool passed in) live.
         native: run packed weights with gpu/lowbit_cpu.py's GEMV (``weights="auto"`` in the engine) when a
-            forward has fewer than ``dense_min_tokens`` tokens, their float32 copies otherwise (every prefill by
-            default); decode steps of fewer than ``decode_stacked_max_rows`` rows run every layer in one numba call
-            (``lowbit_cpu.decode_layers``); a decode step's output projection runs low-bit below
+            prefill has fewer than ``dense_min_tokens`` tokens, their float32 copies otherwise (every prefill by
+            default); decode steps of fewer than ``decode_stacked_max_rows`` rows run the GEMV too, every layer in
+            one numba call (``lowbit_cpu.decode_layers``) where the layer is Llama's, op by op otherwise; a decode
+            step's output projection runs low-bit below
             ``head_dense_min_rows`` rows, a prefill's as its layers do; activations stay float32. False = the
             dense path in the tensors' dtype.
 
@@ -216,6 +221,8 @@ class LlamaModel:
             embedding = QuantLinear.dense(w("model.embed_tokens.weight"))
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         lm_head = embedding if tied else lin("lm_head.weight")
+        if native and lm_head.kind == "dense":  # int8 groups as the embedding's (a dense one would run row by row)
+            lm_head = QuantLinear.int8(int8_groups_from_float(lm_head.tensors["weight"]))
         self._setup(config, dev, dtype, native, embedding, lm_head, norm("model.norm.weight"), layers,
                     rope_inv_freq(config, weights.get("rope_freqs")))
 
@@ -229,7 +236,8 @@ class LlamaModel:
         # a forward of at least this many tokens runs each linear's float32 weight (``QuantLinear.big``)
         self.dense_min_tokens = DENSE_MIN_TOKENS
         self.head_dense_min_rows = HEAD_DENSE_MIN_ROWS  # the same for the output projection
-        self.decode_stacked_max_rows = DECODE_STACKED_MAX_ROWS  # decode steps below this run decode_layers
+        # decode steps below this run the GEMV (decode_layers where it applies), at or above it the float32 copies
+        self.decode_stacked_max_rows = DECODE_STACKED_MAX_ROWS
         self.embedding = embedding  # [vocab, hidden]: a dense weight, or int8 groups (native)
         self.lm_head = lm_head  # [vocab, hidden]; the embedding itself when tied
         self.norm = norm  # [hidden]
@@ -553,6 +561,9 @@ class LlamaModel:
         kv_flat = self._flat_pool(kv)  # [L, 2, slots, Hkv, D]
         seqs, w_slot, pos = self._packed_layout(kv, token_ids, tables, start_positions)
         rope = self._rope_at(pos)
+        # natively, every slot of each sequence's positions 0 .. end - 1 (the per-token attention reads them)
+        seq_slots = [w_slot[a:b] if r_slot is None else r_slot for a, b, r_slot, *_ in seqs] if self.native else []
+        # (a forward forced onto the low-bit kernels, dense_min_tokens raised, attends per sequence as float32 does)
 
         ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=self.device)
         x = self._embed(ids)  # x: [N, hidden]
@@ -564,7 +575,12 @@ class LlamaModel:
             k_pool, v_pool = kv_flat[li, 0], kv_flat[li, 1]  # [slots, Hkv, D] each
             k_pool.index_copy_(0, w_slot, k.to(kv.dtype))
             v_pool.index_copy_(0, w_slot, v.to(kv.dtype))
-            o = self._attend_packed(q, k, v, k_pool, v_pool, seqs, self._windows[li])  # o: [N, H D]
+            if self.native and big:  # each token over its own keys: the same KV however the prompt is packed or cached
+                o = torch.cat([self._attend_row(q[i:i + 1], k_pool, v_pool, slots[:p + 1], self._windows[li])
+                               for (a, b, *_), slots in zip(seqs, seq_slots)
+                               for i, p in zip(range(a, b), pos[a:b].tolist())]).reshape(N, -1)
+            else:
+                o = self._attend_packed(q, k, v, k_pool, v_pool, seqs, self._windows[li])  # o: [N, H D]
             x = self._layer_rest(layer, x, o, big)  # x: [N, hidden]
         # only the rows whose logits are asked for go through the norm and the LM head
         rows = [range(a, b) if f else range(b - 1, b) for (a, b, *_), f in zip(seqs, flags)]
@@ -573,7 +589,7 @@ class LlamaModel:
         # the output projection follows the layers: float32 in every prefill by default, as a request's first
         # token comes from here and int8-rounded activations flip near ties (SmolLM2's "The capital..." vs "L'..."
         # by 0.09 logits)
-        logits = self._softcap_logits((self.lm_head.big if big else self.lm_head.fn)(x).float())  # [rows, vocab]
+        logits = self._softcap_logits(self._linear(self.lm_head, x, big).float())  # [rows, vocab]
         parts = logits.split([len(r) for r in rows])
         return [part if f else part[0] for part, f in zip(parts, flags)]
 
@@ -664,7 +680,7 @@ class LlamaModel:
         ``li`` from its normed input ``h`` ``[N, hidden]``."""
         c = self.config
         N, H, Hkv, D = h.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
-        qkv = (layer.qkv.big if big else layer.qkv.fn)(h)  # qkv: [N, (H + 2 Hkv) D]
+        qkv = self._linear(layer.qkv, h, big)  # qkv: [N, (H + 2 Hkv) D]
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
         qk = qkv[:, :(H + Hkv) * D].view(N, H + Hkv, D)
@@ -680,7 +696,7 @@ class LlamaModel:
         ``o`` ``[N, H D]`` (post-normed with sandwich norms), then plus the gated MLP of its pre-normed sum."""
         c = self.config
         hidden, eps = (c.hidden_size,), c.rms_norm_eps
-        a = (layer.o.big if big else layer.o.fn)(o)
+        a = self._linear(layer.o, o, big)
         if layer.post_attn is not None:
             a = F.rms_norm(a, hidden, layer.post_attn, eps)
         x.add_(a)
@@ -692,16 +708,30 @@ class LlamaModel:
 
     def _mlp(self, gate_up: QuantLinear, down: QuantLinear, h: torch.Tensor, big: bool) -> torch.Tensor:
         """The gated MLP ``down(act(gate(h)) * up(h))``: ``h`` ``[N, hidden]`` -> ``[N, hidden]``."""
-        gate, up = (gate_up.big if big else gate_up.fn)(h).chunk(2, dim=-1)  # [N, I] each
+        gate, up = self._linear(gate_up, h, big).chunk(2, dim=-1)  # [N, I] each
         act = F.silu(gate) if self._silu else F.gelu(gate, approximate="tanh")
-        return (down.big if big else down.fn)(act * up)
+        return self._linear(down, act * up, big)
+
+    def _linear(self, lin: QuantLinear, x: torch.Tensor, big: bool) -> torch.Tensor:
+        """``lin`` over ``x`` ``[N, K]`` -> ``[N, out]``: its float32 copy when ``big``, else its own kernel. Natively
+        a dense weight then runs row by row, so a decode row gets the bits it gets alone, as from the low-bit GEMVs
+        (MKL's GEMM sums a row in an order that depends on the number of rows)."""
+        if big and self.native:  # blocks of PREFILL_BLOCK_ROWS rows, the last one zero-padded (see there)
+            n, r = x.shape[0], PREFILL_BLOCK_ROWS
+            xp = torch.cat([x, x.new_zeros(-n % r, x.shape[1])]) if n % r else x
+            return torch.cat([lin.big(xp[i:i + r]) for i in range(0, xp.shape[0], r)])[:n]
+        if big:
+            return lin.big(x)
+        if self.native and lin.kind == "dense" and x.shape[0] > 1:
+            return torch.cat([lin.fn(x[i:i + 1]) for i in range(x.shape[0])])
+        return lin.fn(x)
 
     def _moe(self, layer: _Layer, h: torch.Tensor, big: bool) -> torch.Tensor:
         """A sparse layer's MLP (Qwen3-MoE, as HF's ``Qwen3MoeSparseMoeBlock``): softmax over the router's
         logits, the top ``experts_per_token`` per token (renormalised when ``norm_topk_prob``); each chosen expert
         runs once over its own tokens only and adds its weighted output. ``h`` ``[N, hidden]`` -> ``[N, hidden]``."""
         c = self.config
-        probs = torch.softmax(F.linear(h.float(), layer.router), dim=-1)  # [N, E]
+        probs = torch.softmax(self._linear(QuantLinear.dense(layer.router), h.float(), big), dim=-1)  # [N, E]
         weight, chosen = torch.topk(probs, c.experts_per_token, dim=-1)  # [N, k] each
         if c.norm_topk_prob:
             weight = weight / weight.sum(dim=-1, keepdim=True)
@@ -713,6 +743,20 @@ class LlamaModel:
             y = self._mlp(gate_up, down, h[rows], big and len(rows) >= self.dense_min_tokens)
             out.index_add_(0, rows, y * weight[rows, slot, None])
         return out
+
+    def _attend_row(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, r_slot: torch.Tensor,
+                    window: int) -> torch.Tensor:
+        """One decode row's attention over exactly its own keys (as a decode step of that row alone computes it):
+        q ``[1, H, D]``, the pools ``[slots, Hkv, D]``, ``r_slot`` ``[S]`` the slots of its positions ``0 .. S - 1``
+        (the last one its new token). Returns ``[1, H, 1, D]``."""
+        c = self.config
+        S = r_slot.shape[0]
+        kc = k_pool.index_select(0, r_slot).to(self.dtype).view(1, S, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        vc = v_pool.index_select(0, r_slot).to(self.dtype).view(1, S, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        mask = None  # kc, vc: [1, Hkv, S, D]
+        if window:
+            mask = (torch.arange(S, device=self.device) > S - 1 - window)[None, None, None, :]  # [1, 1, 1, S]
+        return self._attention(q.unsqueeze(2), kc, vc, mask)
 
     def _softcap_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``cap * tanh(logits / cap)`` when the config has ``final_softcap`` (Gemma 2), else ``logits``."""
@@ -764,8 +808,7 @@ class LlamaModel:
             np.asarray(positions, np.int64), self._cos.numpy(), self._sin.numpy(), c.num_heads,
             c.intermediate_size, c.rms_norm_eps, self._scale)
         x = F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
-        return self._softcap_logits(
-            (self.lm_head.big if len(token_ids) >= self.head_dense_min_rows else self.lm_head.fn)(x).float())
+        return self._softcap_logits(self._linear(self.lm_head, x, len(token_ids) >= self.head_dense_min_rows).float())
 
     @torch.inference_mode()
     def decode(self, kv: torch.Tensor, token_ids: list[int], positions: list[int],
@@ -817,7 +860,10 @@ class LlamaModel:
 
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         x = self._embed(ids)  # x: [B, hidden], a fresh tensor: the residual adds below run in place
-        big = B >= self.dense_min_tokens
+        big = B >= self.decode_stacked_max_rows  # the float32 copies only where decode_layers would not run
+        # low-bit rows are batch-invariant (lowbit_cpu's GEMVs); attention then runs per row over its own keys, as
+        # SDPA over keys padded to the longest row sums them in another order (0.4 logits apart after 30 layers)
+        per_row = self.native and not big and B > 1
         eps, hidden = c.rms_norm_eps, (c.hidden_size,)
         for li, layer in enumerate(self.layers):
             h = F.rms_norm(x, hidden, layer.ln_attn, eps)  # h: [B, hidden]
@@ -825,15 +871,18 @@ class LlamaModel:
             k_pool, v_pool = kv_flat[li, 0], kv_flat[li, 1]  # [slots, Hkv, D] each
             k_pool.index_copy_(0, w_slot, k.to(kv.dtype))
             v_pool.index_copy_(0, w_slot, v.to(kv.dtype))
-            # strided views, no copies: SDPA gives the same bits as on contiguous K/V and is 10-40% cheaper
-            kc = k_pool.index_select(0, r_slot).to(self.dtype).view(B, S, Hkv, D).transpose(1, 2)
-            vc = v_pool.index_select(0, r_slot).to(self.dtype).view(B, S, Hkv, D).transpose(1, 2)
-            # kc, vc: [B, Hkv, S, D]
-            o = self._attention(q.unsqueeze(2), kc, vc, masks[self._windows[li]])  # o: [B, H, 1, D]
+            if per_row:
+                o = torch.cat([self._attend_row(q[b:b + 1], k_pool, v_pool, r_slot[b * S:b * S + p + 1],
+                                                self._windows[li]) for b, p in enumerate(positions)])
+            else:
+                # strided views, no copies: SDPA gives the same bits as on contiguous K/V and is 10-40% cheaper
+                kc = k_pool.index_select(0, r_slot).to(self.dtype).view(B, S, Hkv, D).transpose(1, 2)
+                vc = v_pool.index_select(0, r_slot).to(self.dtype).view(B, S, Hkv, D).transpose(1, 2)
+                # kc, vc: [B, Hkv, S, D]
+                o = self._attention(q.unsqueeze(2), kc, vc, masks[self._windows[li]])  # o: [B, H, 1, D]
             x = self._layer_rest(layer, x, o.reshape(B, H * D), big)  # x: [B, hidden]
         x = F.rms_norm(x, hidden, self.norm, eps)
-        return self._softcap_logits(
-            (self.lm_head.big if B >= self.head_dense_min_rows else self.lm_head.fn)(x).float())  # [B, vocab]
+        return self._softcap_logits(self._linear(self.lm_head, x, B >= self.head_dense_min_rows).float())  # [B, vocab]
 
 
 def from_path(path: str | os.PathLike | None = None, device: str | torch.device = "cpu",

@@ -27,7 +27,9 @@ log = logging.getLogger("pdserve.prepared")
 __all__ = ["FORMAT_VERSION", "cache_path", "default_cache_dir", "ensure_prepared", "load_prepared",
            "prepared_key", "prepared_model", "save_prepared"]
 
-FORMAT_VERSION = 5  # 5: K-quant/Q5 GGUF linears kept low-bit ("int8h" kind); bump when LlamaModel.to_state's layout changes
+# bump when LlamaModel.to_state's layout changes (5: K-quant/Q5 GGUF linears kept low-bit, the "int8h" kind;
+# 6: native untied dense heads as int8 too)
+FORMAT_VERSION = 6
 
 
 def prepared_key(model_path: str | os.PathLike | None, weights: str) -> str:

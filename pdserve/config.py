@@ -98,10 +98,10 @@ class EngineConfig:
                                     "(e.g. 0,1; sets prefill_actors); empty = prefill_actors on device 0")
     decode_devices: str = _setting("", "device cuda: comma-separated GPU ordinals, one decode actor each "
                                    "(e.g. 2,3; sets decode_actors); empty = decode_actors on device 0")
-    weights: str = _setting("float32", "how linear weights are held: auto = a GGUF's Q4_0/Q4_1 (int4) and Q8_0 "
+    weights: str = _setting("auto", "how linear weights are held: auto = a GGUF's Q4_0/Q4_1 (int4) and Q8_0 "
                             "(int8) weights stay quantized on CPU, decode steps run them on int8-quantized inputs as "
-                            "llama.cpp does (3-5x faster decode; greedy output may then depend on the batch); "
-                            "float32 / bfloat16 = "
+                            "llama.cpp does (3-5x faster decode; batch-invariant: a greedy answer is the same alone, "
+                            "in a batch, packed or from the prefix cache); float32 / bfloat16 = "
                             "dequantized (float32 equals HF transformers token for token)",
                             choices=("auto", "float32", "bfloat16"))
     model_cache_dir: str = _setting("", "where prepared models are cached (built once, memory-mapped by every "

@@ -36,7 +36,8 @@ def served(request, tmp_path_factory):
         path = d / f"tiny-{name}"
     else:
         path = write_gguf(name, hf, d / f"tiny-{name}.gguf")
-    eng = start_engine(d, "--model", str(path), "--kv-pool-tokens", "1024", "--model-cache-dir", "off")
+    eng = start_engine(d, "--model", str(path), "--kv-pool-tokens", "1024", "--model-cache-dir", "off",
+                       "--weights", "float32")   # HF equality: the dense path
     try:
         yield eng, hf, Tokenizer.load(path)
     finally:

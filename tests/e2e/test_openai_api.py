@@ -707,7 +707,7 @@ def test_http1_idle_connection_is_closed_cleanly_after_keep_alive_but_a_long_req
     assert KEEP_ALIVE_S * 0.5 < idle < KEEP_ALIVE_S + 5, idle
     with httpx.Client(base_url=engine.base_url, timeout=60) as client:   # a request longer than keep-alive
         start = time.monotonic()
-        long = client.post(COMP, json={"prompt": "Count:", "max_tokens": 40, "ignore_eos": True, "stream": True})
+        long = client.post(COMP, json={"prompt": "Count:", "max_tokens": 160, "ignore_eos": True, "stream": True})
         assert long.status_code == 200 and long.text.rstrip().endswith("data: [DONE]")
         assert time.monotonic() - start > KEEP_ALIVE_S, "the request should outlast the keep-alive timeout"
 
@@ -782,7 +782,7 @@ def check_h2_idle_goaway(client: RawH2) -> None:
     first = client.request("/health")
     client.read_until(stream_ended(first))
     long_start = time.monotonic()
-    long = client.request(COMP, {"prompt": "Count:", "max_tokens": 40, "ignore_eos": True, "stream": True})
+    long = client.request(COMP, {"prompt": "Count:", "max_tokens": 160, "ignore_eos": True, "stream": True})
     client.read_until(stream_ended(long))
     assert client.eof_at is None, "the connection was closed under a request in progress"
     long_end = client.ended_at(long)

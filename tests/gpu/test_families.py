@@ -140,7 +140,7 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path, 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "phi3", "qwen3_moe"])
 def test_low_bit_weights_run_every_family_and_the_one_call_decode_only_llama_layers(tiny, name, tmp_path):
     """``--weights auto`` on a Q4_0 GGUF: prefill runs the float32 copies (equal to the dequantized model), decode
-    steps the int8-activation kernels, through ``lowbit_cpu.decode_layers`` where the layer is Llama's (Llama;
+    steps the int8-activation kernels from layer 0's projections on, through ``lowbit_cpu.decode_layers`` where the layer is Llama's (Llama;
     Phi-3 once its fused weights are split) and op by op for the others."""
     path = write_gguf(name, tiny[name][0], tmp_path / f"tiny-{name}-q4.gguf", linear_type="Q4_0")
     native = LlamaModel.from_path(path, progress=False, weights="auto")
@@ -153,8 +153,12 @@ def test_low_bit_weights_run_every_family_and_the_one_call_decode_only_llama_lay
     assert (pre_n - pre_d).abs().max().item() < TOL
     t = int(pre_d.argmax())
     for i in range(4):
-        step_n = native.decode(kv_n, [t], [len(ids) + i], [table])[0]
-        step_d = dense.decode(kv_d, [t], [len(ids) + i], [table])[0]
+        p = len(ids) + i
+        step_n = native.decode(kv_n, [t], [p], [table])[0]
+        step_d = dense.decode(kv_d, [t], [p], [table])[0]
         # int8-rounded activations: close to the float32 numbers, not equal
         assert 0 < (step_n - step_d).abs().max().item() < 0.05 * step_d.abs().max().item()
+        # already in layer 0's Q/K/V projection (same float32 embedding in), not only in the int8 output projection
+        new_kv = (slice(None), table[p // BLOCK], p % BLOCK)
+        assert (kv_n[0][new_kv] - kv_d[0][new_kv]).abs().max().item() > 0
         t = int(step_d.argmax())

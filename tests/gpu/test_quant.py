@@ -190,11 +190,10 @@ def test_one_call_decode_matches_the_op_by_op_decode_on_a_ragged_batch(native_mo
     with torch.inference_mode():
         one_call = m.decode(kv, [7, 8, 9], lengths, tables)
         stacked, m._stacked = m._stacked, ()   # () = "not applicable": the op-by-op path, on the same kernels
-        m.dense_min_tokens = 1 << 30
         try:
             op_by_op = m.decode(kv_op, [7, 8, 9], lengths, tables)
         finally:
-            m._stacked, m.dense_min_tokens = stacked, DENSE_MIN_TOKENS
+            m._stacked = stacked
     assert stacked
     # decode runs under inference_mode itself (its docstring), called here outside one
     assert m.decode(kv.clone(), [7], [lengths[0]], [tables[0]]).is_inference()
