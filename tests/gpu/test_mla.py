@@ -1,0 +1,73 @@
+"""The MLA family (DeepSeek-V2, gpu/mla.py) beyond tests/gpu/test_families.py's logits: the pool holds exactly the
+latent rows HF's own cache holds (normed latent + rotated key, nothing decompressed), its size per token is
+``layers * (kv_lora_rank + qk_rope_head_dim) * dtype bytes``, and the group-limited routing is the one HF runs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu.loader import load_config
+from gpu.model import LlamaModel, kv_bytes_per_token, kv_pool_shape
+from tests.gpu.tiny_families import build_hf, write_gguf
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(HF model, HF directory, GGUF path) of the tiny DeepSeek-V2."""
+    d = tmp_path_factory.mktemp("deepseek2")
+    hf = build_hf("deepseek2")
+    hf.save_pretrained(str(d / "hf"))
+    return hf, d / "hf", write_gguf("deepseek2", hf, d / "tiny.gguf")
+
+
+@pytest.mark.parametrize("form", [1, 2])
+def test_the_config_reads_the_latent_layout_and_routing(tiny, form):
+    c = load_config(tiny[form])
+    assert (c.family, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim) == (
+        "deepseek2", 32, 8, 16, 12)
+    assert (c.num_experts, c.experts_per_token, c.n_shared_experts, c.n_group, c.topk_group) == (8, 3, 1, 4, 2)
+    assert (c.moe_layers, c.routed_scaling_factor, c.num_kv_heads, c.head_dim) == ((False, True, True), 1.5, 1, 20)
+    assert abs(c.attn_scale - 24 ** -0.5) < 1e-9
+
+
+def test_the_pool_holds_latent_rows_of_the_formula_size(tiny):
+    hf, hf_dir, _ = tiny
+    ours = LlamaModel.from_path(hf_dir, progress=False)
+    c = ours.config
+    for dtype in (torch.float32, torch.bfloat16):
+        assert kv_bytes_per_token(c, dtype) == c.num_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * \
+            dtype.itemsize == 3 * 40 * dtype.itemsize
+    kv = torch.full(kv_pool_shape(c, 8, BLOCK), float("nan"))
+    assert kv[0, 0, 0].numel() * 2 * kv.element_size() * c.num_layers == kv_bytes_per_token(c, kv.dtype) * BLOCK
+    ids = torch.randint(3, 49000, (11,), generator=torch.Generator().manual_seed(7)).tolist()
+    table = [5, 2, 7]
+    ours.prefill(kv, ids, table)
+    with torch.inference_mode():
+        cache = hf(torch.tensor([ids]), use_cache=True).past_key_values
+    slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(len(ids))])
+    flat = kv.view(c.num_layers, 2, -1, c.head_dim)  # [L, 2, slots, 20]
+    for li in range(c.num_layers):
+        rows = torch.cat([flat[li, 0, slots], flat[li, 1, slots]], dim=-1)  # [T, 40]
+        # HF's cache: the normed latent as "keys" [1, 1, T, 32], the rotated shared key as "values" [1, 1, T, 8]
+        want = torch.cat([cache.layers[li].keys[0, 0], cache.layers[li].values[0, 0]], dim=-1)
+        assert (rows - want).abs().max().item() < 1e-5, li
+
+
+def test_group_limited_routing_decides_experts(tiny):
+    """Routing over every expert instead of the best groups' picks other experts for some of these tokens (so
+    the logits tests would see a routing mistake), and ours equals HF's router output."""
+    hf, hf_dir, _ = tiny
+    ours = LlamaModel.from_path(hf_dir, progress=False)
+    h = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
+    router = hf.model.layers[1].mlp.gate
+    with torch.inference_mode():
+        _, w_hf, idx_hf = router(h)
+        got = ours._moe(ours.layers[1], h, False)
+        want = hf.model.layers[1].mlp(h[None])[0]
+    assert (got - want).abs().max().item() < 1e-5
+    greedy = torch.topk(torch.softmax(h @ router.weight.T, dim=-1), 3, dim=-1).indices
+    differ = [set(a) != set(b) for a, b in zip(greedy.tolist(), idx_hf.tolist())]
+    assert 0 < sum(differ) < len(differ)
