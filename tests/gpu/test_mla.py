@@ -71,3 +71,15 @@ def test_group_limited_routing_decides_experts(tiny):
     greedy = torch.topk(torch.softmax(h @ router.weight.T, dim=-1), 3, dim=-1).indices
     differ = [set(a) != set(b) for a, b in zip(greedy.tolist(), idx_hf.tolist())]
     assert 0 < sum(differ) < len(differ)
+
+
+def test_low_bit_weights_run_dequantized(tiny, tmp_path):
+    """``--weights auto`` on a Q4_0 GGUF: the family has no low-bit path, so it runs the dequantized weights,
+    exactly as ``float32`` does, and says so."""
+    path = write_gguf("deepseek2", tiny[0], tmp_path / "tiny-q4.gguf", linear_type="Q4_0")
+    auto = LlamaModel.from_path(path, progress=False, weights="auto")
+    dense = LlamaModel.from_path(path, progress=False, weights="float32")
+    assert auto.weights_mode == "float32"
+    ids = torch.randint(3, 49000, (9,), generator=torch.Generator().manual_seed(8)).tolist()
+    pools = [torch.full(kv_pool_shape(m.config, 4, BLOCK), float("nan")) for m in (auto, dense)]
+    assert torch.equal(auto.prefill(pools[0], ids, [3, 1, 0]), dense.prefill(pools[1], ids, [3, 1, 0]))

@@ -93,8 +93,8 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32") -> pathlib.Path:
     """``model`` as a GGUF under ``name``'s llama.cpp architecture, with SmolLM2's tokenizer metadata; the layers'
-    linear weights in ``linear_type`` (``F32``, or ``Q4_0`` / ``Q8_0`` quantized with ``gguf.quants``), the
-    rest float32."""
+    linear weights in ``linear_type`` (``F32``, or ``Q4_0`` / ``Q8_0`` quantized with ``gguf.quants`` where their
+    rows are whole 32-wide blocks), the rest float32."""
     cfg = model.config
     arch = {"mistral": "llama", "qwen3_moe": "qwen3moe"}.get(name, name)
     w = gguf.GGUFWriter(str(path), arch)
@@ -195,7 +195,9 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32") -
         if name.startswith("gemma") and out.endswith("norm.weight"):
             arr = arr + 1.0  # Gemma2Model/Gemma3Model.modify_tensors in convert_hf_to_gguf.py
         arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if linear_type != "F32" and out.startswith("blk.") and out.endswith(".weight") and arr.ndim == 2:
+        # rows not a whole number of 32-wide blocks stay float32 (llama.cpp's converter falls back so too)
+        if linear_type != "F32" and out.startswith("blk.") and out.endswith(".weight") and arr.ndim == 2 \
+                and arr.shape[1] % 32 == 0:
             qtype = gguf.GGMLQuantizationType[linear_type]
             w.add_tensor(out, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
