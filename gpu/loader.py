@@ -78,7 +78,7 @@ class ModelConfig:
 
     Multi-head latent attention (``Family.attention == "mla"``, DeepSeek-V2): a token's cache row is its
     ``kv_lora_rank`` latent plus its ``qk_rope_head_dim`` rotary key, stored split over the pool's K and V planes:
-    ``num_kv_heads`` is 1 and ``head_dim`` is half the row, rounded up (so the pool, handoff and prefix cache
+    ``num_kv_heads`` is 1 and ``head_dim`` is half the row (an odd row is refused; so the pool, handoff and prefix cache
     carry latent rows unchanged); query/key heads are ``qk_nope_head_dim + qk_rope_head_dim`` wide, value heads
     ``v_head_dim``; ``attn_scale`` is ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``. Its MoE layers add
     ``n_shared_experts`` always-on experts and route within the ``topk_group`` best of ``n_group`` expert groups
@@ -261,6 +261,13 @@ def _gguf_config(meta: dict[str, Any], path: pathlib.Path) -> ModelConfig:
     return _with(config, **_gguf_mla(opt, need, path, n_layers)) if fam.attention == "mla" else config
 
 
+def _check_mla_row(rank: int, rope: int, path: pathlib.Path) -> None:
+    """Raises ModelLoadError unless the MLA cache row (latent + rotary key) splits evenly over the K and V planes."""
+    if (rank + rope) % 2:
+        raise ModelLoadError(f"{path}: kv_lora_rank + qk_rope_head_dim = {rank + rope} must be even (the MLA cache "
+                             "row is split over the KV pool's K and V planes)")
+
+
 def _gguf_mla(opt, need, path: pathlib.Path, n_layers: int) -> dict[str, Any]:
     """The MLA and MoE fields of a ``deepseek2`` GGUF (as ``_hf_mla``). llama.cpp's converter writes MLA as MQA
     over the latent (``key_length`` = rank + rope, the heads' widths in ``key_length_mla`` / ``value_length_mla``);
@@ -272,9 +279,10 @@ def _gguf_mla(opt, need, path: pathlib.Path, n_layers: int) -> dict[str, Any]:
     rank, rope = int(need("attention.kv_lora_rank")), int(need("rope.dimension_count"))
     k_len = int(opt("attention.key_length_mla", 0) or need("attention.key_length"))
     v_len = int(opt("attention.value_length_mla", 0) or need("attention.value_length"))
+    _check_mla_row(rank, rope, path)
     n_group = int(opt("expert_group_count", 1) or 1)
     first_sparse = int(opt("leading_dense_block_count", 0) or 0)
-    return dict(num_kv_heads=1, head_dim=(rank + rope + 1) // 2, attn_scale=k_len ** -0.5, kv_lora_rank=rank,
+    return dict(num_kv_heads=1, head_dim=(rank + rope) // 2, attn_scale=k_len ** -0.5, kv_lora_rank=rank,
                 qk_nope_head_dim=k_len - rope, qk_rope_head_dim=rope, v_head_dim=v_len,
                 num_experts=int(need("expert_count")), experts_per_token=int(need("expert_used_count")),
                 moe_intermediate_size=int(need("expert_feed_forward_length")), norm_topk_prob=False,
@@ -484,9 +492,10 @@ def _hf_mla(cfg: dict[str, Any], n_layers: int, cfg_path: pathlib.Path) -> dict[
         top_k, inter = int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"])
     except KeyError as e:
         raise ModelLoadError(f"{cfg_path}: required key {e.args[0]!r} is missing") from None
+    _check_mla_row(rank, rope, cfg_path)
     grouped = method == "group_limited_greedy"
     first_sparse = int(cfg.get("first_k_dense_replace") or 0)
-    return dict(num_kv_heads=1, head_dim=(rank + rope + 1) // 2, attn_scale=(nope + rope) ** -0.5,
+    return dict(num_kv_heads=1, head_dim=(rank + rope) // 2, attn_scale=(nope + rope) ** -0.5,
                 kv_lora_rank=rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v_dim,
                 num_experts=n_experts, experts_per_token=top_k, moe_intermediate_size=inter,
                 norm_topk_prob=False, n_shared_experts=int(cfg.get("n_shared_experts") or 0),

@@ -10,8 +10,8 @@ compressed query (``q_lora_rank`` None, the DeepSeek-V2-Lite shape). Per layer a
 
 RoPE pairs adjacent elements (``x[2i], x[2i+1]``), as HF's complex ``apply_rotary_emb``. The cache holds only
 ``row = c ++ k_rope`` per token and layer: ``rank + rope`` values, stored in the pool of gpu/model.py with
-``num_kv_heads`` 1 and ``head_dim = ceil((rank + rope) / 2)``, the row's first half in the K plane and the rest
-in the V plane (zero-padded when odd)::
+``num_kv_heads`` 1 and ``head_dim = (rank + rope) / 2`` (an odd sum is refused at load), the row's first half in
+the K plane, the second in the V plane::
 
     kv[layer, 0, block, offset, 0, :] = row[:head_dim]        kv[layer, 1, block, offset, 0, :] = row[head_dim:]
 
@@ -121,7 +121,7 @@ class MLAModel(LlamaModel):
 
     def _q_row(self, layer: _MLALayer, h: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Q ``[N, H, nope + rope]`` (rope part rotated) and the cache row ``[N, 2 * head_dim]`` (normed latent,
-        rotated key, zero padding) of the normed input ``h`` ``[N, hidden]``."""
+        rotated key) of the normed input ``h`` ``[N, hidden]``."""
         c = self.config
         N, H, nope, rp, rank = h.shape[0], c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         cos, sin = rope[False]
@@ -130,9 +130,7 @@ class MLAModel(LlamaModel):
         a = layer.kv_a.fn(h)  # [N, rank + rope]
         latent = F.rms_norm(a[:, :rank], (rank,), layer.kv_a_norm, c.rms_norm_eps)
         k_rope = self._rope_pairs(a[:, None, rank:], cos, sin)[:, 0]  # [N, rope]
-        pad = 2 * c.head_dim - rank - rp
-        row = torch.cat([latent, k_rope] + ([a.new_zeros(N, pad)] if pad else []), dim=-1)
-        return q, row
+        return q, torch.cat([latent, k_rope], dim=-1)
 
     def _expand(self, layer: _MLALayer, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K ``[..., H, nope + rope]`` and V ``[..., H, v]`` decompressed from cache rows ``[..., 2 * head_dim]``."""

@@ -4,11 +4,14 @@ latent rows HF's own cache holds (normed latent + rotated key, nothing decompres
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from gpu.loader import load_config
 from gpu.model import LlamaModel, kv_bytes_per_token, kv_pool_shape
+from pdserve.errors import ModelLoadError
 from tests.gpu.tiny_families import build_hf, write_gguf
 
 BLOCK = 4
@@ -83,3 +86,15 @@ def test_low_bit_weights_run_dequantized(tiny, tmp_path):
     ids = torch.randint(3, 49000, (9,), generator=torch.Generator().manual_seed(8)).tolist()
     pools = [torch.full(kv_pool_shape(m.config, 4, BLOCK), float("nan")) for m in (auto, dense)]
     assert torch.equal(auto.prefill(pools[0], ids, [3, 1, 0]), dense.prefill(pools[1], ids, [3, 1, 0]))
+
+
+
+def test_an_odd_latent_row_is_refused(tiny, tmp_path):
+    """The row splits evenly over the K and V planes; every DeepSeek checkpoint's is even (512 + 64), and HF's own
+    complex RoPE cannot run an odd one either."""
+    cfg = json.loads((tiny[1] / "config.json").read_text())
+    d = tmp_path / "odd"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**cfg, "kv_lora_rank": 31}))
+    with pytest.raises(ModelLoadError, match=r"kv_lora_rank \+ qk_rope_head_dim = 39 must be even"):
+        load_config(d)
