@@ -1,7 +1,7 @@
-"""Other model families end to end (prefill -> KV handoff -> decode): a tiny random-weight Gemma 3 served from
-a Hugging Face directory, a tiny Qwen2 and a tiny Qwen3-MoE served from GGUFs, a tiny DeepSeek-V2 from a Hugging
-Face directory (MLA: latent KV blocks through the cpu-shm handoff and the prefix cache)
-(tests/gpu/tiny_families.py; all carry the embedded SmolLM2 tokenizer and chat template). The engine's greedy answers equal HF ``generate``'s tokens:
+"""Other model families end to end (prefill -> KV handoff -> decode): a tiny random-weight Gemma 3 served from a
+Hugging Face directory, a tiny Qwen2 and a tiny Qwen3-MoE served from GGUFs, a tiny DeepSeek-V2 from a Hugging Face
+directory (MLA: latent KV blocks through the cpu-shm handoff and the prefix cache) (tests/gpu/tiny_families.py; all
+carry the embedded SmolLM2 tokenizer and chat template). The engine's greedy answers equal HF ``generate``'s tokens:
 a chat request (the template from the model files), a repeated prompt answered from the prefix cache
 (``cached_tokens`` > 0) and n=2. One engine per family, module-scoped."""
 from __future__ import annotations
