@@ -98,3 +98,12 @@ def test_an_odd_latent_row_is_refused(tiny, tmp_path):
     (d / "config.json").write_text(json.dumps({**cfg, "kv_lora_rank": 31}))
     with pytest.raises(ModelLoadError, match=r"kv_lora_rank \+ qk_rope_head_dim = 39 must be even"):
         load_config(d)
+
+
+def test_an_older_gguf_with_one_kv_b_tensor_loads_the_same_model(tiny, tmp_path):
+    old = write_gguf("deepseek2", tiny[0], tmp_path / "tiny-kv-b.gguf", kv_b_split=False)
+    ids = torch.randint(3, 49000, (9,), generator=torch.Generator().manual_seed(10)).tolist()
+    models = [LlamaModel.from_path(p, progress=False) for p in (old, tiny[2])]
+    pools = [torch.full(kv_pool_shape(m.config, 4, BLOCK), float("nan")) for m in models]
+    got = [m.prefill(kv, ids, [1, 3, 0], all_logits=True) for m, kv in zip(models, pools)]
+    assert torch.equal(got[0], got[1])

@@ -91,10 +91,12 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32") -> pathlib.Path:
+def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32",
+               kv_b_split: bool = True) -> pathlib.Path:
     """``model`` as a GGUF under ``name``'s llama.cpp architecture, with SmolLM2's tokenizer metadata; the layers'
     linear weights in ``linear_type`` (``F32``, or ``Q4_0`` / ``Q8_0`` quantized with ``gguf.quants`` where their
-    rows are whole 32-wide blocks), the rest float32."""
+    rows are whole 32-wide blocks), the rest float32. ``kv_b_split`` False: DeepSeek-V2's ``kv_b_proj`` as one
+    ``attn_kv_b`` (older converters) instead of per-head ``attn_k_b`` / ``attn_v_b``."""
     cfg = model.config
     arch = {"mistral": "llama", "qwen3_moe": "qwen3moe"}.get(name, name)
     w = gguf.GGUFWriter(str(path), arch)
@@ -157,7 +159,8 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32") -
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate_up_proj": "ffn_up",
              "mlp.gate": "ffn_gate_inp", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
-             "self_attn.kv_a_layernorm": "attn_kv_a_norm", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+             "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b",
+             "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
              "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp",
              "post_attention_layernorm": "post_attention_norm" if name.startswith("gemma") else "ffn_norm",
              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
@@ -165,7 +168,7 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32") -
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         arr = t.detach().float().numpy().copy()
-        if hf_name.endswith("kv_b_proj.weight"):  # split per head into k_b [H, rank, nope] and v_b [H, v, rank]
+        if hf_name.endswith("kv_b_proj.weight") and kv_b_split:  # per head: k_b [H, rank, nope], v_b [H, v, rank]
             kv_b = arr.reshape(cfg.num_attention_heads, -1, cfg.kv_lora_rank)
             i = hf_name.split(".")[2]
             w.add_tensor(f"blk.{i}.attn_k_b.weight",
