@@ -38,7 +38,7 @@ __all__ = [
     "unpermute_gguf_qk",
 ]
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # yarn: MLA families only
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,10 @@ class RopeScaling:
 
     ``rope_type`` is ``"linear"`` (every inverse frequency divided by ``factor``) or ``"llama3"`` (Llama 3.1's
     wavelength-dependent scaling; source: ``_compute_llama3_parameters`` in transformers'
-    ``modeling_rope_utils.py``).
+    ``modeling_rope_utils.py``) or ``"yarn"`` (Peng et al. 2023, MLA families only: gpu/mla.py; frequencies
+    blended between ``factor``-interpolated and original over the dims ``beta_fast`` .. ``beta_slow`` rotations
+    mark, cos/sin times ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``; source:
+    ``_compute_yarn_parameters``).
     """
 
     rope_type: str
@@ -55,6 +58,10 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -380,6 +387,13 @@ def _hf_rope(cfg: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScalin
     factor = float(scaling.get("factor", 1.0))
     if rtype == "linear":
         return float(theta), RopeScaling("linear", factor), local
+    if rtype == "yarn":
+        if scaling.get("attention_factor") is not None or scaling.get("truncate", True) is not True:
+            raise ModelLoadError(f"{path}: yarn's attention_factor / truncate are not supported")
+        return float(theta), RopeScaling(
+            "yarn", factor, original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
+            mscale=float(scaling.get("mscale") or 0), mscale_all_dim=float(scaling.get("mscale_all_dim") or 0)), local
     return float(theta), RopeScaling(
         "llama3",
         factor,
@@ -470,10 +484,20 @@ def _hf_config(d: pathlib.Path) -> ModelConfig:
         local_rope_theta=(local_theta or 10000.0) if fam.name == "gemma3" else None,
         **({} if not fam.moe or fam.attention == "mla" else _hf_moe(cfg, n_layers, cfg_path)),
     )
-    if fam.attention == "mla" and scaling is not None:
+    if scaling is not None and (scaling.rope_type == "yarn") != (fam.attention == "mla"):
         raise ModelLoadError(f"{cfg_path}: RoPE scaling {scaling.rope_type!r} is not supported for {fam.name} "
-                             "(only unscaled RoPE)")
-    return _with(config, **_hf_mla(cfg, n_layers, cfg_path)) if fam.attention == "mla" else config
+                             f"({'only yarn' if fam.attention == 'mla' else 'yarn is for MLA families only'})")
+    if fam.attention != "mla":
+        return config
+    mla = _hf_mla(cfg, n_layers, cfg_path)
+    if scaling is not None and scaling.mscale_all_dim:  # HF's yarn_apply_mscale
+        mla["attn_scale"] *= _yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+    return _with(config, **mla)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term ``0.1 * mscale * ln(factor) + 1`` (1 when ``factor <= 1``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _hf_mla(cfg: dict[str, Any], n_layers: int, cfg_path: pathlib.Path) -> dict[str, Any]:

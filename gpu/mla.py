@@ -8,7 +8,8 @@ compressed query (``q_lora_rank`` None, the DeepSeek-V2-Lite shape). Per layer a
     k_nope, v  = kv_b_proj(c)                   [H, nope], [H, v]  (decompressed from the cache at every step)
     k          = k_nope ++ k_rope (shared by the heads)
 
-RoPE pairs adjacent elements (``x[2i], x[2i+1]``), as HF's complex ``apply_rotary_emb``. The cache holds only
+RoPE pairs adjacent elements (``x[2i], x[2i+1]``), as HF's complex ``apply_rotary_emb``, with YaRN scaling when the
+config has it. The cache holds only
 ``row = c ++ k_rope`` per token and layer: ``rank + rope`` values, stored in the pool of gpu/model.py with
 ``num_kv_heads`` 1 and ``head_dim = (rank + rope) / 2`` (an odd sum is refused at load), the row's first half in
 the K plane, the second in the V plane::
@@ -25,6 +26,7 @@ Low-bit GGUF weights are not kept packed here: the family always runs dense (flo
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,7 +111,8 @@ class MLAModel(LlamaModel):
     def _rope_tables(self, inv_freq: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[n, rope // 2]`` for positions ``[0, n)``."""
         freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)  # [n, rope // 2]
-        return freqs.cos().to(self.device, self.dtype), freqs.sin().to(self.device, self.dtype)
+        scale = _yarn_attention_factor(self.config)
+        return (freqs.cos() * scale).to(self.device, self.dtype), (freqs.sin() * scale).to(self.device, self.dtype)
 
     @staticmethod
     def _rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -322,8 +325,32 @@ class MLAModel(LlamaModel):
 
 
 def _rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """``[qk_rope_head_dim // 2]`` float32: ``rope_theta ** (-2i / qk_rope_head_dim)``; RoPE scaling is refused
-    at load time for this family (gpu/loader.py)."""
-    dim = config.qk_rope_head_dim
-    return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    """``[qk_rope_head_dim // 2]`` float32: ``rope_theta ** (-2i / qk_rope_head_dim)``, with YaRN's blend when the
+    config has it (``gpu.loader.RopeScaling``; source: transformers ``_compute_yarn_parameters``)."""
+    dim, base = config.qk_rope_head_dim, config.rope_theta
+    extrapolated = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = config.rope_scaling
+    if rs is None or rs.rope_type != "yarn":
+        return extrapolated
+
+    def dim_of(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times in the old context
+        return dim * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(dim_of(rs.beta_fast)), 0), min(math.ceil(dim_of(rs.beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency (fast dims), 0: interpolated by factor (slow dims)
+    return extrapolated / rs.factor * (1 - keep) + extrapolated * keep
+
+
+def _yarn_attention_factor(config: ModelConfig) -> float:
+    """What YaRN multiplies cos and sin by: ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both
+    are set, else ``mscale(factor)``; 1 without YaRN."""
+    from .loader import _yarn_mscale  # noqa: PLC0415
+
+    rs = config.rope_scaling
+    if rs is None or rs.rope_type != "yarn":
+        return 1.0
+    if rs.mscale and rs.mscale_all_dim:
+        return _yarn_mscale(rs.factor, rs.mscale) / _yarn_mscale(rs.factor, rs.mscale_all_dim)
+    return _yarn_mscale(rs.factor)
 

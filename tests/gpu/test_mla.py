@@ -107,3 +107,44 @@ def test_an_older_gguf_with_one_kv_b_tensor_loads_the_same_model(tiny, tmp_path)
     pools = [torch.full(kv_pool_shape(m.config, 4, BLOCK), float("nan")) for m in models]
     got = [m.prefill(kv, ids, [1, 3, 0], all_logits=True) for m, kv in zip(models, pools)]
     assert torch.equal(got[0], got[1])
+
+
+def test_yarn_rope_equals_hf(tmp_path):
+    """DeepSeek-V2-Lite's RoPE scaling kind (yarn, with mscale != mscale_all_dim so both the cos/sin factor and
+    the attention scale's term count): prefill and decode logits equal HF's."""
+    import transformers
+
+    cfg = build_hf("deepseek2").config.to_dict()
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+                              "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5,
+                              "original_max_position_embeddings": 64}
+    torch.manual_seed(2)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV2Config.from_dict(cfg),
+                                                       dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + 1.0) if "norm" in name else p.normal_(0.0, 0.15)
+    hf.eval().save_pretrained(str(tmp_path / "hf"))
+    ours = LlamaModel.from_path(tmp_path / "hf", progress=False)
+    assert ours.config.rope_scaling.rope_type == "yarn"
+    ids = torch.randint(3, 49000, (12,), generator=torch.Generator().manual_seed(11)).tolist()
+    kv = torch.full(kv_pool_shape(ours.config, 6, BLOCK), float("nan"))
+    table = [4, 0, 5, 2, 1]
+    got = [ours.prefill(kv, ids, table)]
+    for i in range(5):
+        got.append(ours.decode(kv, [int(got[-1].argmax())], [len(ids) + i], [table])[0])
+    seq = ids + [int(g.argmax()) for g in got[:-1]]
+    with torch.inference_mode():
+        want = hf(torch.tensor([seq])).logits[0, len(ids) - 1:]
+    assert (torch.stack(got) - want).abs().max().item() < 1e-4
+
+
+def test_yarn_is_refused_for_a_family_whose_model_does_not_run_it(tiny, tmp_path):
+    cfg = json.loads((tiny[1] / "config.json").read_text())
+    d = tmp_path / "qwen2"
+    d.mkdir()
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64}
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                                               "rope_parameters": yarn}))
+    with pytest.raises(ModelLoadError, match="'yarn' is not supported for qwen2"):
+        load_config(d)
