@@ -11,12 +11,15 @@ phi3                phi3                            phi3          fused qkv_proj
 gemma2              gemma2                          gemma2        see :data:`GEMMA2`
 gemma3              gemma3_text                     gemma3        Gemma 2 without soft-capping, with Q/K norm
 qwen3_moe           qwen3_moe                       qwen3moe      Qwen3 with top-k routed experts as MLP
+deepseek2           deepseek_v2                     deepseek2     MLA attention, see :data:`DEEPSEEK2`
 ==================  ==============================  ============  ==========================================
 
 A family's static traits are a :class:`Family`; what varies per checkpoint (window sizes, which layers slide,
 soft-capping values, the attention scale, the local RoPE base) is in ``gpu.loader.ModelConfig``. Every family
 here keeps the Llama KV pool layout ``[layers, 2, blocks, block_tokens, kv_heads, head_dim]``; a sliding
-window only masks keys (the blocks behind the window stay allocated). Adding a family: a :class:`Family`
+window only masks keys (the blocks behind the window stay allocated). MLA families (``attention="mla"``) cache
+one latent row per token and layer in the same layout (see gpu/mla.py), so the pool, the handoff and the prefix
+cache carry them unchanged. Adding a family: a :class:`Family`
 entry in :data:`FAMILIES` (and, when its config or GGUF keys say something new, a few lines in gpu/loader.py).
 """
 from __future__ import annotations
@@ -39,6 +42,8 @@ class Family:
     hold fused ``qkv_proj`` / ``gate_up_proj``. ``gguf_permuted_qk``: llama.cpp's converter permuted Q/K rows.
     ``moe``: sparse layers replace the MLP by a router (softmax over experts, top ``experts_per_token``) and
     experts, each a gated MLP run on its tokens only (config: ``num_experts``, ``moe_layers``...).
+    ``attention``: ``"gqa"`` (grouped-query attention over per-head K/V, gpu/model.py) or ``"mla"`` (multi-head
+    latent attention, DeepSeek-V2: the KV cache holds the compressed latent and the rotary key part; gpu/mla.py).
     """
 
     name: str
@@ -53,12 +58,14 @@ class Family:
     fused: bool = False
     gguf_permuted_qk: bool = False
     moe: bool = False
+    attention: str = "gqa"
 
     @property
     def llama_like(self) -> bool:
         """True when a layer is exactly Llama's (the one-call low-bit decode kernel can run it)."""
         return (self.norm_offset == 0.0 and self.activation == "silu" and not self.qkv_bias and not self.qk_norm
-                and not self.sandwich_norms and not self.embed_scale and not self.moe)
+                and not self.sandwich_norms and not self.embed_scale and not self.moe
+                and self.attention == "gqa")
 
 
 LLAMA = Family("llama", ("llama",), "llama", gguf_permuted_qk=True)
@@ -74,8 +81,13 @@ GEMMA3 = Family("gemma3", ("gemma3_text",), "gemma3", norm_offset=1.0, activatio
                 sandwich_norms=True, embed_scale=True)
 
 QWEN3_MOE = Family("qwen3_moe", ("qwen3_moe",), "qwen3moe", qk_norm=True, moe=True)
+# DeepSeek-V2 (V2-Lite shape): multi-head latent attention (Q from one projection, K/V decompressed from a cached
+# kv_lora_rank latent, a decoupled RoPE part shared by the heads, interleaved-pair RoPE), MoE after the first
+# first_k_dense_replace layers with shared experts and group-limited top-k routing (gpu/mla.py)
+DEEPSEEK2 = Family("deepseek2", ("deepseek_v2",), "deepseek2", moe=True, attention="mla")
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3, QWEN3_MOE)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3, QWEN3_MOE,
+                                                   DEEPSEEK2)}
 
 
 def family(name: str) -> Family:

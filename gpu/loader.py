@@ -1,5 +1,5 @@
 """Load a decoder's config and weights from a GGUF file or a Hugging Face directory, for every family in
-gpu/families.py (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, Qwen3-MoE).
+gpu/families.py (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, Qwen3-MoE, DeepSeek-V2).
 
 Both sources end up as one :class:`ModelConfig` and a ``{hf_name: tensor}`` dict with Llama-style Hugging Face
 names (``model.layers.{i}.self_attn.q_proj.weight``, ...) and values in HF layout (``[out_features,
@@ -38,7 +38,7 @@ __all__ = [
     "unpermute_gguf_qk",
 ]
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # yarn: MLA families only
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,10 @@ class RopeScaling:
 
     ``rope_type`` is ``"linear"`` (every inverse frequency divided by ``factor``) or ``"llama3"`` (Llama 3.1's
     wavelength-dependent scaling; source: ``_compute_llama3_parameters`` in transformers'
-    ``modeling_rope_utils.py``).
+    ``modeling_rope_utils.py``) or ``"yarn"`` (Peng et al. 2023, MLA families only: gpu/mla.py; frequencies
+    blended between ``factor``-interpolated and original over the dims ``beta_fast`` .. ``beta_slow`` rotations
+    mark, cos/sin times ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``; source:
+    ``_compute_yarn_parameters``).
     """
 
     rope_type: str
@@ -55,6 +58,10 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,14 @@ class ModelConfig:
     Mixture of experts (``Family.moe``): ``moe_layers`` flags the sparse layers (the others have a dense MLP);
     each routes a token to ``experts_per_token`` of ``num_experts`` experts of ``moe_intermediate_size``, weighted
     by their softmax probabilities (renormalised over the chosen ones when ``norm_topk_prob``).
+
+    Multi-head latent attention (``Family.attention == "mla"``, DeepSeek-V2): a token's cache row is its
+    ``kv_lora_rank`` latent plus its ``qk_rope_head_dim`` rotary key, stored split over the pool's K and V planes:
+    ``num_kv_heads`` is 1 and ``head_dim`` is half the row (an odd row is refused; so the pool, handoff and prefix cache
+    carry latent rows unchanged); query/key heads are ``qk_nope_head_dim + qk_rope_head_dim`` wide, value heads
+    ``v_head_dim``; ``attn_scale`` is ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``. Its MoE layers add
+    ``n_shared_experts`` always-on experts and route within the ``topk_group`` best of ``n_group`` expert groups
+    (a group's score: its best expert's probability), weights times ``routed_scaling_factor``.
     """
 
     name: str
@@ -103,6 +118,14 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[bool, ...] = ()
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     @property
     def spec(self) -> Family:
@@ -183,6 +206,8 @@ def _gguf_config(meta: dict[str, Any], path: pathlib.Path) -> ModelConfig:
     def opt(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
+    if fam.attention == "mla" and (opt("q_lora_rank") or 0):
+        raise ModelLoadError(f"{path}: q_lora_rank (a compressed query, DeepSeek-V2 full size) is not supported")
     n_experts = int(opt("expert_count", 0) or 0)
     if n_experts > 0 and not fam.moe:
         raise ModelLoadError(f"{path}: mixture-of-experts {arch} models are not supported")
@@ -195,7 +220,7 @@ def _gguf_config(meta: dict[str, Any], path: pathlib.Path) -> ModelConfig:
     n_layers = int(need("block_count"))
     head_dim = int(opt("attention.key_length", hidden // n_heads))
     rot_dim = int(opt("rope.dimension_count", head_dim))
-    if rot_dim != head_dim:
+    if rot_dim != head_dim and fam.attention != "mla":
         raise ModelLoadError(f"{path}: partial RoPE (rope.dimension_count {rot_dim} != head_dim {head_dim}) "
                              "is not supported")
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -212,7 +237,7 @@ def _gguf_config(meta: dict[str, Any], path: pathlib.Path) -> ModelConfig:
 
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos_ids = _gguf_eos_ids(meta)
-    return ModelConfig(
+    config = ModelConfig(
         name=str(meta.get("general.name") or path.stem),
         num_layers=n_layers,
         hidden_size=hidden,
@@ -234,12 +259,44 @@ def _gguf_config(meta: dict[str, Any], path: pathlib.Path) -> ModelConfig:
         final_softcap=_cap(opt("final_logit_softcapping")),
         layer_windows=windows if any(windows) else (),
         local_rope_theta=local_theta,
-        **({} if not fam.moe else dict(
+        **({} if not fam.moe or fam.attention == "mla" else dict(
             num_experts=n_experts, experts_per_token=int(need("expert_used_count")),
             moe_intermediate_size=int(need("expert_feed_forward_length")),
             norm_topk_prob=bool(opt("expert_weights_norm", True)),  # llama.cpp's qwen3moe always renormalises
             moe_layers=(True,) * n_layers)),
     )
+    return _with(config, **_gguf_mla(opt, need, path, n_layers)) if fam.attention == "mla" else config
+
+
+def _check_mla_row(rank: int, rope: int, path: pathlib.Path) -> None:
+    """Raises ModelLoadError unless the MLA cache row (latent + rotary key) splits evenly over the K and V planes."""
+    if (rank + rope) % 2:
+        raise ModelLoadError(f"{path}: kv_lora_rank + qk_rope_head_dim = {rank + rope} must be even (the MLA cache "
+                             "row is split over the KV pool's K and V planes)")
+
+
+def _gguf_mla(opt, need, path: pathlib.Path, n_layers: int) -> dict[str, Any]:
+    """The MLA and MoE fields of a ``deepseek2`` GGUF (as ``_hf_mla``). llama.cpp's converter writes MLA as MQA
+    over the latent (``key_length`` = rank + rope, the heads' widths in ``key_length_mla`` / ``value_length_mla``);
+    older files have the heads' widths in ``key_length`` / ``value_length``."""
+    if int(opt("expert_gating_func", 1) or 1) != 1:
+        raise ModelLoadError(f"{path}: expert gating other than softmax (DeepSeek-V3's sigmoid) is not supported")
+    if opt("expert_weights_norm", False):
+        raise ModelLoadError(f"{path}: renormalised expert weights (expert_weights_norm) are not supported")
+    rank, rope = int(need("attention.kv_lora_rank")), int(need("rope.dimension_count"))
+    k_len = int(opt("attention.key_length_mla", 0) or need("attention.key_length"))
+    v_len = int(opt("attention.value_length_mla", 0) or need("attention.value_length"))
+    _check_mla_row(rank, rope, path)
+    n_group = int(opt("expert_group_count", 1) or 1)
+    first_sparse = int(opt("leading_dense_block_count", 0) or 0)
+    return dict(num_kv_heads=1, head_dim=(rank + rope) // 2, attn_scale=k_len ** -0.5, kv_lora_rank=rank,
+                qk_nope_head_dim=k_len - rope, qk_rope_head_dim=rope, v_head_dim=v_len,
+                num_experts=int(need("expert_count")), experts_per_token=int(need("expert_used_count")),
+                moe_intermediate_size=int(need("expert_feed_forward_length")), norm_topk_prob=False,
+                n_shared_experts=int(opt("expert_shared_count", 0) or 0), n_group=n_group,
+                topk_group=int(opt("expert_group_used_count", n_group) or n_group),
+                routed_scaling_factor=float(opt("expert_weights_scale", 1.0) or 1.0),
+                moe_layers=tuple(i >= first_sparse for i in range(n_layers)))
 
 
 def _gguf_rope_scaling(opt, path: pathlib.Path) -> RopeScaling | None:
@@ -330,6 +387,13 @@ def _hf_rope(cfg: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScalin
     factor = float(scaling.get("factor", 1.0))
     if rtype == "linear":
         return float(theta), RopeScaling("linear", factor), local
+    if rtype == "yarn":
+        if scaling.get("attention_factor") is not None or scaling.get("truncate", True) is not True:
+            raise ModelLoadError(f"{path}: yarn's attention_factor / truncate are not supported")
+        return float(theta), RopeScaling(
+            "yarn", factor, original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
+            mscale=float(scaling.get("mscale") or 0), mscale_all_dim=float(scaling.get("mscale_all_dim") or 0)), local
     return float(theta), RopeScaling(
         "llama3",
         factor,
@@ -396,7 +460,7 @@ def _hf_config(d: pathlib.Path) -> ModelConfig:
                 eos.append(i)
     bos = cfg.get("bos_token_id")
     qpas = cfg.get("query_pre_attn_scalar")
-    return ModelConfig(
+    config = ModelConfig(
         name=d.resolve().name,
         num_layers=n_layers,
         hidden_size=hidden,
@@ -418,8 +482,51 @@ def _hf_config(d: pathlib.Path) -> ModelConfig:
         final_softcap=_cap(cfg.get("final_logit_softcapping")),
         layer_windows=_hf_layer_windows(cfg, fam, n_layers),
         local_rope_theta=(local_theta or 10000.0) if fam.name == "gemma3" else None,
-        **({} if not fam.moe else _hf_moe(cfg, n_layers, cfg_path)),
+        **({} if not fam.moe or fam.attention == "mla" else _hf_moe(cfg, n_layers, cfg_path)),
     )
+    if scaling is not None and (scaling.rope_type == "yarn") != (fam.attention == "mla"):
+        raise ModelLoadError(f"{cfg_path}: RoPE scaling {scaling.rope_type!r} is not supported for {fam.name} "
+                             f"({'only yarn' if fam.attention == 'mla' else 'yarn is for MLA families only'})")
+    if fam.attention != "mla":
+        return config
+    mla = _hf_mla(cfg, n_layers, cfg_path)
+    if scaling is not None and scaling.mscale_all_dim:  # HF's yarn_apply_mscale
+        mla["attn_scale"] *= _yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+    return _with(config, **mla)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term ``0.1 * mscale * ln(factor) + 1`` (1 when ``factor <= 1``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _hf_mla(cfg: dict[str, Any], n_layers: int, cfg_path: pathlib.Path) -> dict[str, Any]:
+    """The MLA and MoE fields of a DeepSeek-V2 config (``ModelConfig`` explains the pool row): layers from
+    ``first_k_dense_replace`` on are sparse; ``topk_method`` ``greedy`` is one group of every expert."""
+    if cfg.get("q_lora_rank"):
+        raise ModelLoadError(f"{cfg_path}: q_lora_rank (a compressed query, DeepSeek-V2 full size) is not supported; "
+                             "DeepSeek-V2-Lite's q_proj is")
+    method = cfg.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ModelLoadError(f"{cfg_path}: topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+    try:
+        rank, rope = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
+        nope, v_dim = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
+        n_experts = int(cfg.get("n_routed_experts") or cfg["num_experts"])
+        top_k, inter = int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"])
+    except KeyError as e:
+        raise ModelLoadError(f"{cfg_path}: required key {e.args[0]!r} is missing") from None
+    _check_mla_row(rank, rope, cfg_path)
+    grouped = method == "group_limited_greedy"
+    first_sparse = int(cfg.get("first_k_dense_replace") or 0)
+    return dict(num_kv_heads=1, head_dim=(rank + rope) // 2, attn_scale=(nope + rope) ** -0.5,
+                kv_lora_rank=rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v_dim,
+                num_experts=n_experts, experts_per_token=top_k, moe_intermediate_size=inter,
+                norm_topk_prob=False, n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+                n_group=int(cfg.get("n_group") or 1) if grouped else 1,
+                topk_group=int(cfg.get("topk_group") or 1) if grouped else 1,
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+                moe_layers=tuple(i >= first_sparse for i in range(n_layers)))
 
 
 def _hf_moe(cfg: dict[str, Any], n_layers: int, cfg_path: pathlib.Path) -> dict[str, Any]:
@@ -486,6 +593,16 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
     "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+    # DeepSeek-V2 (MLA): the latent projection and norm, kv_b whole (older files) or split per head into k_b and
+    # v_b (joined on load), the shared experts
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "attn_k_b.weight": "self_attn.k_b_proj.weight",
+    "attn_v_b.weight": "self_attn.v_b_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
 }
 # Gemma 2/3 (sandwich norms): llama.cpp's ffn_norm is the MLP's pre-norm, post_attention_norm the attention's
 # post-norm; Phi-3: ffn_up holds the fused gate and up rows
@@ -501,7 +618,14 @@ def layer_weight_names(fam: Family, num_experts: int = 0) -> tuple[str, ...]:
     """The per-layer weight names (after ``model.layers.{i}.``) a model of ``fam`` needs, fused ones split;
     ``num_experts`` > 0: a sparse layer's (router and experts instead of the MLP)."""
     names = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-             "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight"]
+             "self_attn.o_proj.weight"]
+    if fam.attention == "mla":
+        names += ["self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
+                  "self_attn.kv_b_proj.weight"]
+        if num_experts:
+            names += [f"mlp.shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
+    else:
+        names += ["self_attn.k_proj.weight", "self_attn.v_proj.weight"]
     if num_experts:
         names += ["mlp.gate.weight"] + [f"mlp.experts.{e}.{x}_proj.weight" for e in range(num_experts)
                                         for x in ("gate", "up", "down")]
@@ -621,10 +745,20 @@ def _load_gguf(
             arr = np.array(arr, dtype=np.float32, order="C")  # detach from the file's memory map
         weights[hf_name] = torch.from_numpy(arr).to(dtype)
     del reader
+    _join_kv_b(weights)
     config = _with(config, tie_word_embeddings="lm_head.weight" not in weights)
     if "model.embed_tokens.weight" in weights:
         config = _with(config, vocab_size=int(weights["model.embed_tokens.weight"].shape[0]))
     return config, weights
+
+
+def _join_kv_b(weights: dict[str, Any]) -> None:
+    """DeepSeek-V2 GGUFs from newer converters: ``k_b`` ``[H, rank, nope]`` and ``v_b`` ``[H, v, rank]`` back into
+    HF's ``kv_b_proj`` ``[H * (nope + v), rank]`` (per head: the nope rows, then the v rows), in place."""
+    for name in [n for n in weights if n.endswith("self_attn.k_b_proj.weight")]:
+        k_b, v_b = weights.pop(name), weights.pop(name.replace("k_b_proj", "v_b_proj"))
+        kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [H, nope + v, rank]
+        weights[name.replace("k_b_proj", "kv_b_proj")] = kv_b.reshape(-1, kv_b.shape[-1]).contiguous()
 
 
 def _dequantize(t, p: pathlib.Path) -> np.ndarray:
@@ -699,6 +833,14 @@ def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], p: pat
         "model.layers.0.self_attn.q_proj.weight": (config.num_heads * d, h),
         "model.layers.0.self_attn.k_proj.weight": (config.num_kv_heads * d, h),
     }
+    if config.spec.attention == "mla":
+        c = config
+        expect = {"model.embed_tokens.weight": (c.vocab_size, h),
+                  "model.layers.0.self_attn.q_proj.weight": (c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim),
+                                                             h),
+                  "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, h),
+                  "model.layers.0.self_attn.kv_b_proj.weight": (c.num_heads * (c.qk_nope_head_dim + c.v_head_dim),
+                                                                c.kv_lora_rank)}
     if config.moe_layers and config.moe_layers[0]:
         expect["model.layers.0.mlp.gate.weight"] = (config.num_experts, h)
         expect["model.layers.0.mlp.experts.0.gate_proj.weight"] = (config.moe_intermediate_size, h)

@@ -336,6 +336,9 @@ class LlamaModel:
         cfg["moe_layers"] = tuple(cfg.get("moe_layers", ()))
         config = ModelConfig(**cfg)
         dev = torch.device(device)
+        if meta.get("attention") == "mla":
+            from .mla import MLAModel  # noqa: PLC0415
+            return MLAModel._from_state(config, meta, tensors, dev)
         kinds = meta["kinds"]
 
         def lin(name: str) -> QuantLinear:
@@ -370,7 +373,8 @@ class LlamaModel:
     @classmethod
     def from_path(cls, path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                   progress: bool = True, dtype: torch.dtype = torch.float32, weights: str = "") -> "LlamaModel":
-        """Load weights with :func:`gpu.loader.load_weights` (None = the default model) and build the model.
+        """Load weights with :func:`gpu.loader.load_weights` (None = the default model) and build the model
+        (a :class:`gpu.mla.MLAModel` for a family with ``attention == "mla"``).
 
         ``weights``: ``"auto"``, ``"float32"`` or ``"bfloat16"`` (see :func:`resolve_weights_mode`); empty =
         dense in ``dtype``.
@@ -383,6 +387,9 @@ class LlamaModel:
         native = mode == "native"
         load_dtype = torch.float32 if native else getattr(torch, mode)
         config, tensors = load_weights(path, dtype=load_dtype, progress=progress, native=native)
+        if config.spec.attention == "mla":  # multi-head latent attention (DeepSeek-V2): gpu/mla.py
+            from .mla import MLAModel  # noqa: PLC0415
+            return MLAModel(config, tensors, device=device, native=native)
         return cls(config, tensors, device=device, native=native)
 
     # -- RoPE tables -------------------------------------------------------------------------------------

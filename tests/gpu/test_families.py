@@ -103,7 +103,7 @@ def test_chunked_prefill_and_a_ragged_decode_batch_equal_hf(tiny, name):
         assert (torch.stack(got[key]) - ref).abs().max().item() < TOL, key
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gemma2", "gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["qwen2", "gemma2", "gemma3", "qwen3_moe", "deepseek2"])
 def test_the_prepared_state_rebuilds_the_same_model(tiny, name):
     # gpu/prepared.py caches to_state(): biases, q/k norms, post-norms and the local RoPE table must survive it
     ours = LlamaModel.from_path(tiny[name][1], progress=False)

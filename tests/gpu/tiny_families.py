@@ -1,11 +1,12 @@
-"""Tiny random-weight models of every family in gpu/families.py, built with transformers' own config and model
-classes, saved as a Hugging Face directory and written as a GGUF the way llama.cpp's convert_hf_to_gguf.py
-writes that family (architecture name, tensor names, Q/K permutation for ``llama``, ``1 + w`` Gemma norms, fused
-Phi-3 weights). Both carry the embedded SmolLM2 tokenizer (its vocabulary size, tokenizer files / GGUF
-tokenizer metadata with the chat template), so the engine can serve them.
+"""Tiny random-weight models of every family in gpu/families.py, built with transformers' own config and model classes,
+saved as a Hugging Face directory and written as a GGUF the way llama.cpp's convert_hf_to_gguf.py writes that family
+(architecture name, tensor names, Q/K permutation for ``llama``, ``1 + w`` Gemma norms, fused Phi-3 weights,
+DeepSeek-V2's MLA keys and per-head ``attn_k_b`` / ``attn_v_b``). Both carry the embedded SmolLM2 tokenizer (its
+vocabulary size, tokenizer files / GGUF tokenizer metadata with the chat template), so the engine can serve them.
 
-Shapes: 3 layers, hidden 64, 4 query heads over 2 KV heads, head_dim 16 (Mistral: 24, not hidden / heads),
-sliding windows of 8 tokens where the family has them, so a 20-token prompt plus 16 decode steps crosses them.
+Shapes: 3 layers, hidden 64, 4 query heads over 2 KV heads, head_dim 16 (Mistral: 24, not hidden / heads), sliding
+windows of 8 tokens where the family has them, so a 20-token prompt plus 16 decode steps crosses them. DeepSeek-V2:
+4 heads of 16 + 8 (Q/K) and 12 (V), a latent of 32, see :func:`hf_config`.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from gpu.model_files import default_model_path
 
 VOCAB = 49152  # SmolLM2's
 WINDOW = 8
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "deepseek2")
 COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
               intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=512, rms_norm_eps=1e-6,
               bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -52,6 +53,13 @@ def hf_config(name: str):
     if name == "qwen3_moe":  # 4 experts of 32, top 2, in every layer
         return t.Qwen3MoeConfig(**COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4,
                                 num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True)
+    if name == "deepseek2":  # MLA: latent 32 + rope 8 per token; 8 experts in 4 groups (best 2 kept), top 3,
+        # 1 shared expert; layer 0 dense. HF's MLA expands K/V to every query head: kv heads = heads
+        return t.DeepseekV2Config(**{**COMMON, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=None,
+                                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+                                  n_shared_experts=1, num_experts_per_tok=3, moe_intermediate_size=24,
+                                  first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
+                                  topk_group=2, routed_scaling_factor=1.5)
     raise KeyError(name)
 
 
@@ -83,10 +91,12 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32") -> pathlib.Path:
+def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32",
+               kv_b_split: bool = True) -> pathlib.Path:
     """``model`` as a GGUF under ``name``'s llama.cpp architecture, with SmolLM2's tokenizer metadata; the layers'
-    linear weights in ``linear_type`` (``F32``, or ``Q4_0`` / ``Q8_0`` quantized with ``gguf.quants``), the
-    rest float32."""
+    linear weights in ``linear_type`` (``F32``, or ``Q4_0`` / ``Q8_0`` quantized with ``gguf.quants`` where their
+    rows are whole 32-wide blocks), the rest float32. ``kv_b_split`` False: DeepSeek-V2's ``kv_b_proj`` as one
+    ``attn_kv_b`` (older converters) instead of per-head ``attn_k_b`` / ``attn_v_b``."""
     cfg = model.config
     arch = {"mistral": "llama", "qwen3_moe": "qwen3moe"}.get(name, name)
     w = gguf.GGUFWriter(str(path), arch)
@@ -96,10 +106,29 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32") -
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    if name == "deepseek2":  # convert_hf_to_gguf.py's DeepseekV2Model: MLA written as MQA over the latent
+        w.add_head_count_kv(1)
+        w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length_mla(cfg.v_head_dim)
+        w.add_kv_lora_rank(cfg.kv_lora_rank)
+        w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        w.add_expert_count(cfg.n_routed_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_weights_norm(False)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    else:
+        w.add_head_count_kv(cfg.num_key_value_heads)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     params = cfg.rope_parameters
     w.add_rope_freq_base(float((params.get("full_attention") or params)["rope_theta"]))
@@ -129,13 +158,24 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32") -
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate_up_proj": "ffn_up",
-             "mlp.gate": "ffn_gate_inp",
+             "mlp.gate": "ffn_gate_inp", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+             "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b",
+             "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+             "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp",
              "post_attention_layernorm": "post_attention_norm" if name.startswith("gemma") else "ffn_norm",
              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
     for hf_name, t in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         arr = t.detach().float().numpy().copy()
+        if hf_name.endswith("kv_b_proj.weight") and kv_b_split:  # per head: k_b [H, rank, nope], v_b [H, v, rank]
+            kv_b = arr.reshape(cfg.num_attention_heads, -1, cfg.kv_lora_rank)
+            i = hf_name.split(".")[2]
+            w.add_tensor(f"blk.{i}.attn_k_b.weight",
+                         np.ascontiguousarray(kv_b[:, :cfg.qk_nope_head_dim].transpose(0, 2, 1), dtype=np.float32))
+            w.add_tensor(f"blk.{i}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, cfg.qk_nope_head_dim:],
+                                                                           dtype=np.float32))
+            continue
         if ".mlp.experts." in hf_name:  # transformers' fused [experts, 2 I, hidden] (gate rows first), [E, hidden, I]
             i = hf_name.split(".")[2]
             if hf_name.endswith("gate_up_proj"):
@@ -158,7 +198,9 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32") -
         if name.startswith("gemma") and out.endswith("norm.weight"):
             arr = arr + 1.0  # Gemma2Model/Gemma3Model.modify_tensors in convert_hf_to_gguf.py
         arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if linear_type != "F32" and out.startswith("blk.") and out.endswith(".weight") and arr.ndim == 2:
+        # rows not a whole number of 32-wide blocks stay float32 (llama.cpp's converter falls back so too)
+        if linear_type != "F32" and out.startswith("blk.") and out.endswith(".weight") and arr.ndim == 2 \
+                and arr.shape[1] % 32 == 0:
             qtype = gguf.GGMLQuantizationType[linear_type]
             w.add_tensor(out, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:

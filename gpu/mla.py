@@ -1,0 +1,356 @@
+"""Multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024) over the paged KV pool, with DeepSeek's MoE.
+
+The computation of Hugging Face's ``DeepseekV2ForCausalLM`` (``transformers/models/deepseek_v2``) without a
+compressed query (``q_lora_rank`` None, the DeepSeek-V2-Lite shape). Per layer and token::
+
+    q          = q_proj(h)                      [H, nope + rope]   (its rope part rotated)
+    c, k_rope  = kv_a_proj_with_mqa(h)          [rank], [rope]     (c RMS-normed, k_rope rotated)
+    k_nope, v  = kv_b_proj(c)                   [H, nope], [H, v]  (decompressed from the cache at every step)
+    k          = k_nope ++ k_rope (shared by the heads)
+
+RoPE pairs adjacent elements (``x[2i], x[2i+1]``), as HF's complex ``apply_rotary_emb``, with YaRN scaling when the
+config has it. The cache holds only
+``row = c ++ k_rope`` per token and layer: ``rank + rope`` values, stored in the pool of gpu/model.py with
+``num_kv_heads`` 1 and ``head_dim = (rank + rope) / 2`` (an odd sum is refused at load), the row's first half in
+the K plane, the second in the V plane::
+
+    kv[layer, 0, block, offset, 0, :] = row[:head_dim]        kv[layer, 1, block, offset, 0, :] = row[head_dim:]
+
+so a token costs ``layers * (rank + rope) * dtype bytes`` and the pool, the handoff and the prefix cache move
+latent blocks without knowing it. Attention decompresses the context's rows per step (naive; the
+absorbed-weight form is a later optimisation). Layers from ``first_k_dense_replace`` on replace the MLP by
+routed experts (softmax, top-k within the best ``topk_group`` of ``n_group`` groups, times
+``routed_scaling_factor``) plus ``n_shared_experts`` shared experts run on every token.
+Low-bit GGUF weights are not kept packed here: the family always runs dense (float32 or bfloat16).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .loader import ModelConfig
+from .model import LlamaModel, _linear
+from .quant import QuantLinear
+
+__all__ = ["MLAModel"]
+
+
+@dataclass
+class _MLALayer:
+    ln_attn: torch.Tensor  # [hidden]
+    q: QuantLinear  # [H * (nope + rope), hidden]
+    kv_a: QuantLinear  # [rank + rope, hidden]
+    kv_a_norm: torch.Tensor  # [rank]
+    kv_b: QuantLinear  # [H * (nope + v), rank]
+    o: QuantLinear  # [hidden, H * v]
+    ln_mlp: torch.Tensor  # [hidden]
+    gate_up: QuantLinear | None  # [2 * intermediate, hidden]; None in a sparse layer
+    down: QuantLinear | None  # [hidden, intermediate]
+    router: torch.Tensor | None = None  # [experts, hidden] float32
+    experts: list[tuple[QuantLinear, QuantLinear]] | None = None  # per expert: gate_up, down
+    shared: tuple[QuantLinear, QuantLinear] | None = None  # the shared experts as one gated MLP
+    post_attn: None = None  # gpu/model.py's _layer_rest reads these (no sandwich norms here)
+    post_mlp: None = None
+
+    LINEARS = ("q", "kv_a", "kv_b", "o", "gate_up", "down")
+    NORMS = ("ln_attn", "kv_a_norm", "ln_mlp")
+
+
+class MLAModel(LlamaModel):
+    """A DeepSeek-V2 decoder (``Family.attention == "mla"``) with :class:`gpu.model.LlamaModel`'s interface:
+    ``prefill``, ``prefill_packed``, ``decode`` over the pool ``kv_pool_shape(config, ...)`` gives (layout in the
+    module docstring), ``to_state`` / ``from_state``. ``native`` is accepted and ignored (weights run dense)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, Any], device: str | torch.device = "cpu",
+                 native: bool = False):
+        # packed GGUF weights (``native``) run dequantized: this family has no low-bit path
+        weights = {k: v if isinstance(v, torch.Tensor) else v.dequantize() for k, v in weights.items()}
+        embed = weights["model.embed_tokens.weight"]
+        dtype = torch.float32 if native else embed.dtype
+        dev = torch.device(device)
+
+        def lin(*names: str) -> QuantLinear:
+            return _linear([weights[n] for n in names], False, dtype, dev)
+
+        def vec(name: str) -> torch.Tensor:
+            return weights[name].to(device=dev, dtype=dtype).contiguous()
+
+        layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            sparse = bool(config.moe_layers) and config.moe_layers[i]
+            m = p + "mlp."
+            layer = _MLALayer(
+                ln_attn=vec(p + "input_layernorm.weight"), q=lin(p + "self_attn.q_proj.weight"),
+                kv_a=lin(p + "self_attn.kv_a_proj_with_mqa.weight"),
+                kv_a_norm=vec(p + "self_attn.kv_a_layernorm.weight"), kv_b=lin(p + "self_attn.kv_b_proj.weight"),
+                o=lin(p + "self_attn.o_proj.weight"), ln_mlp=vec(p + "post_attention_layernorm.weight"),
+                gate_up=None if sparse else lin(m + "gate_proj.weight", m + "up_proj.weight"),
+                down=None if sparse else lin(m + "down_proj.weight"))
+            if sparse:
+                layer.router = weights[m + "gate.weight"].to(device=dev, dtype=torch.float32).contiguous()
+                layer.experts = [(lin(m + f"experts.{e}.gate_proj.weight", m + f"experts.{e}.up_proj.weight"),
+                                  lin(m + f"experts.{e}.down_proj.weight")) for e in range(config.num_experts)]
+                if config.n_shared_experts:
+                    layer.shared = (lin(m + "shared_experts.gate_proj.weight", m + "shared_experts.up_proj.weight"),
+                                    lin(m + "shared_experts.down_proj.weight"))
+            layers.append(layer)
+        embedding = QuantLinear.dense(vec("model.embed_tokens.weight"))
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        lm_head = embedding if tied else lin("lm_head.weight")
+        self._setup(config, dev, dtype, False, embedding, lm_head, vec("model.norm.weight"), layers,
+                    _rope_inv_freq(config))
+
+    # -- RoPE: interleaved pairs over the qk_rope_head_dim part --------------------------------------------
+
+    def _rope_tables(self, inv_freq: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[n, rope // 2]`` for positions ``[0, n)``."""
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)  # [n, rope // 2]
+        scale = _yarn_attention_factor(self.config)
+        return (freqs.cos() * scale).to(self.device, self.dtype), (freqs.sin() * scale).to(self.device, self.dtype)
+
+    @staticmethod
+    def _rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[N, heads, rope]`` with pairs ``(x[2i], x[2i+1])`` rotated; cos, sin ``[N, 1, rope // 2]``."""
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+    # -- one layer's attention parts -----------------------------------------------------------------------
+
+    def _q_row(self, layer: _MLALayer, h: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q ``[N, H, nope + rope]`` (rope part rotated) and the cache row ``[N, 2 * head_dim]`` (normed latent,
+        rotated key) of the normed input ``h`` ``[N, hidden]``."""
+        c = self.config
+        N, H, nope, rp, rank = h.shape[0], c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+        cos, sin = rope[False]
+        q = layer.q.fn(h).view(N, H, nope + rp)
+        q = torch.cat([q[..., :nope], self._rope_pairs(q[..., nope:], cos, sin)], dim=-1)
+        a = layer.kv_a.fn(h)  # [N, rank + rope]
+        latent = F.rms_norm(a[:, :rank], (rank,), layer.kv_a_norm, c.rms_norm_eps)
+        k_rope = self._rope_pairs(a[:, None, rank:], cos, sin)[:, 0]  # [N, rope]
+        return q, torch.cat([latent, k_rope], dim=-1)
+
+    def _expand(self, layer: _MLALayer, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K ``[..., H, nope + rope]`` and V ``[..., H, v]`` decompressed from cache rows ``[..., 2 * head_dim]``."""
+        c = self.config
+        H, nope, rp, rank = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+        kv = layer.kv_b.fn(rows[..., :rank]).unflatten(-1, (H, nope + c.v_head_dim))  # [..., H, nope + v]
+        k_rope = rows[..., None, rank:rank + rp].expand(*kv.shape[:-1], rp)
+        return torch.cat([kv[..., :nope], k_rope], dim=-1), kv[..., nope:]
+
+    @staticmethod
+    def _write(kv_flat: torch.Tensor, li: int, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Store ``rows`` ``[N, 2 * head_dim]`` at pool ``slots`` ``[N]`` of layer ``li``; returns them as the pool
+        holds them (rounded through its dtype)."""
+        d = kv_flat.shape[-1]
+        stored = rows.to(kv_flat.dtype)
+        kv_flat[li, 0].index_copy_(0, slots, stored[:, None, :d])
+        kv_flat[li, 1].index_copy_(0, slots, stored[:, None, d:])
+        return stored
+
+    @staticmethod
+    def _read(kv_flat: torch.Tensor, li: int, slots: torch.Tensor) -> torch.Tensor:
+        """The cache rows ``[len(slots), 2 * head_dim]`` of layer ``li``."""
+        return torch.cat([kv_flat[li, 0].index_select(0, slots)[:, 0], kv_flat[li, 1].index_select(0, slots)[:, 0]],
+                         dim=-1)
+
+    def _moe(self, layer: _MLALayer, h: torch.Tensor, big: bool) -> torch.Tensor:
+        """DeepSeek-V2's MoE (HF ``DeepseekV2Moe``): softmax over the router's logits; the ``topk_group`` groups
+        with the best single expert stay eligible; the top ``experts_per_token`` of those, weighted by their
+        probability times ``routed_scaling_factor``, each run on its own tokens; plus the shared experts.
+        ``h`` ``[N, hidden]`` -> ``[N, hidden]``."""
+        c = self.config
+        probs = torch.softmax(F.linear(h.float(), layer.router), dim=-1)  # [N, E]
+        if c.n_group > 1:
+            groups = probs.view(-1, c.n_group, c.num_experts // c.n_group)  # [N, G, E / G]
+            best = torch.topk(groups.amax(dim=-1), c.topk_group, dim=-1).indices  # [N, topk_group]
+            keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)  # [N, G]
+            probs = groups.masked_fill(~keep[..., None], 0.0).view_as(probs)
+        weight, chosen = torch.topk(probs, c.experts_per_token, dim=-1)  # [N, k] each
+        weight = (weight * c.routed_scaling_factor).to(h.dtype)
+        out = torch.zeros_like(h)
+        for e in chosen.unique().tolist():  # ascending, as HF adds them
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            gate_up, down = layer.experts[e]
+            out.index_add_(0, rows, self._mlp(gate_up, down, h[rows], False) * weight[rows, slot, None])
+        if layer.shared is not None:
+            out = out + self._mlp(*layer.shared, h, False)
+        return out
+
+    # -- forward -------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill_packed(self, kv: torch.Tensor, token_ids: list[list[int]], block_tables: list[list[int]],
+                       start_positions: list[int], all_logits: list[bool] | None = None) -> list[torch.Tensor]:
+        """As :meth:`gpu.model.LlamaModel.prefill_packed` (same arguments, returns and errors)."""
+        B = len(token_ids)
+        flags = [False] * B if all_logits is None else list(all_logits)
+        if B == 0 or len(block_tables) != B or len(start_positions) != B or len(flags) != B:
+            raise ValueError(f"prefill_packed needs equal, non-zero numbers of token_ids ({B}), block_tables "
+                             f"({len(block_tables)}), start_positions ({len(start_positions)}) and all_logits")
+        c = self.config
+        tables = [self._prefill_table(kv, ids, tbl, s) for ids, tbl, s in zip(token_ids, block_tables,
+                                                                              start_positions)]
+        kv_flat = self._flat_pool(kv)  # [L, 2, slots, 1, head_dim]
+        seqs, w_slot, pos = self._packed_layout(kv, token_ids, tables, start_positions)
+        rope = self._rope_at(pos)
+        x = self._embed(torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=self.device))
+        hidden, eps = (c.hidden_size,), c.rms_norm_eps
+        for li, layer in enumerate(self.layers):
+            h = F.rms_norm(x, hidden, layer.ln_attn, eps)  # [N, hidden]
+            q, row = self._q_row(layer, h, rope)  # [N, H, nope + rope], [N, 2 head_dim]
+            stored = self._write(kv_flat, li, w_slot, row)
+            outs = []
+            for a, b, r_slot, mask, _ in seqs:
+                rows = stored[a:b] if r_slot is None else self._read(kv_flat, li, r_slot)  # [S, 2 head_dim]
+                k, v = self._expand(layer, rows.to(self.dtype))  # [S, H, nope + rope], [S, H, v]
+                o = F.scaled_dot_product_attention(
+                    q[a:b].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                    attn_mask=mask, is_causal=r_slot is None, scale=self._scale)  # [1, H, T, v]
+                outs.append(o[0].transpose(0, 1).reshape(b - a, -1))  # [T, H v]
+            x = self._layer_rest(layer, x, outs[0] if len(outs) == 1 else torch.cat(outs), False)
+        rows = [range(a, b) if f else range(b - 1, b) for (a, b, *_), f in zip(seqs, flags)]
+        x = x[torch.tensor([i for r in rows for i in r], dtype=torch.long, device=self.device)]
+        logits = self.lm_head.fn(F.rms_norm(x, hidden, self.norm, eps)).float()  # [rows, vocab]
+        parts = logits.split([len(r) for r in rows])
+        return [part if f else part[0] for part, f in zip(parts, flags)]
+
+    @torch.inference_mode()
+    def decode(self, kv: torch.Tensor, token_ids: list[int], positions: list[int],
+               block_tables: list[list[int]]) -> torch.Tensor:
+        """As :meth:`gpu.model.LlamaModel.decode` (same arguments, returns and errors)."""
+        c = self.config
+        B = len(token_ids)
+        padded, w_blk = self._decode_tables(kv, token_ids, positions, block_tables)
+        bt, dev = kv.shape[3], self.device
+        S = max(positions) + 1
+        kv_flat = self._flat_pool(kv)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)  # [B]
+        w_slot = torch.tensor(w_blk, dtype=torch.long, device=dev) * bt + pos_t % bt  # [B]
+        ctx = torch.arange(S, device=dev)  # [S]
+        valid = ctx[None, :] <= pos_t[:, None]  # [B, S]
+        r_blk = torch.tensor(padded, dtype=torch.long, device=dev)[:, ctx // bt]  # [B, S]
+        # padded keys read slot (block, 0) of their own sequence: written, so finite under the mask
+        r_slot = (r_blk * bt + torch.where(valid, ctx % bt, 0)).reshape(-1)  # [B S]
+        mask = None if min(positions) == S - 1 else valid[:, None, None, :]  # [B, 1, 1, S]
+        rope = self._rope_at(pos_t)
+        x = self._embed(torch.tensor(token_ids, dtype=torch.long, device=dev))  # [B, hidden]
+        hidden, eps = (c.hidden_size,), c.rms_norm_eps
+        for li, layer in enumerate(self.layers):
+            h = F.rms_norm(x, hidden, layer.ln_attn, eps)
+            q, row = self._q_row(layer, h, rope)  # [B, H, nope + rope], [B, 2 head_dim]
+            self._write(kv_flat, li, w_slot, row)
+            k, v = self._expand(layer, self._read(kv_flat, li, r_slot).to(self.dtype).view(B, S, -1))
+            # k: [B, S, H, nope + rope]; v: [B, S, H, v]
+            o = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=mask, scale=self._scale)  # [B, H, 1, v]
+            x = self._layer_rest(layer, x, o.reshape(B, -1), False)
+        return self.lm_head.fn(F.rms_norm(x, hidden, self.norm, eps)).float()  # [B, vocab]
+
+    # -- sizes and the prepared state ----------------------------------------------------------------------
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights a decode step could read (every linear, every expert, the norms)."""
+        lins = [getattr(lay, n) for lay in self.layers for n in _MLALayer.LINEARS if getattr(lay, n) is not None]
+        lins += [lin for lay in self.layers for pair in (lay.experts or []) + [lay.shared or ()] for lin in pair]
+        norms = [getattr(lay, n) for lay in self.layers for n in _MLALayer.NORMS] + [self.norm]
+        return sum(lin.weight_bytes for lin in lins + [self.lm_head]) + sum(t.numel() * t.element_size()
+                                                                           for t in norms)
+
+    def to_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """As :meth:`gpu.model.LlamaModel.to_state`; ``meta["attention"]`` is ``"mla"``."""
+        tensors: dict[str, torch.Tensor] = {"norm": self.norm, "inv_freq": self._inv_freq}
+        kinds: dict[str, str] = {}
+        outputs: dict[str, int] = {}
+
+        def put(name: str, lin: QuantLinear) -> None:
+            kinds[name], outputs[name] = lin.kind, lin.out_features
+            tensors.update({f"{name}.{k}": v for k, v in lin.tensors.items()})
+
+        put("embedding", self.embedding)
+        if self.lm_head is not self.embedding:
+            put("lm_head", self.lm_head)
+        for i, lay in enumerate(self.layers):
+            tensors.update({f"layers.{i}.{n}": getattr(lay, n) for n in _MLALayer.NORMS})
+            for n in _MLALayer.LINEARS:
+                if getattr(lay, n) is not None:
+                    put(f"layers.{i}.{n}", getattr(lay, n))
+            if lay.router is not None:
+                tensors[f"layers.{i}.router"] = lay.router
+                for e, (gu, dn) in enumerate(lay.experts):
+                    put(f"layers.{i}.experts.{e}.gate_up", gu)
+                    put(f"layers.{i}.experts.{e}.down", dn)
+            if lay.shared is not None:
+                put(f"layers.{i}.shared.gate_up", lay.shared[0])
+                put(f"layers.{i}.shared.down", lay.shared[1])
+        meta = {"config": dataclasses.asdict(self.config), "native": False, "attention": "mla",
+                "dtype": str(self.dtype).removeprefix("torch."), "kinds": kinds, "out_features": outputs}
+        return meta, tensors
+
+    @classmethod
+    def _from_state(cls, config: ModelConfig, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+                    device: torch.device) -> "MLAModel":
+        """The model :meth:`to_state` saved (``config`` already rebuilt by ``LlamaModel.from_state``)."""
+        kinds = meta["kinds"]
+
+        def lin(name: str) -> QuantLinear | None:
+            if name not in kinds:
+                return None
+            prefix = name + "."
+            return QuantLinear.from_tensors(kinds[name], {k[len(prefix):]: v.to(device) for k, v in tensors.items()
+                                                           if k.startswith(prefix)}, meta["out_features"][name])
+
+        layers = []
+        for i in range(config.num_layers):
+            p = f"layers.{i}."
+            lay = _MLALayer(**{n: tensors[p + n].to(device) for n in _MLALayer.NORMS},
+                            **{n: lin(p + n) for n in _MLALayer.LINEARS})
+            if p + "router" in tensors:
+                lay.router = tensors[p + "router"].to(device)
+                lay.experts = [(lin(f"{p}experts.{e}.gate_up"), lin(f"{p}experts.{e}.down"))
+                               for e in range(config.num_experts)]
+                if p + "shared.gate_up" in kinds:
+                    lay.shared = (lin(p + "shared.gate_up"), lin(p + "shared.down"))
+            layers.append(lay)
+        embedding = lin("embedding")
+        model = cls.__new__(cls)
+        model._setup(config, device, getattr(torch, meta["dtype"]), False, embedding, lin("lm_head") or embedding,
+                     tensors["norm"].to(device), layers, tensors["inv_freq"])
+        return model
+
+
+def _rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """``[qk_rope_head_dim // 2]`` float32: ``rope_theta ** (-2i / qk_rope_head_dim)``, with YaRN's blend when the
+    config has it (``gpu.loader.RopeScaling``; source: transformers ``_compute_yarn_parameters``)."""
+    dim, base = config.qk_rope_head_dim, config.rope_theta
+    extrapolated = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = config.rope_scaling
+    if rs is None or rs.rope_type != "yarn":
+        return extrapolated
+
+    def dim_of(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times in the old context
+        return dim * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(dim_of(rs.beta_fast)), 0), min(math.ceil(dim_of(rs.beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency (fast dims), 0: interpolated by factor (slow dims)
+    return extrapolated / rs.factor * (1 - keep) + extrapolated * keep
+
+
+def _yarn_attention_factor(config: ModelConfig) -> float:
+    """What YaRN multiplies cos and sin by: ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both
+    are set, else ``mscale(factor)``; 1 without YaRN."""
+    from .loader import _yarn_mscale  # noqa: PLC0415
+
+    rs = config.rope_scaling
+    if rs is None or rs.rope_type != "yarn":
+        return 1.0
+    if rs.mscale and rs.mscale_all_dim:
+        return _yarn_mscale(rs.factor, rs.mscale) / _yarn_mscale(rs.factor, rs.mscale_all_dim)
+    return _yarn_mscale(rs.factor)
+
