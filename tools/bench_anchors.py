@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mr-output-len", type=int, default=16)
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per-request read timeout")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="", help="GGUF every system serves (default: the embedded model), e.g. a "
+                                                "Q4_K_M file from tools/kquantize")
     ap.add_argument("--json", action="store_true", help="also print every figure as one JSON object")
     return ap
 
@@ -117,7 +119,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         name, eq, flags = spec.partition("=")
         if not eq or not name.strip() or name.strip() in (LLAMA, HF):
             ap.error(f"--variant wants NAME=FLAGS with a NAME other than {LLAMA}/{HF}; got {spec!r}")
-        args.variants.append((name.strip(), shlex.split(args.pdserve_args) + shlex.split(flags)))
+        model = ["--model", args.model] if args.model else []
+        args.variants.append((name.strip(), model + shlex.split(args.pdserve_args) + shlex.split(flags)))
     if len({n for n, _ in args.variants}) != len(args.variants):
         ap.error("--variant names must differ")
     for name in ("reps", "input_len", "output_len", "single_prompts", "concurrency", "mr_sessions", "mr_rounds",
@@ -447,7 +450,7 @@ def run(args) -> dict[str, Any]:
     from gpu.tokenizer import Tokenizer
 
     binary = require_llama_server(args.llama_server)
-    model_path = default_model_path()
+    model_path = Path(args.model) if args.model else default_model_path()
     tok = Tokenizer.load(model_path)
     version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
     meta = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "host": os.uname().nodename,
