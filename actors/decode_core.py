@@ -363,8 +363,10 @@ class DecodeCore:
         if not self.hand_back or is_remote(ready.prefill_actor) or (ready.prefill_actor == LOCAL_PREFILL) != colocated:
             return False   # a remote prefill node's pool: out of reach
         if entry.transfer_handle is not None or (shared is not None and (
-                shared.holders != {entry.key} or not shared.done or shared.pull is not None or shared.parked)):
-            return False   # a child of an ``n > 1`` request (its siblings hold the prompt), or a pull running
+                shared.holders != {entry.key} or shared.owner_slot != ready.slot or not shared.done
+                or shared.pull is not None or shared.parked)):
+            return False   # a child of an ``n > 1`` request (its siblings hold the prompt, or one of them owns
+            # its blocks: the last child to finish is not always the first), or a pull running
         bt = self.allocator.block_tokens
         kv_tokens = ready.num_tokens + entry.output_tokens - 1   # the last token emitted has no KV
         keep = -(-kv_tokens // bt)

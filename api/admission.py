@@ -31,6 +31,7 @@ from actors.ports import Clock, OutboxPort
 from actors.prefix_cache import block_keys
 from api.router import ActorLoad, Routed, pick_decode, pick_prefill, route, with_routed
 from ipc.actor_table import ActorHealth, ActorStatus
+from ipc.lifecycle import FINAL_STATES
 from ipc.lifecycle import RequestState as S
 from pdserve.errors import (EngineOverloadedError, InvalidRequestError, MessageTooLargeError, QueueFullError,
                             StateTableFullError)
@@ -68,6 +69,8 @@ class RequestHandle:
     reserve_blocks: int = 0        # decode blocks the request will reserve (pdserve.kv_budget.blocks_for)
     prefilled: bool = False        # a token arrived: its prompt is off the prefill queue, its blocks reserved
     handed_across: bool = False    # a prefill node: its KVReady went to the router; the row ends by its messages
+    ended: bool = False            # its last event (a finish reason or an error) reached the API, or the API ended it
+    lost_since_ns: int = 0         # first seen with its row ended (final, freed or reused) and ``ended`` not set
 
     @property
     def key(self) -> tuple[int, int]:
@@ -367,7 +370,27 @@ class Admission:
 
     def stop(self, handle: RequestHandle) -> None:
         """A stop string matched: the row is FINISHED; the decode actor sees it and frees its blocks."""
+        handle.ended = True
         self.table.transition(handle.slot, handle.generation, S.FINISHED, owner=self.owner, by="api")
+
+    def lost(self, now_ns: int, grace_ns: int) -> list[RequestHandle]:
+        """Handles whose row ended in the engine (final, freed or reused) while their last event never reached this
+        API, for ``grace_ns`` or longer: an actor died between moving the row and sending its last message (the
+        supervisor fails only the rows still live). Each is returned once (marked ``ended``); the caller fails
+        it. Without this its client would wait for the request's whole deadline."""
+        lost = []
+        for handle in list(self.handles.values()):
+            if handle.ended or handle.handed_across:
+                continue
+            row = self.table.read(handle.slot, handle.generation)
+            if row is not None and row["state"] not in FINAL_STATES:
+                handle.lost_since_ns = 0
+            elif not handle.lost_since_ns:
+                handle.lost_since_ns = now_ns
+            elif now_ns - handle.lost_since_ns >= grace_ns:
+                handle.ended = True
+                lost.append(handle)
+        return lost
 
     def release(self, handle: RequestHandle) -> None:
         """The client has its answer (or is gone): abort the row if still live (a no-op on a final row: the

@@ -30,6 +30,7 @@ from pdserve.errors import PdserveError
 __all__ = ["EngineClient", "RequestHandle", "wait_event"]
 
 log = logging.getLogger("pdserve.api")
+LOST_GRACE_S = 5.0   # a row ended with no last message this long is lost (EngineClient.fail_lost)
 
 
 class EngineClient:
@@ -101,6 +102,7 @@ class EngineClient:
                 if "timings" in extras:
                     handle.timings = extras["timings"]
                 handle.prefilled = True
+                handle.ended = handle.ended or item[3] is not None
                 handle.events.put_nowait(("token", item[2], item[3], extras.get("logprobs")))
         elif isinstance(message, PromptLogprobs):
             handle = self.handles.get((message.slot, message.generation))
@@ -119,6 +121,7 @@ class EngineClient:
                 return
             error = PdserveError(message.message)
             error.http_status, error.error_type = message.http_status, message.error_type
+            handle.ended = True
             handle.events.put_nowait(("error", error))
         elif isinstance(message, (KVReady, TransferDone)):   # node roles: for the router (api/node_api.py)
             handle = self.handles.get((message.slot, message.generation))
@@ -169,6 +172,22 @@ class EngineClient:
 
     def finish_all(self, handles: list[RequestHandle]) -> None:
         self.admission.release_all(handles)
+
+    def fail_lost(self) -> int:
+        """Fail (502) every request whose row ended in the engine without its last message reaching this API
+        (``Admission.lost``; grace: ``LOST_GRACE_S`` or four monitor ticks, whichever is longer, so a message
+        still in flight is never overtaken). Called from the API's heartbeat loop; returns how many."""
+        grace_ns = int(max(LOST_GRACE_S, 4 * self.config.monitor_tick_s) * 1e9)
+        lost = self.admission.lost(time.monotonic_ns(), grace_ns)
+        for handle in lost:
+            log.error("request %s (slot %d gen %d): its row ended in the engine without its last message reaching "
+                      "the API (an actor died at its end?); failing it with 502", handle.request.request_id,
+                      handle.slot, handle.generation)
+            error = PdserveError(f"request {handle.request.request_id}: the engine ended it without its last "
+                                 "message (an actor died at its end); retry")
+            error.http_status, error.error_type = 502, "bad_gateway"
+            handle.events.put_nowait(("error", error))
+        return len(lost)
 
     async def next_event(self, handle: RequestHandle) -> tuple:
         """The request's next event, never past its deadline (``wait_event``)."""

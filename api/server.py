@@ -125,6 +125,8 @@ class ApiActor(Actor):
                 self.actors.beat(self.index)
                 self.actors.set_active_requests(self.index, client.num_active())
                 client.publish_routed()
+                if client.handles:
+                    client.fail_lost()
                 await asyncio.sleep(self.config.idle_wait_s)
 
         try:

@@ -998,6 +998,23 @@ def test_a_request_ended_mid_decode_hands_nothing_back_and_holds_nothing(end):
     pair.assert_all_free()
 
 
+def test_an_n_2_request_whose_second_child_finishes_last_hands_nothing_back_and_frees_everything():
+    """The prompt blocks of an ``n > 1`` request are owned by its first child; when a sibling is the last holder,
+    a hand-back would hand over blocks that sibling does not own (the decode actor died on it: KVBlockStateError)."""
+    pair = HandBackPair()
+    request = prefill_request(pair.table, "n2", prompt_tokens=40, max_tokens=12, n=2)
+    first = (request.slot, request.generation)
+    pair.prefill.on_message(request)
+    pair.run(4)
+    assert pair.table.state(first) == S.DECODING
+    abort(pair, first)   # the first child (the prompt blocks' owner) leaves early; its sibling runs to the end
+    pair.run(16)
+    second = tuple(request.children[0])
+    assert pair.table.state(second) == S.FINISHED
+    assert not pair.to_prefill_and_api.take(PREFILL_AT, KVHandBack) and not pair.copies
+    pair.assert_all_free()
+
+
 def test_a_hand_back_whose_blocks_were_reallocated_meanwhile_is_dropped_and_counted():
     pair = HandBackPair(decode_blocks=4)
     request = prefill_request(pair.table, "a", prompt_tokens=20, max_tokens=20)

@@ -337,3 +337,28 @@ def test_release_aborts_a_live_row_before_freeing_it():
     engine.table.transition = lambda *a, **k: seen.append(a[2]) or transition(*a, **k)
     engine.core.release(handle)
     assert seen == [S.ABORTED] and engine.table.released == [handle.key]
+
+
+def test_a_row_that_ended_without_its_last_message_is_lost_after_the_grace_and_only_once():
+    """An actor that dies between moving a row to FINISHED and sending its last TokenBatch leaves the API's handle
+    waiting: ``lost`` names it once the row has been ended for ``grace_ns`` (the caller fails it with a 502), never
+    a handle whose end arrived, nor one whose row is live."""
+    engine = Engine()
+    dead, done, live, freed = engine.core.admit(request("dead")) + engine.core.admit(request("done")) + \
+        engine.core.admit(request("live")) + engine.core.admit(request("freed"))
+    for handle in (dead, done, freed):
+        for state in (S.PREFILLING, S.BOOTSTRAP, S.TRANSFERRING, S.DECODE_WAITING, S.DECODING, S.FINISHED):
+            assert engine.table.transition(*handle.key, state)
+    done.ended = True   # its finish reason reached the API
+    assert engine.table.release(*freed.key)   # the monitor reclaimed the abandoned final row
+    grace_ns = 5_000_000_000
+    now = engine.clock()
+    assert engine.core.lost(now, grace_ns) == []              # first seen: the grace starts
+    assert engine.core.lost(now + grace_ns - 1, grace_ns) == []
+    assert engine.core.lost(now + grace_ns, grace_ns) == [dead, freed]
+    assert dead.ended and freed.ended and not live.ended
+    assert engine.core.lost(now + 2 * grace_ns, grace_ns) == []   # each once
+    for state in (S.PREFILLING, S.BOOTSTRAP, S.TRANSFERRING, S.DECODE_WAITING, S.DECODING):
+        assert engine.table.transition(*live.key, state)
+    engine.core.stop(live)   # a stop string: the API ends the row itself, nothing is lost
+    assert engine.core.lost(now + 3 * grace_ns, grace_ns) == [] and live.ended

@@ -2,7 +2,10 @@
 disaggregated 1 x 1 layout: a finished answer's KV is handed back from the decode pool to the prefill actor's prefix
 cache, so the next turn of a chat reports cached tokens covering the previous answer (up to where the chat template
 re-renders it), greedy output with the reuse equals output computed without any cached prefix (an echo-with-logprobs
-request skips the cache lookup), and a request aborted mid-decode hands nothing back and leaves no block held."""
+request skips the cache lookup), and a request aborted mid-decode hands nothing back and leaves no block held.
+The engine runs ``--weights float32``: there decode and prefill compute a token's KV from the same weights; under
+``auto`` the answer's KV comes from the int8-activation decode path and can part from a recomputation at a near tie
+(docs/architecture.md, "Cross-turn reuse")."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +20,7 @@ SYSTEM = "You are a terse assistant. Answer in one short sentence."
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    eng = start_engine(tmp_path_factory.mktemp("crossturn"), "--kv-pool-tokens", str(64 * 16))
+    eng = start_engine(tmp_path_factory.mktemp("crossturn"), "--kv-pool-tokens", str(64 * 16), "--weights", "float32")
     yield eng
     cleanup_engine(eng)
 
