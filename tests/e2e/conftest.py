@@ -33,7 +33,9 @@ PREFILL_CHUNK_TOKENS = 64
 
 @pytest.fixture(scope="session")
 def fault_engine(tmp_path_factory):
-    eng = start_engine(tmp_path_factory.mktemp("watchdog"), "--kv-pool-tokens", "1024",
+    # float32 weights: the deadlines and fills of these tests are sized for its step time (a batch that keeps the
+    # decode pool full for longer than bootstrap_timeout_s); `auto` decodes several times faster
+    eng = start_engine(tmp_path_factory.mktemp("watchdog"), "--kv-pool-tokens", "1024", "--weights", "float32",
                        env={"PDSERVE_FAULTS": FAULTS, "PDSERVE_INFLIGHT_TIMEOUT_S": str(INFLIGHT_TIMEOUT_S),
                             "PDSERVE_BOOTSTRAP_TIMEOUT_S": str(BOOTSTRAP_TIMEOUT_S),
                             "PDSERVE_PREFILL_TIMEOUT_S": str(PREFILL_TIMEOUT_S),
