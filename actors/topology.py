@@ -21,12 +21,10 @@ PREFILL_INDEX = 0
 DECODE_INDEX = 1
 API_INDEX = 2
 MONITOR_INDEX = 3
-ACTOR_NAMES = ("prefill0", "decode0", "api", "monitor")
 # What each role runs, as "module:Class", imported in the child by run_actor: the supervisor imports no actor's
 # heavy code (torch, the model, HTTP), and the actors package does not depend on the api package.
 ROLE_CLASSES = {"prefill": "actors.prefill:PrefillActor", "decode": "actors.decode:DecodeActor",
                 "api": "api.server:ApiActor", "monitor": "actors.monitor:HeartbeatMonitor"}
-ACTOR_CLASSES = tuple(ROLE_CLASSES[n.rstrip("0123456789")] for n in ACTOR_NAMES)
 
 # ---- addresses (the destinations in messages and in an outbox) ----------------------------------------------
 API = "api"

@@ -31,7 +31,6 @@ from actors.ports import Clock, OutboxPort
 from actors.prefix_cache import block_keys
 from api.router import ActorLoad, Routed, pick_decode, pick_prefill, route, with_routed
 from ipc.actor_table import ActorHealth, ActorStatus
-from ipc.lifecycle import FINAL_STATES
 from ipc.lifecycle import RequestState as S
 from pdserve.errors import (EngineOverloadedError, InvalidRequestError, MessageTooLargeError, QueueFullError,
                             StateTableFullError)
@@ -90,6 +89,8 @@ class TablePort(Protocol):
                    by: str | None = None) -> bool: ...
 
     def release(self, slot: int, generation: int) -> bool: ...
+
+    def live_keys(self) -> set[tuple[int, int]]: ...
 
 
 class ActorsPort(Protocol):
@@ -379,11 +380,11 @@ class Admission:
         supervisor fails only the rows still live). Each is returned once (marked ``ended``); the caller fails
         it. Without this its client would wait for the request's whole deadline."""
         lost = []
+        live = self.table.live_keys()   # one vectorized read, not one row read per handle (the event loop's)
         for handle in list(self.handles.values()):
             if handle.ended or handle.handed_across:
                 continue
-            row = self.table.read(handle.slot, handle.generation)
-            if row is not None and row["state"] not in FINAL_STATES:
+            if handle.key in live:
                 handle.lost_since_ns = 0
             elif not handle.lost_since_ns:
                 handle.lost_since_ns = now_ns

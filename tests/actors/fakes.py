@@ -63,6 +63,9 @@ class FakeTable:
         row = self.rows.get(slot)
         return dict(row) if row is not None and row["generation"] == generation else None
 
+    def live_keys(self) -> set[tuple[int, int]]:
+        return {(s, r["generation"]) for s, r in self.rows.items() if r["state"] not in FINAL_STATES}
+
     def state(self, key) -> RequestState:
         return self.rows[key[0]]["state"]
 

@@ -313,3 +313,15 @@ def test_consistent_rows_returns_whole_rows_for_the_slots_asked(table):
     assert rows.shape == (1,) and int(rows[0]["state"]) == RequestState.PREFILLING
     assert int(rows[0]["generation"]) == gen and rows[0]["state_since_ns"] > 0
     assert rows[0]["request_id"] == b"req-consistent"
+
+
+def test_live_keys_names_each_live_row_with_its_generation_and_no_final_or_free_one(table):
+    live = table.allocate("a", prompt_tokens=3)
+    done = table.allocate("b", prompt_tokens=3)
+    freed = table.allocate("c", prompt_tokens=3)
+    for slot, generation in (done, freed):
+        assert table.transition(slot, generation, RequestState.ABORTED)
+    assert table.release(*freed)
+    assert table.live_keys() == {live}
+    again = table.allocate("d", prompt_tokens=3)   # the freed slot comes back with another generation
+    assert table.live_keys() == {live, again} and again != freed
