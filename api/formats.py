@@ -417,6 +417,20 @@ class _MarkerStream:
             self.sent = True
             events.append(("content", text))
 
+    def _text_before(self, marker: str, events: list) -> int:
+        """Send the buffer's content before ``marker`` and return where the marker starts; without one, send all but
+        a tail that may start it (and trailing whitespace, dropped if the marker follows) and return -1."""
+        start = self.buffer.find(marker)
+        if start < 0:
+            keep = _suffix(self.buffer, marker)
+            head = self.buffer[:len(self.buffer) - keep]
+            cut = len(head.rstrip())
+            self._content(head[:cut], events)
+            self.buffer = self.buffer[cut:]
+            return -1
+        self._content(self.buffer[:start].rstrip(), events)
+        return start
+
     def _call(self, call: dict, events: list) -> None:
         if self.parallel or self.calls == 0:
             self.calls += 1
@@ -429,15 +443,9 @@ class _MarkerStream:
             if not self.inside and not self.sent and not self.calls and self.buffer.lstrip().startswith("[{"):
                 self.buffer, self.inside, self.mark = self.buffer.lstrip(), True, 0
             if not self.inside:
-                start = self.buffer.find(MISTRAL_CALLS)
+                start = self._text_before(MISTRAL_CALLS, events)
                 if start < 0:
-                    keep = _suffix(self.buffer, MISTRAL_CALLS)
-                    head = self.buffer[:len(self.buffer) - keep]
-                    cut = len(head.rstrip())
-                    self._content(head[:cut], events)
-                    self.buffer = self.buffer[cut:]
                     return events
-                self._content(self.buffer[:start].rstrip(), events)
                 self.buffer, self.inside, self.mark = self.buffer[start:], True, len(MISTRAL_CALLS)
             parsed = _mistral_calls(self.buffer[self.mark:])
             if parsed is None:
@@ -537,42 +545,25 @@ def _deepseek_call(body: str) -> tuple[str, str] | None:
     return (name, rest.strip()) if re.fullmatch(r"[a-zA-Z0-9_.-]{1,64}", name) else None
 
 
-class _DeepSeekStream:
+class _DeepSeekStream(_MarkerStream):
     """DeepSeek V3 / V3.1: content streams until ``<｜tool▁calls▁begin｜>`` (a tail that may start it is held); after
     it each ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`` goes out as a call once closed, and content resumes after
     ``<｜tool▁calls▁end｜>``. Anything else after the marker, or a call that does not parse, makes the rest of the
     answer content, markers included, at the end."""
 
     def __init__(self, parallel: bool):
-        self.parallel = parallel
-        self.buffer = ""
-        self.inside = False   # after the calls marker, before its end
+        super().__init__(parallel)   # buffer, inside (after the calls marker, before its end), calls, sent
         self.held = ""        # the marker and the raw text since the last call (content if the rest is malformed)
         self.broken = False
-        self.calls = 0
-        self.sent = False
-
-    def _content(self, text: str, events: list) -> None:
-        if not self.sent:
-            text = text.lstrip()
-        if text:
-            self.sent = True
-            events.append(("content", text))
 
     def push(self, text: str) -> list[tuple[str, Any]]:
         self.buffer += text
         events: list[tuple[str, Any]] = []
         while not self.broken:
             if not self.inside:
-                start = self.buffer.find(DS_CALLS_BEGIN)
+                start = self._text_before(DS_CALLS_BEGIN, events)
                 if start < 0:
-                    keep = _suffix(self.buffer, DS_CALLS_BEGIN)
-                    head = self.buffer[:len(self.buffer) - keep]
-                    cut = len(head.rstrip())
-                    self._content(head[:cut], events)
-                    self.buffer = self.buffer[cut:]
                     return events
-                self._content(self.buffer[:start].rstrip(), events)
                 self.held, self.buffer = DS_CALLS_BEGIN, self.buffer[start + len(DS_CALLS_BEGIN):]
                 self.inside = True
             if not self._take_calls(events):
