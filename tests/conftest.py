@@ -63,9 +63,40 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
+ENGINE_LOGS: list[Path] = []   # every engine log this run wrote (start_engine), read back when the run fails
+TRACEBACKS_SHOWN = 4               # engine logs whose last traceback a failed run prints
+TRACEBACK_LINES = 30               # lines of each
+
+
+def last_traceback(text: str) -> list[str]:
+    """The last ``Traceback (most recent call last)`` block of a log, with the log line before it (which names
+    the process and time) and up to its exception line; [] if the log has none."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if not starts:
+        return []
+    start = max(starts[-1] - 1, 0)
+    end = starts[-1] + 1
+    while end < len(lines) and (lines[end].startswith((" ", "\t")) or not lines[end].strip()):
+        end += 1   # the frames are indented; the first unindented line is the exception
+    block = lines[start:end + 1]
+    return block if len(block) <= TRACEBACK_LINES else block[:3] + ["    ..."] + block[-(TRACEBACK_LINES - 4):]
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """The last lines: each group of skipped tests with its reason (a skip is never silent), then what the run
-    left in /dev/shm."""
+    """The last lines: on a failed run, the last traceback of the engines that logged one (their logs are in
+    the run's tmp dirs, gone with a CI machine); each group of skipped tests with its reason (a skip is never
+    silent); what the run left in /dev/shm."""
+    if terminalreporter.stats.get("failed") or terminalreporter.stats.get("error"):
+        shown = [(path, block) for path in reversed(ENGINE_LOGS) if path.exists()
+                 for block in [last_traceback(path.read_text(errors="replace"))] if block][:TRACEBACKS_SHOWN]
+        if shown:
+            terminalreporter.write_sep("-", "engine tracebacks (the last one of each engine log, newest first; "
+                                            "tests that kill actors on purpose log some)")
+            for path, block in shown:
+                terminalreporter.write_line(f"{path}:")
+                for line in block:
+                    terminalreporter.write_line("  " + line)
     groups: dict[str, set[str]] = {}
     counts: dict[str, int] = {}
     for report in terminalreporter.stats.get("skipped", []):
@@ -146,6 +177,7 @@ def start_engine(tmp_dir: Path, *args: str, env: dict | None = None, ready_timeo
 
     port = free_port()
     log_path = tmp_dir / f"engine-{port}.log"
+    ENGINE_LOGS.append(log_path)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     full_env.update(env or {})
     log_file = open(log_path, "wb")
