@@ -224,6 +224,30 @@ class Actor:
         self.recorder = open_recorder(self.layout, self.index)
         return parent
 
+    def wait_out_stuck_locks(self, parent: int) -> None:
+        """A shm lock (state table, queue mutex) that another live process holds past its timeout, a stopped or
+        hung neighbour, is waited out here, heartbeat beating, until the supervisor kills the holder and the lock
+        is taken over, instead of the ShmLockTimeoutError killing this healthy actor and what it holds mid-step
+        (ipc/_shm.py ``set_lock_wait_hook``). Not while the engine stops or after the supervisor died: then
+        the error is raised. Logged once per lock and holder."""
+        from ipc import _shm
+
+        logged: set[tuple[str, str]] = set()
+
+        def wait_on(what: str, who: str) -> bool:
+            if self.engine_stopping() or parent_is_gone(parent):
+                return False
+            if (what, who) not in logged:
+                if len(logged) > 64:
+                    logged.clear()
+                logged.add((what, who))
+                log.warning("%s waits: the %s is held by %s; the supervisor kills a hung holder", self.name,
+                            what, who)
+            self.actors.beat(self.index, iterations_delta=0)
+            return True
+
+        _shm.set_lock_wait_hook(wait_on)
+
     def child_main(self) -> None:
         """The child's entry; the loop runs until the supervisor sets the stop flag (``engine_stopping``) or
         dies."""
@@ -233,6 +257,8 @@ class Actor:
         parent = self.enter_child(parent_died)
         from ipc.actor_table import ActorStatus
 
+        if self.role in ("prefill", "decode"):
+            self.wait_out_stuck_locks(parent)
         self.on_start()
         self.actors.set_status(self.index, ActorStatus.READY)
         self.actors.beat(self.index)

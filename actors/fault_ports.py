@@ -105,7 +105,8 @@ class FaultyTransfers:
 class FaultyOutbox:
     """OutboxPort decorator: ``drop_transfer_done`` never sends a request's TransferDone,
     ``delay_transfer_done:seconds=S`` sends it S seconds late, whatever became of the request meanwhile (so the
-    receiver's handling of a late message is exercised). ``flush`` (every loop iteration) sends what is due."""
+    receiver's handling of a late message is exercised). ``flush`` (every loop iteration) sends what is due, then
+    flushes the inner outbox (its held frames)."""
 
     def __init__(self, inner, faults, clock=time.monotonic_ns):
         self.inner, self.faults, self.clock = inner, faults, clock
@@ -127,10 +128,10 @@ class FaultyOutbox:
         return self.inner.try_send(dest, message, request_id)
 
     def flush(self) -> None:
-        if not self.delayed:
-            return
-        now_ns = self.clock()
-        due = [d for d in self.delayed if d[0] <= now_ns]
-        self.delayed = [d for d in self.delayed if d[0] > now_ns]
-        for _, dest, message, request_id in due:
-            self.inner.send(dest, message, request_id)
+        if self.delayed:
+            now_ns = self.clock()
+            due = [d for d in self.delayed if d[0] <= now_ns]
+            self.delayed = [d for d in self.delayed if d[0] > now_ns]
+            for _, dest, message, request_id in due:
+                self.inner.send(dest, message, request_id)
+        self.inner.flush()

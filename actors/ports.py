@@ -4,9 +4,15 @@ ShmQueues through ``QueueOutbox``, ``time.monotonic_ns``); tests/actors/fakes.py
 """
 from __future__ import annotations
 
+import logging
+import time
+from collections import deque
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from actors.topology import LOCAL_PREFILL
+
+log = logging.getLogger(__name__)
+MAX_HELD_FRAMES = 2048   # frames one address may have waiting in an actor's outbox before the oldest are dropped
 
 Clock = Callable[[], int]   # CLOCK_MONOTONIC now, in ns (time.monotonic_ns)
 
@@ -124,13 +130,26 @@ class QueueOutbox:
     """OutboxPort and one process's address directory: an address (actors/topology.py) resolves to an shm queue
     (``{address: q}``: ``"prefill0"``, ``"api"``, ``REMOTE`` = the API's inbox...) or to a local core (colocated
     mode: ``LOCAL_PREFILL`` / ``LOCAL_DECODE``), registered with ``add_local``. Frames are
-    ``actors.messages.to_wire`` lists, each put waiting at most ``put_timeout_s`` for room (then QueueFullError).
-    Raises KeyError for an address this process cannot reach."""
+    ``actors.messages.to_wire`` lists, each put waiting at most ``put_timeout_s`` for room.
 
-    def __init__(self, queues: dict[str, Any], put_timeout_s: float):
+    A put that fails (QueueFullError: no room in time; or the queue's producer mutex held by another live process
+    in a process that does not wait locks out, actors/base.py ``wait_out_stuck_locks``) is not raised into the
+    actor's loop: the frame is held, later frames to that address queue behind it (order kept), and ``flush``
+    (every loop iteration) retries them. Past
+    ``max_held`` frames for one address the oldest are dropped (``dropped``; their requests end by their
+    deadlines). ``hold=False`` (the API's admission, which answers 503 instead): ``send`` raises the
+    QueueFullError. Raises KeyError for an address this process cannot reach."""
+
+    def __init__(self, queues: dict[str, Any], put_timeout_s: float, max_held: int = MAX_HELD_FRAMES,
+                 hold: bool = True):
         self.queues = queues
+        self.hold = hold
         self.local: dict[str, Any] = {}
         self.put_timeout_s = put_timeout_s
+        self.max_held = max_held
+        self.held: dict[str, deque] = {}          # address -> frames waiting for room, oldest first
+        self.held_since: dict[str, float] = {}    # address -> when its first frame was held (monotonic s)
+        self.dropped = 0                          # held frames given up (past ``max_held``)
 
     def add_queue(self, dest: str, queue: Any) -> None:
         """Send to ``dest`` through ``queue`` (an shm queue) from now on (a remote prefill peer: via the API's)."""
@@ -143,16 +162,29 @@ class QueueOutbox:
 
     def send(self, dest: str, message: Any, request_id: str = "") -> None:
         from actors.messages import to_wire
+        from pdserve.errors import QueueFullError
 
         core = self.local.get(dest)
         if core is not None:
             core.on_message(message)
-        else:
-            self.queues[dest].put(to_wire(message), timeout_s=self.put_timeout_s)
+            return
+        queue, frame = self.queues[dest], to_wire(message)
+        held = self.held.get(dest)
+        if held is not None:   # earlier frames to ``dest`` wait: this one goes behind them (``flush`` retries)
+            held.append(frame)
+            self._bound(dest, held)
+            return
+        try:
+            queue.put(frame, timeout_s=self.put_timeout_s)
+        except QueueFullError as exc:
+            if not self.hold:
+                raise
+            log.error("holding messages for %s, retried every loop iteration: %s", dest, exc)
+            self.held[dest], self.held_since[dest] = deque([frame]), time.monotonic()
 
     def try_send(self, dest: int | str, message: Any, request_id: str = "") -> bool:
         """``send`` without waiting (a best-effort message): False, nothing sent, if ``dest``'s queue has no free
-        slot now or the message does not fit one."""
+        slot now, the message does not fit one, or earlier frames to ``dest`` are held."""
         from actors.messages import to_wire
         from pdserve.errors import MessageTooLargeError, QueueFullError
 
@@ -160,8 +192,40 @@ class QueueOutbox:
         if core is not None:
             core.on_message(message)
             return True
+        if dest in self.held:
+            return False
         try:
             self.queues[dest].put(to_wire(message), timeout_s=0.0)
         except (QueueFullError, MessageTooLargeError):
             return False
         return True
+
+    def flush(self) -> None:
+        """Retry the held frames, oldest first, without waiting for room (a held producer mutex still costs up to
+        its lock timeout per address); an address whose frames all went is logged and forgotten."""
+        from pdserve.errors import QueueFullError
+
+        for dest, held in list(self.held.items()):
+            queue = self.queues[dest]
+            try:
+                while held:
+                    queue.put(held[0], timeout_s=0.0)
+                    held.popleft()
+            except QueueFullError:
+                continue
+            log.warning("sent the messages held for %s after %.1f s", dest,
+                        time.monotonic() - self.held_since.pop(dest))
+            del self.held[dest]
+
+    def held_messages(self) -> int:
+        """Frames held for any address now."""
+        return sum(len(h) for h in self.held.values())
+
+    def _bound(self, dest: str, held: deque) -> None:
+        if len(held) > self.max_held:
+            if self.dropped == 0 or len(held) == self.max_held + 1:
+                log.error("more than %d messages held for %s: dropping the oldest (their requests end by their "
+                          "deadlines)", self.max_held, dest)
+            while len(held) > self.max_held:
+                held.popleft()
+                self.dropped += 1

@@ -61,7 +61,7 @@ class EngineClient:
         self.intake = {topo.address(i): ShmQueue.attach(self.layout.segment(topo.segment("q", i)))
                        for i in (topo.prefill or topo.decode)}
         self.faults = FaultPlan(self.config.faults, "api")
-        outbox = QueueOutbox(self.intake, self.config.admission_put_timeout_s)
+        outbox = QueueOutbox(self.intake, self.config.admission_put_timeout_s, hold=False)   # full: a 503
         summaries = None
         if "cachesum" in self.layout.segments:   # the prefill actors' cache contents, for routing
             from ipc.cache_summary import CacheSummary

@@ -238,6 +238,19 @@ def pid_alive(pid: int) -> bool:
 # robust lock
 
 
+_lock_wait_hook: Callable[[str, str], bool] | None = None
+
+
+def set_lock_wait_hook(hook: Callable[[str, str], bool] | None) -> None:
+    """Make this process wait out a lock another process holds past its timeout instead of raising
+    ShmLockTimeoutError: ``hook(what, who)`` runs after each timeout (``what`` names the lock, ``who`` its holder)
+    and returns True to wait one more timeout, False to raise. An engine actor installs one that beats its
+    heartbeat and waits until the supervisor kills the stuck holder (the lock is then taken over); the
+    supervisor, monitor and API install none: they must get the error and carry on with other work."""
+    global _lock_wait_hook
+    _lock_wait_hook = hook
+
+
 class RobustLock:
     """A mutex over a binary semaphore whose holder pid lives in shm, so a dead holder can be taken over.
 
@@ -263,28 +276,33 @@ class RobustLock:
         Returns False normally, True if the lock was taken over from a holder that died inside its critical
         section (the caller must then repair what that holder may have half-written; ``stamp`` is NOT called,
         so the dead holder's stamps are still readable). Raises ShmLockTimeoutError if a live process (or an
-        unidentifiable one) holds it past the timeout.
+        unidentifiable one) holds it past the timeout, unless this process installed a ``set_lock_wait_hook``
+        that says to wait on: then it waits again, a timeout at a time, until the holder frees or dies.
         """
-        for attempt in (0, 1):
-            if sem_wait(self.sem, self.timeout_s):
-                if stamp is not None:
-                    stamp()
-                _PID.pack_into(self.buf, self.offset, os.getpid())
-                return False
-            if self.recover_if_dead():
-                return True
-            holder = self.holder_pid()
-            if attempt or holder <= 0 or pid_alive(holder):
-                break
-            # the holder is dead but another waiter is repairing the lock: give it one more timeout
-        if holder <= 0:
-            who = "a process that did not record its pid (it died right after taking the lock, or is stopped)"
-        elif pid_alive(holder):
-            who = f"pid {holder}, which is alive (stopped or hung: SIGCONT or restart it)"
-        else:
-            who = f"pid {holder}, which is dead (another waiter is repairing the lock)"
-        raise ShmLockTimeoutError(f"{self.what} stayed held for more than {self.timeout_s:.3g} s by {who}; "
-                                  f"if it never frees, re-create the segment (restart the engine)")
+        while True:
+            for attempt in (0, 1):
+                if sem_wait(self.sem, self.timeout_s):
+                    if stamp is not None:
+                        stamp()
+                    _PID.pack_into(self.buf, self.offset, os.getpid())
+                    return False
+                if self.recover_if_dead():
+                    return True
+                holder = self.holder_pid()
+                if attempt or holder <= 0 or pid_alive(holder):
+                    break
+                # the holder is dead but another waiter is repairing the lock: give it one more timeout
+            if holder <= 0:
+                who = "a process that did not record its pid (it died right after taking the lock, or is stopped)"
+            elif pid_alive(holder):
+                who = f"pid {holder}, which is alive (stopped or hung: SIGCONT or restart it)"
+            else:
+                who = f"pid {holder}, which is dead (another waiter is repairing the lock)"
+            hook = _lock_wait_hook
+            if hook is not None and hook(self.what, who):
+                continue
+            raise ShmLockTimeoutError(f"{self.what} stayed held for more than {self.timeout_s:.3g} s by {who}; "
+                                      f"if it never frees, re-create the segment (restart the engine)")
 
     def recover_if_dead(self) -> bool:
         """If the recorded holder is dead, take the lock over and return True (the caller repairs, then

@@ -159,8 +159,10 @@ class EngineConfig:
                                   "blocks on its inbox before it beats its heartbeat and checks for stop; a message "
                                   "wakes it at once, so this bounds idle CPU and stop latency, not request latency",
                                   _positive, "> 0")
-    queue_put_timeout_s: float = _setting(5.0, "longest an engine actor blocks on a full shm queue before it "
-                                          "gives the message up (its consumer is hung or dead)", _positive, "> 0")
+    queue_put_timeout_s: float = _setting(5.0, "longest an engine actor blocks on a full shm queue (its consumer "
+                                          "slow, hung or dead) before it holds the message and retries it every "
+                                          "loop iteration, later messages to that queue behind it",
+                                          _positive, "> 0")
     admission_put_timeout_s: float = _setting(1.0, "longest the API waits for room in the prefill queue before "
                                               "it answers 503 (retry)", _positive, "> 0")
     # deadlines (the heartbeat monitor enforces them)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import threading
 import time
 
 import psutil
@@ -130,3 +132,54 @@ def test_a_stuck_api_inbox_lock_costs_one_lock_wait_not_one_per_failed_request(e
         if holder.is_alive():
             holder.kill()
             holder.join(10)
+
+
+def test_a_decode_actor_waits_out_a_state_table_lock_its_stopped_neighbour_holds_beating_until_it_is_killed(
+        engine_shm):
+    """decode0 stopped inside a table write (as SIGSTOP can land): decode1's next write must not raise (that
+    killed decode1 in a CI run of tests/e2e/test_nxm.py) but wait, beating its heartbeat so that the monitor
+    does not call it hung too, and go on once the supervisor kills the holder. While the engine stops it
+    raises instead of waiting."""
+    from actors.base import Actor
+    from ipc import _shm
+
+    topo, shm = engine_shm
+    state = shm["state"]
+    slot, generation = state.allocate("neighbour-1", prompt_tokens=4, prefill_actor=0, decode_actor=DECODE0)
+    actor = Actor.__new__(Actor)   # the shell's own fields only: no layout, no process of its own
+    actor.role, actor.name, actor.index, actor.actors, actor.status = "decode", "decode0", DECODE0, \
+        shm["actors"], shm["status"]
+    ctx = multiprocessing.get_context("spawn")
+    holder = ctx.Process(target=kids.st_stop_holding_lock, args=(state.name,))
+    holder.start()
+    try:
+        wait_until(lambda: psutil.Process(holder.pid).status() == psutil.STATUS_STOPPED, 60, 0.02,
+                   "the holder to stop with the lock")
+        beats_before = shm["actors"].row(DECODE0)["heartbeat_count"]
+        actor.wait_out_stuck_locks(os.getppid())
+        killer = threading.Thread(target=lambda: (wait_until(
+            lambda: shm["actors"].row(DECODE0)["heartbeat_count"] >= beats_before + 3, 30, 0.02,
+            "three beats while waiting"), holder.kill()))
+        killer.start()
+        try:   # the write waits (3 lock timeouts, beating) until the holder is killed, then takes the lock over
+            assert state.transition(slot, generation, S.PREFILLING) is True
+        finally:
+            killer.join(40)
+        assert state.row(slot)["state"] == S.PREFILLING
+
+        holder2 = ctx.Process(target=kids.st_stop_holding_lock, args=(state.name,))
+        holder2.start()
+        try:
+            wait_until(lambda: psutil.Process(holder2.pid).status() == psutil.STATUS_STOPPED, 60, 0.02,
+                       "the second holder to stop with the lock")
+            shm["status"].rec["stopping"] = 1   # the engine stops: no waiting, the error as before
+            with pytest.raises(ShmLockTimeoutError, match="alive"):
+                state.transition(slot, generation, S.FAILED)
+        finally:
+            holder2.kill()
+            holder2.join(10)
+    finally:
+        _shm.set_lock_wait_hook(None)
+        if holder.is_alive():
+            holder.kill()
+        holder.join(10)
