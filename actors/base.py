@@ -228,9 +228,9 @@ class Actor:
         """A shm lock (state table, queue mutex) that another live process holds past its timeout, a stopped or
         hung neighbour, is waited out here, heartbeat beating, until the supervisor kills the holder and the lock
         is taken over, instead of the ShmLockTimeoutError killing this healthy actor and what it holds mid-step
-        (ipc/_shm.py ``set_lock_wait_hook``). Not while the engine stops or after the supervisor died: then
+        (``ipc.state_table.set_lock_wait_hook``). Not while the engine stops or after the supervisor died: then
         the error is raised. Logged once per lock and holder."""
-        from ipc import _shm
+        from ipc.state_table import set_lock_wait_hook
 
         logged: set[tuple[str, str]] = set()
 
@@ -246,7 +246,7 @@ class Actor:
             self.actors.beat(self.index, iterations_delta=0)
             return True
 
-        _shm.set_lock_wait_hook(wait_on)
+        set_lock_wait_hook(wait_on)
 
     def child_main(self) -> None:
         """The child's entry; the loop runs until the supervisor sets the stop flag (``engine_stopping``) or

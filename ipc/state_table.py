@@ -65,7 +65,7 @@ from typing import Iterable
 import numpy as np
 
 from ipc import _shm, recorder
-from ipc._shm import RobustLock
+from ipc._shm import RobustLock, set_lock_wait_hook  # noqa: F401 - public here: actors/base.py waits locks out
 from ipc.lifecycle import (ALLOCATE_STATES, ALLOWED, FINAL_STATES, LIVE_STATES, RequestState,  # noqa: F401
                            check_mover, check_transition)
 from ipc.recorder import EventKind

@@ -141,7 +141,7 @@ def test_a_decode_actor_waits_out_a_state_table_lock_its_stopped_neighbour_holds
     does not call it hung too, and go on once the supervisor kills the holder. While the engine stops it
     raises instead of waiting."""
     from actors.base import Actor
-    from ipc import _shm
+    from ipc.state_table import set_lock_wait_hook
 
     topo, shm = engine_shm
     state = shm["state"]
@@ -179,7 +179,7 @@ def test_a_decode_actor_waits_out_a_state_table_lock_its_stopped_neighbour_holds
             holder2.kill()
             holder2.join(10)
     finally:
-        _shm.set_lock_wait_hook(None)
+        set_lock_wait_hook(None)
         if holder.is_alive():
             holder.kill()
         holder.join(10)
