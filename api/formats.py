@@ -43,7 +43,7 @@ from typing import Any
 from api import tools as hermes
 
 __all__ = ["FAMILY_DEFAULTS", "REASONING_PARSERS", "TOOL_PARSERS", "OutputFormats", "ReasoningStream", "choose",
-           "split_reasoning", "tool_parser"]
+           "marker_texts", "split_reasoning", "tool_parser", "with_special_markers"]
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -199,9 +199,11 @@ class ToolParser:
     ``("content", text)`` / ``("call", {"name", "arguments"})``; ``required_grammar(tools, parallel)``: the Lark
     grammar (llguidance) of ``tool_choice: "required"`` in this format; ``instructions(tools)``: the system text that
     teaches the format to a model whose template does not render tools; ``render_calls(calls)``: an assistant's
-    earlier calls (``{"name", "arguments"}``) as the model writes them."""
+    earlier calls (``{"name", "arguments"}``) as the model writes them. ``markers``: the marker strings the
+    format is read by (kept in the text when the model files declare them special tokens: :func:`marker_texts`)."""
 
     name = ""
+    markers: tuple[str, ...] = ()
 
     def parse(self, text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
         stream = self.stream(parallel)
@@ -263,6 +265,7 @@ class HermesParser(ToolParser):
     """``<tool_call>`` blocks: api/tools.py's parser (partial calls cut by ``max_tokens`` included)."""
 
     name = "hermes"
+    markers = (hermes.TOOL_CALL_OPEN, hermes.TOOL_CALL_CLOSE)
 
     def parse(self, text, parallel=True):
         return hermes.parse_tool_calls(text, parallel)
@@ -369,6 +372,7 @@ def _cut_calls(text: str, separator: str, names: tuple[str, ...]) -> list[dict] 
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+    markers = (PYTHON_TAG,)
 
     def stream(self, parallel=True):
         return _WholeMessageStream(parallel)
@@ -500,6 +504,7 @@ def _mistral_calls(text: str) -> tuple[list[dict], int] | None:
 
 class MistralParser(ToolParser):
     name = "mistral"
+    markers = (MISTRAL_CALLS, MISTRAL_ARGS)
 
     def stream(self, parallel=True):
         return _MarkerStream(parallel)
@@ -631,6 +636,7 @@ class DeepSeekV3Parser(ToolParser):
     """DeepSeek-V3's calls (``function<｜tool▁sep｜>NAME`` and fenced JSON); reads V3.1's form too."""
 
     name = "deepseek_v3"
+    markers = (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP)
 
     def stream(self, parallel=True):
         return _DeepSeekStream(parallel)
@@ -685,6 +691,47 @@ def tool_parser(name: str) -> ToolParser:
 
 
 # ------------------------------------------------------------------------------------------- one chat choice
+
+
+def marker_texts(formats: OutputFormats | None, tools: bool = True) -> tuple[str, ...]:
+    """The markers a chat choice's parsers read: the tool-call parser's when ``tools`` (the request has tools),
+    ``<think>`` / ``</think>`` when it splits reasoning; () for None. The API keeps those that are special tokens
+    in the detokenized text (gpu.tokenizer.Tokenizer.special_ids_of), other special tokens stay skipped."""
+    if formats is None:
+        return ()
+    found = tool_parser(formats.tool_parser).markers if tools else ()
+    return found + ((THINK_OPEN, THINK_CLOSE) if formats.reasoning else ())
+
+
+def with_special_markers(grammar: str, ids: dict[str, int]) -> str:
+    """A Lark grammar (llguidance) whose quoted literals write the markers in ``ids`` (marker text -> token id, the
+    markers the model files declare special tokens) as those tokens, ``<[id]>``: llguidance matches a literal's
+    text against text tokens only, so a call's marker has to be named as the special token the model writes.
+    ``%json {...}`` schemas are left as they are."""
+    if not ids:
+        return grammar
+    pattern = re.compile("(" + "|".join(re.escape(m) for m in sorted(ids, key=len, reverse=True)) + ")")
+    decoder = json.JSONDecoder()
+    out: list[str] = []
+    i = 0
+    while i < len(grammar):
+        if grammar.startswith("%json", i):
+            start = i + len("%json")
+            start += len(grammar[start:]) - len(grammar[start:].lstrip(" "))
+            end = decoder.raw_decode(grammar, start)[1]
+            out.append(grammar[i:end])
+            i = end
+        elif grammar[i] == '"':
+            j = i + 1
+            while grammar[j] != '"':
+                j += 2 if grammar[j] == "\\" else 1
+            parts = [f"<[{ids[p]}]>" if p in ids else f'"{p}"' for p in pattern.split(grammar[i + 1:j]) if p]
+            out.append(parts[0] if len(parts) == 1 else "(" + " ".join(parts) + ")")
+            i = j + 1
+        else:
+            out.append(grammar[i])
+            i += 1
+    return "".join(out)
 
 
 def request_formats(req) -> OutputFormats | None:
