@@ -467,3 +467,57 @@ def test_the_served_model_s_family_picks_its_parsers(family, flags, expected, tm
                          "e1")
     assert layout.shape.family == family
     assert formats_for(layout, Tokenizer.load(path)) == expected
+
+
+def test_required_grammar_names_the_markers_the_model_declares_special_tokens():
+    """Quoted literals are split around the markers (written ``<[id]>``); a %json schema, even one whose strings
+    hold a marker, is left as it is."""
+    from api.formats import with_special_markers
+
+    grammar = 'start: "<tool_call>\\n" body ("\\n" "</tool_call>")*\nbody: %json {"const": "<tool_call>\\""}\n'
+    assert with_special_markers(grammar, {"<tool_call>": 7, "</tool_call>": 8}) == (
+        'start: (<[7]> "\\n") body ("\\n" <[8]>)*\nbody: %json {"const": "<tool_call>\\""}\n')
+    assert with_special_markers(grammar, {}) == grammar
+
+
+def test_marker_texts_are_the_parsers_of_the_request():
+    from api.formats import marker_texts
+
+    assert marker_texts(None) == ()
+    assert marker_texts(OutputFormats("mistral", None)) == ("[TOOL_CALLS]", "[ARGS]")
+    assert marker_texts(OutputFormats("hermes", "qwen3"), tools=False) == ("<think>", "</think>")
+    assert len(marker_texts(OutputFormats("deepseek_v3", "deepseek_r1"))) == 7
+
+
+@pytest.mark.parametrize("parser, reasoning", [("hermes", "qwen3"), ("deepseek_v3", "deepseek_r1"),
+                                               ("mistral", None)])
+def test_markers_that_are_special_tokens_reach_the_parsers_token_by_token(parser, reasoning):
+    """An answer whose markers are single special tokens (as the model files declare them), detokenized a token
+    at a time as the API does (kept markers, other special tokens skipped), is split and parsed as its text is;
+    with the markers skipped, as vLLM's skip_special_tokens would, no call is found."""
+    from tokenizers import AddedToken
+
+    from api.formats import marker_texts
+    from gpu.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    formats = OutputFormats(parser, reasoning)
+    markers = marker_texts(formats)
+    backend = Tokenizer.load(None).backend
+    backend.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in markers])
+    tok = Tokenizer(backend, name="t", bos_token_id=None, eos_token_ids=[2], chat_template=None,
+                    vocab_size=backend.get_vocab_size(with_added_tokens=True))
+    call = REQUIRED_SAMPLES[parser]
+    text = ("<think>Paris is in France.</think>\n\n" if reasoning else "") + "Checking. " + call
+    ids = tok.encode(text + "<|im_end|>")
+    assert tok.special_ids_of([m for m in markers if m in text]) <= set(ids)   # each marker is one token
+    plan = ToolPlan("auto", ("get_weather", "get_time"))
+    for keep, want_calls in ((tok.special_ids_of(markers), 2), (frozenset(), 0)):
+        detok = IncrementalDetokenizer(tok, keep=keep)
+        deltas = ChatDeltas(formats, plan)
+        events = [e for i in ids for e in deltas.push(detok.push(i), False)] + deltas.push(detok.flush(), "stop")
+        names = [c["function"]["name"] for _, calls, _ in events for c in calls or [] if c["function"].get("name")]
+        assert len(names) == want_calls, (keep, events)
+        if want_calls:
+            assert names == ["get_weather", "get_time"]
+            assert "".join(c or "" for c, _, _ in events).strip() == "Checking."
+            assert "".join(r or "" for _, _, r in events).strip() == ("Paris is in France." if reasoning else "")
