@@ -21,9 +21,11 @@ reasoning             the answer starts inside the reasoning (DeepSeek-R1's temp
 The choice (:func:`choose`): ``--tool-call-parser`` / ``--reasoning-parser`` when given, else by the model's family
 (:data:`FAMILY_DEFAULTS`), unless the chat template says otherwise: one that does not render ``tools`` gets
 ``hermes`` (the format the fallback prompt describes), one that writes a format's marker (:data:`TEMPLATE_MARKERS`)
-gets that format's parser. Reasoning is split before tool calls: the content after ``</think>`` goes to the tool parser.
-A request that turns thinking off (``chat_template_kwargs: {"enable_thinking": false}``) or whose output a grammar
-constrains from its first token (``response_format``, forced tool calls) has no reasoning split off.
+gets that format's parser (DeepSeek's: ``deepseek_v31`` when it writes the name right after the call marker).
+Reasoning is split before tool calls: the content after ``</think>`` goes to the tool parser. A request that turns
+thinking off (``chat_template_kwargs: {"enable_thinking": false}``, or a prompt the template ends with
+``</think>``) or whose output a grammar constrains from its first token (``response_format``, forced tool calls)
+has no reasoning split off.
 
 Streams hold back text that may be the start of a marker (``<tool_call>``, ``[TOOL_CALLS]``, ``</think>``), so a
 marker split across deltas never leaks into the content; a call cut by ``max_tokens`` comes back as a call with
@@ -85,6 +87,8 @@ def choose(family: str, template: str | None, tool_flag: str = "auto",
         tool = "hermes"   # the fallback tools prompt (api/tools.py) teaches the Hermes format
     else:   # a template that writes one format's marker asks for that format, whatever the weights' family
         tool = next((name for marker, name in TEMPLATE_MARKERS if marker in text), tool)
+        if tool == "deepseek_v3" and _writes_v31_calls(text):
+            tool = "deepseek_v31"
     if reasoning is None and THINK_CLOSE in (template or ""):
         reasoning = "deepseek_r1"   # a template that writes </think> (DeepSeek-R1 distills of Qwen2.5 / Llama)
     if tool_flag != "auto":
@@ -97,6 +101,20 @@ def choose(family: str, template: str | None, tool_flag: str = "auto",
                              f"{', '.join(REASONING_PARSERS)}")
         reasoning = None if reasoning_flag == "none" else reasoning_flag
     return tool, reasoning
+
+
+def _writes_v31_calls(template: str) -> bool:
+    """True when the template writes DeepSeek calls V3.1's way, the name right after ``<｜tool▁call▁begin｜>`` (V3.1:
+    ``'<｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>'``; V3 and R1 write the type there:
+    ``tool['type']`` or ``function``)."""
+    heads = [after.split(DS_SEP, 1)[0] for after in template.split(DS_CALL_BEGIN)[1:] if DS_SEP in after[:80]]
+    return bool(heads) and all("name" in h.lower() and "type" not in h.lower() for h in heads)
+
+
+def prompt_closes_reasoning(prompt_text: str) -> bool:
+    """True when the rendered prompt ends with ``</think>``: the template closed the reasoning (thinking off, as
+    DeepSeek-V3.1's and Qwen3's templates write it), so the answer has none."""
+    return prompt_text.rstrip().endswith(THINK_CLOSE)
 
 
 def prompt_opens_reasoning(prompt_text: str) -> bool:

@@ -497,9 +497,9 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Append one id; return the text it completes ("" while a character is still incomplete)."""
         self._ids.append(int(token_id))
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=self._skip, keep=self._keep)
-        new_text = decode(self._ids[self._prefix_offset:], skip_special_tokens=self._skip, keep=self._keep)
+        decode = functools.partial(self._tokenizer.decode, skip_special_tokens=self._skip, keep=self._keep)
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = decode(self._ids[self._prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             delta = new_text[len(prefix_text):]
             self._prefix_offset = self._read_offset
@@ -511,9 +511,9 @@ class IncrementalDetokenizer:
         """Text held back at the end of the stream (an incomplete character decodes to U+FFFD here)."""
         if self._read_offset == len(self._ids):
             return ""
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=self._skip, keep=self._keep)
-        new_text = decode(self._ids[self._prefix_offset:], skip_special_tokens=self._skip, keep=self._keep)
+        decode = functools.partial(self._tokenizer.decode, skip_special_tokens=self._skip, keep=self._keep)
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = decode(self._ids[self._prefix_offset:])
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return new_text[len(prefix_text):]

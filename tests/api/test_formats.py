@@ -287,6 +287,10 @@ def test_every_family_has_defaults():
     ("llama", "{{ tools }} <|python_tag|>", ("llama3_json", None)),   # Llama 3.1's own
     ("qwen2", "{{ tools }} [TOOL_CALLS]", ("mistral", None)),
     ("llama", "{{ tools }}<｜tool▁calls▁begin｜>", ("deepseek_v3", None)),
+    ("deepseek2", "{{ tools }}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>'",
+     ("deepseek_v3", None)),
+    ("deepseek2", "{{ tools }}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>'",
+     ("deepseek_v31", None)),
 ])
 def test_choice_by_family(family, template, expected):
     assert choose(family, template) == expected
@@ -521,3 +525,30 @@ def test_markers_that_are_special_tokens_reach_the_parsers_token_by_token(parser
             assert names == ["get_weather", "get_time"]
             assert "".join(c or "" for c, _, _ in events).strip() == "Checking."
             assert "".join(r or "" for _, _, r in events).strip() == ("Paris is in France." if reasoning else "")
+
+
+@pytest.mark.parametrize("variant, expected", [
+    ("qwen3", ("hermes", "qwen3")), ("mistral", ("mistral", None)), ("llama", ("llama3_json", None)),
+    ("deepseek2", ("deepseek_v3", "deepseek_r1")), ("deepseek2-v31", ("deepseek_v31", "deepseek_r1"))])
+def test_the_families_own_templates_choose_their_parsers(variant, expected):
+    """The test data templates (tests/data/chat_templates, also served end to end in test_family_formats.py)."""
+    from tests.gpu.tiny_families import FAMILY_FORMATS, TEMPLATES
+
+    template = (TEMPLATES / FAMILY_FORMATS[variant][0]).read_text(encoding="utf-8")
+    assert choose(variant.split("-")[0], template) == expected
+
+
+def test_a_prompt_the_template_closes_with_think_has_no_reasoning(tokenizer):
+    """DeepSeek-V3.1's template closes the reasoning unless ``thinking`` is true (deepseek_r1 would otherwise read
+    the whole answer as reasoning)."""
+    from api.protocol import RequestParser
+    from gpu.tokenizer import Tokenizer
+    from tests.gpu.tiny_families import TEMPLATES
+
+    tok = Tokenizer.load(None)
+    tok.set_chat_template((TEMPLATES / "deepseek_v31.jinja").read_text(encoding="utf-8"))
+    parse = RequestParser(tok, "m", 2048, reserve_tokens=16, formats=("deepseek_v31", "deepseek_r1"))
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    assert parse.chat(body).formats.reasoning is None
+    thinking = parse.chat({**body, "chat_template_kwargs": {"thinking": True}}).formats
+    assert thinking.reasoning == "deepseek_r1" and thinking.opened

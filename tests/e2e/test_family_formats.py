@@ -1,13 +1,13 @@
 """Each family's own chat template and output formats end to end: tiny random-weight models
 (tests/gpu/tiny_families.py) whose model files carry the family's chat template (tests/data/chat_templates) and
 declare its markers as special tokens, served with no parser flags: Qwen3 (a GGUF; Hermes ``<tool_call>`` and
-``<think>``), Mistral (``[TOOL_CALLS]``), Llama 3.1 (JSON calls) and DeepSeek (R1's template over the DeepSeek-V2
-weights: V3's tool-call tokens and ``<think>``) from Hugging Face directories, which covers every tool-call parser
-but ``deepseek_v31`` and both reasoning parsers. Per family: the parsers are chosen from the template (the start-up
-log), a chat with ``tools`` is rendered by that template (the prompt's token count), ``tool_choice: "required"``
-(the grammar forces a call in the family's format, its markers as single special tokens) and a named choice come
-back as OpenAI ``tool_calls`` through the ``openai`` client, streamed and not, and where the template opens
-``<think>`` the answer is ``reasoning_content``. One engine per family, module-scoped."""
+``<think>``), and from Hugging Face directories Mistral (``[TOOL_CALLS]``), Llama 3.1 (JSON calls), DeepSeek-V2
+weights with R1's template (V3's tool-call tokens, ``<think>`` opened) and with V3.1's (its call form, ``<think>``
+opened by ``thinking``, else closed): every tool-call parser and both reasoning parsers. Per model: the parsers are
+chosen from the template (the start-up log), a chat with ``tools`` is rendered by that template (the prompt's token
+count), ``tool_choice: "required"`` (the grammar forces a call in the family's format, its markers as single special
+tokens) and a named choice come back as OpenAI ``tool_calls`` through the ``openai`` client, streamed and not, and
+where the template opens ``<think>`` the answer is ``reasoning_content``. One engine per model, module-scoped."""
 from __future__ import annotations
 
 import json
@@ -25,13 +25,16 @@ WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                            "parameters": WEATHER}}]
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
-# family, form, (tool parser, reasoning parser) chosen from the template, the first marker of a call (a special
-# token of the model files; None: Llama's whole-message JSON), text the template renders the tools with
+# family (-variant: another template) -> form, (tool parser, reasoning parser) chosen from the template, the first
+# marker of a call (a special token of the model files; None: Llama's whole-message JSON), text the template renders
+# the tools with, the chat_template_kwargs that open the reasoning (None: the template always does)
 FAMILIES = {
-    "qwen3": ("gguf", ("hermes", "qwen3"), "<tool_call>", "<tools>\n{"),
-    "mistral": ("hf", ("mistral", None), "[TOOL_CALLS]", "[AVAILABLE_TOOLS] ["),
-    "llama": ("hf", ("llama3_json", None), None, "Environment: ipython"),
-    "deepseek2": ("hf", ("deepseek_v3", "deepseek_r1"), "<｜tool▁calls▁begin｜>", "### Function"),
+    "qwen3": ("gguf", ("hermes", "qwen3"), "<tool_call>", "<tools>\n{", None),
+    "mistral": ("hf", ("mistral", None), "[TOOL_CALLS]", "[AVAILABLE_TOOLS] [", None),
+    "llama": ("hf", ("llama3_json", None), None, "Environment: ipython", None),
+    "deepseek2": ("hf", ("deepseek_v3", "deepseek_r1"), "<｜tool▁calls▁begin｜>", "### Function", None),
+    "deepseek2-v31": ("hf", ("deepseek_v31", "deepseek_r1"), "<｜tool▁calls▁begin｜>", "### get_weather",
+                      {"thinking": True}),
 }
 pytestmark = pytest.mark.timeout(900)
 
@@ -63,7 +66,8 @@ def test_the_parsers_are_chosen_from_the_model_files_template(served):
 
 def calls_of(client, stream: bool, **request) -> tuple[list[tuple[str, str]], str, str | None, list]:
     """``([(name, arguments)], finish_reason, content, logprob tokens)`` of one chat answer."""
-    request = dict(model=client.model, messages=ASK, tools=TOOLS, temperature=0, max_tokens=60, logprobs=True, **request)
+    request = dict(model=client.model, messages=ASK, tools=TOOLS, temperature=0, max_tokens=60, logprobs=True,
+                   **request)
     if not stream:
         choice = client.chat.completions.create(**request).choices[0]
         calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
@@ -117,10 +121,23 @@ def test_reasoning_opened_by_the_template_is_reasoning_content_streamed_and_not(
     name, _, client, _ = served
     if FAMILIES[name][1][1] is None:
         pytest.skip(f"{name}'s template has no reasoning")
-    request = dict(model=client.model, temperature=0, max_tokens=8, messages=ASK, extra_body={"ignore_eos": True})
+    kwargs = FAMILIES[name][4]
+    request = dict(model=client.model, temperature=0, max_tokens=8, messages=ASK,
+                   extra_body={"ignore_eos": True, **({"chat_template_kwargs": kwargs} if kwargs else {})})
     message = client.chat.completions.create(**request).choices[0].message
     reasoning = getattr(message, "reasoning_content", None)
     assert message.content is None and reasoning and "<think>" not in reasoning, message
     deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **request) if c.choices]
     assert not "".join(d.content or "" for d in deltas)
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas).strip() == reasoning
+
+
+def test_a_prompt_the_template_closes_gives_content_only(served):
+    """DeepSeek-V3.1's template closes the reasoning (``</think>``) unless ``thinking`` is true."""
+    name, _, client, _ = served
+    if FAMILIES[name][4] is None:
+        pytest.skip(f"{name}: no chat_template_kwargs switch its reasoning on or off")
+    answer = client.chat.completions.create(model=client.model, temperature=0, max_tokens=8, messages=ASK,
+                                            extra_body={"ignore_eos": True})
+    message = answer.choices[0].message
+    assert message.content and getattr(message, "reasoning_content", None) is None, message

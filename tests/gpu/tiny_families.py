@@ -235,22 +235,26 @@ def _copy_tokenizer_metadata(w: gguf.GGUFWriter, specials: tuple[str, ...] = (),
 
 
 TEMPLATES = pathlib.Path(__file__).resolve().parents[1] / "data" / "chat_templates"
-# family -> (its chat template in tests/data/chat_templates, the special tokens its model files declare: appended to
-# SmolLM2's vocabulary, so the template's markers are one token each, as in the family's real tokenizer)
+DEEPSEEK_SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                     "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                     "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
+                     "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>")
+# family (or family-variant) -> (its chat template in tests/data/chat_templates, the special tokens its model files
+# declare: appended to SmolLM2's vocabulary, so the template's markers are one token each, as in the family's real
+# tokenizer)
 FAMILY_FORMATS: dict[str, tuple[str, tuple[str, ...]]] = {
     "qwen3": ("qwen3_thinking.jinja", ("<tool_call>", "</tool_call>", "<think>", "</think>")),
     "mistral": ("mistral_v3.jinja", ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                                      "[TOOL_RESULTS]", "[/TOOL_RESULTS]")),
     "llama": ("llama3_1_json.jinja", ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
                                       "<|python_tag|>")),
-    "deepseek2": ("deepseek_r1.jinja", ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
-                                        "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
-                                        "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
-                                        "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"))}
+    "deepseek2": ("deepseek_r1.jinja", DEEPSEEK_SPECIALS),
+    "deepseek2-v31": ("deepseek_v31.jinja", DEEPSEEK_SPECIALS)}
 
 
 def save_with_formats(name: str, d: pathlib.Path, form: str, seed: int = 0) -> pathlib.Path:
-    """The tiny ``name`` model with its family's chat template and special tokens (:data:`FAMILY_FORMATS`), as a
+    """The tiny ``name`` model (a :data:`FAMILY_FORMATS` key: the family, or family-variant for another template)
+    with its family's chat template and special tokens, as a
     Hugging Face directory (``form`` "hf": ``tokenizer.json`` with the added tokens, ``tokenizer_config.json``'s
     ``chat_template``) or a GGUF ("gguf": control tokens, ``tokenizer.chat_template``) under ``d``; its path."""
     import json
@@ -261,6 +265,7 @@ def save_with_formats(name: str, d: pathlib.Path, form: str, seed: int = 0) -> p
 
     template_file, specials = FAMILY_FORMATS[name]
     template = (TEMPLATES / template_file).read_text(encoding="utf-8")
+    name = name.split("-")[0]
     model = build_hf(name, seed, vocab_size=VOCAB + len(specials))
     if form == "gguf":
         return write_gguf(name, model, d / f"tiny-{name}.gguf", specials=specials, chat_template=template)
