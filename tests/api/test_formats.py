@@ -552,3 +552,31 @@ def test_a_prompt_the_template_closes_with_think_has_no_reasoning(tokenizer):
     assert parse.chat(body).formats.reasoning is None
     thinking = parse.chat({**body, "chat_template_kwargs": {"thinking": True}}).formats
     assert thinking.reasoning == "deepseek_r1" and thinking.opened
+
+
+@pytest.mark.parametrize("variant, call", [
+    ("qwen3", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+              '<|im_start|>user\n<tool_response>\n12 C\n</tool_response><|im_end|>'),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcDEF123"}]'),
+    ("llama", '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
+              '<|start_header_id|>ipython<|end_header_id|>\n\n12 C<|eot_id|>'),
+    ("deepseek2", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                  '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("deepseek2-v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                      '<｜tool▁call▁end｜><｜tool▁calls▁end｜>')])
+def test_an_earlier_call_and_its_result_are_rendered_by_the_families_own_templates(variant, call):
+    """A conversation with an assistant's call and the tool's result goes through the family's template (the
+    request's parser is the one the template chooses) and comes out in the family's own format."""
+    from api.protocol import RequestParser
+    from gpu.tokenizer import Tokenizer
+    from tests.gpu.tiny_families import FAMILY_FORMATS, TEMPLATES
+
+    tok = Tokenizer.load(None)
+    tok.set_chat_template((TEMPLATES / FAMILY_FORMATS[variant][0]).read_text(encoding="utf-8"))
+    parse = RequestParser(tok, "m", 4096, reserve_tokens=16, formats=choose(variant.split("-")[0], tok.chat_template))
+    gen = parse.chat({"tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_abcDEF123", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_abcDEF123", "content": "12 C"}]})
+    assert call in tok.decode(gen.prompt_ids, skip_special_tokens=False)
