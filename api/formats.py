@@ -29,7 +29,9 @@ has no reasoning split off.
 
 Streams hold back text that may be the start of a marker (``<tool_call>``, ``[TOOL_CALLS]``, ``</think>``), so a
 marker split across deltas never leaks into the content; a call cut by ``max_tokens`` comes back as a call with
-the arguments written so far, whatever the parser. Entry points: :func:`formats_for` (API start-up),
+the arguments written so far, whatever the parser. Markers the model files declare special tokens stay in the text
+the parsers read (:func:`marker_texts`, kept by api/app.py's detokenizer) and are named as those tokens in the
+``required`` grammar (:func:`with_special_markers`). Entry points: :func:`formats_for` (API start-up),
 :class:`OutputFormats` (per request, api/protocol.py), :class:`ChatDeltas` (a streamed choice: api/app.py,
 api/dialects/events.py) and :func:`finish_choice` (a whole one). Plain synchronous code, no I/O.
 """

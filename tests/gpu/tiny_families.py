@@ -2,7 +2,9 @@
 saved as a Hugging Face directory and written as a GGUF the way llama.cpp's convert_hf_to_gguf.py writes that family
 (architecture name, tensor names, Q/K permutation for ``llama``, ``1 + w`` Gemma norms, fused Phi-3 weights,
 DeepSeek-V2's MLA keys and per-head ``attn_k_b`` / ``attn_v_b``). Both carry the embedded SmolLM2 tokenizer (its
-vocabulary size, tokenizer files / GGUF tokenizer metadata with the chat template), so the engine can serve them.
+vocabulary size, tokenizer files / GGUF tokenizer metadata with the chat template), so the engine can serve them;
+:func:`save_with_formats` instead gives them their family's own chat template (tests/data/chat_templates) and its
+markers as special tokens appended to the vocabulary (:data:`FAMILY_FORMATS`).
 
 Shapes: 3 layers, hidden 64, 4 query heads over 2 KV heads, head_dim 16 (Mistral: 24, not hidden / heads), sliding
 windows of 8 tokens where the family has them, so a 20-token prompt plus 16 decode steps crosses them. DeepSeek-V2:
