@@ -28,7 +28,7 @@ from api.http_edges import note_engine_requests
 from api.protocol import (ChoiceResult, GenerationRequest, RequestParser, chat_logprobs, chunk, completion_logprobs,
                           error_body, full_response, usage)
 from api.sse import with_pings
-from api.formats import ChatDeltas, finish_choice, request_formats
+from api.formats import ChatDeltas, finish_choice, marker_texts, request_formats
 from ipc.recorder import ClosedBy, EventKind, record_request
 from pdserve.errors import InvalidRequestError, PdserveError
 
@@ -149,7 +149,10 @@ async def generate_text(client: EngineClient, tokenizer, handle: RequestHandle,
     """
     from gpu.tokenizer import IncrementalDetokenizer
 
-    detok = IncrementalDetokenizer(tokenizer)
+    # a chat choice's parser markers stay in its text when they are special tokens (the rest are skipped)
+    request = handle.request
+    markers = marker_texts(request_formats(request), tools=getattr(request, "tools", None) is not None)
+    detok = IncrementalDetokenizer(tokenizer, keep=tokenizer.special_ids_of(markers) if markers else frozenset())
     stops = StopStringMatcher(handle.request.stop)
     handle.completion_tokens = 0
     last_ns = 0

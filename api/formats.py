@@ -21,13 +21,17 @@ reasoning             the answer starts inside the reasoning (DeepSeek-R1's temp
 The choice (:func:`choose`): ``--tool-call-parser`` / ``--reasoning-parser`` when given, else by the model's family
 (:data:`FAMILY_DEFAULTS`), unless the chat template says otherwise: one that does not render ``tools`` gets
 ``hermes`` (the format the fallback prompt describes), one that writes a format's marker (:data:`TEMPLATE_MARKERS`)
-gets that format's parser. Reasoning is split before tool calls: the content after ``</think>`` goes to the tool parser.
-A request that turns thinking off (``chat_template_kwargs: {"enable_thinking": false}``) or whose output a grammar
-constrains from its first token (``response_format``, forced tool calls) has no reasoning split off.
+gets that format's parser (DeepSeek's: ``deepseek_v31`` when it writes the name right after the call marker).
+Reasoning is split before tool calls: the content after ``</think>`` goes to the tool parser. A request that turns
+thinking off (``chat_template_kwargs: {"enable_thinking": false}``, or a prompt the template ends with
+``</think>``) or whose output a grammar constrains from its first token (``response_format``, forced tool calls)
+has no reasoning split off.
 
 Streams hold back text that may be the start of a marker (``<tool_call>``, ``[TOOL_CALLS]``, ``</think>``), so a
 marker split across deltas never leaks into the content; a call cut by ``max_tokens`` comes back as a call with
-the arguments written so far, whatever the parser. Entry points: :func:`formats_for` (API start-up),
+the arguments written so far, whatever the parser. Markers the model files declare special tokens stay in the text
+the parsers read (:func:`marker_texts`, kept by api/app.py's detokenizer) and are named as those tokens in the
+``required`` grammar (:func:`with_special_markers`). Entry points: :func:`formats_for` (API start-up),
 :class:`OutputFormats` (per request, api/protocol.py), :class:`ChatDeltas` (a streamed choice: api/app.py,
 api/dialects/events.py) and :func:`finish_choice` (a whole one). Plain synchronous code, no I/O.
 """
@@ -43,7 +47,7 @@ from typing import Any
 from api import tools as hermes
 
 __all__ = ["FAMILY_DEFAULTS", "REASONING_PARSERS", "TOOL_PARSERS", "OutputFormats", "ReasoningStream", "choose",
-           "split_reasoning", "tool_parser"]
+           "marker_texts", "split_reasoning", "tool_parser", "with_special_markers"]
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -85,6 +89,8 @@ def choose(family: str, template: str | None, tool_flag: str = "auto",
         tool = "hermes"   # the fallback tools prompt (api/tools.py) teaches the Hermes format
     else:   # a template that writes one format's marker asks for that format, whatever the weights' family
         tool = next((name for marker, name in TEMPLATE_MARKERS if marker in text), tool)
+        if tool == "deepseek_v3" and _writes_v31_calls(text):
+            tool = "deepseek_v31"
     if reasoning is None and THINK_CLOSE in (template or ""):
         reasoning = "deepseek_r1"   # a template that writes </think> (DeepSeek-R1 distills of Qwen2.5 / Llama)
     if tool_flag != "auto":
@@ -97,6 +103,20 @@ def choose(family: str, template: str | None, tool_flag: str = "auto",
                              f"{', '.join(REASONING_PARSERS)}")
         reasoning = None if reasoning_flag == "none" else reasoning_flag
     return tool, reasoning
+
+
+def _writes_v31_calls(template: str) -> bool:
+    """True when the template writes DeepSeek calls V3.1's way, the name right after ``<｜tool▁call▁begin｜>`` (V3.1:
+    ``'<｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>'``; V3 and R1 write the type there:
+    ``tool['type']`` or ``function``)."""
+    heads = [after.split(DS_SEP, 1)[0] for after in template.split(DS_CALL_BEGIN)[1:] if DS_SEP in after[:80]]
+    return bool(heads) and all("name" in h.lower() and "type" not in h.lower() for h in heads)
+
+
+def prompt_closes_reasoning(prompt_text: str) -> bool:
+    """True when the rendered prompt ends with ``</think>``: the template closed the reasoning (thinking off, as
+    DeepSeek-V3.1's and Qwen3's templates write it), so the answer has none."""
+    return prompt_text.rstrip().endswith(THINK_CLOSE)
 
 
 def prompt_opens_reasoning(prompt_text: str) -> bool:
@@ -199,9 +219,11 @@ class ToolParser:
     ``("content", text)`` / ``("call", {"name", "arguments"})``; ``required_grammar(tools, parallel)``: the Lark
     grammar (llguidance) of ``tool_choice: "required"`` in this format; ``instructions(tools)``: the system text that
     teaches the format to a model whose template does not render tools; ``render_calls(calls)``: an assistant's
-    earlier calls (``{"name", "arguments"}``) as the model writes them."""
+    earlier calls (``{"name", "arguments"}``) as the model writes them. ``markers``: the marker strings the
+    format is read by (kept in the text when the model files declare them special tokens: :func:`marker_texts`)."""
 
     name = ""
+    markers: tuple[str, ...] = ()
 
     def parse(self, text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
         stream = self.stream(parallel)
@@ -263,6 +285,7 @@ class HermesParser(ToolParser):
     """``<tool_call>`` blocks: api/tools.py's parser (partial calls cut by ``max_tokens`` included)."""
 
     name = "hermes"
+    markers = (hermes.TOOL_CALL_OPEN, hermes.TOOL_CALL_CLOSE)
 
     def parse(self, text, parallel=True):
         return hermes.parse_tool_calls(text, parallel)
@@ -369,6 +392,7 @@ def _cut_calls(text: str, separator: str, names: tuple[str, ...]) -> list[dict] 
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+    markers = (PYTHON_TAG,)
 
     def stream(self, parallel=True):
         return _WholeMessageStream(parallel)
@@ -500,6 +524,7 @@ def _mistral_calls(text: str) -> tuple[list[dict], int] | None:
 
 class MistralParser(ToolParser):
     name = "mistral"
+    markers = (MISTRAL_CALLS, MISTRAL_ARGS)
 
     def stream(self, parallel=True):
         return _MarkerStream(parallel)
@@ -631,6 +656,7 @@ class DeepSeekV3Parser(ToolParser):
     """DeepSeek-V3's calls (``function<｜tool▁sep｜>NAME`` and fenced JSON); reads V3.1's form too."""
 
     name = "deepseek_v3"
+    markers = (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP)
 
     def stream(self, parallel=True):
         return _DeepSeekStream(parallel)
@@ -685,6 +711,47 @@ def tool_parser(name: str) -> ToolParser:
 
 
 # ------------------------------------------------------------------------------------------- one chat choice
+
+
+def marker_texts(formats: OutputFormats | None, tools: bool = True) -> tuple[str, ...]:
+    """The markers a chat choice's parsers read: the tool-call parser's when ``tools`` (the request has tools),
+    ``<think>`` / ``</think>`` when it splits reasoning; () for None. The API keeps those that are special tokens
+    in the detokenized text (gpu.tokenizer.Tokenizer.special_ids_of), other special tokens stay skipped."""
+    if formats is None:
+        return ()
+    found = tool_parser(formats.tool_parser).markers if tools else ()
+    return found + ((THINK_OPEN, THINK_CLOSE) if formats.reasoning else ())
+
+
+def with_special_markers(grammar: str, ids: dict[str, int]) -> str:
+    """A Lark grammar (llguidance) whose quoted literals write the markers in ``ids`` (marker text -> token id, the
+    markers the model files declare special tokens) as those tokens, ``<[id]>``: llguidance matches a literal's
+    text against text tokens only, so a call's marker has to be named as the special token the model writes.
+    ``%json {...}`` schemas are left as they are."""
+    if not ids:
+        return grammar
+    pattern = re.compile("(" + "|".join(re.escape(m) for m in sorted(ids, key=len, reverse=True)) + ")")
+    decoder = json.JSONDecoder()
+    out: list[str] = []
+    i = 0
+    while i < len(grammar):
+        if grammar.startswith("%json", i):
+            start = i + len("%json")
+            start += len(grammar[start:]) - len(grammar[start:].lstrip(" "))
+            end = decoder.raw_decode(grammar, start)[1]
+            out.append(grammar[i:end])
+            i = end
+        elif grammar[i] == '"':
+            j = i + 1
+            while grammar[j] != '"':
+                j += 2 if grammar[j] == "\\" else 1
+            parts = [f"<[{ids[p]}]>" if p in ids else f'"{p}"' for p in pattern.split(grammar[i + 1:j]) if p]
+            out.append(parts[0] if len(parts) == 1 else "(" + " ".join(parts) + ")")
+            i = j + 1
+        else:
+            out.append(grammar[i])
+            i += 1
+    return "".join(out)
 
 
 def request_formats(req) -> OutputFormats | None:

@@ -14,7 +14,8 @@ from typing import Any
 
 from actors.messages import Sampling
 from api import fields
-from api.formats import OutputFormats, prompt_opens_reasoning, tool_parser
+from api.formats import (OutputFormats, prompt_closes_reasoning, prompt_opens_reasoning, tool_parser,
+                         with_special_markers)
 from api.tools import ToolPlan, parameters_schema, parse_tools, template_messages
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 from pdserve.kv_budget import blocks_for
@@ -577,14 +578,18 @@ class RequestParser:
         elif plan is not None and plan.mode == "required":
             from gpu.grammar import lark_grammar
 
-            sampling = self._constrain(sampling, lark_grammar(parser.required_grammar(tools, plan.parallel)),
-                                       "tool_choice")
+            special = {m: self.tokenizer.token_to_id(m) for m in parser.markers
+                       if self.tokenizer.token_to_id(m) in self.tokenizer.special_ids}
+            grammar = with_special_markers(parser.required_grammar(tools, plan.parallel), special)
+            sampling = self._constrain(sampling, lark_grammar(grammar), "tool_choice")
         elif fmt is not False:
             sampling = self._constrain(sampling, self._schema_grammar(fmt, "response_format"), "response_format")
         constrained_by = None if sampling.grammar is None else "tool_choice" if plan else "response_format"
         # no reasoning when the request turns thinking off, nor in an answer a grammar constrains from its first token
         thinking = kwargs.get("enable_thinking", kwargs.get("thinking", True)) is not False
         reasoning = self.reasoning_parser if thinking and sampling.grammar is None else None
+        if reasoning and prompt_closes_reasoning(text):   # the template closed it: thinking is off
+            reasoning = None
         formats = OutputFormats(parser.name, reasoning, bool(reasoning) and prompt_opens_reasoning(text))
         return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body, constrained_by), stream,
                                  include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan,

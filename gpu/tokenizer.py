@@ -160,13 +160,15 @@ class Tokenizer:
         types = meta.get("tokenizer.ggml.token_type")
         types = [TOKEN_TYPE_NORMAL] * len(tokens) if types is None else [int(t) for t in types]
 
-        # Byte-level vocabularies spell every token in GPT-2's byte alphabet; a token written otherwise
-        # (a control token like "<|im_start|>" is already in it) is respelled from its UTF-8 bytes.
+        # Byte-level vocabularies spell every token in GPT-2's byte alphabet; a token written otherwise is
+        # respelled from its UTF-8 bytes, except a control or user-defined one: it is matched whole in text as
+        # written (DeepSeek's "<｜tool▁calls▁begin｜>"; "<|im_start|>" is in the alphabet anyway).
         spelling = bytes_to_unicode()
         alphabet = set(spelling.values())
+        whole = (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
         vocab: dict[str, int] = {}
-        for i, tok in enumerate(tokens):
-            key = tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8"))
+        for i, (tok, ty) in enumerate(zip(tokens, types)):
+            key = tok if ty in whole or set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8"))
             vocab.setdefault(key, i)
         merges = [tuple(m.split(" ", 1)) for m in merges_raw]
         backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
@@ -175,7 +177,7 @@ class Tokenizer:
         backend.decoder = decoders.ByteLevel()
 
         special = [AddedToken(t, special=True, normalized=False)
-                   for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+                   for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL and t in vocab]
         user = [AddedToken(t, special=False, normalized=False)
                 for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_USER_DEFINED and t in vocab]
         if special:
@@ -302,8 +304,12 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``; bytes that do not form complete UTF-8 characters decode to U+FFFD.
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True,
+               keep: frozenset[int] = frozenset()) -> str:
+        """Text of ``ids``; bytes that do not form complete UTF-8 characters decode to U+FFFD. With
+        ``skip_special_tokens`` the special tokens are left out, except those in ``keep`` (token ids: the markers
+        an output parser reads, e.g. ``<tool_call>`` declared special by the model files, as vLLM's parsers turn
+        ``skip_special_tokens`` off for them).
 
         Raises:
             InvalidRequestError: an id is outside ``[0, vocab_size)``.
@@ -312,7 +318,20 @@ class Tokenizer:
         for i in ids:
             if not 0 <= i < self._vocab_size:
                 raise InvalidRequestError(f"token id {i} is outside the vocabulary [0, {self._vocab_size})")
+        if skip_special_tokens and keep:
+            special = self.special_ids
+            ids, skip_special_tokens = [i for i in ids if i in keep or i not in special], False
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens (what ``decode(skip_special_tokens=True)`` leaves out)."""
+        return frozenset(int(i) for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    def special_ids_of(self, texts: Iterable[str]) -> frozenset[int]:
+        """The ids of those of ``texts`` that are one special token each (e.g. a parser's markers)."""
+        ids = (self._tok.token_to_id(t) for t in texts)
+        return frozenset(i for i in ids if i is not None and i in self.special_ids)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -457,12 +476,15 @@ class IncrementalDetokenizer:
     Source: vLLM's ``detokenize_incrementally`` (vllm/transformers_utils/detokenizer_utils.py) and TGI's
     ``Model.decode_token``.
 
-    ``"".join(push(i) for i in ids) + flush() == tokenizer.decode(ids, skip_special_tokens)``.
+    ``"".join(push(i) for i in ids) + flush() == tokenizer.decode(ids, skip_special_tokens, keep)``
+    (``keep``: special token ids written out even when special tokens are skipped, see :meth:`Tokenizer.decode`).
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True,
+                 keep: frozenset[int] = frozenset()):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._keep = frozenset(keep)
         self._ids: list[int] = []
         self._prefix_offset = 0  # window start: ids before it are never decoded again
         self._read_offset = 0  # ids before it have been emitted as text
@@ -475,9 +497,9 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Append one id; return the text it completes ("" while a character is still incomplete)."""
         self._ids.append(int(token_id))
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=self._skip)
-        new_text = decode(self._ids[self._prefix_offset:], skip_special_tokens=self._skip)
+        decode = functools.partial(self._tokenizer.decode, skip_special_tokens=self._skip, keep=self._keep)
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = decode(self._ids[self._prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             delta = new_text[len(prefix_text):]
             self._prefix_offset = self._read_offset
@@ -489,9 +511,9 @@ class IncrementalDetokenizer:
         """Text held back at the end of the stream (an incomplete character decodes to U+FFFD here)."""
         if self._read_offset == len(self._ids):
             return ""
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=self._skip)
-        new_text = decode(self._ids[self._prefix_offset:], skip_special_tokens=self._skip)
+        decode = functools.partial(self._tokenizer.decode, skip_special_tokens=self._skip, keep=self._keep)
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = decode(self._ids[self._prefix_offset:])
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return new_text[len(prefix_text):]

@@ -287,6 +287,10 @@ def test_every_family_has_defaults():
     ("llama", "{{ tools }} <|python_tag|>", ("llama3_json", None)),   # Llama 3.1's own
     ("qwen2", "{{ tools }} [TOOL_CALLS]", ("mistral", None)),
     ("llama", "{{ tools }}<｜tool▁calls▁begin｜>", ("deepseek_v3", None)),
+    ("deepseek2", "{{ tools }}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>'",
+     ("deepseek_v3", None)),
+    ("deepseek2", "{{ tools }}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>'",
+     ("deepseek_v31", None)),
 ])
 def test_choice_by_family(family, template, expected):
     assert choose(family, template) == expected
@@ -467,3 +471,112 @@ def test_the_served_model_s_family_picks_its_parsers(family, flags, expected, tm
                          "e1")
     assert layout.shape.family == family
     assert formats_for(layout, Tokenizer.load(path)) == expected
+
+
+def test_required_grammar_names_the_markers_the_model_declares_special_tokens():
+    """Quoted literals are split around the markers (written ``<[id]>``); a %json schema, even one whose strings
+    hold a marker, is left as it is."""
+    from api.formats import with_special_markers
+
+    grammar = 'start: "<tool_call>\\n" body ("\\n" "</tool_call>")*\nbody: %json {"const": "<tool_call>\\""}\n'
+    assert with_special_markers(grammar, {"<tool_call>": 7, "</tool_call>": 8}) == (
+        'start: (<[7]> "\\n") body ("\\n" <[8]>)*\nbody: %json {"const": "<tool_call>\\""}\n')
+    assert with_special_markers(grammar, {}) == grammar
+
+
+def test_marker_texts_are_the_parsers_of_the_request():
+    from api.formats import marker_texts
+
+    assert marker_texts(None) == ()
+    assert marker_texts(OutputFormats("mistral", None)) == ("[TOOL_CALLS]", "[ARGS]")
+    assert marker_texts(OutputFormats("hermes", "qwen3"), tools=False) == ("<think>", "</think>")
+    assert len(marker_texts(OutputFormats("deepseek_v3", "deepseek_r1"))) == 7
+
+
+@pytest.mark.parametrize("parser, reasoning", [("hermes", "qwen3"), ("deepseek_v3", "deepseek_r1"),
+                                               ("mistral", None)])
+def test_markers_that_are_special_tokens_reach_the_parsers_token_by_token(parser, reasoning):
+    """An answer whose markers are single special tokens (as the model files declare them), detokenized a token
+    at a time as the API does (kept markers, other special tokens skipped), is split and parsed as its text is;
+    with the markers skipped, as vLLM's skip_special_tokens would, no call is found."""
+    from tokenizers import AddedToken
+
+    from api.formats import marker_texts
+    from gpu.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    formats = OutputFormats(parser, reasoning)
+    markers = marker_texts(formats)
+    backend = Tokenizer.load(None).backend
+    backend.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in markers])
+    tok = Tokenizer(backend, name="t", bos_token_id=None, eos_token_ids=[2], chat_template=None,
+                    vocab_size=backend.get_vocab_size(with_added_tokens=True))
+    call = REQUIRED_SAMPLES[parser]
+    text = ("<think>Paris is in France.</think>\n\n" if reasoning else "") + "Checking. " + call
+    ids = tok.encode(text + "<|im_end|>")
+    assert tok.special_ids_of([m for m in markers if m in text]) <= set(ids)   # each marker is one token
+    plan = ToolPlan("auto", ("get_weather", "get_time"))
+    for keep, want_calls in ((tok.special_ids_of(markers), 2), (frozenset(), 0)):
+        detok = IncrementalDetokenizer(tok, keep=keep)
+        deltas = ChatDeltas(formats, plan)
+        events = [e for i in ids for e in deltas.push(detok.push(i), False)] + deltas.push(detok.flush(), "stop")
+        names = [c["function"]["name"] for _, calls, _ in events for c in calls or [] if c["function"].get("name")]
+        assert len(names) == want_calls, (keep, events)
+        if want_calls:
+            assert names == ["get_weather", "get_time"]
+            assert "".join(c or "" for c, _, _ in events).strip() == "Checking."
+            assert "".join(r or "" for _, _, r in events).strip() == ("Paris is in France." if reasoning else "")
+
+
+@pytest.mark.parametrize("variant, expected", [
+    ("qwen3", ("hermes", "qwen3")), ("mistral", ("mistral", None)), ("llama", ("llama3_json", None)),
+    ("deepseek2", ("deepseek_v3", "deepseek_r1")), ("deepseek2-v31", ("deepseek_v31", "deepseek_r1"))])
+def test_the_families_own_templates_choose_their_parsers(variant, expected):
+    """The test data templates (tests/data/chat_templates, also served end to end in test_family_formats.py)."""
+    from tests.gpu.tiny_families import FAMILY_FORMATS, TEMPLATES
+
+    template = (TEMPLATES / FAMILY_FORMATS[variant][0]).read_text(encoding="utf-8")
+    assert choose(variant.split("-")[0], template) == expected
+
+
+def test_a_prompt_the_template_closes_with_think_has_no_reasoning(tokenizer):
+    """DeepSeek-V3.1's template closes the reasoning unless ``thinking`` is true (deepseek_r1 would otherwise read
+    the whole answer as reasoning)."""
+    from api.protocol import RequestParser
+    from gpu.tokenizer import Tokenizer
+    from tests.gpu.tiny_families import TEMPLATES
+
+    tok = Tokenizer.load(None)
+    tok.set_chat_template((TEMPLATES / "deepseek_v31.jinja").read_text(encoding="utf-8"))
+    parse = RequestParser(tok, "m", 2048, reserve_tokens=16, formats=("deepseek_v31", "deepseek_r1"))
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    assert parse.chat(body).formats.reasoning is None
+    thinking = parse.chat({**body, "chat_template_kwargs": {"thinking": True}}).formats
+    assert thinking.reasoning == "deepseek_r1" and thinking.opened
+
+
+@pytest.mark.parametrize("variant, call", [
+    ("qwen3", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+              '<|im_start|>user\n<tool_response>\n12 C\n</tool_response><|im_end|>'),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcDEF123"}]'),
+    ("llama", '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
+              '<|start_header_id|>ipython<|end_header_id|>\n\n12 C<|eot_id|>'),
+    ("deepseek2", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                  '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("deepseek2-v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                      '<｜tool▁call▁end｜><｜tool▁calls▁end｜>')])
+def test_an_earlier_call_and_its_result_are_rendered_by_the_families_own_templates(variant, call):
+    """A conversation with an assistant's call and the tool's result goes through the family's template (the
+    request's parser is the one the template chooses) and comes out in the family's own format."""
+    from api.protocol import RequestParser
+    from gpu.tokenizer import Tokenizer
+    from tests.gpu.tiny_families import FAMILY_FORMATS, TEMPLATES
+
+    tok = Tokenizer.load(None)
+    tok.set_chat_template((TEMPLATES / FAMILY_FORMATS[variant][0]).read_text(encoding="utf-8"))
+    parse = RequestParser(tok, "m", 4096, reserve_tokens=16, formats=choose(variant.split("-")[0], tok.chat_template))
+    gen = parse.chat({"tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_abcDEF123", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_abcDEF123", "content": "12 C"}]})
+    assert call in tok.decode(gen.prompt_ids, skip_special_tokens=False)

@@ -255,3 +255,37 @@ def test_a_gguf_that_asks_for_bos_gets_it_and_keeps_user_defined_tokens_whole(tm
     assert t.decode([0, 2, he, 1]) == "<think>he"  # control tokens skipped, user-defined kept
     assert t.bos_token_id == 0 and t.eos_token_ids == (1,)
     assert t.apply_chat_template([{"role": "user", "content": "x"}]) == "<s>x</s>"
+
+
+def test_a_gguf_control_token_outside_the_byte_alphabet_is_one_special_token(tmp_path):
+    """DeepSeek's markers (full-width bars, U+2581) as GGUF control tokens: matched whole in text, skipped by
+    ``decode`` unless kept (a parser's markers), and kept markers stream exactly as ``decode`` gives them."""
+    import gguf
+
+    from gpu.tokenizer import bytes_to_unicode
+
+    byte_chars = list(bytes_to_unicode().values())
+    begin, sep = "<｜tool▁calls▁begin｜>", "<｜tool▁sep｜>"
+    tokens = ["<s>", "</s>", begin, sep, *byte_chars, "he"]
+    path = tmp_path / "tok.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3, 3] + [1] * (len(byte_chars) + 1))
+    w.add_token_merges(["h e"])
+    w.add_eos_token_id(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    t = Tokenizer.load(path)
+    he = tokens.index("he")
+    ids = t.encode(f"he{begin}he{sep}")
+    assert ids == [he, 2, he, 3]
+    assert t.special_ids == {0, 1, 2, 3} and t.special_ids_of([begin, "he", "<none>"]) == {2}
+    assert t.decode(ids) == "hehe"
+    assert t.decode(ids + [1], keep=frozenset({2})) == f"he{begin}he"
+    detok = IncrementalDetokenizer(t, keep=frozenset({2, 3}))
+    assert "".join(detok.push(i) for i in ids + [1]) + detok.flush() == f"he{begin}he{sep}"

@@ -2,7 +2,9 @@
 saved as a Hugging Face directory and written as a GGUF the way llama.cpp's convert_hf_to_gguf.py writes that family
 (architecture name, tensor names, Q/K permutation for ``llama``, ``1 + w`` Gemma norms, fused Phi-3 weights,
 DeepSeek-V2's MLA keys and per-head ``attn_k_b`` / ``attn_v_b``). Both carry the embedded SmolLM2 tokenizer (its
-vocabulary size, tokenizer files / GGUF tokenizer metadata with the chat template), so the engine can serve them.
+vocabulary size, tokenizer files / GGUF tokenizer metadata with the chat template), so the engine can serve them;
+:func:`save_with_formats` instead gives them their family's own chat template (tests/data/chat_templates) and its
+markers as special tokens appended to the vocabulary (:data:`FAMILY_FORMATS`).
 
 Shapes: 3 layers, hidden 64, 4 query heads over 2 KV heads, head_dim 16 (Mistral: 24, not hidden / heads), sliding
 windows of 8 tokens where the family has them, so a 20-token prompt plus 16 decode steps crosses them. DeepSeek-V2:
@@ -26,36 +28,39 @@ COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_
               bos_token_id=1, eos_token_id=2, pad_token_id=2)
 
 
-def hf_config(name: str):
-    """The transformers config of the tiny ``name`` model."""
+def hf_config(name: str, vocab_size: int = VOCAB):
+    """The transformers config of the tiny ``name`` model (``vocab_size``: SmolLM2's, or more for the special
+    tokens :func:`save_with_formats` adds)."""
     import transformers as t
 
+    common = {**COMMON, "vocab_size": vocab_size}
+
     if name == "llama":
-        return t.LlamaConfig(**COMMON, head_dim=16, tie_word_embeddings=True)
+        return t.LlamaConfig(**common, head_dim=16, tie_word_embeddings=True)
     if name == "mistral":
-        return t.MistralConfig(**COMMON, head_dim=24, sliding_window=WINDOW)
+        return t.MistralConfig(**common, head_dim=24, sliding_window=WINDOW)
     if name == "qwen2":
-        return t.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+        return t.Qwen2Config(**common, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     if name == "qwen3":
-        return t.Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)
+        return t.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
     if name == "phi3":
-        return t.Phi3Config(**COMMON)
+        return t.Phi3Config(**common)
     if name == "gemma2":
-        return t.Gemma2Config(**COMMON, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=32,
+        return t.Gemma2Config(**common, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=32,
                               attn_logit_softcapping=5.0, final_logit_softcapping=8.0)
     if name == "gemma3":
         return t.Gemma3TextConfig(
-            **COMMON, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
+            **common, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
     if name == "qwen3_moe":  # 4 experts of 32, top 2, in every layer
-        return t.Qwen3MoeConfig(**COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4,
+        return t.Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=32, num_experts=4,
                                 num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True)
     if name == "deepseek2":  # MLA: latent 32 + rope 8 per token; 8 experts in 4 groups (best 2 kept), top 3,
         # 1 shared expert; layer 0 dense. HF's MLA expands K/V to every query head: kv heads = heads
-        return t.DeepseekV2Config(**{**COMMON, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=None,
+        return t.DeepseekV2Config(**{**common, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=None,
                                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
                                   n_shared_experts=1, num_experts_per_tok=3, moe_intermediate_size=24,
                                   first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
@@ -63,12 +68,12 @@ def hf_config(name: str):
     raise KeyError(name)
 
 
-def build_hf(name: str, seed: int = 0):
+def build_hf(name: str, seed: int = 0, vocab_size: int = VOCAB):
     """HF's model of the tiny ``name`` config with every weight random (norms too, so ``1 + w`` matters)."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(name), dtype=torch.float32,
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(name, vocab_size), dtype=torch.float32,
                                                           attn_implementation="eager")
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -92,11 +97,13 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32",
-               kv_b_split: bool = True) -> pathlib.Path:
+               kv_b_split: bool = True, specials: tuple[str, ...] = (),
+               chat_template: str | None = None) -> pathlib.Path:
     """``model`` as a GGUF under ``name``'s llama.cpp architecture, with SmolLM2's tokenizer metadata; the layers'
     linear weights in ``linear_type`` (``F32``, or ``Q4_0`` / ``Q8_0`` quantized with ``gguf.quants`` where their
     rows are whole 32-wide blocks), the rest float32. ``kv_b_split`` False: DeepSeek-V2's ``kv_b_proj`` as one
-    ``attn_kv_b`` (older converters) instead of per-head ``attn_k_b`` / ``attn_v_b``."""
+    ``attn_kv_b`` (older converters) instead of per-head ``attn_k_b`` / ``attn_v_b``. ``specials``: control
+    tokens appended to SmolLM2's vocabulary; ``chat_template``: ``tokenizer.chat_template`` instead of SmolLM2's."""
     cfg = model.config
     arch = {"mistral": "llama", "qwen3_moe": "qwen3moe"}.get(name, name)
     w = gguf.GGUFWriter(str(path), arch)
@@ -152,7 +159,7 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32",
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    _copy_tokenizer_metadata(w)
+    _copy_tokenizer_metadata(w, specials, chat_template)
 
     layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
@@ -212,10 +219,64 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32",
     return path
 
 
-def _copy_tokenizer_metadata(w: gguf.GGUFWriter) -> None:
+def _copy_tokenizer_metadata(w: gguf.GGUFWriter, specials: tuple[str, ...] = (),
+                             chat_template: str | None = None) -> None:
     reader = gguf.GGUFReader(str(default_model_path()))
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             vtype = field.types[0]
             sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, field.contents(), vtype, sub)
+            value = field.contents()
+            if key == "tokenizer.ggml.tokens":
+                value = [*value, *specials]
+            elif key == "tokenizer.ggml.token_type":
+                value = [*value, *[int(gguf.TokenType.CONTROL)] * len(specials)]
+            elif key == "tokenizer.chat_template" and chat_template is not None:
+                value = chat_template
+            w.add_key_value(key, value, vtype, sub)
+
+
+TEMPLATES = pathlib.Path(__file__).resolve().parents[1] / "data" / "chat_templates"
+DEEPSEEK_SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                     "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                     "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
+                     "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>")
+# family (or family-variant) -> (its chat template in tests/data/chat_templates, the special tokens its model files
+# declare: appended to SmolLM2's vocabulary, so the template's markers are one token each, as in the family's real
+# tokenizer)
+FAMILY_FORMATS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qwen3": ("qwen3_thinking.jinja", ("<tool_call>", "</tool_call>", "<think>", "</think>")),
+    "mistral": ("mistral_v3.jinja", ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                                     "[TOOL_RESULTS]", "[/TOOL_RESULTS]")),
+    "llama": ("llama3_1_json.jinja", ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                                      "<|python_tag|>")),
+    "deepseek2": ("deepseek_r1.jinja", DEEPSEEK_SPECIALS),
+    "deepseek2-v31": ("deepseek_v31.jinja", DEEPSEEK_SPECIALS)}
+
+
+def save_with_formats(name: str, d: pathlib.Path, form: str, seed: int = 0) -> pathlib.Path:
+    """The tiny ``name`` model (a :data:`FAMILY_FORMATS` key: the family, or family-variant for another template)
+    with its family's chat template and special tokens, as a
+    Hugging Face directory (``form`` "hf": ``tokenizer.json`` with the added tokens, ``tokenizer_config.json``'s
+    ``chat_template``) or a GGUF ("gguf": control tokens, ``tokenizer.chat_template``) under ``d``; its path."""
+    import json
+
+    from tokenizers import AddedToken
+
+    from gpu.tokenizer import Tokenizer
+
+    template_file, specials = FAMILY_FORMATS[name]
+    template = (TEMPLATES / template_file).read_text(encoding="utf-8")
+    name = name.split("-")[0]
+    model = build_hf(name, seed, vocab_size=VOCAB + len(specials))
+    if form == "gguf":
+        return write_gguf(name, model, d / f"tiny-{name}.gguf", specials=specials, chat_template=template)
+    path = d / f"tiny-{name}"
+    model.save_pretrained(str(path))
+    backend = Tokenizer.load(None).backend
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    assert backend.get_vocab_size(with_added_tokens=True) == VOCAB + len(specials)
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": template, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}), encoding="utf-8")
+    return path
