@@ -462,6 +462,11 @@ def _hf_config(d: pathlib.Path) -> ModelConfig:
     if fam is None:
         raise ModelLoadError(f"{cfg_path}: model_type {mtype!r} (architectures {archs}) is not supported; "
                              f"pdserve runs: {supported_names()}")
+    quant = cfg.get("quantization_config")
+    if quant:  # e.g. DeepSeek-V3's own fp8 blocks: their weight_scale_inv tensors would be ignored
+        raise ModelLoadError(f"{cfg_path}: quantized checkpoints (quantization_config, quant_method "
+                             f"{quant.get('quant_method')!r}) are not supported; use a bfloat16/float32 checkpoint "
+                             "or a GGUF")
     if (cfg.get("attention_bias") and not fam.qkv_bias) or cfg.get("mlp_bias"):
         raise ModelLoadError(f"{cfg_path}: attention_bias / mlp_bias are not supported for {fam.name}")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"

@@ -12,7 +12,7 @@ import torch
 from gpu.loader import load_config
 from gpu.model import LlamaModel, kv_bytes_per_token, kv_pool_shape
 from pdserve.errors import ModelLoadError
-from tests.gpu.tiny_families import build_hf, write_gguf
+from tests.gpu.tiny_families import VOCAB, build_hf, write_gguf
 
 BLOCK = 4
 
@@ -164,19 +164,36 @@ def test_a_yarn_gguf_reads_its_scaling_from_the_metadata(tmp_path):
     rs = assert_equals_hf(hf, path).config.rope_scaling
     assert (rs.rope_type, rs.factor, rs.original_max_position_embeddings) == ("yarn", 4.0, 64)
     assert abs(rs.mscale_all_dim - 0.707) < 1e-6
+    with pytest.raises(ModelLoadError, match="yarn_log_multiplier"):
+        load_config(metadata_without(path, tmp_path / "no-mul.gguf", "deepseek2.rope.scaling.yarn_log_multiplier"))
+
+
+def metadata_without(src, dst, drop: str, add: tuple = ()):
+    """A tensor-less GGUF at ``dst`` with ``src``'s model metadata (no tokenizer: ``vocab_size`` instead) less key
+    ``drop``, plus ``add`` (key, value, type)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    w = gguf.GGUFWriter(str(tmp_path / "no-mul.gguf"), "deepseek2")
-    for key, field in reader.fields.items():
-        if not key.startswith(("GGUF.", "general.architecture")) and key != "deepseek2.rope.scaling.yarn_log_multiplier":
+    w = gguf.GGUFWriter(str(dst), "deepseek2")
+    w.add_vocab_size(VOCAB)
+    for key, field in gguf.GGUFReader(str(src)).fields.items():
+        if not key.startswith(("GGUF.", "general.architecture", "tokenizer.")) and key != drop:
             sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             w.add_key_value(key, field.contents(), field.types[0], sub)
+    if add:
+        w.add_key_value(*add)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match="yarn_log_multiplier"):
-        load_config(tmp_path / "no-mul.gguf")
+    return dst
+
+
+def test_an_unknown_gguf_gating_function_is_refused(tiny, tmp_path):
+    import gguf
+
+    key = "deepseek2.expert_gating_func"
+    path = metadata_without(tiny[2], tmp_path / "gating.gguf", key, (key, 3, gguf.GGUFValueType.UINT32))
+    with pytest.raises(ModelLoadError, match="expert_gating_func 3 is not supported"):
+        load_config(path)
 
 
 def test_a_compressed_query_equals_hf_from_both_forms(tmp_path):
@@ -189,22 +206,28 @@ def test_a_compressed_query_equals_hf_from_both_forms(tmp_path):
         assert (ours.config.q_lora_rank, ours.layers[0].q) == (24, None)
 
 
-def test_v3_reads_its_routing_from_both_forms(tmp_path):
+@pytest.fixture(scope="module")
+def tiny3(tmp_path_factory):
+    """(HF model, HF directory, GGUF path) of the tiny DeepSeek-V3."""
+    d = tmp_path_factory.mktemp("deepseek3")
     hf = build_hf("deepseek3")
-    hf.save_pretrained(str(tmp_path / "hf"))
-    for path in (tmp_path / "hf", write_gguf("deepseek3", hf, tmp_path / "v3.gguf")):
+    hf.save_pretrained(str(d / "hf"))
+    return hf, d / "hf", write_gguf("deepseek3", hf, d / "tiny.gguf")
+
+
+def test_v3_reads_its_routing_from_both_forms(tiny3):
+    for path in tiny3[1:]:
         c = load_config(path)
         assert (c.moe_gating, c.norm_topk_prob, c.q_lora_rank, c.num_experts, c.n_group, c.topk_group) == (
             "sigmoid", True, 24, 12, 4, 2)
         assert (c.routed_scaling_factor, c.moe_layers, c.rope_interleaved) == (2.5, (False, True, True), True)
 
 
-def test_v3_routing_equals_hf_and_its_bias_and_group_rule_decide_experts(tmp_path):
+def test_v3_routing_equals_hf_and_its_bias_and_group_rule_decide_experts(tiny3):
     """Ours equals HF's ``DeepseekV3MoE`` on 64 random rows; ranking without the correction bias, or groups by
     their best expert (V2's rule) instead of their best two, would pick other experts for some of these rows."""
-    hf = build_hf("deepseek3")
-    hf.save_pretrained(str(tmp_path / "hf"))
-    ours = LlamaModel.from_path(tmp_path / "hf", progress=False)
+    hf = tiny3[0]
+    ours = LlamaModel.from_path(tiny3[1], progress=False)
     h = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
     router = hf.model.layers[1].mlp.gate
     with torch.inference_mode():
@@ -236,7 +259,9 @@ def test_v3_with_rope_interleave_off_equals_hf(tmp_path):
 
 @pytest.mark.parametrize("changes, message", [
     ({"topk_method": "sparse"}, "topk_method 'sparse' is not supported"),
-    ({"topk_method": "noaux_tc", "scoring_func": "softmax"}, "scoring_func 'softmax' with topk_method 'noaux_tc'")])
+    ({"topk_method": "noaux_tc", "scoring_func": "softmax"}, "scoring_func 'softmax' with topk_method 'noaux_tc'"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "quantization_config.*'fp8'.*not supported")])
 def test_unsupported_routing_is_refused_naming_it(tiny, tmp_path, changes, message):
     cfg = json.loads((tiny[1] / "config.json").read_text())
     d = tmp_path / "bad"

@@ -12,6 +12,7 @@ windows of 8 tokens where the family has them, so a 20-token prompt plus 16 deco
 """
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import gguf
@@ -239,9 +240,18 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32",
 
 
 def _copy_tokenizer_metadata(w: gguf.GGUFWriter) -> None:
+    for key, value, vtype, sub in _tokenizer_metadata():
+        w.add_key_value(key, value, vtype, sub)
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_metadata() -> tuple:
+    """The embedded SmolLM2 GGUF's ``tokenizer.*`` fields as (key, value, type, array item type), read once per
+    process (parsing that file's metadata takes seconds)."""
     reader = gguf.GGUFReader(str(default_model_path()))
+    out = []
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             vtype = field.types[0]
-            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, field.contents(), vtype, sub)
+            out.append((key, field.contents(), vtype, field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None))
+    return tuple(out)
