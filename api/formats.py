@@ -64,7 +64,8 @@ FAMILY_DEFAULTS: dict[str, tuple[str, str | None]] = {
     "llama": ("llama3_json", None), "mistral": ("mistral", None), "qwen2": ("hermes", None),
     "qwen3": ("hermes", "qwen3"), "qwen3_moe": ("hermes", "qwen3"), "phi3": ("hermes", None),
     "gemma2": ("hermes", None), "gemma3": ("hermes", None),
-    "deepseek2": ("deepseek_v3", None)}  # DeepSeek-V2.5's template writes V3's tool-call format
+    "deepseek2": ("deepseek_v3", None),  # DeepSeek-V2.5's template writes V3's tool-call format
+    "deepseek3": ("deepseek_v3", None)}  # V3 / R1 (R1's template writes </think>: deepseek_r1 reasoning)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ gemma2              gemma2                          gemma2        see :data:`GEM
 gemma3              gemma3_text                     gemma3        Gemma 2 without soft-capping, with Q/K norm
 qwen3_moe           qwen3_moe                       qwen3moe      Qwen3 with top-k routed experts as MLP
 deepseek2           deepseek_v2                     deepseek2     MLA attention, see :data:`DEEPSEEK2`
+deepseek3           deepseek_v3                     deepseek2     DeepSeek-V2's layers, sigmoid routing (config)
 ==================  ==============================  ============  ==========================================
 
 A family's static traits are a :class:`Family`; what varies per checkpoint (window sizes, which layers slide,
@@ -43,7 +44,7 @@ class Family:
     ``moe``: sparse layers replace the MLP by a router (softmax over experts, top ``experts_per_token``) and
     experts, each a gated MLP run on its tokens only (config: ``num_experts``, ``moe_layers``...).
     ``attention``: ``"gqa"`` (grouped-query attention over per-head K/V, gpu/model.py) or ``"mla"`` (multi-head
-    latent attention, DeepSeek-V2: the KV cache holds the compressed latent and the rotary key part; gpu/mla.py).
+    latent attention, DeepSeek-V2/V3: the KV cache holds the compressed latent and the rotary key part; gpu/mla.py).
     """
 
     name: str
@@ -85,9 +86,13 @@ QWEN3_MOE = Family("qwen3_moe", ("qwen3_moe",), "qwen3moe", qk_norm=True, moe=Tr
 # kv_lora_rank latent, a decoupled RoPE part shared by the heads, interleaved-pair RoPE), MoE after the first
 # first_k_dense_replace layers with shared experts and group-limited top-k routing (gpu/mla.py)
 DEEPSEEK2 = Family("deepseek2", ("deepseek_v2",), "deepseek2", moe=True, attention="mla")
+# DeepSeek-V3 / R1: V2's layers (with the compressed query, q_lora_rank); what differs is the router, read from the
+# config into ModelConfig.moe_gating (sigmoid scores with a correction bias, noaux_tc groups). llama.cpp writes V3
+# as a deepseek2 GGUF (expert_gating_func sigmoid), which loads under DEEPSEEK2 with the same config values.
+DEEPSEEK3 = Family("deepseek3", ("deepseek_v3",), "deepseek2", moe=True, attention="mla")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3, QWEN3_MOE,
-                                                   DEEPSEEK2)}
+                                                   DEEPSEEK2, DEEPSEEK3)}
 
 
 def family(name: str) -> Family:
@@ -108,7 +113,8 @@ def family_for_hf(model_type: str | None, architectures: list[str] | None = None
 
 
 def family_for_gguf_arch(arch: str | None) -> Family | None:
-    """The family of a GGUF ``general.architecture`` (``llama`` files are Llama or Mistral: one code path), or None."""
+    """The family of a GGUF ``general.architecture`` (``llama`` files are Llama or Mistral, ``deepseek2`` files
+    DeepSeek-V2 or V3: one code path each, the first family named), or None."""
     for f in FAMILIES.values():
         if f.gguf_arch == arch:
             return f

@@ -87,9 +87,15 @@ class ModelConfig:
     ``kv_lora_rank`` latent plus its ``qk_rope_head_dim`` rotary key, stored split over the pool's K and V planes:
     ``num_kv_heads`` is 1 and ``head_dim`` is half the row (an odd row is refused; so the pool, handoff and prefix cache
     carry latent rows unchanged); query/key heads are ``qk_nope_head_dim + qk_rope_head_dim`` wide, value heads
-    ``v_head_dim``; ``attn_scale`` is ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``. Its MoE layers add
-    ``n_shared_experts`` always-on experts and route within the ``topk_group`` best of ``n_group`` expert groups
-    (a group's score: its best expert's probability), weights times ``routed_scaling_factor``.
+    ``v_head_dim``; ``attn_scale`` is ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``. ``q_lora_rank`` > 0: the
+    query is compressed (``q_a_proj`` to that rank, RMSNorm, ``q_b_proj``; DeepSeek-V2 full size, V3), 0: one
+    ``q_proj`` (V2-Lite). ``rope_interleaved``: the rotary part pairs adjacent elements (DeepSeek's checkpoints;
+    False: HF ``rope_interleave`` off, halves paired as Llama's). Its MoE layers add ``n_shared_experts``
+    always-on experts and route within the ``topk_group`` best of ``n_group`` expert groups, weights times
+    ``routed_scaling_factor``; ``moe_gating`` ``"softmax"`` (DeepSeek-V2: a group's score is its best expert's
+    probability) or ``"sigmoid"`` (DeepSeek-V3's ``noaux_tc``: experts are chosen on their sigmoid score plus the
+    router's ``e_score_correction_bias``, a group's score is the sum of its best two, the weights are the unbiased
+    scores, renormalised when ``norm_topk_prob``).
     """
 
     name: str
@@ -126,6 +132,9 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    q_lora_rank: int = 0
+    rope_interleaved: bool = True
+    moe_gating: str = "softmax"
 
     @property
     def spec(self) -> Family:
@@ -206,8 +215,6 @@ def _gguf_config(meta: dict[str, Any], path: pathlib.Path) -> ModelConfig:
     def opt(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
-    if fam.attention == "mla" and (opt("q_lora_rank") or 0):
-        raise ModelLoadError(f"{path}: q_lora_rank (a compressed query, DeepSeek-V2 full size) is not supported")
     n_experts = int(opt("expert_count", 0) or 0)
     if n_experts > 0 and not fam.moe:
         raise ModelLoadError(f"{path}: mixture-of-experts {arch} models are not supported")
@@ -228,7 +235,7 @@ def _gguf_config(meta: dict[str, Any], path: pathlib.Path) -> ModelConfig:
     if vocab is None:
         raise ModelLoadError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens is present")
 
-    rope_scaling = _gguf_rope_scaling(opt, path)
+    rope_scaling = _gguf_rope_scaling(opt, need, path, fam)
     windows = _gguf_windows(opt, fam.name, n_layers)
     scale = opt("attention.scale")
     local_theta = None
@@ -265,7 +272,7 @@ def _gguf_config(meta: dict[str, Any], path: pathlib.Path) -> ModelConfig:
             norm_topk_prob=bool(opt("expert_weights_norm", True)),  # llama.cpp's qwen3moe always renormalises
             moe_layers=(True,) * n_layers)),
     )
-    return _with(config, **_gguf_mla(opt, need, path, n_layers)) if fam.attention == "mla" else config
+    return _with_mla(config, _gguf_mla(opt, need, path, n_layers)) if fam.attention == "mla" else config
 
 
 def _check_mla_row(rank: int, rope: int, path: pathlib.Path) -> None:
@@ -276,13 +283,16 @@ def _check_mla_row(rank: int, rope: int, path: pathlib.Path) -> None:
 
 
 def _gguf_mla(opt, need, path: pathlib.Path, n_layers: int) -> dict[str, Any]:
-    """The MLA and MoE fields of a ``deepseek2`` GGUF (as ``_hf_mla``). llama.cpp's converter writes MLA as MQA
-    over the latent (``key_length`` = rank + rope, the heads' widths in ``key_length_mla`` / ``value_length_mla``);
-    older files have the heads' widths in ``key_length`` / ``value_length``."""
-    if int(opt("expert_gating_func", 1) or 1) != 1:
-        raise ModelLoadError(f"{path}: expert gating other than softmax (DeepSeek-V3's sigmoid) is not supported")
-    if opt("expert_weights_norm", False):
-        raise ModelLoadError(f"{path}: renormalised expert weights (expert_weights_norm) are not supported")
+    """The MLA and MoE fields of a ``deepseek2`` GGUF (as ``_hf_mla``; DeepSeek-V3 files are ``deepseek2`` with
+    ``expert_gating_func`` sigmoid and an ``exp_probs_b`` bias per sparse layer). llama.cpp's converter writes MLA
+    as MQA over the latent (``key_length`` = rank + rope, the heads' widths in ``key_length_mla`` /
+    ``value_length_mla``); older files have the heads' widths in ``key_length`` / ``value_length``."""
+    gating = {1: "softmax", 2: "sigmoid"}.get(int(opt("expert_gating_func", 1) or 1))
+    if gating is None:
+        raise ModelLoadError(f"{path}: expert_gating_func {opt('expert_gating_func')} is not supported (1: softmax, "
+                             "2: sigmoid)")
+    if gating == "softmax" and opt("expert_weights_norm", False):
+        raise ModelLoadError(f"{path}: renormalised softmax expert weights (expert_weights_norm) are not supported")
     rank, rope = int(need("attention.kv_lora_rank")), int(need("rope.dimension_count"))
     k_len = int(opt("attention.key_length_mla", 0) or need("attention.key_length"))
     v_len = int(opt("attention.value_length_mla", 0) or need("attention.value_length"))
@@ -291,23 +301,38 @@ def _gguf_mla(opt, need, path: pathlib.Path, n_layers: int) -> dict[str, Any]:
     first_sparse = int(opt("leading_dense_block_count", 0) or 0)
     return dict(num_kv_heads=1, head_dim=(rank + rope) // 2, attn_scale=k_len ** -0.5, kv_lora_rank=rank,
                 qk_nope_head_dim=k_len - rope, qk_rope_head_dim=rope, v_head_dim=v_len,
+                q_lora_rank=int(opt("attention.q_lora_rank", 0) or 0), moe_gating=gating,
                 num_experts=int(need("expert_count")), experts_per_token=int(need("expert_used_count")),
-                moe_intermediate_size=int(need("expert_feed_forward_length")), norm_topk_prob=False,
+                moe_intermediate_size=int(need("expert_feed_forward_length")),
+                norm_topk_prob=bool(opt("expert_weights_norm", False)),
                 n_shared_experts=int(opt("expert_shared_count", 0) or 0), n_group=n_group,
                 topk_group=int(opt("expert_group_used_count", n_group) or n_group),
                 routed_scaling_factor=float(opt("expert_weights_scale", 1.0) or 1.0),
                 moe_layers=tuple(i >= first_sparse for i in range(n_layers)))
 
 
-def _gguf_rope_scaling(opt, path: pathlib.Path) -> RopeScaling | None:
-    """The GGUF's RoPE scaling (``opt(key, default)`` reads ``<arch>.<key>``); only linear is supported."""
+def _gguf_rope_scaling(opt, need, path: pathlib.Path, fam: Family) -> RopeScaling | None:
+    """The GGUF's RoPE scaling (``opt(key, default)`` / ``need(key)`` read ``<arch>.<key>``): linear, or yarn for
+    MLA families.
+    llama.cpp's converter writes DeepSeek's yarn as ``rope.scaling.yarn_log_multiplier`` = 0.1 * ``mscale_all_dim``
+    and runs cos/sin unscaled, i.e. HF's form with ``mscale == mscale_all_dim`` (as every DeepSeek config has it)."""
     stype = opt("rope.scaling.type", "none")
     if stype in ("none", "", None):
         return None
-    if stype != "linear":
-        raise ModelLoadError(f"{path}: RoPE scaling type {stype!r} is not supported "
-                             "(only linear, llama3)")
     factor = float(opt("rope.scaling.factor", 1.0))
+    if stype == "yarn" and fam.attention == "mla":
+        log_mul = float(opt("rope.scaling.yarn_log_multiplier", 0.0) or 0.0)
+        if log_mul <= 0 or float(opt("rope.scaling.attn_factor", 1.0) or 1.0) != 1.0:
+            raise ModelLoadError(f"{path}: yarn needs rope.scaling.yarn_log_multiplier > 0 and no "
+                                 "rope.scaling.attn_factor (as llama.cpp's converter writes DeepSeek's)")
+        return RopeScaling("yarn", factor, original_max_position_embeddings=int(need(
+            "rope.scaling.original_context_length")),
+            beta_fast=float(opt("rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(opt("rope.scaling.yarn_beta_slow", 1.0)), mscale=log_mul / 0.1,
+            mscale_all_dim=log_mul / 0.1)
+    if stype != "linear":
+        raise ModelLoadError(f"{path}: RoPE scaling type {stype!r} is not supported for {fam.name} "
+                             f"(only linear{', yarn' if fam.attention == 'mla' else ''}; llama3 via rope_freqs)")
     return RopeScaling("linear", factor) if factor != 1.0 else None
 
 
@@ -437,6 +462,11 @@ def _hf_config(d: pathlib.Path) -> ModelConfig:
     if fam is None:
         raise ModelLoadError(f"{cfg_path}: model_type {mtype!r} (architectures {archs}) is not supported; "
                              f"pdserve runs: {supported_names()}")
+    quant = cfg.get("quantization_config")
+    if quant:  # e.g. DeepSeek-V3's own fp8 blocks: their weight_scale_inv tensors would be ignored
+        raise ModelLoadError(f"{cfg_path}: quantized checkpoints (quantization_config, quant_method "
+                             f"{quant.get('quant_method')!r}) are not supported; use a bfloat16/float32 checkpoint "
+                             "or a GGUF")
     if (cfg.get("attention_bias") and not fam.qkv_bias) or cfg.get("mlp_bias"):
         raise ModelLoadError(f"{cfg_path}: attention_bias / mlp_bias are not supported for {fam.name}")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
@@ -489,9 +519,15 @@ def _hf_config(d: pathlib.Path) -> ModelConfig:
                              f"({'only yarn' if fam.attention == 'mla' else 'yarn is for MLA families only'})")
     if fam.attention != "mla":
         return config
-    mla = _hf_mla(cfg, n_layers, cfg_path)
-    if scaling is not None and scaling.mscale_all_dim:  # HF's yarn_apply_mscale
-        mla["attn_scale"] *= _yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+    return _with_mla(config, _hf_mla(cfg, n_layers, cfg_path, fam))
+
+
+def _with_mla(config: ModelConfig, mla: dict[str, Any]) -> ModelConfig:
+    """``config`` with the MLA fields ``mla``, its attention scale times YaRN's ``mscale(factor, mscale_all_dim) ** 2``
+    when it has one (HF's ``yarn_apply_mscale``)."""
+    rs = config.rope_scaling
+    if rs is not None and rs.rope_type == "yarn" and rs.mscale_all_dim:
+        mla = {**mla, "attn_scale": mla["attn_scale"] * _yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2}
     return _with(config, **mla)
 
 
@@ -500,15 +536,21 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _hf_mla(cfg: dict[str, Any], n_layers: int, cfg_path: pathlib.Path) -> dict[str, Any]:
-    """The MLA and MoE fields of a DeepSeek-V2 config (``ModelConfig`` explains the pool row): layers from
-    ``first_k_dense_replace`` on are sparse; ``topk_method`` ``greedy`` is one group of every expert."""
-    if cfg.get("q_lora_rank"):
-        raise ModelLoadError(f"{cfg_path}: q_lora_rank (a compressed query, DeepSeek-V2 full size) is not supported; "
-                             "DeepSeek-V2-Lite's q_proj is")
-    method = cfg.get("topk_method") or "greedy"
-    if method not in ("greedy", "group_limited_greedy"):
-        raise ModelLoadError(f"{cfg_path}: topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+# HF ``topk_method`` -> the ``scoring_func`` it runs with (``ModelConfig.moe_gating``) and whether experts are grouped
+_MLA_ROUTING = {"greedy": ("softmax", False), "group_limited_greedy": ("softmax", True), "noaux_tc": ("sigmoid", True)}
+
+
+def _hf_mla(cfg: dict[str, Any], n_layers: int, cfg_path: pathlib.Path, fam: Family) -> dict[str, Any]:
+    """The MLA and MoE fields of a DeepSeek-V2/V3 config (``ModelConfig`` explains the pool row): layers from
+    ``first_k_dense_replace`` on are sparse; ``topk_method`` (V2's default ``greedy``, V3's ``noaux_tc``; V3 configs
+    written by transformers carry neither it nor ``scoring_func``) picks the routing."""
+    method = cfg.get("topk_method") or ("noaux_tc" if fam.name == "deepseek3" else "greedy")
+    if method not in _MLA_ROUTING:
+        raise ModelLoadError(f"{cfg_path}: topk_method {method!r} is not supported ({', '.join(_MLA_ROUTING)})")
+    gating, grouped = _MLA_ROUTING[method]
+    if (cfg.get("scoring_func") or gating) != gating:
+        raise ModelLoadError(f"{cfg_path}: scoring_func {cfg['scoring_func']!r} with topk_method {method!r} is not "
+                             f"supported (that method runs {gating})")
     try:
         rank, rope = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
         nope, v_dim = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
@@ -517,12 +559,14 @@ def _hf_mla(cfg: dict[str, Any], n_layers: int, cfg_path: pathlib.Path) -> dict[
     except KeyError as e:
         raise ModelLoadError(f"{cfg_path}: required key {e.args[0]!r} is missing") from None
     _check_mla_row(rank, rope, cfg_path)
-    grouped = method == "group_limited_greedy"
     first_sparse = int(cfg.get("first_k_dense_replace") or 0)
     return dict(num_kv_heads=1, head_dim=(rank + rope) // 2, attn_scale=(nope + rope) ** -0.5,
                 kv_lora_rank=rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v_dim,
-                num_experts=n_experts, experts_per_token=top_k, moe_intermediate_size=inter,
-                norm_topk_prob=False, n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+                q_lora_rank=int(cfg.get("q_lora_rank") or 0), rope_interleaved=bool(cfg.get("rope_interleave", True)),
+                num_experts=n_experts, experts_per_token=top_k, moe_intermediate_size=inter, moe_gating=gating,
+                # HF's V2 router never renormalises; V3's does when the config says so
+                norm_topk_prob=gating == "sigmoid" and bool(cfg.get("norm_topk_prob", False)),
+                n_shared_experts=int(cfg.get("n_shared_experts") or 0),
                 n_group=int(cfg.get("n_group") or 1) if grouped else 1,
                 topk_group=int(cfg.get("topk_group") or 1) if grouped else 1,
                 routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
@@ -593,8 +637,12 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
     "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
-    # DeepSeek-V2 (MLA): the latent projection and norm, kv_b whole (older files) or split per head into k_b and
-    # v_b (joined on load), the shared experts
+    # DeepSeek-V2/V3 (MLA): the compressed query's projections and norm, the latent projection and norm, kv_b
+    # whole (older files) or split per head into k_b and v_b (joined on load), the shared experts, V3's router bias
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
     "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
     "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
@@ -614,16 +662,21 @@ _GGUF_SANDWICH_NAMES = {
 _GGUF_FUSED_NAMES = {"ffn_up.weight": "mlp.gate_up_proj.weight"}
 
 
-def layer_weight_names(fam: Family, num_experts: int = 0) -> tuple[str, ...]:
+def layer_weight_names(fam: Family, num_experts: int = 0, q_lora: bool = False,
+                       router_bias: bool = False) -> tuple[str, ...]:
     """The per-layer weight names (after ``model.layers.{i}.``) a model of ``fam`` needs, fused ones split;
-    ``num_experts`` > 0: a sparse layer's (router and experts instead of the MLP)."""
-    names = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-             "self_attn.o_proj.weight"]
+    ``num_experts`` > 0: a sparse layer's (router and experts instead of the MLP). MLA only: ``q_lora``, a
+    compressed query (``ModelConfig.q_lora_rank``); ``router_bias``, the sigmoid router's correction bias."""
+    names = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
+    names += ["self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight"] \
+        if q_lora else ["self_attn.q_proj.weight"]
     if fam.attention == "mla":
         names += ["self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
                   "self_attn.kv_b_proj.weight"]
         if num_experts:
             names += [f"mlp.shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if num_experts and router_bias:
+            names.append("mlp.gate.e_score_correction_bias")
     else:
         names += ["self_attn.k_proj.weight", "self_attn.v_proj.weight"]
     if num_experts:
@@ -821,7 +874,8 @@ def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], p: pat
     need = ["model.embed_tokens.weight", "model.norm.weight"]
     sparse = config.moe_layers or (False,) * config.num_layers
     need += [f"model.layers.{i}.{s}" for i in range(config.num_layers)
-             for s in layer_weight_names(config.spec, config.num_experts if sparse[i] else 0)]
+             for s in layer_weight_names(config.spec, config.num_experts if sparse[i] else 0, config.q_lora_rank > 0,
+                                         config.moe_gating == "sigmoid")]
     missing = [n for n in need if n not in weights]
     if missing:
         raise ModelLoadError(f"{p}: {len(missing)} weight(s) missing, e.g. {missing[:3]}")
@@ -835,9 +889,11 @@ def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], p: pat
     }
     if config.spec.attention == "mla":
         c = config
+        q_rows = c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
         expect = {"model.embed_tokens.weight": (c.vocab_size, h),
-                  "model.layers.0.self_attn.q_proj.weight": (c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim),
-                                                             h),
+                  **({"model.layers.0.self_attn.q_a_proj.weight": (c.q_lora_rank, h),
+                      "model.layers.0.self_attn.q_b_proj.weight": (q_rows, c.q_lora_rank)} if c.q_lora_rank else
+                     {"model.layers.0.self_attn.q_proj.weight": (q_rows, h)}),
                   "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, h),
                   "model.layers.0.self_attn.kv_b_proj.weight": (c.num_heads * (c.qk_nope_head_dim + c.v_head_dim),
                                                                 c.kv_lora_rank)}

@@ -1,15 +1,17 @@
-"""Multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024) over the paged KV pool, with DeepSeek's MoE.
+"""Multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024) over the paged KV pool, with DeepSeek's MoE (V2 and V3).
 
-The computation of Hugging Face's ``DeepseekV2ForCausalLM`` (``transformers/models/deepseek_v2``) without a
-compressed query (``q_lora_rank`` None, the DeepSeek-V2-Lite shape). Per layer and token::
+The computation of Hugging Face's ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` (``transformers/models/
+deepseek_v2``, ``deepseek_v3``). Per layer and token::
 
     q          = q_proj(h)                      [H, nope + rope]   (its rope part rotated)
+               or q_b_proj(rms(q_a_proj(h)))                       (q_lora_rank > 0: V2 full size, V3)
     c, k_rope  = kv_a_proj_with_mqa(h)          [rank], [rope]     (c RMS-normed, k_rope rotated)
     k_nope, v  = kv_b_proj(c)                   [H, nope], [H, v]  (decompressed from the cache at every step)
     k          = k_nope ++ k_rope (shared by the heads)
 
-RoPE pairs adjacent elements (``x[2i], x[2i+1]``), as HF's complex ``apply_rotary_emb``, with YaRN scaling when the
-config has it. The cache holds only
+RoPE pairs adjacent elements (``x[2i], x[2i+1]``), as HF's complex ``apply_rotary_emb`` (V2) and
+``apply_rotary_pos_emb_interleave`` (V3), or the two halves when a V3 config turns ``rope_interleave`` off, with
+YaRN scaling when the config has it. The cache holds only
 ``row = c ++ k_rope`` per token and layer: ``rank + rope`` values, stored in the pool of gpu/model.py with
 ``num_kv_heads`` 1 and ``head_dim = (rank + rope) / 2`` (an odd sum is refused at load), the row's first half in
 the K plane, the second in the V plane::
@@ -19,9 +21,9 @@ the K plane, the second in the V plane::
 so a token costs ``layers * (rank + rope) * dtype bytes`` and the pool, the handoff and the prefix cache move
 latent blocks without knowing it. Attention decompresses the context's rows per step (naive; the
 absorbed-weight form is a later optimisation). Layers from ``first_k_dense_replace`` on replace the MLP by
-routed experts (softmax, top-k within the best ``topk_group`` of ``n_group`` groups, times
-``routed_scaling_factor``) plus ``n_shared_experts`` shared experts run on every token.
-Low-bit GGUF weights are not kept packed here: the family always runs dense (float32 or bfloat16).
+routed experts (``ModelConfig.moe_gating``: V2's softmax or V3's bias-corrected sigmoid, top-k within the best
+``topk_group`` of ``n_group`` groups, times ``routed_scaling_factor``) plus ``n_shared_experts`` shared experts run
+on every token. Low-bit GGUF weights are not kept packed here: the family always runs dense (float32 or bfloat16).
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ __all__ = ["MLAModel"]
 @dataclass
 class _MLALayer:
     ln_attn: torch.Tensor  # [hidden]
-    q: QuantLinear  # [H * (nope + rope), hidden]
+    q: QuantLinear | None  # [H * (nope + rope), hidden]; None with a compressed query (q_a, q_a_norm, q_b)
     kv_a: QuantLinear  # [rank + rope, hidden]
     kv_a_norm: torch.Tensor  # [rank]
     kv_b: QuantLinear  # [H * (nope + v), rank]
@@ -51,14 +53,18 @@ class _MLALayer:
     ln_mlp: torch.Tensor  # [hidden]
     gate_up: QuantLinear | None  # [2 * intermediate, hidden]; None in a sparse layer
     down: QuantLinear | None  # [hidden, intermediate]
+    q_a: QuantLinear | None = None  # [q_lora_rank, hidden]
+    q_a_norm: torch.Tensor | None = None  # [q_lora_rank]
+    q_b: QuantLinear | None = None  # [H * (nope + rope), q_lora_rank]
     router: torch.Tensor | None = None  # [experts, hidden] float32
+    router_bias: torch.Tensor | None = None  # [experts] float32: V3's e_score_correction_bias
     experts: list[tuple[QuantLinear, QuantLinear]] | None = None  # per expert: gate_up, down
     shared: tuple[QuantLinear, QuantLinear] | None = None  # the shared experts as one gated MLP
     post_attn: None = None  # gpu/model.py's _layer_rest reads these (no sandwich norms here)
     post_mlp: None = None
 
-    LINEARS = ("q", "kv_a", "kv_b", "o", "gate_up", "down")
-    NORMS = ("ln_attn", "kv_a_norm", "ln_mlp")
+    LINEARS = ("q", "kv_a", "kv_b", "o", "gate_up", "down", "q_a", "q_b")  # the optional ones may be None
+    TENSORS = ("ln_attn", "kv_a_norm", "ln_mlp", "q_a_norm", "router", "router_bias")  # norms, router: plain tensors
 
 
 class MLAModel(LlamaModel):
@@ -80,20 +86,27 @@ class MLAModel(LlamaModel):
         def vec(name: str) -> torch.Tensor:
             return weights[name].to(device=dev, dtype=dtype).contiguous()
 
+        def opt(name: str, make) -> Any:
+            return make(name) if name in weights else None
+
         layers = []
         for i in range(config.num_layers):
-            p = f"model.layers.{i}."
+            p, m = f"model.layers.{i}.", f"model.layers.{i}.mlp."
+            a = p + "self_attn."
             sparse = bool(config.moe_layers) and config.moe_layers[i]
-            m = p + "mlp."
             layer = _MLALayer(
-                ln_attn=vec(p + "input_layernorm.weight"), q=lin(p + "self_attn.q_proj.weight"),
-                kv_a=lin(p + "self_attn.kv_a_proj_with_mqa.weight"),
-                kv_a_norm=vec(p + "self_attn.kv_a_layernorm.weight"), kv_b=lin(p + "self_attn.kv_b_proj.weight"),
-                o=lin(p + "self_attn.o_proj.weight"), ln_mlp=vec(p + "post_attention_layernorm.weight"),
+                ln_attn=vec(p + "input_layernorm.weight"), q=opt(a + "q_proj.weight", lin),
+                q_a=opt(a + "q_a_proj.weight", lin), q_a_norm=opt(a + "q_a_layernorm.weight", vec),
+                q_b=opt(a + "q_b_proj.weight", lin), kv_a=lin(a + "kv_a_proj_with_mqa.weight"),
+                kv_a_norm=vec(a + "kv_a_layernorm.weight"), kv_b=lin(a + "kv_b_proj.weight"),
+                o=lin(a + "o_proj.weight"), ln_mlp=vec(p + "post_attention_layernorm.weight"),
                 gate_up=None if sparse else lin(m + "gate_proj.weight", m + "up_proj.weight"),
                 down=None if sparse else lin(m + "down_proj.weight"))
             if sparse:
                 layer.router = weights[m + "gate.weight"].to(device=dev, dtype=torch.float32).contiguous()
+                if config.moe_gating == "sigmoid":
+                    layer.router_bias = weights[m + "gate.e_score_correction_bias"].to(
+                        device=dev, dtype=torch.float32).contiguous()
                 layer.experts = [(lin(m + f"experts.{e}.gate_proj.weight", m + f"experts.{e}.up_proj.weight"),
                                   lin(m + f"experts.{e}.down_proj.weight")) for e in range(config.num_experts)]
                 if config.n_shared_experts:
@@ -114,9 +127,12 @@ class MLAModel(LlamaModel):
         scale = _yarn_attention_factor(self.config)
         return (freqs.cos() * scale).to(self.device, self.dtype), (freqs.sin() * scale).to(self.device, self.dtype)
 
-    @staticmethod
-    def _rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[N, heads, rope]`` with pairs ``(x[2i], x[2i+1])`` rotated; cos, sin ``[N, 1, rope // 2]``."""
+    def _rope_pairs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[N, heads, rope]`` rotated; cos, sin ``[N, 1, rope // 2]``. Pairs ``(x[2i], x[2i+1])``, kept
+        in place, or (``rope_interleaved`` False) ``(x[i], x[i + rope // 2])``, as HF's ``rotate_half``."""
+        if not self.config.rope_interleaved:
+            x0, x1 = x.chunk(2, dim=-1)
+            return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
         x0, x1 = x[..., 0::2], x[..., 1::2]
         return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
 
@@ -128,7 +144,11 @@ class MLAModel(LlamaModel):
         c = self.config
         N, H, nope, rp, rank = h.shape[0], c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         cos, sin = rope[False]
-        q = layer.q.fn(h).view(N, H, nope + rp)
+        if layer.q is None:  # the compressed query
+            q = layer.q_b.fn(F.rms_norm(layer.q_a.fn(h), (c.q_lora_rank,), layer.q_a_norm, c.rms_norm_eps))
+        else:
+            q = layer.q.fn(h)
+        q = q.view(N, H, nope + rp)
         q = torch.cat([q[..., :nope], self._rope_pairs(q[..., nope:], cos, sin)], dim=-1)
         a = layer.kv_a.fn(h)  # [N, rank + rope]
         latent = F.rms_norm(a[:, :rank], (rank,), layer.kv_a_norm, c.rms_norm_eps)
@@ -160,18 +180,31 @@ class MLAModel(LlamaModel):
                          dim=-1)
 
     def _moe(self, layer: _MLALayer, h: torch.Tensor, big: bool) -> torch.Tensor:
-        """DeepSeek-V2's MoE (HF ``DeepseekV2Moe``): softmax over the router's logits; the ``topk_group`` groups
-        with the best single expert stay eligible; the top ``experts_per_token`` of those, weighted by their
-        probability times ``routed_scaling_factor``, each run on its own tokens; plus the shared experts.
-        ``h`` ``[N, hidden]`` -> ``[N, hidden]``."""
+        """DeepSeek's MoE (HF ``DeepseekV2Moe`` / ``DeepseekV3MoE``): each token's top ``experts_per_token`` experts
+        among the ``topk_group`` best of ``n_group`` groups, each run on its own tokens, weighted, plus the shared
+        experts. Softmax gating (V2): experts and groups (a group's best expert) ranked by probability, weights the
+        probabilities. Sigmoid gating (V3, ``noaux_tc``): ranked by sigmoid score plus ``router_bias``, a group by
+        its best two, weights the unbiased scores (renormalised when ``norm_topk_prob``). Weights times
+        ``routed_scaling_factor``. ``h`` ``[N, hidden]`` -> ``[N, hidden]``."""
         c = self.config
-        probs = torch.softmax(F.linear(h.float(), layer.router), dim=-1)  # [N, E]
+        logits = F.linear(h.float(), layer.router)  # [N, E]
+        if c.moe_gating == "sigmoid":
+            scores = logits.sigmoid()
+            choice = scores + layer.router_bias
+        else:
+            scores = choice = torch.softmax(logits, dim=-1)
         if c.n_group > 1:
-            groups = probs.view(-1, c.n_group, c.num_experts // c.n_group)  # [N, G, E / G]
-            best = torch.topk(groups.amax(dim=-1), c.topk_group, dim=-1).indices  # [N, topk_group]
-            keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)  # [N, G]
-            probs = groups.masked_fill(~keep[..., None], 0.0).view_as(probs)
-        weight, chosen = torch.topk(probs, c.experts_per_token, dim=-1)  # [N, k] each
+            groups = choice.view(-1, c.n_group, c.num_experts // c.n_group)  # [N, G, E / G]
+            rank = groups.amax(dim=-1) if c.moe_gating == "softmax" else groups.topk(2, dim=-1).values.sum(dim=-1)
+            best = torch.topk(rank, c.topk_group, dim=-1).indices  # [N, topk_group]
+            keep = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, best, True)  # [N, G]
+            # softmax: out-of-group probabilities 0 (HF's masked_fill), sigmoid: -inf (scores + bias may be < 0)
+            choice = groups.masked_fill(~keep[..., None], 0.0 if c.moe_gating == "softmax" else float("-inf"))
+            choice = choice.view_as(scores)
+        chosen = torch.topk(choice, c.experts_per_token, dim=-1).indices  # [N, k]
+        weight = scores.gather(1, chosen)  # [N, k]
+        if c.norm_topk_prob:
+            weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-20)
         weight = (weight * c.routed_scaling_factor).to(h.dtype)
         out = torch.zeros_like(h)
         for e in chosen.unique().tolist():  # ascending, as HF adds them
@@ -188,16 +221,9 @@ class MLAModel(LlamaModel):
     def prefill_packed(self, kv: torch.Tensor, token_ids: list[list[int]], block_tables: list[list[int]],
                        start_positions: list[int], all_logits: list[bool] | None = None) -> list[torch.Tensor]:
         """As :meth:`gpu.model.LlamaModel.prefill_packed` (same arguments, returns and errors)."""
-        B = len(token_ids)
-        flags = [False] * B if all_logits is None else list(all_logits)
-        if B == 0 or len(block_tables) != B or len(start_positions) != B or len(flags) != B:
-            raise ValueError(f"prefill_packed needs equal, non-zero numbers of token_ids ({B}), block_tables "
-                             f"({len(block_tables)}), start_positions ({len(start_positions)}) and all_logits")
         c = self.config
-        tables = [self._prefill_table(kv, ids, tbl, s) for ids, tbl, s in zip(token_ids, block_tables,
-                                                                              start_positions)]
+        flags, seqs, w_slot, pos = self._packed_start(kv, token_ids, block_tables, start_positions, all_logits)
         kv_flat = self._flat_pool(kv)  # [L, 2, slots, 1, head_dim]
-        seqs, w_slot, pos = self._packed_layout(kv, token_ids, tables, start_positions)
         rope = self._rope_at(pos)
         x = self._embed(torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=self.device))
         hidden, eps = (c.hidden_size,), c.rms_norm_eps
@@ -214,11 +240,7 @@ class MLAModel(LlamaModel):
                     attn_mask=mask, is_causal=r_slot is None, scale=self._scale)  # [1, H, T, v]
                 outs.append(o[0].transpose(0, 1).reshape(b - a, -1))  # [T, H v]
             x = self._layer_rest(layer, x, outs[0] if len(outs) == 1 else torch.cat(outs), False)
-        rows = [range(a, b) if f else range(b - 1, b) for (a, b, *_), f in zip(seqs, flags)]
-        x = x[torch.tensor([i for r in rows for i in r], dtype=torch.long, device=self.device)]
-        logits = self.lm_head.fn(F.rms_norm(x, hidden, self.norm, eps)).float()  # [rows, vocab]
-        parts = logits.split([len(r) for r in rows])
-        return [part if f else part[0] for part, f in zip(parts, flags)]
+        return self._packed_logits(x, seqs, flags, False)
 
     @torch.inference_mode()
     def decode(self, kv: torch.Tensor, token_ids: list[int], positions: list[int],
@@ -258,36 +280,25 @@ class MLAModel(LlamaModel):
         """Bytes of weights a decode step could read (every linear, every expert, the norms)."""
         lins = [getattr(lay, n) for lay in self.layers for n in _MLALayer.LINEARS if getattr(lay, n) is not None]
         lins += [lin for lay in self.layers for pair in (lay.experts or []) + [lay.shared or ()] for lin in pair]
-        norms = [getattr(lay, n) for lay in self.layers for n in _MLALayer.NORMS] + [self.norm]
+        norms = [getattr(lay, n) for lay in self.layers for n in _MLALayer.TENSORS if getattr(lay, n) is not None]
         return sum(lin.weight_bytes for lin in lins + [self.lm_head]) + sum(t.numel() * t.element_size()
-                                                                           for t in norms)
+                                                                           for t in norms + [self.norm])
 
     def to_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """As :meth:`gpu.model.LlamaModel.to_state`; ``meta["attention"]`` is ``"mla"``."""
-        tensors: dict[str, torch.Tensor] = {"norm": self.norm, "inv_freq": self._inv_freq}
-        kinds: dict[str, str] = {}
-        outputs: dict[str, int] = {}
-
-        def put(name: str, lin: QuantLinear) -> None:
-            kinds[name], outputs[name] = lin.kind, lin.out_features
-            tensors.update({f"{name}.{k}": v for k, v in lin.tensors.items()})
-
-        put("embedding", self.embedding)
-        if self.lm_head is not self.embedding:
-            put("lm_head", self.lm_head)
+        tensors, kinds, outputs, put = self._state_writer()
         for i, lay in enumerate(self.layers):
-            tensors.update({f"layers.{i}.{n}": getattr(lay, n) for n in _MLALayer.NORMS})
+            p = f"layers.{i}."
+            tensors.update({p + n: getattr(lay, n) for n in _MLALayer.TENSORS if getattr(lay, n) is not None})
             for n in _MLALayer.LINEARS:
                 if getattr(lay, n) is not None:
-                    put(f"layers.{i}.{n}", getattr(lay, n))
-            if lay.router is not None:
-                tensors[f"layers.{i}.router"] = lay.router
-                for e, (gu, dn) in enumerate(lay.experts):
-                    put(f"layers.{i}.experts.{e}.gate_up", gu)
-                    put(f"layers.{i}.experts.{e}.down", dn)
+                    put(p + n, getattr(lay, n))
+            for e, (gu, dn) in enumerate(lay.experts or ()):
+                put(f"{p}experts.{e}.gate_up", gu)
+                put(f"{p}experts.{e}.down", dn)
             if lay.shared is not None:
-                put(f"layers.{i}.shared.gate_up", lay.shared[0])
-                put(f"layers.{i}.shared.down", lay.shared[1])
+                put(p + "shared.gate_up", lay.shared[0])
+                put(p + "shared.down", lay.shared[1])
         meta = {"config": dataclasses.asdict(self.config), "native": False, "attention": "mla",
                 "dtype": str(self.dtype).removeprefix("torch."), "kinds": kinds, "out_features": outputs}
         return meta, tensors
@@ -308,10 +319,9 @@ class MLAModel(LlamaModel):
         layers = []
         for i in range(config.num_layers):
             p = f"layers.{i}."
-            lay = _MLALayer(**{n: tensors[p + n].to(device) for n in _MLALayer.NORMS},
+            lay = _MLALayer(**{n: tensors[p + n].to(device) if p + n in tensors else None for n in _MLALayer.TENSORS},
                             **{n: lin(p + n) for n in _MLALayer.LINEARS})
-            if p + "router" in tensors:
-                lay.router = tensors[p + "router"].to(device)
+            if lay.router is not None:
                 lay.experts = [(lin(f"{p}experts.{e}.gate_up"), lin(f"{p}experts.{e}.down"))
                                for e in range(config.num_experts)]
                 if p + "shared.gate_up" in kinds:

@@ -292,17 +292,7 @@ class LlamaModel:
     def to_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The built model as ``(meta, tensors)``: JSON-able ``meta`` (config, mode, each linear's kind) and flat
         CPU ``tensors`` (packed weights as they run), so :meth:`from_state` rebuilds it without the model file."""
-        tensors: dict[str, torch.Tensor] = {"norm": self.norm, "inv_freq": self._inv_freq}
-        kinds: dict[str, str] = {}
-        outputs: dict[str, int] = {}
-
-        def put(name: str, lin: QuantLinear) -> None:
-            kinds[name], outputs[name] = lin.kind, lin.out_features
-            tensors.update({f"{name}.{k}": v for k, v in lin.tensors.items()})
-
-        put("embedding", self.embedding)
-        if self.lm_head is not self.embedding:
-            put("lm_head", self.lm_head)
+        tensors, kinds, outputs, put = self._state_writer()
         for i, layer in enumerate(self.layers):
             tensors[f"layers.{i}.ln_attn"], tensors[f"layers.{i}.ln_mlp"] = layer.ln_attn, layer.ln_mlp
             tensors.update({f"layers.{i}.{e}": getattr(layer, e) for e in _Layer.EXTRAS
@@ -319,6 +309,22 @@ class LlamaModel:
         meta = {"config": config, "native": self.native, "dtype": str(self.dtype).removeprefix("torch."),
                 "kinds": kinds, "out_features": outputs}
         return meta, tensors
+
+    def _state_writer(self) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, int], Any]:
+        """``(tensors, kinds, out_features, put)`` of :meth:`to_state`, holding the final norm, the RoPE table, the
+        embedding and the LM head; ``put(name, linear)`` adds a linear."""
+        tensors: dict[str, torch.Tensor] = {"norm": self.norm, "inv_freq": self._inv_freq}
+        kinds: dict[str, str] = {}
+        outputs: dict[str, int] = {}
+
+        def put(name: str, lin: QuantLinear) -> None:
+            kinds[name], outputs[name] = lin.kind, lin.out_features
+            tensors.update({f"{name}.{k}": v for k, v in lin.tensors.items()})
+
+        put("embedding", self.embedding)
+        if self.lm_head is not self.embedding:
+            put("lm_head", self.lm_head)
+        return tensors, kinds, outputs, put
 
     @classmethod
     def from_state(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
@@ -556,17 +562,10 @@ class LlamaModel:
             ValueError: mismatched list lengths, no sequences, or any sequence's bad argument (see
                 :meth:`prefill`).
         """
-        B = len(token_ids)
-        flags = [False] * B if all_logits is None else list(all_logits)
-        if B == 0 or len(block_tables) != B or len(start_positions) != B or len(flags) != B:
-            raise ValueError(f"prefill_packed needs equal, non-zero numbers of token_ids ({B}), block_tables "
-                             f"({len(block_tables)}), start_positions ({len(start_positions)}) and all_logits")
         c = self.config
-        tables = [self._prefill_table(kv, ids, tbl, s) for ids, tbl, s in zip(token_ids, block_tables,
-                                                                              start_positions)]
+        flags, seqs, w_slot, pos = self._packed_start(kv, token_ids, block_tables, start_positions, all_logits)
         N = sum(len(ids) for ids in token_ids)
         kv_flat = self._flat_pool(kv)  # [L, 2, slots, Hkv, D]
-        seqs, w_slot, pos = self._packed_layout(kv, token_ids, tables, start_positions)
         rope = self._rope_at(pos)
         # natively, every slot of each sequence's positions 0 .. end - 1 (the per-token attention reads them)
         seq_slots = [w_slot[a:b] if r_slot is None else r_slot for a, b, r_slot, *_ in seqs] if self.native else []
@@ -589,10 +588,27 @@ class LlamaModel:
             else:
                 o = self._attend_packed(q, k, v, k_pool, v_pool, seqs, self._windows[li])  # o: [N, H D]
             x = self._layer_rest(layer, x, o, big)  # x: [N, hidden]
-        # only the rows whose logits are asked for go through the norm and the LM head
+        return self._packed_logits(x, seqs, flags, big)
+
+    def _packed_start(self, kv: torch.Tensor, token_ids: list[list[int]], block_tables: list[list[int]],
+                      start_positions: list[int], all_logits: list[bool] | None) -> tuple:
+        """:meth:`prefill_packed`'s arguments checked (its ValueErrors) and laid out: ``(flags, seqs, w_slot, pos)``,
+        the ``all_logits`` flags ``[B]`` and :meth:`_packed_layout`'s index tensors."""
+        B = len(token_ids)
+        flags = [False] * B if all_logits is None else list(all_logits)
+        if B == 0 or len(block_tables) != B or len(start_positions) != B or len(flags) != B:
+            raise ValueError(f"prefill_packed needs equal, non-zero numbers of token_ids ({B}), block_tables "
+                             f"({len(block_tables)}), start_positions ({len(start_positions)}) and all_logits")
+        tables = [self._prefill_table(kv, ids, tbl, s) for ids, tbl, s in zip(token_ids, block_tables,
+                                                                              start_positions)]
+        return (flags, *self._packed_layout(kv, token_ids, tables, start_positions))
+
+    def _packed_logits(self, x: torch.Tensor, seqs: list[tuple], flags: list[bool], big: bool) -> list[torch.Tensor]:
+        """:meth:`prefill_packed`'s return from the last layer's output ``x`` ``[N, hidden]``: only the rows whose
+        logits are asked for go through the norm and the LM head."""
         rows = [range(a, b) if f else range(b - 1, b) for (a, b, *_), f in zip(seqs, flags)]
         x = x[torch.tensor([i for r in rows for i in r], dtype=torch.long, device=self.device)]
-        x = F.rms_norm(x, (c.hidden_size,), self.norm, eps)
+        x = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
         # the output projection follows the layers: float32 in every prefill by default, as a request's first
         # token comes from here and int8-rounded activations flip near ties (SmolLM2's "The capital..." vs "L'..."
         # by 0.09 logits)

@@ -1,6 +1,7 @@
 """Other model families end to end (prefill -> KV handoff -> decode): a tiny random-weight Gemma 3 served from a
-Hugging Face directory, a tiny Qwen2 and a tiny Qwen3-MoE served from GGUFs, a tiny DeepSeek-V2 from a Hugging Face
-directory (MLA: latent KV blocks through the cpu-shm handoff and the prefix cache) (tests/gpu/tiny_families.py; all
+Hugging Face directory, a tiny Qwen2 and a tiny Qwen3-MoE served from GGUFs, a tiny DeepSeek-V3 from a ``deepseek2``
+GGUF (MLA with a compressed query and sigmoid routing: latent KV blocks through the cpu-shm handoff and the prefix
+cache; DeepSeek-V2's model from HF directories is compared with HF in tests/gpu) (tests/gpu/tiny_families.py; all
 carry the embedded SmolLM2 tokenizer and chat template). The engine's greedy answers equal HF ``generate``'s tokens:
 a chat request (the template from the model files), a repeated prompt answered from the prefix cache
 (``cached_tokens`` > 0) and n=2. One engine per family, module-scoped."""
@@ -19,7 +20,7 @@ PROMPT = [(i * 7919) % 30000 + 200 for i in range(40)]  # token ids: 2 full bloc
 
 
 @pytest.fixture(scope="module", params=[("gemma3", "hf"), ("qwen2", "gguf"), ("qwen3_moe", "gguf"),
-                                        ("deepseek2", "hf")],
+                                        ("deepseek3", "gguf")],
                 ids=lambda p: "-".join(p))
 def served(request, tmp_path_factory):
     """(engine, HF model, our tokenizer of the served files)."""

@@ -12,7 +12,7 @@ import torch
 from gpu.loader import load_config
 from gpu.model import LlamaModel, kv_bytes_per_token, kv_pool_shape
 from pdserve.errors import ModelLoadError
-from tests.gpu.tiny_families import build_hf, write_gguf
+from tests.gpu.tiny_families import VOCAB, build_hf, write_gguf
 
 BLOCK = 4
 
@@ -109,34 +109,166 @@ def test_an_older_gguf_with_one_kv_b_tensor_loads_the_same_model(tiny, tmp_path)
     assert torch.equal(got[0], got[1])
 
 
-def test_yarn_rope_equals_hf(tmp_path):
-    """DeepSeek-V2-Lite's RoPE scaling kind (yarn, with mscale != mscale_all_dim so both the cos/sin factor and
-    the attention scale's term count): prefill and decode logits equal HF's."""
+def variant(name: str, **changes):
+    """HF's tiny ``name`` model (tests/gpu/tiny_families.py) with config ``changes``, random weights."""
     import transformers
 
-    cfg = build_hf("deepseek2").config.to_dict()
-    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
-                              "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5,
-                              "original_max_position_embeddings": 64}
+    cfg = build_hf(name).config.to_dict() | changes
+    cls = transformers.DeepseekV3Config if name == "deepseek3" else transformers.DeepseekV2Config
     torch.manual_seed(2)
-    hf = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV2Config.from_dict(cfg),
-                                                       dtype=torch.float32, attn_implementation="eager")
+    hf = transformers.AutoModelForCausalLM.from_config(cls.from_dict(cfg), dtype=torch.float32,
+                                                       attn_implementation="eager")
     with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.2 + 1.0) if "norm" in name else p.normal_(0.0, 0.15)
-    hf.eval().save_pretrained(str(tmp_path / "hf"))
-    ours = LlamaModel.from_path(tmp_path / "hf", progress=False)
-    assert ours.config.rope_scaling.rope_type == "yarn"
+        for pname, p in hf.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + 1.0) if "norm" in pname else p.normal_(0.0, 0.15)
+        for bname, b in hf.named_buffers():
+            if bname.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    return hf.eval()
+
+
+def assert_equals_hf(hf, path, steps: int = 5) -> LlamaModel:
+    """Our model of ``path``: a 12-token prefill and ``steps`` greedy decode steps give HF's logits."""
+    ours = LlamaModel.from_path(path, progress=False)
     ids = torch.randint(3, 49000, (12,), generator=torch.Generator().manual_seed(11)).tolist()
     kv = torch.full(kv_pool_shape(ours.config, 6, BLOCK), float("nan"))
     table = [4, 0, 5, 2, 1]
     got = [ours.prefill(kv, ids, table)]
-    for i in range(5):
+    for i in range(steps):
         got.append(ours.decode(kv, [int(got[-1].argmax())], [len(ids) + i], [table])[0])
     seq = ids + [int(g.argmax()) for g in got[:-1]]
     with torch.inference_mode():
         want = hf(torch.tensor([seq])).logits[0, len(ids) - 1:]
     assert (torch.stack(got) - want).abs().max().item() < 1e-4
+    return ours
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+        "original_max_position_embeddings": 64}
+
+
+def test_yarn_rope_equals_hf(tmp_path):
+    """DeepSeek-V2-Lite's RoPE scaling kind (yarn, with mscale != mscale_all_dim so both the cos/sin factor and
+    the attention scale's term count): prefill and decode logits equal HF's."""
+    hf = variant("deepseek2", rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.5})
+    hf.save_pretrained(str(tmp_path / "hf"))
+    assert assert_equals_hf(hf, tmp_path / "hf").config.rope_scaling.rope_type == "yarn"
+
+
+def test_a_yarn_gguf_reads_its_scaling_from_the_metadata(tmp_path):
+    """llama.cpp's converter writes DeepSeek's yarn as rope.scaling.* keys with yarn_log_multiplier = 0.1 *
+    mscale_all_dim (mscale == mscale_all_dim in every DeepSeek config, 0.707 in V2's): equal to HF's logits; a
+    file without the multiplier is refused."""
+    hf = variant("deepseek2", rope_parameters={**YARN, "mscale": 0.707, "mscale_all_dim": 0.707})
+    path = write_gguf("deepseek2", hf, tmp_path / "yarn.gguf")
+    rs = assert_equals_hf(hf, path).config.rope_scaling
+    assert (rs.rope_type, rs.factor, rs.original_max_position_embeddings) == ("yarn", 4.0, 64)
+    assert abs(rs.mscale_all_dim - 0.707) < 1e-6
+    with pytest.raises(ModelLoadError, match="yarn_log_multiplier"):
+        load_config(metadata_without(path, tmp_path / "no-mul.gguf", "deepseek2.rope.scaling.yarn_log_multiplier"))
+
+
+def metadata_without(src, dst, drop: str, add: tuple = ()):
+    """A tensor-less GGUF at ``dst`` with ``src``'s model metadata (no tokenizer: ``vocab_size`` instead) less key
+    ``drop``, plus ``add`` (key, value, type)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(dst), "deepseek2")
+    w.add_vocab_size(VOCAB)
+    for key, field in gguf.GGUFReader(str(src)).fields.items():
+        if not key.startswith(("GGUF.", "general.architecture", "tokenizer.")) and key != drop:
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), field.types[0], sub)
+    if add:
+        w.add_key_value(*add)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return dst
+
+
+def test_an_unknown_gguf_gating_function_is_refused(tiny, tmp_path):
+    import gguf
+
+    key = "deepseek2.expert_gating_func"
+    path = metadata_without(tiny[2], tmp_path / "gating.gguf", key, (key, 3, gguf.GGUFValueType.UINT32))
+    with pytest.raises(ModelLoadError, match="expert_gating_func 3 is not supported"):
+        load_config(path)
+
+
+def test_a_compressed_query_equals_hf_from_both_forms(tmp_path):
+    """DeepSeek-V2 at full size has q_lora_rank (q_a_proj -> RMSNorm -> q_b_proj; GGUF attn_q_a, attn_q_a_norm,
+    attn_q_b): logits equal HF's from the HF directory and the GGUF."""
+    hf = variant("deepseek2", q_lora_rank=24)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    for path in (tmp_path / "hf", write_gguf("deepseek2", hf, tmp_path / "q-lora.gguf")):
+        ours = assert_equals_hf(hf, path)
+        assert (ours.config.q_lora_rank, ours.layers[0].q) == (24, None)
+
+
+@pytest.fixture(scope="module")
+def tiny3(tmp_path_factory):
+    """(HF model, HF directory, GGUF path) of the tiny DeepSeek-V3."""
+    d = tmp_path_factory.mktemp("deepseek3")
+    hf = build_hf("deepseek3")
+    hf.save_pretrained(str(d / "hf"))
+    return hf, d / "hf", write_gguf("deepseek3", hf, d / "tiny.gguf")
+
+
+def test_v3_reads_its_routing_from_both_forms(tiny3):
+    for path in tiny3[1:]:
+        c = load_config(path)
+        assert (c.moe_gating, c.norm_topk_prob, c.q_lora_rank, c.num_experts, c.n_group, c.topk_group) == (
+            "sigmoid", True, 24, 12, 4, 2)
+        assert (c.routed_scaling_factor, c.moe_layers, c.rope_interleaved) == (2.5, (False, True, True), True)
+
+
+def test_v3_routing_equals_hf_and_its_bias_and_group_rule_decide_experts(tiny3):
+    """Ours equals HF's ``DeepseekV3MoE`` on 64 random rows; ranking without the correction bias, or groups by
+    their best expert (V2's rule) instead of their best two, would pick other experts for some of these rows."""
+    hf = tiny3[0]
+    ours = LlamaModel.from_path(tiny3[1], progress=False)
+    h = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
+    router = hf.model.layers[1].mlp.gate
+    with torch.inference_mode():
+        _, _, idx_hf = router(h)
+        got = ours._moe(ours.layers[1], h, False)
+        want = hf.model.layers[1].mlp(h[None])[0]
+    assert (got - want).abs().max().item() < 1e-5
+    scores = torch.sigmoid(h @ router.weight.T)
+    groups = (scores + router.e_score_correction_bias).view(64, 4, 3)
+
+    def picks(choice, group_rank):
+        keep = torch.zeros(64, 4, dtype=torch.bool).scatter_(1, group_rank.topk(2, dim=-1).indices, True)
+        return choice.masked_fill(~keep[..., None], float("-inf")).view(64, 12).topk(3, dim=-1).indices.tolist()
+
+    hf_sets = [set(r) for r in idx_hf.tolist()]
+    assert hf_sets == [set(r) for r in picks(groups, groups.topk(2, dim=-1).values.sum(-1))]
+    for other in (picks(scores.view(64, 4, 3), scores.view(64, 4, 3).topk(2, dim=-1).values.sum(-1)),
+                  picks(groups, groups.amax(dim=-1))):
+        differ = [set(a) != b for a, b in zip(other, hf_sets)]
+        assert 0 < sum(differ) < len(differ)
+
+
+def test_v3_with_rope_interleave_off_equals_hf(tmp_path):
+    """A V3 config may set rope_interleave false (HF then rotates the halves, as Llama)."""
+    hf = variant("deepseek3", rope_interleave=False)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    assert assert_equals_hf(hf, tmp_path / "hf").config.rope_interleaved is False
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"topk_method": "sparse"}, "topk_method 'sparse' is not supported"),
+    ({"topk_method": "noaux_tc", "scoring_func": "softmax"}, "scoring_func 'softmax' with topk_method 'noaux_tc'"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "quantization_config.*'fp8'.*not supported")])
+def test_unsupported_routing_is_refused_naming_it(tiny, tmp_path, changes, message):
+    cfg = json.loads((tiny[1] / "config.json").read_text())
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**cfg, **changes}))
+    with pytest.raises(ModelLoadError, match=message):
+        load_config(d)
 
 
 def test_yarn_is_refused_for_a_family_whose_model_does_not_run_it(tiny, tmp_path):

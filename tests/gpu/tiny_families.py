@@ -1,17 +1,20 @@
 """Tiny random-weight models of every family in gpu/families.py, built with transformers' own config and model classes,
 saved as a Hugging Face directory and written as a GGUF the way llama.cpp's convert_hf_to_gguf.py writes that family
 (architecture name, tensor names, Q/K permutation for ``llama``, ``1 + w`` Gemma norms, fused Phi-3 weights,
-DeepSeek-V2's MLA keys and per-head ``attn_k_b`` / ``attn_v_b``). Both carry the embedded SmolLM2 tokenizer (its
+DeepSeek-V2's MLA keys and per-head ``attn_k_b`` / ``attn_v_b``, DeepSeek-V3 as a ``deepseek2`` file with sigmoid
+gating and its router bias as ``exp_probs_b``). Both carry the embedded SmolLM2 tokenizer (its
 vocabulary size, tokenizer files / GGUF tokenizer metadata with the chat template), so the engine can serve them;
 :func:`save_with_formats` instead gives them their family's own chat template (tests/data/chat_templates) and its
 markers as special tokens appended to the vocabulary (:data:`FAMILY_FORMATS`).
 
 Shapes: 3 layers, hidden 64, 4 query heads over 2 KV heads, head_dim 16 (Mistral: 24, not hidden / heads), sliding
 windows of 8 tokens where the family has them, so a 20-token prompt plus 16 decode steps crosses them. DeepSeek-V2:
-4 heads of 16 + 8 (Q/K) and 12 (V), a latent of 32, see :func:`hf_config`.
+4 heads of 16 + 8 (Q/K) and 12 (V), a latent of 32 (V3: the same, with a compressed query of rank 24), see
+:func:`hf_config`.
 """
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import gguf
@@ -22,7 +25,7 @@ from gpu.model_files import default_model_path
 
 VOCAB = 49152  # SmolLM2's
 WINDOW = 8
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "deepseek2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "deepseek2", "deepseek3")
 COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
               intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=512, rms_norm_eps=1e-6,
               bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -65,6 +68,13 @@ def hf_config(name: str, vocab_size: int = VOCAB):
                                   n_shared_experts=1, num_experts_per_tok=3, moe_intermediate_size=24,
                                   first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
                                   topk_group=2, routed_scaling_factor=1.5)
+    if name == "deepseek3":  # V2's MLA shape with a compressed query (rank 24); 12 experts in 4 groups of 3 (so a
+        # group's best two are neither its best nor its sum), best 2 groups, top 3, renormalised, sigmoid routing
+        return t.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=24,
+                                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=12,
+                                  n_shared_experts=1, num_experts_per_tok=3, moe_intermediate_size=24,
+                                  first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                                  routed_scaling_factor=2.5)
     raise KeyError(name)
 
 
@@ -81,6 +91,9 @@ def build_hf(name: str, seed: int = 0, vocab_size: int = VOCAB):
                 p.copy_(torch.randn_like(p) * 0.2 + (0.0 if name.startswith("gemma") else 1.0))
             else:
                 p.normal_(0.0, 0.15)
+        for bname, b in model.named_buffers():  # DeepSeek-V3's router bias (zeros as initialised)
+            if bname.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     return model.eval()
 
 
@@ -105,7 +118,7 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32",
     ``attn_kv_b`` (older converters) instead of per-head ``attn_k_b`` / ``attn_v_b``. ``specials``: control
     tokens appended to SmolLM2's vocabulary; ``chat_template``: ``tokenizer.chat_template`` instead of SmolLM2's."""
     cfg = model.config
-    arch = {"mistral": "llama", "qwen3_moe": "qwen3moe"}.get(name, name)
+    arch = {"mistral": "llama", "qwen3_moe": "qwen3moe", "deepseek3": "deepseek2"}.get(name, name)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{name}")
     w.add_block_count(cfg.num_hidden_layers)
@@ -113,8 +126,10 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32",
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    if name == "deepseek2":  # convert_hf_to_gguf.py's DeepseekV2Model: MLA written as MQA over the latent
+    if arch == "deepseek2":  # convert_hf_to_gguf.py's DeepseekV2Model: MLA written as MQA over the latent
         w.add_head_count_kv(1)
+        if cfg.q_lora_rank:
+            w.add_q_lora_rank(cfg.q_lora_rank)
         w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         w.add_value_length(cfg.kv_lora_rank)
         w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
@@ -127,10 +142,19 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32",
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         w.add_expert_shared_count(cfg.n_shared_experts)
         w.add_expert_weights_scale(cfg.routed_scaling_factor)
-        w.add_expert_weights_norm(False)
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+        v3 = name == "deepseek3"  # the converter reads the gating from the config's scoring_func
+        w.add_expert_weights_norm(bool(v3 and cfg.norm_topk_prob))
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
         w.add_expert_group_count(cfg.n_group)
         w.add_expert_group_used_count(cfg.topk_group)
+        rope = cfg.rope_parameters
+        if rope.get("rope_type") == "yarn":  # DeepseekV2Model: yarn_log_multiplier = 0.1 * mscale_all_dim
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rope["factor"])
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            w.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
+            w.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
+            w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     else:
         w.add_head_count_kv(cfg.num_key_value_heads)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -167,6 +191,8 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32",
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate_up_proj": "ffn_up",
              "mlp.gate": "ffn_gate_inp", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
              "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b",
+             "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+             "self_attn.q_b_proj": "attn_q_b", "mlp.gate.e_score_correction": "exp_probs_b",
              "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
              "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp",
              "post_attention_layernorm": "post_attention_norm" if name.startswith("gemma") else "ffn_norm",
@@ -195,7 +221,8 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32",
             continue
         if hf_name.startswith("model.layers."):
             _, _, i, rest = hf_name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
+            # gguf's tensor map reads V3's router bias as module e_score_correction, kind bias
+            module, kind = rest.rsplit(".", 1) if not rest.endswith("_bias") else (rest[:-len("_bias")], "bias")
             out = f"blk.{i}.{layer[module]}.{kind}"
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 arr = _permute(arr, cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads)
@@ -221,19 +248,27 @@ def write_gguf(name: str, model, path: pathlib.Path, linear_type: str = "F32",
 
 def _copy_tokenizer_metadata(w: gguf.GGUFWriter, specials: tuple[str, ...] = (),
                              chat_template: str | None = None) -> None:
+    for key, value, vtype, sub in _tokenizer_metadata():
+        if key == "tokenizer.ggml.tokens":
+            value = [*value, *specials]
+        elif key == "tokenizer.ggml.token_type":
+            value = [*value, *[int(gguf.TokenType.CONTROL)] * len(specials)]
+        elif key == "tokenizer.chat_template" and chat_template is not None:
+            value = chat_template
+        w.add_key_value(key, value, vtype, sub)
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_metadata() -> tuple:
+    """The embedded SmolLM2 GGUF's ``tokenizer.*`` fields as (key, value, type, array item type), read once per
+    process (parsing that file's metadata takes seconds)."""
     reader = gguf.GGUFReader(str(default_model_path()))
+    out = []
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             vtype = field.types[0]
-            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            value = field.contents()
-            if key == "tokenizer.ggml.tokens":
-                value = [*value, *specials]
-            elif key == "tokenizer.ggml.token_type":
-                value = [*value, *[int(gguf.TokenType.CONTROL)] * len(specials)]
-            elif key == "tokenizer.chat_template" and chat_template is not None:
-                value = chat_template
-            w.add_key_value(key, value, vtype, sub)
+            out.append((key, field.contents(), vtype, field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None))
+    return tuple(out)
 
 
 TEMPLATES = pathlib.Path(__file__).resolve().parents[1] / "data" / "chat_templates"
