@@ -266,11 +266,18 @@ def _attend(q, pool_k, pool_v, table, block_tokens, first, length, attn_scale, s
     The sums run in an order fixed by ``first`` and ``length`` alone: a row's result depends on its own query
     and keys only (decode steps and :func:`attend_rows` share this loop)."""
     group = q.shape[0] // pool_k.shape[1]
+    slots = np.empty(length, np.int64)   # the keys' pool slots, once for all heads (no division per key)
+    block, offset = first // block_tokens, first % block_tokens
+    for s in range(first, length):
+        slots[s] = table[block] * block_tokens + offset
+        offset += 1
+        if offset == block_tokens:
+            block, offset = block + 1, 0
     for h in range(q.shape[0]):
         kvh = h // group
         top = np.float32(-np.inf)
         for s in range(first, length):
-            slot = table[s // block_tokens] * block_tokens + s % block_tokens
+            slot = slots[s]
             dot = np.float32(0.0)
             for i in range(q.shape[1]):
                 dot += q[h, i] * pool_k[slot, kvh, i]
@@ -283,7 +290,7 @@ def _attend(q, pool_k, pool_v, table, block_tokens, first, length, attn_scale, s
         for i in range(q.shape[1]):
             out[h, i] = 0.0
         for s in range(first, length):
-            slot = table[s // block_tokens] * block_tokens + s % block_tokens
+            slot = slots[s]
             p = scores[s] / total
             for i in range(q.shape[1]):
                 out[h, i] += p * pool_v[slot, kvh, i]

@@ -99,10 +99,11 @@ class _Layer:
 
 
 WEIGHT_MODES = ("auto", "float32", "bfloat16")
-# native weights: prefills of >= this many tokens use the float32 copies (see QuantLinear). 1 = every prefill:
-# a prompt's numbers must not depend on how much of it the prefix cache held (a 13-token suffix on the low-bit
-# kernels took 49 ms vs 105 ms, but greedy answers then changed between a first and a repeated request)
-DENSE_MIN_TOKENS = 1
+# native weights: prefills of >= this many tokens run the layers' float32 copies (see QuantLinear) over blocks of
+# PREFILL_BLOCK_ROWS rows. Never by default: the low-bit GEMVs give a row the same bits in any batch and read each
+# weight tile once for all rows (docs/performance.md §26: 2-3x cheaper than the blocked float32 GEMMs at 16-1000
+# tokens); a prefill's output projection still runs its float32 copy (``prefill_head_dense``)
+DENSE_MIN_TOKENS = 1 << 62
 # native weights, decode steps (docs/performance.md §16): the output projection over >= HEAD_DENSE_MIN_ROWS rows
 # uses its float32 copy (the int8 one cheaper up to 32 rows, dearer from 48); steps of fewer than
 # DECODE_STACKED_MAX_ROWS rows run the low-bit GEMV, in lowbit_cpu.decode_layers where the layer is Llama's
@@ -235,7 +236,9 @@ class LlamaModel:
         self.native = native
         # a forward of at least this many tokens runs each linear's float32 weight (``QuantLinear.big``)
         self.dense_min_tokens = DENSE_MIN_TOKENS
-        self.prefill_head_dense = True  # natively, a prefill's output projection runs its float32 copy
+        # natively, a prefill's output projection runs its float32 copy, one row per call (a request's first token
+        # comes from it; MKL sums a row in an order that depends on the number of rows)
+        self.prefill_head_dense = True
         self.head_dense_min_rows = HEAD_DENSE_MIN_ROWS  # the same for the output projection
         # decode steps below this run the GEMV (decode_layers where it applies), at or above it the float32 copies
         self.decode_stacked_max_rows = DECODE_STACKED_MAX_ROWS
@@ -595,8 +598,11 @@ class LlamaModel:
         # the output projection follows the layers: float32 in every prefill by default, as a request's first
         # token comes from here and int8-rounded activations flip near ties (SmolLM2's "The capital..." vs "L'..."
         # by 0.09 logits)
-        head_big = big or (self.native and self.prefill_head_dense)
-        logits = self._softcap_logits(self._linear(self.lm_head, x, head_big).float())  # [rows, vocab]
+        if self.native and self.prefill_head_dense and not big:  # row by row: a row's bits alone, ~10 ms a row
+            logits = torch.cat([self.lm_head.big(x[i:i + 1]) for i in range(x.shape[0])])
+        else:
+            logits = self._linear(self.lm_head, x, big)
+        logits = self._softcap_logits(logits.float())  # [rows, vocab]
         parts = logits.split([len(r) for r in rows])
         return [part if f else part[0] for part, f in zip(parts, flags)]
 
