@@ -100,10 +100,10 @@ class _Layer:
 
 WEIGHT_MODES = ("auto", "float32", "bfloat16")
 # native weights: prefills of >= this many tokens run the layers' float32 copies (see QuantLinear) over blocks of
-# PREFILL_BLOCK_ROWS rows. Never by default: the low-bit GEMVs give a row the same bits in any batch and read each
-# weight tile once for all rows (docs/performance.md §26: 2-3x cheaper than the blocked float32 GEMMs at 16-1000
-# tokens); a prefill's output projection still runs its float32 copy (``prefill_head_dense``)
-DENSE_MIN_TOKENS = 1 << 62
+# PREFILL_BLOCK_ROWS rows. 1 = every prefill: the low-bit GEMVs are batch-invariant too and 0.5-0.7x the time at
+# 16-1000 tokens (docs/performance.md §26), but their int8-rounded activations flip SmolLM2's first answer token
+# at a near tie ("What is the capital of France?": "L'Étoile..." instead of "The capital... Paris")
+DENSE_MIN_TOKENS = 1
 # native weights, decode steps (docs/performance.md §16): the output projection over >= HEAD_DENSE_MIN_ROWS rows
 # uses its float32 copy (the int8 one cheaper up to 32 rows, dearer from 48); steps of fewer than
 # DECODE_STACKED_MAX_ROWS rows run the low-bit GEMV, in lowbit_cpu.decode_layers where the layer is Llama's
@@ -598,7 +598,7 @@ class LlamaModel:
         # the output projection follows the layers: float32 in every prefill by default, as a request's first
         # token comes from here and int8-rounded activations flip near ties (SmolLM2's "The capital..." vs "L'..."
         # by 0.09 logits)
-        if self.native and self.prefill_head_dense and not big:  # row by row: a row's bits alone, ~10 ms a row
+        if self.native and self.prefill_head_dense:  # row by row: a row's bits alone, ~10 ms a row
             logits = torch.cat([self.lm_head.big(x[i:i + 1]) for i in range(x.shape[0])])
         else:
             logits = self._linear(self.lm_head, x, big)

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from gpu.lowbit_cpu import q8_rows
-from gpu.model import HEAD_DENSE_MIN_ROWS, LlamaModel, kv_pool_shape
+from gpu.model import DENSE_MIN_TOKENS, HEAD_DENSE_MIN_ROWS, LlamaModel, kv_pool_shape
 from gpu.prepared import FORMAT_VERSION, cache_path, ensure_prepared, load_prepared, prepared_key, prepared_model
 from gpu.quant import Int4Groups, QuantLinear, int4_groups_from_gguf, int8_groups_from_float
 
@@ -96,17 +96,19 @@ def native_model(gguf_path) -> LlamaModel:
 
 @pytest.mark.parametrize("path", ["engine_prefill", "all_low_bit"])
 def test_native_weights_agree_with_float32_on_most_next_tokens_of_english_text(model, native_model, tok, path):
-    """``engine_prefill``: the engine's prefill (low-bit layers, per-row attention, float32 output projection);
+    """``engine_prefill``: the engine's prefill (float32 copies, per-row attention, float32 output projection);
     ``all_low_bit``: the output projection on its int8 kernel too, as decode steps of a few rows run it."""
     from tools.bench_quality import DEFAULT_TEXT, compare
 
     ids = tok.encode(DEFAULT_TEXT.read_text(encoding="utf-8"))[:257]
     if path == "all_low_bit":
-        native_model.head_dense_min_rows, native_model.prefill_head_dense = 1 << 30, False
+        native_model.dense_min_tokens = native_model.head_dense_min_rows = 1 << 30
+        native_model.prefill_head_dense = False
     try:
         res = compare(model, native_model, ids, chunk_tokens=128)
     finally:
-        native_model.head_dense_min_rows, native_model.prefill_head_dense = HEAD_DENSE_MIN_ROWS, True
+        native_model.dense_min_tokens, native_model.head_dense_min_rows = DENSE_MIN_TOKENS, HEAD_DENSE_MIN_ROWS
+        native_model.prefill_head_dense = True
     assert native_model.weights_mode == "native" and res["tokens"] == 256
     # all_low_bit: 243 of 256 (246 with the per-sequence SDPA attention before lowbit_cpu.attend_rows: the other
     # float order moves int8 roundings, flipping near ties; perplexity 31.13 vs 31.24, float32 31.18)
