@@ -100,7 +100,7 @@ class _Layer:
 
 WEIGHT_MODES = ("auto", "float32", "bfloat16")
 # native weights: prefills of >= this many tokens run the layers' float32 copies (see QuantLinear) over blocks of
-# PREFILL_BLOCK_ROWS rows. 1 = every prefill: the low-bit GEMVs are batch-invariant too and 0.5-0.7x the time at
+# PREFILL_BLOCK_ROWS rows. 1 = every prefill: the low-bit GEMVs are batch-invariant too and 0.5-1.0x the time at
 # 16-1000 tokens (docs/performance.md §26), but their int8-rounded activations flip SmolLM2's first answer token
 # at a near tie ("What is the capital of France?": "L'Étoile..." instead of "The capital... Paris")
 DENSE_MIN_TOKENS = 1
