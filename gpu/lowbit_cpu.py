@@ -38,7 +38,7 @@ from llvmlite import binding as llvm
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
-__all__ = ["TILE_ROWS", "q4_tiles", "q8_tiles", "q4_linear", "q8_linear", "q8_rows", "decode_layers"]
+__all__ = ["TILE_ROWS", "q4_tiles", "q8_tiles", "q4_linear", "q8_linear", "q8_rows", "decode_layers", "attend_rows"]
 
 TILE_ROWS = 32  # output rows per tile = vector lanes of the inner loop
 GROUP = 32      # inputs per scale group (GGUF's Q4_0/Q4_1/Q8_0 block)
@@ -260,31 +260,55 @@ def _rope_row(v, cos, sin):
 
 
 @numba.njit(nogil=True, cache=True, fastmath=True)
-def _attend(q, pool_k, pool_v, table, block_tokens, length, attn_scale, scores, out):
-    """out [H, D] = softmax(q K^T * attn_scale) V over the first ``length`` keys of one sequence; q [H, D];
-    pool_k, pool_v [slots, Hkv, D]; table: the sequence's block ids; heads share K/V in groups of H / Hkv."""
+def _attend(q, pool_k, pool_v, table, block_tokens, first, length, attn_scale, scores, out):
+    """out [H, D] = softmax(q K^T * attn_scale) V over keys ``first .. length - 1`` of one sequence; q [H, D];
+    pool_k, pool_v [slots, Hkv, D]; table: the sequence's block ids; heads share K/V in groups of H / Hkv.
+    The sums run in an order fixed by ``first`` and ``length`` alone: a row's result depends on its own query
+    and keys only (decode steps and :func:`attend_rows` share this loop)."""
     group = q.shape[0] // pool_k.shape[1]
+    slots = np.empty(length, np.int64)   # the keys' pool slots, once for all heads (no division per key)
+    block, offset = first // block_tokens, first % block_tokens
+    for s in range(first, length):
+        slots[s] = table[block] * block_tokens + offset
+        offset += 1
+        if offset == block_tokens:
+            block, offset = block + 1, 0
     for h in range(q.shape[0]):
         kvh = h // group
         top = np.float32(-np.inf)
-        for s in range(length):
-            slot = table[s // block_tokens] * block_tokens + s % block_tokens
+        for s in range(first, length):
+            slot = slots[s]
             dot = np.float32(0.0)
             for i in range(q.shape[1]):
                 dot += q[h, i] * pool_k[slot, kvh, i]
             scores[s] = dot * attn_scale
             top = max(top, scores[s])
         total = np.float32(0.0)
-        for s in range(length):
+        for s in range(first, length):
             scores[s] = np.exp(scores[s] - top)
             total += scores[s]
         for i in range(q.shape[1]):
             out[h, i] = 0.0
-        for s in range(length):
-            slot = table[s // block_tokens] * block_tokens + s % block_tokens
+        for s in range(first, length):
+            slot = slots[s]
             p = scores[s] / total
             for i in range(q.shape[1]):
                 out[h, i] += p * pool_v[slot, kvh, i]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
+def attend_rows(q, pool_k, pool_v, tables, block_tokens, seq, positions, window, attn_scale, out):
+    """Causal attention of a prefill's rows over the pool, each row on its own (:func:`_attend`'s loop, as a
+    decode step of that row computes it): out float32 [N, H, D] for q float32 [N, H, D]; pool_k, pool_v
+    [slots, Hkv, D] (the rows' own K/V already written); tables int64 [B, blocks] (padded); seq int64 [N] the
+    row's sequence; positions int64 [N] its position p: it attends over its sequence's keys 0..p, or with
+    ``window`` > 0 over p - window < j <= p. A row's bits do not depend on the other rows of the call, how its
+    prompt was packed or how much of it was cached. Nothing is checked here."""
+    scores = np.empty(np.max(positions) + 1, np.float32)
+    for r in range(q.shape[0]):
+        p = positions[r]
+        first = max(0, p + 1 - window) if window > 0 else 0
+        _attend(q[r], pool_k, pool_v, tables[seq[r]], block_tokens, first, p + 1, attn_scale, scores, out[r])
 
 
 @numba.njit(nogil=True, cache=True, fastmath=True)
@@ -325,7 +349,7 @@ def decode_layers(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_tokens,
             slot = tables[b, p // block_tokens] * block_tokens + p % block_tokens
             pool[li, 0, slot] = heads[n_heads:n_rope]
             pool[li, 1, slot] = heads[n_rope:]
-            _attend(heads[:n_heads], pool[li, 0], pool[li, 1], tables[b], block_tokens, p + 1, attn_scale,
+            _attend(heads[:n_heads], pool[li, 0], pool[li, 1], tables[b], block_tokens, 0, p + 1, attn_scale,
                     scores, head_out)
             for hh in range(n_heads):
                 for i in range(D):
@@ -597,7 +621,7 @@ def decode_layers_mixed(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_t
             slot = tables[b, p // block_tokens] * block_tokens + p % block_tokens
             pool[li, 0, slot] = heads[n_heads:n_rope]
             pool[li, 1, slot] = heads[n_rope:]
-            _attend(heads[:n_heads], pool[li, 0], pool[li, 1], tables[b], block_tokens, p + 1, attn_scale,
+            _attend(heads[:n_heads], pool[li, 0], pool[li, 1], tables[b], block_tokens, 0, p + 1, attn_scale,
                     scores, head_out)
             for hh in range(n_heads):
                 for i in range(D):

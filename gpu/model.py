@@ -99,9 +99,10 @@ class _Layer:
 
 
 WEIGHT_MODES = ("auto", "float32", "bfloat16")
-# native weights: prefills of >= this many tokens use the float32 copies (see QuantLinear). 1 = every prefill:
-# a prompt's numbers must not depend on how much of it the prefix cache held (a 13-token suffix on the low-bit
-# kernels took 49 ms vs 105 ms, but greedy answers then changed between a first and a repeated request)
+# native weights: prefills of >= this many tokens run the layers' float32 copies (see QuantLinear) over blocks of
+# PREFILL_BLOCK_ROWS rows. 1 = every prefill: the low-bit GEMVs are batch-invariant too and 0.5-1.0x the time at
+# 16-1000 tokens (docs/performance.md §26), but their int8-rounded activations flip SmolLM2's first answer token
+# at a near tie ("What is the capital of France?": "L'Étoile..." instead of "The capital... Paris")
 DENSE_MIN_TOKENS = 1
 # native weights, decode steps (docs/performance.md §16): the output projection over >= HEAD_DENSE_MIN_ROWS rows
 # uses its float32 copy (the int8 one cheaper up to 32 rows, dearer from 48); steps of fewer than
@@ -235,6 +236,9 @@ class LlamaModel:
         self.native = native
         # a forward of at least this many tokens runs each linear's float32 weight (``QuantLinear.big``)
         self.dense_min_tokens = DENSE_MIN_TOKENS
+        # natively, a prefill's output projection runs its float32 copy, one row per call (a request's first token
+        # comes from it; MKL sums a row in an order that depends on the number of rows)
+        self.prefill_head_dense = True
         self.head_dense_min_rows = HEAD_DENSE_MIN_ROWS  # the same for the output projection
         # decode steps below this run the GEMV (decode_layers where it applies), at or above it the float32 copies
         self.decode_stacked_max_rows = DECODE_STACKED_MAX_ROWS
@@ -567,9 +571,9 @@ class LlamaModel:
         N = sum(len(ids) for ids in token_ids)
         kv_flat = self._flat_pool(kv)  # [L, 2, slots, Hkv, D]
         rope = self._rope_at(pos)
-        # natively, every slot of each sequence's positions 0 .. end - 1 (the per-token attention reads them)
-        seq_slots = [w_slot[a:b] if r_slot is None else r_slot for a, b, r_slot, *_ in seqs] if self.native else []
-        # (a forward forced onto the low-bit kernels, dense_min_tokens raised, attends per sequence as float32 does)
+        # natively each token attends over its own keys (_attend_rows): the same KV however the prompt is packed
+        # or cached
+        rows_at = self._row_layout(kv, seqs, w_slot, pos, tables) if self.native else None
 
         ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=self.device)
         x = self._embed(ids)  # x: [N, hidden]
@@ -581,10 +585,8 @@ class LlamaModel:
             k_pool, v_pool = kv_flat[li, 0], kv_flat[li, 1]  # [slots, Hkv, D] each
             k_pool.index_copy_(0, w_slot, k.to(kv.dtype))
             v_pool.index_copy_(0, w_slot, v.to(kv.dtype))
-            if self.native and big:  # each token over its own keys: the same KV however the prompt is packed or cached
-                o = torch.cat([self._attend_row(q[i:i + 1], k_pool, v_pool, slots[:p + 1], self._windows[li])
-                               for (a, b, *_), slots in zip(seqs, seq_slots)
-                               for i, p in zip(range(a, b), pos[a:b].tolist())]).reshape(N, -1)
+            if rows_at is not None:
+                o = self._attend_rows(q, k_pool, v_pool, rows_at, self._windows[li])  # o: [N, H D]
             else:
                 o = self._attend_packed(q, k, v, k_pool, v_pool, seqs, self._windows[li])  # o: [N, H D]
             x = self._layer_rest(layer, x, o, big)  # x: [N, hidden]
@@ -612,7 +614,11 @@ class LlamaModel:
         # the output projection follows the layers: float32 in every prefill by default, as a request's first
         # token comes from here and int8-rounded activations flip near ties (SmolLM2's "The capital..." vs "L'..."
         # by 0.09 logits)
-        logits = self._softcap_logits(self._linear(self.lm_head, x, big).float())  # [rows, vocab]
+        if self.native and self.prefill_head_dense:  # row by row: a row's bits alone, ~10 ms a row
+            logits = torch.cat([self.lm_head.big(x[i:i + 1]) for i in range(x.shape[0])])
+        else:
+            logits = self._linear(self.lm_head, x, big)
+        logits = self._softcap_logits(logits.float())  # [rows, vocab]
         parts = logits.split([len(r) for r in rows])
         return [part if f else part[0] for part, f in zip(parts, flags)]
 
@@ -640,6 +646,39 @@ class LlamaModel:
             seqs.append((a, a + len(ids), r_slot, mask, pos))
             a += len(ids)
         return seqs, torch.cat(w_slots), torch.cat(positions)
+
+    def _row_layout(self, kv: torch.Tensor, seqs: list[tuple], w_slot: torch.Tensor, pos: torch.Tensor,
+                    tables: list[list[int]]) -> tuple:
+        """What :meth:`_attend_rows` needs of a packed prefill: for ``lowbit_cpu.attend_rows`` (a float32 pool, no
+        soft-capping) the block tables int64 ``[B, blocks]`` (padded with their first block), each row's sequence
+        and position int64 ``[N]`` and the pool's block size; else every sequence's context slots ``[S_b]`` for
+        the per-token SDPA loop."""
+        if kv.dtype == torch.float32 and self.dtype == torch.float32 and self.config.attn_softcap is None:
+            width = max(len(t) for t in tables)
+            padded = np.asarray([t + [t[0]] * (width - len(t)) for t in tables], np.int64)
+            seq = np.repeat(np.arange(len(seqs), dtype=np.int64), [b - a for a, b, *_ in seqs])
+            return "kernel", padded, seq, pos.numpy().astype(np.int64), kv.shape[3]
+        return "sdpa", [w_slot[a:b] if r_slot is None else r_slot for a, b, r_slot, *_ in seqs], seqs, pos
+
+    def _attend_rows(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows_at: tuple,
+                     window: int) -> torch.Tensor:
+        """Causal attention of every packed row on its own, over its own sequence's keys in the pool (already
+        written): a row's bits then depend on its query and keys only, not on the rows packed with it or on how
+        many of its keys an earlier prefill wrote. q ``[N, H, D]``, the pools ``[slots, Hkv, D]``, ``rows_at``
+        from :meth:`_row_layout`. Returns ``[N, H D]``."""
+        N = q.shape[0]
+        if rows_at[0] == "kernel":
+            from .lowbit_cpu import attend_rows  # noqa: PLC0415
+
+            _, tables, seq, pos, block_tokens = rows_at
+            out = np.empty(q.shape, np.float32)
+            attend_rows(q.contiguous().numpy(), k_pool.numpy(), v_pool.numpy(), tables, block_tokens, seq, pos,
+                        window, self._scale, out)
+            return torch.from_numpy(out).view(N, -1)
+        _, seq_slots, seqs, pos = rows_at
+        return torch.cat([self._attend_row(q[i:i + 1], k_pool, v_pool, slots[:p + 1], window)
+                          for (a, b, *_), slots in zip(seqs, seq_slots)
+                          for i, p in zip(range(a, b), pos[a:b].tolist())]).reshape(N, -1)
 
     def _attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
                        v_pool: torch.Tensor, seqs: list[tuple], window: int = 0) -> torch.Tensor:

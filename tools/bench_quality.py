@@ -10,8 +10,9 @@ kept), and at every position the tool compares them: **top-1 agreement** (the sh
 argmax tokens are equal), **perplexity** of each on the text (``exp`` of the mean negative log-likelihood of the
 next token), and the mean **KL divergence** ``KL(p_float32 || p_native)`` in nats. It also times the prefill
 forward of each (a chunk of ``--chunk`` tokens). The candidate runs every forward on its low-bit kernels,
-output projection included (as decode steps do; the engine's prefills use float32 copies of the same weights
-instead); ``--decode-steps`` feeds it one decode step per token instead, the path output tokens take.
+output projection included (as decode steps do); ``--engine-prefill`` runs it as the engine prefills (low-bit
+layers, the output projection's float32 copy); ``--decode-steps`` feeds it one decode step per token instead,
+the path output tokens take.
 
 The default text (tools/data/quality_text.txt) is plain English prose written for this project (public
 domain), about 2,650 tokens.
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--chunk", type=int, default=256, help="tokens per prefill forward")
     ap.add_argument("--decode-steps", action="store_true",
                     help="the candidate reads the text one decode step per token (as output tokens are made)")
+    ap.add_argument("--engine-prefill", action="store_true",
+                    help="the candidate prefills as the engine does (float32 output projection)")
     ap.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (0 = all)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--json", action="store_true")
@@ -108,15 +111,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ids = ids[:args.max_tokens]
     reference = LlamaModel.from_path(path, progress=False, weights="float32")
     candidate = LlamaModel.from_path(path, progress=False, weights=args.weights)
-    # every forward on the low-bit kernels: the numerics of a decode step (the engine prefills on float32)
-    candidate.dense_min_tokens = candidate.head_dense_min_rows = 1 << 30
+    if not args.engine_prefill:   # every forward on the low-bit kernels: the numerics of a decode step
+        candidate.dense_min_tokens = candidate.head_dense_min_rows = 1 << 30
+        candidate.prefill_head_dense = False
     res = compare(reference, candidate, ids, args.chunk, candidate_by_decode=args.decode_steps)
     res.update(candidate_mode=candidate.weights_mode, reference_weight_bytes=reference.weight_bytes(),
                candidate_weight_bytes=candidate.weight_bytes(), load_average=os.getloadavg()[0],
                text=Path(args.text).name)
     print(f"# bench_quality {time.strftime('%Y-%m-%d %H:%M:%S')} host {os.uname().nodename}, {os.cpu_count()} CPUs, "
           f"load average {res['load_average']:.2f}; torch {torch.__version__}, {args.threads} thread(s)")
-    how = "decode steps" if args.decode_steps else f"chunks of {args.chunk}"
+    how = "decode steps" if args.decode_steps else f"chunks of {args.chunk}" + (
+        ", the engine's prefill" if args.engine_prefill else "")
     print(f"text {res['text']}: {res['tokens']} scored tokens (teacher-forced; candidate in {how})")
     print(f"weights: float32 {res['reference_weight_bytes'] / 1e6:.0f} MB, {res['candidate_mode']} "
           f"{res['candidate_weight_bytes'] / 1e6:.0f} MB")

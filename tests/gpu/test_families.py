@@ -13,7 +13,7 @@ import torch
 
 from gpu.families import FAMILIES as SPECS
 from gpu.loader import load_config
-from gpu.model import LlamaModel, kv_pool_shape
+from gpu.model import DENSE_MIN_TOKENS, LlamaModel, kv_pool_shape
 from pdserve.errors import ModelLoadError
 from tests.gpu.tiny_families import FAMILIES, build_hf, write_gguf
 
@@ -140,9 +140,11 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones(tmp_path, 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "phi3", "qwen3_moe"])
 def test_low_bit_weights_run_every_family_and_the_one_call_decode_only_llama_layers(tiny, name, tmp_path):
-    """``--weights auto`` on a Q4_0 GGUF: prefill runs the float32 copies (equal to the dequantized model), decode
-    steps the int8-activation kernels from layer 0's projections on, through ``lowbit_cpu.decode_layers`` where the layer is Llama's (Llama;
-    Phi-3 once its fused weights are split) and op by op for the others."""
+    """``--weights auto`` on a Q4_0 GGUF: prefill runs the float32 copies (equal to the dequantized model, so the
+    per-row prefill attention is too, windows and soft-capping included; on the low-bit kernels, ``dense_min_tokens``
+    raised, close to it), decode steps the int8-activation kernels from layer 0's projections on, through
+    ``lowbit_cpu.decode_layers`` where the layer is Llama's (Llama; Phi-3 once its fused weights are split) and op
+    by op for the others."""
     path = write_gguf(name, tiny[name][0], tmp_path / f"tiny-{name}-q4.gguf", linear_type="Q4_0")
     native = LlamaModel.from_path(path, progress=False, weights="auto")
     dense = LlamaModel.from_path(path, progress=False, weights="float32")
@@ -152,6 +154,14 @@ def test_low_bit_weights_run_every_family_and_the_one_call_decode_only_llama_lay
     table = list(range(11, -1, -1))
     pre_n, pre_d = native.prefill(kv_n, ids, table), dense.prefill(kv_d, ids, table)
     assert (pre_n - pre_d).abs().max().item() < TOL
+    native.dense_min_tokens = 1 << 30
+    try:
+        low_bit = native.prefill(nan_pool(native, 12), ids, table)
+    finally:
+        native.dense_min_tokens = DENSE_MIN_TOKENS
+    # int8-rounded activations from layer 0 on: close to the float32 numbers, not equal (2-8% of the largest
+    # logit on these random tiny models, 2% for a decode step)
+    assert 0 < (low_bit - pre_d).abs().max().item() < 0.12 * pre_d.abs().max().item()
     t = int(pre_d.argmax())
     for i in range(4):
         p = len(ids) + i
