@@ -222,7 +222,7 @@ class MLAModel(LlamaModel):
                        start_positions: list[int], all_logits: list[bool] | None = None) -> list[torch.Tensor]:
         """As :meth:`gpu.model.LlamaModel.prefill_packed` (same arguments, returns and errors)."""
         c = self.config
-        flags, seqs, w_slot, pos = self._packed_start(kv, token_ids, block_tables, start_positions, all_logits)
+        flags, seqs, w_slot, pos, _ = self._packed_start(kv, token_ids, block_tables, start_positions, all_logits)
         kv_flat = self._flat_pool(kv)  # [L, 2, slots, 1, head_dim]
         rope = self._rope_at(pos)
         x = self._embed(torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=self.device))

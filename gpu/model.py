@@ -567,7 +567,8 @@ class LlamaModel:
                 :meth:`prefill`).
         """
         c = self.config
-        flags, seqs, w_slot, pos = self._packed_start(kv, token_ids, block_tables, start_positions, all_logits)
+        flags, seqs, w_slot, pos, tables = self._packed_start(kv, token_ids, block_tables, start_positions,
+                                                              all_logits)
         N = sum(len(ids) for ids in token_ids)
         kv_flat = self._flat_pool(kv)  # [L, 2, slots, Hkv, D]
         rope = self._rope_at(pos)
@@ -594,8 +595,9 @@ class LlamaModel:
 
     def _packed_start(self, kv: torch.Tensor, token_ids: list[list[int]], block_tables: list[list[int]],
                       start_positions: list[int], all_logits: list[bool] | None) -> tuple:
-        """:meth:`prefill_packed`'s arguments checked (its ValueErrors) and laid out: ``(flags, seqs, w_slot, pos)``,
-        the ``all_logits`` flags ``[B]`` and :meth:`_packed_layout`'s index tensors."""
+        """:meth:`prefill_packed`'s arguments checked (its ValueErrors) and laid out: ``(flags, seqs, w_slot, pos,
+        tables)``, the ``all_logits`` flags ``[B]``, :meth:`_packed_layout`'s index tensors and the checked block
+        tables."""
         B = len(token_ids)
         flags = [False] * B if all_logits is None else list(all_logits)
         if B == 0 or len(block_tables) != B or len(start_positions) != B or len(flags) != B:
@@ -603,7 +605,7 @@ class LlamaModel:
                              f"({len(block_tables)}), start_positions ({len(start_positions)}) and all_logits")
         tables = [self._prefill_table(kv, ids, tbl, s) for ids, tbl, s in zip(token_ids, block_tables,
                                                                               start_positions)]
-        return (flags, *self._packed_layout(kv, token_ids, tables, start_positions))
+        return (flags, *self._packed_layout(kv, token_ids, tables, start_positions), tables)
 
     def _packed_logits(self, x: torch.Tensor, seqs: list[tuple], flags: list[bool], big: bool) -> list[torch.Tensor]:
         """:meth:`prefill_packed`'s return from the last layer's output ``x`` ``[N, hidden]``: only the rows whose
