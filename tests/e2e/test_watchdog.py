@@ -227,11 +227,11 @@ def test_waiting_for_kv_room_behind_a_progressing_batch_is_queueing_not_a_bootst
     # an earlier test's finished answer may still be held for its hand-back (at most linger_s, 2 s)
     wait_until(lambda: probe.free_blocks()["decode0"][0] == probe.free_blocks()["decode0"][1], 10, 0.05,
                "the decode pool to be free")
-    # two requests of ~426 + 80 tokens: 32 blocks of 16 each, the whole 64-block decode pool, for 80 decode steps
-    # (~8 s on 2 cores; the assertion below says if the pool freed too soon to test anything). Two requests, not
-    # n=2: two choices would hold the prompt's full blocks once
+    # two requests of ~346 + 160 tokens: 32 blocks of 16 each, the whole 64-block decode pool, for 160 decode steps
+    # (~9 s on a quiet 2-core machine, where 80 steps freed it after 4.4 s; the assertion below says if the pool
+    # freed too soon to test anything). Two requests, not n=2: two choices would hold the prompt's full blocks once
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        fills = [pool.submit(complete, engine, f"kvfill-{i}", prompt="word " * 425, max_tokens=80, ignore_eos=True)
+        fills = [pool.submit(complete, engine, f"kvfill-{i}", prompt="word " * 345, max_tokens=160, ignore_eos=True)
                  for i in (1, 2)]
         wait_until(lambda: probe.free_blocks()["decode0"][0] == 0 or any(f.done() for f in fills), 60, 0.02,
                    "the two requests to take the whole decode pool")
