@@ -126,14 +126,6 @@ def prompt_opens_reasoning(prompt_text: str) -> bool:
     return text.endswith(THINK_OPEN)
 
 
-def _suffix(text: str, token: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``token``."""
-    for n in range(min(len(token) - 1, len(text)), 0, -1):
-        if text.endswith(token[:n]):
-            return n
-    return 0
-
-
 # ---------------------------------------------------------------------------------------------------- reasoning
 
 
@@ -173,7 +165,7 @@ class ReasoningStream:
         if self.state == "reasoning":
             end = self.buffer.find(THINK_CLOSE)
             if end < 0:
-                keep = _suffix(self.buffer, THINK_CLOSE)
+                keep = hermes.partial_suffix(self.buffer, THINK_CLOSE)
                 piece, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
                 if piece:
                     events.append(("reasoning", piece))
@@ -420,7 +412,7 @@ def _loads_or_text(text: str) -> Any:
         return text
 
 
-class _MarkerStream:
+class _MarkerStream(hermes.MarkerBuffer):
     """Mistral: content streams until ``[TOOL_CALLS]`` (a tail that may start it is held); after it the calls are
     held until they parse (a JSON list, or v11's ``name[ARGS]{...}``), then go out as calls and content resumes.
     Text after the marker that never parses goes out as content at the end, marker included. An answer that starts
@@ -428,33 +420,9 @@ class _MarkerStream:
     tokenizer, which detokenization drops with the other special tokens."""
 
     def __init__(self, parallel: bool):
-        self.parallel = parallel
-        self.buffer = ""
+        super().__init__(parallel)
         self.inside = False   # after a [TOOL_CALLS] whose calls have not parsed yet
         self.mark = 0         # characters of the marker at the buffer's start while inside (0: it was dropped)
-        self.calls = 0
-        self.sent = False
-
-    def _content(self, text: str, events: list) -> None:
-        if not self.sent:
-            text = text.lstrip()
-        if text:
-            self.sent = True
-            events.append(("content", text))
-
-    def _text_before(self, marker: str, events: list) -> int:
-        """Send the buffer's content before ``marker`` and return where the marker starts; without one, send all but
-        a tail that may start it (and trailing whitespace, dropped if the marker follows) and return -1."""
-        start = self.buffer.find(marker)
-        if start < 0:
-            keep = _suffix(self.buffer, marker)
-            head = self.buffer[:len(self.buffer) - keep]
-            cut = len(head.rstrip())
-            self._content(head[:cut], events)
-            self.buffer = self.buffer[cut:]
-            return -1
-        self._content(self.buffer[:start].rstrip(), events)
-        return start
 
     def _call(self, call: dict, events: list) -> None:
         if self.parallel or self.calls == 0:

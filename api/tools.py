@@ -242,7 +242,7 @@ def partial_call(block: str, names: tuple[str, ...]) -> dict | None:
     if len(candidates) != 1 or candidates[0] not in names:
         return None
     arguments = (arguments or "").rstrip()
-    tail = _partial_suffix(arguments, TOOL_CALL_CLOSE) or (len(TOOL_CALL_CLOSE) if arguments.endswith(
+    tail = partial_suffix(arguments, TOOL_CALL_CLOSE) or (len(TOOL_CALL_CLOSE) if arguments.endswith(
         TOOL_CALL_CLOSE) else 0)
     arguments = arguments[:len(arguments) - tail].rstrip()
     if arguments.endswith("}") and _loads_or_none(arguments[:-1]) is not None:
@@ -286,13 +286,10 @@ def parse_tool_calls(text: str, parallel: bool = True) -> tuple[str | None, list
     return (rest or None), (calls if parallel else calls[:1])
 
 
-class ToolCallStream:
-    """Streams an ``auto``/``required`` answer: text outside ``<tool_call>`` blocks goes out as content at once
-    (except a tail that could be the start of a block), each block goes out as one call when it closes.
-
-    ``push(text)`` and ``finish()`` return events ``("content", text)`` or ``("call", {"name", "arguments"})``.
-    ``"".join(content) `` and the calls equal :func:`parse_tool_calls` on the whole text, up to whitespace.
-    """
+class MarkerBuffer:
+    """What every streamed tool-call parser shares (this module's Hermes stream, api/formats.py's marker
+    streams): the text not yet sent (``buffer``), calls sent, and content sent with leading whitespace dropped
+    until the first."""
 
     def __init__(self, parallel: bool = True):
         self.parallel = parallel
@@ -307,22 +304,37 @@ class ToolCallStream:
             self.sent = True
             events.append(("content", text))
 
+    def _text_before(self, marker: str, events: list) -> int:
+        """Send the buffer's content before ``marker`` and return where the marker starts; without one, send all but
+        a tail that may start it (and trailing whitespace, dropped if the marker follows) and return -1."""
+        start = self.buffer.find(marker)
+        if start < 0:
+            keep = partial_suffix(self.buffer, marker)
+            head = self.buffer[:len(self.buffer) - keep]
+            cut = len(head.rstrip())
+            self._content(head[:cut], events)
+            self.buffer = self.buffer[cut:]
+            return -1
+        self._content(self.buffer[:start].rstrip(), events)
+        return start
+
+
+class ToolCallStream(MarkerBuffer):
+    """Streams an ``auto``/``required`` answer: text outside ``<tool_call>`` blocks goes out as content at once
+    (except a tail that could be the start of a block), each block goes out as one call when it closes.
+
+    ``push(text)`` and ``finish()`` return events ``("content", text)`` or ``("call", {"name", "arguments"})``.
+    ``"".join(content) `` and the calls equal :func:`parse_tool_calls` on the whole text, up to whitespace.
+    """
+
     def push(self, text: str) -> list[tuple[str, Any]]:
         self.buffer += text
         events: list[tuple[str, Any]] = []
         while True:
-            start = self.buffer.find(TOOL_CALL_OPEN)
+            start = self._text_before(TOOL_CALL_OPEN, events)
             if start < 0:
-                # hold back what could start a block, and trailing whitespace (dropped if a block follows)
-                keep = _partial_suffix(self.buffer, TOOL_CALL_OPEN)
-                head = self.buffer[:len(self.buffer) - keep]
-                cut = len(head.rstrip())
-                self._content(head[:cut], events)
-                self.buffer = self.buffer[cut:]
                 return events
-            if start:
-                self._content(self.buffer[:start].rstrip(), events)
-                self.buffer = self.buffer[start:]
+            self.buffer = self.buffer[start:]
             end = self.buffer.find(TOOL_CALL_CLOSE)
             if end < 0:
                 return events
@@ -352,7 +364,7 @@ class ToolCallStream:
         return events
 
 
-def _partial_suffix(text: str, token: str) -> int:
+def partial_suffix(text: str, token: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``token``."""
     for n in range(min(len(token) - 1, len(text)), 0, -1):
         if text.endswith(token[:n]):
