@@ -17,13 +17,18 @@ from tests.gpu.tiny_families import VOCAB, build_hf, write_gguf
 BLOCK = 4
 
 
+def saved(name: str, tmp_path_factory) -> tuple:
+    """(HF model, HF directory, GGUF path) of the tiny ``name`` family model."""
+    d = tmp_path_factory.mktemp(name)
+    hf = build_hf(name)
+    hf.save_pretrained(str(d / "hf"))
+    return hf, d / "hf", write_gguf(name, hf, d / "tiny.gguf")
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(HF model, HF directory, GGUF path) of the tiny DeepSeek-V2."""
-    d = tmp_path_factory.mktemp("deepseek2")
-    hf = build_hf("deepseek2")
-    hf.save_pretrained(str(d / "hf"))
-    return hf, d / "hf", write_gguf("deepseek2", hf, d / "tiny.gguf")
+    """The tiny DeepSeek-V2 (:func:`saved`)."""
+    return saved("deepseek2", tmp_path_factory)
 
 
 @pytest.mark.parametrize("form", [1, 2])
@@ -208,11 +213,8 @@ def test_a_compressed_query_equals_hf_from_both_forms(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny3(tmp_path_factory):
-    """(HF model, HF directory, GGUF path) of the tiny DeepSeek-V3."""
-    d = tmp_path_factory.mktemp("deepseek3")
-    hf = build_hf("deepseek3")
-    hf.save_pretrained(str(d / "hf"))
-    return hf, d / "hf", write_gguf("deepseek3", hf, d / "tiny.gguf")
+    """The tiny DeepSeek-V3 (:func:`saved`)."""
+    return saved("deepseek3", tmp_path_factory)
 
 
 def test_v3_reads_its_routing_from_both_forms(tiny3):
