@@ -157,14 +157,21 @@ def test_a_decode_actor_waits_out_a_state_table_lock_its_stopped_neighbour_holds
                    "the holder to stop with the lock")
         beats_before = shm["actors"].row(DECODE0)["heartbeat_count"]
         actor.wait_out_stuck_locks(os.getppid())
-        killer = threading.Thread(target=lambda: (wait_until(
-            lambda: shm["actors"].row(DECODE0)["heartbeat_count"] >= beats_before + 3, 30, 0.02,
-            "three beats while waiting"), holder.kill()))
+        beating = []
+
+        def kill_after_three_beats() -> None:   # kills the holder whatever happens: the write would wait forever
+            try:
+                beating.append(wait_until(lambda: shm["actors"].row(DECODE0)["heartbeat_count"] >= beats_before + 3,
+                                          30, 0.02, "three beats while waiting"))
+            finally:
+                holder.kill()
+        killer = threading.Thread(target=kill_after_three_beats)
         killer.start()
         try:   # the write waits (3 lock timeouts, beating) until the holder is killed, then takes the lock over
             assert state.transition(slot, generation, S.PREFILLING) is True
         finally:
             killer.join(40)
+        assert beating == [True], "the waiting actor did not beat its heartbeat"
         assert state.row(slot)["state"] == S.PREFILLING
 
         holder2 = ctx.Process(target=kids.st_stop_holding_lock, args=(state.name,))
