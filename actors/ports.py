@@ -9,7 +9,9 @@ import time
 from collections import deque
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
+from actors.messages import to_wire
 from actors.topology import LOCAL_PREFILL
+from pdserve.errors import MessageTooLargeError, QueueFullError
 
 log = logging.getLogger(__name__)
 MAX_HELD_FRAMES = 2048   # frames one address may have waiting in an actor's outbox before the oldest are dropped
@@ -161,9 +163,6 @@ class QueueOutbox:
         self.local[dest] = core
 
     def send(self, dest: str, message: Any, request_id: str = "") -> None:
-        from actors.messages import to_wire
-        from pdserve.errors import QueueFullError
-
         core = self.local.get(dest)
         if core is not None:
             core.on_message(message)
@@ -185,9 +184,6 @@ class QueueOutbox:
     def try_send(self, dest: int | str, message: Any, request_id: str = "") -> bool:
         """``send`` without waiting (a best-effort message): False, nothing sent, if ``dest``'s queue has no free
         slot now, the message does not fit one, or earlier frames to ``dest`` are held."""
-        from actors.messages import to_wire
-        from pdserve.errors import MessageTooLargeError, QueueFullError
-
         core = self.local.get(dest)
         if core is not None:
             core.on_message(message)
@@ -203,8 +199,6 @@ class QueueOutbox:
     def flush(self) -> None:
         """Retry the held frames, oldest first, without waiting for room (a held producer mutex still costs up to
         its lock timeout per address); an address whose frames all went is logged and forgotten."""
-        from pdserve.errors import QueueFullError
-
         for dest, held in list(self.held.items()):
             queue = self.queues[dest]
             try:
