@@ -13,6 +13,10 @@ from actors.topology import API
 
 log = logging.getLogger("pdserve.actors")
 
+# most prompts' last tokens in one decode step of PrefillRunner: under the native model's head_dense_min_rows, so
+# each row's logits come from the batch-invariant low-bit output projection
+LAST_TOKEN_ROWS = 16
+
 
 def sampling_params(sampling):
     """Convert a wire Sampling into gpu.sampling.SamplingParams."""
@@ -78,6 +82,41 @@ def first_tokens(sampler, logits, prompt_ids: list[int], samplings: list,
             for t, lp in zip(tokens, token_logprobs(batch, tokens, [p.logprobs for p in params]))]
 
 
+def prefill_forward(model, kv, chunks: list[tuple]) -> list[tuple]:
+    """One forward pass over prompt chunks ``(prompt_ids, start, end, blocks, echo)``: tokens ``start:end`` of
+    each prompt into its ``blocks`` of the pool ``kv``, packed (``model.prefill_packed``); ``echo``: every
+    position's logits are wanted (prompt log-probabilities).
+
+    With a model whose ``prompt_last_by_decode`` is set (native weights), a chunk that ends its prompt and does
+    not echo runs its last token as a decode step (``model.decode``, the batch-invariant low-bit GEMVs, in steps of
+    at most ``LAST_TOKEN_ROWS`` rows) after the packed prefill of its other tokens: a prompt whose prefix is cached
+    then computes no float32 prefill block at all, and the token's logits are the same whether the prompt was
+    cached, chunked or packed with others.
+
+    Returns per chunk ``(logits, by_decode)``: ``[end - start, vocab]`` float32 with ``echo``, else the last
+    token's ``[vocab]``; ``by_decode``: its last token ran as a decode step (a longer prompt's prefill would
+    compute that token's KV otherwise: the caller keeps it out of the prefix cache).
+    """
+    split = getattr(model, "prompt_last_by_decode", False)
+    by_decode = [split and end == len(ids) and not echo for ids, _, end, _, echo in chunks]
+    out: list = [None] * len(chunks)
+    packed = [i for i, (_, start, end, *_) in enumerate(chunks) if end - start > by_decode[i]]
+    if packed:
+        logits = model.prefill_packed(kv, [chunks[i][0][chunks[i][1]:chunks[i][2] - by_decode[i]] for i in packed],
+                                      [chunks[i][3] for i in packed], [chunks[i][1] for i in packed],
+                                      [chunks[i][4] for i in packed])
+        for i, chunk_logits in zip(packed, logits):
+            out[i] = chunk_logits
+    finals = [i for i, d in enumerate(by_decode) if d]
+    for at in range(0, len(finals), LAST_TOKEN_ROWS):
+        group = finals[at:at + LAST_TOKEN_ROWS]
+        rows = model.decode(kv, [chunks[i][0][chunks[i][2] - 1] for i in group], [chunks[i][2] - 1 for i in group],
+                            [chunks[i][3] for i in group])   # [B, vocab]
+        for i, row in zip(group, rows):
+            out[i] = row
+    return list(zip(out, by_decode))
+
+
 class PrefillRunner:
     """Runs the forward passes a PrefillCore plans (actors/prefill_core.py): one packed forward per batch of
     chunks (``LlamaModel.prefill_packed``), the prompt log-probabilities of requests that echo them, and the
@@ -92,15 +131,18 @@ class PrefillRunner:
         self.echo: dict[tuple[int, int], tuple[list, object]] = {}
 
     def run(self, core, chunks, after_forward: Callable[[list], None] = lambda chunks: None) -> None:
-        """One forward pass over ``chunks`` (from ``core.next_batch()``), then ``after_forward(chunks)`` (the
-        shell's per-chunk fault hooks), then ``core.batch_done`` and ``core.finish`` for each completed prompt."""
+        """One forward pass over ``chunks`` (from ``core.next_batch()``, through :func:`prefill_forward`), then
+        ``after_forward(chunks)`` (the shell's per-chunk fault hooks), then ``core.batch_done`` and ``core.finish``
+        for each completed prompt. A prompt whose last token ran as a decode step keeps that token's KV out of the
+        prefix cache (its work's ``cache_tokens``)."""
         echoes = [c.work.request.sampling.prompt_logprobs is not None for c in chunks]
-        logits = self.model.prefill_packed(
-            self.kv, [c.work.request.prompt_ids[c.start:c.end] for c in chunks], [c.work.blocks for c in chunks],
-            [c.start for c in chunks], echoes)   # per chunk: [T, vocab] if it echoes, else [vocab]
+        outs = prefill_forward(self.model, self.kv, [(c.work.request.prompt_ids, c.start, c.end, c.work.blocks, e)
+                                                     for c, e in zip(chunks, echoes)])
         lasts = {}
-        for chunk, chunk_logits, echo in zip(chunks, logits, echoes):
+        for chunk, echo, (chunk_logits, by_decode) in zip(chunks, echoes, outs):
             key = (chunk.work.request.slot, chunk.work.request.generation)
+            if by_decode:
+                chunk.work.cache_tokens = chunk.end - 1
             if echo:
                 entries, before = self.echo.get(key, ([], None))
                 top_n = chunk.work.request.sampling.prompt_logprobs

@@ -36,7 +36,7 @@ class PrefillActor(Actor):
         from pdserve.faults import FaultPlan
 
         topo = self.topology
-        self.model, self.pool = load_model(self, decode=False)   # the prefill actor never decodes
+        self.model, self.pool = load_model(self, decode=False)   # no decode steps but prompts' last tokens
         self.kv = self.pool.tensor()
         # created after the reset: warm-up's block and a predecessor's cache are never served from it
         self.allocator = CachingAllocator(self.pool, enabled=self.config.prefix_cache,

@@ -69,7 +69,9 @@ class PrefillWork:
     """One request being prefilled: ``request.prompt_ids`` into ``blocks`` (prompt KV) over one or more
     forward passes, then one first token sampled per entry of ``rows`` (``(child index, key)``, the rows still
     live when it started). ``done_tokens``: prompt tokens whose KV is written; it starts at ``cached_tokens``
-    (that prefix's KV is in the blocks already, from the prefix cache)."""
+    (that prefix's KV is in the blocks already, from the prefix cache). ``cache_tokens``: how many leading prompt
+    tokens' KV the prefix cache may keep once it is complete (None: all; the shell sets one less when the prompt's
+    last token ran as a decode step, whose KV a prefill of a longer prompt would not compute bit for bit)."""
 
     request: PrefillRequest
     prompt: PromptBlocks
@@ -78,6 +80,7 @@ class PrefillWork:
     created_ns: int
     chunks_done: int = 0
     done_tokens: int = 0
+    cache_tokens: int | None = None
 
     @property
     def blocks(self) -> list[int]:
@@ -265,7 +268,7 @@ class PrefillCore:
         """The forward pass ended with each row's first token (``(token_id, wire logprobs or None)`` per entry
         of ``work.rows``): move each live row to BOOTSTRAP and send decode its KVReady."""
         self.prefilling.remove(work)
-        self.allocator.commit(work.prompt)   # its KV is complete: later prompts may reuse its blocks
+        self.allocator.commit(work.prompt, work.cache_tokens)   # its KV is complete: later prompts may reuse it
         request = work.request
         now_ns = self.clock()
         queue_s, prefill_s = (work.start_ns - work.created_ns) / 1e9, (now_ns - work.start_ns) / 1e9

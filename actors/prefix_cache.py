@@ -302,22 +302,26 @@ class CachingAllocator:
         return PromptBlocks(hit + new, owner_slot, cached, keys, [True] * len(hit) + [False] * need,
                             prompt_ids, rows)
 
-    def commit(self, prompt: PromptBlocks) -> int:
+    def commit(self, prompt: PromptBlocks, tokens: int | None = None) -> int:
         """The prompt's KV is computed: cache each of its full blocks whose key is not cached yet, and (with
         ``copy_rows``) its partial last block unless a cached block after the same parent starts with its tokens
-        (each block moves to CACHE_OWNER; this request holds one reference). Returns how many blocks it cached."""
+        (each block moves to CACHE_OWNER; this request holds one reference). ``tokens``: only the KV of the
+        prompt's first ``tokens`` tokens may be reused (None: all of it); a full block past them is filed as a
+        partial block of its leading tokens, and blocks wholly past them stay the request's. Returns how many
+        blocks it cached."""
         added, bt, ids = 0, self.block_tokens, prompt.token_ids
-        for i, key in enumerate(prompt.keys):
+        n = len(ids) if tokens is None else min(tokens, len(ids))
+        full = n // bt   # the full blocks within the reusable tokens
+        for i, key in enumerate(prompt.keys[:full]):
             block = prompt.blocks[i]
             if not prompt.in_cache[i] and self.cache.insert(key, block, prompt.keys[i - 1] if i else b"",
                                                             ids[i * bt:(i + 1) * bt]):
                 self._to_cache(prompt, i)
                 added += 1
-        last = len(prompt.keys)   # the partial last block, if any
-        if (self.enabled and self.copy_rows is not None and last < len(prompt.blocks) and not prompt.in_cache[last]
-                and self.cache.insert_partial(prompt.keys[-1] if prompt.keys else b"", ids[last * bt:],
-                                              prompt.blocks[last])):
-            self._to_cache(prompt, last)
+        if (self.enabled and self.copy_rows is not None and n > full * bt and not prompt.in_cache[full]
+                and self.cache.insert_partial(prompt.keys[full - 1] if full else b"", ids[full * bt:n],
+                                              prompt.blocks[full])):
+            self._to_cache(prompt, full)
             added += 1
         return added
 

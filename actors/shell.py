@@ -12,8 +12,9 @@ from __future__ import annotations
 
 def load_model(actor, decode: bool):
     """``(model, pool)`` for ``actor`` (an actors.base.Actor): the prepared model and its attached KV pool, after
-    a warm-up pass (``decode=False``: an actor that never decodes skips the decode step) between two resets (a
-    restarted actor starts from an empty pool; its old requests were failed)."""
+    a warm-up pass (``decode=False``: an actor that never decodes skips the decode step, unless the model runs a
+    prompt's last token as one, ``prompt_last_by_decode``) between two resets (a restarted actor starts from an
+    empty pool; its old requests were failed)."""
     import torch
 
     from actors.model_runner import warm_up
@@ -26,7 +27,7 @@ def load_model(actor, decode: bool):
                            config.model_cache_dir or None)
     pool = KVPool.attach(actor.layout.segment(actor.topology.segment("kv", actor.index)))
     pool.reset()   # a predecessor's blocks (a full prefix cache, say) must not leave warm-up without one
-    warm_up(model, pool, decode=decode)
+    warm_up(model, pool, decode=decode or getattr(model, "prompt_last_by_decode", False))
     pool.reset()
     return model, pool
 

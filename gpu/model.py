@@ -236,9 +236,12 @@ class LlamaModel:
         self.native = native
         # a forward of at least this many tokens runs each linear's float32 weight (``QuantLinear.big``)
         self.dense_min_tokens = DENSE_MIN_TOKENS
-        # natively, a prefill's output projection runs its float32 copy, one row per call (a request's first token
-        # comes from it; MKL sums a row in an order that depends on the number of rows)
+        # natively, a prefill's output projection runs its float32 copy, one row per call (MKL sums a row in an order
+        # that depends on the number of rows); the engine's prompts take their first token from a decode step instead
         self.prefill_head_dense = True
+        # natively, the engine (actors/model_runner.PrefillRunner) runs a prompt's last token as a decode step: a
+        # prompt whose prefix is cached then pays the low-bit GEMVs, not a float32 block per linear
+        self.prompt_last_by_decode = native
         self.head_dense_min_rows = HEAD_DENSE_MIN_ROWS  # the same for the output projection
         # decode steps below this run the GEMV (decode_layers where it applies), at or above it the float32 copies
         self.decode_stacked_max_rows = DECODE_STACKED_MAX_ROWS
@@ -613,9 +616,8 @@ class LlamaModel:
         rows = [range(a, b) if f else range(b - 1, b) for (a, b, *_), f in zip(seqs, flags)]
         x = x[torch.tensor([i for r in rows for i in r], dtype=torch.long, device=self.device)]
         x = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
-        # the output projection follows the layers: float32 in every prefill by default, as a request's first
-        # token comes from here and int8-rounded activations flip near ties (SmolLM2's "The capital..." vs "L'..."
-        # by 0.09 logits)
+        # the output projection follows the layers: float32 in every prefill by default (int8-rounded activations
+        # flip near ties, SmolLM2's "The capital..." vs "L'..." by 0.09 logits, when every layer runs low-bit too)
         if self.native and self.prefill_head_dense:  # row by row: a row's bits alone, ~10 ms a row
             logits = torch.cat([self.lm_head.big(x[i:i + 1]) for i in range(x.shape[0])])
         else:

@@ -52,6 +52,24 @@ def test_a_prompt_fully_cached_still_computes_its_last_block_so_there_are_logits
     assert alloc.base.num_free == 16 - 2 and alloc.num_free == 16
 
 
+def test_a_commit_of_fewer_tokens_keeps_the_rest_of_the_prompt_out_of_the_cache():
+    """``commit(prompt, tokens)`` (the prompt's last token ran as a decode step): a full block past ``tokens`` is
+    filed as a partial block of its leading rows, so a longer prompt reuses all but that token, to the row."""
+    copies = []
+    alloc = CachingAllocator(FakeAllocator(16, block_tokens=BT), copy_rows=lambda s, d, r: copies.append((s, d, r)))
+    first = alloc.acquire(list(range(8)), 0)   # two full blocks; its last token's KV must not be reused
+    assert alloc.commit(first, 7) == 2         # block 1 as a partial block of 3 rows
+    alloc.release(first)
+    longer = alloc.acquire(list(range(10)), 1)
+    assert longer.cached_tokens == 7 and longer.blocks[0] == first.blocks[0]
+    assert copies == [(first.blocks[1], longer.blocks[1], 3)]
+    alloc.commit(longer, 9)                    # blocks 1 (full now) and 2 (one row of two) join the cache
+    alloc.release(longer)
+    third = alloc.acquire(list(range(12)), 2)
+    assert third.cached_tokens == 9 and third.blocks[:2] == longer.blocks[:2]   # the partial tail row: copied
+    alloc.release(third)
+
+
 def test_eviction_takes_the_least_recently_released_tail_first_and_only_blocks_nobody_holds():
     alloc = cache(num_blocks=6)
     a = alloc.acquire(list(range(12)), 0)        # 3 full blocks

@@ -1,9 +1,12 @@
-"""Greedy output with the prefix cache equals greedy output without it, on the real model and a NaN-filled pool
-(a slot read before it was written poisons the logits): the prefill actor's path (CachingAllocator.acquire with the
-actor's row copy of a hit ending mid-block, packed prefill forwards from the cached prefix on, commit, release)
-driven in process, against the same path with the cache off. Cases: the same prompt again (reused to its last token
-but one), a shared prefix ending mid-block, one ending inside a cached full block and one ending on a block
-boundary, a chunk boundary inside the computed part, and a cache evicted under pressure in a small pool."""
+"""Greedy output with the prefix cache equals greedy output without it, on the real model (float32 and the default
+native weights) and a NaN-filled pool (a slot read before it was written poisons the logits): the prefill actor's
+path (CachingAllocator.acquire with the actor's row copy of a hit ending mid-block, model_runner.prefill_forward
+from the cached prefix on, natively with the prompt's last token as a decode step, commit, release) driven in
+process, against the same path with the cache off; the first token's logits must be the same bits. Cases: a
+prompt extending a cached one (mid-block and on a block boundary: natively the cached one's last token was a
+decode step, whose KV is not reused), the same prompt again (reused to its last token but one), a shared prefix
+ending mid-block, one ending inside a cached full block and one ending on a block boundary, a chunk boundary inside
+the computed part, and a cache evicted under pressure in a small pool."""
 from __future__ import annotations
 
 import functools
@@ -12,9 +15,9 @@ import math
 import pytest
 import torch
 
-from actors.model_runner import copy_block_rows
+from actors.model_runner import copy_block_rows, prefill_forward
 from actors.prefix_cache import CachingAllocator
-from gpu.model import kv_pool_shape
+from gpu.model import LlamaModel, kv_pool_shape
 from tests.actors.fakes import FakeAllocator
 
 BT = 16
@@ -23,33 +26,47 @@ NEW_TOKENS = 6
 
 def greedy_through(model, kv, alloc: CachingAllocator, prompt: list[int], slot: int, chunk_tokens: int = 128):
     """Prefill ``prompt`` as the prefill actor does (only the tokens after the cached prefix), then decode
-    greedily into the request's own blocks. Returns (tokens, cached prompt tokens)."""
+    greedily into the request's own blocks. Returns (tokens, cached prompt tokens, the first token's logits)."""
     p = alloc.acquire(prompt, slot)
     extra = alloc.allocate(math.ceil((len(prompt) + NEW_TOKENS) / BT) - len(p.blocks), slot)
-    logits = None
+    logits = by_decode = None
     for start in range(p.cached_tokens, len(prompt), chunk_tokens):   # one chunk per forward, as the actor runs it
-        [logits] = model.prefill_packed(kv, [prompt[start:start + chunk_tokens]], [p.blocks], [start])
-    alloc.commit(p)
-    table, out, pos = p.blocks + extra, [], len(prompt)
+        [(logits, by_decode)] = prefill_forward(model, kv, [(prompt, start, min(start + chunk_tokens, len(prompt)),
+                                                              p.blocks, False)])
+    alloc.commit(p, len(prompt) - 1 if by_decode else None)
+    first, table, out, pos = logits.clone(), p.blocks + extra, [], len(prompt)
     while len(out) < NEW_TOKENS:
         out.append(int(logits.argmax()))
         logits = model.decode(kv, [out[-1]], [pos], [table])[0]
         pos += 1
     alloc.release(p)
     alloc.free(extra, slot)
-    return out, p.cached_tokens
+    return out, p.cached_tokens, first
 
 
-_REFERENCES: dict[tuple, list[int]] = {}
+_REFERENCES: dict[tuple, tuple] = {}
 
 
-def reference(model, prompt: list[int]) -> list[int]:
-    """Greedy tokens with the cache off (memoized: the machine is slow and the tests share prompts)."""
-    if tuple(prompt) not in _REFERENCES:
+def reference(model, prompt: list[int]) -> tuple:
+    """Greedy tokens and first logits with the cache off (memoized: the machine is slow and the tests share
+    prompts)."""
+    key = (model.native, tuple(prompt))
+    if key not in _REFERENCES:
         kv = torch.full(kv_pool_shape(model.config, 16, BT), float("nan"), dtype=model.dtype)
         alloc = CachingAllocator(FakeAllocator(16, BT), enabled=False)
-        _REFERENCES[tuple(prompt)] = greedy_through(model, kv, alloc, prompt, 0)[0]
-    return _REFERENCES[tuple(prompt)]
+        tokens, _, first = greedy_through(model, kv, alloc, prompt, 0)
+        _REFERENCES[key] = tokens, first
+    return _REFERENCES[key]
+
+
+@pytest.fixture(scope="module", params=["float32", "auto"])
+def any_model(request, model, gguf_path):
+    """The float32 model (conftest) and the default native one (its prompts end with a decode step)."""
+    if request.param == "float32":
+        return model
+    native = LlamaModel.from_path(gguf_path, progress=False, weights="auto")
+    assert native.prompt_last_by_decode
+    return native
 
 
 @pytest.fixture(scope="module")
@@ -61,31 +78,41 @@ def prompt(tok) -> list[int]:
     return ids
 
 
-def test_greedy_output_with_the_prefix_cache_equals_greedy_output_without_it(model, prompt):
+def test_greedy_output_with_the_prefix_cache_equals_greedy_output_without_it(any_model, prompt):
+    model = any_model
     kv = torch.full(kv_pool_shape(model.config, 32, BT), float("nan"), dtype=model.dtype)
     alloc = CachingAllocator(FakeAllocator(32, BT), copy_rows=functools.partial(copy_block_rows, kv))
     other = [t + 7 for t in prompt[:20]]
+    boundary = [t + 3 for t in prompt[:32]]
+    last = 1 if model.prompt_last_by_decode else 0   # the cached prompt's last token is not reused natively
     cases = [   # (what, prompt, cached tokens expected, prefill chunk tokens)
-        ("cold", prompt, 0, 128),
+        ("cold", prompt[:40], 0, 128),
+        ("a prompt extending a cached one", prompt, 40 - last, 128),
+        ("cold, on a block boundary", boundary, 0, 128),
+        ("a prompt extending a cached one that ends on a block boundary", boundary + other, 32 - last, 128),
         ("the same prompt again", prompt, len(prompt) - 1, 128),
         ("a shared prefix ending mid-block, computed in chunks of 5", prompt[:37] + other, 37, 5),
         ("a prefix ending inside a cached full block", prompt[:45], 44, 128),
         ("a shared prefix ending on a block boundary", prompt[:32] + other, 32, 128),
     ]
     for name, ids, cached, chunk_tokens in cases:
-        tokens, got_cached = greedy_through(model, kv, alloc, ids, slot=1, chunk_tokens=chunk_tokens)
+        tokens, got_cached, first = greedy_through(model, kv, alloc, ids, slot=1, chunk_tokens=chunk_tokens)
         assert got_cached == cached, name
-        assert tokens == reference(model, ids), name
+        want_tokens, want_first = reference(model, ids)
+        if model.native:   # the float32 path's SDPA sums a chunk's rows in an order that depends on the chunk
+            assert torch.equal(first, want_first), name
+        assert tokens == want_tokens, name
 
 
-def test_greedy_output_is_unchanged_after_the_cache_was_evicted_under_pressure(model, prompt):
+def test_greedy_output_is_unchanged_after_the_cache_was_evicted_under_pressure(any_model, prompt):
+    model = any_model
     blocks = math.ceil((len(prompt) + NEW_TOKENS) / BT)   # one request at a time fits, two prompts' caches do not
     kv = torch.full(kv_pool_shape(model.config, blocks + 1, BT), float("nan"), dtype=model.dtype)
     alloc = CachingAllocator(FakeAllocator(blocks + 1, BT), copy_rows=functools.partial(copy_block_rows, kv))
-    first, _ = greedy_through(model, kv, alloc, prompt, slot=1)
+    first, _, _ = greedy_through(model, kv, alloc, prompt, slot=1)
     unrelated = [t + 11 for t in prompt]
     greedy_through(model, kv, alloc, unrelated, slot=2)
     assert alloc.evicted_blocks > 0
-    again, cached = greedy_through(model, kv, alloc, prompt, slot=3)
+    again, cached, _ = greedy_through(model, kv, alloc, prompt, slot=3)
     assert cached < len(prompt) - 1, "nothing of the first prompt was evicted"
-    assert again == first == reference(model, prompt)
+    assert again == first == reference(model, prompt)[0]
