@@ -94,7 +94,7 @@ def prefill_forward(model, kv, chunks: list[tuple]) -> list[tuple]:
     cached, chunked or packed with others.
 
     Returns per chunk ``(logits, by_decode)``: ``[end - start, vocab]`` float32 with ``echo``, else the last
-    token's ``[vocab]``; ``by_decode``: its last token ran as a decode step (a longer prompt's prefill would
+    token's ``[vocab]`` where the chunk ends its prompt, else None; ``by_decode``: its last token ran as a decode step (a longer prompt's prefill would
     compute that token's KV otherwise: the caller keeps it out of the prefix cache).
     """
     split = getattr(model, "prompt_last_by_decode", False)
@@ -104,7 +104,8 @@ def prefill_forward(model, kv, chunks: list[tuple]) -> list[tuple]:
     if packed:
         logits = model.prefill_packed(kv, [chunks[i][0][chunks[i][1]:chunks[i][2] - by_decode[i]] for i in packed],
                                       [chunks[i][3] for i in packed], [chunks[i][1] for i in packed],
-                                      [chunks[i][4] for i in packed])
+                                      [chunks[i][4] for i in packed],
+                                      [chunks[i][2] == len(chunks[i][0]) and not by_decode[i] for i in packed])
         for i, chunk_logits in zip(packed, logits):
             out[i] = chunk_logits
     finals = [i for i, d in enumerate(by_decode) if d]

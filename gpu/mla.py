@@ -219,7 +219,8 @@ class MLAModel(LlamaModel):
 
     @torch.inference_mode()
     def prefill_packed(self, kv: torch.Tensor, token_ids: list[list[int]], block_tables: list[list[int]],
-                       start_positions: list[int], all_logits: list[bool] | None = None) -> list[torch.Tensor]:
+                       start_positions: list[int], all_logits: list[bool] | None = None,
+                       logits: list[bool] | None = None) -> list[torch.Tensor | None]:
         """As :meth:`gpu.model.LlamaModel.prefill_packed` (same arguments, returns and errors)."""
         c = self.config
         flags, seqs, w_slot, pos, _ = self._packed_start(kv, token_ids, block_tables, start_positions, all_logits)
@@ -240,7 +241,7 @@ class MLAModel(LlamaModel):
                     attn_mask=mask, is_causal=r_slot is None, scale=self._scale)  # [1, H, T, v]
                 outs.append(o[0].transpose(0, 1).reshape(b - a, -1))  # [T, H v]
             x = self._layer_rest(layer, x, outs[0] if len(outs) == 1 else torch.cat(outs), False)
-        return self._packed_logits(x, seqs, flags, False)
+        return self._packed_logits(x, seqs, flags, False, logits)
 
     @torch.inference_mode()
     def decode(self, kv: torch.Tensor, token_ids: list[int], positions: list[int],

@@ -550,7 +550,8 @@ class LlamaModel:
 
     @torch.inference_mode()
     def prefill_packed(self, kv: torch.Tensor, token_ids: list[list[int]], block_tables: list[list[int]],
-                       start_positions: list[int], all_logits: list[bool] | None = None) -> list[torch.Tensor]:
+                       start_positions: list[int], all_logits: list[bool] | None = None,
+                       logits: list[bool] | None = None) -> list[torch.Tensor | None]:
         """Prefill ``B`` sequences (or chunks of them) in one forward pass (varlen packing, as vLLM and
         SGLang pack prefills): their ``N = sum(T_b)`` tokens are concatenated, so every linear layer runs once
         over ``[N, hidden]``; attention runs per sequence over its own causal context (block-diagonal),
@@ -563,8 +564,11 @@ class LlamaModel:
                 Sequences must not share the blocks they write.
             start_positions: ``[B]`` position of each list's first id.
             all_logits: ``[B]`` flags: sequence ``b`` gets every position's logits (default: none does).
+            logits: ``[B]`` flags: False = sequence ``b`` needs no logits unless ``all_logits[b]`` (a chunk
+                before its prompt's end; default: every sequence gets them).
         Returns:
-            ``B`` float32 tensors: ``[T_b, vocab]`` where ``all_logits[b]``, else the last token's ``[vocab]``.
+            ``B`` items: float32 ``[T_b, vocab]`` where ``all_logits[b]``, else the last token's ``[vocab]``, or
+            None where ``logits[b]`` is False.
         Raises:
             ValueError: mismatched list lengths, no sequences, or any sequence's bad argument (see
                 :meth:`prefill`).
@@ -594,7 +598,7 @@ class LlamaModel:
             else:
                 o = self._attend_packed(q, k, v, k_pool, v_pool, seqs, self._windows[li])  # o: [N, H D]
             x = self._layer_rest(layer, x, o, big)  # x: [N, hidden]
-        return self._packed_logits(x, seqs, flags, big)
+        return self._packed_logits(x, seqs, flags, big, logits)
 
     def _packed_start(self, kv: torch.Tensor, token_ids: list[list[int]], block_tables: list[list[int]],
                       start_positions: list[int], all_logits: list[bool] | None) -> tuple:
@@ -610,10 +614,15 @@ class LlamaModel:
                                                                               start_positions)]
         return (flags, *self._packed_layout(kv, token_ids, tables, start_positions), tables)
 
-    def _packed_logits(self, x: torch.Tensor, seqs: list[tuple], flags: list[bool], big: bool) -> list[torch.Tensor]:
+    def _packed_logits(self, x: torch.Tensor, seqs: list[tuple], flags: list[bool], big: bool,
+                       wanted: list[bool] | None = None) -> list[torch.Tensor | None]:
         """:meth:`prefill_packed`'s return from the last layer's output ``x`` ``[N, hidden]``: only the rows whose
-        logits are asked for go through the norm and the LM head."""
-        rows = [range(a, b) if f else range(b - 1, b) for (a, b, *_), f in zip(seqs, flags)]
+        logits are asked for go through the norm and the LM head (``wanted``: its ``logits`` flags)."""
+        wanted = [True] * len(seqs) if wanted is None else wanted
+        rows = [range(a, b) if f else range(b - 1, b) if w else range(0) for (a, b, *_), f, w in
+                zip(seqs, flags, wanted)]
+        if not any(rows):
+            return [None] * len(seqs)
         x = x[torch.tensor([i for r in rows for i in r], dtype=torch.long, device=self.device)]
         x = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
         # the output projection follows the layers: float32 in every prefill by default (int8-rounded activations
@@ -624,7 +633,7 @@ class LlamaModel:
             logits = self._linear(self.lm_head, x, big)
         logits = self._softcap_logits(logits.float())  # [rows, vocab]
         parts = logits.split([len(r) for r in rows])
-        return [part if f else part[0] for part, f in zip(parts, flags)]
+        return [part if f else part[0] if len(part) else None for part, f in zip(parts, flags)]
 
     def _packed_layout(self, kv: torch.Tensor, token_ids: list[list[int]], tables: list[list[int]],
                        start_positions: list[int]) -> tuple[list[tuple], torch.Tensor, torch.Tensor]:

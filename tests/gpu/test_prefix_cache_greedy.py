@@ -116,3 +116,22 @@ def test_greedy_output_is_unchanged_after_the_cache_was_evicted_under_pressure(a
     again, cached, _ = greedy_through(model, kv, alloc, prompt, slot=3)
     assert cached < len(prompt) - 1, "nothing of the first prompt was evicted"
     assert again == first == reference(model, prompt)[0]
+
+
+def test_prefill_forward_gives_logits_only_where_a_prompt_ends(any_model, prompt):
+    """A chunk before its prompt's end gets no logits (no LM head run for it); the prompt's end gets the same
+    logits packed beside it as alone, and an echoing chunk every position's."""
+    model = any_model
+    kv = torch.full(kv_pool_shape(model.config, 16, BT), float("nan"), dtype=model.dtype)
+    short = prompt[:9]
+    (head, head_by_decode), (tail, tail_by_decode), (echo, _) = prefill_forward(model, kv, [
+        (prompt, 0, 20, [0, 1, 2, 3], False), (short, 0, 9, [4], False), (short, 0, 9, [5], True)])
+    assert head is None and not head_by_decode
+    assert tail_by_decode == model.prompt_last_by_decode and tail.shape == (model.config.vocab_size,)
+    assert echo.shape == (9, model.config.vocab_size)
+    alone = torch.full(kv_pool_shape(model.config, 16, BT), float("nan"), dtype=model.dtype)
+    [(tail_alone, _)] = prefill_forward(model, alone, [(short, 0, 9, [4], False)])
+    if model.native:   # batch-invariant: the same bits
+        assert torch.equal(tail, tail_alone)
+    else:
+        torch.testing.assert_close(tail, tail_alone, rtol=1e-4, atol=1e-4)
