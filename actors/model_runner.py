@@ -87,18 +87,20 @@ def prefill_forward(model, kv, chunks: list[tuple]) -> list[tuple]:
     each prompt into its ``blocks`` of the pool ``kv``, packed (``model.prefill_packed``); ``echo``: every
     position's logits are wanted (prompt log-probabilities).
 
-    With a model whose ``prompt_last_by_decode`` is set (native weights), a chunk that ends its prompt and does
-    not echo runs its last token as a decode step (``model.decode``, the batch-invariant low-bit GEMVs, in steps of
+    With a model whose ``prompt_last_by_decode`` is set (native weights), a chunk that ends its prompt runs its
+    last token as a decode step (``model.decode``, the batch-invariant low-bit GEMVs, in steps of
     at most ``LAST_TOKEN_ROWS`` rows) after the packed prefill of its other tokens: a prompt whose prefix is cached
     then computes no float32 prefill block at all, and the token's logits are the same whether the prompt was
-    cached, chunked or packed with others.
+    cached, chunked, packed with others or echoed (an echoing chunk's last row of logits is the decode step's).
 
     Returns per chunk ``(logits, by_decode)``: ``[end - start, vocab]`` float32 with ``echo``, else the last
     token's ``[vocab]`` where the chunk ends its prompt, else None; ``by_decode``: its last token ran as a decode step (a longer prompt's prefill would
     compute that token's KV otherwise: the caller keeps it out of the prefix cache).
     """
+    import torch
+
     split = getattr(model, "prompt_last_by_decode", False)
-    by_decode = [split and end == len(ids) and not echo for ids, _, end, _, echo in chunks]
+    by_decode = [split and end == len(ids) for ids, _, end, _, _ in chunks]
     out: list = [None] * len(chunks)
     packed = [i for i, (_, start, end, *_) in enumerate(chunks) if end - start > by_decode[i]]
     if packed:
@@ -114,7 +116,7 @@ def prefill_forward(model, kv, chunks: list[tuple]) -> list[tuple]:
         rows = model.decode(kv, [chunks[i][0][chunks[i][2] - 1] for i in group], [chunks[i][2] - 1 for i in group],
                             [chunks[i][3] for i in group])   # [B, vocab]
         for i, row in zip(group, rows):
-            out[i] = row
+            out[i] = row if not chunks[i][4] else row[None] if out[i] is None else torch.cat([out[i], row[None]])
     return list(zip(out, by_decode))
 
 

@@ -606,7 +606,10 @@ def test_a_prompt_tokens_echo_score_equals_its_score_as_the_next_token(http, tok
     echoed = http.post(COMP, json={"prompt": ids + token_id, "max_tokens": 1, "temperature": 0, "logprobs": 0,
                                    "echo": True}).json()["choices"][0]["logprobs"]
     assert echoed["tokens"][prompt_len] == token_text
-    assert echoed["token_logprobs"][prompt_len] == pytest.approx(score, abs=1e-3)
+    # the engine's default weights score a generated token in a low-bit decode step (int8-rounded activations) and
+    # an echoed prompt token in the float32 prefill: 0.03-0.05 apart here; a score of a neighbouring position
+    # would be off by nats
+    assert echoed["token_logprobs"][prompt_len] == pytest.approx(score, abs=0.15)
 
 
 def test_penalties_change_a_greedy_answer_and_are_reproducible(http):
