@@ -194,7 +194,9 @@ def warm_up(model, pool, decode: bool = True) -> None:
     pool.free(blocks, 0)
     # the fused low-bit decode step ran iff the model stacked its Q4 layers for it (tests read this line)
     path = "lowbit_cpu.decode_layers" if decode and getattr(model, "_stacked", None) else "per-layer"
-    log.info("warm-up done in %.1f s (decode steps: %s)", time.monotonic() - started, path if decode else "none")
+    prefill = "low-bit" if getattr(model, "native", False) and model.dense_min_tokens > 1 << 40 else "dense"
+    log.info("warm-up done in %.1f s (decode steps: %s; prefill: %s)", time.monotonic() - started,
+             path if decode else "none", prefill)
 
 
 class DecodeRunner:

@@ -4,10 +4,13 @@ grammars, and publishing a core's counts to the actor table.
 | name              | what                                                                         |
 |-------------------|------------------------------------------------------------------------------|
 | `load_model`      | torch threads, the prepared model, this actor's pool warmed up and reset       |
+| `configure_model` | the engine settings that change how a loaded model computes                    |
 | `load_sampling`   | the sampler and the warmed-up grammar compiler                                 |
 | `GaugePublisher`  | own gauges, requests done, free KV blocks and prefix-cache counters, as deltas |
 """
 from __future__ import annotations
+
+PREFILL_LOW_BIT_MIN_TOKENS = 1 << 62   # a native model's dense_min_tokens under prefill_low_bit: no prefill is that long
 
 
 def load_model(actor, decode: bool):
@@ -23,13 +26,25 @@ def load_model(actor, decode: bool):
 
     config = actor.config
     torch.set_num_threads(config.torch_threads)
-    model = prepared_model(actor.layout.model_path or None, config.weights, config.device,
-                           config.model_cache_dir or None)
+    model = configure_model(prepared_model(actor.layout.model_path or None, config.weights, config.device,
+                                           config.model_cache_dir or None), config)
     pool = KVPool.attach(actor.layout.segment(actor.topology.segment("kv", actor.index)))
     pool.reset()   # a predecessor's blocks (a full prefix cache, say) must not leave warm-up without one
     warm_up(model, pool, decode=decode or getattr(model, "prompt_last_by_decode", False))
     pool.reset()
     return model, pool
+
+
+def configure_model(model, config):
+    """``model`` (a gpu.model.LlamaModel) set up for ``config`` (pdserve.config.EngineConfig): a native model
+    prefills on its low-bit kernels with ``prefill_low_bit`` (``dense_min_tokens`` past any prompt), on its float32
+    copies without (gpu.model.DENSE_MIN_TOKENS); other models are left as they are (no low-bit kernels). Returns
+    ``model``."""
+    from gpu.model import DENSE_MIN_TOKENS
+
+    if getattr(model, "native", False):
+        model.dense_min_tokens = PREFILL_LOW_BIT_MIN_TOKENS if config.prefill_low_bit else DENSE_MIN_TOKENS
+    return model
 
 
 def load_sampling(actor):

@@ -104,6 +104,12 @@ class EngineConfig:
                             "in a batch, packed or from the prefix cache); float32 / bfloat16 = "
                             "dequantized (float32 equals HF transformers token for token)",
                             choices=("auto", "float32", "bfloat16"))
+    prefill_low_bit: bool = _setting(False, "weights auto on CPU: prefill prompts on the low-bit kernels too, as "
+                                     "llama.cpp does (int8-quantized inputs; batch-invariant; about 0.6x the prefill "
+                                     "time of the exact float32 copies it runs otherwise), at a cost in answers at "
+                                     "near ties: the embedded model then answers 'What is the capital of France?' "
+                                     "as llama-server does on the same file, \"L'Etoile, la Marseillaise...\", "
+                                     "instead of Paris")
     model_cache_dir: str = _setting("", "where prepared models are cached (built once, memory-mapped by every "
                                     "actor); empty = ~/.cache/pdserve/models; off = no cache")
     torch_threads: int = _setting(1, "torch intra-op threads per actor (prefill and decode run in parallel)",

@@ -10,8 +10,10 @@ kept), and at every position the tool compares them: **top-1 agreement** (the sh
 argmax tokens are equal), **perplexity** of each on the text (``exp`` of the mean negative log-likelihood of the
 next token), and the mean **KL divergence** ``KL(p_float32 || p_native)`` in nats. It also times the prefill
 forward of each (a chunk of ``--chunk`` tokens). The candidate runs every forward on its low-bit kernels,
-output projection included (as decode steps do); ``--engine-prefill`` runs it as the engine prefills (low-bit
-layers, the output projection's float32 copy); ``--decode-steps`` feeds it one decode step per token instead,
+output projection included (as decode steps do, and as the engine's default ``--prefill-low-bit`` prefill with
+its last token as a decode step scores what it samples); ``--engine-prefill`` runs it as the model's own
+``prefill`` (the layers' and the output projection's float32 copies: the engine's ``--no-prefill-low-bit``);
+``--decode-steps`` feeds it one decode step per token instead,
 the path output tokens take.
 
 The default text (tools/data/quality_text.txt) is plain English prose written for this project (public
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--decode-steps", action="store_true",
                     help="the candidate reads the text one decode step per token (as output tokens are made)")
     ap.add_argument("--engine-prefill", action="store_true",
-                    help="the candidate prefills as the engine does (float32 output projection)")
+                    help="the candidate prefills on its float32 copies (the engine with --no-prefill-low-bit)")
     ap.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (0 = all)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--json", action="store_true")

@@ -1,9 +1,9 @@
 """`--weights auto` end to end: the decode actor runs its steps through gpu/lowbit_cpu.decode_layers (one numba
-call per step over the shared-memory KV pool) and the int8 output projection; prefill runs the float32 copies but
-for each prompt's last token, a decode step of the prefill actor.
-Greedy output is not batch-invariant in this mode (int8 rounding of activations, README), so concurrent answers
-are compared with the answers alone on their first two tokens (the prefill's and the first batched step's; the
-fourth parted once in CI), not as whole texts."""
+call per step over the shared-memory KV pool) and the int8 output projection; prefill runs the float32 copies (the
+default; --prefill-low-bit: the low-bit kernels), each prompt's last token as a decode step of the prefill actor.
+Here concurrent answers are compared with the answers alone on their first two tokens (the prefill's and the first
+batched step's); whole greedy texts, alone and concurrent, are compared on the default flags by tests/e2e/test_serve.py and
+tests/e2e/test_nxm.py."""
 from __future__ import annotations
 
 import asyncio
@@ -34,7 +34,7 @@ def test_the_decode_actor_runs_the_low_bit_decode_step(engine):
     step ran (the fused low-bit one only when the model stacked its Q4 layers); the prefill actor's too, as it runs
     each prompt's last token as a decode step."""
     log = engine.log_text()
-    assert log.count("(decode steps: lowbit_cpu.decode_layers)") >= 2, log[-3000:]
+    assert log.count("(decode steps: lowbit_cpu.decode_layers; prefill: dense)") >= 2, log[-3000:]
 
 
 def test_native_engine_answers_alone_in_a_ragged_batch_and_with_n_children(engine):
@@ -42,6 +42,8 @@ def test_native_engine_answers_alone_in_a_ragged_batch_and_with_n_children(engin
     try:
         answer = httpx.post(engine.base_url + "/v1/chat/completions", timeout=120,
                             json={"messages": FRANCE, "temperature": 0, "max_tokens": 16}).json()
+        # a near tie on this file: the float32 copies' prefill answers Paris; --prefill-low-bit, like llama-server
+        # on the same file, "L'Étoile, la Marseillaise..."
         assert "Paris" in answer["choices"][0]["message"]["content"], answer
         body = {"temperature": 0, "max_tokens": 12, "logprobs": 0}
         alone = [_tokens(httpx.post(engine.base_url + "/v1/completions", json={**body, "prompt": p},
@@ -86,3 +88,19 @@ def test_a_repeated_request_gets_the_same_first_token_logits_although_the_cache_
     top_b = {t["token"]: t["logprob"] for t in b["top_logprobs"]}
     assert top_a.keys() == top_b.keys(), (top_a, top_b)
     assert max(abs(top_a[t] - top_b[t]) for t in top_a) < 2e-3, (top_a, top_b)
+
+
+def test_prefill_low_bit_reaches_the_actors_and_moves_the_near_tie(tmp_path):
+    """``--prefill-low-bit true``: both actors' models prefill on the low-bit kernels (their warm-up says so), and
+    the France question's first-token near tie goes the way llama-server's goes on the same file (checked by hand
+    against llama-server 11434, 2026-12-02): away from Paris."""
+    eng = start_engine(tmp_path, "--prefill-low-bit", "true", "--kv-pool-tokens", "1024")
+    try:
+        log = eng.log_text()
+        assert log.count("prefill: low-bit)") >= 2, log[-3000:]
+        answer = httpx.post(eng.base_url + "/v1/chat/completions", timeout=120,
+                            json={"messages": FRANCE, "temperature": 0, "max_tokens": 8}).json()
+        text = answer["choices"][0]["message"]["content"]
+        assert text and "Paris" not in text, answer
+    finally:
+        cleanup_engine(eng)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu.model import LlamaModel, kv_pool_shape
+from gpu.model import DENSE_MIN_TOKENS, LlamaModel, kv_pool_shape
 from tests.gpu.tiny_families import build_hf, write_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,11 +143,21 @@ def test_a_decode_step_of_every_family_gives_a_row_the_logits_it_gets_alone(name
     assert _probe_places(m, 4, [13, 3, 21, 9, 17, 6], 6) == []
 
 
-def test_a_prompt_gets_the_same_kv_and_logits_alone_packed_with_others_and_after_a_cache_hit(native_model):
-    """Natively, prefill's float32 GEMMs run over fixed blocks of rows and each token attends over its own keys,
-    so a prompt's KV (every layer, bit for bit) and last logits do not depend on the prompts packed with it or on
-    how much of it an earlier prefill (the prefix cache) wrote, down to a one-token suffix."""
+@pytest.mark.parametrize("prefill", ["float32_copies", "low_bit"])
+def test_a_prompt_gets_the_same_kv_and_logits_alone_packed_with_others_and_after_a_cache_hit(native_model, prefill):
+    """Natively, prefill's float32 GEMMs run over fixed blocks of rows (``low_bit``: the engine's default, the
+    low-bit GEMVs, row by row) and each token attends over its own keys, so a prompt's KV (every layer, bit for
+    bit) and last logits do not depend on the prompts packed with it or on how much of it an earlier prefill (the
+    prefix cache) wrote, down to a one-token suffix."""
     m, c = native_model, native_model.config
+    m.dense_min_tokens = 1 << 62 if prefill == "low_bit" else DENSE_MIN_TOKENS
+    try:
+        _check_prompt_invariance(m, c)
+    finally:
+        m.dense_min_tokens = DENSE_MIN_TOKENS
+
+
+def _check_prompt_invariance(m, c) -> None:
     g = torch.Generator().manual_seed(0)
     prompt, other, short = (torch.randint(3, c.vocab_size, (n,), generator=g).tolist() for n in (45, 30, 7))
     t_prompt, t_other, t_short = [0, 1, 2], [3, 4], [5]

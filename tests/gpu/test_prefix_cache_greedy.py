@@ -17,7 +17,9 @@ import torch
 
 from actors.model_runner import copy_block_rows, prefill_forward
 from actors.prefix_cache import CachingAllocator
+from actors.shell import configure_model
 from gpu.model import LlamaModel, kv_pool_shape
+from pdserve.config import load_config
 from tests.actors.fakes import FakeAllocator
 
 BT = 16
@@ -50,7 +52,7 @@ _REFERENCES: dict[tuple, tuple] = {}
 def reference(model, prompt: list[int]) -> tuple:
     """Greedy tokens and first logits with the cache off (memoized: the machine is slow and the tests share
     prompts)."""
-    key = (model.native, tuple(prompt))
+    key = (model.native, model.dense_min_tokens, tuple(prompt))
     if key not in _REFERENCES:
         kv = torch.full(kv_pool_shape(model.config, 16, BT), float("nan"), dtype=model.dtype)
         alloc = CachingAllocator(FakeAllocator(16, BT), enabled=False)
@@ -59,12 +61,21 @@ def reference(model, prompt: list[int]) -> tuple:
     return _REFERENCES[key]
 
 
-@pytest.fixture(scope="module", params=["float32", "auto"])
-def any_model(request, model, gguf_path):
-    """The float32 model (conftest) and the default native one (its prompts end with a decode step)."""
+@pytest.fixture(scope="module")
+def native(gguf_path):
+    return LlamaModel.from_path(gguf_path, progress=False, weights="auto")
+
+
+@pytest.fixture(scope="module", params=["float32", "auto", "auto-low-bit-prefill"])
+def any_model(request, model, native):
+    """The float32 model (conftest) and the native one as the engine sets it up (actors/shell.configure_model):
+    by default prefilling on its float32 copies, with ``--prefill-low-bit`` on its low-bit kernels; natively a
+    prompt's last token runs as a decode step."""
     if request.param == "float32":
         return model
-    native = LlamaModel.from_path(gguf_path, progress=False, weights="auto")
+    flags = {"prefill_low_bit": "true"} if request.param == "auto-low-bit-prefill" else {}
+    configure_model(native, load_config(flags, env={}).config)
+    assert (native.dense_min_tokens > 1 << 40) == (request.param == "auto-low-bit-prefill")
     assert native.prompt_last_by_decode
     return native
 
