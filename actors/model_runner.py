@@ -94,8 +94,9 @@ def prefill_forward(model, kv, chunks: list[tuple]) -> list[tuple]:
     cached, chunked, packed with others or echoed (an echoing chunk's last row of logits is the decode step's).
 
     Returns per chunk ``(logits, by_decode)``: ``[end - start, vocab]`` float32 with ``echo``, else the last
-    token's ``[vocab]`` where the chunk ends its prompt, else None; ``by_decode``: its last token ran as a decode step (a longer prompt's prefill would
-    compute that token's KV otherwise: the caller keeps it out of the prefix cache).
+    token's ``[vocab]`` where the chunk ends its prompt, else None; ``by_decode``: its last token ran as a decode
+    step (a longer prompt's prefill would compute that token's KV otherwise: the caller keeps it out of the prefix
+    cache).
     """
     import torch
 

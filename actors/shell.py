@@ -10,7 +10,8 @@ grammars, and publishing a core's counts to the actor table.
 """
 from __future__ import annotations
 
-PREFILL_LOW_BIT_MIN_TOKENS = 1 << 62   # a native model's dense_min_tokens under prefill_low_bit: no prefill is that long
+# a native model's dense_min_tokens under prefill_low_bit: no prefill is that long
+PREFILL_LOW_BIT_MIN_TOKENS = 1 << 62
 
 
 def load_model(actor, decode: bool):

@@ -2,8 +2,8 @@
 call per step over the shared-memory KV pool) and the int8 output projection; prefill runs the float32 copies (the
 default; --prefill-low-bit: the low-bit kernels), each prompt's last token as a decode step of the prefill actor.
 Here concurrent answers are compared with the answers alone on their first two tokens (the prefill's and the first
-batched step's); whole greedy texts, alone and concurrent, are compared on the default flags by tests/e2e/test_serve.py and
-tests/e2e/test_nxm.py."""
+batched step's); whole greedy texts, alone and concurrent, are compared on the default flags by
+tests/e2e/test_serve.py and tests/e2e/test_nxm.py."""
 from __future__ import annotations
 
 import asyncio
