@@ -146,3 +146,20 @@ def test_prefill_forward_gives_logits_only_where_a_prompt_ends(any_model, prompt
         assert torch.equal(tail, tail_alone)
     else:
         torch.testing.assert_close(tail, tail_alone, rtol=1e-4, atol=1e-4)
+
+
+def test_more_prompts_than_one_last_token_step_holds_each_get_their_own_logits(native, prompt):
+    """Natively the prompts' last tokens run in decode steps of at most LAST_TOKEN_ROWS rows: 18 prompts in one
+    pass take two steps, and each prompt's logits are the bits it gets alone."""
+    from actors.model_runner import LAST_TOKEN_ROWS
+
+    configure_model(native, load_config({}, env={}).config)
+    n = LAST_TOKEN_ROWS + 2
+    prompts = [prompt[i:i + 3 + i % 4] for i in range(n)]
+    kv = torch.full(kv_pool_shape(native.config, n + 1, BT), float("nan"), dtype=native.dtype)
+    together = prefill_forward(native, kv, [(p, 0, len(p), [i], False) for i, p in enumerate(prompts)])
+    assert all(by_decode for _, by_decode in together)
+    for i in (0, LAST_TOKEN_ROWS - 1, LAST_TOKEN_ROWS, n - 1):
+        alone = torch.full(kv_pool_shape(native.config, 2, BT), float("nan"), dtype=native.dtype)
+        [(logits, _)] = prefill_forward(native, alone, [(prompts[i], 0, len(prompts[i]), [1], False)])
+        assert torch.equal(together[i][0], logits), i
