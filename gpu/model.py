@@ -104,16 +104,18 @@ WEIGHT_MODES = ("auto", "float32", "bfloat16")
 # 16-1000 tokens (docs/performance.md §26), but their int8-rounded activations flip SmolLM2's first answer token
 # at a near tie ("What is the capital of France?": "L'Étoile..." instead of "The capital... Paris")
 DENSE_MIN_TOKENS = 1
-# native weights, decode steps (docs/performance.md §16): the output projection over >= HEAD_DENSE_MIN_ROWS rows
-# uses its float32 copy (the int8 one cheaper up to 32 rows, dearer from 48); steps of fewer than
-# DECODE_STACKED_MAX_ROWS rows run the low-bit GEMV, in lowbit_cpu.decode_layers where the layer is Llama's
-# (measured 1.5-2.6x cheaper than the float32 copies at 1-64 rows; not measured beyond), op by op otherwise
-HEAD_DENSE_MIN_ROWS = 32
+# native weights, decode steps (docs/performance.md §16): steps of fewer than DECODE_STACKED_MAX_ROWS rows run the
+# low-bit GEMV, in lowbit_cpu.decode_layers where the layer is Llama's (measured 1.5-2.6x cheaper than the float32
+# copies at 1-64 rows; not measured beyond), op by op otherwise; the output projection over >= HEAD_DENSE_MIN_ROWS
+# rows uses its float32 copy. Both limits are equal: a row's logits then come from the same kernel in every step of
+# the invariant path (at 32 the float32 head gave a row of a full batch other logits than alone, section 27),
+# though the int8 head is dearer from 48 rows
+DECODE_STACKED_MAX_ROWS = 65
+HEAD_DENSE_MIN_ROWS = DECODE_STACKED_MAX_ROWS
 # native weights: the float32 copies run over blocks of this many rows (the last one zero-padded): MKL's GEMM gives a
 # row the same bits at any place of a call of a fixed number of rows (checked at 8-64), not across numbers of rows,
 # so a prompt's KV then does not depend on how it was packed with others or how much of it the prefix cache held
 PREFILL_BLOCK_ROWS = 32
-DECODE_STACKED_MAX_ROWS = 65
 
 
 def resolve_weights_mode(mode: str, device: str | torch.device = "cpu") -> str:

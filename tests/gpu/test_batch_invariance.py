@@ -87,9 +87,12 @@ def test_kernels_give_a_row_the_same_bits_at_any_place_in_any_batch_whoever_comp
     assert bad == {"q4": [], "q8": [], "decode_layers": []}
 
 
-def _probe_places(model: LlamaModel, block_tokens: int, lengths: list[int], max_rows: int) -> list[tuple]:
+def _probe_places(model: LlamaModel, block_tokens: int, lengths: list[int], max_rows: int,
+                  sizes: tuple[int, ...] = ()) -> list[tuple]:
     """(rows, place) of every decode step whose probe row (sequence 0) got other logits than alone; the
-    sequences (``lengths`` tokens each, prefilled alone into their own blocks) then feed one new token each."""
+    sequences (``lengths`` tokens each, prefilled alone into their own blocks) then feed one new token each. Steps
+    of 1..``max_rows`` rows, the probe at every place; or with ``sizes`` steps of those sizes, the probe first and
+    last."""
     c = model.config
     per_seq = max(lengths) // block_tokens + 1
     tables = [[s * per_seq + j for j in range(per_seq)] for s in range(len(lengths))]
@@ -105,8 +108,8 @@ def _probe_places(model: LlamaModel, block_tokens: int, lengths: list[int], max_
 
     alone = step([0])[0]
     bad = []
-    for rows in range(1, max_rows + 1):
-        for place in range(rows):
+    for rows in sizes or range(1, max_rows + 1):
+        for place in (0, rows - 1) if sizes else range(rows):
             order = list(range(1, rows))
             order.insert(place, 0)
             if not torch.equal(step(order)[place], alone):
@@ -117,6 +120,14 @@ def _probe_places(model: LlamaModel, block_tokens: int, lengths: list[int], max_
 @pytest.fixture(scope="module")
 def native_model(gguf_path) -> LlamaModel:
     return LlamaModel.from_path(gguf_path, progress=False, weights="auto")
+
+
+def test_a_full_decode_batch_gives_a_row_the_logits_it_gets_alone(native_model):
+    """Steps as wide as a full batch (max_num_seqs, 32 by default) and up to the one-call path's limit (64 rows):
+    the output projection must run the same kernel for the probe as alone (its float32 copy over 32-row blocks
+    gave 7 of 40 concurrent greedy answers another token)."""
+    lengths = [23, 5, 40, 17, 31, 9, 50, 12, 28, 33] * 7
+    assert _probe_places(native_model, 16, lengths[:64], 0, sizes=(31, 32, 48, 64)) == []
 
 
 @pytest.mark.parametrize("path", ["one_call", "op_by_op"])
