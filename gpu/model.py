@@ -108,8 +108,8 @@ DENSE_MIN_TOKENS = 1
 # low-bit GEMV, in lowbit_cpu.decode_layers where the layer is Llama's (measured 1.5-2.6x cheaper than the float32
 # copies at 1-64 rows; not measured beyond), op by op otherwise; the output projection over >= HEAD_DENSE_MIN_ROWS
 # rows uses its float32 copy. Both limits are equal: a row's logits then come from the same kernel in every step of
-# the invariant path (at 32 the float32 head gave a row of a full batch other logits than alone, section 27),
-# though the int8 head is dearer from 48 rows
+# the invariant path (at 32 the float32 head gave a row of a full batch other logits than alone; the int8 one costs
+# no more at 32-64 rows, docs/performance.md §27)
 DECODE_STACKED_MAX_ROWS = 65
 HEAD_DENSE_MIN_ROWS = DECODE_STACKED_MAX_ROWS
 # native weights: the float32 copies run over blocks of this many rows (the last one zero-padded): MKL's GEMM gives a
