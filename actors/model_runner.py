@@ -9,6 +9,7 @@ import time
 from typing import Callable
 
 from actors.messages import PromptLogprobs
+from actors.shell import prefills_low_bit
 from actors.topology import API
 
 log = logging.getLogger("pdserve.actors")
@@ -100,24 +101,27 @@ def prefill_forward(model, kv, chunks: list[tuple]) -> list[tuple]:
     """
     import torch
 
+    if not chunks:
+        return []
+    ids, starts, ends, blocks, echoes = zip(*chunks)
     split = getattr(model, "prompt_last_by_decode", False)
-    by_decode = [split and end == len(ids) for ids, _, end, _, _ in chunks]
+    by_decode = [split and end == len(p) for p, end in zip(ids, ends)]
     out: list = [None] * len(chunks)
-    packed = [i for i, (_, start, end, *_) in enumerate(chunks) if end - start > by_decode[i]]
+    packed = [i for i in range(len(chunks)) if ends[i] - starts[i] > by_decode[i]]   # tokens left to prefill
     if packed:
-        logits = model.prefill_packed(kv, [chunks[i][0][chunks[i][1]:chunks[i][2] - by_decode[i]] for i in packed],
-                                      [chunks[i][3] for i in packed], [chunks[i][1] for i in packed],
-                                      [chunks[i][4] for i in packed],
-                                      [chunks[i][2] == len(chunks[i][0]) and not by_decode[i] for i in packed])
+        logits = model.prefill_packed(kv, [ids[i][starts[i]:ends[i] - by_decode[i]] for i in packed],
+                                      [blocks[i] for i in packed], [starts[i] for i in packed],
+                                      [echoes[i] for i in packed],
+                                      [ends[i] == len(ids[i]) and not by_decode[i] for i in packed])
         for i, chunk_logits in zip(packed, logits):
             out[i] = chunk_logits
     finals = [i for i, d in enumerate(by_decode) if d]
     for at in range(0, len(finals), LAST_TOKEN_ROWS):
         group = finals[at:at + LAST_TOKEN_ROWS]
-        rows = model.decode(kv, [chunks[i][0][chunks[i][2] - 1] for i in group], [chunks[i][2] - 1 for i in group],
-                            [chunks[i][3] for i in group])   # [B, vocab]
+        rows = model.decode(kv, [ids[i][ends[i] - 1] for i in group], [ends[i] - 1 for i in group],
+                            [blocks[i] for i in group])   # [B, vocab]
         for i, row in zip(group, rows):
-            out[i] = row if not chunks[i][4] else row[None] if out[i] is None else torch.cat([out[i], row[None]])
+            out[i] = row if not echoes[i] else row[None] if out[i] is None else torch.cat([out[i], row[None]])
     return list(zip(out, by_decode))
 
 
@@ -195,7 +199,7 @@ def warm_up(model, pool, decode: bool = True) -> None:
     pool.free(blocks, 0)
     # the fused low-bit decode step ran iff the model stacked its Q4 layers for it (tests read this line)
     path = "lowbit_cpu.decode_layers" if decode and getattr(model, "_stacked", None) else "per-layer"
-    prefill = "low-bit" if getattr(model, "native", False) and model.dense_min_tokens > 1 << 40 else "dense"
+    prefill = "low-bit" if prefills_low_bit(model) else "dense"
     log.info("warm-up done in %.1f s (decode steps: %s; prefill: %s)", time.monotonic() - started,
              path if decode else "none", prefill)
 

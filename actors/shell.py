@@ -5,6 +5,7 @@ grammars, and publishing a core's counts to the actor table.
 |-------------------|------------------------------------------------------------------------------|
 | `load_model`      | torch threads, the prepared model, this actor's pool warmed up and reset       |
 | `configure_model` | the engine settings that change how a loaded model computes                    |
+| `prefills_low_bit`| whether a configured model prefills on its low-bit kernels                     |
 | `load_sampling`   | the sampler and the warmed-up grammar compiler                                 |
 | `GaugePublisher`  | own gauges, requests done, free KV blocks and prefix-cache counters, as deltas |
 """
@@ -46,6 +47,11 @@ def configure_model(model, config):
     if getattr(model, "native", False):
         model.dense_min_tokens = PREFILL_LOW_BIT_MIN_TOKENS if config.prefill_low_bit else DENSE_MIN_TOKENS
     return model
+
+
+def prefills_low_bit(model) -> bool:
+    """Whether ``model`` prefills on its low-bit kernels (``configure_model`` with ``prefill_low_bit``)."""
+    return getattr(model, "native", False) and model.dense_min_tokens == PREFILL_LOW_BIT_MIN_TOKENS
 
 
 def load_sampling(actor):

@@ -17,7 +17,7 @@ import torch
 
 from actors.model_runner import copy_block_rows, prefill_forward
 from actors.prefix_cache import CachingAllocator
-from actors.shell import configure_model
+from actors.shell import configure_model, prefills_low_bit
 from gpu.model import LlamaModel, kv_pool_shape
 from pdserve.config import load_config
 from tests.actors.fakes import FakeAllocator
@@ -75,7 +75,7 @@ def any_model(request, model, native):
         return model
     flags = {"prefill_low_bit": "true"} if request.param == "auto-low-bit-prefill" else {}
     configure_model(native, load_config(flags, env={}).config)
-    assert (native.dense_min_tokens > 1 << 40) == (request.param == "auto-low-bit-prefill")
+    assert prefills_low_bit(native) == (request.param == "auto-low-bit-prefill")
     assert native.prompt_last_by_decode
     return native
 
