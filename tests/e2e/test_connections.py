@@ -129,6 +129,7 @@ def test_s15_a_client_that_stops_reading_is_named_write_blocked_others_are_serve
             answer = other.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
             assert answer.status_code == 200
             assert scrape(engine.base_url)['pdserve_http_problems_total{reason=write_blocked}'] >= 1
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)   # resume at full speed, not 4 KiB a window
         sock.settimeout(120)
         tokens, usage = sse_tokens(h11_body(client, sock))
         assert usage["completion_tokens"] == 8 * 200

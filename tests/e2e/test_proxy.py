@@ -11,7 +11,6 @@ import signal
 import socket
 import ssl
 import subprocess
-import time
 
 import httpx
 import pytest
@@ -32,6 +31,7 @@ STALL_S = 2.0
 # buffers on both sides of nginx (tcp_wmem's 4 MiB cap each; nginx's client side is capped by sndbuf= below) hold
 PROMPT_TOKENS = 1500
 TICK_S = 0.5
+RESUME_RCVBUF_BYTES = 1 << 20
 
 NGINX_CONF = """
 worker_processes 1;
@@ -175,6 +175,8 @@ def test_a_client_that_stops_reading_through_tls_and_nginx_is_named_and_resumes_
         row = wait_until(flagged, 180, 0.1, "the upstream connection to be flagged write_blocked")
         assert row["forwarded"] == b"127.0.0.1" and row["protocol"] == 1   # nginx's upstream: HTTP/1.1
         assert f"http write_blocked: connection {int(row['conn_id'])}" in eng.log_text()
+        # resume: a 4 KiB receive window over TLS crawls (~10 KB/s, delayed ACKs) through ~10 MB; open it up
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RESUME_RCVBUF_BYTES)
         sock.settimeout(120)
         tokens, usage = sse_tokens(h11_body(client, sock))
         assert usage["completion_tokens"] == 8 * 200
