@@ -44,6 +44,7 @@ class Finding:
     slot: int
     age_s: float
     requests: tuple = ()   # (slot, generation, request id) of each request it is about, for the flight recorder
+    client_blocked: bool = False   # done_not_written: the connection's writes wait on the client meanwhile
 
     @property
     def key(self) -> tuple:
@@ -54,8 +55,10 @@ class Finding:
         request = f"request {self.request_id or '?'} (slot {self.slot}) on " if self.slot >= 0 or self.request_id \
             else ""
         if self.reason == "done_not_written":
+            why = ("its writes wait on the client (write_blocked)" if self.client_blocked
+                   else "is the API process stopped or wedged?")
             return (f"http done_not_written: {request}{where}: the engine finished it {self.age_s:.1f} s ago and "
-                    f"the response is not written (is the API process stopped or wedged?)")
+                    f"the response is not written ({why})")
         if self.reason == "write_blocked":
             return (f"http write_blocked: {where}{' serving ' + self.request_id if self.request_id else ''}: a write "
                     f"has waited {self.age_s:.1f} s for the client (socket buffer full or HTTP/2 window 0): the "
@@ -101,7 +104,7 @@ def find_problems(live: np.ndarray, closed: np.ndarray, engine_rows: dict[int, t
             mine = row_generation == generation
             if mine and state in _FINAL and now_ns - since_ns >= limit_ns:
                 out.append(Finding("done_not_written", conn_id, index, peer, rid, slot, (now_ns - since_ns) / 1e9,
-                                   ((slot, generation, rid),)))
+                                   ((slot, generation, rid),), client_blocked=bool(blocked)))
                 continue
             headers_ns = int(row["req_headers_ns"][j])
             waiting = int(row["req_phase"][j]) != _RESPONDING
@@ -115,6 +118,19 @@ def find_problems(live: np.ndarray, closed: np.ndarray, engine_rows: dict[int, t
                                f"{_text(row['peer'])}:{int(row['peer_port'])}", "", -1,
                                (now_ns - close_ns) / 1e9 if close_ns else 0.0))
     return out
+
+
+def held_by_connections(live: np.ndarray) -> frozenset[tuple[int, int]]:
+    """``(slot, generation)`` of every state-table row a request in progress on a live connection of
+    ``live`` (``ConnectionLedger.live_rows()``) waits on or is still writing out: rows the API will release when
+    that response ends, however long a slow client takes (the monitor does not reclaim them while the API is
+    alive)."""
+    held = set()
+    for row in live:
+        for j in np.flatnonzero(row["req_phase"]).tolist():
+            if int(row["req_slot"][j]) >= 0:
+                held.add((int(row["req_slot"][j]), int(row["req_generation"][j])))
+    return frozenset(held)
 
 
 class ConnectionWatch:

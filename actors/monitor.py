@@ -7,7 +7,8 @@ Each tick it reads the shm state table and the actor table and:
 2. classifies each actor as ok / hung / dead and fails the requests a dead or hung actor holds (503,
    retryable); the supervisor restarts the actor (killing a hung one first);
 3. tracks stuck queue gauges and cross-checks the actors' own counts against the table;
-4. releases final rows nobody released (the API died before answering);
+4. releases final rows nobody released for ``FINAL_ROW_RECLAIM_S`` (the API died before answering); a row a
+   request on a live connection still writes out (connection ledger) is the API's while it is alive;
 5. with a connection ledger, runs the connection detectors (actors/connection_watch.py) over it.
 It blocks on nothing but its timer: every put is non-blocking and every lock wait is bounded, so it
 keeps ticking while every other actor is stopped, hung or dead. A lock held past its timeout by a stopped or hung
@@ -266,7 +267,7 @@ class HeartbeatMonitor(Actor):
         actor_rows = self.actors.rows()   # read once for both checks below
         self.check_gauges(rows, now_ns, actor_rows)
         self.check_router_counts(rows, actor_rows)
-        self.reclaim_final_rows(rows, now_ns)
+        self.reclaim_final_rows(rows, now_ns, self.held_by_live_api(actor_rows))
         if self.conn_watch is not None:
             self.check_connections()
 
@@ -409,14 +410,28 @@ class HeartbeatMonitor(Actor):
                 self.conn_flags[index] = flag
                 self.ledger.set_flags(index, *flag)
 
-    def reclaim_final_rows(self, rows: np.ndarray, now_ns: int) -> None:
-        """Release rows final for FINAL_ROW_RECLAIM_S that nobody released (their API process died)."""
+    def held_by_live_api(self, actor_rows: list[dict]) -> frozenset[tuple[int, int]]:
+        """``(slot, generation)`` of the rows requests on open connections wait on or still write out
+        (``held_by_connections`` over the ledger), while the API process is OK: it releases them when their
+        responses end, however slow the client. Empty without a ledger or with the API dead, hung or restarting."""
+        from actors.connection_watch import held_by_connections
+        from ipc.actor_table import ActorHealth
+
+        if self.conn_watch is None or actor_rows[self.topology.api]["health"] != ActorHealth.OK:
+            return frozenset()
+        return held_by_connections(self.ledger.live_rows())
+
+    def reclaim_final_rows(self, rows: np.ndarray, now_ns: int, held: frozenset = frozenset()) -> None:
+        """Release rows final for FINAL_ROW_RECLAIM_S that nobody released (their API process died), except
+        those in ``held`` (``(slot, generation)``: a live API still writing their responses)."""
         limit_ns = int(FINAL_ROW_RECLAIM_S * 1e9)
         old = np.flatnonzero(_FINAL[rows["state"]] & (now_ns - rows["state_since_ns"] > limit_ns))
         if not old.size:
             return
         fresh = self.table.consistent_rows(old.tolist())  # the snapshot may mix a row's old and new fields
         for slot, row in zip(old.tolist(), fresh):
+            if (slot, int(row["generation"])) in held:
+                continue
             if _FINAL[int(row["state"])] and now_ns - int(row["state_since_ns"]) > limit_ns:
                 if self.table.release(slot, int(row["generation"])):
                     log.warning("released the final row of request %s nobody released in %.0f s (did the API "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pathlib
+import time
 
 from actors.base import Actor, exit_now, parent_is_gone
 from actors.topology import API_INDEX
@@ -108,6 +109,10 @@ class ApiActor(Actor):
             from ipc.ledger import ConnectionLedger
 
             ledger = ConnectionLedger.attach(self.layout.segment("conns"))
+            orphans = ledger.close_orphans(time.monotonic_ns())
+            if orphans:   # a restart: the dead API's connections died with it
+                log.warning("closed %d connection-ledger rows the previous API process left open (reason error)",
+                            orphans)
             if install_connection_ledger(ledger):
                 app, metrics.ledger = record_requests(app), ledger
         tracer = None

@@ -316,6 +316,17 @@ class ConnectionLedger(_shm.ShmSegment):
         self._end(i)
         self._free.append(i)
 
+    def close_orphans(self, now_ns: int) -> int:
+        """Close, with reason ``error``, every live row an earlier writer left (an API process that died: its
+        connections died with it, yet their rows would stay taken, shown by tools/inspect and named by the
+        monitor forever). Call once in a new writer process, before ``open``. Returns how many rows it closed."""
+        orphans = np.flatnonzero(self.rows["conn_id"] != 0).tolist()
+        for i in orphans:
+            if int(self._seq[i]) & 1:   # the dead writer stopped in the middle of this row: end its write
+                self._seq[i] += 1
+            self.close_connection(i, "error", now_ns)
+        return len(orphans)
+
     # ---- readers --------------------------------------------------------------------------------------
 
     @staticmethod

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.connection_watch import ConnectionWatch, find_problems
+from actors.connection_watch import ConnectionWatch, find_problems, held_by_connections
 from ipc.ledger import DETECTIONS, ConnectionLedger
 from ipc.lifecycle import RequestState as S
 
@@ -54,9 +54,14 @@ def test_an_engine_row_final_past_the_bound_with_its_http_request_still_open_is_
     assert problems(ledger, finished, 29 * S_NS) == []
     (found,) = problems(ledger, finished, 30 * S_NS)
     assert (found.reason, found.request_id, found.slot, found.conn_id) == ("done_not_written", "cmpl-7", 7, 1)
-    assert found.age_s == pytest.approx(10.0)
+    assert found.age_s == pytest.approx(10.0) and "is the API process stopped or wedged?" in found.message()
     reused = {7: (int(S.FINISHED), 5, 20 * S_NS)}   # the slot now belongs to another request
     assert [f.reason for f in problems(ledger, reused, 30 * S_NS)] == ["no_response"]
+    ledger.request_responding(i, j, 21 * S_NS)
+    ledger.note_blocked(i, 25 * S_NS, socket_bytes=4_000_000)   # the rest waits on a client that does not read
+    (found, _) = sorted(problems(ledger, finished, 35 * S_NS), key=lambda f: f.reason)
+    assert found.reason == "done_not_written" and "its writes wait on the client (write_blocked)" in found.message()
+    ledger.note_blocked(i, 0)
     ledger.request_end(i, j, served=True)
     assert problems(ledger, finished, 40 * S_NS) == []
 
@@ -116,3 +121,20 @@ def test_a_new_finding_lands_in_the_timeline_of_each_request_it_is_about(ledger,
         recorder.install(None, 0, 0)
         ring.close()
         ring.unlink()
+
+
+def test_the_rows_held_by_connections_are_those_their_requests_in_progress_were_admitted_to(ledger):
+    i = ledger.open("a", 1, 0)
+    waiting = ledger.request_start(i, "not-admitted", 1)          # no row yet
+    engine = ledger.request_start(i, "prefilling", 1)
+    ledger.request_engine(i, engine, 4, 2, "prefilling", 2)
+    k = ledger.open("b", 2, 0)
+    writing = ledger.request_start(k, "slow-client", 1)
+    ledger.request_engine(k, writing, 9, 6, "slow-client", 2)
+    ledger.request_responding(k, writing, 3)
+    done = ledger.request_start(k, "answered", 1)
+    ledger.request_engine(k, done, 1, 1, "answered", 2)
+    ledger.request_end(k, done, served=True)
+    assert waiting >= 0 and held_by_connections(ledger.live_rows()) == {(4, 2), (9, 6)}
+    ledger.close_connection(k, "client_fin", 4)
+    assert held_by_connections(ledger.live_rows()) == {(4, 2)}

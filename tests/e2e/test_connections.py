@@ -286,3 +286,27 @@ def test_http2_reuse_at_the_idle_edge_is_answered_or_refused_by_goaway_never_res
     assert who == ("client_fin" if answered else "idle_close")
     if not answered:
         assert row["goaway_code"] == 0
+
+
+def test_an_api_process_killed_with_a_request_in_progress_restarts_and_closes_the_rows_it_left(engine, ledger, probe):
+    """Last in the module: it restarts the API. The new API process closes the dead one's ledger rows (reason
+    error): none stays taken, shown by tools/inspect, or named by the monitor for good."""
+    api_pid = probe.pid("api")
+    with socket.create_connection(("127.0.0.1", engine.port)) as sock:
+        port = sock.getsockname()[1]
+        sock.sendall(http_request("/v1/completions", {"prompt": "Hello", "max_tokens": 2}, "slowp-orphaned"))
+        wait_until(lambda: (r := mine(ledger, port)) is not None and 2 in list(r["req_phase"]), 30, 0.05,
+                   "the request to wait on the engine")
+        os.kill(api_pid, signal.SIGKILL)
+        sock.settimeout(30)
+        try:
+            assert sock.recv(1 << 16) == b""   # the connection died with its process
+        except ConnectionResetError:
+            pass
+    wait_until(lambda: probe.pid("api") not in (0, api_pid), 30, 0.1, "the API to restart")
+    wait_until(lambda: httpx.get(engine.base_url + "/health", timeout=5).status_code == 200, 60, 0.2,
+               "the restarted API to answer")
+    assert mine(ledger, port) is None
+    row = closed(ledger, port)
+    assert row is not None and CLOSE_REASONS[int(row["close_reason"])] == "error"
+    assert "connection-ledger rows the previous API process left open (reason error)" in engine.log_text()

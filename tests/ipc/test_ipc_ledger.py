@@ -1,6 +1,7 @@
 """The connection ledger segment (ipc/ledger.py): rows written by one process, read whole by others."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -142,3 +143,35 @@ def test_a_reader_in_another_process_never_sees_a_torn_row(ledger, ctx):
         if child.is_alive():
             child.kill()
             child.join(5)
+
+
+def die_with_connections_open(name: str) -> None:
+    """Child: an API process that dies (``os._exit``) with two connections open, one of them mid-write."""
+    led = ConnectionLedger.attach(name)
+    i = led.open("10.0.0.1", 1, 1)
+    j = led.request_start(i, "orphan-a", 2)
+    led.request_engine(i, j, slot=3, generation=7, request_id="orphan-a", now_ns=3)
+    k = led.open("10.0.0.2", 2, 4)
+    led._begin(k)   # killed between the two seq bumps of a write
+    os._exit(0)
+
+
+def test_a_new_writer_closes_the_rows_a_dead_writer_left_open_and_can_use_every_row(ledger, ctx):
+    child = ctx.Process(target=die_with_connections_open, args=(ledger.name,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0 and len(ledger.live_rows()) == 2
+    writer = ConnectionLedger.attach(ledger.name)   # the restarted API process
+    try:
+        assert writer.close_orphans(100) == 2
+        assert len(ledger.live_rows()) == 0
+        closed = ledger.closed_rows()
+        assert sorted(int(r["conn_id"]) for r in closed) == [1, 2] and not closed["torn"].any()
+        assert {CLOSE_REASONS[r] for r in closed["close_reason"]} == {"error"} and set(closed["closed_ns"]) == {100}
+        assert writer.close_orphans(101) == 0
+        rows = [writer.open("new", n, 200) for n in range(ledger.num_live)]   # every row is free and whole
+        assert sorted(rows) == list(range(ledger.num_live)) and writer.open("more", 9, 201) == -1
+        live = ledger.live_rows()
+        assert sorted(int(c) for c in live["conn_id"]) == [3, 4, 5, 6] and not live["torn"].any()
+    finally:
+        writer.close()
