@@ -102,7 +102,8 @@ WEIGHT_MODES = ("auto", "float32", "bfloat16")
 # native weights: prefills of >= this many tokens run the layers' float32 copies (see QuantLinear) over blocks of
 # PREFILL_BLOCK_ROWS rows. 1 = every prefill: the low-bit GEMVs are batch-invariant too and 0.5-1.0x the time at
 # 16-1000 tokens (docs/performance.md §26), but their int8-rounded activations flip SmolLM2's first answer token
-# at a near tie ("What is the capital of France?": "L'Étoile..." instead of "The capital... Paris")
+# at a near tie ("What is the capital of France?": "L'Étoile..." instead of "The capital... Paris"). The engine's
+# ``--prefill-low-bit`` sets a model's ``dense_min_tokens`` past any prompt instead (actors/shell.configure_model)
 DENSE_MIN_TOKENS = 1
 # native weights, decode steps (docs/performance.md §16): steps of fewer than DECODE_STACKED_MAX_ROWS rows run the
 # low-bit GEMV, in lowbit_cpu.decode_layers where the layer is Llama's (measured 1.5-2.6x cheaper than the float32
