@@ -44,12 +44,12 @@ run: install
 	$(PY) -m pdserve.cli serve $(ARGS)
 
 # --shm-leaks=fail: the run fails if it leaves a pdserve segment or semaphore in /dev/shm (tests/conftest.py); the
-# last lines list the skipped groups with their reasons; then, once pytest and its resource tracker are gone,
+# last lines list the 25 slowest steps and the skipped groups with their reasons; then, once pytest and its resource tracker are gone,
 # any multiprocessing semaphore (sem.mp-*) that appeared during the run fails it too (the engine makes none, so a
 # SIGKILL of an engine's every process leaves none: ipc/engine_status.py)
 test: install
 	@ls /dev/shm 2>/dev/null | grep '^sem\.mp-' | sort > .shm-before || true
-	@$(PY) -m pytest -q -p no:cacheprovider --shm-leaks=fail $(PYTEST_ARGS); rc=$$?; sleep 2; \
+	@$(PY) -m pytest -q -p no:cacheprovider --durations=25 --shm-leaks=fail $(PYTEST_ARGS); rc=$$?; sleep 2; \
 	ls /dev/shm 2>/dev/null | grep '^sem\.mp-' | sort | comm -13 .shm-before - > .shm-after; \
 	if [ -s .shm-after ]; then echo "/dev/shm: the run left $$(wc -l < .shm-after) multiprocessing semaphores:" \
 		$$(cat .shm-after); rc=1; else echo "/dev/shm: no multiprocessing semaphore left"; fi; \
