@@ -55,10 +55,10 @@ class Finding:
         request = f"request {self.request_id or '?'} (slot {self.slot}) on " if self.slot >= 0 or self.request_id \
             else ""
         if self.reason == "done_not_written":
-            why = ("its writes wait on the client (write_blocked)" if self.client_blocked
-                   else "is the API process stopped or wedged?")
+            why = (": its writes wait on the client, see write_blocked" if self.client_blocked
+                   else " (is the API process stopped or wedged?)")
             return (f"http done_not_written: {request}{where}: the engine finished it {self.age_s:.1f} s ago and "
-                    f"the response is not written ({why})")
+                    f"the response is not written{why}")
         if self.reason == "write_blocked":
             return (f"http write_blocked: {where}{' serving ' + self.request_id if self.request_id else ''}: a write "
                     f"has waited {self.age_s:.1f} s for the client (socket buffer full or HTTP/2 window 0): the "

@@ -132,11 +132,11 @@ def diverging_text(rows: np.ndarray, api_actor: int) -> tuple[str, list[str]]:
             f"not: {ids(diff['table_only'])} (their timelines: tools/inspect --reconcile)"), named
 
 
-def table_counts_by_actor(rows: np.ndarray, indices) -> dict[int, int]:
-    """Per engine actor index, the rows (a state-table snapshot) not FREE that name it as their prefill or decode
-    actor: what the router's ``routed_requests`` for that actor should equal (the API holds a row from
-    admission until it releases it)."""
-    used = rows["state"] != int(S.FREE)
+def table_counts_by_actor(rows: np.ndarray, indices, since_ns: int = 0) -> dict[int, int]:
+    """Per engine actor index, the rows (a state-table snapshot) not FREE, allocated at or after ``since_ns``
+    (monotonic ns), that name it as their prefill or decode actor: what the router's ``routed_requests`` for that
+    actor should equal (the API holds a row from admission until it releases it)."""
+    used = (rows["state"] != int(S.FREE)) & (rows["created_ns"] >= since_ns)
     return {i: int(np.count_nonzero(used & ((rows["prefill_actor"] == i) | (rows["decode_actor"] == i))))
             for i in indices}
 
@@ -267,7 +267,7 @@ class HeartbeatMonitor(Actor):
         actor_rows = self.actors.rows()   # read once for both checks below
         self.check_gauges(rows, now_ns, actor_rows)
         self.check_router_counts(rows, actor_rows)
-        self.reclaim_final_rows(rows, now_ns, self.held_by_live_api(actor_rows))
+        self.reclaim_final_rows(rows, now_ns, self.held_by_live_api(actor_rows, rows))
         if self.conn_watch is not None:
             self.check_connections()
 
@@ -368,9 +368,17 @@ class HeartbeatMonitor(Actor):
             rec["mismatch"][i] = int(flag)
 
     def check_router_counts(self, rows: np.ndarray, actor_rows: list[dict]) -> None:
-        """Compare the router's per-actor count (actor table, written by the API) with the table's; a
-        disagreement on more than ROUTER_MISMATCH_TICKS consecutive ticks is flagged (logged once, counted)."""
-        table_counts = table_counts_by_actor(rows, self.topology_engine)
+        """Compare the router's per-actor count (actor table, written by the API) with the table's rows the
+        current API process allocated (a dead predecessor's wait, final, for the reclaim: nobody counts them); a
+        disagreement on more than ROUTER_MISMATCH_TICKS consecutive ticks is flagged (logged once, counted). Not
+        while the API is not READY: a (re)starting API has not published its counts yet (a dead one's are left)."""
+        from ipc.actor_table import ActorStatus
+
+        if actor_rows[self.topology.api]["status"] != ActorStatus.READY:
+            self.router_mismatch_ticks = dict.fromkeys(self.router_mismatch_ticks, 0)
+            return
+        table_counts = table_counts_by_actor(rows, self.topology_engine,
+                                             since_ns=int(actor_rows[self.topology.api]["started_ns"]))
         for row in actor_rows:
             index = row["index"]
             if index not in table_counts or row["routed_requests"] < 0:
@@ -410,16 +418,24 @@ class HeartbeatMonitor(Actor):
                 self.conn_flags[index] = flag
                 self.ledger.set_flags(index, *flag)
 
-    def held_by_live_api(self, actor_rows: list[dict]) -> frozenset[tuple[int, int]]:
-        """``(slot, generation)`` of the rows requests on open connections wait on or still write out
-        (``held_by_connections`` over the ledger), while the API process is OK: it releases them when their
-        responses end, however slow the client. Empty without a ledger or with the API dead, hung or restarting."""
+    def held_by_live_api(self, actor_rows: list[dict], rows: np.ndarray) -> frozenset[tuple[int, int]]:
+        """``(slot, generation)`` of the rows (``rows``: a state-table snapshot) that requests on open connections
+        wait on or still write out, while the API process is OK: it releases them when their responses end, however
+        slow the client. The ledger names one row per HTTP request (``held_by_connections``); the other choices of
+        an ``n`` > 1 request are its rows with the same request id. Empty without a ledger or with the API dead,
+        hung or restarting."""
         from actors.connection_watch import held_by_connections
         from ipc.actor_table import ActorHealth
 
         if self.conn_watch is None or actor_rows[self.topology.api]["health"] != ActorHealth.OK:
             return frozenset()
-        return held_by_connections(self.ledger.live_rows())
+        named = [(s, g) for s, g in held_by_connections(self.ledger.live_rows())
+                 if 0 <= s < len(rows) and int(rows["generation"][s]) == g]
+        if not named:
+            return frozenset()
+        ids = rows["request_id"][[s for s, _ in named]]
+        same = np.flatnonzero(np.isin(rows["request_id"], ids) & (rows["state"] != int(S.FREE)))
+        return frozenset(named) | {(int(s), int(rows["generation"][s])) for s in same}
 
     def reclaim_final_rows(self, rows: np.ndarray, now_ns: int, held: frozenset = frozenset()) -> None:
         """Release rows final for FINAL_ROW_RECLAIM_S that nobody released (their API process died), except

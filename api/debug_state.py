@@ -155,7 +155,8 @@ def _actor_entries(actor_rows: list[dict], first_iterations: dict, now_ns: int, 
     from ipc.engine_status import GAUGES
 
     engine = [r["index"] for r in actor_rows if r["name"].rstrip("0123456789") in ("prefill", "decode")]
-    table_counts = table_counts_by_actor(rows, engine)
+    api = [r for r in actor_rows if r["name"] == "api"]   # rows a dead predecessor API allocated: nobody counts them
+    table_counts = table_counts_by_actor(rows, engine, since_ns=int(api[0]["started_ns"]) if api else 0)
     actors = []
     for r in actor_rows:
         if not r["name"]:

@@ -319,11 +319,14 @@ class ConnectionLedger(_shm.ShmSegment):
     def close_orphans(self, now_ns: int) -> int:
         """Close, with reason ``error``, every live row an earlier writer left (an API process that died: its
         connections died with it, yet their rows would stay taken, shown by tools/inspect and named by the
-        monitor forever). Call once in a new writer process, before ``open``. Returns how many rows it closed."""
+        monitor forever), and end any write it was killed in the middle of (an odd sequence number, live row or
+        closed ring: read as torn for good otherwise). Call in a writer process before its first ``open`` (on a
+        fresh ledger it does nothing). Returns how many rows it closed."""
+        for seq in (self._seq, self.closed_ring["seq"]):
+            odd = np.flatnonzero(seq & 1)
+            seq[odd] += 1
         orphans = np.flatnonzero(self.rows["conn_id"] != 0).tolist()
         for i in orphans:
-            if int(self._seq[i]) & 1:   # the dead writer stopped in the middle of this row: end its write
-                self._seq[i] += 1
             self.close_connection(i, "error", now_ns)
         return len(orphans)
 

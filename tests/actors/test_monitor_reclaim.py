@@ -58,6 +58,8 @@ def test_a_final_row_a_live_api_still_writes_to_a_slow_client_is_not_reclaimed_u
     try:
         slow, slow_gen = table.allocate("slow-client", prompt_tokens=4)
         table.transition(slow, slow_gen, S.FAILED, by="monitor")
+        sibling, sibling_gen = table.allocate("slow-client", prompt_tokens=4)   # choice 2 of n=2: not in the ledger
+        table.transition(sibling, sibling_gen, S.FAILED, by="monitor")
         orphan, orphan_gen = table.allocate("api-died", prompt_tokens=4)
         table.transition(orphan, orphan_gen, S.FAILED, by="monitor")
         i = ledger.open("127.0.0.1", 4000, 0)   # the slow client's connection: its response is still being written
@@ -66,11 +68,12 @@ def test_a_final_row_a_live_api_still_writes_to_a_slow_client_is_not_reclaimed_u
         ledger.request_responding(i, j, 3)
         stub = _LedgerMonitor(ledger)
         actor_rows = [{"health": ActorHealth.OK}] * 2 + [{"health": api_health}, {"health": ActorHealth.OK}]
-        held = HeartbeatMonitor.held_by_live_api(stub, actor_rows)
+        held = HeartbeatMonitor.held_by_live_api(stub, actor_rows, table.snapshot())
         now_ns = int(table.row(orphan)["state_since_ns"]) + int(monitor.FINAL_ROW_RECLAIM_S * 1e9) + 1
         HeartbeatMonitor.reclaim_final_rows(_Monitor(table), table.snapshot(), now_ns, held)
         assert int(table.row(orphan)["state"]) == S.FREE
-        assert int(table.row(slow)["state"]) == (S.FAILED if api_health == ActorHealth.OK else S.FREE)
+        kept = S.FAILED if api_health == ActorHealth.OK else S.FREE
+        assert int(table.row(slow)["state"]) == kept and int(table.row(sibling)["state"]) == kept
     finally:
         ledger.close()
         ledger.unlink()

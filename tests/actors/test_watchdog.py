@@ -153,3 +153,7 @@ def test_the_table_counts_every_unreleased_row_on_both_of_its_actors():
                  (S.FINISHED, 1.0, {"prefill_actor": 1, "decode_actor": 2}),   # final, not yet released
                  (S.FREE, 1.0, {"prefill_actor": 1, "decode_actor": 3}))
     assert table_counts_by_actor(table, (0, 1, 2, 3)) == {0: 1, 1: 1, 2: 2, 3: 0}
+    # an API restarted at 1.5 s: the FINISHED row its dead predecessor allocated at 1.0 s is nobody's count now
+    table = rows((S.FINISHED, 1.0, {"prefill_actor": 0, "decode_actor": 2}),
+                 (S.DECODING, 2.0, {"prefill_actor": 0, "decode_actor": 2}))
+    assert table_counts_by_actor(table, (0, 2), since_ns=int(1.5 * S_NS)) == {0: 1, 2: 1}

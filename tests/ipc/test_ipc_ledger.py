@@ -153,6 +153,10 @@ def die_with_connections_open(name: str) -> None:
     led.request_engine(i, j, slot=3, generation=7, request_id="orphan-a", now_ns=3)
     k = led.open("10.0.0.2", 2, 4)
     led._begin(k)   # killed between the two seq bumps of a write
+    free = led.open("10.0.0.3", 3, 5)
+    led.close_connection(free, "client_fin", 6)   # a closed connection: its row free, one closed-ring entry
+    led._begin(free)                              # killed inside the next write of that free row ...
+    led.closed_ring["seq"][1] += 1                # ... and of the closed ring's next entry
     os._exit(0)
 
 
@@ -166,12 +170,13 @@ def test_a_new_writer_closes_the_rows_a_dead_writer_left_open_and_can_use_every_
         assert writer.close_orphans(100) == 2
         assert len(ledger.live_rows()) == 0
         closed = ledger.closed_rows()
-        assert sorted(int(r["conn_id"]) for r in closed) == [1, 2] and not closed["torn"].any()
+        assert sorted(int(r["conn_id"]) for r in closed) == [1, 2, 3] and not closed["torn"].any()
+        closed = closed[closed["conn_id"] != 3]
         assert {CLOSE_REASONS[r] for r in closed["close_reason"]} == {"error"} and set(closed["closed_ns"]) == {100}
         assert writer.close_orphans(101) == 0
         rows = [writer.open("new", n, 200) for n in range(ledger.num_live)]   # every row is free and whole
         assert sorted(rows) == list(range(ledger.num_live)) and writer.open("more", 9, 201) == -1
         live = ledger.live_rows()
-        assert sorted(int(c) for c in live["conn_id"]) == [3, 4, 5, 6] and not live["torn"].any()
+        assert sorted(int(c) for c in live["conn_id"]) == [4, 5, 6, 7] and not live["torn"].any()
     finally:
         writer.close()
