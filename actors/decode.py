@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 
 from actors.base import Actor
+from actors.shell import decode_threads
 from actors.topology import API, DECODE_INDEX, LOCAL_DECODE, LOCAL_PREFILL, REMOTE, peer_address
 from actors.messages import HandBackDone, KVReady, parse_frames
 
@@ -75,6 +77,7 @@ class DecodeActor(Actor):
                                hand_back=hand_back,
                                address=LOCAL_DECODE if colocated else topo.address(self.index))
         self.runner = DecodeRunner(self.model, self.kv, self.sampler, self.grammars)
+        self.cpus = len(os.sched_getaffinity(0))
         self.prefill_core = None
         if colocated:   # the local cores talk directly; only the API stays behind a queue
             self.prefill_core = PrefillCore(self.table, self.allocator, self.outbox, time.monotonic_ns,
@@ -104,6 +107,8 @@ class DecodeActor(Actor):
         batch = core.batch()
         if batch:
             self._publish()   # the rows just admitted are DECODING in the table: say so before a long step
+            self.runner.threads = decode_threads(self.config, self.topology.num_decode,
+                                                 self.actors.busy(self.topology.prefill), self.cpus, len(batch))
             core.step_done(batch, *self.runner.step(batch))
             if self.prefill_core is not None:   # the batch frees room: the queue in front of it moves
                 self.prefill_core.renew_queued()

@@ -181,12 +181,14 @@ def copy_block_rows(kv, src_block: int, dst_block: int, rows: int) -> None:
     kv[:, :, dst_block, :rows].copy_(kv[:, :, src_block, :rows])
 
 
-def warm_up(model, pool, decode: bool = True) -> None:
+def warm_up(model, pool, decode: bool = True, threads: int = 1) -> None:
     """One tiny prefill (and with ``decode``, one decode step) into a borrowed block, before the actor reports
     READY: the first real request then pays no lazy initialization (kernel selection, allocations, numba's
     compilation or cache load) that could starve the heartbeat. The caller resets the pool afterwards. An actor
     that never decodes passes ``decode=False``: with native weights a decode step also stacks the layers' tiles
-    (``LlamaModel._stack_layers``, a private copy) and loads the decode kernels."""
+    (``LlamaModel._stack_layers``, a private copy) and loads the decode kernels. ``threads`` > 1 (a native
+    decode actor's most, ``actors.shell.decode_threads``): the step runs again on that many threads, which starts
+    numba's thread pool and loads the threaded kernels."""
     started = time.monotonic()
     if decode and getattr(model, "native", False):
         log.info("warming up the low-bit decode kernels (compiled once per checkout into gpu/__pycache__: "
@@ -196,12 +198,19 @@ def warm_up(model, pool, decode: bool = True) -> None:
     model.prefill(kv, [1, 2, 3], blocks)
     if decode:
         model.decode(kv, [4], [3], [blocks])
+    threaded = decode and threads > 1 and getattr(model, "native", False)
+    if threaded:
+        from gpu.lowbit_cpu import set_threads
+
+        threads = set_threads(threads)
+        model.decode(kv, [4], [3], [blocks])
+        set_threads(1)
     pool.free(blocks, 0)
     # the fused low-bit decode step ran iff the model stacked its Q4 layers for it (tests read this line)
     path = "lowbit_cpu.decode_layers" if decode and getattr(model, "_stacked", None) else "per-layer"
     prefill = "low-bit" if prefills_low_bit(model) else "dense"
-    log.info("warm-up done in %.1f s (decode steps: %s; prefill: %s)", time.monotonic() - started,
-             path if decode else "none", prefill)
+    log.info("warm-up done in %.1f s (decode steps: %s%s; prefill: %s)", time.monotonic() - started,
+             path if decode else "none", f" on up to {threads} threads" if threaded else "", prefill)
 
 
 class DecodeRunner:
@@ -210,6 +219,7 @@ class DecodeRunner:
 
     def __init__(self, model, kv, sampler, grammars=None):
         self.model, self.kv, self.sampler, self.grammars = model, kv, sampler, grammars
+        self.threads = 1   # the next step's low-bit GEMV threads (native models; the actor sets it per step)
 
     def prepare(self, entry) -> None:
         """A request joined the batch: its SamplingParams, seeded generator (prefill used ``seed``) and grammar
@@ -228,6 +238,10 @@ class DecodeRunner:
         from gpu.grammar import accept_tokens, batch_allowed
         from gpu.sampling import token_logprobs
 
+        if getattr(self.model, "native", False):
+            from gpu.lowbit_cpu import set_threads
+
+            set_threads(self.threads)
         logits = self.model.decode(self.kv, [e.last_token for e in batch], [e.position for e in batch],
                                    [e.blocks for e in batch])
         params = [e.runtime[0] for e in batch]

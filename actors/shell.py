@@ -6,13 +6,19 @@ grammars, and publishing a core's counts to the actor table.
 | `load_model`      | torch threads, the prepared model, this actor's pool warmed up and reset       |
 | `configure_model` | the engine settings that change how a loaded model computes                    |
 | `prefills_low_bit`| whether a configured model prefills on its low-bit kernels                     |
+| `decode_threads`  | how many threads a decode step's low-bit GEMVs use (auto: the idle cores)      |
 | `load_sampling`   | the sampler and the warmed-up grammar compiler                                 |
 | `GaugePublisher`  | own gauges, requests done, free KV blocks and prefix-cache counters, as deltas |
 """
 from __future__ import annotations
 
+import os
+
 # a native model's dense_min_tokens under prefill_low_bit: no prefill is that long
 PREFILL_LOW_BIT_MIN_TOKENS = 1 << 62
+# auto decode_threads: smaller steps stay on one thread (one row gained 1.1-1.3x in process, and lost 0.9x tok/s and
+# 1.45x warm TTFT in the engine beside the API and prefill processes; docs/performance.md section 28)
+DECODE_THREADS_MIN_ROWS = 4
 
 
 def load_model(actor, decode: bool):
@@ -32,7 +38,8 @@ def load_model(actor, decode: bool):
                                            config.model_cache_dir or None), config)
     pool = KVPool.attach(actor.layout.segment(actor.topology.segment("kv", actor.index)))
     pool.reset()   # a predecessor's blocks (a full prefix cache, say) must not leave warm-up without one
-    warm_up(model, pool, decode=decode or getattr(model, "prompt_last_by_decode", False))
+    warm_up(model, pool, decode=decode or getattr(model, "prompt_last_by_decode", False),
+            threads=decode_threads(config, actor.topology.num_decode) if decode else 1)
     pool.reset()
     return model, pool
 
@@ -47,6 +54,22 @@ def configure_model(model, config):
     if getattr(model, "native", False):
         model.dense_min_tokens = PREFILL_LOW_BIT_MIN_TOKENS if config.prefill_low_bit else DENSE_MIN_TOKENS
     return model
+
+
+def decode_threads(config, decode_actors: int, busy_prefill: int = 0, cpus: int | None = None,
+                   rows: int | None = None) -> int:
+    """Threads for a decode step of ``rows`` rows (None: the most any step gets) on the low-bit kernels
+    (``lowbit_cpu.set_threads``): ``config.decode_threads`` when set (> 0); else (auto) 1 for a step of fewer
+    than DECODE_THREADS_MIN_ROWS rows, otherwise ``cpus`` (default: the CPUs this process may run on) shared among
+    this node's ``decode_actors``, less ``busy_prefill`` (prefill actors with requests queued or prefilling: each
+    has a core's work); at least 1."""
+    if config.decode_threads > 0:
+        return config.decode_threads
+    if rows is not None and rows < DECODE_THREADS_MIN_ROWS:
+        return 1
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0))
+    return max(1, cpus // max(1, decode_actors) - busy_prefill)
 
 
 def prefills_low_bit(model) -> bool:

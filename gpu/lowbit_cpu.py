@@ -45,6 +45,42 @@ GROUP = 32      # inputs per scale group (GGUF's Q4_0/Q4_1/Q8_0 block)
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 HOST_AVX2 = bool(llvm.get_host_cpu_features().get("avx2"))  # numba compiles for the host CPU (its cache too)
+_threads = 1   # set_threads: the GEMVs' numba threads in this process
+
+
+def _launch_numba_threads() -> None:
+    """Start numba's thread pool now, keeping torch's intra-op thread count: the OpenMP layer's start-up sets the
+    process's OpenMP thread count to numba's (all CPUs), which torch shares, and an actor's float32 prefill then
+    ran on two threads beside the other actor's (twice the CPU, 1.4x llama-server's multi-round latency against
+    0.96x). The start would otherwise come lazily, with the first kernel that has parallel loops."""
+    keep = torch.get_num_threads()
+    try:
+        from numba.np.ufunc.parallel import _launch_threads
+    except ImportError:   # numba moved it: the layer then starts with the first parallel kernel, as before
+        return
+    _launch_threads()
+    torch.set_num_threads(keep)
+
+
+_launch_numba_threads()
+
+
+def set_threads(n: int) -> int:
+    """Run this process's GEMVs (and ``decode_layers`` when told ``parallel``) on ``n`` of numba's threads,
+    clamped to 1..``numba.config.NUMBA_NUM_THREADS``; returns the count in force. 1 (the default) runs them
+    serially on the caller's thread, as before any call. The tiles are split, never a row's sums: the bits do not
+    change. Call from the one thread that runs the kernels (numba's default workqueue pool takes one caller)."""
+    global _threads
+    n = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
+    if n > 1 and n != numba.get_num_threads():
+        numba.set_num_threads(n)
+    _threads = n
+    return n
+
+
+def threads() -> int:
+    """The count ``set_threads`` put in force (1: serial)."""
+    return _threads
 
 
 def _splat(builder, value, vector_type):
@@ -196,44 +232,83 @@ def _quantized(x):
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
+def _q4_tile(xq, fx, sx, codes, scale, mins, y, t, acc):
+    """Tile ``t`` of ``_q4_gemv`` (its R output columns for every row), given the quantized activations;
+    ``acc``: float32 [2, R] scratch."""
+    M, G = xq.shape[0], codes.shape[1]
+    for b in range(0, M - 1, 2):   # rows in pairs: one unpack of the codes serves both
+        acc[:] = 0.0
+        for g in range(G):
+            _q4_group2(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, xq[b + 1, g * GROUP:].ctypes.data,
+                       scale[t, g].ctypes.data, mins[t, g].ctypes.data, fx[b, g], sx[b, g], fx[b + 1, g],
+                       sx[b + 1, g], acc[0].ctypes.data, acc[1].ctypes.data)
+        y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
+        y[b + 1, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[1]
+    if M % 2:
+        b = M - 1
+        acc[0] = 0.0
+        for g in range(G):
+            _q4_group(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, scale[t, g].ctypes.data,
+                      mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc[0].ctypes.data)
+        y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
 def _q4_gemv(x, codes, scale, mins, y):
     """y float32 [M, T * R] = x float32 [M, K] times the Q4 tiles (layout in the module docstring)."""
-    M = x.shape[0]
-    T, G = codes.shape[0], codes.shape[1]
     xq, fx, sx = _quantized(x)
     acc = np.empty((2, TILE_ROWS), np.float32)
-    for t in range(T):
-        for b in range(0, M - 1, 2):   # rows in pairs: one unpack of the codes serves both
-            acc[:] = 0.0
-            for g in range(G):
-                _q4_group2(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, xq[b + 1, g * GROUP:].ctypes.data,
-                           scale[t, g].ctypes.data, mins[t, g].ctypes.data, fx[b, g], sx[b, g], fx[b + 1, g],
-                           sx[b + 1, g], acc[0].ctypes.data, acc[1].ctypes.data)
-            y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
-            y[b + 1, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[1]
-        if M % 2:
-            b = M - 1
-            acc[0] = 0.0
-            for g in range(G):
-                _q4_group(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, scale[t, g].ctypes.data,
-                          mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc[0].ctypes.data)
-            y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
+    for t in range(codes.shape[0]):
+        _q4_tile(xq, fx, sx, codes, scale, mins, y, t, acc)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False, parallel=True)  # explicit: see the module docstring
+def _q4_gemv_par(x, codes, scale, mins, y):
+    """``_q4_gemv`` with its tiles spread over numba's threads (``set_threads``): the same bits."""
+    xq, fx, sx = _quantized(x)
+    T = codes.shape[0]
+    acc = np.empty((T, 2, TILE_ROWS), np.float32)
+    for t in numba.prange(T):
+        _q4_tile(xq, fx, sx, codes, scale, mins, y, t, acc[t])
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
+def _q8_tile(xq, fx, codes, scale, y, t, acc):
+    """Tile ``t`` of ``_q8_gemv``; ``acc``: float32 [R] scratch."""
+    M, G = xq.shape[0], codes.shape[1]
+    for b in range(M):
+        acc[:] = 0.0
+        for g in range(G):
+            _q8_group(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, scale[t, g].ctypes.data,
+                      fx[b, g], acc.ctypes.data)
+        y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
 def _q8_gemv(x, codes, scale, y):
     """y float32 [M, T * R] = x float32 [M, K] times the Q8 tiles."""
-    M = x.shape[0]
-    T, G = codes.shape[0], codes.shape[1]
-    xq, fx, sx = _quantized(x)
+    xq, fx, _ = _quantized(x)
     acc = np.empty(TILE_ROWS, np.float32)
-    for t in range(T):
-        for b in range(M):
-            acc[:] = 0.0
-            for g in range(G):
-                _q8_group(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, scale[t, g].ctypes.data,
-                          fx[b, g], acc.ctypes.data)
-            y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc
+    for t in range(codes.shape[0]):
+        _q8_tile(xq, fx, codes, scale, y, t, acc)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False, parallel=True)  # explicit: see the module docstring
+def _q8_gemv_par(x, codes, scale, y):
+    """``_q8_gemv`` with its tiles spread over numba's threads: the same bits."""
+    xq, fx, _ = _quantized(x)
+    T = codes.shape[0]
+    acc = np.empty((T, TILE_ROWS), np.float32)
+    for t in numba.prange(T):
+        _q8_tile(xq, fx, codes, scale, y, t, acc[t])
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
+def _q4_threads(x, codes, scale, mins, y, parallel):
+    if parallel:
+        _q4_gemv_par(x, codes, scale, mins, y)
+    else:
+        _q4_gemv(x, codes, scale, mins, y)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=True)
@@ -312,8 +387,49 @@ def attend_rows(q, pool_k, pool_v, tables, block_tokens, seq, positions, window,
 
 
 @numba.njit(nogil=True, cache=True, fastmath=True)
+def _row_attention(b, y_qkv, pool, tables, positions, cos, sin, n_heads, block_tokens, attn_scale, attn):
+    """Row ``b`` of a decode step, one layer: its Q/K/V (``y_qkv[b]``) roped, its K/V written into ``pool``
+    ([2, slots, Hkv, D]) at its position, its attention over positions 0..its own into ``attn[b]``."""
+    Hkv, D = pool.shape[2], pool.shape[3]
+    n_rope = n_heads + Hkv
+    p = positions[b]
+    heads = np.empty((n_heads + 2 * Hkv, D), np.float32)
+    head_out = np.empty((n_heads, D), np.float32)
+    scores = np.empty(p + 1, np.float32)
+    for hh in range(n_heads + 2 * Hkv):
+        for i in range(D):
+            heads[hh, i] = y_qkv[b, hh * D + i]
+    for hh in range(n_rope):
+        _rope_row(heads[hh], cos[p], sin[p])
+    slot = tables[b, p // block_tokens] * block_tokens + p % block_tokens
+    pool[0, slot] = heads[n_heads:n_rope]
+    pool[1, slot] = heads[n_rope:]
+    _attend(heads[:n_heads], pool[0], pool[1], tables[b], block_tokens, 0, p + 1, attn_scale, scores, head_out)
+    for hh in range(n_heads):
+        for i in range(D):
+            attn[b, hh * D + i] = head_out[hh, i]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=True, parallel=True)
+def _attention_rows_par(y_qkv, pool, tables, positions, cos, sin, n_heads, block_tokens, attn_scale, attn):
+    for b in numba.prange(y_qkv.shape[0]):
+        _row_attention(b, y_qkv, pool, tables, positions, cos, sin, n_heads, block_tokens, attn_scale, attn)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=True)
+def _attention_rows(y_qkv, pool, tables, positions, cos, sin, n_heads, block_tokens, attn_scale, attn, parallel):
+    """Every row's ``_row_attention`` for one layer of a decode step, the rows over numba's threads when
+    ``parallel`` (each row's sums as alone: the same bits)."""
+    if parallel and y_qkv.shape[0] > 1:
+        _attention_rows_par(y_qkv, pool, tables, positions, cos, sin, n_heads, block_tokens, attn_scale, attn)
+    else:
+        for b in range(y_qkv.shape[0]):
+            _row_attention(b, y_qkv, pool, tables, positions, cos, sin, n_heads, block_tokens, attn_scale, attn)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=True)
 def decode_layers(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_tokens, tables, positions, cos, sin,
-                  n_heads, inter, eps, attn_scale):
+                  n_heads, inter, eps, attn_scale, parallel):
     """Every decoder layer of one decode step (the HF Llama layer, as ``LlamaModel.decode`` computes it) with
     Q4-tiled linears, in one call; ``x`` (the residual stream) is updated in place.
 
@@ -321,48 +437,32 @@ def decode_layers(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_tokens,
     [L, hidden]; qkv, o, gate_up, down: (tiles, scales, mins) of every layer stacked, [L, ...] each (fused
     Q/K/V rows, then gate rows 0..inter-1 and up rows); pool: float32 [L, 2, slots, Hkv, D] (slot = block *
     block_tokens + offset); tables: int64 [B, blocks] (padded); positions: int64 [B] (the new token's = keys
-    already cached); cos, sin: float32 [positions, D] (``LlamaModel._ensure_rope``'s tables). Each row's new K/V
-    are written at its position before it attends over positions 0..its own. Nothing is checked here.
+    already cached); cos, sin: float32 [positions, D] (``LlamaModel._ensure_rope``'s tables); parallel: the
+    GEMVs' tiles and the rows' attention over numba's threads (``set_threads``; the same bits). Each row's new K/V are written at its
+    position before it attends over positions 0..its own. Nothing is checked here.
     """
     B, hidden = x.shape
-    Hkv, D = pool.shape[3], pool.shape[4]
-    n_rope = n_heads + Hkv
+    D = pool.shape[4]
     h = np.empty((B, hidden), np.float32)
     y_qkv = np.empty((B, qkv[0].shape[1] * TILE_ROWS), np.float32)
     y_hidden = np.empty((B, o[0].shape[1] * TILE_ROWS), np.float32)
     y_gu = np.empty((B, gate_up[0].shape[1] * TILE_ROWS), np.float32)
     act = np.empty((B, inter), np.float32)
     attn = np.empty((B, n_heads * D), np.float32)
-    heads = np.empty((n_heads + 2 * Hkv, D), np.float32)
-    head_out = np.empty((n_heads, D), np.float32)
-    scores = np.empty(np.max(positions) + 1, np.float32)
     for li in range(ln_attn.shape[0]):
         _rms_norm(x, ln_attn[li], eps, h)
-        _q4_gemv(h, qkv[0][li], qkv[1][li], qkv[2][li], y_qkv)
-        for b in range(B):
-            p = positions[b]
-            for hh in range(n_heads + 2 * Hkv):
-                for i in range(D):
-                    heads[hh, i] = y_qkv[b, hh * D + i]
-            for hh in range(n_rope):
-                _rope_row(heads[hh], cos[p], sin[p])
-            slot = tables[b, p // block_tokens] * block_tokens + p % block_tokens
-            pool[li, 0, slot] = heads[n_heads:n_rope]
-            pool[li, 1, slot] = heads[n_rope:]
-            _attend(heads[:n_heads], pool[li, 0], pool[li, 1], tables[b], block_tokens, 0, p + 1, attn_scale,
-                    scores, head_out)
-            for hh in range(n_heads):
-                for i in range(D):
-                    attn[b, hh * D + i] = head_out[hh, i]
-        _q4_gemv(attn, o[0][li], o[1][li], o[2][li], y_hidden)
+        _q4_threads(h, qkv[0][li], qkv[1][li], qkv[2][li], y_qkv, parallel)
+        _attention_rows(y_qkv, pool[li], tables, positions, cos, sin, n_heads, block_tokens, attn_scale, attn,
+                        parallel)
+        _q4_threads(attn, o[0][li], o[1][li], o[2][li], y_hidden, parallel)
         x += y_hidden[:, :hidden]
         _rms_norm(x, ln_mlp[li], eps, h)
-        _q4_gemv(h, gate_up[0][li], gate_up[1][li], gate_up[2][li], y_gu)
+        _q4_threads(h, gate_up[0][li], gate_up[1][li], gate_up[2][li], y_gu, parallel)
         for b in range(B):
             for i in range(inter):
                 g = y_gu[b, i]
                 act[b, i] = g / (np.float32(1.0) + np.exp(-g)) * y_gu[b, inter + i]
-        _q4_gemv(act, down[0][li], down[1][li], down[2][li], y_hidden)
+        _q4_threads(act, down[0][li], down[1][li], down[2][li], y_hidden, parallel)
         x += y_hidden[:, :hidden]
 
 
@@ -416,14 +516,14 @@ def _run(kernel, x: torch.Tensor, n: int, *tiles: torch.Tensor) -> torch.Tensor:
 def q4_linear(x: torch.Tensor, n: int, tiles: torch.Tensor, tile_scale: torch.Tensor,
               tile_min: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for float ``x`` ``[M, K]`` and the Q4 weight ``[n, K]`` in :func:`q4_tiles` form: float32
-    ``[M, n]``. No shape checks (the caller built the tiles for this ``K``)."""
-    return _run(_q4_gemv, x, n, tiles, tile_scale, tile_min)
+    ``[M, n]``, on ``threads()`` threads. No shape checks (the caller built the tiles for this ``K``)."""
+    return _run(_q4_gemv_par if _threads > 1 else _q4_gemv, x, n, tiles, tile_scale, tile_min)
 
 
 def q8_linear(x: torch.Tensor, n: int, tiles: torch.Tensor, tile_scale: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for float ``x`` ``[M, K]`` and the Q8_0 weight ``[n, K]`` in :func:`q8_tiles` form: float32
-    ``[M, n]``."""
-    return _run(_q8_gemv, x, n, tiles, tile_scale)
+    ``[M, n]``, on ``threads()`` threads."""
+    return _run(_q8_gemv_par if _threads > 1 else _q8_gemv, x, n, tiles, tile_scale)
 
 
 def q8_rows(ids: torch.Tensor, tiles: torch.Tensor, tile_scale: torch.Tensor) -> torch.Tensor:
@@ -525,28 +625,43 @@ def _q8h_group2(typingctx, codes_addr, x_addr, x1_addr, scale_addr, min_addr, fx
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
+def _q8h_tile(xq, fx, sx, codes, scale, mins, y, t, acc):
+    """Tile ``t`` of ``_q8h_gemv``; ``acc``: float32 [2, R] scratch."""
+    M, G = xq.shape[0], codes.shape[1]
+    for b in range(0, M - 1, 2):   # rows in pairs: one load of the codes serves both
+        acc[:] = 0.0
+        for g in range(G):
+            _q8h_group2(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data,
+                        xq[b + 1, g * GROUP:].ctypes.data, scale[t, g].ctypes.data, mins[t, g].ctypes.data,
+                        fx[b, g], sx[b, g], fx[b + 1, g], sx[b + 1, g], acc[0].ctypes.data, acc[1].ctypes.data)
+        y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
+        y[b + 1, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[1]
+    if M % 2:
+        b = M - 1
+        acc[0] = 0.0
+        for g in range(G):
+            _q8h_group(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, scale[t, g].ctypes.data,
+                       mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc[0].ctypes.data)
+        y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
 def _q8h_gemv(x, codes, scale, mins, y):
     """y float32 [M, T * R] = x float32 [M, K] times the Q8h tiles (layout above)."""
-    M = x.shape[0]
-    T, G = codes.shape[0], codes.shape[1]
     xq, fx, sx = _quantized(x)
     acc = np.empty((2, TILE_ROWS), np.float32)
-    for t in range(T):
-        for b in range(0, M - 1, 2):   # rows in pairs: one load of the codes serves both
-            acc[:] = 0.0
-            for g in range(G):
-                _q8h_group2(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data,
-                            xq[b + 1, g * GROUP:].ctypes.data, scale[t, g].ctypes.data, mins[t, g].ctypes.data,
-                            fx[b, g], sx[b, g], fx[b + 1, g], sx[b + 1, g], acc[0].ctypes.data, acc[1].ctypes.data)
-            y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
-            y[b + 1, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[1]
-        if M % 2:
-            b = M - 1
-            acc[0] = 0.0
-            for g in range(G):
-                _q8h_group(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, scale[t, g].ctypes.data,
-                           mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc[0].ctypes.data)
-            y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
+    for t in range(codes.shape[0]):
+        _q8h_tile(xq, fx, sx, codes, scale, mins, y, t, acc)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False, parallel=True)  # explicit: see the module docstring
+def _q8h_gemv_par(x, codes, scale, mins, y):
+    """``_q8h_gemv`` with its tiles spread over numba's threads: the same bits."""
+    xq, fx, sx = _quantized(x)
+    T = codes.shape[0]
+    acc = np.empty((T, 2, TILE_ROWS), np.float32)
+    for t in numba.prange(T):
+        _q8h_tile(xq, fx, sx, codes, scale, mins, y, t, acc[t])
 
 
 def _quads(codes: np.ndarray) -> np.ndarray:
@@ -573,31 +688,38 @@ def q8h_tiles(codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> d
 def q8h_linear(x: torch.Tensor, n: int, tiles: torch.Tensor, tile_scale: torch.Tensor,
                tile_min: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for float ``x`` ``[M, K]`` and the weight ``[n, K]`` in :func:`q8h_tiles` form: float32
-    ``[M, n]``."""
-    return _run(_q8h_gemv, x, n, tiles, tile_scale, tile_min)
+    ``[M, n]``, on ``threads()`` threads."""
+    return _run(_q8h_gemv_par if _threads > 1 else _q8h_gemv, x, n, tiles, tile_scale, tile_min)
 
 
-def _gemv_any(x, tiles, scale, mins, y):
+def _gemv_any(x, tiles, scale, mins, y, parallel):
     """y = x times a (tiles, scale, min) triple in Q4 or Q8h form, chosen by the tiles' dtype when numba compiles
-    the caller (uint8: :func:`_q4_gemv`, int8: :func:`_q8h_gemv`)."""
+    the caller (uint8: :func:`_q4_gemv`, int8: :func:`_q8h_gemv`; their ``_par`` forms when ``parallel``)."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
+@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
+def _q8h_threads(x, codes, scale, mins, y, parallel):
+    if parallel:
+        _q8h_gemv_par(x, codes, scale, mins, y)
+    else:
+        _q8h_gemv(x, codes, scale, mins, y)
+
+
 @overload(_gemv_any, jit_options={"nogil": True, "cache": True, "fastmath": False})
-def _gemv_any_impl(x, tiles, scale, mins, y):
+def _gemv_any_impl(x, tiles, scale, mins, y, parallel):
     if tiles.dtype == types.uint8:
-        return lambda x, tiles, scale, mins, y: _q4_gemv(x, tiles, scale, mins, y)
-    return lambda x, tiles, scale, mins, y: _q8h_gemv(x, tiles, scale, mins, y)
+        return lambda x, tiles, scale, mins, y, parallel: _q4_threads(x, tiles, scale, mins, y, parallel)
+    return lambda x, tiles, scale, mins, y, parallel: _q8h_threads(x, tiles, scale, mins, y, parallel)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=True)
 def decode_layers_mixed(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_tokens, tables, positions, cos, sin,
-                        n_heads, inter, eps, attn_scale):
+                        n_heads, inter, eps, attn_scale, parallel):
     """:func:`decode_layers` where each of qkv, o, gate_up, down is stacked Q4 tiles or stacked Q8h tiles
     (a K-quant file's mix: Q4_K on the Q4 tiles, Q6_K/Q5_K/Q5_0 on Q8h); same arguments and result."""
     B, hidden = x.shape
-    Hkv, D = pool.shape[3], pool.shape[4]
-    n_rope = n_heads + Hkv
+    D = pool.shape[4]
     h = np.empty((B, hidden), np.float32)
     y_qkv = np.empty((B, qkv[0].shape[1] * TILE_ROWS), np.float32)
     y_hidden = np.empty((B, o[0].shape[1] * TILE_ROWS), np.float32)
@@ -605,36 +727,20 @@ def decode_layers_mixed(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_t
     y_gu = np.empty((B, gate_up[0].shape[1] * TILE_ROWS), np.float32)
     act = np.empty((B, inter), np.float32)
     attn = np.empty((B, n_heads * D), np.float32)
-    heads = np.empty((n_heads + 2 * Hkv, D), np.float32)
-    head_out = np.empty((n_heads, D), np.float32)
-    scores = np.empty(np.max(positions) + 1, np.float32)
     for li in range(ln_attn.shape[0]):
         _rms_norm(x, ln_attn[li], eps, h)
-        _gemv_any(h, qkv[0][li], qkv[1][li], qkv[2][li], y_qkv)
-        for b in range(B):
-            p = positions[b]
-            for hh in range(n_heads + 2 * Hkv):
-                for i in range(D):
-                    heads[hh, i] = y_qkv[b, hh * D + i]
-            for hh in range(n_rope):
-                _rope_row(heads[hh], cos[p], sin[p])
-            slot = tables[b, p // block_tokens] * block_tokens + p % block_tokens
-            pool[li, 0, slot] = heads[n_heads:n_rope]
-            pool[li, 1, slot] = heads[n_rope:]
-            _attend(heads[:n_heads], pool[li, 0], pool[li, 1], tables[b], block_tokens, 0, p + 1, attn_scale,
-                    scores, head_out)
-            for hh in range(n_heads):
-                for i in range(D):
-                    attn[b, hh * D + i] = head_out[hh, i]
-        _gemv_any(attn, o[0][li], o[1][li], o[2][li], y_hidden)
+        _gemv_any(h, qkv[0][li], qkv[1][li], qkv[2][li], y_qkv, parallel)
+        _attention_rows(y_qkv, pool[li], tables, positions, cos, sin, n_heads, block_tokens, attn_scale, attn,
+                        parallel)
+        _gemv_any(attn, o[0][li], o[1][li], o[2][li], y_hidden, parallel)
         x += y_hidden[:, :hidden]
         _rms_norm(x, ln_mlp[li], eps, h)
-        _gemv_any(h, gate_up[0][li], gate_up[1][li], gate_up[2][li], y_gu)
+        _gemv_any(h, gate_up[0][li], gate_up[1][li], gate_up[2][li], y_gu, parallel)
         for b in range(B):
             for i in range(inter):
                 g = y_gu[b, i]
                 act[b, i] = g / (np.float32(1.0) + np.exp(-g)) * y_gu[b, inter + i]
-        _gemv_any(act, down[0][li], down[1][li], down[2][li], y_down)
+        _gemv_any(act, down[0][li], down[1][li], down[2][li], y_down, parallel)
         x += y_down[:, :hidden]
 
 

@@ -878,13 +878,13 @@ class LlamaModel:
                         stacked: tuple) -> torch.Tensor:
         """``decode`` through ``lowbit_cpu.decode_layers`` (``decode_layers_mixed`` with Q8h stacks; one numba call
         for all layers): logits ``[B, vocab]``."""
-        from .lowbit_cpu import decode_layers, decode_layers_mixed  # noqa: PLC0415
+        from .lowbit_cpu import decode_layers, decode_layers_mixed, threads  # noqa: PLC0415
         c = self.config
         x = self._embed(torch.tensor(token_ids, dtype=torch.long))  # [B, hidden], fresh: updated in place
         run = decode_layers_mixed if self._stacked_mixed else decode_layers
         run(x.numpy(), *stacked, self._flat_pool(kv).numpy(), kv.shape[3], np.asarray(padded, np.int64),
             np.asarray(positions, np.int64), self._cos.numpy(), self._sin.numpy(), c.num_heads,
-            c.intermediate_size, c.rms_norm_eps, self._scale)
+            c.intermediate_size, c.rms_norm_eps, self._scale, threads() > 1)
         x = F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
         return self._softcap_logits(self._linear(self.lm_head, x, len(token_ids) >= self.head_dense_min_rows).float())
 

@@ -352,6 +352,15 @@ class ActorTable(_shm.ShmSegment):
         hits = np.flatnonzero(self._rows["name"] == name.encode("ascii"))
         return int(hits[0]) if hits.size else None
 
+    def busy(self, indices) -> int:
+        """How many of the actors at ``indices`` report requests of their own queued or running (their own
+        gauges, as last published; -1 = not kept counts as none). One vectorized read (a decode step asks)."""
+        if not len(indices):
+            return 0
+        gauges = self._rows["own_gauges"][list(indices)]
+        work = np.maximum(gauges[:, GAUGES.index("queued")], 0) + np.maximum(gauges[:, GAUGES.index("running")], 0)
+        return int(np.count_nonzero(work))
+
     def own_gauges(self) -> list[int]:
         """Per gauge (GAUGES order), the sum of the actors' own counts, or -1 where no actor keeps one."""
         return sum_own_gauges(self.rows())

@@ -1,9 +1,10 @@
-"""actors/shell.py's GaugePublisher over a recording actor table: own gauges every call, the done counter and the
-free blocks and prefix-cache counters as deltas, only when they changed."""
+"""actors/shell.py: the GaugePublisher over a recording actor table (own gauges every call, the done counter and
+the free blocks and prefix-cache counters as deltas, only when they changed); the decode step's thread count."""
 from __future__ import annotations
 
 from actors.prefix_cache import CachingAllocator
-from actors.shell import GaugePublisher
+from actors.shell import GaugePublisher, decode_threads
+from pdserve.config import EngineConfig
 from tests.actors.fakes import FakeAllocator
 
 
@@ -38,3 +39,16 @@ def test_the_publisher_writes_changes_only_as_deltas():
     assert actors.take("set_kv_blocks") == [("set_kv_blocks", (3,), {"total": 8, "free": 5})]
     assert actors.take("count_requests_done") == [] and actors.take("count_prefix_cache") == []
     assert len(actors.take("set_prefix_cache")) == 4   # the cache's gauges: every call while it is on
+
+
+def test_decode_threads_auto_shares_the_cpus_among_decode_actors_and_leaves_busy_prefill_actors_theirs():
+    auto = EngineConfig()
+    assert auto.decode_threads == 0
+    assert decode_threads(auto, 1, busy_prefill=0, cpus=2) == 2   # the prefill actor idle: its core decodes
+    assert decode_threads(auto, 1, busy_prefill=1, cpus=2) == 1
+    assert decode_threads(auto, 2, busy_prefill=0, cpus=2) == 1
+    assert decode_threads(auto, 2, busy_prefill=2, cpus=16) == 6
+    assert decode_threads(auto, 4, busy_prefill=4, cpus=2) == 1   # never below one
+    assert decode_threads(auto, 1) >= 1                          # this process's CPUs
+    assert decode_threads(auto, 1, cpus=2, rows=3) == 1 and decode_threads(auto, 1, cpus=2, rows=4) == 2
+    assert decode_threads(EngineConfig(decode_threads=3), 1, busy_prefill=1, cpus=2, rows=1) == 3   # as configured

@@ -7,6 +7,8 @@ tests/e2e/test_serve.py and tests/e2e/test_nxm.py."""
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 
 import httpx
 import pytest
@@ -32,9 +34,15 @@ def _tokens(choice: dict) -> list[str]:
 def test_the_decode_actor_runs_the_low_bit_decode_step(engine):
     """Without this, every test here passes with float32 weights: the decode actor's warm-up says which decode
     step ran (the fused low-bit one only when the model stacked its Q4 layers); the prefill actor's too, as it runs
-    each prompt's last token as a decode step."""
+    each prompt's last token as a decode step. With more than one CPU the decode actor also warms its threaded
+    kernels (``--decode-threads`` auto); the prefill actor never threads its steps."""
     log = engine.log_text()
-    assert log.count("(decode steps: lowbit_cpu.decode_layers; prefill: dense)") >= 2, log[-3000:]
+    prefill = re.search(r"prefill0 INFO warm-up done in [\d.]+ s \(decode steps: lowbit_cpu.decode_layers; "
+                        r"prefill: dense\)", log)
+    threads = f" on up to {len(os.sched_getaffinity(0))} threads" if len(os.sched_getaffinity(0)) > 1 else ""
+    decode = re.search(r"decode0 INFO warm-up done in [\d.]+ s \(decode steps: lowbit_cpu.decode_layers"
+                       + re.escape(threads) + r"; prefill: dense\)", log)
+    assert prefill and decode, log[-3000:]
 
 
 def test_native_engine_answers_alone_in_a_ragged_batch_and_with_n_children(engine):

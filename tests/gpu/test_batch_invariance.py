@@ -3,7 +3,8 @@
 The same row is run alone, then at every place (first, second of a pair, the odd last row...) of batches of 1..9
 rows whose other rows differ (other inputs, other lengths), and its outputs must be bit-identical: for the Q4 and
 Q8 GEMVs, for ``lowbit_cpu.decode_layers``, and for whole decode steps (logits) of the embedded model (one-call
-path and op-by-op path) and of tiny low-bit models of the other families. The kernels are checked in a fresh
+path and op-by-op path) and of tiny low-bit models of the other families, serially and with the GEMVs' tiles over
+two threads (``lowbit_cpu.set_threads``; the decode actor's choice per step). The kernels are checked in a fresh
 process with an empty numba cache that compiles ``decode_layers`` first, as the decode actor does: numba lets a
 callee inherit its caller's ``fastmath``, so what a kernel computes once depended on who compiled it first.
 """
@@ -51,11 +52,24 @@ lengths = [23, 5, 40, 17, 31, 9, 50, 12, 28, 33]   # row 0 is the probe
 pool0 = rng.standard_normal((L, 2, 10 * 4 * BT, Hkv, D)).astype(np.float32)
 tables = np.arange(40, dtype=np.int64).reshape(10, 4)
 
-def layers_call(order):
+def layers_call(order, parallel=False):
     x, pool = rows[order].copy(), pool0.copy()
+    if parallel:
+        lb.set_threads(2)
     lb.decode_layers(x, *norms, *stacked, pool, BT, tables[order], np.asarray(lengths, np.int64)[order], cos, sin,
-                     H, inter, np.float32(1e-5), np.float32(D ** -0.5))
+                     H, inter, np.float32(1e-5), np.float32(D ** -0.5), parallel)
+    lb.set_threads(1)
     return x
+
+
+def threaded(fn):   # a GEMV with its tiles over two threads (lowbit_cpu.set_threads)
+    def run(x):
+        lb.set_threads(2)
+        try:
+            return fn(x)
+        finally:
+            lb.set_threads(1)
+    return run
 
 alone = layers_call([0])   # decode_layers is compiled (with its callees) before anything else
 w4, w8 = layers["gate_up"][0], lb.q8_tiles(torch.from_numpy(rng.integers(-127, 128, (96, hidden)).astype(np.int8)),
@@ -63,6 +77,8 @@ w4, w8 = layers["gate_up"][0], lb.q8_tiles(torch.from_numpy(rng.integers(-127, 1
 gemvs = {"q4": lambda x: lb.q4_linear(x, 2 * inter, *w4),
          "q8": lambda x: lb.q8_linear(x, 96, w8["tiles"], w8["tile_scale"]),
          "decode_layers": None}
+gemvs.update({name + "_threads": threaded(fn) for name, fn in list(gemvs.items()) if fn is not None})
+gemvs["decode_layers_threads"] = None
 xs = torch.from_numpy(rng.standard_normal((10, hidden)).astype(np.float32))
 bad = {name: [] for name in gemvs}
 for B in range(1, int(sys.argv[1]) + 1):
@@ -71,6 +87,8 @@ for B in range(1, int(sys.argv[1]) + 1):
         order.insert(pos, 0)
         if not np.array_equal(layers_call(order)[pos], alone[0]):
             bad["decode_layers"].append([B, pos])
+        if not np.array_equal(layers_call(order, True)[pos], alone[0]):
+            bad["decode_layers_threads"].append([B, pos])
         for name, fn in gemvs.items():
             if fn is not None and not torch.equal(fn(xs[order])[pos], fn(xs[:1])[0]):
                 bad[name].append([B, pos])
@@ -84,7 +102,30 @@ def test_kernels_give_a_row_the_same_bits_at_any_place_in_any_batch_whoever_comp
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     bad = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert bad == {"q4": [], "q8": [], "decode_layers": []}
+    assert bad == {name: [] for name in ("q4", "q8", "decode_layers", "q4_threads", "q8_threads",
+                                         "decode_layers_threads")}
+
+
+_TORCH_THREADS_SCRIPT = r"""
+import torch
+torch.set_num_threads(1)
+from gpu.model import kv_pool_shape
+from gpu.prepared import prepared_model
+m = prepared_model(None, "auto", "cpu", None)   # the embedded model, as an actor loads it (memory-mapped once built)
+kv = torch.zeros(kv_pool_shape(m.config, 2, 16))
+m.prefill(kv, [1, 2, 3], [0])   # an actor's warm-up: the first decode step loads the kernels with parallel loops
+m.decode(kv, [4], [3], [[0]])
+print(torch.get_num_threads())
+"""
+
+
+def test_numba_s_thread_pool_leaves_torch_s_thread_count_alone():
+    """numba's OpenMP layer, started by the first kernel with parallel loops, set the process's OpenMP thread count
+    (torch's too) to every CPU: a prefill actor's float32 GEMMs then ran on two threads beside the decode actor."""
+    proc = subprocess.run([sys.executable, "-c", _TORCH_THREADS_SCRIPT], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "1"
 
 
 def _probe_places(model: LlamaModel, block_tokens: int, lengths: list[int], max_rows: int,
@@ -128,6 +169,30 @@ def test_a_full_decode_batch_gives_a_row_the_logits_it_gets_alone(native_model):
     gave 7 of 40 concurrent greedy answers another token)."""
     lengths = [23, 5, 40, 17, 31, 9, 50, 12, 28, 33] * 7
     assert _probe_places(native_model, 16, lengths[:64], 0, sizes=(31, 32, 48, 64)) == []
+
+
+@pytest.mark.parametrize("rows", [1, 2, 9, 32])
+def test_a_decode_step_on_two_threads_gives_every_row_the_logits_of_one_thread(native_model, rows):
+    """``lowbit_cpu.set_threads(2)`` (the decode actor's choice while the prefill actor idles) splits the GEMVs'
+    tiles and the rows' attention, never a row's sums: the whole step's logits are bit-identical to one thread."""
+    from gpu import lowbit_cpu
+
+    m, block_tokens = native_model, 16
+    lengths = ([23, 5, 40, 17, 31, 9, 50, 12, 28, 33] * 4)[:rows]
+    per_seq = max(lengths) // block_tokens + 1
+    tables = [[s * per_seq + j for j in range(per_seq)] for s in range(rows)]
+    base = torch.zeros(kv_pool_shape(m.config, per_seq * rows, block_tokens))
+    g = torch.Generator().manual_seed(1)
+    for n, table in zip(lengths, tables):
+        m.prefill(base, torch.randint(3, m.config.vocab_size, (n,), generator=g).tolist(), table)
+    new = torch.randint(3, m.config.vocab_size, (rows,), generator=g).tolist()
+    one = m.decode(base.clone(), new, lengths, tables)
+    try:
+        assert lowbit_cpu.set_threads(2) == min(2, lowbit_cpu.numba.config.NUMBA_NUM_THREADS)
+        two = m.decode(base.clone(), new, lengths, tables)
+    finally:
+        lowbit_cpu.set_threads(1)
+    assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize("path", ["one_call", "op_by_op"])

@@ -89,6 +89,15 @@ def test_own_gauges_sum_over_the_actors_that_keep_them(actors):
     assert [r["active_requests"] for r in actors.rows()] == [-1, -1, 7]
 
 
+def test_busy_counts_the_actors_with_requests_queued_or_running_of_their_own(actors):
+    assert actors.busy([0, 1]) == 0 and actors.busy([]) == 0   # -1: no counts kept
+    actors.set_own_gauges(0, queued=0, running=0, prefill_inflight=4)   # waiting on transfers only: idle
+    actors.set_own_gauges(1, queued=2, running=0)
+    assert actors.busy([0, 1]) == 1
+    actors.set_own_gauges(0, running=1)
+    assert actors.busy([0, 1]) == 2 and actors.busy([0]) == 1 and actors.busy([2]) == 0
+
+
 def test_a_beat_advances_count_time_and_iterations(actors):
     assert actors.heartbeat_age_s(0) is None
     actors.beat(0)
