@@ -187,8 +187,8 @@ def warm_up(model, pool, decode: bool = True, threads: int = 1) -> None:
     compilation or cache load) that could starve the heartbeat. The caller resets the pool afterwards. An actor
     that never decodes passes ``decode=False``: with native weights a decode step also stacks the layers' tiles
     (``LlamaModel._stack_layers``, a private copy) and loads the decode kernels. ``threads`` > 1 (a native
-    decode actor's most, ``actors.shell.decode_threads``): the step runs again on that many threads, which starts
-    numba's thread pool and loads the threaded kernels."""
+    decode actor's most, ``actors.shell.decode_threads``): the step runs again on that many threads, which loads
+    the threaded kernels."""
     started = time.monotonic()
     if decode and getattr(model, "native", False):
         log.info("warming up the low-bit decode kernels (compiled once per checkout into gpu/__pycache__: "
@@ -198,11 +198,12 @@ def warm_up(model, pool, decode: bool = True, threads: int = 1) -> None:
     model.prefill(kv, [1, 2, 3], blocks)
     if decode:
         model.decode(kv, [4], [3], [blocks])
-    threaded = decode and threads > 1 and getattr(model, "native", False)
-    if threaded:
+    threaded = False
+    if decode and threads > 1 and getattr(model, "native", False):
         from gpu.lowbit_cpu import set_threads
 
         threads = set_threads(threads)
+        threaded = threads > 1
         model.decode(kv, [4], [3], [blocks])
         set_threads(1)
     pool.free(blocks, 0)
@@ -238,12 +239,17 @@ class DecodeRunner:
         from gpu.grammar import accept_tokens, batch_allowed
         from gpu.sampling import token_logprobs
 
-        if getattr(self.model, "native", False):
+        native = getattr(self.model, "native", False)
+        if native:
             from gpu.lowbit_cpu import set_threads
 
             set_threads(self.threads)
-        logits = self.model.decode(self.kv, [e.last_token for e in batch], [e.position for e in batch],
-                                   [e.blocks for e in batch])
+        try:
+            logits = self.model.decode(self.kv, [e.last_token for e in batch], [e.position for e in batch],
+                                       [e.blocks for e in batch])
+        finally:
+            if native:   # a colocated actor's prefill (its last-token steps too) stays on one thread
+                set_threads(1)
         params = [e.runtime[0] for e in batch]
         histories = [(e.ready.prompt_ids, e.output_ids) if p.has_penalties else None for e, p in zip(batch, params)]
         matchers = [e.runtime[2] for e in batch]

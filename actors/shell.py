@@ -60,16 +60,16 @@ def decode_threads(config, decode_actors: int, busy_prefill: int = 0, cpus: int 
                    rows: int | None = None) -> int:
     """Threads for a decode step of ``rows`` rows (None: the most any step gets) on the low-bit kernels
     (``lowbit_cpu.set_threads``): ``config.decode_threads`` when set (> 0); else (auto) 1 for a step of fewer
-    than DECODE_THREADS_MIN_ROWS rows, otherwise ``cpus`` (default: the CPUs this process may run on) shared among
-    this node's ``decode_actors``, less ``busy_prefill`` (prefill actors with requests queued or prefilling: each
-    has a core's work); at least 1."""
+    than DECODE_THREADS_MIN_ROWS rows, otherwise ``cpus`` (default: the CPUs this process may run on) less
+    ``torch_threads`` for each of ``busy_prefill`` (prefill actors with requests queued or prefilling), shared
+    among this node's ``decode_actors``; at least 1. Other engines on the same host are not seen."""
     if config.decode_threads > 0:
         return config.decode_threads
     if rows is not None and rows < DECODE_THREADS_MIN_ROWS:
         return 1
     if cpus is None:
         cpus = len(os.sched_getaffinity(0))
-    return max(1, cpus // max(1, decode_actors) - busy_prefill)
+    return max(1, (cpus - busy_prefill * config.torch_threads) // max(1, decode_actors))
 
 
 def prefills_low_bit(model) -> bool:

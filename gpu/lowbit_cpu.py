@@ -38,7 +38,8 @@ from llvmlite import binding as llvm
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
-__all__ = ["TILE_ROWS", "q4_tiles", "q8_tiles", "q4_linear", "q8_linear", "q8_rows", "decode_layers", "attend_rows"]
+__all__ = ["TILE_ROWS", "q4_tiles", "q8_tiles", "q4_linear", "q8_linear", "q8_rows", "decode_layers", "attend_rows",
+           "set_threads", "threads"]
 
 TILE_ROWS = 32  # output rows per tile = vector lanes of the inner loop
 GROUP = 32      # inputs per scale group (GGUF's Q4_0/Q4_1/Q8_0 block)
@@ -49,17 +50,18 @@ _threads = 1   # set_threads: the GEMVs' numba threads in this process
 
 
 def _launch_numba_threads() -> None:
-    """Start numba's thread pool now, keeping torch's intra-op thread count: the OpenMP layer's start-up sets the
-    process's OpenMP thread count to numba's (all CPUs), which torch shares, and an actor's float32 prefill then
-    ran on two threads beside the other actor's (twice the CPU, 1.4x llama-server's multi-round latency against
-    0.96x). The start would otherwise come lazily, with the first kernel that has parallel loops."""
+    """Start numba's threading layer now (OpenMP here: its start sets the process's OpenMP thread count to
+    ``NUMBA_NUM_THREADS``, all CPUs), keeping torch's intra-op thread count, which shares that OpenMP setting: an
+    actor's float32 prefill then ran on two threads beside the other actor's (twice the CPU, 1.4x llama-server's
+    multi-round latency against 0.96x). Left to itself the start comes with the first kernel that has parallel
+    loops, after torch's count was set."""
     keep = torch.get_num_threads()
     try:
-        from numba.np.ufunc.parallel import _launch_threads
-    except ImportError:   # numba moved it: the layer then starts with the first parallel kernel, as before
-        return
-    _launch_threads()
-    torch.set_num_threads(keep)
+        numba.get_num_threads()   # starts the layer (public API); a bad NUMBA_THREADING_LAYER fails on first use
+    except ValueError:
+        pass
+    finally:
+        torch.set_num_threads(keep)
 
 
 _launch_numba_threads()
@@ -69,7 +71,7 @@ def set_threads(n: int) -> int:
     """Run this process's GEMVs (and ``decode_layers`` when told ``parallel``) on ``n`` of numba's threads,
     clamped to 1..``numba.config.NUMBA_NUM_THREADS``; returns the count in force. 1 (the default) runs them
     serially on the caller's thread, as before any call. The tiles are split, never a row's sums: the bits do not
-    change. Call from the one thread that runs the kernels (numba's default workqueue pool takes one caller)."""
+    change. Call from the one thread that runs the kernels (the actor's loop thread: one caller at a time)."""
     global _threads
     n = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
     if n > 1 and n != numba.get_num_threads():
@@ -305,6 +307,7 @@ def _q8_gemv_par(x, codes, scale, y):
 
 @numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
 def _q4_threads(x, codes, scale, mins, y, parallel):
+    """``_q4_gemv_par`` when ``parallel``, else ``_q4_gemv``."""
     if parallel:
         _q4_gemv_par(x, codes, scale, mins, y)
     else:
@@ -438,8 +441,8 @@ def decode_layers(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_tokens,
     Q/K/V rows, then gate rows 0..inter-1 and up rows); pool: float32 [L, 2, slots, Hkv, D] (slot = block *
     block_tokens + offset); tables: int64 [B, blocks] (padded); positions: int64 [B] (the new token's = keys
     already cached); cos, sin: float32 [positions, D] (``LlamaModel._ensure_rope``'s tables); parallel: the
-    GEMVs' tiles and the rows' attention over numba's threads (``set_threads``; the same bits). Each row's new K/V are written at its
-    position before it attends over positions 0..its own. Nothing is checked here.
+    GEMVs' tiles and the rows' attention over numba's threads (``set_threads``; the same bits). Each row's new K/V
+    are written at its position before it attends over positions 0..its own. Nothing is checked here.
     """
     B, hidden = x.shape
     D = pool.shape[4]
@@ -700,6 +703,7 @@ def _gemv_any(x, tiles, scale, mins, y, parallel):
 
 @numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
 def _q8h_threads(x, codes, scale, mins, y, parallel):
+    """``_q8h_gemv_par`` when ``parallel``, else ``_q8h_gemv``."""
     if parallel:
         _q8h_gemv_par(x, codes, scale, mins, y)
     else:

@@ -114,10 +114,11 @@ class EngineConfig:
                                     "actor); empty = ~/.cache/pdserve/models; off = no cache")
     torch_threads: int = _setting(1, "torch intra-op threads per actor (prefill and decode run in parallel)",
                                   _positive, "> 0")
-    decode_threads: int = _setting(0, "weights auto on CPU: threads a decode actor's low-bit GEMVs split their "
-                                   "output tiles over (the bits do not change); 0 = auto: the CPUs this process may "
-                                   "use shared among the decode actors, less one per prefill actor prefilling at "
-                                   "that step (an idle prefill actor's core decodes)", _non_negative, ">= 0")
+    decode_threads: int = _setting(0, "native low-bit weights on CPU: threads a decode step's GEMVs and per-row "
+                                   "attention split over (the bits do not change); 0 = auto: one under 4 rows, "
+                                   "else the CPUs this process may use, less torch_threads per prefill actor with "
+                                   "work, shared among the decode actors (an idle prefill actor's core decodes)",
+                                   _non_negative, ">= 0")
     kv_transport: str = _setting("cpu-shm", "KV handoff transport: cpu-shm (one host, shared memory) or mooncake "
                                  "(the Mooncake Transfer Engine over TCP; pip install .[mooncake], see README)",
                                  choices=("cpu-shm", "mooncake"))

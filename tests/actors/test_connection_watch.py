@@ -60,7 +60,8 @@ def test_an_engine_row_final_past_the_bound_with_its_http_request_still_open_is_
     ledger.request_responding(i, j, 21 * S_NS)
     ledger.note_blocked(i, 25 * S_NS, socket_bytes=4_000_000)   # the rest waits on a client that does not read
     (found, _) = sorted(problems(ledger, finished, 35 * S_NS), key=lambda f: f.reason)
-    assert found.reason == "done_not_written" and "not written: its writes wait on the client, see write_blocked" in found.message()
+    assert found.reason == "done_not_written"
+    assert "not written: its writes wait on the client, see write_blocked" in found.message()
     ledger.note_blocked(i, 0)
     ledger.request_end(i, j, served=True)
     assert problems(ledger, finished, 40 * S_NS) == []

@@ -47,7 +47,8 @@ def test_decode_threads_auto_shares_the_cpus_among_decode_actors_and_leaves_busy
     assert decode_threads(auto, 1, busy_prefill=0, cpus=2) == 2   # the prefill actor idle: its core decodes
     assert decode_threads(auto, 1, busy_prefill=1, cpus=2) == 1
     assert decode_threads(auto, 2, busy_prefill=0, cpus=2) == 1
-    assert decode_threads(auto, 2, busy_prefill=2, cpus=16) == 6
+    assert decode_threads(auto, 2, busy_prefill=2, cpus=16) == 7
+    assert decode_threads(EngineConfig(torch_threads=2), 2, busy_prefill=2, cpus=16) == 6
     assert decode_threads(auto, 4, busy_prefill=4, cpus=2) == 1   # never below one
     assert decode_threads(auto, 1) >= 1                          # this process's CPUs
     assert decode_threads(auto, 1, cpus=2, rows=3) == 1 and decode_threads(auto, 1, cpus=2, rows=4) == 2

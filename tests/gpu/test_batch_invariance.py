@@ -112,16 +112,20 @@ torch.set_num_threads(1)
 from gpu.model import kv_pool_shape
 from gpu.prepared import prepared_model
 m = prepared_model(None, "auto", "cpu", None)   # the embedded model, as an actor loads it (memory-mapped once built)
-kv = torch.zeros(kv_pool_shape(m.config, 2, 16))
+kv = torch.zeros(kv_pool_shape(m.config, 5, 16))
 m.prefill(kv, [1, 2, 3], [0])   # an actor's warm-up: the first decode step loads the kernels with parallel loops
 m.decode(kv, [4], [3], [[0]])
+from gpu import lowbit_cpu
+lowbit_cpu.set_threads(2)       # and a threaded step of 4 rows, as a decode actor's
+m.decode(kv, [4, 5, 6, 7], [3, 3, 3, 3], [[1], [2], [3], [4]])
 print(torch.get_num_threads())
 """
 
 
 def test_numba_s_thread_pool_leaves_torch_s_thread_count_alone():
-    """numba's OpenMP layer, started by the first kernel with parallel loops, set the process's OpenMP thread count
-    (torch's too) to every CPU: a prefill actor's float32 GEMMs then ran on two threads beside the decode actor."""
+    """numba's OpenMP layer, started lazily by the first kernel with parallel loops, set the process's OpenMP thread
+    count (torch's too) to every CPU: a prefill actor's float32 GEMMs then ran on two threads beside the decode
+    actor. lowbit_cpu starts it at import and keeps torch's count."""
     proc = subprocess.run([sys.executable, "-c", _TORCH_THREADS_SCRIPT], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
