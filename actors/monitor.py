@@ -267,9 +267,10 @@ class HeartbeatMonitor(Actor):
         actor_rows = self.actors.rows()   # read once for both checks below
         self.check_gauges(rows, now_ns, actor_rows)
         self.check_router_counts(rows, actor_rows)
-        self.reclaim_final_rows(rows, now_ns, self.held_by_live_api(actor_rows, rows))
-        if self.conn_watch is not None:
-            self.check_connections()
+        live = self.ledger.live_rows() if self.conn_watch is not None else None   # one read for both below
+        self.reclaim_final_rows(rows, now_ns, lambda: self.held_by_live_api(actor_rows, rows, live))
+        if live is not None:
+            self.check_connections(live)
 
     def _notify(self, slot: int, generation: int, status: int, error_type: str, message: str) -> None:
         try:
@@ -396,12 +397,13 @@ class HeartbeatMonitor(Actor):
             if flag != bool(row["router_mismatch"]):
                 self.actors.set_router_mismatch(index, flag)
 
-    def check_connections(self) -> None:
-        """The connection detectors over the ledger: each new finding counted and logged once (with its connection
-        and request ids), the standing ones flagged on their rows for tools/inspect."""
+    def check_connections(self, live: np.ndarray) -> None:
+        """The connection detectors over the ledger (``live``: its ``live_rows()`` this tick): each new finding
+        counted and logged once (with its connection and request ids), the standing ones flagged on their rows for
+        tools/inspect."""
         from actors.connection_watch import find_problems
 
-        live, closed = self.ledger.live_rows(), self.ledger.closed_rows()
+        closed = self.ledger.closed_rows()
         slots = sorted({int(s) for s in live["req_slot"].ravel().tolist() if s >= 0})
         fresh = self.table.consistent_rows(slots) if slots else ()
         engine = {slot: (int(r["state"]), int(r["generation"]), int(r["state_since_ns"]))
@@ -418,18 +420,20 @@ class HeartbeatMonitor(Actor):
                 self.conn_flags[index] = flag
                 self.ledger.set_flags(index, *flag)
 
-    def held_by_live_api(self, actor_rows: list[dict], rows: np.ndarray) -> frozenset[tuple[int, int]]:
+    def held_by_live_api(self, actor_rows: list[dict], rows: np.ndarray, live: np.ndarray | None
+                         ) -> frozenset[tuple[int, int]]:
         """``(slot, generation)`` of the rows (``rows``: a state-table snapshot) that requests on open connections
-        wait on or still write out, while the API process is OK: it releases them when their responses end, however
+        (``live``: the ledger's live rows; None without a ledger) wait on or still write out, while the API process
+        is OK: it releases them when their responses end, however
         slow the client. The ledger names one row per HTTP request (``held_by_connections``); the other choices of
         an ``n`` > 1 request are its rows with the same request id. Empty without a ledger or with the API dead,
         hung or restarting."""
         from actors.connection_watch import held_by_connections
         from ipc.actor_table import ActorHealth
 
-        if self.conn_watch is None or actor_rows[self.topology.api]["health"] != ActorHealth.OK:
+        if live is None or actor_rows[self.topology.api]["health"] != ActorHealth.OK:
             return frozenset()
-        named = [(s, g) for s, g in held_by_connections(self.ledger.live_rows())
+        named = [(s, g) for s, g in held_by_connections(live)
                  if 0 <= s < len(rows) and int(rows["generation"][s]) == g]
         if not named:
             return frozenset()
@@ -437,13 +441,15 @@ class HeartbeatMonitor(Actor):
         same = np.flatnonzero(np.isin(rows["request_id"], ids) & (rows["state"] != int(S.FREE)))
         return frozenset(named) | {(int(s), int(rows["generation"][s])) for s in same}
 
-    def reclaim_final_rows(self, rows: np.ndarray, now_ns: int, held: frozenset = frozenset()) -> None:
+    def reclaim_final_rows(self, rows: np.ndarray, now_ns: int, held=frozenset) -> None:
         """Release rows final for FINAL_ROW_RECLAIM_S that nobody released (their API process died), except
-        those in ``held`` (``(slot, generation)``: a live API still writing their responses)."""
+        those ``held()`` returns (``(slot, generation)``: a live API still writing their responses; asked only
+        when some row is that old)."""
         limit_ns = int(FINAL_ROW_RECLAIM_S * 1e9)
         old = np.flatnonzero(_FINAL[rows["state"]] & (now_ns - rows["state_since_ns"] > limit_ns))
         if not old.size:
             return
+        held = held()
         fresh = self.table.consistent_rows(old.tolist())  # the snapshot may mix a row's old and new fields
         for slot, row in zip(old.tolist(), fresh):
             if (slot, int(row["generation"])) in held:

@@ -7,7 +7,6 @@ import time
 import pytest
 
 from actors import monitor
-from actors.connection_watch import ConnectionWatch
 from actors.monitor import HeartbeatMonitor
 from actors.topology import Topology
 from ipc import naming
@@ -44,10 +43,10 @@ def test_a_final_row_nobody_released_is_freed_after_the_reclaim_delay_and_a_live
 
 
 class _LedgerMonitor:
-    """What ``HeartbeatMonitor.held_by_live_api`` reads of its actor: the topology and the ledger."""
+    """What ``HeartbeatMonitor.held_by_live_api`` reads of its actor: the topology."""
 
-    def __init__(self, ledger):
-        self.topology, self.ledger, self.conn_watch = Topology(1, 1), ledger, ConnectionWatch()
+    def __init__(self):
+        self.topology = Topology(1, 1)
 
 
 @pytest.mark.parametrize("api_health", [ActorHealth.OK, ActorHealth.HUNG, ActorHealth.DEAD, ActorHealth.UNKNOWN])
@@ -66,11 +65,11 @@ def test_a_final_row_a_live_api_still_writes_to_a_slow_client_is_not_reclaimed_u
         j = ledger.request_start(i, "slow-client", 1)
         ledger.request_engine(i, j, slow, slow_gen, "slow-client", 2)
         ledger.request_responding(i, j, 3)
-        stub = _LedgerMonitor(ledger)
+        stub = _LedgerMonitor()
         actor_rows = [{"health": ActorHealth.OK}] * 2 + [{"health": api_health}, {"health": ActorHealth.OK}]
-        held = HeartbeatMonitor.held_by_live_api(stub, actor_rows, table.snapshot())
+        held = HeartbeatMonitor.held_by_live_api(stub, actor_rows, table.snapshot(), ledger.live_rows())
         now_ns = int(table.row(orphan)["state_since_ns"]) + int(monitor.FINAL_ROW_RECLAIM_S * 1e9) + 1
-        HeartbeatMonitor.reclaim_final_rows(_Monitor(table), table.snapshot(), now_ns, held)
+        HeartbeatMonitor.reclaim_final_rows(_Monitor(table), table.snapshot(), now_ns, lambda: held)
         assert int(table.row(orphan)["state"]) == S.FREE
         kept = S.FAILED if api_health == ActorHealth.OK else S.FREE
         assert int(table.row(slow)["state"]) == kept and int(table.row(sibling)["state"]) == kept
