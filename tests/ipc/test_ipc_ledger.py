@@ -106,11 +106,16 @@ def test_the_monitor_flags_a_row_for_its_connection_only(ledger):
 
 
 def write_forever(name: str, stop) -> None:
-    """Child: rewrite one row as fast as it can, keeping bytes_in == bytes_out == 10 * requests_served."""
+    """Child: rewrite one row every 20 us (busy-waiting between writes, faster than any API writes a row),
+    keeping bytes_in == bytes_out == 10 * requests_served. With no gap at all a reader's copy only fits between
+    two writes by luck, and a loaded machine made it give up (flagged torn) within its 50 ms."""
     led = ConnectionLedger.attach(name)
     i = led.open("writer", 1, 1)
     n = 0
     while not stop.is_set():
+        gap_end_ns = time.perf_counter_ns() + 20_000
+        while time.perf_counter_ns() < gap_end_ns:
+            pass
         n += 1
         led._begin(i)
         row = led.rows[i]
