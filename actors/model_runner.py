@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 from actors.messages import PromptLogprobs
 from actors.shell import prefills_low_bit
@@ -61,6 +62,23 @@ def send_prompt_logprobs(outbox, slot: int, generation: int, entries: list, top_
         outbox.send(API, PromptLogprobs(slot, generation, start, entries[start:start + per_frame]))
 
 
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Torch's intra-op thread count set to ``n`` inside the block and put back after, whatever happens; ``n`` 0
+    (or the count already set) leaves it alone."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n <= 0 or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def first_tokens(sampler, logits, prompt_ids: list[int], samplings: list,
                  grammars=None) -> list[tuple[int, list | None]]:
     """Sample each row's first token from the prompt's last logits ``[vocab]``; a row whose sampling has a
@@ -83,10 +101,12 @@ def first_tokens(sampler, logits, prompt_ids: list[int], samplings: list,
             for t, lp in zip(tokens, token_logprobs(batch, tokens, [p.logprobs for p in params]))]
 
 
-def prefill_forward(model, kv, chunks: list[tuple]) -> list[tuple]:
+def prefill_forward(model, kv, chunks: list[tuple], threads: int = 0) -> list[tuple]:
     """One forward pass over prompt chunks ``(prompt_ids, start, end, blocks, echo)``: tokens ``start:end`` of
     each prompt into its ``blocks`` of the pool ``kv``, packed (``model.prefill_packed``); ``echo``: every
-    position's logits are wanted (prompt log-probabilities).
+    position's logits are wanted (prompt log-probabilities). ``threads`` > 0: a native model's packed prefill
+    runs on that many torch threads, the count restored after (its float32 GEMMs run over fixed blocks of rows,
+    whose bits do not depend on it; other models' GEMMs over all the pass's rows do, so they keep theirs).
 
     With a model whose ``prompt_last_by_decode`` is set (native weights), a chunk that ends its prompt runs its
     last token as a decode step (``model.decode``, the batch-invariant low-bit GEMVs, in steps of
@@ -109,10 +129,11 @@ def prefill_forward(model, kv, chunks: list[tuple]) -> list[tuple]:
     out: list = [None] * len(chunks)
     packed = [i for i in range(len(chunks)) if ends[i] - starts[i] > by_decode[i]]   # tokens left to prefill
     if packed:
-        logits = model.prefill_packed(kv, [ids[i][starts[i]:ends[i] - by_decode[i]] for i in packed],
-                                      [blocks[i] for i in packed], [starts[i] for i in packed],
-                                      [echoes[i] for i in packed],
-                                      [ends[i] == len(ids[i]) and not by_decode[i] for i in packed])
+        with torch_threads(threads if getattr(model, "native", False) else 0):
+            logits = model.prefill_packed(kv, [ids[i][starts[i]:ends[i] - by_decode[i]] for i in packed],
+                                          [blocks[i] for i in packed], [starts[i] for i in packed],
+                                          [echoes[i] for i in packed],
+                                          [ends[i] == len(ids[i]) and not by_decode[i] for i in packed])
         for i, chunk_logits in zip(packed, logits):
             out[i] = chunk_logits
     finals = [i for i, d in enumerate(by_decode) if d]
@@ -135,6 +156,7 @@ class PrefillRunner:
 
     def __init__(self, model, kv, sampler, outbox, grammars=None):
         self.model, self.kv, self.sampler, self.outbox, self.grammars = model, kv, sampler, outbox, grammars
+        self.threads = 0   # the next pass's torch threads (native models; the actor sets it per pass; 0: as set)
         # per request echoing its prompt's log-probabilities: (wire entries so far, last chunk's last logits)
         self.echo: dict[tuple[int, int], tuple[list, object]] = {}
 
@@ -145,7 +167,7 @@ class PrefillRunner:
         prefix cache (its work's ``cache_tokens``)."""
         echoes = [c.work.request.sampling.prompt_logprobs is not None for c in chunks]
         outs = prefill_forward(self.model, self.kv, [(c.work.request.prompt_ids, c.start, c.end, c.work.blocks, e)
-                                                     for c, e in zip(chunks, echoes)])
+                                                     for c, e in zip(chunks, echoes)], self.threads)
         lasts = {}
         for chunk, echo, (chunk_logits, by_decode) in zip(chunks, echoes, outs):
             key = (chunk.work.request.slot, chunk.work.request.generation)

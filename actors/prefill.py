@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 
 from actors.base import Actor
 from actors.topology import API, PREFILL_INDEX, REMOTE
 from actors.messages import parse_frames
+from actors.shell import prefill_threads
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -67,6 +69,7 @@ class PrefillActor(Actor):
                                 chunk_tokens=self.config.prefill_chunk_tokens,
                                 hand_back_copy=self._copy_from_decode if hand_back else None)
         self.runner = PrefillRunner(self.model, self.kv, self.sampler, self.outbox, self.grammars)
+        self.cpus = len(os.sched_getaffinity(0))
         self.gauges = GaugePublisher(self.actors, self.index, self.pool, self.allocator)
         self._publish()
 
@@ -83,6 +86,8 @@ class PrefillActor(Actor):
             for chunk in chunks:
                 if chunk.work.chunks_done == 0:   # the actor takes this request now
                     apply_actor_faults(self.faults, self.name, chunk.work.request.request_id)
+            self.runner.threads = prefill_threads(self.config, self.topology.num_prefill,
+                                                  self.actors.busy(self.topology.decode), self.cpus)
             self.runner.run(self.core, chunks, self._after_forward)
         self.outbox.flush()
         self._publish()

@@ -72,6 +72,21 @@ def decode_threads(config, decode_actors: int, busy_prefill: int = 0, cpus: int 
     return max(1, (cpus - busy_prefill * config.torch_threads) // max(1, decode_actors))
 
 
+def prefill_threads(config, prefill_actors: int, busy_decode: int = 0, cpus: int | None = None) -> int:
+    """Torch threads for a prefill pass of a native model (``actors.model_runner.prefill_forward``; the float32
+    copies run over blocks of gpu.model.PREFILL_BLOCK_ROWS rows, whose bits do not depend on the count):
+    ``config.prefill_threads`` when set (> 0); else (auto) ``torch_threads`` while any of this node's decode
+    actors has work (``busy_decode`` of them, their own gauges), otherwise ``cpus`` (default: the CPUs this
+    process may run on) shared among this node's ``prefill_actors``; never below ``torch_threads``."""
+    if config.prefill_threads > 0:
+        return config.prefill_threads
+    if busy_decode:
+        return config.torch_threads
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0))
+    return max(config.torch_threads, cpus // max(1, prefill_actors))
+
+
 def prefills_low_bit(model) -> bool:
     """Whether ``model`` prefills on its low-bit kernels (``configure_model`` with ``prefill_low_bit``)."""
     return getattr(model, "native", False) and model.dense_min_tokens == PREFILL_LOW_BIT_MIN_TOKENS

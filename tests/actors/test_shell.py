@@ -3,7 +3,7 @@ the free blocks and prefix-cache counters as deltas, only when they changed); th
 from __future__ import annotations
 
 from actors.prefix_cache import CachingAllocator
-from actors.shell import GaugePublisher, decode_threads
+from actors.shell import GaugePublisher, decode_threads, prefill_threads
 from pdserve.config import EngineConfig
 from tests.actors.fakes import FakeAllocator
 
@@ -53,3 +53,16 @@ def test_decode_threads_auto_shares_the_cpus_among_decode_actors_and_leaves_busy
     assert decode_threads(auto, 1) >= 1                          # this process's CPUs
     assert decode_threads(auto, 1, cpus=2, rows=3) == 1 and decode_threads(auto, 1, cpus=2, rows=4) == 2
     assert decode_threads(EngineConfig(decode_threads=3), 1, busy_prefill=1, cpus=2, rows=1) == 3   # as configured
+
+
+def test_prefill_threads_auto_takes_the_idle_decode_actors_cores_and_keeps_torch_threads_beside_a_busy_one():
+    auto = EngineConfig()
+    assert auto.prefill_threads == 0
+    assert prefill_threads(auto, 1, busy_decode=0, cpus=2) == 2   # nothing decoding: its core prefills
+    assert prefill_threads(auto, 1, busy_decode=1, cpus=2) == 1
+    assert prefill_threads(auto, 2, busy_decode=0, cpus=2) == 1
+    assert prefill_threads(auto, 2, busy_decode=0, cpus=16) == 8
+    assert prefill_threads(EngineConfig(torch_threads=3), 2, busy_decode=1, cpus=16) == 3
+    assert prefill_threads(EngineConfig(torch_threads=3), 4, busy_decode=0, cpus=4) == 3   # never below it
+    assert prefill_threads(auto, 1) >= 1                                                    # this process's CPUs
+    assert prefill_threads(EngineConfig(prefill_threads=3), 1, busy_decode=1, cpus=2) == 3   # as configured

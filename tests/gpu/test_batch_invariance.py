@@ -199,6 +199,52 @@ def test_a_decode_step_on_two_threads_gives_every_row_the_logits_of_one_thread(n
     assert torch.equal(one, two)
 
 
+def test_a_prefill_pass_on_two_torch_threads_writes_the_kv_and_logits_of_one_thread(native_model):
+    """``prefill_forward(..., threads=2)`` (the prefill actor's choice while the decode actors idle) runs the
+    packed prefill on two torch threads: its float32 copies over blocks of 32 rows give the bits of one thread
+    (MKL's GEMM over 5 to 11 rows does not), down to a 7-token prompt and an echoed one's every logit."""
+    m, c = native_model, native_model.config
+    g = torch.Generator().manual_seed(2)
+    long, mid, short = (torch.randint(3, c.vocab_size, (n,), generator=g).tolist() for n in (70, 30, 7))
+    passes = {"three prompts": [(long, 0, 70, [0, 1, 2, 3, 4], False), (mid, 0, 30, [5, 6], False),
+                                (short, 0, 7, [7], False)],
+              "a chunk and an echo": [(long, 0, 40, [0, 1, 2, 3, 4], False), (mid, 0, 30, [5, 6], True)],
+              "one short prompt": [(short, 0, 7, [7], False)]}
+    seen = []
+    packed = m.prefill_packed
+
+    def spy(*args):
+        seen.append(torch.get_num_threads())
+        return packed(*args)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)   # an actor's torch_threads
+    try:
+        _check_prefill_threads(m, c, passes, spy)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2] * len(passes)
+
+
+def _check_prefill_threads(m, c, passes, spy) -> None:
+    from actors.model_runner import prefill_forward
+
+    for name, chunks in passes.items():
+        runs = []
+        for threads in (0, 2):
+            kv = torch.zeros(kv_pool_shape(c, 8, 16))
+            m.prefill_packed = spy
+            try:
+                outs = prefill_forward(m, kv, chunks, threads)
+            finally:
+                del m.prefill_packed
+            runs.append((kv, [o for o, _ in outs]))
+        (kv1, out1), (kv2, out2) = runs
+        assert torch.equal(kv1, kv2), name
+        assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(out1, out2)), name
+        assert torch.get_num_threads() == 1
+
+
 @pytest.mark.parametrize("path", ["one_call", "op_by_op"])
 def test_a_decode_step_gives_a_row_the_logits_it_gets_alone(native_model, path):
     """The embedded Q4 model: shorter and longer rows around the probe, 1..9 rows. ``op_by_op`` is the path of
