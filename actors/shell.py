@@ -76,7 +76,8 @@ def prefill_threads(config, prefill_actors: int, busy_decode: int = 0, cpus: int
     """Torch threads for a prefill pass of a native model (``actors.model_runner.prefill_forward``; the float32
     copies run over blocks of gpu.model.PREFILL_BLOCK_ROWS rows, whose bits do not depend on the count):
     ``config.prefill_threads`` when set (> 0); else (auto) ``torch_threads`` while any of this node's decode
-    actors has work (``busy_decode`` of them, their own gauges), otherwise ``cpus`` (default: the CPUs this
+    actors has work or is about to (``busy_decode``: those whose own gauges say so, plus one while the prefill
+    actor's inflight queue holds requests it handed off), otherwise ``cpus`` (default: the CPUs this
     process may run on) shared among this node's ``prefill_actors``; never below ``torch_threads``."""
     if config.prefill_threads > 0:
         return config.prefill_threads
