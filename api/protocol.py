@@ -74,6 +74,8 @@ class GenerationRequest:
     timeout_s: float | None = None   # per-request deadline (the body's ``timeout``); None = server default
     n: int = 1                       # choices; the engine prefills once and decodes n sequences
     echo_text: str | None = None     # completions with ``echo``: the prompt, returned before each choice's text
+    echo_only: bool = False          # completions with ``echo`` and ``max_tokens`` 0: the prompt (and its scores)
+    #                                  alone; the engine runs max_tokens 1, whose token is left out of the answer
     tools: ToolPlan | None = None    # chat with tools offered (tool_choice other than "none"); see api/tools.py
     formats: OutputFormats | None = None   # chat: its tool-call and reasoning parsers (api/formats.py)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -698,7 +700,12 @@ class RequestParser:
         else:
             raise InvalidRequestError("'prompt' must be a non-empty string, a list with one string, or a "
                                       "non-empty list of token ids", param="prompt")
-        sampling = self._sampling(body, len(prompt_ids), "completion")
+        limit = body.get("max_tokens")
+        echo_only = isinstance(limit, int) and not isinstance(limit, bool) and limit == 0
+        if echo_only and body.get("echo") is not True:
+            raise InvalidRequestError("'max_tokens' 0 asks for no tokens: it needs 'echo' (the prompt and, with "
+                                      "'logprobs', its tokens' log-probabilities)", param="max_tokens")
+        sampling = self._sampling({**body, "max_tokens": 1} if echo_only else body, len(prompt_ids), "completion")
         fmt = _response_format(body)
         if fmt is not False:
             sampling = self._constrain(sampling, self._schema_grammar(fmt, "response_format"), "response_format")
@@ -709,7 +716,8 @@ class RequestParser:
                 sampling = dataclasses.replace(sampling, prompt_logprobs=sampling.logprobs)
         return GenerationRequest("completion", rid, model, prompt_ids, sampling,
                                  _stop_strings(body, None if sampling.grammar is None else "response_format"), stream,
-                                 include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), echo_text)
+                                 include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), echo_text,
+                                 echo_only=echo_only)
 
 
 def _max_token_chars(tokenizer) -> int:

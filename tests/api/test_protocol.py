@@ -89,6 +89,16 @@ def test_echo_with_logprobs_asks_for_the_prompts_logprobs_too(parser):
     assert parser.completion(completion_body(logprobs=3)).sampling.prompt_logprobs is None
 
 
+def test_max_tokens_zero_with_echo_asks_for_the_prompt_alone_and_without_echo_is_named(parser):
+    only = parser.completion(completion_body(echo=True, logprobs=1, max_tokens=0))
+    assert only.echo_only and only.sampling.max_tokens == 1 and only.sampling.prompt_logprobs == 1
+    assert not parser.completion(completion_body(echo=True, max_tokens=1)).echo_only
+    assert "echo" in rejected(parser.completion, completion_body(max_tokens=0), "max_tokens").message
+    rejected(parser.completion, completion_body(echo=True, max_tokens=False), "max_tokens")
+    rejected(parser.completion, completion_body(echo=True, max_tokens=-1), "max_tokens")
+    rejected(parser.chat, chat_body(max_tokens=0), "max_tokens")
+
+
 def test_echo_false_and_best_of_one_are_accepted(parser):
     got = parser.completion(completion_body(echo=False, best_of=1, suffix=None, logprobs=None))
     assert same_request(got, parser.completion(completion_body())) and got.echo_text is None

@@ -452,6 +452,39 @@ def oai(engine):
     client.close()
 
 
+def test_openai_client_echo_with_max_tokens_zero_scores_the_prompt_alone(oai, model):
+    """lm-evaluation-harness's loglikelihood request (``echo``, ``max_tokens`` 0, ``logprobs``): the prompt's
+    text and its tokens' scores (the first one null), nothing generated, finish_reason length, no completion
+    tokens; the same when streamed and for each of ``n`` choices."""
+    prompt = "The quick brown fox jumps over the lazy dog."
+    scored = oai.completions.create(model=model, prompt=prompt, echo=True, max_tokens=0, logprobs=1, temperature=0)
+    with_next = oai.completions.create(model=model, prompt=prompt, echo=True, max_tokens=1, logprobs=1,
+                                       temperature=0)
+    (choice,) = scored.choices
+    lp = choice.logprobs
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(lp.tokens) > 5
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.tokens == with_next.choices[0].logprobs.tokens[:-1]
+    assert lp.token_logprobs == with_next.choices[0].logprobs.token_logprobs[:-1]
+    events = list(oai.completions.create(model=model, prompt=prompt, echo=True, max_tokens=0, logprobs=1,
+                                         n=2, stream=True, stream_options={"include_usage": True}))
+    for index in (0, 1):
+        mine = [e.choices[0] for e in events if e.choices and e.choices[0].index == index]
+        assert "".join(c.text for c in mine) == prompt and mine[-1].finish_reason == "length"
+        assert [t for c in mine if c.logprobs for t in c.logprobs.tokens] == lp.tokens
+    assert events[-1].usage.completion_tokens == 0
+    with pytest.raises(openai_bad_request()) as info:
+        oai.completions.create(model=model, prompt=prompt, max_tokens=0)
+    assert "echo" in str(info.value)
+
+
+def openai_bad_request():
+    import openai
+
+    return openai.BadRequestError
+
+
 def test_openai_client_chat_plain_and_streamed_with_stop(oai, model):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     full = oai.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
