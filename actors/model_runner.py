@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 from actors.messages import PromptLogprobs
 from actors.shell import prefills_low_bit
@@ -62,23 +61,6 @@ def send_prompt_logprobs(outbox, slot: int, generation: int, entries: list, top_
         outbox.send(API, PromptLogprobs(slot, generation, start, entries[start:start + per_frame]))
 
 
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """Torch's intra-op thread count set to ``n`` inside the block and put back after, whatever happens; ``n`` 0
-    (or the count already set) leaves it alone."""
-    import torch
-
-    before = torch.get_num_threads()
-    if n <= 0 or n == before:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def first_tokens(sampler, logits, prompt_ids: list[int], samplings: list,
                  grammars=None) -> list[tuple[int, list | None]]:
     """Sample each row's first token from the prompt's last logits ``[vocab]``; a row whose sampling has a
@@ -104,9 +86,9 @@ def first_tokens(sampler, logits, prompt_ids: list[int], samplings: list,
 def prefill_forward(model, kv, chunks: list[tuple], threads: int = 0) -> list[tuple]:
     """One forward pass over prompt chunks ``(prompt_ids, start, end, blocks, echo)``: tokens ``start:end`` of
     each prompt into its ``blocks`` of the pool ``kv``, packed (``model.prefill_packed``); ``echo``: every
-    position's logits are wanted (prompt log-probabilities). ``threads`` > 0: a native model's packed prefill
-    runs on that many torch threads, the count restored after (its float32 GEMMs run over fixed blocks of rows,
-    whose bits do not depend on it; other models' GEMMs over all the pass's rows do, so they keep theirs).
+    position's logits are wanted (prompt log-probabilities). ``threads`` > 0: a native model's float32 GEMMs run
+    on that many torch threads (``prefill_packed``'s ``gemm_threads``: fixed blocks of rows, the bits of one
+    thread); every other op, and other models, keep torch's count.
 
     With a model whose ``prompt_last_by_decode`` is set (native weights), a chunk that ends its prompt runs its
     last token as a decode step (``model.decode``, the batch-invariant low-bit GEMVs, in steps of
@@ -129,11 +111,11 @@ def prefill_forward(model, kv, chunks: list[tuple], threads: int = 0) -> list[tu
     out: list = [None] * len(chunks)
     packed = [i for i in range(len(chunks)) if ends[i] - starts[i] > by_decode[i]]   # tokens left to prefill
     if packed:
-        with torch_threads(threads if getattr(model, "native", False) else 0):
-            logits = model.prefill_packed(kv, [ids[i][starts[i]:ends[i] - by_decode[i]] for i in packed],
-                                          [blocks[i] for i in packed], [starts[i] for i in packed],
-                                          [echoes[i] for i in packed],
-                                          [ends[i] == len(ids[i]) and not by_decode[i] for i in packed])
+        extra = {"gemm_threads": threads} if threads > 0 and getattr(model, "native", False) else {}
+        logits = model.prefill_packed(kv, [ids[i][starts[i]:ends[i] - by_decode[i]] for i in packed],
+                                      [blocks[i] for i in packed], [starts[i] for i in packed],
+                                      [echoes[i] for i in packed],
+                                      [ends[i] == len(ids[i]) and not by_decode[i] for i in packed], **extra)
         for i, chunk_logits in zip(packed, logits):
             out[i] = chunk_logits
     finals = [i for i, d in enumerate(by_decode) if d]

@@ -86,8 +86,9 @@ class PrefillActor(Actor):
             for chunk in chunks:
                 if chunk.work.chunks_done == 0:   # the actor takes this request now
                     apply_actor_faults(self.faults, self.name, chunk.work.request.request_id)
-            # a request in the inflight queue is about to decode, though no decode actor may say so yet
-            handed_off = self.core.own_gauges()["prefill_inflight"] > 0
+            # a request in the inflight queue is about to decode here, though no decode actor may say so yet (on a
+            # prefill node the decode actors are other hosts': its CPUs are all the prefill actors')
+            handed_off = bool(self.topology.decode) and self.core.own_gauges()["prefill_inflight"] > 0
             self.runner.threads = prefill_threads(self.config, self.topology.num_prefill,
                                                   self.actors.busy(self.topology.decode) + handed_off, self.cpus)
             self.runner.run(self.core, chunks, self._after_forward)

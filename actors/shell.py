@@ -73,8 +73,8 @@ def decode_threads(config, decode_actors: int, busy_prefill: int = 0, cpus: int 
 
 
 def prefill_threads(config, prefill_actors: int, busy_decode: int = 0, cpus: int | None = None) -> int:
-    """Torch threads for a prefill pass of a native model (``actors.model_runner.prefill_forward``; the float32
-    copies run over blocks of gpu.model.PREFILL_BLOCK_ROWS rows, whose bits do not depend on the count):
+    """Torch threads for a native model's prefill GEMMs (``actors.model_runner.prefill_forward``; the float32
+    copies run over blocks of gpu.model.PREFILL_BLOCK_ROWS rows, whose bits MKL keeps on two threads):
     ``config.prefill_threads`` when set (> 0); else (auto) ``torch_threads`` while any of this node's decode
     actors has work or is about to (``busy_decode``: those whose own gauges say so, plus one while the prefill
     actor's inflight queue holds requests it handed off), otherwise ``cpus`` (default: the CPUs this

@@ -22,8 +22,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -117,6 +118,21 @@ HEAD_DENSE_MIN_ROWS = DECODE_STACKED_MAX_ROWS
 # row the same bits at any place of a call of a fixed number of rows (checked at 8-64), not across numbers of rows,
 # so a prompt's KV then does not depend on how it was packed with others or how much of it the prefix cache held
 PREFILL_BLOCK_ROWS = 32
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Torch's intra-op thread count set to ``n`` inside the block and put back after, whatever happens; ``n`` 0
+    (or the count already set) leaves it alone."""
+    before = torch.get_num_threads()
+    if n <= 0 or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def resolve_weights_mode(mode: str, device: str | torch.device = "cpu") -> str:
@@ -245,6 +261,7 @@ class LlamaModel:
         # natively, the engine (actors/model_runner.PrefillRunner) runs a prompt's last token as a decode step: a
         # prompt whose prefix is cached then pays the low-bit GEMVs, not a float32 block per linear
         self.prompt_last_by_decode = native
+        self._gemm_threads = 0   # torch threads of a native prefill's blocked GEMMs (prefill_packed's gemm_threads)
         self.head_dense_min_rows = HEAD_DENSE_MIN_ROWS  # the same for the output projection
         # decode steps below this run the GEMV (decode_layers where it applies), at or above it the float32 copies
         self.decode_stacked_max_rows = DECODE_STACKED_MAX_ROWS
@@ -554,7 +571,7 @@ class LlamaModel:
     @torch.inference_mode()
     def prefill_packed(self, kv: torch.Tensor, token_ids: list[list[int]], block_tables: list[list[int]],
                        start_positions: list[int], all_logits: list[bool] | None = None,
-                       logits: list[bool] | None = None) -> list[torch.Tensor | None]:
+                       logits: list[bool] | None = None, gemm_threads: int = 0) -> list[torch.Tensor | None]:
         """Prefill ``B`` sequences (or chunks of them) in one forward pass (varlen packing, as vLLM and
         SGLang pack prefills): their ``N = sum(T_b)`` tokens are concatenated, so every linear layer runs once
         over ``[N, hidden]``; attention runs per sequence over its own causal context (block-diagonal),
@@ -569,6 +586,10 @@ class LlamaModel:
             all_logits: ``[B]`` flags: sequence ``b`` gets every position's logits (default: none does).
             logits: ``[B]`` flags: False = sequence ``b`` needs no logits unless ``all_logits[b]`` (a chunk
                 before its prompt's end; default: every sequence gets them).
+            gemm_threads: > 0: a native model's float32 GEMMs over blocks of PREFILL_BLOCK_ROWS rows run on that
+                many torch threads (MKL gives such a block the bits of one thread; checked at 1 and 2), every other
+                op on torch's count as set (an activation over all the pass's rows splits where the threads do, and
+                its bits then differ); 0 or a model that is not native: torch's count as set.
         Returns:
             ``B`` items: float32 ``[T_b, vocab]`` where ``all_logits[b]``, else the last token's ``[vocab]``, or
             None where ``logits[b]`` is False.
@@ -576,6 +597,15 @@ class LlamaModel:
             ValueError: mismatched list lengths, no sequences, or any sequence's bad argument (see
                 :meth:`prefill`).
         """
+        self._gemm_threads = gemm_threads
+        try:
+            return self._prefill_packed(kv, token_ids, block_tables, start_positions, all_logits, logits)
+        finally:
+            self._gemm_threads = 0
+
+    def _prefill_packed(self, kv: torch.Tensor, token_ids: list[list[int]], block_tables: list[list[int]],
+                        start_positions: list[int], all_logits: list[bool] | None,
+                        logits: list[bool] | None) -> list[torch.Tensor | None]:
         c = self.config
         flags, seqs, w_slot, pos, tables = self._packed_start(kv, token_ids, block_tables, start_positions,
                                                               all_logits)
@@ -797,7 +827,8 @@ class LlamaModel:
         if big and self.native:  # blocks of PREFILL_BLOCK_ROWS rows, the last one zero-padded (see there)
             n, r = x.shape[0], PREFILL_BLOCK_ROWS
             xp = torch.cat([x, x.new_zeros(-n % r, x.shape[1])]) if n % r else x
-            return torch.cat([lin.big(xp[i:i + r]) for i in range(0, xp.shape[0], r)])[:n]
+            with torch_threads(self._gemm_threads):
+                return torch.cat([lin.big(xp[i:i + r]) for i in range(0, xp.shape[0], r)])[:n]
         if big:
             return lin.big(x)
         if self.native and lin.kind == "dense" and x.shape[0] > 1:

@@ -120,9 +120,10 @@ class EngineConfig:
                                    "work, shared among the decode actors (an idle prefill actor's core decodes)",
                                    _non_negative, ">= 0")
     prefill_threads: int = _setting(0, "native low-bit weights on CPU: torch threads a prefill pass's float32 GEMMs "
-                                    "run on (blocks of 32 rows: the bits do not change); 0 = auto: torch_threads "
-                                    "while a decode actor of this node has work, else the CPUs this process may "
-                                    "use, shared among the prefill actors (an idle decode actor's core prefills)",
+                                    "run on (blocks of 32 rows: the bits of one thread, checked at two; the other "
+                                    "ops stay on torch_threads); 0 = auto: torch_threads while a decode actor of "
+                                    "this node has work, else the CPUs this process may use, shared among the "
+                                    "prefill actors (an idle decode actor's core prefills)",
                                     _non_negative, ">= 0")
     kv_transport: str = _setting("cpu-shm", "KV handoff transport: cpu-shm (one host, shared memory) or mooncake "
                                  "(the Mooncake Transfer Engine over TCP; pip install .[mooncake], see README)",

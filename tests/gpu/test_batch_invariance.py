@@ -199,50 +199,60 @@ def test_a_decode_step_on_two_threads_gives_every_row_the_logits_of_one_thread(n
     assert torch.equal(one, two)
 
 
-def test_a_prefill_pass_on_two_torch_threads_writes_the_kv_and_logits_of_one_thread(native_model):
-    """``prefill_forward(..., threads=2)`` (the prefill actor's choice while the decode actors idle) runs the
-    packed prefill on two torch threads: its float32 copies over blocks of 32 rows give the bits of one thread
-    (MKL's GEMM over 5 to 11 rows does not), down to a 7-token prompt and an echoed one's every logit."""
-    m, c = native_model, native_model.config
-    g = torch.Generator().manual_seed(2)
-    long, mid, short = (torch.randint(3, c.vocab_size, (n,), generator=g).tolist() for n in (70, 30, 7))
-    passes = {"three prompts": [(long, 0, 70, [0, 1, 2, 3, 4], False), (mid, 0, 30, [5, 6], False),
-                                (short, 0, 7, [7], False)],
-              "a chunk and an echo": [(long, 0, 40, [0, 1, 2, 3, 4], False), (mid, 0, 30, [5, 6], True)],
-              "one short prompt": [(short, 0, 7, [7], False)]}
-    seen = []
-    packed = m.prefill_packed
+@pytest.mark.parametrize("name", ["embedded", "mistral", "gemma2"])
+def test_a_prefill_pass_on_two_torch_threads_writes_the_kv_and_logits_of_one_thread(native_model, name, tmp_path,
+                                                                                     monkeypatch):
+    """``prefill_forward(..., threads=2)`` (the prefill actor's choice while the decode actors idle) runs a native
+    model's float32 GEMMs on two torch threads, over blocks of 32 rows: the bits of one thread (MKL's GEMM over 5
+    to 11 rows differs), in packed passes of an odd number of rows (an activation over all of them on two threads
+    splits its work where the threads do, and differs), with an echo, a chunk after a cached prefix and a 7-token
+    prompt; on the embedded model and tiny models with other MLPs (GELU) and windows."""
+    from gpu import model as model_module
 
-    def spy(*args):
-        seen.append(torch.get_num_threads())
-        return packed(*args)
+    if name == "embedded":
+        m = native_model
+    else:
+        m = LlamaModel.from_path(write_gguf(name, build_hf(name), tmp_path / f"tiny-{name}-q4.gguf",
+                                            linear_type="Q4_0"), progress=False, weights="auto")
+    asked = []
+    real = model_module.torch_threads
 
+    def recorded(n):
+        asked.append(n)
+        return real(n)
+
+    monkeypatch.setattr(model_module, "torch_threads", recorded)
     before = torch.get_num_threads()
     torch.set_num_threads(1)   # an actor's torch_threads
     try:
-        _check_prefill_threads(m, c, passes, spy)
+        _check_prefill_threads(m, asked)
     finally:
         torch.set_num_threads(before)
-    assert seen == [1, 2] * len(passes)
 
 
-def _check_prefill_threads(m, c, passes, spy) -> None:
+def _check_prefill_threads(m: LlamaModel, asked: list) -> None:
     from actors.model_runner import prefill_forward
 
-    for name, chunks in passes.items():
+    c = m.config
+    g = torch.Generator().manual_seed(2)
+    a, b, s = (torch.randint(3, c.vocab_size, (n,), generator=g).tolist() for n in (300, 43, 7))
+    ta, tb, ts = list(range(19)), list(range(19, 22)), [22]
+    passes = {"two prompts, 341 rows": ([], [(a, 0, 300, ta, False), (b, 0, 43, tb, False)]),
+              "a chunk after 100 cached and an echo": ([(a, 0, 100, ta, False)],
+                                                       [(a, 100, 300, ta, False), (b, 0, 43, tb, True)]),
+              "one 7-token prompt": ([], [(s, 0, 7, ts, False)])}
+    for label, (cached, chunks) in passes.items():
         runs = []
         for threads in (0, 2):
-            kv = torch.zeros(kv_pool_shape(c, 8, 16))
-            m.prefill_packed = spy
-            try:
-                outs = prefill_forward(m, kv, chunks, threads)
-            finally:
-                del m.prefill_packed
+            kv = torch.zeros(kv_pool_shape(c, 23, 16))
+            prefill_forward(m, kv, cached)
+            asked.clear()
+            outs = prefill_forward(m, kv, chunks, threads)
+            assert asked and set(asked) == {threads} and torch.get_num_threads() == 1, (label, asked)
             runs.append((kv, [o for o, _ in outs]))
         (kv1, out1), (kv2, out2) = runs
-        assert torch.equal(kv1, kv2), name
-        assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(out1, out2)), name
-        assert torch.get_num_threads() == 1
+        assert torch.equal(kv1, kv2), label
+        assert all(x is None and y is None or torch.equal(x, y) for x, y in zip(out1, out2)), label
 
 
 @pytest.mark.parametrize("path", ["one_call", "op_by_op"])
