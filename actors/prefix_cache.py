@@ -264,7 +264,8 @@ class CachingAllocator:
         """Blocks for a prompt of ``len(prompt_ids)`` tokens: its longest cached prefix of full blocks (at most
         ``(len - 1) // block_tokens`` of them), then newly allocated ones, the first of which gets the rows of the
         cached block after that prefix that share the most leading tokens with the prompt (with ``copy_rows``; at
-        most up to the prompt's last token, so the last token is always computed and gives logits).
+        most up to the prompt's last token, so the last token is always computed and gives logits; not when
+        keeping that block, idle, would leave too few free blocks: its rows are computed instead).
         ``use_cache=False`` skips the lookup (a request that needs every position's logits) but still lets
         ``commit`` cache its blocks. Raises OutOfKVBlocksError (holding nothing)."""
         bt, n = self.block_tokens, len(prompt_ids)
@@ -278,8 +279,12 @@ class CachingAllocator:
             src, rows = self.cache.match_rows(keys[len(hit) - 1] if hit else b"",
                                               prompt_ids[start:min(start + bt, n - 1)])
         need = total - len(hit)
+        idle = sum(1 for b in hit if self.cache.refs(b) == 0)
+        if rows and self.cache.refs(src) == 0 and need > self.num_free - idle - 1:
+            src, rows = -1, 0   # only the copy's source stands in the way: compute its rows (a prompt of every block
+            #                     would otherwise wait for room it can never have)
         held = hit + [src] if rows else hit   # the copy's source is held only until it is copied
-        idle = sum(1 for b in held if self.cache.refs(b) == 0)
+        idle += int(bool(rows) and self.cache.refs(src) == 0)
         if need > self.num_free - idle:
             raise OutOfKVBlocksError(f"a prompt of {n} tokens needs {need} new KV blocks ({len(hit)} cached), "
                                      f"{self.num_free - idle} of {self.num_blocks} free; keep the request waiting "

@@ -105,6 +105,9 @@ def _integer(body: dict, name: str, default: int | None, low: int, high: int) ->
     if value is None:
         return default
     if isinstance(value, float) and value.is_integer():   # e.g. 10**26, which JSON parsers read as a float
+        if low <= value <= high:
+            raise InvalidRequestError(f"'{name}' must be an integer, got {value!r} (write it without a decimal point)",
+                                      param=name)
         raise InvalidRequestError(f"'{name}' must be an integer between {low} and {high}, got {value:.17g}",
                                   param=name)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -137,9 +140,9 @@ def _stop_strings(body: dict, constrained_by: str | None = None) -> tuple[str, .
     return tuple(stop)
 
 
-def _unsupported(name: str, why: str) -> InvalidRequestError:
-    return InvalidRequestError(f"'{name}' is not supported by this engine yet ({why}); "
-                               "remove it or send its neutral value", param=name, code="unsupported_parameter")
+def _unsupported(name: str, why: str, fix: str = "remove it or send its neutral value") -> InvalidRequestError:
+    return InvalidRequestError(f"'{name}' is not supported by this engine yet ({why}); {fix}", param=name,
+                               code="unsupported_parameter")
 
 
 def _repetition_penalty(body: dict) -> float:
@@ -696,7 +699,7 @@ class RequestParser:
                                           param="prompt")
             prompt_ids = list(prompt)
         elif isinstance(prompt, list) and len(prompt) > 1:
-            raise _unsupported("prompt", "a batch of several prompts needs one request per prompt")
+            raise _unsupported("prompt", "a list of several prompts", "send one request per prompt")
         else:
             raise InvalidRequestError("'prompt' must be a non-empty string, a list with one string, or a "
                                       "non-empty list of token ids", param="prompt")

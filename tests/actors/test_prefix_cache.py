@@ -299,20 +299,40 @@ def test_the_cached_block_sharing_the_most_leading_tokens_is_the_one_copied():
     pool.alloc.release(p)
 
 
-def test_the_copy_source_is_not_evicted_to_make_room_for_its_own_copy_and_a_refused_acquire_holds_nothing():
+def test_the_copy_source_is_not_evicted_for_its_own_copy_its_rows_are_computed_instead_of_waiting():
     pool = RowPool(4)
     prompt = list(range(6))                              # 1 full block + a 2-token partial one, both cached
     first = pool.run(prompt)
     other = pool.alloc.allocate(2, owner_slot=9)         # left: the two idle cached blocks
-    with pytest.raises(OutOfKVBlocksError):
-        pool.alloc.acquire(prompt, 1)                    # holds block 0, copies from block 1: no room for a new one
-    assert [pool.alloc.cache.refs(b) for b in first.blocks] == [0, 0] and pool.copies == []
-    assert pool.alloc.cached_blocks == 2 and pool.alloc.num_free == 2
+    squeezed = pool.alloc.acquire(prompt, 1)             # holds block 0; no room to keep block 1 for a copy
+    assert (squeezed.cached_tokens, squeezed.copied_rows, pool.copies) == (4, 0, [])
+    assert squeezed.blocks[0] == first.blocks[0] and pool.alloc.cached_blocks == 1   # block 1 became its own
+    pool.prefill(prompt, squeezed)
+    pool.alloc.commit(squeezed)
+    pool.alloc.release(squeezed)
     pool.alloc.free(other[:1], 9)
     again = pool.alloc.acquire(prompt, 1)                # one truly free block: the copy's destination
-    assert (again.cached_tokens, pool.copies) == (5, [(first.blocks[1], again.blocks[1], 1)])
+    assert (again.cached_tokens, pool.copies) == (5, [(squeezed.blocks[1], again.blocks[1], 1)])
     pool.alloc.release(again)
     pool.alloc.free(other[1:], 9)
+    assert pool.alloc.num_free == 4 and pool.alloc.cached_blocks_in_use == 0
+
+
+def test_a_prompt_of_every_block_is_served_though_a_cached_block_shares_its_first_tokens():
+    """A prompt as long as the pool (each block its own, nothing to share but the first rows of a cached partial
+    block) waited for room to keep that block for the copy, which it could never have, until its queue timeout,
+    and every request behind it with it."""
+    pool = RowPool(4)
+    pool.run([0, 1, 2])                                  # a cached partial block: 0 1 2
+    whole = [0, 1] + list(range(50, 64))                 # 16 tokens = 4 blocks: the whole pool
+    p = pool.alloc.acquire(whole, 1)
+    assert (p.cached_tokens, p.copied_rows, pool.copies, pool.alloc.num_free) == (0, 0, [], 0)
+    pool.prefill(whole, p)
+    pool.alloc.release(p)
+    other = pool.alloc.allocate(1, owner_slot=9)
+    with pytest.raises(OutOfKVBlocksError):              # truly too few blocks: refused, holding nothing
+        pool.alloc.acquire(whole, 1)
+    pool.alloc.free(other, 9)
     assert pool.alloc.num_free == 4 and pool.alloc.cached_blocks_in_use == 0
 
 

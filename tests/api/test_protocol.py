@@ -133,6 +133,8 @@ def test_a_huge_integer_read_as_a_float_is_reported_as_out_of_range(parser):
     body = orjson.loads(b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000000000000000000000000}')
     error = rejected(parser.chat, body, "max_tokens")
     assert "between 1 and" in error.message and "float" not in error.message
+    error = rejected(parser.chat, {**body, "max_tokens": 1.0}, "max_tokens")   # in range, written as a float
+    assert "got 1.0" in error.message and "between" not in error.message
 
 
 def test_top_logprobs_needs_logprobs_true(parser):

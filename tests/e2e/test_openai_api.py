@@ -453,7 +453,7 @@ def oai(engine):
 
 
 def test_openai_client_echo_with_max_tokens_zero_scores_the_prompt_alone(oai, model):
-    """lm-evaluation-harness's loglikelihood request (``echo``, ``max_tokens`` 0, ``logprobs``): the prompt's
+    """A loglikelihood request (``echo``, ``max_tokens`` 0, ``logprobs``; older lm-evaluation-harness): the prompt's
     text and its tokens' scores (the first one null), nothing generated, finish_reason length, no completion
     tokens; the same when streamed and for each of ``n`` choices."""
     prompt = "The quick brown fox jumps over the lazy dog."
