@@ -65,12 +65,6 @@ def cached_prompt_tokens(handles: list[RequestHandle]) -> int:
     return max((int((h.timings or {}).get("cached_tokens", 0)) for h in handles), default=0)
 
 
-def completion_tokens(handles: list[RequestHandle]) -> int:
-    """The usage's completion tokens over the choices: 0 for an echo-only request (``echo_only``: the token its
-    engine run made is left out of the answer)."""
-    return 0 if handles[0].request.echo_only else sum(h.completion_tokens for h in handles)
-
-
 def error_response(error: PdserveError, request_id: str | None = None) -> JSONResponse:
     """OpenAI error JSON; ``request_id`` (else RequestIdMiddleware's) goes in ``x-request-id``."""
     headers = {}
@@ -168,6 +162,11 @@ async def generate_text(client: EngineClient, tokenizer, handle: RequestHandle,
         if event[0] == "error":
             raise event[1]
         _, token, reason, token_logprobs = event
+        if request.echo_only:   # max_tokens 1 ran for the prompt's scores: its token is not part of the answer
+            if reason is None:
+                continue
+            yield "", "length", []
+            return
         if token_logprobs is not None:
             logprobs.append((token, token_logprobs))
         handle.completion_tokens += 1
@@ -461,8 +460,6 @@ class Routes:
             tokens: dict[int, list] = {h.index: [] for h in handles}
             async for index, text, reason, logprobs in merged_choices(
                     self.client, self.tokenizer, handles, self.metrics):
-                if req.echo_only:   # the one token the engine ran is not part of the answer
-                    text, logprobs, reason = "", [], None if reason is None else "length"
                 texts[index].append(text)
                 tokens[index].extend(logprobs)
                 if reason is not None:
@@ -500,7 +497,7 @@ class Routes:
             self.finished(handles, reasons)
             record_api(EventKind.LAST_BYTE, handles, a=200)
             record_api(EventKind.CLOSED, handles, aux=ClosedBy.SERVER, a=200)
-            return JSONResponse(full_response(req, choices, completion_tokens(handles),
+            return JSONResponse(full_response(req, choices, sum(h.completion_tokens for h in handles),
                                               cached_prompt_tokens(handles)),
                                 headers={"x-request-id": req.request_id})
         finally:
@@ -520,8 +517,6 @@ class Routes:
             try:
                 async for index, text, reason, logprobs in merged_choices(
                     self.client, self.tokenizer, handles, self.metrics):
-                    if req.echo_only:   # the one token the engine ran is not part of the answer
-                        text, logprobs, reason = "", [], None if reason is None else "length"
                     if index in first and req.echo_text:
                         text = req.echo_text + text
                     pieces: list = [(text, None, None)]
@@ -545,7 +540,8 @@ class Routes:
                             yield b"data: " + orjson.dumps(body) + b"\n\n"
                 status = 200
                 if req.include_usage:
-                    body = chunk(req, None, None, usage_body=usage(len(req.prompt_ids), completion_tokens(handles),
+                    body = chunk(req, None, None, usage_body=usage(len(req.prompt_ids),
+                                                                   sum(h.completion_tokens for h in handles),
                                                                    cached_prompt_tokens(handles)))
                     yield b"data: " + orjson.dumps(body) + b"\n\n"
             except PdserveError as exc:
