@@ -234,47 +234,6 @@ def _quantized(x):
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
-def _q4_tile(xq, fx, sx, codes, scale, mins, y, t, acc):
-    """Tile ``t`` of ``_q4_gemv`` (its R output columns for every row), given the quantized activations;
-    ``acc``: float32 [2, R] scratch."""
-    M, G = xq.shape[0], codes.shape[1]
-    for b in range(0, M - 1, 2):   # rows in pairs: one unpack of the codes serves both
-        acc[:] = 0.0
-        for g in range(G):
-            _q4_group2(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, xq[b + 1, g * GROUP:].ctypes.data,
-                       scale[t, g].ctypes.data, mins[t, g].ctypes.data, fx[b, g], sx[b, g], fx[b + 1, g],
-                       sx[b + 1, g], acc[0].ctypes.data, acc[1].ctypes.data)
-        y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
-        y[b + 1, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[1]
-    if M % 2:
-        b = M - 1
-        acc[0] = 0.0
-        for g in range(G):
-            _q4_group(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, scale[t, g].ctypes.data,
-                      mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc[0].ctypes.data)
-        y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
-
-
-@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
-def _q4_gemv(x, codes, scale, mins, y):
-    """y float32 [M, T * R] = x float32 [M, K] times the Q4 tiles (layout in the module docstring)."""
-    xq, fx, sx = _quantized(x)
-    acc = np.empty((2, TILE_ROWS), np.float32)
-    for t in range(codes.shape[0]):
-        _q4_tile(xq, fx, sx, codes, scale, mins, y, t, acc)
-
-
-@numba.njit(nogil=True, cache=True, fastmath=False, parallel=True)  # explicit: see the module docstring
-def _q4_gemv_par(x, codes, scale, mins, y):
-    """``_q4_gemv`` with its tiles spread over numba's threads (``set_threads``): the same bits."""
-    xq, fx, sx = _quantized(x)
-    T = codes.shape[0]
-    acc = np.empty((T, 2, TILE_ROWS), np.float32)
-    for t in numba.prange(T):
-        _q4_tile(xq, fx, sx, codes, scale, mins, y, t, acc[t])
-
-
-@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
 def _q8_tile(xq, fx, codes, scale, y, t, acc):
     """Tile ``t`` of ``_q8_gemv``; ``acc``: float32 [R] scratch."""
     M, G = xq.shape[0], codes.shape[1]
@@ -303,15 +262,6 @@ def _q8_gemv_par(x, codes, scale, y):
     acc = np.empty((T, TILE_ROWS), np.float32)
     for t in numba.prange(T):
         _q8_tile(xq, fx, codes, scale, y, t, acc[t])
-
-
-@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
-def _q4_threads(x, codes, scale, mins, y, parallel):
-    """``_q4_gemv_par`` when ``parallel``, else ``_q4_gemv``."""
-    if parallel:
-        _q4_gemv_par(x, codes, scale, mins, y)
-    else:
-        _q4_gemv(x, codes, scale, mins, y)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=True)
@@ -454,18 +404,18 @@ def decode_layers(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_tokens,
     attn = np.empty((B, n_heads * D), np.float32)
     for li in range(ln_attn.shape[0]):
         _rms_norm(x, ln_attn[li], eps, h)
-        _q4_threads(h, qkv[0][li], qkv[1][li], qkv[2][li], y_qkv, parallel)
+        _gemv_threads(h, qkv[0][li], qkv[1][li], qkv[2][li], y_qkv, parallel)
         _attention_rows(y_qkv, pool[li], tables, positions, cos, sin, n_heads, block_tokens, attn_scale, attn,
                         parallel)
-        _q4_threads(attn, o[0][li], o[1][li], o[2][li], y_hidden, parallel)
+        _gemv_threads(attn, o[0][li], o[1][li], o[2][li], y_hidden, parallel)
         x += y_hidden[:, :hidden]
         _rms_norm(x, ln_mlp[li], eps, h)
-        _q4_threads(h, gate_up[0][li], gate_up[1][li], gate_up[2][li], y_gu, parallel)
+        _gemv_threads(h, gate_up[0][li], gate_up[1][li], gate_up[2][li], y_gu, parallel)
         for b in range(B):
             for i in range(inter):
                 g = y_gu[b, i]
                 act[b, i] = g / (np.float32(1.0) + np.exp(-g)) * y_gu[b, inter + i]
-        _q4_threads(act, down[0][li], down[1][li], down[2][li], y_hidden, parallel)
+        _gemv_threads(act, down[0][li], down[1][li], down[2][li], y_hidden, parallel)
         x += y_hidden[:, :hidden]
 
 
@@ -520,7 +470,7 @@ def q4_linear(x: torch.Tensor, n: int, tiles: torch.Tensor, tile_scale: torch.Te
               tile_min: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for float ``x`` ``[M, K]`` and the Q4 weight ``[n, K]`` in :func:`q4_tiles` form: float32
     ``[M, n]``, on ``threads()`` threads. No shape checks (the caller built the tiles for this ``K``)."""
-    return _run(_q4_gemv_par if _threads > 1 else _q4_gemv, x, n, tiles, tile_scale, tile_min)
+    return _run(_gemv_par if _threads > 1 else _gemv, x, n, tiles, tile_scale, tile_min)
 
 
 def q8_linear(x: torch.Tensor, n: int, tiles: torch.Tensor, tile_scale: torch.Tensor) -> torch.Tensor:
@@ -627,46 +577,6 @@ def _q8h_group2(typingctx, codes_addr, x_addr, x1_addr, scale_addr, min_addr, fx
     return sig, codegen
 
 
-@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
-def _q8h_tile(xq, fx, sx, codes, scale, mins, y, t, acc):
-    """Tile ``t`` of ``_q8h_gemv``; ``acc``: float32 [2, R] scratch."""
-    M, G = xq.shape[0], codes.shape[1]
-    for b in range(0, M - 1, 2):   # rows in pairs: one load of the codes serves both
-        acc[:] = 0.0
-        for g in range(G):
-            _q8h_group2(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data,
-                        xq[b + 1, g * GROUP:].ctypes.data, scale[t, g].ctypes.data, mins[t, g].ctypes.data,
-                        fx[b, g], sx[b, g], fx[b + 1, g], sx[b + 1, g], acc[0].ctypes.data, acc[1].ctypes.data)
-        y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
-        y[b + 1, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[1]
-    if M % 2:
-        b = M - 1
-        acc[0] = 0.0
-        for g in range(G):
-            _q8h_group(codes[t, g].ctypes.data, xq[b, g * GROUP:].ctypes.data, scale[t, g].ctypes.data,
-                       mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc[0].ctypes.data)
-        y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
-
-
-@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
-def _q8h_gemv(x, codes, scale, mins, y):
-    """y float32 [M, T * R] = x float32 [M, K] times the Q8h tiles (layout above)."""
-    xq, fx, sx = _quantized(x)
-    acc = np.empty((2, TILE_ROWS), np.float32)
-    for t in range(codes.shape[0]):
-        _q8h_tile(xq, fx, sx, codes, scale, mins, y, t, acc)
-
-
-@numba.njit(nogil=True, cache=True, fastmath=False, parallel=True)  # explicit: see the module docstring
-def _q8h_gemv_par(x, codes, scale, mins, y):
-    """``_q8h_gemv`` with its tiles spread over numba's threads: the same bits."""
-    xq, fx, sx = _quantized(x)
-    T = codes.shape[0]
-    acc = np.empty((T, 2, TILE_ROWS), np.float32)
-    for t in numba.prange(T):
-        _q8h_tile(xq, fx, sx, codes, scale, mins, y, t, acc[t])
-
-
 def _quads(codes: np.ndarray) -> np.ndarray:
     """Tiled codes [T, G, 32, R] -> the Q8h layout [T, G, 8, 4 R] (byte 4 r + e of quad q = input 4 q + e)."""
     T, G = codes.shape[:2]
@@ -692,29 +602,83 @@ def q8h_linear(x: torch.Tensor, n: int, tiles: torch.Tensor, tile_scale: torch.T
                tile_min: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for float ``x`` ``[M, K]`` and the weight ``[n, K]`` in :func:`q8h_tiles` form: float32
     ``[M, n]``, on ``threads()`` threads."""
-    return _run(_q8h_gemv_par if _threads > 1 else _q8h_gemv, x, n, tiles, tile_scale, tile_min)
+    return _run(_gemv_par if _threads > 1 else _gemv, x, n, tiles, tile_scale, tile_min)
 
 
-def _gemv_any(x, tiles, scale, mins, y, parallel):
-    """y = x times a (tiles, scale, min) triple in Q4 or Q8h form, chosen by the tiles' dtype when numba compiles
-    the caller (uint8: :func:`_q4_gemv`, int8: :func:`_q8h_gemv`; their ``_par`` forms when ``parallel``)."""
+def _group(codes, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
+    """One group of one tile into one row's accumulators, chosen by the codes' dtype when numba compiles the
+    caller (uint8: :func:`_q4_group`, int8: :func:`_q8h_group`; ``codes``: the tile's group, an array)."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
+@overload(_group, inline="always", jit_options={"nogil": True, "cache": True, "fastmath": False})
+def _group_impl(codes, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
+    kernel = _q4_group if codes.dtype == types.uint8 else _q8h_group
+    return lambda codes, x_addr, scale_addr, min_addr, fx, sx, acc_addr: kernel(
+        codes.ctypes.data, x_addr, scale_addr, min_addr, fx, sx, acc_addr)
+
+
+def _group2(codes, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr, acc1_addr):
+    """:func:`_group` for two rows at once (:func:`_q4_group2`, :func:`_q8h_group2`)."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(_group2, inline="always", jit_options={"nogil": True, "cache": True, "fastmath": False})
+def _group2_impl(codes, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr, acc1_addr):
+    kernel = _q4_group2 if codes.dtype == types.uint8 else _q8h_group2
+    return lambda codes, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr, acc1_addr: kernel(
+        codes.ctypes.data, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr, acc1_addr)
+
+
 @numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
-def _q8h_threads(x, codes, scale, mins, y, parallel):
-    """``_q8h_gemv_par`` when ``parallel``, else ``_q8h_gemv``."""
+def _gemv_tile(xq, fx, sx, codes, scale, mins, y, t, acc):
+    """Tile ``t`` of :func:`_gemv` (its R output columns for every row), given the quantized activations;
+    ``acc``: float32 [2, R] scratch."""
+    M, G = xq.shape[0], codes.shape[1]
+    for b in range(0, M - 1, 2):   # rows in pairs: one load of the codes serves both
+        acc[:] = 0.0
+        for g in range(G):
+            _group2(codes[t, g], xq[b, g * GROUP:].ctypes.data, xq[b + 1, g * GROUP:].ctypes.data,
+                    scale[t, g].ctypes.data, mins[t, g].ctypes.data, fx[b, g], sx[b, g], fx[b + 1, g],
+                    sx[b + 1, g], acc[0].ctypes.data, acc[1].ctypes.data)
+        y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
+        y[b + 1, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[1]
+    if M % 2:
+        b = M - 1
+        acc[0] = 0.0
+        for g in range(G):
+            _group(codes[t, g], xq[b, g * GROUP:].ctypes.data, scale[t, g].ctypes.data, mins[t, g].ctypes.data,
+                   fx[b, g], sx[b, g], acc[0].ctypes.data)
+        y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
+def _gemv(x, codes, scale, mins, y):
+    """y float32 [M, T * R] = x float32 [M, K] times the Q4 tiles (uint8 codes, layout in the module docstring)
+    or the Q8h tiles (int8 codes, layout above)."""
+    xq, fx, sx = _quantized(x)
+    acc = np.empty((2, TILE_ROWS), np.float32)
+    for t in range(codes.shape[0]):
+        _gemv_tile(xq, fx, sx, codes, scale, mins, y, t, acc)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False, parallel=True)  # explicit: see the module docstring
+def _gemv_par(x, codes, scale, mins, y):
+    """:func:`_gemv` with its tiles spread over numba's threads (``set_threads``): the same bits."""
+    xq, fx, sx = _quantized(x)
+    T = codes.shape[0]
+    acc = np.empty((T, 2, TILE_ROWS), np.float32)
+    for t in numba.prange(T):
+        _gemv_tile(xq, fx, sx, codes, scale, mins, y, t, acc[t])
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
+def _gemv_threads(x, codes, scale, mins, y, parallel):
+    """:func:`_gemv_par` when ``parallel``, else :func:`_gemv` (a layer's linear in ``decode_layers``)."""
     if parallel:
-        _q8h_gemv_par(x, codes, scale, mins, y)
+        _gemv_par(x, codes, scale, mins, y)
     else:
-        _q8h_gemv(x, codes, scale, mins, y)
-
-
-@overload(_gemv_any, jit_options={"nogil": True, "cache": True, "fastmath": False})
-def _gemv_any_impl(x, tiles, scale, mins, y, parallel):
-    if tiles.dtype == types.uint8:
-        return lambda x, tiles, scale, mins, y, parallel: _q4_threads(x, tiles, scale, mins, y, parallel)
-    return lambda x, tiles, scale, mins, y, parallel: _q8h_threads(x, tiles, scale, mins, y, parallel)
+        _gemv(x, codes, scale, mins, y)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=True)
@@ -733,18 +697,18 @@ def decode_layers_mixed(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_t
     attn = np.empty((B, n_heads * D), np.float32)
     for li in range(ln_attn.shape[0]):
         _rms_norm(x, ln_attn[li], eps, h)
-        _gemv_any(h, qkv[0][li], qkv[1][li], qkv[2][li], y_qkv, parallel)
+        _gemv_threads(h, qkv[0][li], qkv[1][li], qkv[2][li], y_qkv, parallel)
         _attention_rows(y_qkv, pool[li], tables, positions, cos, sin, n_heads, block_tokens, attn_scale, attn,
                         parallel)
-        _gemv_any(attn, o[0][li], o[1][li], o[2][li], y_hidden, parallel)
+        _gemv_threads(attn, o[0][li], o[1][li], o[2][li], y_hidden, parallel)
         x += y_hidden[:, :hidden]
         _rms_norm(x, ln_mlp[li], eps, h)
-        _gemv_any(h, gate_up[0][li], gate_up[1][li], gate_up[2][li], y_gu, parallel)
+        _gemv_threads(h, gate_up[0][li], gate_up[1][li], gate_up[2][li], y_gu, parallel)
         for b in range(B):
             for i in range(inter):
                 g = y_gu[b, i]
                 act[b, i] = g / (np.float32(1.0) + np.exp(-g)) * y_gu[b, inter + i]
-        _gemv_any(act, down[0][li], down[1][li], down[2][li], y_down, parallel)
+        _gemv_threads(act, down[0][li], down[1][li], down[2][li], y_down, parallel)
         x += y_down[:, :hidden]
 
 
