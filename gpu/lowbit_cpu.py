@@ -384,15 +384,17 @@ def _attention_rows(y_qkv, pool, tables, positions, cos, sin, n_heads, block_tok
 def decode_layers(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_tokens, tables, positions, cos, sin,
                   n_heads, inter, eps, attn_scale, parallel):
     """Every decoder layer of one decode step (the HF Llama layer, as ``LlamaModel.decode`` computes it) with
-    Q4-tiled linears, in one call; ``x`` (the residual stream) is updated in place.
+    low-bit tiled linears, in one call; ``x`` (the residual stream) is updated in place.
 
     x: float32 [B, hidden] (the new tokens' embeddings in, the last layer's output out); ln_attn, ln_mlp:
     [L, hidden]; qkv, o, gate_up, down: (tiles, scales, mins) of every layer stacked, [L, ...] each (fused
-    Q/K/V rows, then gate rows 0..inter-1 and up rows); pool: float32 [L, 2, slots, Hkv, D] (slot = block *
-    block_tokens + offset); tables: int64 [B, blocks] (padded); positions: int64 [B] (the new token's = keys
-    already cached); cos, sin: float32 [positions, D] (``LlamaModel._ensure_rope``'s tables); parallel: the
-    GEMVs' tiles and the rows' attention over numba's threads (``set_threads``; the same bits). Each row's new K/V
-    are written at its position before it attends over positions 0..its own. Nothing is checked here.
+    Q/K/V rows, then gate rows 0..inter-1 and up rows), each role in Q4 tiles or in Q8h tiles (a K-quant file's
+    mix: Q4_K on the Q4 tiles, Q6_K/Q5_K/Q5_0 on Q8h; numba compiles one form per mix); pool: float32 [L, 2,
+    slots, Hkv, D] (slot = block * block_tokens + offset); tables: int64 [B, blocks] (padded); positions: int64
+    [B] (the new token's = keys already cached); cos, sin: float32 [positions, D] (``LlamaModel._ensure_rope``'s
+    tables); parallel: the GEMVs' tiles and the rows' attention over numba's threads (``set_threads``; the same
+    bits). Each row's new K/V are written at its position before it attends over positions 0..its own. Nothing is
+    checked here.
     """
     B, hidden = x.shape
     D = pool.shape[4]
@@ -679,37 +681,6 @@ def _gemv_threads(x, codes, scale, mins, y, parallel):
         _gemv_par(x, codes, scale, mins, y)
     else:
         _gemv(x, codes, scale, mins, y)
-
-
-@numba.njit(nogil=True, cache=True, fastmath=True)
-def decode_layers_mixed(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_tokens, tables, positions, cos, sin,
-                        n_heads, inter, eps, attn_scale, parallel):
-    """:func:`decode_layers` where each of qkv, o, gate_up, down is stacked Q4 tiles or stacked Q8h tiles
-    (a K-quant file's mix: Q4_K on the Q4 tiles, Q6_K/Q5_K/Q5_0 on Q8h); same arguments and result."""
-    B, hidden = x.shape
-    D = pool.shape[4]
-    h = np.empty((B, hidden), np.float32)
-    y_qkv = np.empty((B, qkv[0].shape[1] * TILE_ROWS), np.float32)
-    y_hidden = np.empty((B, o[0].shape[1] * TILE_ROWS), np.float32)
-    y_down = np.empty((B, down[0].shape[1] * TILE_ROWS), np.float32)
-    y_gu = np.empty((B, gate_up[0].shape[1] * TILE_ROWS), np.float32)
-    act = np.empty((B, inter), np.float32)
-    attn = np.empty((B, n_heads * D), np.float32)
-    for li in range(ln_attn.shape[0]):
-        _rms_norm(x, ln_attn[li], eps, h)
-        _gemv_threads(h, qkv[0][li], qkv[1][li], qkv[2][li], y_qkv, parallel)
-        _attention_rows(y_qkv, pool[li], tables, positions, cos, sin, n_heads, block_tokens, attn_scale, attn,
-                        parallel)
-        _gemv_threads(attn, o[0][li], o[1][li], o[2][li], y_hidden, parallel)
-        x += y_hidden[:, :hidden]
-        _rms_norm(x, ln_mlp[li], eps, h)
-        _gemv_threads(h, gate_up[0][li], gate_up[1][li], gate_up[2][li], y_gu, parallel)
-        for b in range(B):
-            for i in range(inter):
-                g = y_gu[b, i]
-                act[b, i] = g / (np.float32(1.0) + np.exp(-g)) * y_gu[b, inter + i]
-        _gemv_threads(act, down[0][li], down[1][li], down[2][li], y_down, parallel)
-        x += y_down[:, :hidden]
 
 
 def q4_to_q8h_tiles(tiles: torch.Tensor, tile_scale: torch.Tensor, tile_min: torch.Tensor) -> dict[str, torch.Tensor]:

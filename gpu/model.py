@@ -285,7 +285,6 @@ class LlamaModel:
         self._llama_layers = (config.spec.llama_like and not any(self._windows) and config.attn_scale is None
                               and config.attn_softcap is None and config.final_softcap is None)
         self._stacked: tuple | None = None  # the Q4 layers stacked for lowbit_cpu.decode_layers (_stack_layers)
-        self._stacked_mixed = False  # some stacks hold Q8h tiles: lowbit_cpu.decode_layers_mixed runs them
 
     @property
     def weights_mode(self) -> str:
@@ -876,8 +875,7 @@ class LlamaModel:
         """Every layer's norms and Q4 tiles stacked along a new first axis (numpy, for
         ``lowbit_cpu.decode_layers``), built once; the layers' own linears then run on views of the stacks, so
         the tiles are not held twice. None unless native with every layer linear in Q4 or Q8h tiles (K-quants:
-        a linear whose layers mix the two is stacked as Q8h, its Q4 layers converted exactly, and the step runs
-        ``lowbit_cpu.decode_layers_mixed``)."""
+        a linear whose layers mix the two is stacked as Q8h, its Q4 layers converted exactly)."""
         names, keys = ("qkv", "o", "gate_up", "down"), ("tiles", "tile_scale", "tile_min")
         if self._stacked is None:
             if not self.native or not self._llama_layers or any(
@@ -890,7 +888,6 @@ class LlamaModel:
             for n in names:
                 lins = [getattr(lay, n) for lay in self.layers]
                 if any(lin.kind == "int8h" for lin in lins):
-                    self._stacked_mixed = True
                     lins = [lin if lin.kind == "int8h" else QuantLinear(
                         "int8h", q4_to_q8h_tiles(*(lin.tensors[k] for k in keys)) | (
                             {"dense": lin.tensors["dense"]} if "dense" in lin.tensors else {}), lin.out_features)
@@ -907,15 +904,13 @@ class LlamaModel:
 
     def _decode_stacked(self, kv: torch.Tensor, token_ids: list[int], positions: list[int], padded: list[list[int]],
                         stacked: tuple) -> torch.Tensor:
-        """``decode`` through ``lowbit_cpu.decode_layers`` (``decode_layers_mixed`` with Q8h stacks; one numba call
-        for all layers): logits ``[B, vocab]``."""
-        from .lowbit_cpu import decode_layers, decode_layers_mixed, threads  # noqa: PLC0415
+        """``decode`` through ``lowbit_cpu.decode_layers`` (one numba call for all layers): logits ``[B, vocab]``."""
+        from .lowbit_cpu import decode_layers, threads  # noqa: PLC0415
         c = self.config
         x = self._embed(torch.tensor(token_ids, dtype=torch.long))  # [B, hidden], fresh: updated in place
-        run = decode_layers_mixed if self._stacked_mixed else decode_layers
-        run(x.numpy(), *stacked, self._flat_pool(kv).numpy(), kv.shape[3], np.asarray(padded, np.int64),
-            np.asarray(positions, np.int64), self._cos.numpy(), self._sin.numpy(), c.num_heads,
-            c.intermediate_size, c.rms_norm_eps, self._scale, threads() > 1)
+        decode_layers(x.numpy(), *stacked, self._flat_pool(kv).numpy(), kv.shape[3], np.asarray(padded, np.int64),
+                      np.asarray(positions, np.int64), self._cos.numpy(), self._sin.numpy(), c.num_heads,
+                      c.intermediate_size, c.rms_norm_eps, self._scale, threads() > 1)
         x = F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_norm_eps)
         return self._softcap_logits(self._linear(self.lm_head, x, len(token_ids) >= self.head_dense_min_rows).float())
 

@@ -145,7 +145,7 @@ def test_the_one_call_decode_of_a_q4_k_m_model_matches_its_op_by_op_decode(q4_k_
         m.prefill(kv, ids[:n], table)
     kv_op = kv.clone()
     one_call = m.decode(kv, [7, 8, 9], lengths, tables)
-    assert m._stacked and m._stacked_mixed   # lowbit_cpu.decode_layers_mixed ran
+    assert m._stacked and any(stack[0].dtype == np.int8 for stack in m._stacked[2:])   # Q8h stacks decoded
     assert {lay.down.kind for lay in m.layers} == {"int8h"}   # the Q4_K downs converted to stack with the Q6_K
     stacked, m._stacked = m._stacked, ()   # () = "not applicable": the op-by-op path, on the same kernels
     m.dense_min_tokens = 1 << 30
