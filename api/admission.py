@@ -53,7 +53,7 @@ class RequestHandle:
     request: Any                   # api.protocol.GenerationRequest
     slot: int
     generation: int
-    index: int = 0                 # the choice's index (0 .. n - 1)
+    index: int = 0                 # the choice's index in the response (first_index .. first_index + n - 1)
     deadline_s: float = 0.0        # time.monotonic() after which the handler stops waiting
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     admitted_ns: int = field(default_factory=time.monotonic_ns)
@@ -270,7 +270,8 @@ class Admission:
                     request.request_id, prompt_tokens=prompt_tokens, deadline_ns=now_ns + int(timeout_s * 1e9),
                     prefill_actor=prefill_actor, decode_actor=decode_actor, state=state)
                 self.table.update(slot, generation, owner=self.owner)
-                handle = RequestHandle(request, slot, generation, index, deadline_s=now_ns / 1e9 + timeout_s,
+                handle = RequestHandle(request, slot, generation, request.first_index + index,
+                                       deadline_s=now_ns / 1e9 + timeout_s,
                                        admitted_ns=now_ns, prefill_actor=prefill_actor, decode_actor=decode_actor,
                                        reserve_blocks=reserve)
                 self.handles[handle.key] = handle

@@ -26,7 +26,7 @@ from api.debug_state import DebugState
 from api.engine_client import EngineClient, RequestHandle
 from api.http_edges import note_engine_requests
 from api.protocol import (ChoiceResult, GenerationRequest, RequestParser, chat_logprobs, chunk, completion_logprobs,
-                          error_body, full_response, usage)
+                          error_body, full_response, prompt_counts, usage)
 from api.sse import with_pings
 from api.formats import ChatDeltas, finish_choice, marker_texts, request_formats
 from ipc.recorder import ClosedBy, EventKind, record_request
@@ -62,7 +62,29 @@ class JSONResponse(Response):
 def cached_prompt_tokens(handles: list[RequestHandle]) -> int:
     """Prompt tokens the prefill actor found in its prefix cache (from the first token's timings; the ``n``
     choices share one prefill)."""
-    return max((int((h.timings or {}).get("cached_tokens", 0)) for h in handles), default=0)
+    return prompt_counts(handles)[1]
+
+
+def request_usage(handles: list[RequestHandle]) -> dict:
+    """OpenAI ``usage`` of one HTTP request's sequences: each prompt once (api.protocol.prompt_counts), every
+    choice's completion tokens."""
+    prompt_tokens, cached_tokens = prompt_counts(handles)
+    return usage(prompt_tokens, sum(h.completion_tokens for h in handles), cached_tokens)
+
+
+def submit_all(client: EngineClient, requests: list[GenerationRequest]) -> list[RequestHandle]:
+    """Admit one HTTP request's engine requests (a completions list: one per prompt, each with its ``n`` choices),
+    all or none: back to back, with nothing awaited between them, so the actors take them together; when one is
+    refused, those admitted before it are finished (their rows aborted) and its error raised. Returns every
+    handle (each choice's ``index`` is its place in the response)."""
+    handles: list[RequestHandle] = []
+    try:
+        for request in requests:
+            handles += client.submit(request)
+    except PdserveError:
+        client.finish_all(handles)
+        raise
+    return handles
 
 
 def error_response(error: PdserveError, request_id: str | None = None) -> JSONResponse:
@@ -359,11 +381,12 @@ def parse_json(raw: bytes) -> Any:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
 
 
-def parse_request(parser: RequestParser, kind: str, raw: bytes, request_id: str | None) -> GenerationRequest:
-    """Body bytes -> a validated request. Bad input of any shape is a PdserveError (4xx), never a crash."""
+def parse_request(parser: RequestParser, kind: str, raw: bytes, request_id: str | None) -> list[GenerationRequest]:
+    """Body bytes -> the validated engine requests: a chat's one, a completion's one per prompt. Bad input of any
+    shape is a PdserveError (4xx), never a crash."""
     body = parse_json(raw)
     try:
-        return parser.chat(body, request_id) if kind == "chat" else parser.completion(body, request_id)
+        return [parser.chat(body, request_id)] if kind == "chat" else parser.completions(body, request_id)
     except PdserveError:
         raise
     except (RecursionError, MemoryError):
@@ -406,15 +429,16 @@ class Routes:
             raw = await read_decoded_body(request, self.client.config.body_read_timeout_s)
             if len(raw) > INLINE_PARSE_BYTES:
                 # JSON + chat template + tokenizer over a large body: off the event loop (heartbeats, other streams)
-                gen = await asyncio.to_thread(parse_request, self.parser, kind, raw, rid)
+                gens = await asyncio.to_thread(parse_request, self.parser, kind, raw, rid)
             else:
-                gen = parse_request(self.parser, kind, raw, rid)
+                gens = parse_request(self.parser, kind, raw, rid)
         except PdserveError as exc:
             return error_response(exc)   # the middleware names the client's id, or a new one
         except ClientDisconnect:   # gone before its body was complete: nobody to answer, nothing admitted
             return Response(status_code=499)
+        gen = gens[0]   # the id, kind and stream settings of them all
         try:
-            handles = self.client.submit(gen)
+            handles = submit_all(self.client, gens)
         except PdserveError as exc:
             return error_response(exc, gen.request_id)
         note_engine_requests(request.scope, handles)   # the connection ledger (api/http_edges.py)
@@ -428,17 +452,18 @@ class Routes:
                                      headers={"Cache-Control": "no-cache", "x-request-id": gen.request_id})
         return await self.complete(request, handles)
 
-    def format_logprobs(self, handles: list[RequestHandle], tokens: list, text_offset: int,
+    def format_logprobs(self, choice: RequestHandle, handles: list[RequestHandle], tokens: list, text_offset: int,
                         with_prompt: bool = False) -> dict | None:
-        """A choice's logprobs body; ``with_prompt`` (echo + logprobs) puts the prompt's tokens first, from
-        offset 0 (the prefill actor sent their log-probabilities to one of the choices' handles)."""
-        req = handles[0].request
+        """``choice``'s logprobs body; ``with_prompt`` (echo + logprobs) puts its prompt's tokens first, from
+        offset 0 (the prefill actor sent their log-probabilities to one of the handles of that prompt's choices,
+        among ``handles``)."""
+        req = choice.request
         if req.sampling.logprobs is None:
             return None
         if req.kind == "chat":
             return chat_logprobs(self.tokenizer, tokens)
         if with_prompt and req.sampling.prompt_logprobs is not None:
-            entries = next((h.prompt_logprobs for h in handles if h.prompt_logprobs), [])
+            entries = next((h.prompt_logprobs for h in handles if h.request is req and h.prompt_logprobs), [])
             tokens = list(zip(req.prompt_ids, entries)) + tokens
         return completion_logprobs(self.tokenizer, tokens, text_offset)
 
@@ -453,10 +478,10 @@ class Routes:
 
     async def complete(self, request: Request, handles: list[RequestHandle]) -> Response:
         req = handles[0].request
-        prefix = req.echo_text or ""
+        choice_of = {h.index: h for h in handles}
 
         async def collect() -> list[ChoiceResult]:
-            texts: dict[int, list[str]] = {h.index: [prefix] for h in handles}
+            texts: dict[int, list[str]] = {h.index: [h.request.echo_text or ""] for h in handles}
             tokens: dict[int, list] = {h.index: [] for h in handles}
             async for index, text, reason, logprobs in merged_choices(
                     self.client, self.tokenizer, handles, self.metrics):
@@ -465,7 +490,7 @@ class Routes:
                 if reason is not None:
                     reasons[index] = reason
             results = [ChoiceResult(i, "".join(texts[i]), reasons.get(i),
-                                    self.format_logprobs(handles, tokens[i], 0, True)) for i in texts]
+                                    self.format_logprobs(choice_of[i], handles, tokens[i], 0, True)) for i in texts]
             formats = request_formats(req)
             if formats is not None:   # reasoning, then the tool calls (or a named function's arguments)
                 for c in results:
@@ -497,8 +522,7 @@ class Routes:
             self.finished(handles, reasons)
             record_api(EventKind.LAST_BYTE, handles, a=200)
             record_api(EventKind.CLOSED, handles, aux=ClosedBy.SERVER, a=200)
-            return JSONResponse(full_response(req, choices, sum(h.completion_tokens for h in handles),
-                                              cached_prompt_tokens(handles)),
+            return JSONResponse(full_response(req, choices, request_usage(handles)),
                                 headers={"x-request-id": req.request_id})
         finally:
             for task in (work, watch):
@@ -509,7 +533,8 @@ class Routes:
         req = handles[0].request
         reasons: dict[int, str | None] = {}
         status = 499   # until the stream ends normally or with an error event
-        first = {h.index for h in handles}   # choices whose first chunk is still to come
+        choice_of = {h.index: h for h in handles}
+        first = set(choice_of)   # choices whose first chunk is still to come
         offsets = {h.index: 0 for h in handles}   # characters of the choice's text sent so far (echo included)
         formats = request_formats(req)   # reasoning and tool calls parsed out of the text (api/formats.py)
         tools = {h.index: ChatDeltas(formats, req.tools) for h in handles} if formats is not None else {}
@@ -517,8 +542,9 @@ class Routes:
             try:
                 async for index, text, reason, logprobs in merged_choices(
                     self.client, self.tokenizer, handles, self.metrics):
-                    if index in first and req.echo_text:
-                        text = req.echo_text + text
+                    echo = choice_of[index].request.echo_text
+                    if index in first and echo:
+                        text = echo + text
                     pieces: list = [(text, None, None)]
                     if tools:   # text becomes content, delta.tool_calls and delta.reasoning_content pieces
                         pieces = tools[index].push(text, reason) or [("", None, None)]
@@ -530,9 +556,9 @@ class Routes:
                         piece_logprobs = logprobs if k == 0 else []
                         if piece or calls or thought or piece_reason is not None or index in first or piece_logprobs:
                             body = chunk(req, piece, piece_reason, first=index in first, index=index,
-                                         logprobs=self.format_logprobs(handles, piece_logprobs, offsets[index],
-                                                                  index in first), tool_calls=calls,
-                                         reasoning=thought)
+                                         logprobs=self.format_logprobs(choice_of[index], handles, piece_logprobs,
+                                                                       offsets[index], index in first),
+                                         tool_calls=calls, reasoning=thought)
                             offsets[index] += len(piece or "")
                             if len(first) == len(handles):
                                 record_api(EventKind.FIRST_BYTE, handles)
@@ -540,9 +566,7 @@ class Routes:
                             yield b"data: " + orjson.dumps(body) + b"\n\n"
                 status = 200
                 if req.include_usage:
-                    body = chunk(req, None, None, usage_body=usage(len(req.prompt_ids),
-                                                                   sum(h.completion_tokens for h in handles),
-                                                                   cached_prompt_tokens(handles)))
+                    body = chunk(req, None, None, usage_body=request_usage(handles))
                     yield b"data: " + orjson.dumps(body) + b"\n\n"
             except PdserveError as exc:
                 log.warning("request %s: %d %s%s", req.request_id, exc.http_status, exc.message,   # the whole id

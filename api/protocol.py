@@ -78,6 +78,7 @@ class GenerationRequest:
     #                                  alone; the engine runs max_tokens 1, whose token is left out of the answer
     tools: ToolPlan | None = None    # chat with tools offered (tool_choice other than "none"); see api/tools.py
     formats: OutputFormats | None = None   # chat: its tool-call and reasoning parsers (api/formats.py)
+    first_index: int = 0             # its first choice's index: k * n for the k-th prompt of a completions list
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -380,6 +381,8 @@ class RequestParser:
             admission; None refuses both.
         formats: ``(tool-call parser, reasoning parser or None)`` of chat answers (api.formats.choose); None:
             ``hermes`` and no reasoning.
+        max_sequences: the sequences admission takes at once (the config's ``max_queued_requests``): a list of
+            prompts whose prompts x ``n`` exceed it is a 400, as it could never be admitted whole.
 
     A text prompt longer than ``max_token_chars * max_context_tokens`` characters cannot fit whatever its
     tokenization (one token covers at most ``max_token_chars`` characters), so it is rejected before the
@@ -388,7 +391,8 @@ class RequestParser:
 
     def __init__(self, tokenizer, served_model_name: str, max_context_tokens: int, reserve_tokens: int,
                  kv_pool_blocks: int = 0, kv_block_tokens: int = 16, grammars=None,
-                 max_tokens_policy: str = "reject", formats: tuple[str, str | None] | None = None):
+                 max_tokens_policy: str = "reject", formats: tuple[str, str | None] | None = None,
+                 max_sequences: int = 256):
         self.tokenizer = tokenizer
         self.tool_parser, self.reasoning_parser = formats or ("hermes", None)
         tool_parser(self.tool_parser)   # KeyError naming the choices
@@ -403,6 +407,7 @@ class RequestParser:
         self.reserve_tokens = reserve_tokens
         self.max_tokens_policy = max_tokens_policy
         self.max_token_chars = _max_token_chars(tokenizer)
+        self.max_sequences = max_sequences       # the config's max_queued_requests: bounds prompts x n of one request
 
     def _model(self, body: dict) -> str:
         model = body.get("model", self.served_model_name)
@@ -682,45 +687,107 @@ class RequestParser:
         return dataclasses.replace(sampling, grammar=grammar)
 
     def completion(self, body: Any, request_id: str | None = None) -> GenerationRequest:
-        """Validate a /v1/completions body. Raises InvalidRequestError (400) or ModelNotFoundError (404)."""
+        """The request of a /v1/completions body of one prompt (:meth:`completions` takes any). Raises
+        InvalidRequestError (400; also for a list of several prompts) or ModelNotFoundError (404)."""
+        requests = self.completions(body, request_id)
+        if len(requests) > 1:
+            raise InvalidRequestError(f"'prompt' lists {len(requests)} prompts where one is expected", param="prompt")
+        return requests[0]
+
+    def completions(self, body: Any, request_id: str | None = None) -> list[GenerationRequest]:
+        """Validate a /v1/completions body: one request per prompt, as vLLM runs a list (``prompt``: a string, a
+        list of token ids, or a list of several of either kind), sharing the id and creation time; the k-th has
+        ``first_index`` k * n, so its choices are indexed k * n + i. Every prompt is checked before any is
+        admitted; an error of one names it (``prompt[k] of K: ...``). Raises InvalidRequestError (400) or
+        ModelNotFoundError (404)."""
         model, stream, include_usage = self._common(body, "completion")
         rid = check_request_id(request_id, f"cmpl-{uuid.uuid4().hex[:24]}")
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]   # a batch of one prompt
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("'prompt' is empty", param="prompt")
-            prompt_ids = self._encode(prompt, "prompt")
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompt):
-            if not all(0 <= t < self.tokenizer.vocab_size for t in prompt):
-                raise InvalidRequestError(f"token ids in 'prompt' must be in [0, {self.tokenizer.vocab_size})",
-                                          param="prompt")
-            prompt_ids = list(prompt)
-        elif isinstance(prompt, list) and len(prompt) > 1:
-            raise _unsupported("prompt", "a list of several prompts", "send one request per prompt")
-        else:
-            raise InvalidRequestError("'prompt' must be a non-empty string, a list with one string, or a "
-                                      "non-empty list of token ids", param="prompt")
+        prompts = _prompt_list(body.get("prompt"))
+        n = _integer(body, "n", 1, 1, MAX_N)
+        if len(prompts) > 1 and len(prompts) * n > self.max_sequences:   # before any prompt is tokenized
+            raise InvalidRequestError(
+                f"'prompt' lists {len(prompts)} prompts of n={n} choices: {len(prompts) * n} sequences, more than "
+                f"this server admits at once (max_queued_requests={self.max_sequences}), so the request could never "
+                f"run whole; send at most {self.max_sequences // n} prompts per request", param="prompt")
         limit = body.get("max_tokens")
         echo_only = isinstance(limit, int) and not isinstance(limit, bool) and limit == 0
         if echo_only and body.get("echo") is not True:
             raise InvalidRequestError("'max_tokens' 0 asks for no tokens: it needs 'echo' (the prompt and, with "
                                       "'logprobs', its tokens' log-probabilities)", param="max_tokens")
-        sampling = self._sampling({**body, "max_tokens": 1} if echo_only else body, len(prompt_ids), "completion")
         fmt = _response_format(body)
-        if fmt is not False:
-            sampling = self._constrain(sampling, self._schema_grammar(fmt, "response_format"), "response_format")
-        echo_text = None
-        if body.get("echo"):
-            echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
-            if sampling.logprobs is not None:   # the prompt's tokens get log-probabilities too (the first: null)
-                sampling = dataclasses.replace(sampling, prompt_logprobs=sampling.logprobs)
-        return GenerationRequest("completion", rid, model, prompt_ids, sampling,
-                                 _stop_strings(body, None if sampling.grammar is None else "response_format"), stream,
-                                 include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), echo_text,
-                                 echo_only=echo_only)
+        grammar = None if fmt is False else self._schema_grammar(fmt, "response_format")
+        stop = _stop_strings(body, None if grammar is None else "response_format")
+        timeout_s, created = _timeout(body), int(time.time())
+        out = []
+        for k, prompt in enumerate(prompts):
+            try:
+                prompt_ids = self._prompt_ids(prompt)
+                sampling = self._sampling({**body, "max_tokens": 1} if echo_only else body, len(prompt_ids),
+                                          "completion")
+                if grammar is not None:
+                    sampling = self._constrain(sampling, grammar, "response_format")
+                echo_text = None
+                if body.get("echo"):
+                    echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
+                    if sampling.logprobs is not None:   # its tokens get log-probabilities too (the first: null)
+                        sampling = dataclasses.replace(sampling, prompt_logprobs=sampling.logprobs)
+                choices = self._n(body, len(prompt_ids), sampling)
+            except InvalidRequestError as exc:
+                raise _in_prompt(exc, k, len(prompts)) from None
+            out.append(GenerationRequest("completion", rid, model, prompt_ids, sampling, stop, stream, include_usage,
+                                         timeout_s, choices, echo_text, echo_only=echo_only, first_index=k * n,
+                                         created=created))
+        return out
+
+    def _prompt_ids(self, prompt: str | list) -> list[int]:
+        """One prompt of :func:`_prompt_list` as token ids. Raises InvalidRequestError naming ``prompt``: empty,
+        not token ids, an id outside the vocabulary, too many characters for the context."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("'prompt' is empty", param="prompt")
+            return self._encode(prompt, "prompt")
+        if not prompt or not all(_is_token(t) for t in prompt):
+            raise InvalidRequestError("a token-id prompt must be a non-empty list of integers", param="prompt")
+        if not all(0 <= t < self.tokenizer.vocab_size for t in prompt):
+            raise InvalidRequestError(f"token ids in 'prompt' must be in [0, {self.tokenizer.vocab_size})",
+                                      param="prompt")
+        return list(prompt)
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompt_list(prompt: Any) -> list[str | list]:
+    """``prompt`` as a list of prompts, each a string or a list (of token ids: :meth:`RequestParser._prompt_ids`
+    checks each one's content), from the shapes OpenAI and vLLM take: a string, a list of token ids, a list of
+    strings, a list of token-id lists. Raises InvalidRequestError naming ``prompt`` for an empty list, a list
+    mixing strings and token-id lists, or any other shape."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(_is_token(t) for t in prompt):
+            return [prompt]
+        kinds = {str if isinstance(p, str) else list if isinstance(p, list) else None for p in prompt}
+        if kinds in ({str}, {list}):
+            return list(prompt)
+        if kinds == {str, list}:
+            raise InvalidRequestError("'prompt' mixes strings and token-id lists; send a list of one kind",
+                                      param="prompt")
+    if prompt == []:
+        raise InvalidRequestError("'prompt' is an empty list", param="prompt")
+    raise InvalidRequestError("'prompt' must be a non-empty string, a non-empty list of token ids, or a list of "
+                              "such strings or such lists", param="prompt")
+
+
+def _in_prompt(exc: InvalidRequestError, k: int, count: int) -> InvalidRequestError:
+    """``exc``, raised while reading the k-th of ``count`` prompts, with a message naming that prompt when the
+    error is the prompt's own: any error of a later prompt (one of the body as a whole fires on the first), and
+    the first's about itself (its content, its length, its choices' KV). Param and code unchanged."""
+    own = k > 0 or exc.param in ("prompt", "n") or exc.code == "context_length_exceeded"
+    if count == 1 or not own:
+        return exc
+    return InvalidRequestError(f"prompt[{k}] of {count}: {exc.message}", param=exc.param, code=exc.code)
 
 
 def _max_token_chars(tokenizer) -> int:
@@ -741,6 +808,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def prompt_counts(handles) -> tuple[int, int]:
+    """``(prompt tokens, cached prompt tokens)`` of one HTTP request's sequences (api.admission.RequestHandle: its
+    ``request`` and ``timings``): each prompt once, as its ``n`` choices share its prefill, with the leading tokens
+    the prefix cache held for it (the most any of its choices' first-token timings report)."""
+    prompts: dict[int, tuple[int, int]] = {}
+    for h in handles:
+        tokens, cached = prompts.get(id(h.request), (len(h.request.prompt_ids), 0))
+        prompts[id(h.request)] = (tokens, max(cached, int((h.timings or {}).get("cached_tokens", 0))))
+    return sum(t for t, _ in prompts.values()), sum(c for _, c in prompts.values())
 
 
 def _logprob_entry(tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
@@ -796,9 +874,9 @@ class ChoiceResult:
     reasoning: str | None = None           # chat with a reasoning parser: ``message.reasoning_content``
 
 
-def full_response(req: GenerationRequest, choices: list[ChoiceResult], completion_tokens: int,
-                  cached_tokens: int = 0) -> dict:
-    """The non-streamed body: one choice per ``n``, in index order; usage counts the prompt once."""
+def full_response(req: GenerationRequest, choices: list[ChoiceResult], usage_body: dict) -> dict:
+    """The non-streamed body: the choices in index order (``req``: the first prompt's request; its id, kind, model
+    and creation time are the whole request's); ``usage_body``: :func:`usage` of :func:`prompt_counts`."""
     out = []
     for c in sorted(choices, key=lambda c: c.index):
         if req.kind == "chat":
@@ -813,7 +891,7 @@ def full_response(req: GenerationRequest, choices: list[ChoiceResult], completio
             out.append({"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason})
     obj = "chat.completion" if req.kind == "chat" else "text_completion"
     return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": out, "usage": usage(len(req.prompt_ids), completion_tokens, cached_tokens)}
+            "choices": out, "usage": usage_body}
 
 
 def chunk(req: GenerationRequest, text: str | None, finish_reason: str | None, *, first: bool = False,

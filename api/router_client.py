@@ -265,7 +265,8 @@ class RouterClient:
         request_id = next(self._ids)
         handles = []
         for index in range(request.n):
-            handle = RequestHandle(request, request_id, index + 1, index, deadline_s=time.monotonic() + timeout_s)
+            handle = RequestHandle(request, request_id, index + 1, request.first_index + index,
+                                   deadline_s=time.monotonic() + timeout_s)
             self.handles[handle.key] = handle
             self.flights[handle.key] = InFlight(handle, prefill, decode)
             prefill.in_flight += 1

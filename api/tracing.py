@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from api.protocol import prompt_counts
 from ipc.recorder import EventKind
 
 log = logging.getLogger("pdserve.api")
@@ -102,14 +103,15 @@ def request_facts(note: TraceNote, end_ns: int) -> RequestFacts:
     """The facts of ``note``'s request (its handles read now: call it on the event loop, at the end)."""
     handles = note.handles
     req = handles[0].request
+    prompt_tokens, cached_tokens = prompt_counts(handles)   # a completions list: every prompt once
     return RequestFacts(
         request_id=req.request_id, method=note.method, path=note.path, status=note.status, start_ns=note.start_ns,
         end_ns=end_ns, wall_offset_ns=note.wall_offset_ns, carrier=dict(note.carrier),
         operation="chat" if req.kind == "chat" else "text_completion", model=req.model,
-        prompt_tokens=len(req.prompt_ids),
+        prompt_tokens=prompt_tokens,
         choices=[(h.index, h.slot, h.generation, h.finish_reason, h.completion_tokens) for h in handles],
         first_token_ns=min((h.first_token_ns for h in handles if h.first_token_ns), default=0),
-        cached_tokens=max((int((h.timings or {}).get("cached_tokens", 0)) for h in handles), default=0),
+        cached_tokens=cached_tokens,
         max_tokens=int(req.sampling.max_tokens), temperature=float(req.sampling.temperature),
         top_p=float(req.sampling.top_p))
 

@@ -3,6 +3,8 @@ routing, reservation, rollback and release rule without a process. Each case che
 reserved and the messages sent."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from actors.messages import KVReady, PrefillRequest, Sampling, TransferDone
@@ -100,6 +102,26 @@ def test_n_over_the_limit_is_a_400_and_in_flight_plus_n_over_it_a_503():
     with pytest.raises(EngineOverloadedError, match="max_queued_requests"):
         engine.core.admit(request("b", n=2))
     assert len(engine.table.rows) == 3 and len(engine.core.handles) == 3 and engine.outbox.sent == []
+
+
+def test_a_list_of_prompts_is_admitted_whole_with_choice_indices_after_the_earlier_prompts_or_not_at_all():
+    """api/app.py's submit_all over the core: one PrefillRequest per prompt, choices indexed k * n + i; a refusal
+    of a later prompt (the in-flight limit) aborts and releases the rows of those admitted before it."""
+    from types import SimpleNamespace
+
+    from api.app import submit_all
+
+    engine = Engine()
+    client = SimpleNamespace(submit=engine.core.admit, finish_all=engine.core.release_all)
+    batch = [request("b", n=2), dataclasses.replace(request("b", n=2), first_index=2)]
+    handles = submit_all(client, batch)
+    assert [h.index for h in handles] == [0, 1, 2, 3] and len(engine.outbox.sent) == 2
+    engine.core.release_all(handles)
+    held, = engine.core.admit(request("x"))
+    with pytest.raises(EngineOverloadedError):
+        submit_all(client, batch)   # the first prompt's 2 rows fit beside x, the second's do not
+    assert list(engine.core.handles) == [held.key] and list(engine.table.rows) == [held.slot]
+    assert len(engine.table.released) == 4 + 2 and len(engine.outbox.sent) == 2 + 1 + 1   # aborted, then freed
 
 
 def test_a_reservation_not_yet_made_counts_against_its_decode_pool_until_the_first_token():

@@ -200,7 +200,7 @@ def test_one_empty_message_is_still_a_valid_chat_prompt(parser):
     assert parser.chat(chat_body(messages=[{"role": "user", "content": ""}])).prompt_ids
 
 
-@pytest.mark.parametrize("prompt", ["", [], [[]], ["a", "b"], [-1], [10**9], [True], None, 5, {"a": 1}])
+@pytest.mark.parametrize("prompt", ["", [], [[]], [-1], [10**9], [True], None, 5, {"a": 1}])
 def test_empty_or_malformed_prompts_are_rejected(parser, prompt):
     rejected(parser.completion, completion_body(prompt=prompt), "prompt")
 
@@ -228,6 +228,61 @@ def test_a_single_string_or_token_list_in_a_list_is_one_prompt(parser):
     assert parser.completion(completion_body(prompt=["hello"])).prompt_ids == \
         parser.completion(completion_body(prompt="hello")).prompt_ids
     assert parser.completion(completion_body(prompt=[[1, 2, 3]])).prompt_ids == [1, 2, 3]
+
+
+def test_a_list_of_prompts_is_one_request_per_prompt_whose_choices_follow_the_earlier_prompts_choices(parser):
+    ids = parser.tokenizer.encode("hello there")
+    for prompts in (["hello", "hello there", "a"], [[1, 2, 3], ids]):
+        body = completion_body(prompt=prompts, n=2, max_tokens=3, echo=True, logprobs=1, stop=["x"], timeout=5)
+        got = parser.completions(body, "batch-1")
+        assert [r.first_index for r in got] == [0, 2, 4][:len(prompts)]
+        assert {(r.request_id, r.created, r.n, r.stop, r.timeout_s) for r in got} == {("batch-1", got[0].created, 2,
+                                                                                        ("x",), 5.0)}
+        for prompt, r in zip(prompts, got):   # each as that prompt alone would be, bar its place
+            (alone,) = parser.completions({**body, "prompt": prompt}, "batch-1")
+            assert same_request(dataclasses.replace(r, first_index=0), alone)
+            assert r.echo_text == (prompt if isinstance(prompt, str) else parser.tokenizer.decode(prompt))
+            assert r.sampling.prompt_logprobs == 1
+    assert [r.prompt_ids for r in parser.completions(completion_body(prompt=[[1, 2], [3]]))] == [[1, 2], [3]]
+    assert [r.echo_only for r in parser.completions(completion_body(prompt=["a", "b"], echo=True, max_tokens=0))] \
+        == [True, True]
+    # the one-prompt entry point refuses a list of several rather than dropping all but one
+    assert "2 prompts" in rejected(parser.completion, completion_body(prompt=["a", "b"]), "prompt").message
+
+
+@pytest.mark.parametrize("prompt,named", [
+    (["a", [1, 2]], "mixes strings and token-id lists"), ([[1, 2], "a"], "mixes"), (["a", ""], "prompt[1] of 2"),
+    ([[1], []], "prompt[1] of 2"), ([[1], [2, 10**9]], "prompt[1] of 2"), ([[1], [2, True]], "prompt[1] of 2"),
+    ([[1], ["a"]], "prompt[1] of 2"), (["a", 5], "must be"), (["a", None], "must be"), ([[1], 5], "must be"),
+    ([1, "a"], "must be"), ([], "empty list"), (["", "a"], "prompt[0] of 2"),
+])
+def test_a_bad_list_of_prompts_is_a_400_naming_prompt_and_which_one(parser, prompt, named):
+    assert named in rejected(parser.completions, completion_body(prompt=prompt), "prompt").message
+
+
+def test_a_prompt_too_long_among_several_fails_the_request_naming_it_and_a_body_error_names_none(parser):
+    long = [42] * MAX_LEN
+    for prompts, k in (([[1], long], 1), ([long, [1]], 0)):
+        error = rejected(parser.completions, completion_body(prompt=prompts, max_tokens=None), "prompt")
+        assert error.code == "context_length_exceeded" and error.message.startswith(f"prompt[{k}] of 2: ")
+    error = rejected(parser.completions, completion_body(prompt=[[1], [42] * (MAX_LEN - 2)], max_tokens=3),
+                     "max_tokens")
+    assert error.code == "context_length_exceeded" and error.message.startswith("prompt[1] of 2: ")
+    error = rejected(parser.completions, completion_body(prompt=["a", "b"], temperature=5), "temperature")
+    assert not error.message.startswith("prompt[")
+
+
+def test_prompts_times_n_over_what_admission_takes_at_once_is_a_400_before_any_prompt_is_tokenized():
+    from gpu.tokenizer import Tokenizer
+
+    small = RequestParser(Tokenizer.load(None), MODEL, MAX_LEN, reserve_tokens=16, max_sequences=6)
+    assert len(small.completions(completion_body(prompt=["a"] * 3, n=2))) == 3
+    error = rejected(small.completions, completion_body(prompt=["a"] * 4, n=2), "prompt")
+    assert "max_queued_requests=6" in error.message and "at most 3 prompts" in error.message
+    start = time.monotonic()   # 100k prompts of a megabyte body: refused on their count alone
+    rejected(small.completions, completion_body(prompt=["word " * 2] * 100_000), "prompt")
+    assert time.monotonic() - start < 0.1
+    assert small.completions(completion_body(prompt="a", n=8))[0].n == 8   # one prompt's n: admission's to refuse
 
 
 def test_stop_list_limit_is_a_named_constant(parser):

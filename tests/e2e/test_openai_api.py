@@ -108,7 +108,14 @@ CASES = [
     ("prompt-missing", COMP, {"max_tokens": 2}, 400, BAD, "prompt"),
     ("prompt-wrong-type", COMP, comp(prompt=5), 400, BAD, "prompt"),
     ("prompt-token-outside-vocab", COMP, comp(prompt=[10**9]), 400, BAD, "prompt"),
-    ("prompt-batch-of-two", COMP, comp(prompt=["a", "b"]), 400, BAD, "prompt"),
+    ("prompt-list-mixing-strings-and-token-lists", COMP, comp(prompt=["a", [TOKEN]]), 400, BAD, "prompt"),
+    ("prompt-list-with-an-empty-string", COMP, comp(prompt=["a", ""]), 400, BAD, "prompt"),
+    ("prompt-list-with-an-empty-token-list", COMP, comp(prompt=[[TOKEN], []]), 400, BAD, "prompt"),
+    ("prompt-list-token-outside-vocab", COMP, comp(prompt=[[TOKEN], [TOKEN, 10**9]]), 400, BAD, "prompt"),
+    ("prompt-list-over-max-queued-requests", COMP, comp(prompt=["a"] * 257), 400, BAD, "prompt"),
+    ("prompt-list-times-n-over-max-queued-requests", COMP, comp(prompt=["a"] * 3, n=100), 400, BAD, "prompt"),
+    ("prompt-list-one-over-the-context", COMP, comp(prompt=[[TOKEN], [TOKEN] * POOL_TOKENS], max_tokens=None), 400,
+     BAD, "prompt"),
     ("max-tokens-zero", COMP, comp(max_tokens=0), 400, BAD, "max_tokens"),
     ("max-tokens-negative", COMP, comp(max_tokens=-1), 400, BAD, "max_tokens"),
     ("max-tokens-2**31", COMP, comp(max_tokens=2**31), 400, BAD, "max_tokens"),
@@ -583,6 +590,120 @@ def test_openai_client_logprobs_chat_and_completions(oai, model):
                                  seed=3, logprobs=1).choices[0].logprobs
     assert all(tok in d and d[tok] == v for tok, d, v in zip(hot.tokens, hot.top_logprobs, hot.token_logprobs))
     assert any(len(d) == 2 for d in hot.top_logprobs), "no sampled token outside the top 1 at temperature 1.8"
+
+
+BATCH = ["The capital of France is", "The three primary colors are", "One, two, three,"]
+
+
+def test_openai_client_a_list_of_prompts_answers_each_as_that_prompt_alone(oai, model, tokenizer):
+    """vLLM's and OpenAI's batch: one choice per prompt (n per prompt, index prompt * n + i), each greedy text the
+    prompt's own alone (greedy is batch-invariant here), usage summed (each prompt once, every choice's tokens);
+    token-id lists the same."""
+    alone = [oai.completions.create(model=model, prompt=p, max_tokens=8, temperature=0) for p in BATCH]
+    batch = oai.completions.create(model=model, prompt=BATCH, max_tokens=8, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone] and all(c.text for c in batch.choices)
+    assert [c.finish_reason for c in batch.choices] == [a.choices[0].finish_reason for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert batch.usage.total_tokens == batch.usage.prompt_tokens + batch.usage.completion_tokens
+    ids = oai.completions.create(model=model, prompt=[tokenizer.encode(p) for p in BATCH[:2]], max_tokens=8,
+                                 temperature=0)
+    assert [c.text for c in ids.choices] == [a.choices[0].text for a in alone[:2]]
+    twice = oai.completions.create(model=model, prompt=BATCH, max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in twice.choices] == list(range(6))
+    assert [c.text for c in twice.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert twice.usage.prompt_tokens == batch.usage.prompt_tokens   # each prompt once, whatever n
+    assert twice.usage.completion_tokens == 2 * batch.usage.completion_tokens
+
+
+def test_openai_client_a_list_of_prompts_echoes_and_scores_each_prompt_as_alone(oai, model):
+    """lm-evaluation-harness's loglikelihood batch: ``echo``, ``logprobs``, ``max_tokens`` 0 (and 1): each choice is
+    its own prompt with that prompt's scores, as the prompt alone gets them; streamed the same, with summed usage."""
+    prompts = BATCH[:2]
+    scored = oai.completions.create(model=model, prompt=prompts, echo=True, max_tokens=0, logprobs=1, temperature=0)
+    for prompt, choice in zip(prompts, scored.choices):
+        alone = oai.completions.create(model=model, prompt=prompt, echo=True, max_tokens=0, logprobs=1,
+                                       temperature=0).choices[0]
+        assert choice.text == prompt == alone.text and choice.finish_reason == "length"
+        assert choice.logprobs.tokens == alone.logprobs.tokens and choice.logprobs.token_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(alone.logprobs.token_logprobs[1:], abs=1e-4)
+    assert scored.usage.completion_tokens == 0
+    assert scored.usage.prompt_tokens == sum(len(c.logprobs.tokens) for c in scored.choices)
+    with_next = oai.completions.create(model=model, prompt=prompts, echo=True, max_tokens=2, logprobs=1,
+                                       temperature=0)
+    plain = oai.completions.create(model=model, prompt=prompts, max_tokens=2, temperature=0)
+    for k, choice in enumerate(with_next.choices):
+        assert choice.text == prompts[k] + plain.choices[k].text
+        assert choice.logprobs.tokens[:-2] == scored.choices[k].logprobs.tokens
+    events = list(oai.completions.create(model=model, prompt=prompts, echo=True, max_tokens=0, logprobs=1, n=2,
+                                         stream=True, stream_options={"include_usage": True}))
+    for index in range(4):
+        mine = [e.choices[0] for e in events if e.choices and e.choices[0].index == index]
+        assert "".join(c.text for c in mine) == prompts[index // 2] and mine[-1].finish_reason == "length"
+        assert [t for c in mine if c.logprobs for t in c.logprobs.tokens] == \
+            scored.choices[index // 2].logprobs.tokens
+    assert events[-1].usage.completion_tokens == 0 and events[-1].usage.prompt_tokens == scored.usage.prompt_tokens
+
+
+def test_openai_client_a_streamed_list_of_prompts_indexes_each_choice_and_sums_the_usage(oai, model):
+    full = oai.completions.create(model=model, prompt=BATCH, max_tokens=8, temperature=0, n=2)
+    events = list(oai.completions.create(model=model, prompt=BATCH, max_tokens=8, temperature=0, n=2, stream=True,
+                                         stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for event in events[:-1]:
+        (choice,) = event.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        if choice.finish_reason:
+            reasons[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.text for c in full.choices} and set(reasons) == set(range(6))
+    assert events[-1].choices == [] and events[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert events[-1].usage.completion_tokens == full.usage.completion_tokens
+    echoed = list(oai.completions.create(model=model, prompt=BATCH[:2], max_tokens=8, temperature=0, echo=True,
+                                         stream=True))
+    for k in range(2):
+        mine = "".join(e.choices[0].text for e in echoed if e.choices[0].index == k)
+        assert mine == BATCH[k] + full.choices[2 * k].text
+
+
+def test_openai_client_a_bad_list_of_prompts_is_a_400_naming_the_prompt(oai, model):
+    for prompt, named in ((["a", ""], "prompt[1] of 2"), (["a", [TOKEN]], "mixes"), ([[TOKEN], [10**9]], "prompt[1]"),
+                          ([], "empty list"), (["a"] * 257, "max_queued_requests")):
+        with pytest.raises(openai_bad_request()) as info:
+            oai.completions.create(model=model, prompt=prompt, max_tokens=2)
+        assert info.value.body["param"] == "prompt" and named in info.value.body["message"], info.value.body
+
+
+def test_a_prompt_over_the_context_fails_its_list_naming_it_and_none_of_the_list_is_admitted(engine, http, probe):
+    before = scrape(engine.base_url)["pdserve_requests_admitted_total"]
+    over = http.post(COMP, json={"prompt": [[TOKEN] * 4, [TOKEN] * POOL_TOKENS, [TOKEN] * 4], "max_tokens": 1},
+                     headers={"X-Request-Id": "list-over"})
+    error = assert_error(over, 400, BAD, "prompt", "context_length_exceeded")
+    assert error["message"].startswith("prompt[1] of 3: ")
+    assert probe.rows_with_id("list-over") == []
+    assert scrape(engine.base_url)["pdserve_requests_admitted_total"] == before
+    assert_recovered(engine, probe)
+
+
+def test_a_list_refused_part_way_by_admission_is_a_503_and_the_prompts_admitted_before_it_are_aborted(engine, http,
+                                                                                                     probe):
+    """255 sequences in flight (15 prompts of 17 choices, held streaming; max_queued_requests 256): a list of two
+    prompts has its first admitted and its second refused; the answer is the 503, the first's row is aborted and
+    released (its timeline in the flight recorder ends ABORTED), none of it runs on."""
+    hold = {"prompt": [f"Count {k}:" for k in range(15)], "n": 17, "max_tokens": 30, "ignore_eos": True,
+            "temperature": 0, "stream": True}   # 2 KV blocks per choice: 17 choices of a prompt fit in the pool
+    with httpx.Client(base_url=engine.base_url, timeout=60) as client:
+        with client.stream("POST", COMP, json=hold) as held:
+            assert held.status_code == 200   # its headers: all 255 admitted
+            refused = http.post(COMP, json={"prompt": ["a", "b"], "max_tokens": 1},
+                                headers={"X-Request-Id": "list-part-way"})
+            assert_error(refused, 503, "overloaded_error")
+            assert probe.rows_with_id("list-part-way") == []
+    timelines = wait_until(lambda: http.get("/debug/requests/list-part-way").json()["timelines"], 10,
+                           message="the refused list's timeline in the flight recorder")
+    assert [(t["final"], bool(t["released"])) for t in timelines] == [("ABORTED", True)]
+    assert_recovered(engine, probe)
 
 
 def test_echo_returns_the_prompt_before_the_completion(http):
