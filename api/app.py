@@ -81,7 +81,7 @@ def submit_all(client: EngineClient, requests: list[GenerationRequest]) -> list[
     try:
         for request in requests:
             handles += client.submit(request)
-    except PdserveError:
+    except BaseException:   # all or none, whatever stopped it
         client.finish_all(handles)
         raise
     return handles
