@@ -185,14 +185,15 @@ def copy_block_rows(kv, src_block: int, dst_block: int, rows: int) -> None:
     kv[:, :, dst_block, :rows].copy_(kv[:, :, src_block, :rows])
 
 
-def warm_up(model, pool, decode: bool = True, threads: int = 1) -> None:
+def warm_up(model, pool, decode: bool = True, threads: int = 1, prefill_threads: int = 1) -> None:
     """One tiny prefill (and with ``decode``, one decode step) into a borrowed block, before the actor reports
     READY: the first real request then pays no lazy initialization (kernel selection, allocations, numba's
     compilation or cache load) that could starve the heartbeat. The caller resets the pool afterwards. An actor
     that never decodes passes ``decode=False``: with native weights a decode step also stacks the layers' tiles
     (``LlamaModel._stack_layers``, a private copy) and loads the decode kernels. ``threads`` > 1 (a native
     decode actor's most, ``actors.shell.decode_threads``): the step runs again on that many threads, which loads
-    the threaded kernels."""
+    the threaded kernels. ``prefill_threads`` > 1 (a native prefill actor's most, ``actors.shell.prefill_threads``):
+    the prefill runs again on that many GEMM threads, which finds their plans (``gpu.model.gemm_plan``)."""
     started = time.monotonic()
     if decode and getattr(model, "native", False):
         log.info("warming up the low-bit decode kernels (compiled once per checkout into gpu/__pycache__: "
@@ -200,6 +201,8 @@ def warm_up(model, pool, decode: bool = True, threads: int = 1) -> None:
     blocks = pool.allocate(1, 0)
     kv = pool.tensor()
     model.prefill(kv, [1, 2, 3], blocks)
+    if prefill_threads > 1 and getattr(model, "native", False):
+        model.prefill_packed(kv, [[1, 2, 3]], [blocks], [0], gemm_threads=prefill_threads)
     if decode:
         model.decode(kv, [4], [3], [blocks])
     threaded = False

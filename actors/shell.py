@@ -24,7 +24,8 @@ DECODE_THREADS_MIN_ROWS = 4
 def load_model(actor, decode: bool):
     """``(model, pool)`` for ``actor`` (an actors.base.Actor): the prepared model and its attached KV pool, after
     a warm-up pass (``decode=False``: an actor that never decodes skips the decode step, unless the model runs a
-    prompt's last token as one, ``prompt_last_by_decode``) between two resets (a restarted actor starts from an
+    prompt's last token as one, ``prompt_last_by_decode``; a prefill actor's also plans its most prefill threads)
+    between two resets (a restarted actor starts from an
     empty pool; its old requests were failed)."""
     import torch
 
@@ -39,7 +40,8 @@ def load_model(actor, decode: bool):
     pool = KVPool.attach(actor.layout.segment(actor.topology.segment("kv", actor.index)))
     pool.reset()   # a predecessor's blocks (a full prefix cache, say) must not leave warm-up without one
     warm_up(model, pool, decode=decode or getattr(model, "prompt_last_by_decode", False),
-            threads=decode_threads(config, actor.topology.num_decode) if decode else 1)
+            threads=decode_threads(config, actor.topology.num_decode) if decode else 1,
+            prefill_threads=1 if decode else prefill_threads(config, actor.topology.num_prefill))
     pool.reset()
     return model, pool
 
@@ -73,8 +75,8 @@ def decode_threads(config, decode_actors: int, busy_prefill: int = 0, cpus: int 
 
 
 def prefill_threads(config, prefill_actors: int, busy_decode: int = 0, cpus: int | None = None) -> int:
-    """Torch threads for a native model's prefill GEMMs (``actors.model_runner.prefill_forward``; the float32
-    copies run over blocks of gpu.model.PREFILL_BLOCK_ROWS rows, whose bits MKL keeps on two threads):
+    """Torch threads for a native model's prefill GEMMs (``actors.model_runner.prefill_forward``; the model runs
+    its float32 copies on them where ``gpu.model.gemm_plan`` finds the bits of one thread):
     ``config.prefill_threads`` when set (> 0); else (auto) ``torch_threads`` while any of this node's decode
     actors has work or is about to (``busy_decode``: those whose own gauges say so, plus one while the prefill
     actor's inflight queue holds requests it handed off), otherwise ``cpus`` (default: the CPUs this

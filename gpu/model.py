@@ -100,8 +100,8 @@ class _Layer:
 
 
 WEIGHT_MODES = ("auto", "float32", "bfloat16")
-# native weights: prefills of >= this many tokens run the layers' float32 copies (see QuantLinear) over blocks of
-# PREFILL_BLOCK_ROWS rows. 1 = every prefill: the low-bit GEMVs are batch-invariant too and 0.5-1.0x the time at
+# native weights: prefills of >= this many tokens run the layers' float32 copies (see QuantLinear) with the bits of
+# PREFILL_BLOCK_ROWS-row calls. 1 = every prefill: the low-bit GEMVs are batch-invariant too and 0.5-1.0x the time at
 # 16-1000 tokens (docs/performance.md §26), but their int8-rounded activations flip SmolLM2's first answer token
 # at a near tie ("What is the capital of France?": "L'Étoile..." instead of "The capital... Paris"). The engine's
 # ``--prefill-low-bit`` sets a model's ``dense_min_tokens`` past any prompt instead (actors/shell.configure_model)
@@ -114,10 +114,14 @@ DENSE_MIN_TOKENS = 1
 # no more at 32-64 rows, docs/performance.md §27)
 DECODE_STACKED_MAX_ROWS = 65
 HEAD_DENSE_MIN_ROWS = DECODE_STACKED_MAX_ROWS
-# native weights: the float32 copies run over blocks of this many rows (the last one zero-padded): MKL's GEMM gives a
-# row the same bits at any place of a call of a fixed number of rows (checked at 8-64), not across numbers of rows,
-# so a prompt's KV then does not depend on how it was packed with others or how much of it the prefix cache held
+# native weights: a row of the float32 copies' GEMMs gets the bits it gets in a call of this many rows on one thread
+# (a short call zero-padded to it), so a prompt's KV does not depend on how it was packed with others or how much of
+# it the prefix cache held. MKL (torch 2.13.0+cpu) gives a row those bits in a call of any 12-2300 rows, on one or
+# two threads (docs/performance.md §30), so a pass runs one call over all its rows where ``gemm_plan`` finds that on
+# the machine, blocks of this many rows otherwise (MKL gives a row the same bits at any place of such a block)
 PREFILL_BLOCK_ROWS = 32
+# the row counts ``gemm_plan`` tries: short and long, odd and even, in and beyond a few blocks
+GEMM_PROBE_ROWS = (32, 33, 47, 64, 95, 161, 300)
 
 
 @contextmanager
@@ -133,6 +137,37 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def gemm_rows(fn, x: torch.Tensor, whole: bool, threads: int = 0) -> torch.Tensor:
+    """``fn`` (a float32 GEMM ``[M, K] -> [M, N]``) over ``x`` ``[n, K]`` -> ``[n, N]``: one call over all rows
+    (``whole``) or over blocks of PREFILL_BLOCK_ROWS rows, a call of fewer rows zero-padded to that; on ``threads``
+    torch threads (0: torch's count)."""
+    n, r = x.shape[0], PREFILL_BLOCK_ROWS
+    pad = max(0, r - n) if whole else -n % r
+    xp = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
+    with torch_threads(threads):
+        if whole:
+            return fn(xp)[:n]
+        return torch.cat([fn(xp[i:i + r]) for i in range(0, xp.shape[0], r)])[:n]
+
+
+def gemm_plan(fn, in_features: int, threads: int, rows: tuple[int, ...] = GEMM_PROBE_ROWS) -> tuple[bool, int]:
+    """How :func:`gemm_rows` runs ``fn`` (a float32 GEMM over ``[M, in_features]``) so that every row gets the bits
+    of a PREFILL_BLOCK_ROWS-row call on one thread: ``(whole, threads)``, found by running it over random rows at
+    each count of ``rows``: one call over all rows on ``threads`` where that gave those bits at every count, else
+    blocks on ``threads`` where those did, else blocks on one thread. The bits of a GEMM depend on the library's
+    kernels (the CPU, the thread count), not on the numbers, so a plan holds for every call of that shape."""
+    x = torch.randn(max(rows), in_features, generator=torch.Generator().manual_seed(0))
+    ref = gemm_rows(fn, x, whole=False, threads=1)
+
+    def same(whole: bool, t: int) -> bool:
+        return all(torch.equal(gemm_rows(fn, x[:m], whole, t), ref[:m]) for m in rows)
+
+    threads = max(1, threads)
+    if same(True, threads):
+        return True, threads
+    return False, threads if threads == 1 or same(False, threads) else 1
 
 
 def resolve_weights_mode(mode: str, device: str | torch.device = "cpu") -> str:
@@ -255,13 +290,14 @@ class LlamaModel:
         self.native = native
         # a forward of at least this many tokens runs each linear's float32 weight (``QuantLinear.big``)
         self.dense_min_tokens = DENSE_MIN_TOKENS
-        # natively, a prefill's output projection runs its float32 copy, one row per call (MKL sums a row in an order
-        # that depends on the number of rows); the engine's prompts take their first token from a decode step instead
+        # natively, a prefill's output projection runs its float32 copy as the layers do (_gemm_rows; echo's prompt
+        # scores); the engine's prompts take their first token from a decode step instead
         self.prefill_head_dense = True
         # natively, the engine (actors/model_runner.PrefillRunner) runs a prompt's last token as a decode step: a
         # prompt whose prefix is cached then pays the low-bit GEMVs, not a float32 block per linear
         self.prompt_last_by_decode = native
-        self._gemm_threads = 0   # torch threads of a native prefill's blocked GEMMs (prefill_packed's gemm_threads)
+        self._gemm_threads = 0   # torch threads of a native prefill's float32 GEMMs (prefill_packed's gemm_threads)
+        self._gemm_plans: dict[tuple[int, int, int], tuple[bool, int]] = {}   # (out, in, threads): gemm_plan's
         self.head_dense_min_rows = HEAD_DENSE_MIN_ROWS  # the same for the output projection
         # decode steps below this run the GEMV (decode_layers where it applies), at or above it the float32 copies
         self.decode_stacked_max_rows = DECODE_STACKED_MAX_ROWS
@@ -585,8 +621,8 @@ class LlamaModel:
             all_logits: ``[B]`` flags: sequence ``b`` gets every position's logits (default: none does).
             logits: ``[B]`` flags: False = sequence ``b`` needs no logits unless ``all_logits[b]`` (a chunk
                 before its prompt's end; default: every sequence gets them).
-            gemm_threads: > 0: a native model's float32 GEMMs over blocks of PREFILL_BLOCK_ROWS rows run on that
-                many torch threads (MKL gives such a block the bits of one thread; checked at 1 and 2), every other
+            gemm_threads: > 0: a native model's float32 GEMMs run on that many torch threads where
+                :func:`gemm_plan` finds they give a row the bits of one thread (one thread otherwise), every other
                 op on torch's count as set (an activation over all the pass's rows splits where the threads do, and
                 its bits then differ); 0 or a model that is not native: torch's count as set.
         Returns:
@@ -659,8 +695,8 @@ class LlamaModel:
         x = F.rms_norm(x, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
         # the output projection follows the layers: float32 in every prefill by default (int8-rounded activations
         # flip near ties, SmolLM2's "The capital..." vs "L'..." by 0.09 logits, when every layer runs low-bit too)
-        if self.native and self.prefill_head_dense:  # row by row: a row's bits alone, ~10 ms a row
-            logits = torch.cat([self.lm_head.big(x[i:i + 1]) for i in range(x.shape[0])])
+        if self.native and self.prefill_head_dense:  # a row's bits whatever the rows beside it
+            logits = self._gemm_rows(self.lm_head, x)
         else:
             logits = self._linear(self.lm_head, x, big)
         logits = self._softcap_logits(logits.float())  # [rows, vocab]
@@ -823,16 +859,24 @@ class LlamaModel:
         """``lin`` over ``x`` ``[N, K]`` -> ``[N, out]``: its float32 copy when ``big``, else its own kernel. Natively
         a dense weight then runs row by row, so a decode row gets the bits it gets alone, as from the low-bit GEMVs
         (MKL's GEMM sums a row in an order that depends on the number of rows)."""
-        if big and self.native:  # blocks of PREFILL_BLOCK_ROWS rows, the last one zero-padded (see there)
-            n, r = x.shape[0], PREFILL_BLOCK_ROWS
-            xp = torch.cat([x, x.new_zeros(-n % r, x.shape[1])]) if n % r else x
-            with torch_threads(self._gemm_threads):
-                return torch.cat([lin.big(xp[i:i + r]) for i in range(0, xp.shape[0], r)])[:n]
+        if big and self.native:  # the bits of a PREFILL_BLOCK_ROWS-row call (see there)
+            return self._gemm_rows(lin, x)
         if big:
             return lin.big(x)
         if self.native and lin.kind == "dense" and x.shape[0] > 1:
             return torch.cat([lin.fn(x[i:i + 1]) for i in range(x.shape[0])])
         return lin.fn(x)
+
+    def _gemm_rows(self, lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        """``lin``'s float32 copy over ``x`` ``[n, K]`` -> ``[n, out]`` with the bits of a PREFILL_BLOCK_ROWS-row
+        call on one thread (:func:`gemm_rows` by :func:`gemm_plan`, found once per shape and thread count), on
+        ``prefill_packed``'s ``gemm_threads`` where the plan allows."""
+        threads = self._gemm_threads or torch.get_num_threads()
+        key = (lin.out_features, x.shape[1], threads)
+        if key not in self._gemm_plans:
+            self._gemm_plans[key] = gemm_plan(lin.big, x.shape[1], threads)
+        whole, threads = self._gemm_plans[key]
+        return gemm_rows(lin.big, x, whole, threads)
 
     def _moe(self, layer: _Layer, h: torch.Tensor, big: bool) -> torch.Tensor:
         """A sparse layer's MLP (Qwen3-MoE, as HF's ``Qwen3MoeSparseMoeBlock``): softmax over the router's

@@ -120,8 +120,8 @@ class EngineConfig:
                                    "work, shared among the decode actors (an idle prefill actor's core decodes)",
                                    _non_negative, ">= 0")
     prefill_threads: int = _setting(0, "native low-bit weights on CPU: torch threads a prefill pass's float32 GEMMs "
-                                    "run on (blocks of 32 rows: the bits of one thread, checked at two; the other "
-                                    "ops stay on torch_threads); 0 = auto: torch_threads while a decode actor of "
+                                    "run on where they give the bits of one thread (gpu.model.gemm_plan, probed at "
+                                    "start-up; the other ops stay on torch_threads); 0 = auto: torch_threads while a decode actor of "
                                     "this node has work, else the CPUs this process may use, shared among the "
                                     "prefill actors (an idle decode actor's core prefills)",
                                     _non_negative, ">= 0")

@@ -203,8 +203,8 @@ def test_a_decode_step_on_two_threads_gives_every_row_the_logits_of_one_thread(n
 def test_a_prefill_pass_on_two_torch_threads_writes_the_kv_and_logits_of_one_thread(native_model, name, tmp_path,
                                                                                      monkeypatch):
     """``prefill_forward(..., threads=2)`` (the prefill actor's choice while the decode actors idle) runs a native
-    model's float32 GEMMs on two torch threads, over blocks of 32 rows: the bits of one thread (MKL's GEMM over 5
-    to 11 rows differs), in packed passes of an odd number of rows (an activation over all of them on two threads
+    model's float32 GEMMs on two torch threads as gpu.model.gemm_plan finds them: the bits of one thread (MKL's
+    GEMM over 5 to 11 rows differs), in packed passes of an odd number of rows (an activation over all of them on two threads
     splits its work where the threads do, and differs), with an echo, a chunk after a cached prefix and a 7-token
     prompt; on the embedded model and tiny models with other MLPs (GELU) and windows."""
     from gpu import model as model_module
@@ -248,7 +248,8 @@ def _check_prefill_threads(m: LlamaModel, asked: list) -> None:
             prefill_forward(m, kv, cached)
             asked.clear()
             outs = prefill_forward(m, kv, chunks, threads)
-            assert asked and set(asked) == {threads} and torch.get_num_threads() == 1, (label, asked)
+            # the GEMMs ran on that many threads (gemm_plan also runs its one-thread references)
+            assert asked and max(asked) == max(threads, 1) and torch.get_num_threads() == 1, (label, asked)
             runs.append((kv, [o for o, _ in outs]))
         (kv1, out1), (kv2, out2) = runs
         assert torch.equal(kv1, kv2), label
