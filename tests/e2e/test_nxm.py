@@ -24,7 +24,7 @@ from tools import inspect as inspect_tool
 TICK_S = 0.5
 HANG_TIMEOUT_S = 10.0   # the config default, stated: a stopped actor is declared hung after this (4 s gave false
 # hangs on a loaded 2-core machine)
-IDLE_WINDOW_S = 60.0
+IDLE_WINDOW_S = 15.0   # a 20 Hz poller wakes 300 times in it, 2.5x the 120 allowed
 IDLE_CPU_FRACTION = 0.05
 IDLE_WAKEUPS_PER_S = 8   # the API's two threads wake 2/s each with idle_wait_s 0.5 s; a 20 Hz poller fails
 PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time", "Le fromage préféré"]
