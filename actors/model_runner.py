@@ -200,9 +200,11 @@ def warm_up(model, pool, decode: bool = True, threads: int = 1, prefill_threads:
                  "15-60 s the first time)")
     blocks = pool.allocate(1, 0)
     kv = pool.tensor()
-    model.prefill(kv, [1, 2, 3], blocks)
+    # no logits: the engine's prompts take theirs from decode steps, and planning the output projection's GEMM
+    # (only echoes run it) would cost a native model ~0.5 s here
+    model.prefill_packed(kv, [[1, 2, 3]], [blocks], [0], logits=[False])
     if prefill_threads > 1 and getattr(model, "native", False):
-        model.prefill_packed(kv, [[1, 2, 3]], [blocks], [0], gemm_threads=prefill_threads)
+        model.prefill_packed(kv, [[1, 2, 3]], [blocks], [0], logits=[False], gemm_threads=prefill_threads)
     if decode:
         model.decode(kv, [4], [3], [blocks])
     threaded = False

@@ -121,7 +121,7 @@ HEAD_DENSE_MIN_ROWS = DECODE_STACKED_MAX_ROWS
 # the machine, blocks of this many rows otherwise (MKL gives a row the same bits at any place of such a block)
 PREFILL_BLOCK_ROWS = 32
 # the row counts ``gemm_plan`` tries: short and long, odd and even, in and beyond a few blocks
-GEMM_PROBE_ROWS = (32, 33, 47, 64, 95, 161, 300)
+GEMM_PROBE_ROWS = (32, 33, 47, 100, 161)
 
 
 @contextmanager
