@@ -50,6 +50,36 @@ def test_a_gemm_whose_bits_change_with_the_number_of_rows_runs_in_blocks():
 
     assert gemm_plan(by_count, 96, 1) == (False, 1)
     assert max(GEMM_PROBE_ROWS) >= 40
+    # the blocks themselves keep a row's bits (the last one zero-padded): no machine here falls back to them
+    x = torch.randn(max(UNTRIED), 96, generator=torch.Generator().manual_seed(6))
+    ref = _reference(by_count, x)
+    for m in UNTRIED:
+        assert torch.equal(gemm_rows(by_count, x[:m], False, 1), ref[:m]), m
+
+
+def test_a_model_plans_each_weight_shape_apart():
+    """``LlamaModel._gemm_rows`` keys its plans by (out, in, threads): a linear of another output size but the same
+    input size (the QKV and the output projection, say) finds its own plan, not the first one's."""
+    from types import SimpleNamespace
+
+    from gpu.model import LlamaModel
+
+    g = torch.Generator().manual_seed(7)
+    w, w_other = torch.randn(64, 96, generator=g), torch.randn(48, 96, generator=g)
+
+    def by_count(x):   # as above: another summation order from 40 rows on
+        return F.linear(x, w_other) if x.shape[0] < 40 else F.linear(x.double(), w_other.double()).float()
+
+    model = LlamaModel.__new__(LlamaModel)
+    model._gemm_threads, model._gemm_plans = 0, {}
+    plain = SimpleNamespace(out_features=64, big=lambda x: F.linear(x, w))
+    other = SimpleNamespace(out_features=48, big=by_count)
+    x = torch.randn(max(UNTRIED), 96, generator=g)
+    with torch_threads(1):
+        model._gemm_rows(plain, x)
+        for m in UNTRIED:
+            assert torch.equal(model._gemm_rows(other, x[:m]), _reference(by_count, x[:m])), m
+    assert sorted(model._gemm_plans) == [(48, 96, 1), (64, 96, 1)]
 
 
 def test_a_gemm_whose_bits_change_with_threads_runs_on_one_thread():
