@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from api.admission import AdmissionPolicy
 from api.debug_state import DebugState
 from api.engine_client import EngineClient, RequestHandle
 from api.http_edges import note_engine_requests
@@ -75,8 +76,14 @@ def request_usage(handles: list[RequestHandle]) -> dict:
 def submit_all(client: EngineClient, requests: list[GenerationRequest]) -> list[RequestHandle]:
     """Admit one HTTP request's engine requests (a completions list: one per prompt, each with its ``n`` choices),
     all or none: back to back, with nothing awaited between them, so the actors take them together; when one is
-    refused, those admitted before it are finished (their rows aborted) and its error raised. Returns every
-    handle (each choice's ``index`` is its place in the response)."""
+    refused, those admitted before it are finished (their rows aborted) and its error raised. A list whose
+    sequences do not fit beside those in flight (``max_queued_requests``) is refused before any is admitted, its
+    503 counting them all (admitted one by one, its last prompt's 503 counted the list's own rows as in flight and
+    asked for one prompt's; and the actors got prompts only to abort them). Returns every handle (each choice's
+    ``index`` is its place in the response)."""
+    if len(requests) > 1:
+        AdmissionPolicy(client.config.max_queued_requests, client.config.request_timeout_s).check_room(
+            client.num_active(), sum(r.n for r in requests))
     handles: list[RequestHandle] = []
     try:
         for request in requests:

@@ -104,24 +104,47 @@ def test_n_over_the_limit_is_a_400_and_in_flight_plus_n_over_it_a_503():
     assert len(engine.table.rows) == 3 and len(engine.core.handles) == 3 and engine.outbox.sent == []
 
 
-def test_a_list_of_prompts_is_admitted_whole_with_choice_indices_after_the_earlier_prompts_or_not_at_all():
-    """api/app.py's submit_all over the core: one PrefillRequest per prompt, choices indexed k * n + i; a refusal
-    of a later prompt (the in-flight limit) aborts and releases the rows of those admitted before it."""
+def _client(engine: Engine):
+    """api/app.py's view of an EngineClient over the core: what submit_all calls."""
     from types import SimpleNamespace
 
+    return SimpleNamespace(submit=engine.core.admit, finish_all=engine.core.release_all, config=engine.config,
+                           num_active=lambda: len(engine.core.handles))
+
+
+def test_a_list_of_prompts_is_admitted_whole_with_choice_indices_after_the_earlier_prompts_or_not_at_all():
+    """api/app.py's submit_all over the core: one PrefillRequest per prompt, choices indexed k * n + i; a refusal
+    of a later prompt (here a full state table) aborts and releases the rows of those admitted before it."""
     from api.app import submit_all
 
-    engine = Engine()
-    client = SimpleNamespace(submit=engine.core.admit, finish_all=engine.core.release_all)
+    engine = Engine(num_rows=MAX_QUEUED)
+    client = _client(engine)
     batch = [request("b", n=2), dataclasses.replace(request("b", n=2), first_index=2)]
     handles = submit_all(client, batch)
     assert [h.index for h in handles] == [0, 1, 2, 3] and len(engine.outbox.sent) == 2
     engine.core.release_all(handles)
-    held, = engine.core.admit(request("x"))
+    engine.table.num_rows = MAX_QUEUED - 1   # a row held elsewhere: the first prompt's 2 rows fit, the second's not
     with pytest.raises(EngineOverloadedError):
-        submit_all(client, batch)   # the first prompt's 2 rows fit beside x, the second's do not
+        submit_all(client, batch)
+    assert engine.core.handles == {} and engine.table.rows == {}
+    # the first prompt's 2 rows aborted (in the table) and freed, and the one row the second opened before the
+    # table was full; the first prompt's PrefillRequest was sent, the second's never
+    assert len(engine.table.released) == 4 + 2 + 1 and len(engine.outbox.sent) == 2 + 1
+
+
+def test_a_list_of_prompts_over_the_in_flight_limit_is_refused_whole_before_any_is_admitted():
+    """Beside one sequence in flight, a list of two prompts of n=2 (4 sequences, limit 4): one 503 saying 1 in
+    flight and 4 asked for, no row opened and nothing sent (admitted one by one, its second prompt's 503 said 3 in
+    flight and 2 asked for, and the first prompt went to a prefill actor only to be aborted)."""
+    from api.app import submit_all
+
+    engine = Engine()
+    held, = engine.core.admit(request("x"))
+    batch = [request("b", n=2), dataclasses.replace(request("b", n=2), first_index=2)]
+    with pytest.raises(EngineOverloadedError, match="1 sequences in flight, 4 more asked for"):
+        submit_all(_client(engine), batch)
     assert list(engine.core.handles) == [held.key] and list(engine.table.rows) == [held.slot]
-    assert len(engine.table.released) == 4 + 2 and len(engine.outbox.sent) == 2 + 1 + 1   # aborted, then freed
+    assert engine.table.released == [] and len(engine.outbox.sent) == 1
 
 
 def test_a_reservation_not_yet_made_counts_against_its_decode_pool_until_the_first_token():

@@ -686,23 +686,23 @@ def test_a_prompt_over_the_context_fails_its_list_naming_it_and_none_of_the_list
     assert_recovered(engine, probe)
 
 
-def test_a_list_refused_part_way_by_admission_is_a_503_and_the_prompts_admitted_before_it_are_aborted(engine, http,
-                                                                                                     probe):
+def test_a_list_that_does_not_fit_beside_the_sequences_in_flight_is_a_503_before_any_prompt_is_admitted(engine, http,
+                                                                                                      probe):
     """255 sequences in flight (15 prompts of 17 choices, held streaming; max_queued_requests 256): a list of two
-    prompts has its first admitted and its second refused; the answer is the 503, the first's row is aborted and
-    released (its timeline in the flight recorder ends ABORTED), none of it runs on."""
+    prompts is refused whole, its 503 counting both, and none of it reaches the engine (no row, no timeline in the
+    flight recorder). A refusal part way (a full state table) aborts the prompts admitted before it:
+    tests/api/test_admission.py."""
     hold = {"prompt": [f"Count {k}:" for k in range(15)], "n": 17, "max_tokens": 30, "ignore_eos": True,
             "temperature": 0, "stream": True}   # 2 KV blocks per choice: 17 choices of a prompt fit in the pool
     with httpx.Client(base_url=engine.base_url, timeout=60) as client:
         with client.stream("POST", COMP, json=hold) as held:
             assert held.status_code == 200   # its headers: all 255 admitted
             refused = http.post(COMP, json={"prompt": ["a", "b"], "max_tokens": 1},
-                                headers={"X-Request-Id": "list-part-way"})
+                                headers={"X-Request-Id": "list-refused-whole"})
             assert_error(refused, 503, "overloaded_error")
-            assert probe.rows_with_id("list-part-way") == []
-    timelines = wait_until(lambda: http.get("/debug/requests/list-part-way").json()["timelines"], 10,
-                           message="the refused list's timeline in the flight recorder")
-    assert [(t["final"], bool(t["released"])) for t in timelines] == [("ABORTED", True)]
+            assert "255 sequences in flight, 2 more asked for" in refused.json()["error"]["message"]
+            assert probe.rows_with_id("list-refused-whole") == []
+    assert http.get("/debug/requests/list-refused-whole").json()["timelines"] == []
     assert_recovered(engine, probe)
 
 
