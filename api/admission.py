@@ -70,6 +70,7 @@ class RequestHandle:
     handed_across: bool = False    # a prefill node: its KVReady went to the router; the row ends by its messages
     ended: bool = False            # its last event (a finish reason or an error) reached the API, or the API ended it
     lost_since_ns: int = 0         # first seen with its row ended (final, freed or reused) and ``ended`` not set
+    on_text_end: Any = None        # called with the handle once its text ended in the API (api.app.merged_choices)
 
     @property
     def key(self) -> tuple[int, int]:

@@ -242,6 +242,8 @@ async def merged_choices(client: EngineClient, tokenizer, handles: list[RequestH
         except PdserveError as exc:
             queue.put_nowait((handle.index, exc))
         finally:
+            if handle.on_text_end is not None:
+                handle.on_text_end(handle)
             queue.put_nowait((handle.index, done))
 
     tasks = [asyncio.ensure_future(pump(h)) for h in handles]

@@ -596,6 +596,10 @@ class _RequestEntry:
             self.conn.ledger.request_engine(self.index, self.entry, slot, generation, request_id,
                                             time.monotonic_ns())
 
+    def rewait(self, slot: int, generation: int, request_id: str) -> None:
+        if self.live() and self.entry >= 0:
+            self.conn.ledger.request_rewait(self.index, self.entry, slot, generation, request_id)
+
     def responding(self, request_id: str) -> None:
         if self.live() and self.entry >= 0:
             self.conn.ledger.request_responding(self.index, self.entry, time.monotonic_ns())
@@ -607,14 +611,28 @@ class _RequestEntry:
 
 
 def note_engine_requests(scope, handles) -> None:
-    """Tell the connection ledger which engine request (state-table slot and generation: the first of ``handles``)
-    the HTTP request of ``scope`` waits on; a no-op without a ledger. Every route that submits to the engine calls
-    it right after ``EngineClient.submit``, so the monitor can match the row's end with the response's; the
-    request's trace note (api/tracing.py), when tracing is on, gets ``handles`` too."""
+    """Tell the connection ledger which engine request (state-table slot and generation) the HTTP request of
+    ``scope`` waits on: the first of ``handles``, then, as each one's text ends (``RequestHandle.on_text_end``),
+    one whose text has not (the n choices or the prompts of one request end at different times, and the monitor's
+    done_not_written reads the named row's end as the response's due time). A no-op without a ledger. Every route
+    that submits to the engine calls it right after ``EngineClient.submit``; the request's trace note
+    (api/tracing.py), when tracing is on, gets ``handles`` too."""
     entry = scope.get("pdserve.ledger")
     if entry is not None and handles:
         first = handles[0]
         entry.engine(first.slot, first.generation, first.request.request_id)
+        if len(handles) > 1:
+            running = list(handles)
+
+            def text_ended(handle) -> None:
+                at = next((i for i, h in enumerate(running) if h is handle), None)
+                if at is not None:
+                    del running[at]
+                    if at == 0 and running:
+                        entry.rewait(running[0].slot, running[0].generation, running[0].request.request_id)
+
+            for handle in handles:
+                handle.on_text_end = text_ended
     trace = scope.get("pdserve.trace")   # api/tracing.py: the request's trace is built from these rows
     if trace is not None:
         trace.handles = list(handles)

@@ -271,6 +271,17 @@ class ConnectionLedger(_shm.ShmSegment):
             row["req_id"][j] = _text(request_id, 40)
         self._end(i)
 
+    def request_rewait(self, i: int, j: int, slot: int, generation: int, request_id: str) -> None:
+        """Entry ``j`` now waits on another engine row (the first one it named ended before its response did: one
+        of several choices or prompts); its phase and times stay."""
+        self._begin(i)
+        row = self.rows[i]
+        row["req_slot"][j] = slot
+        row["req_generation"][j] = generation
+        if request_id:
+            row["req_id"][j] = _text(request_id, 40)
+        self._end(i)
+
     def request_responding(self, i: int, j: int, now_ns: int) -> None:
         """Entry ``j``'s response started."""
         self._begin(i)

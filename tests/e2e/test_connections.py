@@ -183,6 +183,54 @@ def test_s16_a_response_the_engine_finished_while_the_api_is_stopped_is_named_an
     assert scrape(engine.base_url)["pdserve_http_problems_total{reason=done_not_written}"] >= 1
 
 
+def test_a_list_of_prompts_is_watched_on_its_last_running_prompt_and_never_named_done_not_written(
+        engine, ledger, probe):
+    """Two prompts in one request end at different times: once the short one's row is final, the ledger names the
+    long one's row (api/http_edges.note_engine_requests), so done_not_written does not fire while the long prompt
+    still prefills (it fired STALL_S after the short one finished when the ledger named the first row only)."""
+    rid = "list-watch-last-running"
+    metric = "pdserve_http_problems_total{reason=done_not_written}"
+    before = scrape(engine.base_url).get(metric, 0)
+    result = {}
+
+    def send() -> None:
+        with httpx.Client(base_url=engine.base_url, timeout=180) as client:
+            result["response"] = client.post("/v1/completions", headers={"x-request-id": rid},
+                                             json={"prompt": [[1000] * 8, [1000] * 3000], "max_tokens": 2,
+                                                   "ignore_eos": True})
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    try:
+        def short_done_long_live():
+            rows = probe.rows_with_id(rid)
+            states = sorted((r["state"].name, r["slot"]) for r in rows)
+            final = [slot for state, slot in states if state == "FINISHED"]
+            live = [slot for state, slot in states if state in ("QUEUED", "PREFILLING", "BOOTSTRAP", "TRANSFERRING",
+                                                                 "DECODE_WAITING", "DECODING")]
+            return len(rows) == 2 and len(final) == 1 and len(live) == 1 and (final[0], live[0])
+        short_slot, long_slot = wait_until(short_done_long_live, 60, 0.01, "the short prompt to finish first")
+        waited_from = time.monotonic()
+        while time.monotonic() - waited_from < STALL_S + 3 * TICK_S:   # past the bound, the long prompt still live
+            row = mine_by_id(ledger, rid)
+            assert row is not None and not row["flag_reasons"] & 1, "named done_not_written"
+            time.sleep(TICK_S / 5)
+        assert [r["state"].name for r in probe.rows_with_id(rid) if r["slot"] == long_slot] != ["FINISHED"], \
+            "the long prompt finished too soon to show anything; make it longer"
+        assert long_slot in [int(s) for s in row["req_slot"]]
+    finally:
+        thread.join(180)
+    assert result["response"].status_code == 200, result["response"].text
+    assert len(result["response"].json()["choices"]) == 2
+    assert f"http done_not_written: request {rid}" not in engine.log_text()
+    assert scrape(engine.base_url).get(metric, 0) == before
+
+
+def mine_by_id(ledger, request_id: str):
+    rows = [r for r in ledger.live_rows() if request_id.encode() in list(r["req_id"])]
+    return rows[0] if rows else None
+
+
 def test_a_silent_prefill_stream_gets_sse_pings_before_its_first_token(engine):
     started = time.monotonic()
     lines, first_data_s = [], None
