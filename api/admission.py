@@ -371,6 +371,11 @@ class Admission:
         self.release(handle)
         return True
 
+    def check_room(self, sequences: int) -> None:
+        """Whether ``sequences`` more fit beside those in flight now (AdmissionPolicy.check_room's errors); admits
+        nothing (api.app.submit_all checks a list of prompts whole before admitting any)."""
+        self.policy.check_room(len(self.handles), sequences)
+
     def stop(self, handle: RequestHandle) -> None:
         """A stop string matched: the row is FINISHED; the decode actor sees it and frees its blocks."""
         handle.ended = True

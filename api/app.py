@@ -22,7 +22,6 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from api.admission import AdmissionPolicy
 from api.debug_state import DebugState
 from api.engine_client import EngineClient, RequestHandle
 from api.http_edges import note_engine_requests
@@ -60,12 +59,6 @@ class JSONResponse(Response):
         return orjson.dumps(content)
 
 
-def cached_prompt_tokens(handles: list[RequestHandle]) -> int:
-    """Prompt tokens the prefill actor found in its prefix cache (from the first token's timings; the ``n``
-    choices share one prefill)."""
-    return prompt_counts(handles)[1]
-
-
 def request_usage(handles: list[RequestHandle]) -> dict:
     """OpenAI ``usage`` of one HTTP request's sequences: each prompt once (api.protocol.prompt_counts), every
     choice's completion tokens."""
@@ -82,8 +75,7 @@ def submit_all(client: EngineClient, requests: list[GenerationRequest]) -> list[
     asked for one prompt's; and the actors got prompts only to abort them). Returns every handle (each choice's
     ``index`` is its place in the response)."""
     if len(requests) > 1:
-        AdmissionPolicy(client.config.max_queued_requests, client.config.request_timeout_s).check_room(
-            client.num_active(), sum(r.n for r in requests))
+        client.check_room(sum(r.n for r in requests))
     handles: list[RequestHandle] = []
     try:
         for request in requests:

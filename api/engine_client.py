@@ -143,6 +143,10 @@ class EngineClient:
         """Requests this API process is waiting on (compared with the table's count by tools/inspect)."""
         return len(self.admission.handles)
 
+    def check_room(self, sequences: int) -> None:
+        """Admission.check_room: raises when ``sequences`` more do not fit beside those in flight."""
+        self.admission.check_room(sequences)
+
     def routed_counts(self) -> dict[int, int]:
         return self.admission.routed_counts()
 

@@ -253,6 +253,10 @@ class RouterClient:
     def num_active(self) -> int:
         return len(self.handles)
 
+    def check_room(self, sequences: int) -> None:
+        """Raises as :meth:`submit` would when ``sequences`` more do not fit beside those in flight."""
+        self.policy.check_room(len(self.handles), sequences)
+
     def submit(self, request: GenerationRequest, timeout_s: float | None = None) -> list[RequestHandle]:
         """Route a request to a prefill and a decode node (one handle per choice) and start it. Raises
         EngineOverloadedError (no node of a role serving, or too many sequences in flight), InvalidRequestError

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from api.dialects import anthropic, responses
 from api.dialects.events import Outcome, engine_events
 from api.http_edges import note_engine_requests
-from api.protocol import check_request_id, error_body
+from api.protocol import check_request_id, error_body, prompt_counts
 from api.sse import with_pings
 from ipc.recorder import ClosedBy, EventKind
 from pdserve.errors import InvalidRequestError, PdserveError
@@ -102,9 +102,8 @@ class DialectRoutes:
                                  media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
 
     def _usage(self, handles: list, shape: Callable) -> dict:
-        from api.app import cached_prompt_tokens
-
-        return shape(len(handles[0].request.prompt_ids), handles[0].completion_tokens, cached_prompt_tokens(handles))
+        prompt_tokens, cached_tokens = prompt_counts(handles)
+        return shape(prompt_tokens, handles[0].completion_tokens, cached_tokens)
 
     async def _collect(self, request: Request, handles: list) -> Outcome | PdserveError | None:
         """The whole answer; None when the client went away first (the request is aborted); the engine's error."""

@@ -108,8 +108,8 @@ def _client(engine: Engine):
     """api/app.py's view of an EngineClient over the core: what submit_all calls."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(submit=engine.core.admit, finish_all=engine.core.release_all, config=engine.config,
-                           num_active=lambda: len(engine.core.handles))
+    return SimpleNamespace(submit=engine.core.admit, finish_all=engine.core.release_all,
+                           check_room=engine.core.check_room)
 
 
 def test_a_list_of_prompts_is_admitted_whole_with_choice_indices_after_the_earlier_prompts_or_not_at_all():
