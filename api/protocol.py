@@ -686,14 +686,6 @@ class RequestParser:
         self.grammars.check(grammar, param)
         return dataclasses.replace(sampling, grammar=grammar)
 
-    def completion(self, body: Any, request_id: str | None = None) -> GenerationRequest:
-        """The request of a /v1/completions body of one prompt (:meth:`completions` takes any). Raises
-        InvalidRequestError (400; also for a list of several prompts) or ModelNotFoundError (404)."""
-        requests = self.completions(body, request_id)
-        if len(requests) > 1:
-            raise InvalidRequestError(f"'prompt' lists {len(requests)} prompts where one is expected", param="prompt")
-        return requests[0]
-
     def completions(self, body: Any, request_id: str | None = None) -> list[GenerationRequest]:
         """Validate a /v1/completions body: one request per prompt, as vLLM runs a list (``prompt``: a string, a
         list of token ids, or a list of several of either kind), sharing the id and creation time; the k-th has

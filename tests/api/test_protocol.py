@@ -42,8 +42,8 @@ def test_a_plain_chat_and_completion_parse_with_defaults(parser):
     assert chat.kind == "chat" and chat.prompt_ids and chat.sampling.max_tokens == MAX_LEN - len(chat.prompt_ids)
     assert chat.sampling.reserved_output_tokens == 16
     assert chat.request_id.startswith("chatcmpl-") and chat.timeout_s is None
-    comp = parser.completion(completion_body(max_tokens=3, temperature=0, top_p=0.5, top_k=5, min_p=0.1,
-                                             seed=-3, stop=["x", "y"], user="u", timeout=2.5))
+    comp = parser.completions(completion_body(max_tokens=3, temperature=0, top_p=0.5, top_k=5, min_p=0.1,
+                                             seed=-3, stop=["x", "y"], user="u", timeout=2.5))[0]
     assert comp.sampling.max_tokens == 3 and comp.sampling.top_k == 5 and comp.sampling.seed == (-3) % 2**63
     assert comp.stop == ("x", "y") and comp.timeout_s == 2.5
 
@@ -80,28 +80,28 @@ def test_values_the_engine_cannot_honour_are_a_400_naming_the_parameter(parser, 
 
 @pytest.mark.parametrize("name,value", [("suffix", "end"), ("best_of", 2)])
 def test_completion_only_parameters_we_cannot_honour_are_named(parser, name, value):
-    rejected(parser.completion, completion_body(**{name: value}), name)
+    rejected(parser.completions, completion_body(**{name: value}), name)
 
 
 def test_echo_with_logprobs_asks_for_the_prompts_logprobs_too(parser):
-    echoed = parser.completion(completion_body(echo=True, logprobs=3))
+    echoed = parser.completions(completion_body(echo=True, logprobs=3))[0]
     assert echoed.sampling.prompt_logprobs == 3 and echoed.sampling.logprobs == 3 and echoed.echo_text == "hello"
-    assert parser.completion(completion_body(logprobs=3)).sampling.prompt_logprobs is None
+    assert parser.completions(completion_body(logprobs=3))[0].sampling.prompt_logprobs is None
 
 
 def test_max_tokens_zero_with_echo_asks_for_the_prompt_alone_and_without_echo_is_named(parser):
-    only = parser.completion(completion_body(echo=True, logprobs=1, max_tokens=0))
+    only = parser.completions(completion_body(echo=True, logprobs=1, max_tokens=0))[0]
     assert only.echo_only and only.sampling.max_tokens == 1 and only.sampling.prompt_logprobs == 1
-    assert not parser.completion(completion_body(echo=True, max_tokens=1)).echo_only
-    assert "echo" in rejected(parser.completion, completion_body(max_tokens=0), "max_tokens").message
-    rejected(parser.completion, completion_body(echo=True, max_tokens=False), "max_tokens")
-    rejected(parser.completion, completion_body(echo=True, max_tokens=-1), "max_tokens")
+    assert not parser.completions(completion_body(echo=True, max_tokens=1))[0].echo_only
+    assert "echo" in rejected(parser.completions, completion_body(max_tokens=0), "max_tokens").message
+    rejected(parser.completions, completion_body(echo=True, max_tokens=False), "max_tokens")
+    rejected(parser.completions, completion_body(echo=True, max_tokens=-1), "max_tokens")
     rejected(parser.chat, chat_body(max_tokens=0), "max_tokens")
 
 
 def test_echo_false_and_best_of_one_are_accepted(parser):
-    got = parser.completion(completion_body(echo=False, best_of=1, suffix=None, logprobs=None))
-    assert same_request(got, parser.completion(completion_body())) and got.echo_text is None
+    got = parser.completions(completion_body(echo=False, best_of=1, suffix=None, logprobs=None))[0]
+    assert same_request(got, parser.completions(completion_body())[0]) and got.echo_text is None
 
 
 def test_penalties_logprobs_n_and_echo_reach_the_request(parser):
@@ -112,11 +112,11 @@ def test_penalties_logprobs_n_and_echo_reach_the_request(parser):
     assert chat.n == 3
     assert parser.chat(chat_body(logprobs=True)).sampling.logprobs == 0
     assert parser.chat(chat_body(logprobs=False, top_logprobs=None)).sampling.logprobs is None
-    echoed = parser.completion(completion_body(echo=True))
+    echoed = parser.completions(completion_body(echo=True))[0]
     assert echoed.echo_text == "hello" and echoed.sampling.logprobs is None
     ids = parser.tokenizer.encode("hello there")
-    assert parser.completion(completion_body(prompt=ids, echo=True)).echo_text == "hello there"
-    assert parser.completion(completion_body(logprobs=0)).sampling.logprobs == 0
+    assert parser.completions(completion_body(prompt=ids, echo=True))[0].echo_text == "hello there"
+    assert parser.completions(completion_body(logprobs=0))[0].sampling.logprobs == 0
 
 
 @pytest.mark.parametrize("name,value", [
@@ -141,7 +141,7 @@ def test_top_logprobs_needs_logprobs_true(parser):
     rejected(parser.chat, chat_body(top_logprobs=2), "top_logprobs")
     rejected(parser.chat, chat_body(logprobs=False, top_logprobs=2), "top_logprobs")
     assert parser.chat(chat_body(top_logprobs=0)).sampling.logprobs is None
-    rejected(parser.completion, completion_body(logprobs=21), "logprobs")
+    rejected(parser.completions, completion_body(logprobs=21), "logprobs")
 
 
 def test_n_choices_must_fit_together_in_the_decode_pool():
@@ -150,12 +150,12 @@ def test_n_choices_must_fit_together_in_the_decode_pool():
     small = RequestParser(Tokenizer.load(None), MODEL, MAX_LEN, reserve_tokens=16, kv_pool_blocks=64,
                           kv_block_tokens=16)
     # "hello" is one block with max_tokens 10: 64 choices fit exactly, 65 do not
-    assert small.completion(completion_body(n=64, max_tokens=10)).n == 64
-    error = rejected(small.completion, completion_body(n=65, max_tokens=10), "n")
+    assert small.completions(completion_body(n=64, max_tokens=10))[0].n == 64
+    error = rejected(small.completions, completion_body(n=65, max_tokens=10), "n")
     assert "64" in error.message and "65" in error.message
     # a 40-token prompt's 2 full blocks are held once for all choices: each adds 1 block (8 prompt + 8 output)
-    assert small.completion(completion_body(prompt=[1] * 40, n=62, max_tokens=8)).n == 62
-    error = rejected(small.completion, completion_body(prompt=[1] * 40, n=63, max_tokens=8), "n")
+    assert small.completions(completion_body(prompt=[1] * 40, n=62, max_tokens=8))[0].n == 62
+    error = rejected(small.completions, completion_body(prompt=[1] * 40, n=63, max_tokens=8), "n")
     assert "65 KV blocks" in error.message
 
 
@@ -202,15 +202,15 @@ def test_one_empty_message_is_still_a_valid_chat_prompt(parser):
 
 @pytest.mark.parametrize("prompt", ["", [], [[]], [-1], [10**9], [True], None, 5, {"a": 1}])
 def test_empty_or_malformed_prompts_are_rejected(parser, prompt):
-    rejected(parser.completion, completion_body(prompt=prompt), "prompt")
+    rejected(parser.completions, completion_body(prompt=prompt), "prompt")
 
 
 def test_prompt_fitting_exactly_with_one_output_token_passes_and_one_more_fails(parser):
-    ok = parser.completion(completion_body(prompt=[42] * (MAX_LEN - 1), max_tokens=1))
+    ok = parser.completions(completion_body(prompt=[42] * (MAX_LEN - 1), max_tokens=1))[0]
     assert len(ok.prompt_ids) == MAX_LEN - 1
-    assert rejected(parser.completion, completion_body(prompt=[42] * MAX_LEN), "prompt").code == \
+    assert rejected(parser.completions, completion_body(prompt=[42] * MAX_LEN), "prompt").code == \
         "context_length_exceeded"
-    assert rejected(parser.completion, completion_body(prompt=[42] * (MAX_LEN - 1), max_tokens=2),
+    assert rejected(parser.completions, completion_body(prompt=[42] * (MAX_LEN - 1), max_tokens=2),
                     "max_tokens").code == "context_length_exceeded"
     assert rejected(parser.chat, chat_body(max_completion_tokens=MAX_LEN), "max_completion_tokens").code == \
         "context_length_exceeded"
@@ -218,16 +218,16 @@ def test_prompt_fitting_exactly_with_one_output_token_passes_and_one_more_fails(
 
 def test_a_one_megabyte_prompt_is_rejected_without_tokenizing_it(parser):
     start = time.monotonic()
-    error = rejected(parser.completion, completion_body(prompt="a" * (1 << 20)), "prompt")
+    error = rejected(parser.completions, completion_body(prompt="a" * (1 << 20)), "prompt")
     assert error.code == "context_length_exceeded"
     assert time.monotonic() - start < 0.1
     rejected(parser.chat, chat_body(messages=[{"role": "user", "content": "b" * (1 << 20)}]), "messages")
 
 
 def test_a_single_string_or_token_list_in_a_list_is_one_prompt(parser):
-    assert parser.completion(completion_body(prompt=["hello"])).prompt_ids == \
-        parser.completion(completion_body(prompt="hello")).prompt_ids
-    assert parser.completion(completion_body(prompt=[[1, 2, 3]])).prompt_ids == [1, 2, 3]
+    assert parser.completions(completion_body(prompt=["hello"]))[0].prompt_ids == \
+        parser.completions(completion_body(prompt="hello"))[0].prompt_ids
+    assert parser.completions(completion_body(prompt=[[1, 2, 3]]))[0].prompt_ids == [1, 2, 3]
 
 
 def test_a_list_of_prompts_is_one_request_per_prompt_whose_choices_follow_the_earlier_prompts_choices(parser):
@@ -246,8 +246,6 @@ def test_a_list_of_prompts_is_one_request_per_prompt_whose_choices_follow_the_ea
     assert [r.prompt_ids for r in parser.completions(completion_body(prompt=[[1, 2], [3]]))] == [[1, 2], [3]]
     assert [r.echo_only for r in parser.completions(completion_body(prompt=["a", "b"], echo=True, max_tokens=0))] \
         == [True, True]
-    # the one-prompt entry point refuses a list of several rather than dropping all but one
-    assert "2 prompts" in rejected(parser.completion, completion_body(prompt=["a", "b"]), "prompt").message
 
 
 @pytest.mark.parametrize("prompt,named", [
@@ -332,7 +330,7 @@ def test_ignored_fields_are_accepted_and_change_nothing(parser):
 @pytest.mark.parametrize("route,name", [("chat", "prompt_cache_keys"), ("chat", "max_token"),
                                         ("completion", "reasoning_effort"), ("completion", "temprature")])
 def test_a_misspelt_or_foreign_field_is_a_400_naming_it(parser, route, name):
-    call, body = (parser.chat, chat_body) if route == "chat" else (parser.completion, completion_body)
+    call, body = (parser.chat, chat_body) if route == "chat" else (parser.completions, completion_body)
     error = rejected(call, body(**{name: 1}), name)
     assert error.code == "unknown_parameter" and name in error.message
 
@@ -346,12 +344,12 @@ def test_max_tokens_over_the_context_is_a_400_by_default_and_clamped_when_the_op
     from gpu.tokenizer import Tokenizer
 
     rejected(parser.chat, chat_body(max_tokens=32000), "max_tokens")
-    rejected(parser.completion, completion_body(max_tokens=MAX_LEN), "max_tokens")
+    rejected(parser.completions, completion_body(max_tokens=MAX_LEN), "max_tokens")
     clamp = RequestParser(Tokenizer.load(None), MODEL, MAX_LEN, reserve_tokens=16, max_tokens_policy="clamp")
     got = clamp.chat(chat_body(max_tokens=32000))
     room = MAX_LEN - len(got.prompt_ids)
     assert got.sampling.max_tokens == room and got.sampling.reserved_output_tokens == 16   # reserved as if none
-    fits = clamp.completion(completion_body(max_tokens=5))
+    fits = clamp.completions(completion_body(max_tokens=5))[0]
     assert fits.sampling.max_tokens == 5 and fits.sampling.reserved_output_tokens == 5      # honoured in full
 
 
@@ -390,7 +388,7 @@ def test_every_served_name_is_accepted_and_the_first_is_reported():
     aliased = RequestParser(Tokenizer.load(None), "main, alias ,", MAX_LEN, reserve_tokens=16)
     assert aliased.model_names == ("main", "alias")
     assert aliased.chat(chat_body(model="alias")).model == "main"
-    assert aliased.completion(completion_body(model="main")).model == "main"
+    assert aliased.completions(completion_body(model="main"))[0].model == "main"
     with pytest.raises(ModelNotFoundError) as info:
         aliased.chat(chat_body(model="other"))
     assert "'main' or 'alias'" in info.value.message
@@ -401,7 +399,7 @@ def test_logit_bias_reaches_the_sampling_settings_and_bad_entries_are_a_400(pars
     assert got.sampling.logit_bias_ids == (7, 42) and got.sampling.logit_bias_values == (2.5, -100.0)
     for bad in ({"-1": 1}, {"x": 1}, {str(10**9): 1}, {"5": 101}, {"5": "1"}, {"5": True}, [5],
                 {str(i): 1 for i in range(1025)}):
-        rejected(parser.completion, completion_body(logit_bias=bad), "logit_bias")
+        rejected(parser.completions, completion_body(logit_bias=bad), "logit_bias")
 
 
 @pytest.mark.parametrize("method, body", [("tokenize", {"prompt": "hi", "add_special_token": True}),

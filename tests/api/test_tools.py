@@ -185,7 +185,7 @@ def test_response_format_json_schema_and_json_object_set_a_grammar_on_chat_and_c
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
     assert parser.chat(chat(response_format=fmt)).sampling.grammar
-    assert parser.completion({"prompt": "JSON:", "response_format": {"type": "json_object"}}).sampling.grammar
+    assert parser.completions({"prompt": "JSON:", "response_format": {"type": "json_object"}})[0].sampling.grammar
     assert parser.chat(chat(response_format={"type": "text"})).sampling.grammar is None
 
 
@@ -208,7 +208,7 @@ def test_a_response_format_the_library_or_we_reject_is_a_400_naming_response_for
                                  {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}}])
 def test_a_response_format_key_we_do_not_read_is_a_400_naming_it(parser, fmt):
     for call, body in ((parser.chat, chat(response_format=fmt)),
-                       (parser.completion, {"prompt": "JSON:", "response_format": fmt})):
+                       (parser.completions, {"prompt": "JSON:", "response_format": fmt})):
         with pytest.raises(InvalidRequestError) as err:
             call(body)
         assert err.value.param == "response_format" and ("schema" in err.value.message or "strict" in
@@ -235,7 +235,7 @@ def test_a_stop_string_with_a_constrained_answer_is_a_400_naming_both_fields(par
     does not parse): refused, not served."""
     calls = [(parser.chat, chat(stop=stop, **extra))]
     if field == "response_format":
-        calls.append((parser.completion, {"prompt": "JSON:", "stop": stop, **extra}))
+        calls.append((parser.completions, {"prompt": "JSON:", "stop": stop, **extra}))
     for call, body in calls:
         with pytest.raises(InvalidRequestError) as err:
             call(body)
