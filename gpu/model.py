@@ -858,7 +858,8 @@ class LlamaModel:
     def _linear(self, lin: QuantLinear, x: torch.Tensor, big: bool) -> torch.Tensor:
         """``lin`` over ``x`` ``[N, K]`` -> ``[N, out]``: its float32 copy when ``big``, else its own kernel. Natively
         a dense weight then runs row by row, so a decode row gets the bits it gets alone, as from the low-bit GEMVs
-        (MKL's GEMM sums a row in an order that depends on the number of rows)."""
+        (MKL's GEMM sums a row in another order in calls of 1 to 3 rows than in larger ones, docs/performance.md
+        §30)."""
         if big and self.native:  # the bits of a PREFILL_BLOCK_ROWS-row call (see there)
             return self._gemm_rows(lin, x)
         if big:
