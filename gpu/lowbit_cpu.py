@@ -38,7 +38,7 @@ from llvmlite import binding as llvm
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
-__all__ = ["TILE_ROWS", "q4_tiles", "q8_tiles", "q4_linear", "q8_linear", "q8_rows", "decode_layers", "attend_rows",
+__all__ = ["TILE_ROWS", "q4_tiles", "q8_tiles", "q4_linear", "q8_linear", "q8_rows", "decode_layers",
            "set_threads", "threads"]
 
 TILE_ROWS = 32  # output rows per tile = vector lanes of the inner loop
@@ -292,7 +292,7 @@ def _attend(q, pool_k, pool_v, table, block_tokens, first, length, attn_scale, s
     """out [H, D] = softmax(q K^T * attn_scale) V over keys ``first .. length - 1`` of one sequence; q [H, D];
     pool_k, pool_v [slots, Hkv, D]; table: the sequence's block ids; heads share K/V in groups of H / Hkv.
     The sums run in an order fixed by ``first`` and ``length`` alone: a row's result depends on its own query
-    and keys only (decode steps and :func:`attend_rows` share this loop)."""
+    and keys only (decode steps; a prefill's rows attend with ``gpu.attention_cpu``)."""
     group = q.shape[0] // pool_k.shape[1]
     slots = np.empty(length, np.int64)   # the keys' pool slots, once for all heads (no division per key)
     block, offset = first // block_tokens, first % block_tokens
@@ -322,21 +322,6 @@ def _attend(q, pool_k, pool_v, table, block_tokens, first, length, attn_scale, s
             p = scores[s] / total
             for i in range(q.shape[1]):
                 out[h, i] += p * pool_v[slot, kvh, i]
-
-
-@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
-def attend_rows(q, pool_k, pool_v, tables, block_tokens, seq, positions, window, attn_scale, out):
-    """Causal attention of a prefill's rows over the pool, each row on its own (:func:`_attend`'s loop, as a
-    decode step of that row computes it): out float32 [N, H, D] for q float32 [N, H, D]; pool_k, pool_v
-    [slots, Hkv, D] (the rows' own K/V already written); tables int64 [B, blocks] (padded); seq int64 [N] the
-    row's sequence; positions int64 [N] its position p: it attends over its sequence's keys 0..p, or with
-    ``window`` > 0 over p - window < j <= p. A row's bits do not depend on the other rows of the call, how its
-    prompt was packed or how much of it was cached. Nothing is checked here."""
-    scores = np.empty(np.max(positions) + 1, np.float32)
-    for r in range(q.shape[0]):
-        p = positions[r]
-        first = max(0, p + 1 - window) if window > 0 else 0
-        _attend(q[r], pool_k, pool_v, tables[seq[r]], block_tokens, first, p + 1, attn_scale, scores, out[r])
 
 
 @numba.njit(nogil=True, cache=True, fastmath=True)

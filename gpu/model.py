@@ -730,11 +730,14 @@ class LlamaModel:
 
     def _row_layout(self, kv: torch.Tensor, seqs: list[tuple], w_slot: torch.Tensor, pos: torch.Tensor,
                     tables: list[list[int]]) -> tuple:
-        """What :meth:`_attend_rows` needs of a packed prefill: for ``lowbit_cpu.attend_rows`` (a float32 pool, no
-        soft-capping) the block tables int64 ``[B, blocks]`` (padded with their first block), each row's sequence
-        and position int64 ``[N]`` and the pool's block size; else every sequence's context slots ``[S_b]`` for
-        the per-token SDPA loop."""
-        if kv.dtype == torch.float32 and self.dtype == torch.float32 and self.config.attn_softcap is None:
+        """What :meth:`_attend_rows` needs of a packed prefill: for ``attention_cpu.attend_rows`` (a float32 pool,
+        no soft-capping, a head dim it supports) the block tables int64 ``[B, blocks]`` (padded with their first
+        block), each row's sequence and position int64 ``[N]`` and the pool's block size; else every sequence's
+        context slots ``[S_b]`` for the per-token SDPA loop."""
+        from . import attention_cpu  # noqa: PLC0415  (numba: only a native model's process imports it)
+
+        if (kv.dtype == torch.float32 and self.dtype == torch.float32 and self.config.attn_softcap is None
+                and attention_cpu.supported(kv.shape[-1])):
             width = max(len(t) for t in tables)
             padded = np.asarray([t + [t[0]] * (width - len(t)) for t in tables], np.int64)
             seq = np.repeat(np.arange(len(seqs), dtype=np.int64), [b - a for a, b, *_ in seqs])
@@ -749,12 +752,12 @@ class LlamaModel:
         from :meth:`_row_layout`. Returns ``[N, H D]``."""
         N = q.shape[0]
         if rows_at[0] == "kernel":
-            from .lowbit_cpu import attend_rows  # noqa: PLC0415
+            from . import attention_cpu  # noqa: PLC0415
 
             _, tables, seq, pos, block_tokens = rows_at
             out = np.empty(q.shape, np.float32)
-            attend_rows(q.contiguous().numpy(), k_pool.numpy(), v_pool.numpy(), tables, block_tokens, seq, pos,
-                        window, self._scale, out)
+            attention_cpu.attend_rows(q.contiguous().numpy(), k_pool.numpy(), v_pool.numpy(), tables, block_tokens,
+                                      seq, pos, window, np.float32(self._scale), out)
             return torch.from_numpy(out).view(N, -1)
         _, seq_slots, seqs, pos = rows_at
         return torch.cat([self._attend_row(q[i:i + 1], k_pool, v_pool, slots[:p + 1], window)

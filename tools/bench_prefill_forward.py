@@ -3,10 +3,13 @@ baseline checkout, in one command.
 
 Each checkout gets a worker process (``torch.set_num_threads(1)`` unless ``--threads``) that loads the model once
 (``--weights``, default ``auto``) and times ``LlamaModel.prefill`` of a random prompt of each ``--lengths`` into a
-fresh block table; the driver alternates the two workers prompt by prompt (baseline, this, baseline, ...), so
-load from neighbours hits both alike, and reports the medians and their ratio::
+fresh block table (with ``--context C``: after a prefill of C other tokens, untimed, as a cached prefix: the
+prompt then runs at positions C..C+n-1, as a multi-round turn does); the driver alternates the two workers
+prompt by prompt (baseline, this, baseline, ...), so load from neighbours hits both alike, and reports the medians
+and their ratio::
 
     python -m tools.bench_prefill_forward --baseline-root /path/to/main [--lengths 16,200,1000] [--reps 3]
+        [--context 0]
 """
 from __future__ import annotations
 
@@ -31,17 +34,22 @@ g = torch.Generator().manual_seed(0)
 kv = torch.zeros(kv_pool_shape(c, 4096 // bt, bt), dtype=m.dtype)
 m.prefill(kv, [5, 6, 7], [0])   # compiles / loads the kernels
 print("ready", flush=True)
+ctx = int(sys.argv[4])
 for line in sys.stdin:
     n = int(line)
+    table = list(range((ctx + n) // bt + 1))
+    if ctx:
+        m.prefill(kv, torch.randint(3, c.vocab_size, (ctx,), generator=g).tolist(), table)
     ids = torch.randint(3, c.vocab_size, (n,), generator=g).tolist()
     t0 = time.perf_counter()
-    m.prefill(kv, ids, list(range(n // bt + 1)))
+    m.prefill(kv, ids, table, start_pos=ctx)
     print(json.dumps(time.perf_counter() - t0), flush=True)
 """
 
 
 def _worker(root: Path, args) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", _WORKER, args.weights, str(args.threads), args.model], cwd=root,
+    proc = subprocess.Popen([sys.executable, "-c", _WORKER, args.weights, str(args.threads), args.model,
+                             str(args.context)], cwd=root,
                             env={**os.environ, "PYTHONPATH": str(root)}, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "ready":
@@ -59,7 +67,8 @@ def _time(proc: subprocess.Popen, n: int) -> float:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m tools.bench_prefill_forward", description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline-root", required=True, help="the other checkout")
-    ap.add_argument("--lengths", default="16,200,1000", help="prompt lengths in tokens (at most 4000)")
+    ap.add_argument("--lengths", default="16,200,1000", help="prompt lengths in tokens (with the context at most 4000)")
+    ap.add_argument("--context", type=int, default=0, help="tokens prefilled before each timed prompt, untimed")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--weights", default="auto")
     ap.add_argument("--model", default="", help="GGUF file; empty = the embedded model")
@@ -79,7 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
             proc.stdin.close()
             proc.wait(timeout=60)
     print(f"# bench_prefill_forward {time.strftime('%Y-%m-%d %H:%M:%S')}, load average "
-          f"{os.getloadavg()[0]:.1f}, --weights {args.weights}, {args.threads} thread(s), median of {args.reps}")
+          f"{os.getloadavg()[0]:.1f}, --weights {args.weights}, {args.threads} thread(s), --context {args.context}, "
+          f"median of {args.reps}")
     result = {}
     for n in lengths:
         base, this = (statistics.median(seconds[n][k]) for k in ("baseline", "this"))

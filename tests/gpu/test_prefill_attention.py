@@ -1,24 +1,26 @@
-"""``lowbit_cpu.attend_rows``, the per-row causal attention of a native prefill over the paged KV pool, against a
-float64 reference computed from the same pool: grouped-query heads, scattered and shared-prefix block tables,
-rows of several sequences packed in one call, positions past a cached prefix, and sliding windows."""
+"""``attention_cpu.attend_rows``, the per-row causal attention of a native prefill over the paged KV pool: against a
+float64 reference computed from the same pool (grouped-query heads, scattered and shared-prefix block tables, rows
+of several sequences packed in one call, positions past a cached prefix, sliding windows, the embedded model's
+head shapes), and a row's bits alone, among other rows, and with any part of its prompt cached."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from gpu import lowbit_cpu as lb
+from gpu import attention_cpu as ac
 
 H, HKV, D, BT = 4, 2, 32, 4
 
 
-def _reference(q, pool_k, pool_v, tables, seq, positions, window, scale) -> np.ndarray:
+def _reference(q, pool_k, pool_v, tables, seq, positions, window, scale, bt=BT) -> np.ndarray:
     """Row by row in float64: softmax(q K^T * scale) V over the row's own keys."""
+    H, HKV = q.shape[1], pool_k.shape[1]
     out = np.empty(q.shape, np.float64)
     for r, (s, p) in enumerate(zip(seq, positions)):
         first = max(0, p + 1 - window) if window else 0
         keys = np.arange(first, p + 1)
-        slots = tables[s][keys // BT] * BT + keys % BT
+        slots = tables[s][keys // bt] * bt + keys % bt
         k = pool_k[slots].astype(np.float64).repeat(H // HKV, axis=1)   # [S, H, D]
         v = pool_v[slots].astype(np.float64).repeat(H // HKV, axis=1)
         w = torch.softmax(torch.from_numpy(np.einsum("hd,shd->hs", q[r].astype(np.float64), k) * scale), -1)
@@ -39,7 +41,7 @@ def test_attend_rows_matches_a_float64_reference_per_row(window):
     positions = np.array(list(range(11)) + list(range(9, 22)) + [13], np.int64)
     q = rng.standard_normal((len(seq), H, D)).astype(np.float32)
     out = np.full(q.shape, np.nan, np.float32)
-    lb.attend_rows(q, pool_k, pool_v, tables, BT, seq, positions, window, D ** -0.5, out)
+    ac.attend_rows(q, pool_k, pool_v, tables, BT, seq, positions, window, D ** -0.5, out)
     ref = _reference(q, pool_k, pool_v, tables, seq, positions, window, D ** -0.5)
     assert np.abs(out - ref).max() < 1e-5
 
@@ -53,9 +55,58 @@ def test_attend_rows_gives_a_row_the_same_bits_alone_and_among_others():
     seq, positions = np.array([1, 0, 0, 0, 1, 1, 0, 1, 0], np.int64), np.array([2, 7, 15, 0, 9, 14, 3, 5, 11],
                                                                                 np.int64)
     out = np.empty(q.shape, np.float32)
-    lb.attend_rows(q, pool_k, pool_v, tables, BT, seq, positions, 0, D ** -0.5, out)
+    ac.attend_rows(q, pool_k, pool_v, tables, BT, seq, positions, 0, D ** -0.5, out)
     for r in range(len(seq)):
         alone = np.empty((1, H, D), np.float32)
-        lb.attend_rows(q[r:r + 1], pool_k, pool_v, tables[seq[r]:seq[r] + 1], BT, np.zeros(1, np.int64),
+        ac.attend_rows(q[r:r + 1], pool_k, pool_v, tables[seq[r]:seq[r] + 1], BT, np.zeros(1, np.int64),
                        positions[r:r + 1], 0, D ** -0.5, alone)
         assert np.array_equal(alone[0], out[r]), r
+
+
+def _model_shaped(rng, n_blocks=64):
+    """SmolLM2-135M's attention shape (9 query heads, 3 KV heads of 64) over a pool of 16-token blocks."""
+    h, hkv, d, bt = 9, 3, 64, 16
+    pool_k = rng.standard_normal((n_blocks * bt, hkv, d)).astype(np.float32)
+    pool_v = rng.standard_normal((n_blocks * bt, hkv, d)).astype(np.float32)
+    return h, d, bt, pool_k, pool_v
+
+
+@pytest.mark.parametrize("window", [0, 37])
+def test_attend_rows_at_the_models_head_shape_matches_a_float64_reference(window):
+    rng = np.random.default_rng(5)
+    h, d, bt, pool_k, pool_v = _model_shaped(rng)
+    tables = rng.permutation(64).reshape(2, 32).astype(np.int64)
+    # sequence 0: 41 new rows past a cached prefix of 459 (a multi-round turn); sequence 1: 70 rows from scratch
+    seq = np.array([0] * 41 + [1] * 70, np.int64)
+    positions = np.array(list(range(459, 500)) + list(range(70)), np.int64)
+    q = (2 * rng.standard_normal((len(seq), h, d))).astype(np.float32)
+    out = np.full(q.shape, np.nan, np.float32)
+    ac.attend_rows(q, pool_k, pool_v, tables, bt, seq, positions, window, d ** -0.5, out)
+    ref = _reference(q, pool_k, pool_v, tables, seq, positions, window, d ** -0.5, bt)
+    assert np.abs(out - ref).max() < 1e-5
+
+
+@pytest.mark.parametrize("window", [0, 21])
+def test_a_prompts_rows_get_the_same_bits_with_any_part_of_it_cached(window):
+    """One 75-token prompt attended whole, then as a cached prefix of k tokens plus the rest for every k, packed
+    after another sequence's rows: each row's bits never change (its tile lanes, its slot among the four queries
+    of a pass and the keys beside it all move with k)."""
+    rng = np.random.default_rng(6)
+    h, d, bt, pool_k, pool_v = _model_shaped(rng)
+    tables = np.array([list(range(3, 8)), [40, 41, 0, 0, 0]], np.int64)
+    q = rng.standard_normal((75, h, d)).astype(np.float32)
+    whole = np.empty(q.shape, np.float32)
+    ac.attend_rows(q, pool_k, pool_v, tables, bt, np.zeros(75, np.int64), np.arange(75), window, d ** -0.5, whole)
+    other = rng.standard_normal((5, h, d)).astype(np.float32)
+    for k in range(75):
+        rows = np.concatenate([other, q[k:]])
+        seq = np.array([1] * 5 + [0] * (75 - k), np.int64)
+        pos = np.concatenate([np.arange(10, 15), np.arange(k, 75)]).astype(np.int64)
+        out = np.empty(rows.shape, np.float32)
+        ac.attend_rows(rows, pool_k, pool_v, tables, bt, seq, pos, window, d ** -0.5, out)
+        assert np.array_equal(out[5:], whole[k:]), k
+
+
+def test_supported_head_dims():
+    assert ac.supported(64) and ac.supported(128) and ac.supported(80)
+    assert not ac.supported(72) and not ac.supported(0)

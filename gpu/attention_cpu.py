@@ -1,0 +1,263 @@
+"""Causal attention of a native prefill's rows over the paged KV pool, on the CPU, in numba: each query's bits
+depend on its own query and keys only, and the work runs as vector tiles.
+
+A call gathers, per run of rows of one sequence and per KV head, the run's keys into tiles of :data:`KEYS` keys
+transposed (``kt [tiles, D, KEYS]``, tile ``t`` = key positions ``KEYS t .. KEYS t + KEYS - 1``, aligned at
+position 0), then takes the run's (row, head) queries :data:`QUERIES` at a time::
+
+    scores  [QUERIES, KEYS] per tile   one FMA chain over d = 0..D-1 per query and key (a key per vector lane)
+    weights exp(score - max) at the query's own keys, 0 elsewhere; their sum per lane (position mod KEYS) in
+            tile order, then a fixed tree over the lanes
+    out     [QUERIES, 16] per 16 dims   one FMA chain over the keys in position order per query and dim, / the sum
+
+Why this is batch-invariant: every sum of a query runs in an order fixed by its own position (and window) alone:
+a lane is a key position modulo :data:`KEYS`, a tile an absolute range of positions, and the keys a query may not
+see (in the tiles it shares with the other queries of its group of :data:`QUERIES`) weigh an exact 0, so they add
+nothing (``fma(0, v, acc) == acc``; the pool holds finite K/V). The inner loops are written in LLVM IR with
+explicit ``llvm.fma`` and vector registers (no fast-math flags: LLVM may not reorder them); ``exp`` is Cephes'
+``expf`` reduction and polynomial (~1 ulp), the same instructions in every lane. Decode steps keep
+``lowbit_cpu._attend`` (one query per row and head): the two paths' last bits differ, as prefill's float32 GEMMs
+and decode's int8 GEMVs already do. ``gpu.model`` calls it where :func:`supported` holds (head dims a multiple of
+16), else attends with SDPA per row.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from .lowbit_cpu import _splat
+
+__all__ = ["KEYS", "QUERIES", "attend_rows", "supported"]
+
+KEYS = 16      # keys per tile = vector lanes
+QUERIES = 4    # queries sharing one pass over a tile (independent FMA chains)
+_F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+_VF = ir.VectorType(_F32, KEYS)
+
+
+def supported(head_dim: int) -> bool:
+    """Whether :func:`attend_rows` handles heads of ``head_dim`` (its output runs 16 dims per vector)."""
+    return head_dim > 0 and head_dim % 16 == 0
+
+
+def _fma(builder):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]), "llvm.fma.v16f32")
+
+
+def _at(builder, addr, offset, pointee):
+    return builder.inttoptr(builder.add(addr, offset), pointee.as_pointer())
+
+
+def _lanes(values):
+    return ir.Constant(_VF, [float(v) for v in values])
+
+
+def _tree(builder, vec, combine):
+    """Lane 0 of ``vec`` after lane i combines with lane i + h for h = KEYS/2, ..., 1: a fixed order."""
+    h = KEYS // 2
+    while h:
+        moved = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, KEYS),
+                                                             [(i + h) % KEYS for i in range(KEYS)]))
+        vec = combine(vec, moved)
+        h //= 2
+    return builder.extract_element(vec, ir.Constant(_I32, 0))
+
+
+def _exp(builder, x):
+    """exp per lane for x <= 0: Cephes ``expf`` (n = floor(x log2 e + 1/2), x - n ln 2 in two parts, a degree-6
+    polynomial, times 2^n built in the exponent bits); x below -87 counts as -87 (~1.6e-38, never 0 or
+    subnormal)."""
+    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF]), "llvm.floor.v16f32")
+
+    def c(v):
+        return _lanes([v] * KEYS)
+
+    x = builder.select(builder.fcmp_ordered(">", x, c(-87.0)), x, c(-87.0))
+    n = builder.call(floor, [builder.fadd(builder.fmul(x, c(1.44269504088896341)), c(0.5))])
+    r = builder.fsub(builder.fsub(x, builder.fmul(n, c(0.693359375))), builder.fmul(n, c(-2.12194440e-4)))
+    p = c(1.9875691500e-4)
+    for k in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = builder.fadd(builder.fmul(p, r), c(k))
+    p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), c(1.0))
+    vi = ir.VectorType(_I32, KEYS)
+    bits = builder.shl(builder.add(builder.fptosi(n, vi), ir.Constant(vi, [127] * KEYS)), ir.Constant(vi, [23] * KEYS))
+    return builder.fmul(p, builder.bitcast(bits, _VF))
+
+
+@intrinsic
+def _scores(typingctx, q0, q1, q2, q3, kt, dims, scale, o0, o1, o2, o3):
+    """o_n[0:KEYS] = (sum_d q_n[d] kt[d, 0:KEYS]) * scale for the four queries at q0..q3 (float32 [dims]) over one
+    transposed key tile (float32 [dims, KEYS]); each lane one FMA chain over d in order."""
+    sig = types.void(*([types.intp] * 6), types.float32, *([types.intp] * 4))
+
+    def codegen(context, builder, signature, args):
+        queries, kta, dims, scale, outs = args[:4], args[4], args[5], args[6], args[7:]
+        fma = _fma(builder)
+        accs = [cgutils.alloca_once_value(builder, _lanes([0.0] * KEYS)) for _ in queries]
+        with cgutils.for_range(builder, dims) as loop:
+            k = builder.load(_at(builder, kta, builder.mul(loop.index, ir.Constant(_I64, 4 * KEYS)), _VF), align=4)
+            for qa, acc in zip(queries, accs):
+                x = builder.load(_at(builder, qa, builder.mul(loop.index, ir.Constant(_I64, 4)), _F32), align=4)
+                builder.store(builder.call(fma, [_splat(builder, x, _VF), k, builder.load(acc)]), acc)
+        scale = _splat(builder, scale, _VF)
+        for oa, acc in zip(outs, accs):
+            builder.store(builder.fmul(builder.load(acc), scale), builder.inttoptr(oa, _VF.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _weighted_values(typingctx, w0, w1, w2, w3, slots, n, v_addr, slot_bytes, o0, o1, o2, o3):
+    """o_n[0:16] = sum_j w_n[j] v(slots[j]) for j = 0..n-1 in order (one FMA chain per lane) for four weight rows
+    (float32 [n]); v(s) = the 16 float32 at ``v_addr + s * slot_bytes``; slots int64 [n]."""
+    sig = types.void(*([types.intp] * 12))
+
+    def codegen(context, builder, signature, args):
+        weights, sa, n, va, stride, outs = args[:4], args[4], args[5], args[6], args[7], args[8:]
+        fma = _fma(builder)
+        accs = [cgutils.alloca_once_value(builder, _lanes([0.0] * KEYS)) for _ in weights]
+        with cgutils.for_range(builder, n) as loop:
+            j = loop.index
+            slot = builder.load(_at(builder, sa, builder.mul(j, ir.Constant(_I64, 8)), _I64), align=8)
+            v = builder.load(_at(builder, va, builder.mul(slot, stride), _VF), align=4)
+            for wa, acc in zip(weights, accs):
+                w = builder.load(_at(builder, wa, builder.mul(j, ir.Constant(_I64, 4)), _F32), align=4)
+                builder.store(builder.call(fma, [_splat(builder, w, _VF), v, builder.load(acc)]), acc)
+        for oa, acc in zip(outs, accs):
+            builder.store(builder.load(acc), builder.inttoptr(oa, _VF.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _softmax_weights(typingctx, scores, weights, tiles, pos0, first, last):
+    """Over ``tiles`` tiles of KEYS scores (float32, key positions pos0, pos0 + 1, ...): weights = exp(score -
+    max) at positions first..last, else 0; returns their sum (per lane in tile order, then :func:`_tree`). The
+    max is over first..last only (exact in any order)."""
+    sig = types.float32(types.intp, types.intp, types.intp, types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        sa, wa, tiles, pos0, first, last = args
+        vi = ir.VectorType(_I64, KEYS)
+        iota = ir.Constant(vi, list(range(KEYS)))
+        zero, neg_inf = _lanes([0.0] * KEYS), _lanes([float("-inf")] * KEYS)
+        first_v, last_v = _splat(builder, first, vi), _splat(builder, last, vi)
+
+        def tile(t):   # (the lanes the query sees, the tile's byte offset)
+            pos = builder.add(_splat(builder, builder.add(pos0, builder.mul(t, ir.Constant(_I64, KEYS))), vi), iota)
+            seen = builder.and_(builder.icmp_signed(">=", pos, first_v), builder.icmp_signed("<=", pos, last_v))
+            return seen, builder.mul(t, ir.Constant(_I64, 4 * KEYS))
+
+        top = cgutils.alloca_once_value(builder, neg_inf)
+        with cgutils.for_range(builder, tiles) as loop:
+            seen, off = tile(loop.index)
+            s, m = builder.load(_at(builder, sa, off, _VF), align=4), builder.load(top)
+            builder.store(builder.select(builder.and_(seen, builder.fcmp_ordered(">", s, m)), s, m), top)
+        top = _splat(builder, _tree(builder, builder.load(top),
+                                    lambda a, b: builder.select(builder.fcmp_ordered(">", b, a), b, a)), _VF)
+        total = cgutils.alloca_once_value(builder, zero)
+        with cgutils.for_range(builder, tiles) as loop:
+            seen, off = tile(loop.index)
+            s = builder.load(_at(builder, sa, off, _VF), align=4)
+            e = builder.select(seen, _exp(builder, builder.fsub(s, top)), zero)
+            builder.store(e, _at(builder, wa, off, _VF), align=4)
+            builder.store(builder.fadd(builder.load(total), e), total)
+        return _tree(builder, builder.load(total), builder.fadd)
+
+    return sig, codegen
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)
+def _first_key(p, window):
+    return max(0, p + 1 - window) if window > 0 else 0
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)
+def _run(q, pool_k, pool_v, table, block_tokens, positions, window, attn_scale, r0, r1, out, kt, slots, sc, w,
+         acc, totals):
+    """Rows r0..r1-1 (one sequence, ``table`` its block ids) of :func:`attend_rows`, with its scratch."""
+    H, D = q.shape[1], q.shape[2]
+    Hkv = pool_k.shape[1]
+    group = H // Hkv
+    lo, hi = np.int64(1) << 62, np.int64(0)
+    for r in range(r0, r1):
+        lo, hi = min(lo, _first_key(positions[r], window)), max(hi, positions[r] + 1)
+    t_lo = lo // KEYS
+    n_tiles = (hi + KEYS - 1) // KEYS - t_lo
+    base = t_lo * KEYS
+    for j in range(n_tiles * KEYS):   # the keys' pool slots; past the last key, the last key's (weight 0)
+        s = min(base + j, hi - 1)
+        slots[j] = table[s // block_tokens] * block_tokens + s % block_tokens
+    n_queries = (r1 - r0) * group   # query k: row r0 + k // group, head kvh * group + k % group
+    slot_bytes = pool_v.strides[0]
+    scale = np.float32(attn_scale)
+    for kvh in range(Hkv):
+        for t in range(n_tiles):
+            for lane in range(KEYS):
+                key = pool_k[slots[t * KEYS + lane], kvh]
+                for d in range(D):
+                    kt[t, d, lane] = key[d]
+        for k0 in range(0, n_queries, QUERIES):
+            ks = (k0, min(k0 + 1, n_queries - 1), min(k0 + 2, n_queries - 1), min(k0 + 3, n_queries - 1))
+            q_lo, q_hi = hi, np.int64(0)
+            for k in ks:
+                p = positions[r0 + k // group]
+                q_lo, q_hi = min(q_lo, _first_key(p, window)), max(q_hi, p + 1)
+            a, b = q_lo // KEYS - t_lo, (q_hi + KEYS - 1) // KEYS - t_lo   # the tiles any of the four sees
+            qa = (q[r0 + ks[0] // group, kvh * group + ks[0] % group].ctypes.data,
+                  q[r0 + ks[1] // group, kvh * group + ks[1] % group].ctypes.data,
+                  q[r0 + ks[2] // group, kvh * group + ks[2] % group].ctypes.data,
+                  q[r0 + ks[3] // group, kvh * group + ks[3] % group].ctypes.data)
+            for t in range(a, b):
+                _scores(qa[0], qa[1], qa[2], qa[3], kt[t].ctypes.data, D, scale, sc[0, t * KEYS:].ctypes.data,
+                        sc[1, t * KEYS:].ctypes.data, sc[2, t * KEYS:].ctypes.data, sc[3, t * KEYS:].ctypes.data)
+            for m in range(QUERIES):
+                p = positions[r0 + ks[m] // group]
+                totals[m] = _softmax_weights(sc[m, a * KEYS:].ctypes.data, w[m, a * KEYS:].ctypes.data, b - a,
+                                             base + a * KEYS, _first_key(p, window), p)
+            for c in range(0, D, 16):
+                _weighted_values(w[0, a * KEYS:].ctypes.data, w[1, a * KEYS:].ctypes.data,
+                                 w[2, a * KEYS:].ctypes.data, w[3, a * KEYS:].ctypes.data,
+                                 slots[a * KEYS:].ctypes.data, (b - a) * KEYS, pool_v[0, kvh, c:].ctypes.data,
+                                 slot_bytes, acc[0, c:].ctypes.data, acc[1, c:].ctypes.data, acc[2, c:].ctypes.data,
+                                 acc[3, c:].ctypes.data)
+            for m in range(min(QUERIES, n_queries - k0)):
+                k = k0 + m
+                row, head = r0 + k // group, kvh * group + k % group
+                for d in range(D):
+                    out[row, head, d] = acc[m, d] / totals[m]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)
+def attend_rows(q, pool_k, pool_v, tables, block_tokens, seq, positions, window, attn_scale, out):
+    """Causal attention of a prefill's rows over the pool, each query on its own (module docstring): out float32
+    [N, H, D] for q float32 [N, H, D] (C-contiguous); pool_k, pool_v float32 [slots, Hkv, D] (the rows' own K/V
+    already written; slot = block * block_tokens + offset; a slot's [Hkv, D] contiguous); tables int64 [B,
+    blocks] (padded); seq int64 [N] the row's sequence; positions int64 [N] its position p: it attends over its
+    sequence's keys 0..p, or with ``window`` > 0 over p - window < j <= p; attn_scale float32. H a multiple of
+    Hkv, D of 16 (:func:`supported`). Consecutive rows of one sequence share their key tiles. A row's bits do not
+    depend on the other rows of the call, how its prompt was packed or how much of it was cached. Nothing is
+    checked here."""
+    N, D = q.shape[0], q.shape[2]
+    if N == 0:
+        return
+    n_keys = (np.max(positions) // KEYS + 1) * KEYS
+    kt = np.empty((n_keys // KEYS, D, KEYS), np.float32)
+    slots = np.empty(n_keys, np.int64)
+    sc = np.empty((QUERIES, n_keys), np.float32)
+    w = np.empty((QUERIES, n_keys), np.float32)
+    acc = np.empty((QUERIES, D), np.float32)
+    totals = np.empty(QUERIES, np.float32)
+    r0 = 0
+    while r0 < N:
+        r1 = r0 + 1
+        while r1 < N and seq[r1] == seq[r0]:
+            r1 += 1
+        _run(q, pool_k, pool_v, tables[seq[r0]], block_tokens, positions, window, attn_scale, r0, r1, out, kt,
+             slots, sc, w, acc, totals)
+        r0 = r1
