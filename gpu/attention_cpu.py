@@ -1,24 +1,28 @@
-"""Causal attention of a native prefill's rows over the paged KV pool, on the CPU, in numba: each query's bits
-depend on its own query and keys only, and the work runs as vector tiles.
+"""Causal attention over the paged KV pool on the CPU, in numba, as vector tiles: a native prefill's rows
+(:func:`attend_rows`) and a decode step's row (:func:`attend_decode_row`, inside ``lowbit_cpu.decode_layers``).
+Each query's bits depend on its own query and keys only.
 
-A call gathers, per run of rows of one sequence and per KV head, the run's keys into tiles of :data:`KEYS` keys
-transposed (``kt [tiles, D, KEYS]``, tile ``t`` = key positions ``KEYS t .. KEYS t + KEYS - 1``, aligned at
-position 0), then takes the run's (row, head) queries :data:`QUERIES` at a time::
+Keys go in tiles of :data:`KEYS` (tile ``t`` = key positions ``KEYS t .. KEYS t + KEYS - 1``, aligned at position
+0, a key per vector lane); every sum is a chain of explicit FMAs or adds in a fixed order::
 
-    scores  [QUERIES, KEYS] per tile   one FMA chain over d = 0..D-1 per query and key (a key per vector lane)
-    weights exp(score - max) at the query's own keys, 0 elsewhere; their sum per lane (position mod KEYS) in
-            tile order, then a fixed tree over the lanes
-    out     [QUERIES, 16] per 16 dims   one FMA chain over the keys in position order per query and dim, / the sum
+    scores   prefill: per run of one sequence's rows and KV head, the keys transposed (``kt [tiles, D, KEYS]``) and
+             the (row, head) queries QUERIES at a time, one FMA chain over d = 0..D-1 per query and key;
+             decode: per query head, a key row's 16-dim chunks as one FMA chain per lane, then the lanes in a
+             fixed tree (:func:`_pair_sums`), no transposing for one row
+    weights  exp(score - max) at the query's own keys, 0 elsewhere; their sum per lane (position mod KEYS) in
+             tile order, then a fixed tree over the lanes
+    out      16 dims at a time, QUERIES queries per pass: one FMA chain over the keys in position order, / the sum
 
-Why this is batch-invariant: every sum of a query runs in an order fixed by its own position (and window) alone:
-a lane is a key position modulo :data:`KEYS`, a tile an absolute range of positions, and the keys a query may not
-see (in the tiles it shares with the other queries of its group of :data:`QUERIES`) weigh an exact 0, so they add
-nothing (``fma(0, v, acc) == acc``; the pool holds finite K/V). The inner loops are written in LLVM IR with
-explicit ``llvm.fma`` and vector registers (no fast-math flags: LLVM may not reorder them); ``exp`` is Cephes'
-``expf`` reduction and polynomial (~1 ulp), the same instructions in every lane. Decode steps keep
-``lowbit_cpu._attend`` (one query per row and head): the two paths' last bits differ, as prefill's float32 GEMMs
-and decode's int8 GEMVs already do. ``gpu.model`` calls it where :func:`supported` holds (head dims a multiple of
-16), else attends with SDPA per row.
+Why a query's bits do not move with the rows beside it, its prompt's packing or how much of it was cached: its
+sums run in an order fixed by its own position (and window) alone: a lane is a key position modulo :data:`KEYS`,
+a tile an absolute range of positions, and keys a query may not see (in tiles it shares with the other queries of
+a pass) weigh an exact 0, so they add nothing (``fma(0, v, acc) == acc``; the pool holds finite K/V). The inner
+loops are LLVM IR with explicit ``llvm.fma`` (no fast-math flags, so LLVM may not reorder them; the numba
+functions say ``fastmath=False`` so that a fastmath caller's flags do not reach them); ``exp`` is Cephes'
+``expf`` reduction and polynomial (~1 ulp), the same instructions in every lane. A prefill row and a decode row
+at the same position differ in the last bits (their scores sum in other orders), as prefill's float32 GEMMs and
+decode's int8 GEMVs already do. Head dims must be a multiple of 16 (:func:`supported`); ``gpu.model`` attends
+with SDPA per row otherwise, and ``decode_layers`` with ``lowbit_cpu._attend``.
 """
 from __future__ import annotations
 
@@ -28,14 +32,20 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .lowbit_cpu import _splat
-
-__all__ = ["KEYS", "QUERIES", "attend_rows", "supported"]
+__all__ = ["KEYS", "QUERIES", "attend_rows", "attend_decode_row", "supported"]
 
 KEYS = 16      # keys per tile = vector lanes
 QUERIES = 4    # queries sharing one pass over a tile (independent FMA chains)
 _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 _VF = ir.VectorType(_F32, KEYS)
+
+
+def _splat(builder, value, vector_type):
+    """``value`` in every lane of ``vector_type``."""
+    undef = ir.Constant(vector_type, ir.Undefined)
+    one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
+    lanes = vector_type.count
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes))
 
 
 def supported(head_dim: int) -> bool:
@@ -129,6 +139,47 @@ def _weighted_values(typingctx, w0, w1, w2, w3, slots, n, v_addr, slot_bytes, o0
                 builder.store(builder.call(fma, [_splat(builder, w, _VF), v, builder.load(acc)]), acc)
         for oa, acc in zip(outs, accs):
             builder.store(builder.load(acc), builder.inttoptr(oa, _VF.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _pair_sums(builder, x, y, width):
+    """x and y hold KEYS / width keys each, ``width`` partial sums per key (key-major); returns one vector of
+    x's keys then y's, ``width / 2`` partial sums each: a key's lane j + its lane j + width / 2."""
+    half = width // 2
+    lo = [k * width + j for k in range(KEYS // width) for j in range(half)]
+    idx_lo = ir.Constant(ir.VectorType(_I32, KEYS), lo + [KEYS + i for i in lo])
+    idx_hi = ir.Constant(ir.VectorType(_I32, KEYS), [i + half for i in lo] + [KEYS + i + half for i in lo])
+    return builder.fadd(builder.shuffle_vector(x, y, idx_lo), builder.shuffle_vector(x, y, idx_hi))
+
+
+@intrinsic
+def _dot_keys(typingctx, q, k_addr, slots, slot_bytes, chunks, scale, o):
+    """o[0:KEYS] = (q . k(slots[j])) * scale for the KEYS keys of one tile, k(s) = the float32 [16 chunks] at
+    ``k_addr + s * slot_bytes``, q float32 [16 chunks]: per key, lane l sums q[16 c + l] k[16 c + l] over c in
+    order (an FMA chain), then its 16 lanes add in a fixed tree (:func:`_pair_sums`, keys paired in order)."""
+    sig = types.void(*([types.intp] * 5), types.float32, types.intp)
+
+    def codegen(context, builder, signature, args):
+        qa, ka, sa, stride, chunks, scale, oa = args
+        fma = _fma(builder)
+        rows = [builder.add(ka, builder.mul(builder.load(_at(builder, sa, ir.Constant(_I64, 8 * key), _I64), align=8),
+                                            stride)) for key in range(KEYS)]
+        accs = [cgutils.alloca_once_value(builder, _lanes([0.0] * KEYS)) for _ in range(KEYS)]
+        with cgutils.for_range(builder, chunks) as loop:   # the chunks outside: KEYS independent FMA chains
+            off = builder.mul(loop.index, ir.Constant(_I64, 64))
+            x = builder.load(_at(builder, qa, off, _VF), align=4)
+            for row, acc in zip(rows, accs):
+                k = builder.load(_at(builder, row, off, _VF), align=4)
+                builder.store(builder.call(fma, [x, k, builder.load(acc)]), acc)
+        partials = [builder.load(acc) for acc in accs]
+        width = KEYS
+        while len(partials) > 1:
+            partials = [_pair_sums(builder, partials[i], partials[i + 1], width) for i in range(0, len(partials), 2)]
+            width //= 2
+        builder.store(builder.fmul(partials[0], _splat(builder, scale, _VF)), builder.inttoptr(oa, _VF.as_pointer()),
+                      align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -261,3 +312,47 @@ def attend_rows(q, pool_k, pool_v, tables, block_tokens, seq, positions, window,
         _run(q, pool_k, pool_v, tables[seq[r0]], block_tokens, positions, window, attn_scale, r0, r1, out, kt,
              slots, sc, w, acc, totals)
         r0 = r1
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: a fastmath caller must not lend its flags
+def attend_decode_row(q, pool_k, pool_v, table, block_tokens, first, length, attn_scale, sc, w, slots, acc, out):
+    """out [H, D] = softmax(q K^T * attn_scale) V over keys ``first .. length - 1`` of one sequence, for a decode
+    step's row: q float32 [H, D] (H a multiple of Hkv, D of 16); pool_k, pool_v float32 [slots, Hkv, D]; table
+    its block ids. Per KV head, each query head's scores run :func:`_dot_keys` over tiles of KEYS keys (aligned
+    at position 0), then :func:`_softmax_weights` and :func:`_weighted_values` as in :func:`attend_rows`: every
+    sum's order is fixed by ``first`` and ``length`` alone. Scratch: sc, w float32 [QUERIES, >= keys rounded up
+    to KEYS]; slots int64 [same]; acc float32 [QUERIES, D]."""
+    H, D = q.shape
+    Hkv = pool_k.shape[1]
+    group = H // Hkv
+    t_lo = first // KEYS
+    n_tiles = (length + KEYS - 1) // KEYS - t_lo
+    base = t_lo * KEYS
+    for j in range(n_tiles * KEYS):   # past the last key, the last key's slot (weight 0)
+        s = min(base + j, length - 1)
+        slots[j] = table[s // block_tokens] * block_tokens + s % block_tokens
+    slot_bytes = pool_k.strides[0]
+    scale = np.float32(attn_scale)
+    for kvh in range(Hkv):
+        for h0 in range(0, group, QUERIES):
+            hs = (h0, min(h0 + 1, group - 1), min(h0 + 2, group - 1), min(h0 + 3, group - 1))
+            for m in range(QUERIES):
+                if m == 0 or hs[m] != hs[m - 1]:
+                    qa = q[kvh * group + hs[m]].ctypes.data
+                    for t in range(n_tiles):
+                        _dot_keys(qa, pool_k[0, kvh].ctypes.data, slots[t * KEYS:].ctypes.data, slot_bytes, D // 16,
+                                  scale, sc[m, t * KEYS:].ctypes.data)
+                    acc[m, 0] = _softmax_weights(sc[m].ctypes.data, w[m].ctypes.data, n_tiles, base, first,
+                                                 length - 1)
+                else:
+                    acc[m, 0] = acc[m - 1, 0]
+                    w[m, :n_tiles * KEYS] = w[m - 1, :n_tiles * KEYS]
+            totals = (acc[0, 0], acc[1, 0], acc[2, 0], acc[3, 0])
+            for c in range(0, D, 16):
+                _weighted_values(w[0].ctypes.data, w[1].ctypes.data, w[2].ctypes.data, w[3].ctypes.data,
+                                 slots.ctypes.data, n_tiles * KEYS, pool_v[0, kvh, c:].ctypes.data, slot_bytes,
+                                 acc[0, c:].ctypes.data, acc[1, c:].ctypes.data, acc[2, c:].ctypes.data,
+                                 acc[3, c:].ctypes.data)
+            for m in range(min(QUERIES, group - h0)):
+                for d in range(D):
+                    out[kvh * group + h0 + m, d] = acc[m, d] / totals[m]

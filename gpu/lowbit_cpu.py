@@ -38,6 +38,8 @@ from llvmlite import binding as llvm
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
+from .attention_cpu import KEYS, QUERIES, _splat, attend_decode_row
+
 __all__ = ["TILE_ROWS", "q4_tiles", "q8_tiles", "q4_linear", "q8_linear", "q8_rows", "decode_layers",
            "set_threads", "threads"]
 
@@ -83,13 +85,6 @@ def set_threads(n: int) -> int:
 def threads() -> int:
     """The count ``set_threads`` put in force (1: serial)."""
     return _threads
-
-
-def _splat(builder, value, vector_type):
-    undef = ir.Constant(vector_type, ir.Undefined)
-    one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
-    lanes = vector_type.count
-    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes))
 
 
 def _ptr(builder, addr, offset_bytes, pointee):
@@ -292,7 +287,7 @@ def _attend(q, pool_k, pool_v, table, block_tokens, first, length, attn_scale, s
     """out [H, D] = softmax(q K^T * attn_scale) V over keys ``first .. length - 1`` of one sequence; q [H, D];
     pool_k, pool_v [slots, Hkv, D]; table: the sequence's block ids; heads share K/V in groups of H / Hkv.
     The sums run in an order fixed by ``first`` and ``length`` alone: a row's result depends on its own query
-    and keys only (decode steps; a prefill's rows attend with ``gpu.attention_cpu``)."""
+    and keys only (a decode step's row whose head dim ``attention_cpu.attend_decode_row`` does not take)."""
     group = q.shape[0] // pool_k.shape[1]
     slots = np.empty(length, np.int64)   # the keys' pool slots, once for all heads (no division per key)
     block, offset = first // block_tokens, first % block_tokens
@@ -333,7 +328,6 @@ def _row_attention(b, y_qkv, pool, tables, positions, cos, sin, n_heads, block_t
     p = positions[b]
     heads = np.empty((n_heads + 2 * Hkv, D), np.float32)
     head_out = np.empty((n_heads, D), np.float32)
-    scores = np.empty(p + 1, np.float32)
     for hh in range(n_heads + 2 * Hkv):
         for i in range(D):
             heads[hh, i] = y_qkv[b, hh * D + i]
@@ -342,7 +336,14 @@ def _row_attention(b, y_qkv, pool, tables, positions, cos, sin, n_heads, block_t
     slot = tables[b, p // block_tokens] * block_tokens + p % block_tokens
     pool[0, slot] = heads[n_heads:n_rope]
     pool[1, slot] = heads[n_rope:]
-    _attend(heads[:n_heads], pool[0], pool[1], tables[b], block_tokens, 0, p + 1, attn_scale, scores, head_out)
+    if D % 16 == 0:   # attention_cpu.supported
+        keys = (p // KEYS + 1) * KEYS
+        attend_decode_row(heads[:n_heads], pool[0], pool[1], tables[b], block_tokens, 0, p + 1, attn_scale,
+                          np.empty((QUERIES, keys), np.float32), np.empty((QUERIES, keys), np.float32),
+                          np.empty(keys, np.int64), np.empty((QUERIES, D), np.float32), head_out)
+    else:
+        _attend(heads[:n_heads], pool[0], pool[1], tables[b], block_tokens, 0, p + 1, attn_scale,
+                np.empty(p + 1, np.float32), head_out)
     for hh in range(n_heads):
         for i in range(D):
             attn[b, hh * D + i] = head_out[hh, i]

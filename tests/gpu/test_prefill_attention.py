@@ -110,3 +110,25 @@ def test_a_prompts_rows_get_the_same_bits_with_any_part_of_it_cached(window):
 def test_supported_head_dims():
     assert ac.supported(64) and ac.supported(128) and ac.supported(80)
     assert not ac.supported(72) and not ac.supported(0)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (10, 2, 16), (8, 2, 128)])
+@pytest.mark.parametrize("first,length", [(0, 1), (0, 16), (0, 17), (0, 300), (37, 300), (290, 300)])
+def test_attend_decode_row_matches_a_float64_reference(heads, kv_heads, dim, first, length):
+    """A decode step's row (``attend_decode_row``, as ``lowbit_cpu.decode_layers`` calls it): one query per head
+    over keys first..length-1 through a scattered block table; groups of 1, 2, 3 and 5 query heads per KV head (5:
+    two passes of QUERIES)."""
+    rng = np.random.default_rng(length + heads)
+    bt = 16
+    table = rng.permutation(24).astype(np.int64)
+    pool_k, pool_v = (rng.standard_normal((24 * bt, kv_heads, dim)).astype(np.float32) for _ in range(2))
+    q = (2 * rng.standard_normal((heads, dim))).astype(np.float32)
+    keys = (length // ac.KEYS + 1) * ac.KEYS
+    out = np.full((heads, dim), np.nan, np.float32)
+    ac.attend_decode_row(q, pool_k, pool_v, table, bt, first, length, dim ** -0.5,
+                         np.empty((ac.QUERIES, keys), np.float32), np.empty((ac.QUERIES, keys), np.float32),
+                         np.empty(keys, np.int64), np.empty((ac.QUERIES, dim), np.float32), out)
+    window = length - first if first else 0
+    ref = _reference(q[None], pool_k, pool_v, table[None], np.zeros(1, np.int64), [length - 1], window,
+                     dim ** -0.5, bt)
+    assert np.abs(out - ref[0]).max() < 1e-5
