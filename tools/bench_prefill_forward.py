@@ -4,12 +4,13 @@ baseline checkout, in one command.
 Each checkout gets a worker process (``torch.set_num_threads(1)`` unless ``--threads``) that loads the model once
 (``--weights``, default ``auto``) and times ``LlamaModel.prefill`` of a random prompt of each ``--lengths`` into a
 fresh block table (with ``--context C``: after a prefill of C other tokens, untimed, as a cached prefix: the
-prompt then runs at positions C..C+n-1, as a multi-round turn does); the driver alternates the two workers
-prompt by prompt (baseline, this, baseline, ...), so load from neighbours hits both alike, and reports the medians
-and their ratio::
+prompt then runs at positions C..C+n-1, as a multi-round turn does; with ``--decode-rows B``: a decode step of B
+rows instead, each at position n over n prompt tokens of its own, prefilled untimed); the driver alternates the
+two workers prompt by prompt (baseline, this, baseline, ...), so load from neighbours hits both alike, and
+reports the medians and their ratio::
 
     python -m tools.bench_prefill_forward --baseline-root /path/to/main [--lengths 16,200,1000] [--reps 3]
-        [--context 0]
+        [--context 0] [--decode-rows 0]
 """
 from __future__ import annotations
 
@@ -31,12 +32,25 @@ from gpu.model import LlamaModel, kv_pool_shape
 m = LlamaModel.from_path(sys.argv[3] or None, progress=False, weights=sys.argv[1])
 c, bt = m.config, 16
 g = torch.Generator().manual_seed(0)
-kv = torch.zeros(kv_pool_shape(c, 4096 // bt, bt), dtype=m.dtype)
+ctx, rows, per_row = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]) // 16 + 2   # blocks per decode row
+kv = torch.zeros(kv_pool_shape(c, max(4096 // bt, rows * per_row), bt), dtype=m.dtype)
 m.prefill(kv, [5, 6, 7], [0])   # compiles / loads the kernels
+m.decode(kv, [5] * max(rows, 1), [3] * max(rows, 1), [[0]] * max(rows, 1))
 print("ready", flush=True)
-ctx = int(sys.argv[4])
+done = None
 for line in sys.stdin:
     n = int(line)
+    if rows:   # a decode step of `rows` rows, each at position n over its own n prompt tokens
+        tables = [list(range(b * per_row, (b + 1) * per_row)) for b in range(rows)]
+        if done != n:
+            for table in tables:
+                m.prefill(kv, torch.randint(3, c.vocab_size, (n,), generator=g).tolist(), table)
+            done = n
+        ids = torch.randint(3, c.vocab_size, (rows,), generator=g).tolist()
+        t0 = time.perf_counter()
+        m.decode(kv, ids, [n] * rows, tables)
+        print(json.dumps(time.perf_counter() - t0), flush=True)
+        continue
     table = list(range((ctx + n) // bt + 1))
     if ctx:
         m.prefill(kv, torch.randint(3, c.vocab_size, (ctx,), generator=g).tolist(), table)
@@ -49,7 +63,8 @@ for line in sys.stdin:
 
 def _worker(root: Path, args) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", _WORKER, args.weights, str(args.threads), args.model,
-                             str(args.context)], cwd=root,
+                             str(args.context), str(args.decode_rows),
+                             str(max(int(n) for n in args.lengths.split(",")))], cwd=root,
                             env={**os.environ, "PYTHONPATH": str(root)}, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "ready":
@@ -69,6 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--baseline-root", required=True, help="the other checkout")
     ap.add_argument("--lengths", default="16,200,1000", help="prompt lengths in tokens (with the context at most 4000)")
     ap.add_argument("--context", type=int, default=0, help="tokens prefilled before each timed prompt, untimed")
+    ap.add_argument("--decode-rows", type=int, default=0,
+                    help="time a decode step of this many rows instead, each at position n after n prompt tokens")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--weights", default="auto")
     ap.add_argument("--model", default="", help="GGUF file; empty = the embedded model")
@@ -89,12 +106,14 @@ def main(argv: list[str] | None = None) -> dict:
             proc.wait(timeout=60)
     print(f"# bench_prefill_forward {time.strftime('%Y-%m-%d %H:%M:%S')}, load average "
           f"{os.getloadavg()[0]:.1f}, --weights {args.weights}, {args.threads} thread(s), --context {args.context}, "
+          f"--decode-rows {args.decode_rows}, "
           f"median of {args.reps}")
     result = {}
     for n in lengths:
         base, this = (statistics.median(seconds[n][k]) for k in ("baseline", "this"))
         result[n] = {"baseline_s": base, "this_s": this, "ratio": this / base}
-        print(f"prefill of {n:5d} tokens: baseline {base * 1e3:8.1f} ms, this {this * 1e3:8.1f} ms, "
+        what = f"decode step of {args.decode_rows} rows at {n:5d}" if args.decode_rows else f"prefill of {n:5d} tokens"
+        print(f"{what}: baseline {base * 1e3:8.1f} ms, this {this * 1e3:8.1f} ms, "
               f"this / baseline {this / base:.2f}")
     return result
 
