@@ -79,13 +79,13 @@ def _tree(builder, vec, combine):
 def _exp(builder, x):
     """exp per lane for x <= 0: Cephes ``expf`` (n = floor(x log2 e + 1/2), x - n ln 2 in two parts, a degree-6
     polynomial, times 2^n built in the exponent bits); x below -87 counts as -87 (~1.6e-38, never 0 or
-    subnormal)."""
+    subnormal); a NaN stays NaN (a NaN query's scores, or inf - inf)."""
     floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF]), "llvm.floor.v16f32")
 
     def c(v):
         return _lanes([v] * KEYS)
 
-    x = builder.select(builder.fcmp_ordered(">", x, c(-87.0)), x, c(-87.0))
+    nan, x = builder.fcmp_unordered("uno", x, x), builder.select(builder.fcmp_ordered(">", x, c(-87.0)), x, c(-87.0))
     n = builder.call(floor, [builder.fadd(builder.fmul(x, c(1.44269504088896341)), c(0.5))])
     r = builder.fsub(builder.fsub(x, builder.fmul(n, c(0.693359375))), builder.fmul(n, c(-2.12194440e-4)))
     p = c(1.9875691500e-4)
@@ -94,7 +94,7 @@ def _exp(builder, x):
     p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), c(1.0))
     vi = ir.VectorType(_I32, KEYS)
     bits = builder.shl(builder.add(builder.fptosi(n, vi), ir.Constant(vi, [127] * KEYS)), ir.Constant(vi, [23] * KEYS))
-    return builder.fmul(p, builder.bitcast(bits, _VF))
+    return builder.select(nan, _lanes([float("nan")] * KEYS), builder.fmul(p, builder.bitcast(bits, _VF)))
 
 
 @intrinsic

@@ -1,7 +1,8 @@
 """``attention_cpu.attend_rows``, the per-row causal attention of a native prefill over the paged KV pool: against a
 float64 reference computed from the same pool (grouped-query heads, scattered and shared-prefix block tables, rows
 of several sequences packed in one call, positions past a cached prefix, sliding windows, the embedded model's
-head shapes), and a row's bits alone, among other rows, and with any part of its prompt cached."""
+head shapes), a row's bits alone, among other rows, and with any part of its prompt cached, and a query with a
+NaN."""
 from __future__ import annotations
 
 import numpy as np
@@ -132,3 +133,28 @@ def test_attend_decode_row_matches_a_float64_reference(heads, kv_heads, dim, fir
     ref = _reference(q[None], pool_k, pool_v, table[None], np.zeros(1, np.int64), [length - 1], window,
                      dim ** -0.5, bt)
     assert np.abs(out - ref[0]).max() < 1e-5
+
+
+def test_a_query_with_a_nan_gets_nan_not_plausible_numbers():
+    """A NaN in a query (an overflowed activation upstream) makes that head's scores NaN: its output is NaN, as
+    the float64 reference's is, in a prefill row and in a decode row, and the other heads and rows keep their bits
+    (the kernel's exp clamps scores below -87, but a NaN is not below -87)."""
+    rng = np.random.default_rng(8)
+    h, d, bt, pool_k, pool_v = _model_shaped(rng, 8)
+    tables = np.arange(8, dtype=np.int64)[None]
+    q = rng.standard_normal((40, h, d)).astype(np.float32)
+    seq, positions = np.zeros(40, np.int64), np.arange(40, dtype=np.int64)
+    clean = np.empty(q.shape, np.float32)
+    ac.attend_rows(q, pool_k, pool_v, tables, bt, seq, positions, 0, d ** -0.5, clean)
+    q[[0, 21, 39], [4, 0, 8], [0, 17, 63]] = np.nan
+    out = np.empty(q.shape, np.float32)
+    ac.attend_rows(q, pool_k, pool_v, tables, bt, seq, positions, 0, d ** -0.5, out)
+    nan = np.isnan(q).any(axis=2)
+    assert np.isnan(out[nan]).all()
+    assert np.array_equal(out[~nan], clean[~nan])
+    keys = (39 // ac.KEYS + 1) * ac.KEYS
+    row = np.empty((h, d), np.float32)
+    ac.attend_decode_row(q[21], pool_k, pool_v, tables[0], bt, 0, 22, d ** -0.5,
+                         np.empty((ac.QUERIES, keys), np.float32), np.empty((ac.QUERIES, keys), np.float32),
+                         np.empty(keys, np.int64), np.empty((ac.QUERIES, d), np.float32), row)
+    assert np.isnan(row[0]).all() and np.isfinite(row[1:]).all()
