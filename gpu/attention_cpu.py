@@ -49,7 +49,8 @@ def _splat(builder, value, vector_type):
 
 
 def supported(head_dim: int) -> bool:
-    """Whether :func:`attend_rows` handles heads of ``head_dim`` (its output runs 16 dims per vector)."""
+    """Whether :func:`attend_rows` and :func:`attend_decode_row` handle heads of ``head_dim`` (their scores and
+    output run 16 dims per vector)."""
     return head_dim > 0 and head_dim % 16 == 0
 
 
