@@ -132,7 +132,10 @@ class StuckGaugeTracker:
     """Flags a queue gauge that stays > 0 while nothing leaves its stage for ``stuck_gauge_s``.
 
     "Leaving" = a request in the stage at the previous tick is no longer in it, or (running gauge) it
-    produced a token. A gauge that drops to 0 clears its flag at once. Vectorized: no Python loop over rows.
+    produced a token or, while PREFILLING, finished a chunk of its prompt (the prefill actor stamps the row's
+    ``last_progress_ns`` after each forward pass): a long prompt in progress is slow, not stuck, while a prefill
+    whose forward pass never returns still is. A gauge that drops to 0 clears its flag at once. Vectorized: no
+    Python loop over rows.
     """
 
     def __init__(self, stuck_gauge_s: float):
@@ -146,7 +149,9 @@ class StuckGaugeTracker:
         for gauge, mask in self.masks.items():
             g = self.gauges[gauge]
             idx = np.flatnonzero(mask[state])
-            keys, markers = all_keys[idx], rows["output_tokens"][idx].astype(np.int64)  # keys ascend with idx
+            keys = all_keys[idx]   # ascend with idx
+            markers = np.where(state[idx] == int(S.PREFILLING), rows["last_progress_ns"][idx].astype(np.int64),
+                               rows["output_tokens"][idx].astype(np.int64))
             if keys.size == 0:
                 g.keys, g.markers, g.nonzero_since_ns, g.moved_ns, g.stuck = keys, markers, 0, now_ns, False
                 continue

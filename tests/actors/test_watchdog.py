@@ -110,6 +110,24 @@ def test_running_gauge_is_not_stuck_while_tokens_flow():
         assert not tracker.update(table, t * S_NS)["running"].stuck
 
 
+def test_running_gauge_is_not_stuck_while_a_long_prompt_finishes_chunks_and_is_when_they_stop():
+    """A 7,000-token prompt prefills for ~40 s on this machine: each finished chunk stamps last_progress_ns, which
+    is movement; a forward pass that never returns stamps nothing and the gauge turns stuck."""
+    tracker = StuckGaugeTracker(stuck_gauge_s=3)
+    for t in range(1, 10):   # a chunk every 2 s
+        table = rows((S.PREFILLING, 0.5, {"last_progress_ns": (t - t % 2) * S_NS}))
+        assert not tracker.update(table, t * S_NS)["running"].stuck, t
+    stalled = rows((S.PREFILLING, 0.5, {"last_progress_ns": 8 * S_NS}))
+    assert not tracker.update(stalled, 10 * S_NS)["running"].stuck
+    assert tracker.update(stalled, 11 * S_NS)["running"].stuck
+    # a QUEUED row's renewals (the queue moving) are not its own progress: the queued gauge still turns stuck
+    tracker = StuckGaugeTracker(stuck_gauge_s=3)
+    for t in range(1, 6):
+        queued = rows((S.QUEUED, 0.5, {"last_progress_ns": t * S_NS}))
+        stuck = tracker.update(queued, t * S_NS)["queued"].stuck
+    assert stuck
+
+
 def test_dead_versus_hung_actors():
     now = 100 * S_NS
     assert classify_actor(123, False, True, now, now, 5) == ActorHealth.DEAD
