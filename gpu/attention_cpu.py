@@ -230,6 +230,25 @@ def _first_key(p, window):
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)
+def _tile_slots(table, block_tokens, base, n, last, slots):
+    """slots[j] = the pool slot of key position base + j for j < n; past ``last`` (the last key), last's slot:
+    a real key (finite K/V) that weighs 0."""
+    for j in range(n):
+        s = min(base + j, last)
+        slots[j] = table[s // block_tokens] * block_tokens + s % block_tokens
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)
+def _values(w0, w1, w2, w3, slots, n, pool_v, kvh, acc):
+    """acc[m, :] = sum_j w_m[j] V[slots[j], kvh, :] over j < n (``_weighted_values`` 16 dims at a time) for the
+    four weight rows at addresses w0..w3."""
+    for c in range(0, acc.shape[1], 16):
+        _weighted_values(w0, w1, w2, w3, slots, n, pool_v[0, kvh, c:].ctypes.data, pool_v.strides[0],
+                         acc[0, c:].ctypes.data, acc[1, c:].ctypes.data, acc[2, c:].ctypes.data,
+                         acc[3, c:].ctypes.data)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=False)
 def _run(q, pool_k, pool_v, table, block_tokens, positions, window, attn_scale, r0, r1, out, kt, slots, sc, w,
          acc, totals):
     """Rows r0..r1-1 (one sequence, ``table`` its block ids) of :func:`attend_rows`, with its scratch."""
@@ -242,11 +261,8 @@ def _run(q, pool_k, pool_v, table, block_tokens, positions, window, attn_scale, 
     t_lo = lo // KEYS
     n_tiles = (hi + KEYS - 1) // KEYS - t_lo
     base = t_lo * KEYS
-    for j in range(n_tiles * KEYS):   # the keys' pool slots; past the last key, the last key's (weight 0)
-        s = min(base + j, hi - 1)
-        slots[j] = table[s // block_tokens] * block_tokens + s % block_tokens
+    _tile_slots(table, block_tokens, base, n_tiles * KEYS, hi - 1, slots)
     n_queries = (r1 - r0) * group   # query k: row r0 + k // group, head kvh * group + k % group
-    slot_bytes = pool_v.strides[0]
     scale = np.float32(attn_scale)
     for kvh in range(Hkv):
         for t in range(n_tiles):
@@ -272,12 +288,8 @@ def _run(q, pool_k, pool_v, table, block_tokens, positions, window, attn_scale, 
                 p = positions[r0 + ks[m] // group]
                 totals[m] = _softmax_weights(sc[m, a * KEYS:].ctypes.data, w[m, a * KEYS:].ctypes.data, b - a,
                                              base + a * KEYS, _first_key(p, window), p)
-            for c in range(0, D, 16):
-                _weighted_values(w[0, a * KEYS:].ctypes.data, w[1, a * KEYS:].ctypes.data,
-                                 w[2, a * KEYS:].ctypes.data, w[3, a * KEYS:].ctypes.data,
-                                 slots[a * KEYS:].ctypes.data, (b - a) * KEYS, pool_v[0, kvh, c:].ctypes.data,
-                                 slot_bytes, acc[0, c:].ctypes.data, acc[1, c:].ctypes.data, acc[2, c:].ctypes.data,
-                                 acc[3, c:].ctypes.data)
+            _values(w[0, a * KEYS:].ctypes.data, w[1, a * KEYS:].ctypes.data, w[2, a * KEYS:].ctypes.data,
+                    w[3, a * KEYS:].ctypes.data, slots[a * KEYS:].ctypes.data, (b - a) * KEYS, pool_v, kvh, acc)
             for m in range(min(QUERIES, n_queries - k0)):
                 k = k0 + m
                 row, head = r0 + k // group, kvh * group + k % group
@@ -316,44 +328,36 @@ def attend_rows(q, pool_k, pool_v, tables, block_tokens, seq, positions, window,
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: a fastmath caller must not lend its flags
-def attend_decode_row(q, pool_k, pool_v, table, block_tokens, first, length, attn_scale, sc, w, slots, acc, out):
+def attend_decode_row(q, pool_k, pool_v, table, block_tokens, first, length, attn_scale, out):
     """out [H, D] = softmax(q K^T * attn_scale) V over keys ``first .. length - 1`` of one sequence, for a decode
     step's row: q float32 [H, D] (H a multiple of Hkv, D of 16); pool_k, pool_v float32 [slots, Hkv, D]; table
     its block ids. Per KV head, each query head's scores run :func:`_dot_keys` over tiles of KEYS keys (aligned
-    at position 0), then :func:`_softmax_weights` and :func:`_weighted_values` as in :func:`attend_rows`: every
-    sum's order is fixed by ``first`` and ``length`` alone. Scratch: sc, w float32 [QUERIES, >= keys rounded up
-    to KEYS]; slots int64 [same]; acc float32 [QUERIES, D]."""
+    at position 0), then :func:`_softmax_weights` and :func:`_values` as in :func:`attend_rows`: every sum's
+    order is fixed by ``first`` and ``length`` alone."""
     H, D = q.shape
     Hkv = pool_k.shape[1]
     group = H // Hkv
     t_lo = first // KEYS
     n_tiles = (length + KEYS - 1) // KEYS - t_lo
     base = t_lo * KEYS
-    for j in range(n_tiles * KEYS):   # past the last key, the last key's slot (weight 0)
-        s = min(base + j, length - 1)
-        slots[j] = table[s // block_tokens] * block_tokens + s % block_tokens
-    slot_bytes = pool_k.strides[0]
+    slots = np.empty(n_tiles * KEYS, np.int64)
+    _tile_slots(table, block_tokens, base, n_tiles * KEYS, length - 1, slots)
+    sc = np.empty((QUERIES, n_tiles * KEYS), np.float32)
+    w = np.empty((QUERIES, n_tiles * KEYS), np.float32)
+    acc = np.empty((QUERIES, D), np.float32)
+    totals = np.empty(QUERIES, np.float32)
     scale = np.float32(attn_scale)
     for kvh in range(Hkv):
         for h0 in range(0, group, QUERIES):
-            hs = (h0, min(h0 + 1, group - 1), min(h0 + 2, group - 1), min(h0 + 3, group - 1))
-            for m in range(QUERIES):
-                if m == 0 or hs[m] != hs[m - 1]:
-                    qa = q[kvh * group + hs[m]].ctypes.data
-                    for t in range(n_tiles):
-                        _dot_keys(qa, pool_k[0, kvh].ctypes.data, slots[t * KEYS:].ctypes.data, slot_bytes, D // 16,
-                                  scale, sc[m, t * KEYS:].ctypes.data)
-                    acc[m, 0] = _softmax_weights(sc[m].ctypes.data, w[m].ctypes.data, n_tiles, base, first,
-                                                 length - 1)
-                else:
-                    acc[m, 0] = acc[m - 1, 0]
-                    w[m, :n_tiles * KEYS] = w[m - 1, :n_tiles * KEYS]
-            totals = (acc[0, 0], acc[1, 0], acc[2, 0], acc[3, 0])
-            for c in range(0, D, 16):
-                _weighted_values(w[0].ctypes.data, w[1].ctypes.data, w[2].ctypes.data, w[3].ctypes.data,
-                                 slots.ctypes.data, n_tiles * KEYS, pool_v[0, kvh, c:].ctypes.data, slot_bytes,
-                                 acc[0, c:].ctypes.data, acc[1, c:].ctypes.data, acc[2, c:].ctypes.data,
-                                 acc[3, c:].ctypes.data)
-            for m in range(min(QUERIES, group - h0)):
+            heads = min(QUERIES, group - h0)   # a short pass repeats its last head's weights (output unused)
+            for m in range(heads):
+                qa = q[kvh * group + h0 + m].ctypes.data
+                for t in range(n_tiles):
+                    _dot_keys(qa, pool_k[0, kvh].ctypes.data, slots[t * KEYS:].ctypes.data, pool_k.strides[0],
+                              D // 16, scale, sc[m, t * KEYS:].ctypes.data)
+                totals[m] = _softmax_weights(sc[m].ctypes.data, w[m].ctypes.data, n_tiles, base, first, length - 1)
+            _values(w[0].ctypes.data, w[min(1, heads - 1)].ctypes.data, w[min(2, heads - 1)].ctypes.data,
+                    w[min(3, heads - 1)].ctypes.data, slots.ctypes.data, n_tiles * KEYS, pool_v, kvh, acc)
+            for m in range(heads):
                 for d in range(D):
                     out[kvh * group + h0 + m, d] = acc[m, d] / totals[m]

@@ -38,7 +38,7 @@ from llvmlite import binding as llvm
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
-from .attention_cpu import KEYS, QUERIES, _splat, attend_decode_row
+from .attention_cpu import _splat, attend_decode_row
 
 __all__ = ["TILE_ROWS", "q4_tiles", "q8_tiles", "q4_linear", "q8_linear", "q8_rows", "decode_layers",
            "set_threads", "threads"]
@@ -337,10 +337,7 @@ def _row_attention(b, y_qkv, pool, tables, positions, cos, sin, n_heads, block_t
     pool[0, slot] = heads[n_heads:n_rope]
     pool[1, slot] = heads[n_rope:]
     if D % 16 == 0:   # attention_cpu.supported
-        keys = (p // KEYS + 1) * KEYS
-        attend_decode_row(heads[:n_heads], pool[0], pool[1], tables[b], block_tokens, 0, p + 1, attn_scale,
-                          np.empty((QUERIES, keys), np.float32), np.empty((QUERIES, keys), np.float32),
-                          np.empty(keys, np.int64), np.empty((QUERIES, D), np.float32), head_out)
+        attend_decode_row(heads[:n_heads], pool[0], pool[1], tables[b], block_tokens, 0, p + 1, attn_scale, head_out)
     else:
         _attend(heads[:n_heads], pool[0], pool[1], tables[b], block_tokens, 0, p + 1, attn_scale,
                 np.empty(p + 1, np.float32), head_out)

@@ -32,10 +32,11 @@ from gpu.model import LlamaModel, kv_pool_shape
 m = LlamaModel.from_path(sys.argv[3] or None, progress=False, weights=sys.argv[1])
 c, bt = m.config, 16
 g = torch.Generator().manual_seed(0)
-ctx, rows, per_row = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]) // 16 + 2   # blocks per decode row
+ctx, rows, per_row = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]) // bt + 2   # blocks per decode row
 kv = torch.zeros(kv_pool_shape(c, max(4096 // bt, rows * per_row), bt), dtype=m.dtype)
 m.prefill(kv, [5, 6, 7], [0])   # compiles / loads the kernels
-m.decode(kv, [5] * max(rows, 1), [3] * max(rows, 1), [[0]] * max(rows, 1))
+if rows:
+    m.decode(kv, [5] * rows, [3] * rows, [[0]] * rows)
 print("ready", flush=True)
 done = None
 for line in sys.stdin:

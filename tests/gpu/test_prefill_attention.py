@@ -124,11 +124,8 @@ def test_attend_decode_row_matches_a_float64_reference(heads, kv_heads, dim, fir
     table = rng.permutation(24).astype(np.int64)
     pool_k, pool_v = (rng.standard_normal((24 * bt, kv_heads, dim)).astype(np.float32) for _ in range(2))
     q = (2 * rng.standard_normal((heads, dim))).astype(np.float32)
-    keys = (length // ac.KEYS + 1) * ac.KEYS
     out = np.full((heads, dim), np.nan, np.float32)
-    ac.attend_decode_row(q, pool_k, pool_v, table, bt, first, length, dim ** -0.5,
-                         np.empty((ac.QUERIES, keys), np.float32), np.empty((ac.QUERIES, keys), np.float32),
-                         np.empty(keys, np.int64), np.empty((ac.QUERIES, dim), np.float32), out)
+    ac.attend_decode_row(q, pool_k, pool_v, table, bt, first, length, dim ** -0.5, out)
     window = length - first if first else 0
     ref = _reference(q[None], pool_k, pool_v, table[None], np.zeros(1, np.int64), [length - 1], window,
                      dim ** -0.5, bt)
@@ -152,9 +149,6 @@ def test_a_query_with_a_nan_gets_nan_not_plausible_numbers():
     nan = np.isnan(q).any(axis=2)
     assert np.isnan(out[nan]).all()
     assert np.array_equal(out[~nan], clean[~nan])
-    keys = (39 // ac.KEYS + 1) * ac.KEYS
     row = np.empty((h, d), np.float32)
-    ac.attend_decode_row(q[21], pool_k, pool_v, tables[0], bt, 0, 22, d ** -0.5,
-                         np.empty((ac.QUERIES, keys), np.float32), np.empty((ac.QUERIES, keys), np.float32),
-                         np.empty(keys, np.int64), np.empty((ac.QUERIES, d), np.float32), row)
+    ac.attend_decode_row(q[21], pool_k, pool_v, tables[0], bt, 0, 22, d ** -0.5, row)
     assert np.isnan(row[0]).all() and np.isfinite(row[1:]).all()
