@@ -26,6 +26,8 @@ from gpu.kernels import (TargetCtasTuner, copy_blocks, copy_blocks_ref, gather_b
                          paged_attention_decode, paged_attention_decode_ref, paged_attention_decode_torch,
                          plan_split_k, plan_splits, scatter_blocks, tiled_linear)
 from gpu.kernels.kv_copy import rows_view
+from gpu.kernels.mma import mma_linear
+from gpu.kernels.mma_attention import mma_attention_decode
 from gpu.kernels.paged_attention import pick_tile_tokens
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
@@ -204,6 +206,28 @@ def test_tiled_linear_reads_bf16_and_accumulates_in_fp32(dev):
     _close(y, linear_ref(x, w), 1e-4)
 
 
+# ---------------------------------------------------------------------------------- tensor-core (MMA) tiles
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("target_ctas", [None, 8])
+def test_mma_linear_matches_the_float32_product_on_ragged_rows_and_columns(dev, dtype, target_ctas):
+    x = _rand(19, 48, seed=11, dtype=dtype, device=dev)  # [M, K]: M past one 16-row tile, K three k-steps
+    w = _rand(37, 48, seed=12, dtype=dtype, device=dev)  # [N, K]: N not a multiple of a warp's columns
+    y = mma_linear(x, w, target_ctas=target_ctas, out_dtype=torch.float32)
+    assert y.shape == (19, 37) and y.dtype == torch.float32
+    _close(y, linear_ref(x, w), 1e-4)  # products of 16-bit values are exact in fp32: only the sum order differs
+
+
+@pytest.mark.parametrize("H,Hkv,D,lens", [(4, 2, 16, (19, 6)), (3, 1, 32, (33, 1)), (16, 1, 16, (21,))],
+                         ids=["gqa", "mqa", "group-of-16"])
+def test_mma_attention_matches_the_exact_answer_within_the_bf16_rounding_of_p(dev, H, Hkv, D, lens):
+    q, kv, tables, lens_t = _decode_case(dev, H=H, Hkv=Hkv, D=D, bt=4, num_blocks=16, lens=lens,
+                                         dtype=torch.bfloat16)
+    out = mma_attention_decode(q, kv, tables, lens_t)
+    assert out.shape == (len(lens), H, D) and out.dtype == torch.float32
+    _close(out, paged_attention_decode_ref(q, kv, tables, lens_t), 8e-3)  # P is bf16 in the PV product
+
+
 # ------------------------------------------------------------------------------------------- real sizes (GPU)
 
 @pytest.mark.gpu
@@ -238,6 +262,21 @@ def test_kv_copy_and_matmul_at_llama_3_2_1b_sizes_on_the_gpu():
     for target in (None, 264):
         y = tiled_linear(x, w, target_ctas=target, out_dtype=torch.float32)
         _close(y, linear_ref(x, w), 5e-2)  # |y| ~ 45: 5e-2 is ~1e-3 relative (fp32 sums in another order)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+def test_mma_tiles_at_llama_3_2_1b_and_llama3_8b_shapes_match_cublas_and_sdpa_on_the_gpu():
+    for m in (1, 64, 512):
+        x = _rand(m, 2048, seed=4, dtype=torch.bfloat16, device="cuda")
+        w = _rand(8192, 2048, seed=5, dtype=torch.bfloat16, device="cuda")
+        for target in (None, 264):
+            y = mma_linear(x, w, target_ctas=target, out_dtype=torch.float32)
+            _close(y, torch.matmul(x.float(), w.float().T), 5e-2)  # cuBLAS in fp32 over the same bf16 values
+    q, kv, tables, lens = _decode_case("cuda", H=32, Hkv=8, D=128, bt=16, num_blocks=1100,
+                                       lens=(2000, 1, 17, 512, 1999, 64, 300, 1024), dtype=torch.bfloat16)
+    out = mma_attention_decode(q, kv, tables.clamp(min=0), lens)
+    _close(out, paged_attention_decode_torch(q, kv, tables.clamp(min=0), lens), 2e-2)  # SDPA in bf16
 
 
 @pytest.mark.gpu
@@ -304,9 +343,10 @@ def test_the_target_ctas_tuner_keeps_the_fastest_candidate_and_caches_it_per_gpu
     assert json.loads(cache.read_text()) == {"H200|decode|b1_s4096": 132, "A100|decode|b1_s4096": 264}
 
 
-def test_kernels_compile_to_ptx_for_hopper_where_a_cuda_compiler_is_installed():
+def test_kernels_compile_to_ptx_for_hopper():
     """Typing and lowering for the real target (the simulator runs plain Python, so it cannot catch e.g. a
-    shared-array shape that is not a constant). Needs NVVM (numba-cuda + the CUDA toolkit), not a GPU."""
+    shared-array shape that is not a constant). Needs NVVM (the ``test`` extra: numba-cuda with the CUDA 12
+    toolkit wheels), not a GPU; without it this fails rather than skips."""
     if SIM:
         pytest.skip("the simulator cannot compile PTX")
     from numba import cuda, types
@@ -318,10 +358,11 @@ def test_kernels_compile_to_ptx_for_hopper_where_a_cuda_compiler_is_installed():
     def probe(a):
         a[0] = twice(a[0])
 
-    try:  # some numba builds need a driver to compile a call to a device function even for compile_ptx
+    try:
         cuda.compile_ptx(probe, (types.float32[::1],), cc=(9, 0))
-    except Exception as exc:  # noqa: BLE001 - no NVVM/NVRTC/driver here
-        pytest.skip(f"no CUDA compiler in this environment ({type(exc).__name__})")
+    except Exception as exc:  # noqa: BLE001 - say what to install
+        pytest.fail(f"no CUDA compiler for numba ({type(exc).__name__}: {exc}); install the test extra "
+                    f"(pip install -e '.[test]': numba-cuda[cu12])")
     from gpu.kernels import kv_copy, matmul, paged_attention
 
     f32, f16, i16, i32, i64 = types.float32, types.float16, types.int16, types.int32, types.int64
@@ -339,6 +380,33 @@ def test_kernels_compile_to_ptx_for_hopper_where_a_cuda_compiler_is_installed():
                      cc=(9, 0))
     cuda.compile_ptx(kv_copy._copy_kernel(256).py_func, (arr(i64, 3), arr(i64, 3), arr(i64, 1), arr(i64, 1)),
                      cc=(9, 0))
+
+
+def test_the_mma_tiles_link_into_ptx_with_tensor_core_instructions_for_hopper():
+    """numba kernel -> LTO-IR, mma_tile.cu -> LTO-IR (NVRTC), nvJitLink -> PTX and cubin for sm_90: the linear
+    and attention kernels' PTX holds ``mma.sync`` (one per 8 columns per k-step; QK^T and PV), with no GPU."""
+    if SIM:
+        pytest.skip("the simulator cannot compile PTX")
+    from numba import types
+
+    from gpu.kernels.mma import DEVICE_SHAPE, link_ptx, linear_kernel_source
+    from gpu.kernels.mma_attention import attention_kernel_source
+
+    i16, i32, f32 = types.int16, types.int32, types.float32
+
+    def arr(t, nd):
+        return types.Array(t, nd, "A")
+
+    for kind in ("bf16", "f16"):
+        ptx, cubin = link_ptx(linear_kernel_source(*DEVICE_SHAPE, kind), (arr(i16, 2), arr(i16, 2), arr(f32, 3),
+                                                                           types.int64))
+        assert ptx.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32") == DEVICE_SHAPE[1]
+        assert ".target sm_90" in ptx and cubin > 0
+    ptx, cubin = link_ptx(attention_kernel_source(128, 4, 16), (arr(i16, 3), arr(i16, 4), arr(i16, 4), arr(i32, 2),
+                                                                arr(i32, 1), types.float64, arr(f32, 3)))
+    # QK^T: two 8-key tiles x 8 k-steps of 16 dims; PV: 16 tiles of 8 dims
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * 8 + 16
+    assert ".local" not in ptx and cubin > 0  # fragments stay in registers: no spill to local memory
 
 
 # ------------------------------------------------------------------------------------------------- the driver
