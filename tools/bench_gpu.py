@@ -69,7 +69,7 @@ class Plan:
     waves: tuple = (0, 1, 2, 4, 8)  # target_ctas candidates, in multiples of the SM count
 
 
-SMOKE = Plan(device="cpu", attn_shapes={"toy GQA": (4, 2, 8)}, attn_batches=(1, 2), attn_contexts=(10,),
+SMOKE = Plan(device="cpu", attn_shapes={"toy GQA": (4, 2, 16)}, attn_batches=(1, 2), attn_contexts=(10,),
              block_tokens=4, mm_k_n=(16, 24), mm_rows=(1, 5), engine_small=True, prompt_len=8,
              engine_batches=(1, 2), waves=(0, 1))
 
@@ -295,8 +295,8 @@ def bench_ipc(args) -> tuple[str, list[dict]]:
 # ---------------------------------------------------------------------------------------------- attention
 
 def bench_attention(args, tuner) -> tuple[str, list[dict]]:
-    from gpu.kernels import (dense_attention_decode_torch, paged_attention_decode,  # noqa: PLC0415
-                             paged_attention_decode_torch)
+    from gpu.kernels import (dense_attention_decode_torch, mma_attention_decode,  # noqa: PLC0415
+                             paged_attention_decode, paged_attention_decode_torch)
     from gpu.kernels._runtime import multiprocessor_count  # noqa: PLC0415
 
     plan = args.plan
@@ -330,28 +330,36 @@ def bench_attention(args, tuner) -> tuple[str, list[dict]]:
                 t_torch = cuda_ms(lambda: paged_attention_decode_torch(q, kv, tables, lens, max_seq_len=S),
                                   **it)
                 t_dense = cuda_ms(lambda: dense_attention_decode_torch(q, k_dense, v_dense), **it)
-                err = (numba_run(best).float() - paged_attention_decode_torch(q, kv, tables, lens).float()) \
-                    .abs().max().item()
+                want = paged_attention_decode_torch(q, kv, tables, lens).float()
+                err = (numba_run(best).float() - want).abs().max().item()
+                mma_ok = D % 16 == 0 and H // Hkv <= 16  # the tensor-core kernel's shapes
+                t_mma = cuda_ms(lambda: mma_attention_decode(q, kv, tables, lens), **it) if mma_ok else None
+                err_mma = (mma_attention_decode(q, kv, tables, lens) - want).abs().max().item() if mma_ok else None
                 kv_bytes = B * S * Hkv * D * 2 * 2
                 rows.append({"model shape": name, "batch": B, "context": S, "numba ms": t_best,
                              "target_ctas": best, "numba no-split ms": t_nosplit, "torch paged ms": t_torch,
                              "dense SDPA ms": t_dense, "numba speed vs torch paged": t_torch / t_best,
-                             "numba GB/s": kv_bytes / (t_best / 1e3) / 1e9, "max abs err": err})
+                             "numba GB/s": kv_bytes / (t_best / 1e3) / 1e9, "max abs err": err,
+                             "numba vs dense SDPA": t_dense / t_best, "mma ms": t_mma,
+                             "mma vs dense SDPA": t_dense / t_mma if t_mma else None, "mma max abs err": err_mma})
                 kv = k_dense = v_dense = None  # noqa: F841 - free before the next shape
     note = ("One layer, bf16, one new query token per sequence, every sequence at the full context; blocks "
             f"of {bt} tokens scattered over the pool. torch paged = `LlamaModel.decode`'s path (index_select "
             "gather + SDPA with GQA); dense = SDPA over contiguous K/V (no paging). numba GB/s = K+V bytes / "
             "time. Times include host launch overhead where it exceeds the GPU time (small shapes). target "
-            "0 = one CTA per (sequence, kv head). max abs err: numba vs torch paged.")
+            "0 = one CTA per (sequence, kv head). max abs err: numba vs torch paged. mma = the tensor-core kernel "
+            "(gpu/kernels/mma_attention.py: QK^T and PV as mma.sync tiles, one warp per (sequence, kv head), no "
+            "context split). X vs dense SDPA = SDPA time / X time (> 1: X is faster).")
     cols = ["model shape", "batch", "context", "numba ms", "target_ctas", "numba no-split ms",
-            "torch paged ms", "dense SDPA ms", "numba speed vs torch paged", "numba GB/s", "max abs err"]
+            "torch paged ms", "dense SDPA ms", "numba speed vs torch paged", "numba GB/s", "max abs err",
+            "numba vs dense SDPA", "mma ms", "mma vs dense SDPA", "mma max abs err"]
     return table("Paged-attention decode", cols, rows, note), rows
 
 
 # ---------------------------------------------------------------------------------------------- matmul
 
 def bench_matmul(args, tuner) -> tuple[str, list[dict]]:
-    from gpu.kernels import tiled_linear  # noqa: PLC0415
+    from gpu.kernels import mma_linear, tiled_linear  # noqa: PLC0415
     from gpu.kernels._runtime import multiprocessor_count  # noqa: PLC0415
 
     plan = args.plan
@@ -377,17 +385,29 @@ def bench_matmul(args, tuner) -> tuple[str, list[dict]]:
                 got = tiled_linear(x, w, target_ctas=best).float()
                 err = ((got - ref).abs().max() / ref.abs().max()).item()
                 flop = 2 * M * N * K
+                t_mma = mma_err = mma_best = None
+                if dtype == torch.bfloat16:  # tensor-core tiles take 16-bit inputs
+                    mma_best = tuner.best("mma_linear", f"m{M}_k{K}_n{N}_bf16",
+                                          lambda t, x=x, w=w: mma_linear(x, w, target_ctas=t),
+                                          [w_ * sm for w_ in plan.waves if w_ <= 4])
+                    t_mma = cuda_ms(lambda: mma_linear(x, w, target_ctas=mma_best), **it)
+                    got = mma_linear(x, w, target_ctas=mma_best, out_dtype=torch.float32)
+                    mma_err = ((got - ref).abs().max() / ref.abs().max()).item()
                 rows.append({"dtype": str(dtype)[6:], "M": M, "numba TFLOP/s": flop / (t_numba / 1e3) / 1e12,
                              "target_ctas": best, "torch.matmul TFLOP/s": flop / (t_torch / 1e3) / 1e12,
                              "numba / torch": t_torch / t_numba, "numba ms": t_numba, "torch ms": t_torch,
-                             "rel err": err})
+                             "rel err": err, "mma TFLOP/s": flop / (t_mma / 1e3) / 1e12 if t_mma else None,
+                             "mma target_ctas": mma_best, "mma / torch": t_torch / t_mma if t_mma else None,
+                             "mma rel err": mma_err})
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
-    note = (f"y = x @ W.T, K = {K}, N = {N} (Llama-3.2-1B fused QKV at full size). The numba kernel uses "
-            "CUDA cores only (numba exposes no mma/wgmma), fp32 accumulation; cuBLAS uses tensor cores for "
-            "bf16. TF32 is off for the fp32 rows. rel err = max |numba - fp32 reference| / max |reference|.")
+    note = (f"y = x @ W.T, K = {K}, N = {N} (Llama-3.2-1B fused QKV at full size). numba = the shared-memory "
+            "tiled kernel on CUDA cores (gpu/kernels/matmul.py); mma = the tensor-core kernel (gpu/kernels/mma.py: "
+            "mma.sync m16n8k16 linked from CUDA C++, bf16 rows only); fp32 accumulation in both. cuBLAS uses "
+            "tensor cores for bf16. TF32 is off for the fp32 rows. rel err = max |kernel - fp32 reference| / "
+            "max |reference|. X / torch > 1: X is faster.")
     cols = ["dtype", "M", "numba TFLOP/s", "target_ctas", "torch.matmul TFLOP/s", "numba / torch", "numba ms",
-            "torch ms", "rel err"]
+            "torch ms", "rel err", "mma TFLOP/s", "mma target_ctas", "mma / torch", "mma rel err"]
     return table("Tiled matmul vs cuBLAS", cols, rows, note), rows
 
 
