@@ -179,7 +179,8 @@ def _stage_specs(index: int, timeline: dict[str, Any], t0_ns: int) -> list[SpanS
             attrs["pdserve.deadline_field"] = st["deadline_field"]
             if st["deadline_s"] is not None:
                 attrs["pdserve.deadline_s"] = float(st["deadline_s"])
-        specs.append(SpanSpec(st["stage"], start, start + round(max(st["age_s"], 0.0) * 1e9), 0, False, attrs))
+        specs.append(SpanSpec(st["stage"], start, start + round(max(st["age_s"] or 0.0, 0.0) * 1e9), 0, False,
+                              attrs))
     return specs
 
 
@@ -238,6 +239,8 @@ def span_plan(facts: RequestFacts, timelines: list[tuple[int, dict[str, Any], in
             if event["kind"] not in ROW_LIFE_KINDS:
                 _place_event(root, stages, event, t0_ns + round(event["t_s"] * 1e9), n == 0)
         _mark_ending(root, stages, timeline)
+        if timeline.get("partial"):   # the flight recorder's ring lost part of it (ipc/timeline.py)
+            root.attributes["pdserve.timeline.partial"] = timeline["partial"]
         queue_s = max([queue_s] + [(s.end_ns - s.start_ns) / 1e9 for s in stages if s.name == "queued"])
         plan += stages
     if timelines:

@@ -209,6 +209,21 @@ class Recorder(_shm.ShmSegment):
         events = np.concatenate(out) if out else np.zeros(0, EVENT_DTYPE)
         return events[np.argsort(events["t_ns"], kind="stable")]
 
+    def horizon_ns(self) -> int:
+        """The newest time before which some sub-ring's events were overwritten: the oldest whole event of each
+        sub-ring that has wrapped (appended more than it holds), the latest of those; 0 when none has wrapped.
+        A row life that began before it may have lost events (its middle, or its end) to the ring."""
+        horizon = 0
+        for w in range(self.num_writers):
+            if self.written(w) <= self.events_per_writer:
+                continue
+            ring = self._rings[w]
+            heads, tails, t_ns = ring["head"].copy(), ring["tail"].copy(), ring["t_ns"].copy()
+            ok = (heads == tails) & (tails != 0)
+            if ok.any():
+                horizon = max(horizon, int(t_ns[ok].min()))
+        return horizon
+
     def events_since(self, seen: list[int] | None) -> tuple[np.ndarray, list[int], int]:
         """The whole events appended after ``seen`` (each sub-ring's ``written`` count at the previous call; None:
         from the oldest still in the ring), sorted by time; the counts to pass next time; and how many events

@@ -7,8 +7,10 @@ relative to the first event, ``null`` = unknown)::
 
     {"key": "16 hex digits", "request_id": str|null (the id asked for), "slot", "generation",
      "started_ago_s": float, "duration_s": float, "final": "FINISHED"|"ABORTED"|"TIMED_OUT"|"FAILED"|null,
-     "released": bool, "path": ["QUEUED", "PREFILLING", ...],
-     "stages": [{"state", "stage", "t_s", "age_s": time in it (to the next transition, or to now if live),
+     "released": bool, "live": bool, "partial": null | "start evicted" | "end evicted" | "events evicted",
+     "path": ["QUEUED", "PREFILLING", ...],
+     "stages": [{"state", "stage", "t_s", "age_s": time in it (to the next transition, to now if live, null if
+                 its end was evicted),
                  "by": actor, "deadline_field": str|null, "deadline_s": float|null,
                  "request_deadline_left_s": float|null (at entry)}],
      "timeout": null | {"stage", "reason": "stage_deadline"|"request_deadline"|"bad_timestamp", "age_s",
@@ -17,6 +19,13 @@ relative to the first event, ``null`` = unknown)::
 
 ``/debug/requests/{id}`` answers ``{"schema": 1, "request_id": id, "timelines": [...]}`` (the newest last);
 tools/inspect --request prints the same.
+
+When the ring wraps, a life can lose events (``Recorder.horizon_ns``: before it, some sub-ring was overwritten).
+``partial`` says what is missing: "start evicted" (its first event is not the row's ALLOCATE), "end evicted" (not
+final, but events after its last one may be gone: its row is no longer live in the state table, or, without the
+table, the horizon is past its last event), "events evicted" (it began before the horizon: events between may be
+gone; final, or live in the table). A life
+whose end was evicted is never shown as live: ``live`` is false and its last stage's age is null.
 """
 from __future__ import annotations
 
@@ -25,12 +34,17 @@ from typing import Any, Iterable
 import numpy as np
 
 from ipc.ledger import DETECTIONS
-from ipc.lifecycle import FINAL_STATES, STAGE_NAME, STAGE_TIMEOUT_FIELD
+from ipc.lifecycle import FINAL_STATES, LIVE_STATES, STAGE_NAME, STAGE_TIMEOUT_FIELD
 from ipc.lifecycle import RequestState as S
 from ipc.recorder import ClosedBy, EventKind, Renewal, TimeoutReason, request_key
 
 SCHEMA_VERSION = 1
 _FINAL = {int(s) for s in FINAL_STATES}
+PARTIAL_TEXT = {
+    "start evicted": "its first events were overwritten in the flight recorder's ring (the path starts late)",
+    "end evicted": "it ended, but its last events were overwritten in the flight recorder's ring (not live)",
+    "events evicted": "it began before the ring's horizon: events between may have been overwritten",
+}
 
 
 def _state_name(value: int) -> str:
@@ -98,11 +112,14 @@ def _event_fields(ev, actor_names: tuple[str, ...]) -> dict[str, Any]:
 
 
 def build_timeline(events: np.ndarray, now_ns: int, config: dict[str, float] | None = None,
-                   actor_names: tuple[str, ...] = (), request_id: str | None = None) -> dict[str, Any]:
+                   actor_names: tuple[str, ...] = (), request_id: str | None = None, *, horizon_ns: int = 0,
+                   live_rows: set[tuple[int, int]] | None = None) -> dict[str, Any]:
     """The timeline (JSON shape in the module docstring) of one row life's events (time-sorted EVENT_DTYPE).
 
     ``config``: the stage deadline fields (``STAGE_TIMEOUT_FIELD``'s names -> seconds) to show the deadline in
-    force at each stage; ``now_ns``: time.monotonic_ns() now, for a live stage's age."""
+    force at each stage; ``now_ns``: time.monotonic_ns() now, for a live stage's age; ``horizon_ns``: the ring's
+    ``Recorder.horizon_ns`` (0: nothing overwritten); ``live_rows``: the ``(slot, generation)`` of the state
+    table's live rows, None when the table was not read."""
     config = config or {}
     t0 = int(events["t_ns"][0])
     stages: list[dict[str, Any]] = []
@@ -137,31 +154,57 @@ def build_timeline(events: np.ndarray, now_ns: int, config: dict[str, float] | N
                        else STAGE_TIMEOUT_FIELD.get(stage_state)}
         elif kind == EventKind.RELEASE:
             released = True
-    if stages and stages[-1]["age_s"] is None:
+    slot, generation = int(events["slot"][0]), int(events["generation"][0])
+    live, partial = _completeness(events, final is not None or released, horizon_ns,
+                                  None if live_rows is None else (slot, generation) in live_rows)
+    if live and stages and stages[-1]["age_s"] is None:
         stages[-1]["age_s"] = (now_ns - t0) / 1e9 - stages[-1]["t_s"]
     key = int(events["key"][0])
-    return {"key": f"{key:016x}", "request_id": request_id, "slot": int(events["slot"][0]),
-            "generation": int(events["generation"][0]), "started_ago_s": (now_ns - t0) / 1e9,
-            "duration_s": (int(events["t_ns"][-1]) - t0) / 1e9, "final": final, "released": released,
-            "path": path, "stages": stages, "timeout": timeout, "events": out_events}
+    return {"key": f"{key:016x}", "request_id": request_id, "slot": slot, "generation": generation,
+            "started_ago_s": (now_ns - t0) / 1e9, "duration_s": (int(events["t_ns"][-1]) - t0) / 1e9, "final": final,
+            "released": released, "live": live, "partial": partial, "path": path, "stages": stages,
+            "timeout": timeout, "events": out_events}
+
+
+def _completeness(events: np.ndarray, ended: bool, horizon_ns: int, in_table: bool | None) -> tuple[bool, str | None]:
+    """``(live, partial)`` of a row life (see the module docstring): ``ended`` when a final state or the row's
+    release is among its events; ``in_table``: its row is live in the state table (None: not read)."""
+    if ended:
+        live = False
+    elif in_table is not None:
+        live = in_table
+    else:   # no sub-ring lost anything after its last event: nothing happened to it since
+        live = horizon_ns <= int(events["t_ns"][-1])
+    if int(events["kind"][0]) != EventKind.ALLOCATE:
+        return live, "start evicted"
+    if not ended and not live:
+        return live, "end evicted"
+    return live, "events evicted" if horizon_ns > int(events["t_ns"][0]) else None
 
 
 def timelines_of(events: np.ndarray, request_id: str, now_ns: int, config: dict[str, float] | None = None,
-                 actor_names: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+                 actor_names: tuple[str, ...] = (), **ring) -> list[dict[str, Any]]:
     """Every timeline of ``request_id`` (a client id or completion id: pdserve uses one string for both) in
-    ``events``, oldest first (a client may reuse an id; ``n`` > 1 choices each have a row)."""
+    ``events``, oldest first (a client may reuse an id; ``n`` > 1 choices each have a row). ``ring``:
+    ``horizon_ns`` and ``live_rows`` (:func:`build_timeline`)."""
     key = request_key(request_id)
     mine = events[events["key"] == np.uint64(key)]
     groups = group_events(mine)
-    found = [build_timeline(evs, now_ns, config, actor_names, request_id) for evs in groups.values()]
+    found = [build_timeline(evs, now_ns, config, actor_names, request_id, **ring) for evs in groups.values()]
     return sorted(found, key=lambda t: -t["started_ago_s"])
 
 
 def all_timelines(events: np.ndarray, now_ns: int, config: dict[str, float] | None = None,
-                  actor_names: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+                  actor_names: tuple[str, ...] = (), **ring) -> list[dict[str, Any]]:
     """Every row life in ``events``, oldest first (request ids unknown: the recorder keeps their keys)."""
-    found = [build_timeline(evs, now_ns, config, actor_names) for evs in group_events(events).values()]
+    found = [build_timeline(evs, now_ns, config, actor_names, **ring) for evs in group_events(events).values()]
     return sorted(found, key=lambda t: -t["started_ago_s"])
+
+
+def live_rows_of(rows: np.ndarray) -> set[tuple[int, int]]:
+    """``(slot, generation)`` of the rows of a state-table snapshot (ROW_DTYPE) in a live state."""
+    live = np.isin(rows["state"], [int(s) for s in LIVE_STATES])
+    return {(int(slot), int(rows["generation"][slot])) for slot in np.flatnonzero(live)}
 
 
 def select(timelines: list[dict[str, Any]], *, failed: bool = False, slowest: int = 0,
@@ -199,6 +242,8 @@ def render_text(timeline: dict[str, Any]) -> list[str]:
             f"{' -> '.join(timeline['path'])}  ({timeline['duration_s']:.3f} s, started "
             f"{timeline['started_ago_s']:.1f} s ago{', row released' if timeline['released'] else ''})")
     lines = [head]
+    if timeline.get("partial"):
+        lines.append(f"  PARTIAL: {PARTIAL_TEXT[timeline['partial']]}")
     for st in timeline["stages"]:
         deadline = ""
         if st["deadline_field"]:
@@ -207,7 +252,8 @@ def render_text(timeline: dict[str, Any]) -> list[str]:
         if st["request_deadline_left_s"] is not None and st["state"] not in ("FINISHED", "ABORTED", "TIMED_OUT",
                                                                                "FAILED"):
             deadline += f"{', ' if deadline else 'deadline '}request {st['request_deadline_left_s']:.1f} s left"
-        lines.append(f"  +{st['t_s']:8.3f}s  {st['state']:<15} age {st['age_s']:8.3f}s  by {st['by']:<10} {deadline}")
+        age = "       ?" if st["age_s"] is None else f"{st['age_s']:8.3f}"
+        lines.append(f"  +{st['t_s']:8.3f}s  {st['state']:<15} age {age}s  by {st['by']:<10} {deadline}")
     to = timeline["timeout"]
     if to is not None:
         lines.append(f"  TIMED OUT in stage {to['stage']}: {to['deadline_field']}={to['limit_s']:g} s fired after "
@@ -231,11 +277,12 @@ def trace_events(timelines: Iterable[dict[str, Any]], now_ns: int) -> dict[str, 
     for tid, t in enumerate(timelines, start=1):
         start_us = (origin_s - t["started_ago_s"]) * 1e6
         label = t["request_id"] or t["key"]
+        partial = f", partial: {t['partial']}" if t.get("partial") else ""
         out.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid,
-                    "args": {"name": f"{label} (slot {t['slot']} gen {t['generation']})"}})
+                    "args": {"name": f"{label} (slot {t['slot']} gen {t['generation']}{partial})"}})
         for st in t["stages"]:
             out.append({"name": st["stage"] or st["state"].lower(), "cat": "stage", "ph": "X", "pid": 1, "tid": tid,
-                        "ts": start_us + st["t_s"] * 1e6, "dur": max(st["age_s"], 0.0) * 1e6,
+                        "ts": start_us + st["t_s"] * 1e6, "dur": max(st["age_s"] or 0.0, 0.0) * 1e6,
                         "args": {"state": st["state"], "by": st["by"], "deadline_field": st["deadline_field"],
                                  "deadline_s": st["deadline_s"]}})
         for ev in t["events"]:
@@ -249,15 +296,17 @@ def trace_events(timelines: Iterable[dict[str, Any]], now_ns: int) -> dict[str, 
 
 def requests_report(events: np.ndarray, now_ns: int, config: dict[str, Any], actor_names: tuple[str, ...],
                     request_id: str | None = None, *, failed: bool = False, slowest: int = 0,
-                    recent: int = 0) -> dict[str, Any]:
+                    recent: int = 0, horizon_ns: int = 0,
+                    live_rows: set[tuple[int, int]] | None = None) -> dict[str, Any]:
     """The document /debug/requests/{id} answers and tools/inspect --request/--recent/--failed/--slowest prints:
     ``{"schema": 1, "request_id": id|null, "timelines": [...]}``. ``config``: the effective config (values or
-    the manifest's ``{"value", "source"}`` entries)."""
+    the manifest's ``{"value", "source"}`` entries); ``horizon_ns``, ``live_rows``: see :func:`build_timeline`."""
     limits = stage_deadlines(config)
+    ring = {"horizon_ns": horizon_ns, "live_rows": live_rows}
     if request_id is not None:
-        found = timelines_of(events, request_id, now_ns, limits, actor_names)
+        found = timelines_of(events, request_id, now_ns, limits, actor_names, **ring)
     else:
-        found = select(all_timelines(events, now_ns, limits, actor_names), failed=failed, slowest=slowest,
+        found = select(all_timelines(events, now_ns, limits, actor_names, **ring), failed=failed, slowest=slowest,
                        recent=recent or (0 if failed or slowest else 20))
     return {"schema": SCHEMA_VERSION, "request_id": request_id, "timelines": found}
 

@@ -118,7 +118,7 @@ def _parts(engine_id: str, recent: int, incident=None, log_lines=None) -> dict[s
     from ipc.manifest import read_manifest
     from ipc.timeline import requests_report
     from tools.inspect import EngineView
-    from tools.timelines import read_events
+    from tools.timelines import read_ring
 
     manifest = read_manifest(engine_id)
     names = tuple(manifest.get("actors", ()))
@@ -127,8 +127,9 @@ def _parts(engine_id: str, recent: int, incident=None, log_lines=None) -> dict[s
 
     def timelines(request_id: str | None = None, **select) -> dict[str, Any]:
         if not events:
-            events.append(read_events(manifest))
-        return requests_report(events[0], time.monotonic_ns(), config, names, request_id, **select)
+            events.append(read_ring(manifest))
+        ring = dict(events[0])
+        return requests_report(ring.pop("events"), time.monotonic_ns(), config, names, request_id, **ring, **select)
 
     def state() -> dict[str, Any]:
         view = EngineView(engine_id)

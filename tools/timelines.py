@@ -16,16 +16,25 @@ from typing import Any
 import orjson
 
 
-def read_events(manifest: dict[str, Any]):
-    """Every whole event of the engine's recorder (read-only). Raises FileNotFoundError when the engine runs
-    without one (recorder_events=0) or is gone."""
+def read_ring(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``{"events", "horizon_ns", "live_rows"}`` (``requests_report``'s ring arguments): the recorder's whole
+    events, its horizon, and the state table's live rows (None when the table cannot be read). Read-only.
+    Raises FileNotFoundError when the engine runs without a recorder (recorder_events=0) or is gone."""
     from ipc.recorder import Recorder
+    from ipc.state_table import StateTable
+    from ipc.timeline import live_rows_of
 
     name = manifest["segments"].get("recorder")
     if name is None:
         raise FileNotFoundError("this engine runs without a flight recorder (recorder_events=0)")
     with Recorder.attach(name, readonly=True) as ring:
-        return ring.events()
+        events, horizon_ns = ring.events(), ring.horizon_ns()
+    try:
+        with StateTable.attach(manifest["segments"]["state"], readonly=True) as table:
+            live_rows = live_rows_of(table.snapshot())
+    except (FileNotFoundError, KeyError, ValueError):
+        live_rows = None
+    return {"events": events, "horizon_ns": horizon_ns, "live_rows": live_rows}
 
 
 def wants_timelines(args) -> bool:
@@ -56,16 +65,17 @@ def main_timelines(args, manifest: dict[str, Any]) -> int:
     from ipc.timeline import render_text, requests_report, trace_events
 
     try:
-        events = read_events(manifest)
+        ring = read_ring(manifest)
     except (FileNotFoundError, ValueError) as exc:
         print(f"cannot read the flight recorder: {exc}", file=sys.stderr)
         return 2
+    events = ring.pop("events")
     now_ns = time.monotonic_ns()
     names = tuple(manifest.get("actors", ()))
     if args.reconcile:
         return print_reconcile(reconcile(manifest, events, now_ns), args.json)
     report = requests_report(events, now_ns, manifest.get("config", {}), names, args.request, failed=args.failed,
-                             slowest=args.slowest or 0, recent=args.recent or 0)
+                             slowest=args.slowest or 0, recent=args.recent or 0, **ring)
     if args.trace_out:
         window = [t for t in report["timelines"] if args.request or args.window_s is None
                   or t["started_ago_s"] <= args.window_s]

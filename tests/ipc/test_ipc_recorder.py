@@ -221,3 +221,36 @@ def test_the_ring_size_is_a_setting_on_by_default():
     assert loaded.config.recorder_events == 4096 and loaded.sources["recorder_events"] == "env"
     with pytest.raises(ConfigError, match="recorder_events"):
         load_config({"recorder_events": -1}, {})
+
+
+def test_a_100_event_ring_that_wrapped_reads_a_finished_request_as_partial_and_finished(name):
+    """Three writers of 100 events each, as the api (0), prefill (1) and decode (2) would write one request's life;
+    then the api's and prefill's sub-rings wrap on other traffic. The request's start (the api's ALLOCATE) is gone:
+    its timeline starts late, says so, and is finished, not live; the horizon is the oldest event the wrapped
+    sub-rings still hold."""
+    from ipc.timeline import requests_report
+
+    ring = Recorder.create(name("rec"), num_writers=3, events_per_writer=100)
+    try:
+        api, prefill, decode = (ring.open_writer(w, w) for w in range(3))
+        key = request_key("wrapped-1")
+        steps = [(api, EventKind.ALLOCATE, 0, S.QUEUED), (prefill, EventKind.TRANSITION, S.QUEUED, S.PREFILLING),
+                 (prefill, EventKind.TRANSITION, S.PREFILLING, S.BOOTSTRAP),
+                 (decode, EventKind.TRANSITION, S.BOOTSTRAP, S.TRANSFERRING),
+                 (decode, EventKind.TRANSITION, S.TRANSFERRING, S.DECODING),
+                 (decode, EventKind.TRANSITION, S.DECODING, S.FINISHED), (api, EventKind.RELEASE, S.FINISHED, 0)]
+        for t, (writer, kind, old, new) in enumerate(steps, start=1):
+            writer.append(kind, slot=3, generation=9, key=key, old=int(old), new=int(new), t_ns=t * 1000)
+        assert ring.horizon_ns() == 0   # nothing overwritten yet
+        for i in range(150):   # other requests' events wrap the api's sub-ring by 52 and prefill's by 1
+            api.append(EventKind.HTTP_HEADERS, slot=5, generation=i, key=i, t_ns=10_000 + i)
+            if i < 99:
+                prefill.append(EventKind.PREFILL_CHUNK, slot=5, generation=i, key=i, t_ns=10_000 + i)
+        assert ring.horizon_ns() == 10_000 + 50   # the api's oldest kept event (prefill's oldest is older)
+        (t,) = requests_report(ring.events(), 20_000, {}, ("api", "prefill0", "decode0"), "wrapped-1",
+                               horizon_ns=ring.horizon_ns())["timelines"]
+        assert t["path"] == ["BOOTSTRAP", "TRANSFERRING", "DECODING", "FINISHED"]  # ALLOCATE and QUEUED's exit gone
+        assert (t["partial"], t["final"], t["live"]) == ("start evicted", "FINISHED", False)
+    finally:
+        ring.close()
+        ring.unlink()

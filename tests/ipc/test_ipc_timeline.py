@@ -124,3 +124,57 @@ def test_diverging_ids_name_what_each_side_holds_that_the_other_does_not():
     assert diff["api_only"][0]["key"] == f"{request_key('b'):016x}"
     assert [(e["slot"], e["request_id"]) for e in diff["table_only"]] == [(3, "d")]   # "old": before the ring
     assert diverging_ids(events_of(rows[:1]), table[:1], api_actor=2) == {"api_only": [], "table_only": []}
+
+
+def test_failed_and_timed_out_lives_are_both_selected_as_failed():
+    """A life that ended FAILED (a dead actor's request) is as much a failure as a timed-out one: --failed and the
+    incident bundle's failed.json both select through ``select(failed=True)``."""
+    rows = life("ok", 0, 1, 1.0, [S.QUEUED, S.PREFILLING, S.DECODING, S.FINISHED], dt=0.5) + \
+        life("late", 1, 1, 2.0, [S.QUEUED, S.PREFILLING], timeout_after_s=3.0) + \
+        life("dead", 2, 1, 3.0, [S.QUEUED, S.PREFILLING, S.FAILED])
+    everything = all_timelines(events_of(rows), now_ns=10 * S_NS)
+    assert sorted(t["final"] for t in select(everything, failed=True)) == ["FAILED", "TIMED_OUT"]
+    report = requests_report(events_of(rows), 10 * S_NS, CONFIG, NAMES, failed=True)
+    assert sorted(t["slot"] for t in report["timelines"]) == [1, 2]
+
+
+def test_a_life_whose_start_the_ring_overwrote_reads_as_partial_and_finished():
+    rows = life("wrapped", 4, 2, 5.0, [S.QUEUED, S.PREFILLING, S.BOOTSTRAP, S.TRANSFERRING, S.DECODE_WAITING,
+                                       S.DECODING, S.FINISHED])
+    events = events_of(rows)
+    events = events[events["t_ns"] >= 7 * S_NS]   # QUEUED .. PREFILLING overwritten: the path starts at BOOTSTRAP
+    (t,) = timelines_of(events, "wrapped", now_ns=20 * S_NS, horizon_ns=7 * S_NS)
+    assert t["path"][0] == "BOOTSTRAP" and t["final"] == "FINISHED"
+    assert (t["partial"], t["live"]) == ("start evicted", False)
+    assert "PARTIAL: its first events were overwritten" in "\n".join(render_text(t))
+
+
+def test_a_life_whose_end_the_ring_overwrote_is_never_shown_live():
+    """The seed's confusion: a finished request read as stuck in bootstrap because the sub-ring holding its end
+    had wrapped. Past the horizon, or with its row gone from the state table, it is partial and not live."""
+    rows = life("ended", 4, 2, 5.0, [S.QUEUED, S.PREFILLING, S.BOOTSTRAP, S.TRANSFERRING, S.FINISHED])
+    events = events_of(rows)
+    events = events[events["t_ns"] < 7.5 * S_NS]   # what decode wrote (TRANSFERRING, FINISHED) was overwritten
+    (t,) = timelines_of(events, "ended", now_ns=100 * S_NS, horizon_ns=8 * S_NS)
+    assert t["path"][-1] == "BOOTSTRAP" and t["final"] is None
+    assert (t["partial"], t["live"]) == ("end evicted", False)
+    assert t["stages"][-1]["age_s"] is None   # not 93 s "in bootstrap"
+    text = "\n".join(render_text(t))
+    assert "PARTIAL: it ended" in text and "age        ?s" in text
+    trace = trace_events([t], 100 * S_NS)
+    assert any("partial: end evicted" in e["args"].get("name", "") for e in trace["traceEvents"] if e["ph"] == "M")
+    # the state table decides when it was read: its row was reused (not live) or still holds it (live)
+    (gone,) = timelines_of(events, "ended", now_ns=100 * S_NS, horizon_ns=0, live_rows={(4, 3)})
+    assert (gone["partial"], gone["live"]) == ("end evicted", False)
+    (held,) = timelines_of(events, "ended", now_ns=100 * S_NS, horizon_ns=8 * S_NS, live_rows={(4, 2)})
+    assert (held["partial"], held["live"]) == ("events evicted", True) and held["stages"][-1]["age_s"] > 90
+
+
+def test_a_live_life_after_the_horizon_is_whole_and_an_old_finished_one_may_have_gaps():
+    fresh = life("fresh", 1, 1, 9.0, [S.QUEUED, S.PREFILLING])
+    old = life("old", 2, 1, 1.0, [S.QUEUED, S.PREFILLING, S.FINISHED])
+    events = events_of(fresh + old)
+    (t,) = timelines_of(events, "fresh", now_ns=12 * S_NS, horizon_ns=5 * S_NS)
+    assert (t["partial"], t["live"], t["stages"][-1]["age_s"]) == (None, True, 2.0)
+    (o,) = timelines_of(events, "old", now_ns=12 * S_NS, horizon_ns=5 * S_NS)
+    assert (o["partial"], o["live"], o["final"]) == ("events evicted", False, "FINISHED")
