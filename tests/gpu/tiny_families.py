@@ -315,3 +315,34 @@ def save_with_formats(name: str, d: pathlib.Path, form: str, seed: int = 0) -> p
     (path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": template, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}), encoding="utf-8")
     return path
+
+
+GPU_CHECK_FAMILIES = ("llama", "deepseek2")  # one of each attention kind: GQA, MLA
+
+
+def save_bf16_hf_dir(name: str, d: pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """The tiny ``name`` model with every weight rounded to bfloat16 and saved in bfloat16 (so a float32 reference and
+    the engine's bf16 weights hold the same values; half the bytes: what the GPU device check carries), SmolLM2's
+    ``tokenizer.json`` and chat template, in ``d / tiny-<name>``; its path."""
+    import json
+
+    from gpu.tokenizer import Tokenizer
+
+    model = build_hf(name, seed)
+    path = d / f"tiny-{name}"
+    model.to(torch.bfloat16).save_pretrained(str(path))
+    tok = Tokenizer.load(None)
+    tok.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": tok.chat_template, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}),
+        encoding="utf-8")
+    return path
+
+
+if __name__ == "__main__":   # python -m tests.gpu.tiny_families DIR: the GPU device check's models (its --prepare)
+    import sys
+
+    out = pathlib.Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    for family in GPU_CHECK_FAMILIES:
+        print(save_bf16_hf_dir(family, out))
