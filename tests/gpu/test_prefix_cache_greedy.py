@@ -6,7 +6,9 @@ process, against the same path with the cache off; the first token's logits must
 prompt extending a cached one (mid-block and on a block boundary: natively the cached one's last token was a
 decode step, whose KV is not reused), the same prompt again (reused to its last token but one), a shared prefix
 ending mid-block, one ending inside a cached full block and one ending on a block boundary, a chunk boundary inside
-the computed part, and a cache evicted under pressure in a small pool."""
+the computed part, and a cache evicted under pressure in a small pool. The rule that keeps a prompt's last token out
+of the cache when it ran as a decode step is checked once more through the actor's own PrefillCore and
+PrefillRunner.run (the cases above apply it themselves)."""
 from __future__ import annotations
 
 import functools
@@ -163,3 +165,32 @@ def test_more_prompts_than_one_last_token_step_holds_each_get_their_own_logits(n
         alone = torch.full(kv_pool_shape(native.config, 2, BT), float("nan"), dtype=native.dtype)
         [(logits, _)] = prefill_forward(native, alone, [(prompts[i], 0, len(prompts[i]), [1], False)])
         assert torch.equal(together[i][0], logits), i
+
+
+def test_the_prefill_runner_keeps_a_last_token_run_as_a_decode_step_out_of_the_prefix_cache(any_model, prompt):
+    """The actor's own path, not a copy of its rule: PrefillCore plans the prompt, ``PrefillRunner.run`` runs it
+    (natively the prompt's last token as a decode step, so that token's KV is not what a longer prompt's prefill
+    computes) and finishes it, which commits the prompt to the cache; a prompt extending it then reuses all of it
+    but that token natively, all of it with the float32 model."""
+    from actors.messages import PrefillRequest, Sampling
+    from actors.model_runner import PrefillRunner
+    from actors.prefill_core import PrefillCore
+    from gpu.sampling import Sampler
+    from tests.actors.fakes import FakeClock, FakeTable, Outbox
+
+    model = any_model
+    kv = torch.full(kv_pool_shape(model.config, 32, BT), float("nan"), dtype=model.dtype)
+    alloc = CachingAllocator(FakeAllocator(32, BT), copy_rows=functools.partial(copy_block_rows, kv))
+    clock = FakeClock()
+    table = FakeTable(clock)
+    core = PrefillCore(table, alloc, Outbox(), clock, actor_index=0, chunk_tokens=16)
+    runner = PrefillRunner(model, kv, Sampler(), core.outbox)
+    short = prompt[:40]
+    slot, generation = table.allocate("short", len(short))
+    core.on_message(PrefillRequest(slot, generation, "short", short, Sampling(temperature=0.0, max_tokens=4), []))
+    while core.has_work():
+        runner.run(core, core.next_batch())
+    assert not core.prefilling and (slot, generation) in core.inflight   # finished: handed to decode
+    longer = alloc.acquire(prompt, 7)
+    assert longer.cached_tokens == 40 - (1 if model.prompt_last_by_decode else 0)
+    alloc.release(longer)
