@@ -207,6 +207,22 @@ def stream_chat(engine, request_id: str, headers: dict | None = None) -> dict:
 
 
 @needs_otel
+def test_a_trace_counts_the_output_tokens_of_every_choice(engine, collector):
+    """n=2: the root span's gen_ai.usage.output_tokens is the usage's completion_tokens, both choices' tokens (a
+    count of the first choice's alone survived the suite before this test)."""
+    trace_id = secrets.token_hex(16)
+    r = httpx.post(engine.base_url + "/v1/completions", timeout=60,
+                   headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"},
+                   json={"prompt": "Name a lighthouse", "max_tokens": 4, "temperature": 0, "n": 2, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8
+    spans = wait_until(lambda: len(collector.trace(trace_id)) >= 1 + 2 * len(STAGES) and collector.trace(trace_id),
+                       20, 0.1, "both choices' spans at the collector")
+    attrs = attributes(min(spans, key=lambda s: s.start_time_unix_nano))
+    assert attrs["gen_ai.usage.output_tokens"] == 8 and attrs["gen_ai.request.choice.count"] == 2
+
+
+@needs_otel
 def test_a_completion_is_exported_as_a_trace_of_its_stages_under_the_callers_span(engine, collector):
     trace_id, caller_span = secrets.token_hex(16), secrets.token_hex(8)
     usage = stream_chat(engine, "otel-1", {"traceparent": f"00-{trace_id}-{caller_span}-01"})
