@@ -87,11 +87,21 @@ def main_timelines(args, manifest: dict[str, Any]) -> int:
     if args.json:
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
     elif not report["timelines"]:
-        print(f"no events of request {args.request!r} in the flight recorder (wrong id, or older than its ring)"
-              if args.request else "no request timelines in the flight recorder")
+        print(not_found_text(args.request, ring["horizon_ns"], now_ns) if args.request
+              else "no request timelines in the flight recorder")
     for timeline in [] if args.json else report["timelines"]:
         print("\n".join(render_text(timeline)))
     return 1 if args.request and not report["timelines"] else 0
+
+
+def not_found_text(request_id: str, horizon_ns: int, now_ns: int) -> str:
+    """Why ``request_id`` has no timeline: with a ring that never wrapped it never reached this engine (the ring
+    holds every event since the start); else it did not reach it, or it came before the ring's horizon."""
+    if not horizon_ns:
+        return (f"request {request_id!r} never reached this server: the flight recorder holds every event since "
+                f"the engine started and none of them names it")
+    return (f"no events of request {request_id!r} in the flight recorder: it never reached this server, or it "
+            f"came before the ring's horizon ({(now_ns - horizon_ns) / 1e9:.1f} s ago; older events were overwritten)")
 
 
 def print_reconcile(diff: dict[str, Any], as_json: bool) -> int:

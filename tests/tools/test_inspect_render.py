@@ -115,3 +115,11 @@ def test_a_url_that_refuses_connections_is_reported_unreachable_with_exit_status
     assert inspect.main(["--url", url, "--timeout-s", "2"]) == inspect.EXIT_NO_ENGINE
     assert f"node {url}" in capsys.readouterr().out
     assert inspect.state_url(url + "/") == url + "/debug/state" == inspect.state_url(url + "/debug/state")
+
+
+def test_an_id_with_no_timeline_is_never_reached_until_the_ring_wraps():
+    from tools.timelines import not_found_text
+
+    assert "never reached this server: the flight recorder holds every event" in not_found_text("x-1", 0, 5 * 10**9)
+    wrapped = not_found_text("x-1", 2 * 10**9, 5 * 10**9)
+    assert "never reached this server, or it came before the ring's horizon (3.0 s ago" in wrapped
