@@ -222,6 +222,9 @@ class Actor:
         self.status = EngineStatus.attach(self.layout.segment("status"), readonly=status_readonly)
         self.actors.starting(self.index, os.getpid())
         self.recorder = open_recorder(self.layout, self.index)
+        from actors.forensics import arm
+
+        arm(self.layout.engine_id, self.name)   # SIGUSR1: its threads' stacks, for an incident's holder report
         return parent
 
     def wait_out_stuck_locks(self, parent: int) -> None:

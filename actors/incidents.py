@@ -46,6 +46,7 @@ class Incident:
     base_url: str = ""      # the engine's HTTP root, for the replay command
     t_unix_s: float = field(default_factory=time.time)
     suppressed: int = 0     # incidents the limiter swallowed since the previous bundle
+    holders: list[int] = field(default_factory=list)   # actor-table indices holding the requests (their stacks)
 
 
 class IncidentLimiter:
@@ -73,7 +74,7 @@ def timeout_incident(expired, base_url: str = "") -> Incident:
     field_ = "request_timeout_s" if expired.reason == "request_deadline" else \
         STAGE_TIMEOUT_FIELD.get(expired.stage, "")
     return Incident("timeout", expired.message(), [expired.request_id], STAGE_NAME.get(expired.stage, ""), field_,
-                    base_url)
+                    base_url, holders=[expired.owner] if expired.owner >= 0 else [])
 
 
 class LogTail(logging.Handler):

@@ -200,15 +200,17 @@ class HeartbeatMonitor(Actor):
         if self.incidents is not None:
             self.incidents.close()
 
-    def incident(self, kind: str, detail: str, request_ids=(), expired=None) -> None:
-        """Hand an incident to the bundle writer (never blocks; rate-limited there); a no-op without one."""
+    def incident(self, kind: str, detail: str, request_ids=(), expired=None, holders=()) -> None:
+        """Hand an incident to the bundle writer (never blocks; rate-limited there); a no-op without one.
+        ``holders``: actor indices whose stacks the bundle takes (a timeout's: the row's owner)."""
         if self.incidents is None:
             return
         from actors.incidents import Incident, timeout_incident
 
         base_url = f"http://{self.config.host}:{self.layout.http_port}"
         self.incidents.report(timeout_incident(expired, base_url) if expired is not None else
-                              Incident(kind, detail, [r for r in request_ids if r], base_url=base_url))
+                              Incident(kind, detail, [r for r in request_ids if r], base_url=base_url,
+                                       holders=list(holders)))
 
     def run_once(self) -> None:
         delay_ns = self.next_tick_ns - time.monotonic_ns()
@@ -316,7 +318,7 @@ class HeartbeatMonitor(Actor):
                     held = np.flatnonzero(held_mask(rows, self.topology, index))
                     self.incident("actor", f"actor {self.topology.names[index]} (pid {pid}) is "
                                   f"{health.name.lower()}", [rows["request_id"][s].decode(errors="replace")
-                                                             for s in held[:20]])
+                                                             for s in held[:20]], holders=[index])
             self.actors.set_health(index, health)
             verdicts[index] = (health, (now_ns - int(row["heartbeat_ns"])) / 1e9)
         for index, (health, age_s) in verdicts.items():

@@ -5,6 +5,9 @@ and a semaphore as ``/dev/shm/sem.pdserve_{engine_id}_{what}`` (glibc's layout o
 several semaphores suffix ``what`` (``_it``, ``_fr``, ``_lock`` ...), so one prefix glob finds everything an
 engine made. Engine ids are ``[0-9A-Za-z]`` only (no ``_``), so engine ``ab`` never matches ``abc``.
 
+One folder outside /dev/shm belongs to an engine too: ``forensics_dir`` (its actors' stack dumps,
+actors/forensics.py), removed by ``unlink_all`` with the rest.
+
 Keep ``segment_name`` at or under 30 characters where you can (``/pdserve_`` 9 + id 8 + ``_`` 1 leaves 12 for
 ``what``): some systems cap POSIX names at 31, and semaphores add up to 5 characters of suffix.
 """
@@ -13,6 +16,8 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
+import tempfile
 
 import posix_ipc
 
@@ -91,6 +96,12 @@ def posix_name_of(entry: str) -> tuple[str, bool]:
     return "/" + entry, False
 
 
+def forensics_dir(engine_id: str) -> str:
+    """The engine's folder of actor stack dumps (actors/forensics.py): ``<temp dir>/pdserve_<engine_id>``."""
+    _check_engine_id(engine_id)
+    return os.path.join(tempfile.gettempdir(), PREFIX + engine_id)
+
+
 def unlink_all(engine_id: str) -> list[str]:
     """Best-effort unlink of every segment and semaphore of ``engine_id``; returns the entries removed.
 
@@ -118,4 +129,5 @@ def unlink_all(engine_id: str) -> list[str]:
             removed.append(entry)
         except OSError:
             pass
+    shutil.rmtree(forensics_dir(engine_id), ignore_errors=True)
     return removed

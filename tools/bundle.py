@@ -22,6 +22,8 @@ An incident bundle (written by the monitor) adds::
                         "suppressed": int (incidents not bundled since the previous bundle: rate limit)}
     timelines/incident.json  the timelines of the requests involved (requests_report's shape, request_id null)
     log.json           {"lines": [str]}: the monitor process's last log lines
+    holders.json       {"holders": [actors/forensics.holder_report]}: each actor holding the requests (a timeout's
+                       row owner, a hung actor): its threads' stacks, where its loop is, its loop counters
     replay.json        replay_recipe (below): {"env", "faults", "multiround": argv, "commands", "note"}
 
 ``read_bundle(path)`` returns ``{member name: parsed JSON}``.
@@ -157,7 +159,14 @@ def _parts(engine_id: str, recent: int, incident=None, log_lines=None) -> dict[s
         def involved() -> dict[str, Any]:
             found = [t for rid in dict.fromkeys(incident.request_ids) for t in timelines(request_id=rid)["timelines"]]
             return {"schema": 1, "request_id": None, "timelines": found}
+        def holders() -> dict[str, Any]:
+            from actors.forensics import holder_report
+            from ipc.actor_table import ActorTable
+
+            with ActorTable.attach(manifest["segments"]["actors"], readonly=True) as actors:
+                return {"holders": [holder_report(engine_id, actors, i, names[i]) for i in incident.holders]}
         parts = {"incident.json": lambda: dataclasses.asdict(incident), "timelines/incident.json": involved,
+                 **({"holders.json": holders} if incident.holders else {}),
                  "replay.json": lambda: replay_recipe(incident, config),
                  "log.json": lambda: {"lines": list(log_lines or ())}, **parts}
     return parts
@@ -225,6 +234,8 @@ def render_bundle(members: dict[str, Any]) -> list[str]:
                         if incident.get("suppressed") else ""))
         for timeline in members.get("timelines/incident.json", {}).get("timelines", []):
             lines += render_text(timeline)
+        for holder in members.get("holders.json", {}).get("holders", []):
+            lines.append(f"held by {holder['summary']} (stacks: holders.json)")
     replay = members.get("replay.json")
     if replay:
         lines.append(f"replay ({replay['note']}):")

@@ -90,7 +90,7 @@ else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if [[ -d .gpu-models ]]; then
-    export PDSERVE_GPU_TEST_MODELS="$PWD/.gpu-models"
+    export GPU_CHECK_MODELS="$PWD/.gpu-models"
 else
     log "WARNING: no .gpu-models/ carried: the engine step has no models (the embedded one is not on the device)"
 fi

@@ -4,9 +4,9 @@ decode actor sharing one GPU, KV handed over through CUDA IPC, serving a tiny Ll
 float32 weights, and with bf16 weights up to a first divergence the float32 model calls a near tie; a prefix-cache hit
 and n=2 give the same answer; a stuck transfer is timed out by the watchdog with nothing left pinned.
 
-Models: ``PDSERVE_GPU_TEST_MODELS`` (a directory that ``python -m tests.gpu.tiny_families DIR`` wrote:
+Models: ``GPU_CHECK_MODELS`` (a directory that ``python -m tests.gpu.tiny_families DIR`` wrote:
 tools/gpu_device_check.sh --prepare carries it to the device) or, where the embedded model is installed, built here.
-``PDSERVE_GPU_TEST_DEVICE=cpu`` runs the same checks on the CPU path (a dry run of this module without a GPU).
+``GPU_CHECK_DEVICE=cpu`` runs the same checks on the CPU path (a dry run of this module without a GPU).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 from tests.conftest import QUEUE_GAUGES, cleanup_engine, scrape, start_engine
 
-DEVICE = os.environ.get("PDSERVE_GPU_TEST_DEVICE", "cuda")
+DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
                                                   reason="needs a CUDA device")]
 NEW = 12
@@ -30,7 +30,7 @@ NEAR_TIE = 0.05   # a bf16 run may pick another token only where the float32 log
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> pathlib.Path:
-    given = os.environ.get("PDSERVE_GPU_TEST_MODELS")
+    given = os.environ.get("GPU_CHECK_MODELS")
     if given:
         return pathlib.Path(given)
     from tests.gpu.tiny_families import GPU_CHECK_FAMILIES, save_bf16_hf_dir

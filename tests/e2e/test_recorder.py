@@ -404,6 +404,9 @@ def test_the_outage_one_keep_alive_connection_24_rounds_a_transfer_stuck_at_roun
     assert bundle["config.json"]["inflight_timeout_s"]["source"] == "env" and bundle["bundle.json"]["versions"]
     assert bundle["state.json"]["engine_id"] == engine.engine_id
     assert any(rid in line and "timeout" in line for line in bundle["log.json"]["lines"])
+    (holder,) = bundle["holders.json"]["holders"]   # the row's owner when it timed out: its stacks and loop counters
+    assert holder["actor"] in ("prefill0", "decode0") and 'File "' in holder["stacks"], holder
+    assert holder["loop_position"] and holder["summary"].startswith(holder["actor"]) and holder["pid"] > 0
     replay = bundle["replay.json"]
     assert replay["faults"] == "transfer_stuck:count=1,match=replay-"
     assert replay["env"]["PDSERVE_INFLIGHT_TIMEOUT_S"] == f"{INFLIGHT_TIMEOUT_S:g}"
@@ -411,6 +414,7 @@ def test_the_outage_one_keep_alive_connection_24_rounds_a_transfer_stuck_at_roun
     assert argv[:3] == ["python", "-m", "tools.multiround"] and argv[argv.index("--inject-round") + 1] == "6"
     read = inspect(engine, "--bundle", str(engine.incident_dir))   # the directory: its newest, read back
     assert read.returncode == 0 and "incident: timeout" in read.stdout.decode(), read.stdout.decode()
+    assert f"held by {holder['actor']} (pid" in read.stdout.decode()
     # the replay recipe, as written, on a fresh engine
     fresh = start_engine(tmp_path, env=replay["env"])
     try:
