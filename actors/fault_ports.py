@@ -74,6 +74,31 @@ def accept_kv_ready(faults, ready, core) -> bool:
     return True
 
 
+class LeakyPool:
+    """KVPool decorator (the prefill actor's, under its prefix cache): ``leak_blocks`` skips every free of a
+    request's blocks (``request_id_of(owner slot)``), so they stay owned by its slot after it ends."""
+
+    def __init__(self, pool, faults, request_id_of):
+        self._pool, self._faults, self._request_id_of = pool, faults, request_id_of
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+    def free(self, block_ids, owner_slot: int, *args, **kwargs):
+        if self._faults.fires("leak_blocks", self._request_id_of(owner_slot)):
+            log.warning("fault leak_blocks: blocks %s of slot %d are not freed", list(block_ids), owner_slot)
+            return None
+        return self._pool.free(block_ids, owner_slot, *args, **kwargs)
+
+
+def leaky_pool(pool, faults, table):
+    """``pool`` wrapped in :class:`LeakyPool` when a ``leak_blocks`` fault is set (else ``pool`` itself);
+    ``table``: the state table, for a slot's request id."""
+    if not any(f.name == "leak_blocks" for f in getattr(faults, "faults", ())):
+        return pool
+    return LeakyPool(pool, faults, lambda slot: table.snapshot()["request_id"][slot].decode(errors="replace"))
+
+
 class FaultyTransfers:
     """TransfersPort decorator: ``transfer_stuck`` makes a transfer report IN_PROGRESS forever (no block ever
     arrives), ``transfer_unknown_status`` makes it report a status value the code does not know."""

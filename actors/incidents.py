@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("pdserve.incidents")
 
-KINDS = ("timeout", "actor", "stuck_gauge", "gauge_mismatch", "router_mismatch")
+KINDS = ("timeout", "actor", "stuck_gauge", "gauge_mismatch", "router_mismatch", "conservation")
 LOG_LINES = 500
 WRITE_TIMEOUT_S = 120.0
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # where ``tools`` is importable from

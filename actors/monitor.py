@@ -186,6 +186,12 @@ class HeartbeatMonitor(Actor):
 
             self.ledger = ConnectionLedger.attach(self.layout.segment("conns"))
             self.conn_watch, self.conn_flags = ConnectionWatch(), {}
+        from actors.watchdog import BlockConservation
+        from ipc.kv_pool import KVPool
+
+        self.conservation = BlockConservation()   # KV blocks owned while their actor holds no request
+        self.pools = {i: KVPool.attach(self.layout.segment(self.topology.segment("kv", i)), readonly=True)
+                      for i in self.topology_engine if self.topology.segment("kv", i) in self.layout.segments}
         self.incidents = None             # incident bundles (actors/incidents.py), with an incident_dir
         if self.config.incident_dir:
             from actors.incidents import IncidentWriter, LogTail
@@ -273,6 +279,27 @@ class HeartbeatMonitor(Actor):
         self.reclaim_final_rows(rows, now_ns, lambda: self.held_by_live_api(actor_rows, rows, live))
         if live is not None:
             self.check_connections(live)
+        self.check_blocks(rows, actor_rows)
+
+    def check_blocks(self, rows, actor_rows) -> None:
+        """Conservation of KV blocks: a block a READY actor owns while it holds no live request (two checks
+        running) is named, with the request its owner slot last held, in an ERROR line and an incident. An actor
+        starting (its warm-up borrows a block) is not judged."""
+        from ipc.actor_table import ActorStatus
+
+        for index, pool in self.pools.items():
+            ready = int(actor_rows[index]["status"]) == int(ActorStatus.READY)
+            holds = not ready or bool(held_mask(rows, self.topology, index).any())
+            leaked = self.conservation.check(index, pool.owner_slots(), holds)
+            if not leaked:
+                continue
+            ids = sorted({rows["request_id"][slot].decode(errors="replace") for _, slot in leaked
+                          if 0 <= slot < len(rows)} - {""})
+            detail = (f"KV blocks leaked on {self.topology.names[index]}: {len(leaked)} blocks owned by no live "
+                      f"request (block:slot {', '.join(f'{b}:{s}' for b, s in leaked[:10])}; slots last held "
+                      f"{', '.join(ids) or 'no id'})")
+            log.error("conservation: %s", detail)
+            self.incident("conservation", detail, ids, holders=[index])
 
     def _notify(self, slot: int, generation: int, status: int, error_type: str, message: str) -> None:
         try:

@@ -26,7 +26,7 @@ class PrefillActor(Actor):
         super().__init__(layout, index)
 
     def on_start(self) -> None:
-        from actors.fault_ports import FaultyOutbox
+        from actors.fault_ports import FaultyOutbox, leaky_pool
         from actors.model_runner import PrefillRunner, copy_block_rows
         from actors.ports import QueueOutbox
         from actors.prefill_core import PrefillCore
@@ -40,8 +40,10 @@ class PrefillActor(Actor):
         topo = self.topology
         self.model, self.pool = load_model(self, decode=False)   # no decode steps but prompts' last tokens
         self.kv = self.pool.tensor()
+        self.faults = FaultPlan(self.config.faults, self.name)
+        table = StateTable.attach(self.layout.segment("state"))
         # created after the reset: warm-up's block and a predecessor's cache are never served from it
-        self.allocator = CachingAllocator(self.pool, enabled=self.config.prefix_cache,
+        self.allocator = CachingAllocator(leaky_pool(self.pool, self.faults, table), enabled=self.config.prefix_cache,
                                           copy_rows=functools.partial(copy_block_rows, self.kv))
         self.summary = None
         if "cachesum" in self.layout.segments:   # what the cache holds, for the router: empty until it fills
@@ -54,7 +56,6 @@ class PrefillActor(Actor):
         set_transport_host(self.config.kv_transport, self.config.kv_transfer_host)
         self.kv_source = publish_source(self.config.kv_transport, self.pool)
         self.inbox = ShmQueue.attach(self.layout.segment(topo.segment("q", self.index)))
-        self.faults = FaultPlan(self.config.faults, self.name)
         queues = {topo.address(j): ShmQueue.attach(self.layout.segment(topo.segment("q", j))) for j in topo.decode}
         queues[API] = ShmQueue.attach(self.layout.segment("q_api"))
         queues[REMOTE] = queues[API]   # a prefill node: KVReady for a decode node goes through the API
@@ -62,7 +63,7 @@ class PrefillActor(Actor):
         self.sampler, self.grammars = load_sampling(self)
         self.decode_pools = {}   # decode actor address -> a cpu-shm transport from its pool (hand-backs), on first use
         hand_back = self.config.prefix_cache and self.config.kv_hand_back and self.config.kv_transport == "cpu-shm"
-        self.core = PrefillCore(StateTable.attach(self.layout.segment("state")), self.allocator, self.outbox,
+        self.core = PrefillCore(table, self.allocator, self.outbox,
                                 time.monotonic_ns, actor_index=self.index, handoff_from=topo.address(self.index),
                                 on_late=lambda: self.actors.count_late_message(self.index),
                                 batch_tokens=self.config.max_prefill_batch_tokens,

@@ -1,7 +1,8 @@
 """The watchdog's decisions, as plain synchronous code over snapshots (no I/O, no clocks of its own).
 
 ``find_expired`` says which live rows passed a deadline; ``StuckGaugeTracker`` says which queue gauges are
-stuck; ``classify_actor`` tells a dead actor from a hung one. The HeartbeatMonitor actor (actors/monitor.py)
+stuck; ``BlockConservation`` names KV blocks an actor owns while it holds no request; ``classify_actor`` tells a
+dead actor from a hung one. The HeartbeatMonitor actor (actors/monitor.py)
 calls these every tick with ``time.monotonic_ns()`` and acts on the answers.
 
 Deadlines: each live state has one (``ipc/lifecycle.py``: ``timeout_field``, in seconds, from the config),
@@ -126,6 +127,39 @@ class GaugeState:
     @property
     def value(self) -> int:
         return int(self.keys.size)
+
+
+class BlockConservation:
+    """KV blocks owned by no live request: an actor that holds no live row (``held_mask``) owns no block but its
+    prefix cache's (``CACHE_OWNER``) and those kept for a hand-back (``HANDBACK_OWNER``). A block still owned by a
+    request slot is a leak once it stays so over ``checks`` consecutive checks (the actor frees a finished
+    request's blocks on its next loop; a hung actor is reported by the heartbeat check as well). Each distinct set
+    of leaked blocks is reported once (again only if blocks are added to it)."""
+
+    def __init__(self, checks: int = 2):
+        self.checks = checks
+        self.seen: dict[int, dict[tuple[int, int], int]] = {}   # actor -> (block, slot) -> consecutive idle checks
+        self.reported: dict[int, frozenset] = {}
+
+    def check(self, actor: int, owners: np.ndarray, holds_rows: bool) -> list[tuple[int, int]]:
+        """``owners``: the actor's pool's owner slot per block (-1 free); ``holds_rows``: any live row is the
+        actor's. Returns the leaked ``(block, owner slot)`` pairs to report now (empty: nothing new)."""
+        from actors.prefix_cache import CACHE_OWNER, HANDBACK_OWNER
+
+        if holds_rows:   # judged again once it is idle; what was reported stays reported
+            self.seen.pop(actor, None)
+            return []
+        owned = np.flatnonzero((owners >= 0) & (owners != CACHE_OWNER) & (owners != HANDBACK_OWNER))
+        before = self.seen.get(actor, {})
+        now = {(int(b), int(owners[b])): before.get((int(b), int(owners[b])), 0) + 1 for b in owned}
+        self.seen[actor] = now
+        leaked = frozenset(k for k, n in now.items() if n >= self.checks)
+        if not now:
+            self.reported.pop(actor, None)
+        if not leaked or leaked <= self.reported.get(actor, frozenset()):
+            return []
+        self.reported[actor] = leaked
+        return sorted(leaked)
 
 
 class StuckGaugeTracker:

@@ -19,6 +19,7 @@ header, so a test or an operator can aim a fault at one request).
 | ``stall:actor=NAME,seconds=S`` | that actor | its loop blocks S seconds (a hang), once per eligible request |
 | ``crash:actor=NAME`` | that actor | the process exits abruptly (os._exit) when it takes an eligible request |
 | ``stop_holding_lock:actor=decodeJ`` | decode | takes the state table lock and SIGSTOPs itself (a stuck holder) |
+| ``leak_blocks`` | prefill | the request's prompt blocks are never freed (a leak the monitor's conservation check names) |
 | ``router_count_drift:count_delta=K`` | api | on admitting an eligible request, the router's per-actor active counts drift K off for good (the monitor flags it) |
 
 Example: ``PDSERVE_FAULTS="drop_transfer_done:count=1;stall:actor=decode0,seconds=20,count=1"``.
@@ -44,6 +45,7 @@ FAULT_KEYS = {
     "crash": {"actor"},
     "stop_holding_lock": {"actor"},
     "router_count_drift": {"count_delta"},
+    "leak_blocks": set(),
 }
 COMMON_KEYS = {"count", "fraction", "seed", "match"}
 ACTOR_NAME_RE = re.compile(r"^(prefill|decode)[0-9]{1,3}$")   # an engine actor (see actors.topology.Topology)

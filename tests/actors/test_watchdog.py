@@ -175,3 +175,27 @@ def test_the_table_counts_every_unreleased_row_on_both_of_its_actors():
     table = rows((S.FINISHED, 1.0, {"prefill_actor": 0, "decode_actor": 2}),
                  (S.DECODING, 2.0, {"prefill_actor": 0, "decode_actor": 2}))
     assert table_counts_by_actor(table, (0, 2), since_ns=int(1.5 * S_NS)) == {0: 1, 2: 1}
+
+
+def test_blocks_owned_while_their_actor_holds_no_request_are_named_on_the_second_check_once():
+    from actors.prefix_cache import CACHE_OWNER, HANDBACK_OWNER
+    from actors.watchdog import BlockConservation
+
+    check = BlockConservation(checks=2)
+    owners = np.array([-1, 5, CACHE_OWNER, HANDBACK_OWNER, 5, -1], dtype=np.int32)
+    assert check.check(0, owners, holds_rows=True) == []        # a live request: its blocks are its own
+    assert check.check(0, owners, holds_rows=False) == []       # first sight: it may free them on its next loop
+    assert check.check(0, owners, holds_rows=False) == [(1, 5), (4, 5)]   # still there: leaked (cache, hand-back: not)
+    assert check.check(0, owners, holds_rows=False) == []       # reported once
+    assert check.check(0, owners, holds_rows=True) == []        # busy again, then idle: the same leak, not again
+    assert check.check(0, owners, holds_rows=False) == [] and check.check(0, owners, holds_rows=False) == []
+    more = owners.copy()
+    more[5] = 9
+    assert check.check(0, more, holds_rows=False) == []
+    assert check.check(0, more, holds_rows=False) == [(1, 5), (4, 5), (5, 9)]   # a block added: reported anew
+    assert check.check(1, more, holds_rows=False) == []         # per actor
+    assert check.check(0, np.full(6, -1, dtype=np.int32), holds_rows=False) == []
+    passing = BlockConservation(checks=2)   # a block freed between two checks is never reported
+    assert passing.check(0, owners, holds_rows=False) == []
+    assert passing.check(0, np.full(6, -1, dtype=np.int32), holds_rows=False) == []
+    assert passing.check(0, owners, holds_rows=False) == []
