@@ -14,32 +14,17 @@ struct pd_f32x4 {
     float x, y, z, w;
 };
 
-extern "C" __device__ int pd_mma_bf16_m16n8k16(pd_f32x4* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                               unsigned b0, unsigned b1, float c0, float c1, float c2, float c3) {
-    float d0, d1, d2, d3;
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};"
-        : "=f"(d0), "=f"(d1), "=f"(d2), "=f"(d3)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(c2), "f"(c3));
-    d->x = d0;
-    d->y = d1;
-    d->z = d2;
-    d->w = d3;
-    return 0;
-}
+// PD_MMA(NAME, TYPE): the device function NAME for 16-bit inputs TYPE ("bf16" or "f16")
+#define PD_MMA(NAME, TYPE)                                                                                  \
+    extern "C" __device__ int NAME(pd_f32x4* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3,         \
+                                   unsigned b0, unsigned b1, float c0, float c1, float c2, float c3) {      \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 "                          \
+                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};"                   \
+                     : "=f"(d->x), "=f"(d->y), "=f"(d->z), "=f"(d->w)                                        \
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(c2),      \
+                       "f"(c3));                                                                             \
+        return 0;                                                                                            \
+    }
 
-extern "C" __device__ int pd_mma_f16_m16n8k16(pd_f32x4* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                              unsigned b0, unsigned b1, float c0, float c1, float c2, float c3) {
-    float d0, d1, d2, d3;
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};"
-        : "=f"(d0), "=f"(d1), "=f"(d2), "=f"(d3)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(c2), "f"(c3));
-    d->x = d0;
-    d->y = d1;
-    d->z = d2;
-    d->w = d3;
-    return 0;
-}
+PD_MMA(pd_mma_bf16_m16n8k16, "bf16")
+PD_MMA(pd_mma_f16_m16n8k16, "f16")
