@@ -363,6 +363,11 @@ def scrape(base_url: str) -> dict[str, float]:
     return values
 
 
+# The default model's greedy answer to it is "The capital of France is Paris." by a clear margin at every token (the
+# first token by 1.4 logits); without the last sentence its first token is a near tie ("The" vs "L'", 0.02 apart) that
+# the CPU's vector width decides (AVX-512 machines said "The capital...", AVX2 ones "L'Étoile...")
+FRANCE_QUESTION = "What is the capital of France? Answer in one sentence."
+
 QUEUE_GAUGES = ("pdserve_num_running_reqs", "pdserve_num_queue_reqs", "pdserve_num_prefill_inflight_queue_reqs",
                 "pdserve_num_decode_transfer_queue_reqs")
 

@@ -7,9 +7,9 @@ import asyncio
 import httpx
 import pytest
 
-from tests.conftest import EngineProbe, assert_recovered, cleanup_engine, scrape, start_engine
+from tests.conftest import EngineProbe, FRANCE_QUESTION, assert_recovered, cleanup_engine, scrape, start_engine
 
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE = [{"role": "user", "content": FRANCE_QUESTION}]
 PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time", "Le fromage préféré"]
 
 

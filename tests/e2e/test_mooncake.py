@@ -11,9 +11,9 @@ try:   # an optional extra: the one place a missing library is a skip
 except ImportError as exc:
     pytest.skip(f"the mooncake extra is missing ({exc}); make test-mooncake installs it", allow_module_level=True)
 
-from tests.conftest import EngineProbe, assert_recovered, cleanup_engine, scrape, start_engine  # noqa: E402
+from tests.conftest import EngineProbe, FRANCE_QUESTION, assert_recovered, cleanup_engine, scrape, start_engine  # noqa: E402
 
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE = [{"role": "user", "content": FRANCE_QUESTION}]
 LONG = [{"role": "system", "content": "You are a geography tutor. Answer in one short sentence, naming the city "
                                       "first, and do not add any other facts, dates or numbers to the answer."},
         *FRANCE]

@@ -13,9 +13,9 @@ import re
 import httpx
 import pytest
 
-from tests.conftest import EngineProbe, assert_recovered, cleanup_engine, scrape, start_engine
+from tests.conftest import EngineProbe, FRANCE_QUESTION, assert_recovered, cleanup_engine, scrape, start_engine
 
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE = [{"role": "user", "content": FRANCE_QUESTION}]
 PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time",
            "The capital of France is Paris. The capital of Italy is Rome. The capital of Germany is"]
 
@@ -50,8 +50,6 @@ def test_native_engine_answers_alone_in_a_ragged_batch_and_with_n_children(engin
     try:
         answer = httpx.post(engine.base_url + "/v1/chat/completions", timeout=120,
                             json={"messages": FRANCE, "temperature": 0, "max_tokens": 16}).json()
-        # a near tie on this file: the float32 copies' prefill answers Paris; --prefill-low-bit, like llama-server
-        # on the same file, "L'Étoile, la Marseillaise..."
         assert "Paris" in answer["choices"][0]["message"]["content"], answer
         body = {"temperature": 0, "max_tokens": 12, "logprobs": 0}
         alone = [_tokens(httpx.post(engine.base_url + "/v1/completions", json={**body, "prompt": p},

@@ -14,8 +14,8 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import (ROOT, assert_recovered, cleanup_engine, free_port, probe_fixture, scrape, send_and_trace,
-                            start_engine, wait_until)
+from tests.conftest import (FRANCE_QUESTION, ROOT, assert_recovered, cleanup_engine, free_port, probe_fixture, scrape,
+                            send_and_trace, start_engine, wait_until)
 from tests.e2e.conftest import HTTP_SLACK_S
 
 POOL_TOKENS = 1024          # the fitted context: max_model_len = min(model context 8192, the pool) = 1024
@@ -493,7 +493,7 @@ def openai_bad_request():
 
 
 def test_openai_client_chat_plain_and_streamed_with_stop(oai, model):
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages = [{"role": "user", "content": FRANCE_QUESTION}]
     full = oai.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
     text = full.choices[0].message.content
     assert "Paris" in text and full.usage.completion_tokens > 0
@@ -556,7 +556,7 @@ def test_openai_client_n_choices_with_stop_plain_and_streamed(oai, model):
 def test_openai_client_logprobs_chat_and_completions(oai, model):
     import math
 
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages = [{"role": "user", "content": FRANCE_QUESTION}]
     full = oai.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, logprobs=True,
                                        top_logprobs=3)
     content = full.choices[0].logprobs.content

@@ -7,9 +7,10 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import EngineProbe, cleanup_engine, scrape, shm_segments, start_engine, wait_until
+from tests.conftest import (FRANCE_QUESTION, EngineProbe, cleanup_engine, scrape, shm_segments, start_engine,
+                            wait_until)
 
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE = [{"role": "user", "content": FRANCE_QUESTION}]
 PROMPTS = [
     "The three primary colors are",
     "Write a haiku about the sea:",
