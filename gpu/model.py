@@ -8,10 +8,11 @@ execution path chosen when it is built.
 | gpu/mla.py | DeepSeek's multi-head latent attention and MoE (``MLAModel``) and its torch loops |
 | gpu/exec_torch.py | ``TorchExecutor``: dense torch on any torch device (CPU float32/bfloat16, CUDA) |
 | gpu/exec_lowbit.py | ``LowbitExecutor``: GGUF low-bit weights kept packed, on CPU (``weights="auto"``) |
+| gpu/exec_cuda.py | ``CudaExecutor``: a torch CUDA device with the numba kernels of gpu/kernels (or the CUDA simulator) |
 | gpu/prepared.py | the prepared-model cache and ``to_state`` / ``from_state`` |
 
 The path is chosen once at load (``executor``: ``"auto"`` = ``"lowbit"`` for native weights, else ``"torch"``;
-and kept in
+``"cuda"`` with ``attention_backend`` / ``linear_backend``, see gpu/exec_cuda.py) and kept in
 ``LlamaModel.executor``; every call goes to it. The computation is Hugging Face's (gpu/layers.py).
 
 Paged KV cache (the layout of vLLM's PagedAttention, Kwon et al. 2023). The caller owns the pool::
@@ -144,7 +145,7 @@ def resolve_weights_mode(mode: str, device: str | torch.device = "cpu") -> str:
     return mode
 
 
-EXECUTORS = ("auto", "torch", "lowbit")
+EXECUTORS = ("auto", "torch", "lowbit", "cuda")
 
 
 def resolve_executor(executor: str, native: bool) -> str:
@@ -242,6 +243,9 @@ class LlamaModel(LayerMath):
         if path == "lowbit":
             from .exec_lowbit import LowbitExecutor  # noqa: PLC0415  (numba: only a native model's process)
             return LowbitExecutor(self)
+        if path == "cuda":
+            from .exec_cuda import cuda_executor  # noqa: PLC0415  (gpu.kernels: only the CUDA path imports them)
+            return cuda_executor(self, **options)
         return self._torch_executor()
 
     def _torch_executor(self) -> TorchExecutor:
