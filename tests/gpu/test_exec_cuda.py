@@ -65,19 +65,21 @@ def tiny_dirs(tmp_path_factory) -> dict[str, pathlib.Path]:
     return dirs
 
 
-def greedy(model: LlamaModel, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], torch.Tensor]:
+def greedy(model: LlamaModel, prompts: list[list[int]], steps: int,
+           forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Prefill ``prompts`` packed, then ``steps`` batched greedy decode steps: each row's tokens (the first from its
-    prefill) and the last step's logits ``[B, vocab]``."""
+    prefill) and every step's logits ``[B, vocab]`` (the prefill's first). ``forced``: feed these rows' tokens
+    instead of the model's own (teacher forcing), so two models' steps see the same inputs."""
     c = model.config
     kv = torch.zeros(kv_pool_shape(c, 24, BLOCK), dtype=model.dtype, device=model.device)
     tables = [[9, 2, 17, 5, 11], [3, 20, 7, 14, 1]]   # scattered, disjoint
-    first = model.prefill_packed(kv, prompts, tables, [0, 0])
-    tokens = [[int(f.argmax())] for f in first]
-    logits = None
+    logits = [torch.stack(model.prefill_packed(kv, prompts, tables, [0, 0]))]
+    tokens = [[int(lg.argmax())] for lg in logits[0]]
     for s in range(steps):
         positions = [len(p) + s for p in prompts]
-        logits = model.decode(kv, [t[-1] for t in tokens], positions, tables)
-        for row, lg in zip(tokens, logits):
+        feed = [t[s] for t in forced] if forced else [t[-1] for t in tokens]
+        logits.append(model.decode(kv, feed, positions, tables))
+        for row, lg in zip(tokens, logits[-1]):
             row.append(int(lg.argmax()))
     return tokens, logits
 
@@ -85,8 +87,17 @@ def greedy(model: LlamaModel, prompts: list[list[int]], steps: int) -> tuple[lis
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [11, 200, 13, 6, 77, 190, 31, 8, 64, 2, 128]]   # 7 and 11: ragged rows
 
 
+# float32: the CPU path's dtype (logits within float32 rounding); bfloat16: the engine's on a GPU (the kernel's
+# float32 math against SDPA's bf16: within a few bf16 steps of logits of magnitude ~10)
+DTYPES = {torch.float32: 1e-4, torch.bfloat16: 0.15}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("name", KINDS)
-def test_the_numba_kernels_decode_the_torch_paths_greedy_tokens(dev, tiny_dirs, name, monkeypatch):
+def test_the_numba_kernels_decode_the_torch_paths_greedy_tokens(dev, tiny_dirs, name, dtype, monkeypatch):
+    """float32: the same greedy tokens, free-running. bfloat16: teacher-forced on the torch path's tokens, every
+    step's logits within bf16 rounding and the same argmax wherever the torch path's top two are further apart
+    than that (a near tie may fall either way in bf16, as on the GPU)."""
     from gpu import exec_cuda
 
     launches = []
@@ -97,17 +108,23 @@ def test_the_numba_kernels_decode_the_torch_paths_greedy_tokens(dev, tiny_dirs, 
         return real(*args, **kwargs)
 
     monkeypatch.setattr(exec_cuda, "paged_attention_decode", counted)
-    ref = LlamaModel.from_path(tiny_dirs[name], device=dev, progress=False)
-    ours = LlamaModel.from_path(tiny_dirs[name], device=dev, progress=False, executor="cuda",
+    ref = LlamaModel.from_path(tiny_dirs[name], device=dev, progress=False, dtype=dtype)
+    ours = LlamaModel.from_path(tiny_dirs[name], device=dev, progress=False, dtype=dtype, executor="cuda",
                                 executor_options={"attention_backend": "numba"})
     assert type(ref.executor).__name__ == ("MLATorchExecutor" if name == "deepseek2" else "TorchExecutor")
     assert type(ours.executor).__name__ == ("MLACudaExecutor" if name == "deepseek2" else "CudaExecutor")
-    assert ours.executor.kernel_layers == [0, 1]
+    assert ours.executor.kernel_layers == [0, 1] and ours.dtype == dtype
+    tol = DTYPES[dtype]
     want, want_logits = greedy(ref, PROMPTS, DECODE_STEPS)
-    got, got_logits = greedy(ours, PROMPTS, DECODE_STEPS)
-    assert got == want
+    got, got_logits = greedy(ours, PROMPTS, DECODE_STEPS, forced=None if dtype == torch.float32 else want)
     assert len(launches) == DECODE_STEPS * 2   # one per layer and step (MLA: its 4 heads fit one launch)
-    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    if dtype == torch.float32:
+        assert got == want
+    for step, (a, b) in enumerate(zip(got_logits, want_logits)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=tol, msg=f"step {step}")
+        top2 = b.float().topk(2, dim=-1).values  # [B, 2]
+        clear = top2[:, 0] - top2[:, 1] > 2 * tol
+        assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear]), step
 
 
 def test_the_numba_linear_backend_gives_the_torch_linears_tokens(dev, tiny_dirs, monkeypatch):
@@ -159,7 +176,7 @@ def test_the_cuda_path_refuses_a_machine_without_a_device(tiny_dirs):
 
 def simulated_cases() -> int:
     """How many ``simulated`` tests this file holds (the child must pass them all)."""
-    return len(KINDS) + 1
+    return len(KINDS) * len(DTYPES) + 1
 
 
 @pytest.mark.timeout(400)
