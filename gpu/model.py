@@ -33,16 +33,12 @@ from typing import Any, Iterator
 import torch
 
 from .exec_torch import TorchExecutor
-from .layers import Layer, LayerMath, build_layers, fused_linear, rope_inv_freq
+from .layers import Layer, LayerMath, build_layers, rope_inv_freq
 from .loader import ModelConfig, load_weights
 from .quant import QuantLinear
 
 __all__ = ["EXECUTORS", "LlamaModel", "WEIGHT_MODES", "from_path", "kv_bytes_per_token", "kv_pool_shape",
            "resolve_executor", "resolve_weights_mode", "rope_inv_freq"]
-
-_Layer = Layer  # the names gpu/model.py had before the split
-_linear = fused_linear
-
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of KV cache one token takes in all layers.
@@ -263,7 +259,7 @@ class LlamaModel(LayerMath):
                    if lin is not None]
         linears += [lin for layer in self.layers for pair in layer.experts or () for lin in pair]
         norms = [t for layer in self.layers for t in (layer.ln_attn, layer.ln_mlp) + tuple(
-            getattr(layer, e) for e in _Layer.EXTRAS if getattr(layer, e) is not None)] + [self.norm]
+            getattr(layer, e) for e in Layer.EXTRAS if getattr(layer, e) is not None)] + [self.norm]
         return sum(lin.weight_bytes for lin in linears + [self.lm_head]) + sum(
             t.numel() * t.element_size() for t in norms)
 
