@@ -27,7 +27,6 @@ on every token. Low-bit GGUF weights are not kept packed here: the family always
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -35,11 +34,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .exec_torch import DecodeStep, TorchExecutor
+from .layers import fused_linear as _linear
 from .loader import ModelConfig
-from .model import LlamaModel, _linear
+from .model import LlamaModel
 from .quant import QuantLinear
 
-__all__ = ["MLAModel"]
+__all__ = ["MLAModel", "MLATorchExecutor"]
 
 
 @dataclass
@@ -70,10 +71,11 @@ class _MLALayer:
 class MLAModel(LlamaModel):
     """A DeepSeek-V2 decoder (``Family.attention == "mla"``) with :class:`gpu.model.LlamaModel`'s interface:
     ``prefill``, ``prefill_packed``, ``decode`` over the pool ``kv_pool_shape(config, ...)`` gives (layout in the
-    module docstring), ``to_state`` / ``from_state``. ``native`` is accepted and ignored (weights run dense)."""
+    module docstring), ``to_state`` / ``from_state``. ``native`` is accepted and ignored (weights run dense).
+    Paths: ``"torch"`` (:class:`MLATorchExecutor`) or ``"cuda"`` (gpu/exec_cuda.py)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, Any], device: str | torch.device = "cpu",
-                 native: bool = False):
+                 native: bool = False, executor: str = "auto", executor_options: dict[str, Any] | None = None):
         # packed GGUF weights (``native``) run dequantized: this family has no low-bit path
         weights = {k: v if isinstance(v, torch.Tensor) else v.dequantize() for k, v in weights.items()}
         embed = weights["model.embed_tokens.weight"]
@@ -117,7 +119,10 @@ class MLAModel(LlamaModel):
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         lm_head = embedding if tied else lin("lm_head.weight")
         self._setup(config, dev, dtype, False, embedding, lm_head, vec("model.norm.weight"), layers,
-                    _rope_inv_freq(config))
+                    _rope_inv_freq(config), executor, executor_options)
+
+    def _torch_executor(self) -> "MLATorchExecutor":
+        return MLATorchExecutor(self)
 
     # -- RoPE: interleaved pairs over the qk_rope_head_dim part --------------------------------------------
 
@@ -145,12 +150,13 @@ class MLAModel(LlamaModel):
         N, H, nope, rp, rank = h.shape[0], c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         cos, sin = rope[False]
         if layer.q is None:  # the compressed query
-            q = layer.q_b.fn(F.rms_norm(layer.q_a.fn(h), (c.q_lora_rank,), layer.q_a_norm, c.rms_norm_eps))
+            q_a = self._linear(layer.q_a, h, False)  # [N, q_lora_rank]
+            q = self._linear(layer.q_b, F.rms_norm(q_a, (c.q_lora_rank,), layer.q_a_norm, c.rms_norm_eps), False)
         else:
-            q = layer.q.fn(h)
+            q = self._linear(layer.q, h, False)
         q = q.view(N, H, nope + rp)
         q = torch.cat([q[..., :nope], self._rope_pairs(q[..., nope:], cos, sin)], dim=-1)
-        a = layer.kv_a.fn(h)  # [N, rank + rope]
+        a = self._linear(layer.kv_a, h, False)  # [N, rank + rope]
         latent = F.rms_norm(a[:, :rank], (rank,), layer.kv_a_norm, c.rms_norm_eps)
         k_rope = self._rope_pairs(a[:, None, rank:], cos, sin)[:, 0]  # [N, rope]
         return q, torch.cat([latent, k_rope], dim=-1)
@@ -159,7 +165,8 @@ class MLAModel(LlamaModel):
         """K ``[..., H, nope + rope]`` and V ``[..., H, v]`` decompressed from cache rows ``[..., 2 * head_dim]``."""
         c = self.config
         H, nope, rp, rank = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
-        kv = layer.kv_b.fn(rows[..., :rank]).unflatten(-1, (H, nope + c.v_head_dim))  # [..., H, nope + v]
+        kv = self._linear(layer.kv_b, rows[..., :rank].reshape(-1, rank), False).view(
+            *rows.shape[:-1], H, nope + c.v_head_dim)  # [..., H, nope + v]
         k_rope = rows[..., None, rank:rank + rp].expand(*kv.shape[:-1], rp)
         return torch.cat([kv[..., :nope], k_rope], dim=-1), kv[..., nope:]
 
@@ -215,66 +222,6 @@ class MLAModel(LlamaModel):
             out = out + self._mlp(*layer.shared, h, False)
         return out
 
-    # -- forward -------------------------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def prefill_packed(self, kv: torch.Tensor, token_ids: list[list[int]], block_tables: list[list[int]],
-                       start_positions: list[int], all_logits: list[bool] | None = None,
-                       logits: list[bool] | None = None) -> list[torch.Tensor | None]:
-        """As :meth:`gpu.model.LlamaModel.prefill_packed` (same arguments, returns and errors)."""
-        c = self.config
-        flags, seqs, w_slot, pos, _ = self._packed_start(kv, token_ids, block_tables, start_positions, all_logits)
-        kv_flat = self._flat_pool(kv)  # [L, 2, slots, 1, head_dim]
-        rope = self._rope_at(pos)
-        x = self._embed(torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=self.device))
-        hidden, eps = (c.hidden_size,), c.rms_norm_eps
-        for li, layer in enumerate(self.layers):
-            h = F.rms_norm(x, hidden, layer.ln_attn, eps)  # [N, hidden]
-            q, row = self._q_row(layer, h, rope)  # [N, H, nope + rope], [N, 2 head_dim]
-            stored = self._write(kv_flat, li, w_slot, row)
-            outs = []
-            for a, b, r_slot, mask, _ in seqs:
-                rows = stored[a:b] if r_slot is None else self._read(kv_flat, li, r_slot)  # [S, 2 head_dim]
-                k, v = self._expand(layer, rows.to(self.dtype))  # [S, H, nope + rope], [S, H, v]
-                o = F.scaled_dot_product_attention(
-                    q[a:b].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                    attn_mask=mask, is_causal=r_slot is None, scale=self._scale)  # [1, H, T, v]
-                outs.append(o[0].transpose(0, 1).reshape(b - a, -1))  # [T, H v]
-            x = self._layer_rest(layer, x, outs[0] if len(outs) == 1 else torch.cat(outs), False)
-        return self._packed_logits(x, seqs, flags, False, logits)
-
-    @torch.inference_mode()
-    def decode(self, kv: torch.Tensor, token_ids: list[int], positions: list[int],
-               block_tables: list[list[int]]) -> torch.Tensor:
-        """As :meth:`gpu.model.LlamaModel.decode` (same arguments, returns and errors)."""
-        c = self.config
-        B = len(token_ids)
-        padded, w_blk = self._decode_tables(kv, token_ids, positions, block_tables)
-        bt, dev = kv.shape[3], self.device
-        S = max(positions) + 1
-        kv_flat = self._flat_pool(kv)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)  # [B]
-        w_slot = torch.tensor(w_blk, dtype=torch.long, device=dev) * bt + pos_t % bt  # [B]
-        ctx = torch.arange(S, device=dev)  # [S]
-        valid = ctx[None, :] <= pos_t[:, None]  # [B, S]
-        r_blk = torch.tensor(padded, dtype=torch.long, device=dev)[:, ctx // bt]  # [B, S]
-        # padded keys read slot (block, 0) of their own sequence: written, so finite under the mask
-        r_slot = (r_blk * bt + torch.where(valid, ctx % bt, 0)).reshape(-1)  # [B S]
-        mask = None if min(positions) == S - 1 else valid[:, None, None, :]  # [B, 1, 1, S]
-        rope = self._rope_at(pos_t)
-        x = self._embed(torch.tensor(token_ids, dtype=torch.long, device=dev))  # [B, hidden]
-        hidden, eps = (c.hidden_size,), c.rms_norm_eps
-        for li, layer in enumerate(self.layers):
-            h = F.rms_norm(x, hidden, layer.ln_attn, eps)
-            q, row = self._q_row(layer, h, rope)  # [B, H, nope + rope], [B, 2 head_dim]
-            self._write(kv_flat, li, w_slot, row)
-            k, v = self._expand(layer, self._read(kv_flat, li, r_slot).to(self.dtype).view(B, S, -1))
-            # k: [B, S, H, nope + rope]; v: [B, S, H, v]
-            o = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=mask, scale=self._scale)  # [B, H, 1, v]
-            x = self._layer_rest(layer, x, o.reshape(B, -1), False)
-        return self.lm_head.fn(F.rms_norm(x, hidden, self.norm, eps)).float()  # [B, vocab]
-
     # -- sizes and the prepared state ----------------------------------------------------------------------
 
     def weight_bytes(self) -> int:
@@ -285,54 +232,63 @@ class MLAModel(LlamaModel):
         return sum(lin.weight_bytes for lin in lins + [self.lm_head]) + sum(t.numel() * t.element_size()
                                                                            for t in norms + [self.norm])
 
-    def to_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """As :meth:`gpu.model.LlamaModel.to_state`; ``meta["attention"]`` is ``"mla"``."""
-        tensors, kinds, outputs, put = self._state_writer()
-        for i, lay in enumerate(self.layers):
-            p = f"layers.{i}."
-            tensors.update({p + n: getattr(lay, n) for n in _MLALayer.TENSORS if getattr(lay, n) is not None})
-            for n in _MLALayer.LINEARS:
-                if getattr(lay, n) is not None:
-                    put(p + n, getattr(lay, n))
-            for e, (gu, dn) in enumerate(lay.experts or ()):
-                put(f"{p}experts.{e}.gate_up", gu)
-                put(f"{p}experts.{e}.down", dn)
-            if lay.shared is not None:
-                put(p + "shared.gate_up", lay.shared[0])
-                put(p + "shared.down", lay.shared[1])
-        meta = {"config": dataclasses.asdict(self.config), "native": False, "attention": "mla",
-                "dtype": str(self.dtype).removeprefix("torch."), "kinds": kinds, "out_features": outputs}
-        return meta, tensors
 
-    @classmethod
-    def _from_state(cls, config: ModelConfig, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
-                    device: torch.device) -> "MLAModel":
-        """The model :meth:`to_state` saved (``config`` already rebuilt by ``LlamaModel.from_state``)."""
-        kinds = meta["kinds"]
+class MLATorchExecutor(TorchExecutor):
+    """The dense torch path of an :class:`MLAModel` (any torch device): attention decompresses the context's cache
+    rows through ``kv_b_proj`` and runs SDPA; ``attend_decode_mla`` is the hook gpu/exec_cuda.py overrides."""
 
-        def lin(name: str) -> QuantLinear | None:
-            if name not in kinds:
-                return None
-            prefix = name + "."
-            return QuantLinear.from_tensors(kinds[name], {k[len(prefix):]: v.to(device) for k, v in tensors.items()
-                                                           if k.startswith(prefix)}, meta["out_features"][name])
+    def prefill_packed(self, kv: torch.Tensor, token_ids: list[list[int]], block_tables: list[list[int]],
+                       start_positions: list[int], all_logits: list[bool] | None,
+                       logits: list[bool] | None) -> list[torch.Tensor | None]:
+        """As :meth:`gpu.model.LlamaModel.prefill_packed` (same arguments, returns and errors)."""
+        m = self.m
+        c = m.config
+        flags, seqs, w_slot, pos, _ = m._packed_start(kv, token_ids, block_tables, start_positions, all_logits)
+        kv_flat = m._flat_pool(kv)  # [L, 2, slots, 1, head_dim]
+        rope = m._rope_at(pos)
+        x = m._embed(torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=m.device))
+        hidden, eps = (c.hidden_size,), c.rms_norm_eps
+        for li, layer in enumerate(m.layers):
+            h = F.rms_norm(x, hidden, layer.ln_attn, eps)  # [N, hidden]
+            q, row = m._q_row(layer, h, rope)  # [N, H, nope + rope], [N, 2 head_dim]
+            stored = m._write(kv_flat, li, w_slot, row)
+            outs = []
+            for a, b, r_slot, mask, _ in seqs:
+                rows = stored[a:b] if r_slot is None else m._read(kv_flat, li, r_slot)  # [S, 2 head_dim]
+                k, v = m._expand(layer, rows.to(m.dtype))  # [S, H, nope + rope], [S, H, v]
+                o = F.scaled_dot_product_attention(
+                    q[a:b].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                    attn_mask=mask, is_causal=r_slot is None, scale=m._scale)  # [1, H, T, v]
+                outs.append(o[0].transpose(0, 1).reshape(b - a, -1))  # [T, H v]
+            x = m._layer_rest(layer, x, outs[0] if len(outs) == 1 else torch.cat(outs), False)
+        return self.packed_logits(x, seqs, flags, False, logits)
 
-        layers = []
-        for i in range(config.num_layers):
-            p = f"layers.{i}."
-            lay = _MLALayer(**{n: tensors[p + n].to(device) if p + n in tensors else None for n in _MLALayer.TENSORS},
-                            **{n: lin(p + n) for n in _MLALayer.LINEARS})
-            if lay.router is not None:
-                lay.experts = [(lin(f"{p}experts.{e}.gate_up"), lin(f"{p}experts.{e}.down"))
-                               for e in range(config.num_experts)]
-                if p + "shared.gate_up" in kinds:
-                    lay.shared = (lin(p + "shared.gate_up"), lin(p + "shared.down"))
-            layers.append(lay)
-        embedding = lin("embedding")
-        model = cls.__new__(cls)
-        model._setup(config, device, getattr(torch, meta["dtype"]), False, embedding, lin("lm_head") or embedding,
-                     tensors["norm"].to(device), layers, tensors["inv_freq"])
-        return model
+    def decode_layers(self, kv: torch.Tensor, token_ids: list[int], step: DecodeStep) -> torch.Tensor:
+        """As :meth:`gpu.model.LlamaModel.decode` after the checks: logits ``[B, vocab]``."""
+        m = self.m
+        c = m.config
+        kv_flat = m._flat_pool(kv)  # [L, 2, slots, 1, head_dim]
+        rope = m._rope_at(step.pos_t)
+        x = m._embed(torch.tensor(token_ids, dtype=torch.long, device=m.device))  # [B, hidden]
+        hidden, eps = (c.hidden_size,), c.rms_norm_eps
+        for li, layer in enumerate(m.layers):
+            h = F.rms_norm(x, hidden, layer.ln_attn, eps)
+            q, row = m._q_row(layer, h, rope)  # [B, H, nope + rope], [B, 2 head_dim]
+            m._write(kv_flat, li, step.w_slot, row)
+            o = self.attend_decode_mla(li, layer, q, kv, kv_flat, step)  # [B, H, 1, v]
+            x = m._layer_rest(layer, x, o.reshape(step.B, -1), False)
+        return m._linear(m.lm_head, F.rms_norm(x, hidden, m.norm, eps), False).float()  # [B, vocab]
+
+    def attend_decode_mla(self, li: int, layer: _MLALayer, q: torch.Tensor, kv: torch.Tensor,
+                          kv_flat: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+        """Decode attention of layer ``li``: q ``[B, H, nope + rope]`` over each row's cache rows (the new ones
+        already written; ``kv`` the pool, ``kv_flat`` its slot view), decompressed per head. Returns
+        ``[B, H, 1, v]``."""
+        m = self.m
+        k, v = m._expand(layer, m._read(kv_flat, li, step.r_slot).to(m.dtype).view(step.B, step.S, -1))
+        # k: [B, S, H, nope + rope]; v: [B, S, H, v]
+        return F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=step.masks[0], scale=m._scale)  # [B, H, 1, v]
 
 
 def _rope_inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -25,7 +25,7 @@ from .model_files import default_cache_dir
 log = logging.getLogger("pdserve.prepared")
 
 __all__ = ["FORMAT_VERSION", "cache_path", "default_cache_dir", "ensure_prepared", "load_prepared",
-           "prepared_key", "prepared_model", "save_prepared"]
+           "model_from_state", "model_state", "prepared_key", "prepared_model", "save_prepared"]
 
 # bump when LlamaModel.to_state's layout changes (5: K-quant/Q5 GGUF linears kept low-bit, the "int8h" kind;
 # 6: native untied dense heads as int8 too)
@@ -82,26 +82,28 @@ def _read(path: pathlib.Path, key: str) -> tuple[dict[str, Any], dict[str, torch
         return None
 
 
-def load_prepared(path: pathlib.Path, key: str, device: str = "cpu"):
-    """The ``LlamaModel`` saved at ``path`` for ``key``, its weights memory-mapped; None if the file is missing,
-    damaged or stale (a warning says which)."""
-    from .model import LlamaModel
-
+def load_prepared(path: pathlib.Path, key: str, device: str = "cpu", executor: str = "auto",
+                  executor_options: dict[str, Any] | None = None):
+    """The ``LlamaModel`` saved at ``path`` for ``key``, its weights memory-mapped, on the ``executor`` path; None
+    if the file is missing, damaged or stale (a warning says which)."""
     found = _read(path, key)
     if found is None:
         return None
     try:
-        return LlamaModel.from_state(*found, device=device)
+        return model_from_state(*found, device, executor, executor_options)
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:
         log.warning("prepared model %s does not rebuild (%s: %s); rebuilding it", path, type(exc).__name__, exc)
         return None
 
 
 def prepared_model(model_path: str | os.PathLike | None, weights: str, device: str = "cpu",
-                   cache_dir: str | os.PathLike | None = None, progress: bool = False):
+                   cache_dir: str | os.PathLike | None = None, progress: bool = False, executor: str = "auto",
+                   executor_options: dict[str, Any] | None = None):
     """A ``gpu.model.LlamaModel`` for ``model_path`` in ``weights`` mode (``"auto"``, ``"float32"``,
     ``"bfloat16"``): from the cache when it holds a valid file, else built from the model file and saved.
-    ``cache_dir`` None = :func:`default_cache_dir`; ``"off"`` = no cache (always build).
+    ``cache_dir`` None = :func:`default_cache_dir`; ``"off"`` = no cache (always build). ``executor`` and
+    ``executor_options``: the path it runs on (``gpu.model.resolve_executor``; ``"cuda"`` and its knobs,
+    gpu/exec_cuda.py).
 
     Raises:
         ModelLoadError: the model file is missing or unsupported.
@@ -109,14 +111,15 @@ def prepared_model(model_path: str | os.PathLike | None, weights: str, device: s
     """
     from .model import LlamaModel, resolve_weights_mode
 
+    on = {"executor": executor, "executor_options": executor_options}
     if cache_dir == "off":
-        return LlamaModel.from_path(model_path, device=device, progress=progress, weights=weights)
+        return LlamaModel.from_path(model_path, device=device, progress=progress, weights=weights, **on)
     key = prepared_key(model_path, resolve_weights_mode(weights, device))
     path = cache_path(cache_dir or default_cache_dir(), key)
-    model = load_prepared(path, key, device)
+    model = load_prepared(path, key, device, **on)
     if model is not None:
         return model
-    model = LlamaModel.from_path(model_path, device=device, progress=progress, weights=weights)
+    model = LlamaModel.from_path(model_path, device=device, progress=progress, weights=weights, **on)
     try:
         save_prepared(model, path, key)
         log.info("prepared model saved to %s", path)
@@ -143,3 +146,161 @@ def ensure_prepared(model_path: str | os.PathLike | None, weights: str, device: 
         prepared_model(model_path, weights, device, cache_dir)
     return path
 
+
+
+# -- the built model as flat tensors (LlamaModel.to_state / from_state) ----------------------------------------------
+
+_LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def model_state(model) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``model`` (a ``gpu.model.LlamaModel`` or ``gpu.mla.MLAModel``) as ``(meta, tensors)``: JSON-able ``meta``
+    (config, mode, each linear's kind and output size; ``"attention": "mla"`` for MLA) and flat CPU ``tensors``
+    (packed weights as they run), so :func:`model_from_state` rebuilds it without the model file."""
+    import dataclasses  # noqa: PLC0415
+
+    tensors, kinds, outputs, put = _state_writer(model)
+    mla = model.config.spec.attention == "mla"
+    for i, layer in enumerate(model.layers):
+        (_mla_layer_state if mla else _layer_state)(f"layers.{i}.", layer, tensors, put)
+    meta = {"config": dataclasses.asdict(model.config), "native": model.native,
+            "dtype": str(model.dtype).removeprefix("torch."), "kinds": kinds, "out_features": outputs}
+    if mla:
+        meta["attention"] = "mla"
+    return meta, tensors
+
+
+def _layer_state(p: str, layer, tensors: dict[str, torch.Tensor], put) -> None:
+    """A GQA layer's tensors under prefix ``p`` (norms, family extras, linears, router and experts)."""
+    from .layers import Layer  # noqa: PLC0415
+
+    tensors[p + "ln_attn"], tensors[p + "ln_mlp"] = layer.ln_attn, layer.ln_mlp
+    tensors.update({p + e: getattr(layer, e) for e in Layer.EXTRAS if getattr(layer, e) is not None})
+    for name in _LINEARS:
+        if getattr(layer, name) is not None:
+            put(p + name, getattr(layer, name))
+    if layer.router is not None:
+        tensors[p + "router"] = layer.router
+        for e, (gu, dn) in enumerate(layer.experts):
+            put(f"{p}experts.{e}.gate_up", gu)
+            put(f"{p}experts.{e}.down", dn)
+
+
+def _mla_layer_state(p: str, lay, tensors: dict[str, torch.Tensor], put) -> None:
+    """An MLA layer's tensors under prefix ``p`` (gpu/mla.py's ``_MLALayer``: its tensors, linears, experts)."""
+    from .mla import _MLALayer  # noqa: PLC0415
+
+    tensors.update({p + n: getattr(lay, n) for n in _MLALayer.TENSORS if getattr(lay, n) is not None})
+    for n in _MLALayer.LINEARS:
+        if getattr(lay, n) is not None:
+            put(p + n, getattr(lay, n))
+    for e, (gu, dn) in enumerate(lay.experts or ()):
+        put(f"{p}experts.{e}.gate_up", gu)
+        put(f"{p}experts.{e}.down", dn)
+    if lay.shared is not None:
+        put(p + "shared.gate_up", lay.shared[0])
+        put(p + "shared.down", lay.shared[1])
+
+
+def _state_writer(model) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, int], Any]:
+    """``(tensors, kinds, out_features, put)`` of :func:`model_state`, holding the final norm, the RoPE table, the
+    embedding and the LM head; ``put(name, linear)`` adds a linear."""
+    tensors: dict[str, torch.Tensor] = {"norm": model.norm, "inv_freq": model._inv_freq}
+    kinds: dict[str, str] = {}
+    outputs: dict[str, int] = {}
+
+    def put(name: str, lin) -> None:
+        kinds[name], outputs[name] = lin.kind, lin.out_features
+        tensors.update({f"{name}.{k}": v for k, v in lin.tensors.items()})
+
+    put("embedding", model.embedding)
+    if model.lm_head is not model.embedding:
+        put("lm_head", model.lm_head)
+    return tensors, kinds, outputs, put
+
+
+def model_from_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor], device: str | torch.device = "cpu",
+                     executor: str = "auto", executor_options: dict[str, Any] | None = None):
+    """The model :func:`model_state` saved (tensors used as given, e.g. memory-mapped), on the ``executor`` path
+    (``gpu.model.resolve_executor``).
+
+    Raises:
+        KeyError, ValueError, TypeError: ``meta`` or ``tensors`` are incomplete or inconsistent.
+    """
+    from .loader import ModelConfig, RopeScaling  # noqa: PLC0415
+
+    cfg = dict(meta["config"])
+    if cfg.get("rope_scaling") is not None:
+        cfg["rope_scaling"] = RopeScaling(**cfg["rope_scaling"])
+    cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
+    cfg["layer_windows"] = tuple(cfg.get("layer_windows", ()))
+    cfg["moe_layers"] = tuple(cfg.get("moe_layers", ()))
+    config = ModelConfig(**cfg)
+    dev = torch.device(device)
+    lin = _linear_reader(meta, tensors, dev)
+    mla = meta.get("attention") == "mla"
+    layers = [(_mla_layer_from if mla else _layer_from)(config, f"layers.{i}.", tensors, lin, dev)
+              for i in range(config.num_layers)]
+    if mla:
+        from .mla import MLAModel as cls  # noqa: PLC0415
+    else:
+        from .model import LlamaModel as cls  # noqa: PLC0415
+    embedding = lin("embedding")
+    if embedding is None:
+        raise KeyError("prepared state has no embedding")
+    model = cls.__new__(cls)
+    model._setup(config, dev, getattr(torch, meta["dtype"]), bool(meta["native"]), embedding,
+                 lin("lm_head") or embedding, tensors["norm"].to(dev), layers, tensors["inv_freq"], executor,
+                 executor_options)
+    return model
+
+
+def _linear_reader(meta: dict[str, Any], tensors: dict[str, torch.Tensor], dev: torch.device):
+    """``lin(name)``: the saved linear ``name`` as a ``QuantLinear`` on ``dev``, None when there is none."""
+    from .quant import QuantLinear  # noqa: PLC0415
+
+    kinds = meta["kinds"]
+
+    def lin(name: str):
+        if name not in kinds:
+            return None
+        prefix = name + "."
+        return QuantLinear.from_tensors(kinds[name], {k[len(prefix):]: v.to(dev) for k, v in tensors.items()
+                                                       if k.startswith(prefix)}, meta["out_features"][name])
+    return lin
+
+
+def _layer_from(config, p: str, tensors: dict[str, torch.Tensor], lin, dev: torch.device):
+    """The GQA layer :func:`_layer_state` saved under ``p``."""
+    from .layers import Layer  # noqa: PLC0415
+
+    def extra(name: str) -> torch.Tensor | None:
+        return tensors[name].to(dev) if name in tensors else None
+
+    def need(name: str):
+        found = lin(name)
+        if found is None:
+            raise KeyError(f"prepared state has no linear {name!r}")
+        return found
+
+    sparse = p + "router" in tensors
+    experts = [(need(f"{p}experts.{e}.gate_up"), need(f"{p}experts.{e}.down"))
+               for e in range(config.num_experts)] if sparse else None
+    return Layer(ln_attn=tensors[p + "ln_attn"].to(dev), qkv=need(p + "qkv"), o=need(p + "o"),
+                 ln_mlp=tensors[p + "ln_mlp"].to(dev), gate_up=None if sparse else need(p + "gate_up"),
+                 down=None if sparse else need(p + "down"), router=extra(p + "router"), experts=experts,
+                 **{e: extra(p + e) for e in Layer.EXTRAS})
+
+
+def _mla_layer_from(config, p: str, tensors: dict[str, torch.Tensor], lin, dev: torch.device):
+    """The MLA layer :func:`_mla_layer_state` saved under ``p``."""
+    from .mla import _MLALayer  # noqa: PLC0415
+
+    lay = _MLALayer(**{n: tensors[p + n].to(dev) if p + n in tensors else None for n in _MLALayer.TENSORS},
+                    **{n: lin(p + n) for n in _MLALayer.LINEARS})
+    if lay.router is not None:
+        lay.experts = [(lin(f"{p}experts.{e}.gate_up"), lin(f"{p}experts.{e}.down"))
+                       for e in range(config.num_experts)]
+        if lin(p + "shared.gate_up") is not None:
+            lay.shared = (lin(p + "shared.gate_up"), lin(p + "shared.down"))
+    return lay

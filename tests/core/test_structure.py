@@ -287,3 +287,36 @@ def test_the_sentinel_finder_finds_the_old_spellings():
                     "key = -100 - len(peers)\n"
                     "dest = 'decode' if request.decode_actor == -1 else request.decode_actor\n")
     assert sorted(actor_sentinels(old)) == [1, 2, 3, 4, 5, 6]
+
+
+# the one door to the numba kernels (gpu/kernels): the CUDA executor, beside the kernels' own package and tests;
+# tools/bench_gpu.py measures the kernels themselves
+KERNEL_IMPORTERS = {"gpu/exec_cuda.py", "tests/gpu/test_kernels_cudasim.py", "tools/bench_gpu.py"}
+
+
+def imported_modules(path: Path, tree: ast.Module) -> set[str]:
+    """Every module ``tree`` (the file at ``path``) imports, lazily too, relative imports resolved."""
+    package = list(path.relative_to(ROOT).with_suffix("").parts)[:-1]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.add(module)
+            found.update(f"{module}.{a.name}" for a in node.names)   # from gpu import kernels
+    return found
+
+
+def kernel_importers() -> set[str]:
+    files = [path for path in sorted(ROOT.rglob("*.py")) if path.parts[len(ROOT.parts)] in PACKAGES + ("tests",)]
+    return {path.relative_to(ROOT).as_posix() for path in files if "gpu/kernels/" not in path.as_posix()
+            and any(m == "gpu.kernels" or m.startswith("gpu.kernels.")
+                    for m in imported_modules(path, ast.parse(path.read_text(), str(path))))}
+
+
+def test_only_the_cuda_executor_imports_the_numba_kernels():
+    found = kernel_importers()
+    assert "gpu/exec_cuda.py" in found, "the walk found no importer: it reads no imports"
+    assert found <= KERNEL_IMPORTERS, sorted(found - KERNEL_IMPORTERS)
