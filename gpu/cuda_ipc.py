@@ -277,13 +277,22 @@ class CpuSeam:
     @staticmethod
     @contextlib.contextmanager
     def sharing():
+        """torch's ``file_system`` strategy while a payload is pickled. The first share of a process starts its
+        ``torch_shm_manager`` (fork + exec): the fds this process inherited are made close-on-exec meanwhile, so
+        the manager, which outlives a SIGKILLed exporter while readers map its files, does not hold the
+        supervisor's sentinel pipe open (the supervisor would not see the actor die, nor restart it)."""
         import torch.multiprocessing as tmp  # noqa: PLC0415  (registers the storage reductions)
 
         previous = tmp.get_sharing_strategy()
         tmp.set_sharing_strategy("file_system")
+        inherited = _inheritable_fds()
+        for fd in inherited:
+            os.set_inheritable(fd, False)
         try:
             yield
         finally:
+            for fd in inherited:
+                os.set_inheritable(fd, True)
             tmp.set_sharing_strategy(previous)
 
     @staticmethod
@@ -309,6 +318,19 @@ class CpuSeam:
     @staticmethod
     def finished(done) -> tuple[bool, str | None]:
         return done.query(), done.error() if done.query() else None
+
+
+def _inheritable_fds() -> list[int]:
+    """This process's open fds above stderr that a child it forks and execs would inherit."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if fd > 2 and os.get_inheritable(fd):
+                out.append(fd)
+        except OSError:  # the listing's own fd, closed by now
+            pass
+    return out
 
 
 def _on_gpu(t: torch.Tensor) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import signal
 import threading
@@ -183,7 +184,10 @@ def test_a_restarted_exporter_bumps_the_epoch_and_the_reader_reopens_its_new_poo
         assert status == TransferStatus.DONE, error
         assert torch.equal(torch.from_numpy(b0), pool_data(1, src_pool.shape)[:, :, 0])
         os.kill(first.pid, signal.SIGKILL)   # the prefill actor dies without a word
-        first.join(30)
+        # its sentinel says so at once, as the supervisor waits on it (torch's shm manager, started by the export
+        # and alive while the reader maps its file, must not hold the sentinel pipe open)
+        assert mp.connection.wait([first.sentinel], timeout=10) == [first.sentinel], "the death went unseen"
+        first.join(10)
         src_pool.reset()   # what the restarted actor does first: the epoch goes up before it re-publishes
         steps[1].set()
         status, error, _, _ = results.get(timeout=60)
