@@ -119,9 +119,9 @@ def open_export_segment(name: str, *, create: bool) -> mmap.mmap:
     try:
         shm = posix_ipc.SharedMemory(name, flags, mode=0o600, size=EXPORT_BYTES if create else 0)
     except posix_ipc.ExistentialError as exc:
-        raise FileNotFoundError(f"CUDA IPC export {name!r} does not exist: the prefill actor has not "
-                                f"published its device KV pool (is it running on a GPU with kv_transport "
-                                f"cuda-ipc?)") from exc
+        raise FileNotFoundError(f"KV pool export {name!r} does not exist: the prefill actor has not "
+                                f"published its pool tensor (yet: it publishes at start-up, with kv_transport "
+                                f"cuda-ipc or torch-ipc)") from exc
     try:
         if shm.size < EXPORT_BYTES:
             if not create:
@@ -444,6 +444,11 @@ EXPORTS = {CudaSeam.kind: CudaIpcExport, CpuSeam.kind: TorchIpcExport}
 # -------------------------------------------------------------------------------------------------- transport
 
 
+class ExportNotReady(RuntimeError):
+    """The peer's export is missing, not yet written, or of an older pool epoch: its prefill actor is starting
+    or restarting (a copy asked for meanwhile FAILS with this reason)."""
+
+
 @dataclass
 class _Pending:
     done: Any  # torch.cuda.Event recorded after the copy, or the _HostDone of a host-stream copy
@@ -521,6 +526,8 @@ class PoolTransport(KVTransport):
         try:
             self.peer = peer
             self._open_export()
+        except ExportNotReady:
+            pass  # the prefill actor is still starting: the first start_copy opens it (it sends KVReady after)
         except BaseException:
             self.peer = None
             peer.close()
@@ -530,19 +537,25 @@ class PoolTransport(KVTransport):
         """(Re)map the peer's exported pool and event."""
         assert self.peer is not None
         name = export_name(self.peer.name, self.seam.suffix)
-        if self._export_mm is None:
-            self._export_mm = open_export_segment(name, create=False)
-        record = read_export(self._export_mm)
-        if record.pool_epoch != self.peer.epoch:
-            # A restarted prefill resets its pool before publishing; a stale mapping (old segment unlinked
-            # and re-created) must be dropped and the name opened again.
-            self._export_mm.close()
-            self._export_mm = open_export_segment(name, create=False)
+        try:
+            if self._export_mm is None:
+                self._export_mm = open_export_segment(name, create=False)
             record = read_export(self._export_mm)
             if record.pool_epoch != self.peer.epoch:
-                raise RuntimeError(f"the prefill pool {self.peer.name!r} is at epoch {self.peer.epoch} but "
-                                   f"its {self.seam.kind} export is of epoch {record.pool_epoch}: the restarted "
-                                   f"prefill actor has not published yet")
+                # A restarted prefill resets its pool before publishing; a stale mapping (old segment unlinked
+                # and re-created) must be dropped and the name opened again.
+                self._export_mm.close()
+                self._export_mm = None
+                self._export_mm = open_export_segment(name, create=False)
+                record = read_export(self._export_mm)
+        except FileNotFoundError as exc:
+            raise ExportNotReady(str(exc)) from None
+        except ValueError as exc:  # created, not yet written
+            raise ExportNotReady(f"{name!r}: {exc}") from None
+        if record.pool_epoch != self.peer.epoch:
+            raise ExportNotReady(f"the prefill pool {self.peer.name!r} is at epoch {self.peer.epoch} but its "
+                                 f"{self.seam.kind} export is of epoch {record.pool_epoch}: the restarted prefill "
+                                 f"actor has not published yet")
         if record.pid == os.getpid() and name in _LOCAL_EXPORTS:
             src, event = _LOCAL_EXPORTS[name]  # CUDA cannot open an IPC handle in the process that made it
         else:
@@ -559,7 +572,7 @@ class PoolTransport(KVTransport):
 
     def start_copy(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], *,
                    num_tokens: int) -> int:
-        if self.peer is None or self._src is None:
+        if self.peer is None:
             raise RuntimeError(f"{type(self).__name__}.start_copy before open_peer()")
         src, dst = validate_copy(src_block_ids, dst_block_ids, num_tokens,
                                  block_tokens=self.local.block_tokens, src_blocks=self.peer.num_blocks,

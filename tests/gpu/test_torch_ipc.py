@@ -271,3 +271,24 @@ def test_decode_sends_transfer_done_only_after_the_copy_is_done(pools):
         done.set()
         join_all([p])
     assert p.exitcode == 0
+
+
+def test_a_reader_that_starts_before_the_exporter_published_opens_it_on_its_first_copy(pools):
+    """Actors start together: decode may open the prefill pool before prefill published it. The open succeeds;
+    a copy asked for before the export exists FAILS naming why; the first copy after it opens the export."""
+    src_pool, dst_pool = pools
+    allocate_device_pool(dst_pool, "cpu")
+    xfer = make_transport("torch-ipc", dst_pool)
+    xfer.open_peer(src_pool.name)
+    h = xfer.start_copy([1], [2], num_tokens=4)
+    assert xfer.poll(h) == TransferStatus.FAILED and "has not published" in xfer.error(h)
+    kv = allocate_device_pool(src_pool, "cpu")
+    kv.copy_(pool_data(4, src_pool.shape))
+    export = TorchIpcExport.publish(src_pool, kv)
+    try:
+        h = xfer.start_copy([1], [2], num_tokens=4)
+        assert finished(xfer, h) == TransferStatus.DONE, xfer.error(h)
+        assert torch.equal(xfer._dst[:, :, 2], kv[:, :, 1])
+    finally:
+        xfer.close()
+        export.close(unlink=True)
