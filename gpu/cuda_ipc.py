@@ -55,8 +55,15 @@ Export segment ``<pool name>.cuda`` (torch-ipc: ``<pool name>.tipc``; ``EXPORT_H
     24      4     pid           i4  exporter pid
     28      4     device        i4  exporter's CUDA device index (-1: a CPU pool)
     32      8     payload_len   u8
+    40      8     history_len   u8
     64      ...   payload       pickle: {"tensor": (rebuild_fn, args), "event": bytes | None,
                                          "shape": tuple, "dtype": str}
+    32768   ...   history       every shm file a publish of this segment shared (torch-ipc), NUL-separated
+
+The history is what makes the CPU twin's files go at engine stop whatever happened: a SIGKILLed exporter's file
+stays mapped by the readers until they exit (torch's shm manager would unlink it only once all its clients are
+gone, and not at all if it is killed with the engine's process group), so the supervisor unlinks every file
+listed, after its actors exited (``unlink_exported_files``).
 
 The exporting actor creates (or reuses, after a restart) and rewrites it; ``CudaIpcExport.close(unlink=True)``
 or the supervisor's ``naming.unlink_all`` removes it (its name carries the engine id).
@@ -84,11 +91,12 @@ from ipc.kv_transport import KVTransport, TransferStatus, attach_peer_pool, regi
 
 MAGIC = b"PDCX"
 VERSION = 1
-EXPORT_HEADER = struct.Struct("<4sIQQiiQ")
+EXPORT_HEADER = struct.Struct("<4sIQQiiQQ")
 OFF_SEQ = 8
 U8 = struct.Struct("<Q")
 PAYLOAD_OFFSET = 64
 EXPORT_BYTES = 64 * 1024
+HISTORY_OFFSET = EXPORT_BYTES // 2
 EXPORT_SUFFIX = ".cuda"
 
 
@@ -110,6 +118,7 @@ class ExportRecord:
     pid: int
     device: int
     payload: bytes
+    files: tuple[str, ...] = ()
 
 
 def open_export_segment(name: str, *, create: bool) -> mmap.mmap:
@@ -132,16 +141,28 @@ def open_export_segment(name: str, *, create: bool) -> mmap.mmap:
         shm.close_fd()
 
 
-def write_export(mm: mmap.mmap, payload: bytes, *, pool_epoch: int, pid: int, device: int) -> int:
-    """Publish ``payload`` under the seqlock (seq odd while writing); returns the new (even) seq.
-    One writer only (the exporting actor). Raises ValueError if the payload does not fit."""
-    if len(payload) > EXPORT_BYTES - PAYLOAD_OFFSET:
-        raise ValueError(f"CUDA IPC export payload of {len(payload)} bytes exceeds "
-                         f"{EXPORT_BYTES - PAYLOAD_OFFSET}")
-    seq = U8.unpack_from(mm, OFF_SEQ)[0] if mm[0:4] == MAGIC else 0
+def _history(mm: mmap.mmap, n: int) -> tuple[str, ...]:
+    raw = bytes(mm[HISTORY_OFFSET:HISTORY_OFFSET + n]) if 0 < n <= EXPORT_BYTES - HISTORY_OFFSET else b""
+    return tuple(f.decode() for f in raw.split(b"\0") if f)
+
+
+def write_export(mm: mmap.mmap, payload: bytes, *, pool_epoch: int, pid: int, device: int,
+                 files: Sequence[str] = ()) -> int:
+    """Publish ``payload`` under the seqlock (seq odd while writing); returns the new (even) seq. ``files``: the
+    shm files this publish shares, added to the segment's history. One writer only (the exporting actor). Raises
+    ValueError if the payload or the history does not fit."""
+    if len(payload) > HISTORY_OFFSET - PAYLOAD_OFFSET:
+        raise ValueError(f"KV pool export payload of {len(payload)} bytes exceeds {HISTORY_OFFSET - PAYLOAD_OFFSET}")
+    initialised = mm[0:4] == MAGIC
+    seq = U8.unpack_from(mm, OFF_SEQ)[0] if initialised else 0
+    old = _history(mm, EXPORT_HEADER.unpack_from(mm, 0)[7]) if initialised else ()
+    history = b"\0".join(f.encode() for f in dict.fromkeys(old + tuple(files)))
+    if len(history) > EXPORT_BYTES - HISTORY_OFFSET:
+        raise ValueError(f"KV pool export history of {len(history)} bytes exceeds {EXPORT_BYTES - HISTORY_OFFSET}")
     seq += 1 if seq % 2 == 0 else 0  # odd: readers retry
-    EXPORT_HEADER.pack_into(mm, 0, MAGIC, VERSION, seq, pool_epoch, pid, device, len(payload))
+    EXPORT_HEADER.pack_into(mm, 0, MAGIC, VERSION, seq, pool_epoch, pid, device, len(payload), len(history))
     mm[PAYLOAD_OFFSET:PAYLOAD_OFFSET + len(payload)] = payload
+    mm[HISTORY_OFFSET:HISTORY_OFFSET + len(history)] = history
     U8.pack_into(mm, OFF_SEQ, seq + 1)  # even: stable (x86 stores are not reordered with earlier stores)
     return seq + 1
 
@@ -152,21 +173,45 @@ def read_export(mm: mmap.mmap, *, timeout_s: float = 2.0) -> ExportRecord:
     have died mid-publish (seq stays odd)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        magic, version, seq, epoch, pid, device, n = EXPORT_HEADER.unpack_from(mm, 0)
+        magic, version, seq, epoch, pid, device, n, h = EXPORT_HEADER.unpack_from(mm, 0)
         if magic != MAGIC and seq == 0:
-            raise ValueError("segment is not an initialised CUDA IPC export")
+            raise ValueError("segment is not an initialised KV pool export")
         if seq % 2 == 0:
             if version != VERSION:
-                raise ValueError(f"CUDA IPC export of layout version {version}; this build reads {VERSION}")
-            if n > EXPORT_BYTES - PAYLOAD_OFFSET:
-                raise ValueError(f"CUDA IPC export claims a payload of {n} bytes")
+                raise ValueError(f"KV pool export of layout version {version}; this build reads {VERSION}")
+            if n > HISTORY_OFFSET - PAYLOAD_OFFSET:
+                raise ValueError(f"KV pool export claims a payload of {n} bytes")
             payload = bytes(mm[PAYLOAD_OFFSET:PAYLOAD_OFFSET + n])
+            files = _history(mm, h)
             if U8.unpack_from(mm, OFF_SEQ)[0] == seq:
-                return ExportRecord(seq, epoch, pid, device, payload)
+                return ExportRecord(seq, epoch, pid, device, payload, files)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"CUDA IPC export stayed mid-publish (seq {seq}) for {timeout_s}s: its writer "
+            raise TimeoutError(f"KV pool export stayed mid-publish (seq {seq}) for {timeout_s}s: its writer "
                                f"(pid {pid}) probably died while publishing")
         time.sleep(0.001)
+
+
+def unlink_exported_files(name: str) -> list[str]:
+    """Unlink every shm file export segment ``name`` lists in its history (the supervisor, at stop, once the
+    actors that mapped them have exited); returns the names unlinked. A missing segment or file is no error."""
+    try:
+        mm = open_export_segment(name, create=False)
+    except (FileNotFoundError, ValueError):
+        return []
+    try:
+        files = read_export(mm, timeout_s=0.1).files
+    except (ValueError, TimeoutError):
+        files = _history(mm, EXPORT_HEADER.unpack_from(mm, 0)[7])   # a writer killed mid-publish: best effort
+    finally:
+        mm.close()
+    gone = []
+    for f in files:
+        try:
+            posix_ipc.unlink_shared_memory(f)
+            gone.append(f)
+        except posix_ipc.ExistentialError:
+            pass
+    return gone
 
 
 # ----------------------------------------------------------------------------------------------------- seams
@@ -229,6 +274,10 @@ class CudaSeam:
     @staticmethod
     def device_index(kv: torch.Tensor) -> int:
         return kv.device.index if kv.device.index is not None else torch.cuda.current_device()
+
+    @staticmethod
+    def shared_files(kv: torch.Tensor) -> list[str]:
+        return []  # CUDA IPC maps device memory: nothing in /dev/shm
 
     @staticmethod
     def written_event(kv: torch.Tensor):
@@ -298,6 +347,11 @@ class CpuSeam:
     @staticmethod
     def device_index(kv: torch.Tensor) -> int:
         return -1
+
+    @staticmethod
+    def shared_files(kv: torch.Tensor) -> list[str]:
+        """The shm file ``kv``'s storage lives in once shared (``/torch_<pid>_...``)."""
+        return [kv.untyped_storage()._share_filename_cpu_()[1].decode()]
 
     @staticmethod
     def written_event(kv: torch.Tensor):
@@ -408,7 +462,8 @@ class PoolExport:
                                                  protocol=pickle.HIGHEST_PROTOCOL))
         name = export_name(pool.name, seam.suffix)
         mm = open_export_segment(name, create=True)
-        seq = write_export(mm, payload, pool_epoch=pool.epoch, pid=os.getpid(), device=seam.device_index(kv))
+        seq = write_export(mm, payload, pool_epoch=pool.epoch, pid=os.getpid(), device=seam.device_index(kv),
+                           files=seam.shared_files(kv))
         _LOCAL_EXPORTS[name] = (kv, event)
         return cls(name, mm, kv, event, seq)
 

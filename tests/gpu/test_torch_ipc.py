@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from gpu.cuda_ipc import (TorchIpcExport, TorchIpcTransport, allocate_device_pool, export_name,
-                          open_export_segment, read_export)
+                          open_export_segment, read_export, unlink_exported_files)
 from ipc import naming
 from ipc.kv_pool import KVPool
 from ipc.kv_transport import TransferStatus, make_transport
@@ -208,8 +208,15 @@ def test_a_restarted_exporter_bumps_the_epoch_and_the_reader_reopens_its_new_poo
         results.close()
         results.join_thread()
     assert [p.exitcode for p in processes] == [-signal.SIGKILL, 0, 0]
-    wait_until(lambda: not torch_files([first.pid, processes[2].pid]), 30,
-               "torch's shm manager to unlink the killed and the restarted producer's pools")
+    # the export's history lists both incarnations' files: what the supervisor unlinks at stop, whoever is gone
+    name = export_name(src_pool.name, ".tipc")
+    mm = open_export_segment(name, create=False)
+    files = read_export(mm).files
+    mm.close()
+    pids = [first.pid, processes[2].pid]
+    assert [f.split("_")[1] for f in files] == [str(pid) for pid in pids]
+    unlink_exported_files(name)
+    assert not torch_files(pids)
 
 
 def test_decode_sends_transfer_done_only_after_the_copy_is_done(pools):
