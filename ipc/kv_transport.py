@@ -234,6 +234,9 @@ def register_source(kind: str, factory: Callable[[KVPool], object]) -> None:
     _SOURCES[kind] = factory
 
 
+# Transports whose pools are tensors in their actors (gpu/cuda_ipc.py): the KVPool segment is their KV table only.
+TENSOR_POOL_TRANSPORTS = ("cuda-ipc", "torch-ipc")
+
 # Transports that live in their own module (heavy or optional imports) and register on import.
 _PLUGIN_MODULES = {"cuda-ipc": "gpu.cuda_ipc", "torch-ipc": "gpu.cuda_ipc", "mooncake": "ipc.mooncake_transport"}
 
