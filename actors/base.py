@@ -156,7 +156,13 @@ def run_actor(class_path: str, layout: EngineLayout, index: int, env: dict[str, 
     torch, then import ``class_path`` ("module:Class"), build the actor and run its loop."""
     import importlib
 
+    import sys
+
     os.environ.update(env or {})
+    torch = sys.modules.get("torch")
+    if env and "CUDA_VISIBLE_DEVICES" in env and torch is not None and torch.cuda.is_initialized():
+        raise RuntimeError(f"{class_path}: CUDA was initialised before CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} "
+                           f"was set; this actor would not be on its own GPU")
     module, _, name = class_path.partition(":")
     getattr(importlib.import_module(module), name)(layout, index).child_main()
 

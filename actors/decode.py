@@ -34,16 +34,17 @@ class DecodeActor(Actor):
         from actors.ports import PeerTransfers, QueueOutbox, TransportTransfers
         from actors.prefill_core import PrefillCore
         from actors.prefix_cache import CachingAllocator
-        from actors.shell import GaugePublisher, load_model, load_sampling
+        from actors.shell import GaugePublisher, load_model, load_sampling, publish_tensor_pool
         from ipc.kv_transport import make_transport, set_transport_host
         from ipc.shm_queue import ShmQueue
         from ipc.state_table import StateTable
         from pdserve.faults import FaultPlan
 
         topo = self.topology
-        self.model, self.pool = load_model(self, decode=True)
-        self.kv = self.pool.tensor()
+        self.model, self.pool, self.kv = load_model(self, decode=True)   # kv: a device tensor on cuda-ipc/torch-ipc
         colocated = self.config.colocated
+        # colocated over a tensor transport: the "transfer" copies inside this pool, which it exports to itself
+        self.kv_export = publish_tensor_pool(self.config.kv_transport, self.pool, self.kv) if colocated else None
         set_transport_host(self.config.kv_transport, self.config.kv_transfer_host)
         # one transport per source pool (each prefill actor's; colocated: its own pool, KVReady naming no peer)
         self.transports = {}
@@ -167,7 +168,11 @@ class DecodeActor(Actor):
         self.prefill_core.reap()
         chunks = self.prefill_core.next_batch()
         if chunks:
-            self.prefill_runner.run(self.prefill_core, chunks)
+            self.prefill_runner.run(self.prefill_core, chunks, self._after_prefill)
+
+    def _after_prefill(self, chunks) -> None:
+        if self.kv_export is not None:   # before the prefill core's KVReady reaches the decode core
+            self.kv_export.record_written()
 
     def _publish(self) -> None:
         gauges = self.core.own_gauges()
@@ -182,3 +187,5 @@ class DecodeActor(Actor):
         if self.prefill_core is not None:
             self.prefill_core.stop()
         self.core.stop()
+        if self.kv_export is not None:
+            self.kv_export.close()

@@ -185,7 +185,7 @@ def copy_block_rows(kv, src_block: int, dst_block: int, rows: int) -> None:
     kv[:, :, dst_block, :rows].copy_(kv[:, :, src_block, :rows])
 
 
-def warm_up(model, pool, decode: bool = True, threads: int = 1, prefill_threads: int = 1) -> None:
+def warm_up(model, pool, kv=None, decode: bool = True, threads: int = 1, prefill_threads: int = 1) -> None:
     """One tiny prefill (and with ``decode``, one decode step) into a borrowed block, before the actor reports
     READY: the first real request then pays no lazy initialization (kernel selection, allocations, numba's
     compilation or cache load) that could starve the heartbeat. The caller resets the pool afterwards. An actor
@@ -199,7 +199,7 @@ def warm_up(model, pool, decode: bool = True, threads: int = 1, prefill_threads:
         log.info("warming up the low-bit decode kernels (compiled once per checkout into gpu/__pycache__: "
                  "15-60 s the first time)")
     blocks = pool.allocate(1, 0)
-    kv = pool.tensor()
+    kv = pool.tensor() if kv is None else kv   # the pool's data, or its actor's device tensor (actors.shell.pool_tensor)
     # no logits: the engine's prompts take theirs from decode steps, and planning the output projection's GEMM
     # (only echoes run it) would cost a native model ~0.5 s here
     model.prefill_packed(kv, [[1, 2, 3]], [blocks], [0], logits=[False])

@@ -31,15 +31,16 @@ class PrefillActor(Actor):
         from actors.ports import QueueOutbox
         from actors.prefill_core import PrefillCore
         from actors.prefix_cache import CachingAllocator
-        from actors.shell import GaugePublisher, load_model, load_sampling
+        from actors.shell import GaugePublisher, load_model, load_sampling, publish_tensor_pool
         from ipc.kv_transport import publish_source, set_transport_host
         from ipc.shm_queue import ShmQueue
         from ipc.state_table import StateTable
         from pdserve.faults import FaultPlan
 
         topo = self.topology
-        self.model, self.pool = load_model(self, decode=False)   # no decode steps but prompts' last tokens
-        self.kv = self.pool.tensor()
+        # no decode steps but prompts' last tokens; kv: the pool's data, or a tensor on this actor's device
+        self.model, self.pool, self.kv = load_model(self, decode=False)
+        self.kv_export = publish_tensor_pool(self.config.kv_transport, self.pool, self.kv)
         self.faults = FaultPlan(self.config.faults, self.name)
         table = StateTable.attach(self.layout.segment("state"))
         # created after the reset: warm-up's block and a predecessor's cache are never served from it
@@ -136,10 +137,13 @@ class PrefillActor(Actor):
         return done and peer.is_current(src, generations, HANDBACK_OWNER)
 
     def _after_forward(self, chunks) -> None:
-        """After a forward pass, before its rows are renewed: the injected prefill faults of each chunk's
-        request (slow_prefill, stall_prefill), which beat the heartbeat while they hold the loop."""
+        """After a forward pass, before its rows are renewed: the tensor pool's 'KV written' mark (cuda-ipc: the
+        event decode's copies wait on), then the injected prefill faults of each chunk's request (slow_prefill,
+        stall_prefill), which beat the heartbeat while they hold the loop."""
         from actors.fault_ports import prefill_chunk_faults
 
+        if self.kv_export is not None:   # before core.finish sends these chunks' KVReady
+            self.kv_export.record_written()
         if not self.faults:
             return
         for chunk in chunks:
@@ -155,3 +159,5 @@ class PrefillActor(Actor):
         self.core.stop()
         for transport in self.decode_pools.values():
             transport.close()
+        if self.kv_export is not None:   # the segment stays for a restarted actor to rewrite; the supervisor unlinks it
+            self.kv_export.close()

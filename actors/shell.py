@@ -4,6 +4,9 @@ grammars, and publishing a core's counts to the actor table.
 | name              | what                                                                         |
 |-------------------|------------------------------------------------------------------------------|
 | `load_model`      | torch threads, the prepared model, this actor's pool warmed up and reset       |
+| `choose_executor` | THE hook where a loaded model's execution path is picked (device, attention)   |
+| `pool_tensor`     | the tensor the model computes on: the shm pool's data, or a device tensor      |
+| `publish_tensor_pool` | a tensor transport's export of the prefill pool (once, after the reset)   |
 | `configure_model` | the engine settings that change how a loaded model computes                    |
 | `prefills_low_bit`| whether a configured model prefills on its low-bit kernels                     |
 | `decode_threads`  | how many threads a decode step's low-bit GEMVs use (auto: the idle cores)      |
@@ -22,11 +25,12 @@ DECODE_THREADS_MIN_ROWS = 4
 
 
 def load_model(actor, decode: bool):
-    """``(model, pool)`` for ``actor`` (an actors.base.Actor): the prepared model and its attached KV pool, after
-    a warm-up pass (``decode=False``: an actor that never decodes skips the decode step, unless the model runs a
-    prompt's last token as one, ``prompt_last_by_decode``; a prefill actor's also plans its most prefill threads)
-    between two resets (a restarted actor starts from an
-    empty pool; its old requests were failed)."""
+    """``(model, pool, kv)`` for ``actor`` (an actors.base.Actor): the prepared model on its executor
+    (``choose_executor``), its attached KV pool (the KV table) and the tensor the model computes on
+    (``pool_tensor``), after a warm-up pass (``decode=False``: an actor that never decodes skips the decode step,
+    unless the model runs a prompt's last token as one, ``prompt_last_by_decode``; a prefill actor's also plans its
+    most prefill threads) between two resets (a restarted actor starts from an empty pool; its old requests were
+    failed)."""
     import torch
 
     from actors.model_runner import warm_up
@@ -37,13 +41,55 @@ def load_model(actor, decode: bool):
     torch.set_num_threads(config.torch_threads)
     model = configure_model(prepared_model(actor.layout.model_path or None, config.weights, config.device,
                                            config.model_cache_dir or None), config)
+    model = choose_executor(model, config.device, config.attention_backend)
     pool = KVPool.attach(actor.layout.segment(actor.topology.segment("kv", actor.index)))
+    kv = pool_tensor(config, pool)
     pool.reset()   # a predecessor's blocks (a full prefix cache, say) must not leave warm-up without one
-    warm_up(model, pool, decode=decode or getattr(model, "prompt_last_by_decode", False),
+    warm_up(model, pool, kv, decode=decode or getattr(model, "prompt_last_by_decode", False),
             threads=decode_threads(config, actor.topology.num_decode) if decode else 1,
             prefill_threads=1 if decode else prefill_threads(config, actor.topology.num_prefill))
     pool.reset()
-    return model, pool
+    return model, pool, kv
+
+
+def choose_executor(model, device: str, attention_backend: str):
+    """The one place an actor picks how ``model`` (loaded for ``device``: ``cpu`` or ``cuda``, the actor's own GPU)
+    executes: ``attention_backend`` ``torch`` (pdserve.config) runs the model as loaded (SDPA / the CPU kernels
+    over the pool tensor). The executor split (issue 37 item 1) plugs the CUDA executor with the numba kernels in
+    here for ``numba``; until then ``numba`` is refused with ConfigError. Returns the model to run."""
+    from pdserve.errors import ConfigError
+
+    if attention_backend == "torch":
+        return model
+    raise ConfigError(f"config field attention_backend={attention_backend!r} on device={device!r}: no executor runs "
+                      f"the numba kernels yet (actors/shell.choose_executor); use torch", param="attention_backend")
+
+
+def pool_tensor(config, pool):
+    """The tensor the model reads and writes KV in, ``[num_layers, 2, num_blocks, block_tokens, num_kv_heads,
+    head_dim]``: the shm pool's own data (``pool.tensor()``) for cpu-shm and mooncake; for the tensor transports a
+    zeroed tensor on this actor's device (``cuda``: the one GPU CUDA_VISIBLE_DEVICES leaves it; torch-ipc: ``cpu``),
+    registered for the pool's transport (gpu/cuda_ipc.allocate_device_pool)."""
+    from ipc.kv_transport import TENSOR_POOL_TRANSPORTS
+
+    if config.kv_transport not in TENSOR_POOL_TRANSPORTS:
+        return pool.tensor()
+    from gpu.cuda_ipc import allocate_device_pool
+
+    return allocate_device_pool(pool, "cuda" if config.device == "cuda" else "cpu")
+
+
+def publish_tensor_pool(kind: str, pool, kv):
+    """The source side of a tensor transport (cuda-ipc, torch-ipc): export ``kv``, the data of ``pool``, once
+    (gpu/cuda_ipc.PoolExport; call after the pool's last reset, so the export carries its epoch). Returns the
+    export (``record_written`` after each prefill forward, ``close`` at stop), or None for the other transports."""
+    from ipc.kv_transport import TENSOR_POOL_TRANSPORTS
+
+    if kind not in TENSOR_POOL_TRANSPORTS:
+        return None
+    from gpu.cuda_ipc import publish_export
+
+    return publish_export(kind, pool, kv)
 
 
 def configure_model(model, config):

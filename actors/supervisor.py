@@ -59,19 +59,37 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-WIRED_DEVICES = ("cpu",)
-
-
 def check_device(device: str) -> None:
-    """Raise ConfigError unless the engine runs end to end on ``device`` (the config accepts every device the
-    model code knows; this says which ones the actors, pools and transports are wired for)."""
-    if device not in WIRED_DEVICES:
-        raise ConfigError(
-            f"config field device={device!r}: the engine is not wired for it yet. The model would run there, "
-            f"but the KV pools are host shared memory (ipc/kv_pool.KVPool) and nothing connects the device "
-            f"path: a device KV pool per actor (gpu/cuda_ipc.allocate_device_pool), the cuda-ipc KV transport "
-            f"(kv_transport accepts only cpu-shm), and a visible device per actor set before CUDA starts "
-            f"(docs/gpu.md, 'What is left'). Use device=cpu", param="device")
+    """Raise ConfigError unless this host can run the engine on ``device``: ``cpu`` always; ``cuda`` when torch
+    sees a CUDA device (each actor then sees its own GPU: actors/placement.py). Checked in the supervisor before
+    any actor starts, so a missing GPU is a start-up error, not an actor that dies loading its model."""
+    if device == "cpu":
+        return
+    if device != "cuda":
+        raise ConfigError(f"config field device={device!r}: the engine runs on cpu or cuda", param="device")
+    import torch
+
+    if not torch.cuda.is_available():
+        why = ("torch is built without CUDA" if torch.version.cuda is None
+               else "no NVIDIA driver/GPU visible (CUDA_VISIBLE_DEVICES="
+                    f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r})")
+        raise ConfigError(f"config field device='cuda': torch.cuda.is_available() is False on this host ({why}); "
+                          f"the engine needs a CUDA GPU for device=cuda. Use device=cpu, or run where a GPU is "
+                          f"visible", param="device")
+
+
+def unlink_torch_files(engine_id: str) -> list[str]:
+    """The shm files the torch-ipc exports of engine ``engine_id`` list (gpu/cuda_ipc.py: every pool a prefill
+    actor shared, a killed incarnation's too), unlinked once the actors have exited; returns them."""
+    from ipc.naming import list_engine_segments, posix_name_of
+
+    gone: list[str] = []
+    for entry in list_engine_segments(engine_id):
+        if entry.endswith(".tipc"):
+            from gpu.cuda_ipc import unlink_exported_files
+
+            gone += unlink_exported_files(posix_name_of(entry)[0])
+    return gone
 
 
 def check_chat_template(path: str) -> None:
@@ -240,11 +258,15 @@ class Supervisor:
 
             self._owned.append(CacheSummary.create(lay.segment("cachesum"), num_actors=len(topo.prefill),
                                                    slots=lay.kv_blocks_per_pool))
-        for pool in (topo.segment("kv", i) for i in engine_actors):
+        from ipc.kv_transport import TENSOR_POOL_TRANSPORTS
+
+        for pool in (topo.segment("kv", i) for i in engine_actors):   # a tensor transport's data is in its actor
+
             self._owned.append(KVPool.create(lay.segment(pool), num_layers=lay.shape.num_layers,
                                              num_blocks=lay.kv_blocks_per_pool, block_tokens=cfg.kv_block_tokens,
                                              num_kv_heads=lay.shape.num_kv_heads, head_dim=lay.shape.head_dim,
-                                             dtype=torch.float32))
+                                             dtype=torch.float32,
+                                             data=cfg.kv_transport not in TENSOR_POOL_TRANSPORTS))
 
     def _create_recorder(self) -> None:
         """The flight recorder (ipc/recorder.py): one sub-ring per actor, then the supervisor's own (installed
@@ -282,6 +304,7 @@ class Supervisor:
             except Exception:  # noqa: BLE001 - best effort; unlink_all below sweeps what is left
                 log.exception("unlinking %r failed", segment)
         self._owned.clear()
+        unlink_torch_files(self.engine_id)
         unlink_all(self.engine_id)
         log.info("engine %s: every shared-memory segment unlinked", self.engine_id)
 

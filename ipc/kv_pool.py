@@ -15,7 +15,7 @@ Shared-memory layout of segment ``name`` (``HEADER`` below; little endian)::
     36            4               epoch          u4  1 at create, +1 at every reset() (peers see a restart)
     40            8               meta_offset    u8  = HEADER_BYTES
     48            8               data_offset    u8  page (4096, hence 64-byte) aligned
-    56            8               data_bytes     u8
+    56            8               data_bytes     u8  0: a table without data (its data is a tensor)
     256           4*num_blocks    owner_slot     i4[num_blocks]  -1 = free, else the holder's state-table slot
     256+4*nb      4*num_blocks    generation     u4[num_blocks]  +1 at every allocate of that block
     data_offset   data_bytes      kv             dtype[num_layers, 2, num_blocks, block_tokens, num_kv_heads,
@@ -227,10 +227,12 @@ class KVPool(_shm.ShmSegment):
 
     @classmethod
     def create(cls, name: str, *, num_layers: int, num_blocks: int, block_tokens: int, num_kv_heads: int,
-               head_dim: int, dtype: torch.dtype | str = "float32") -> "KVPool":
+               head_dim: int, dtype: torch.dtype | str = "float32", data: bool = True) -> "KVPool":
         """Create (O_CREX, mode 0600) and own a pool with every block free; data zeroed, pages reserved.
 
         Bytes = num_layers * 2 * num_blocks * block_tokens * num_kv_heads * head_dim * dtype size (+ meta).
+        ``data=False``: the KV table only (data_bytes 0; ``tensor()``/``array()`` raise): the pools of the
+        tensor transports (cuda-ipc, torch-ipc) keep their data in a tensor (gpu/cuda_ipc.allocate_device_pool).
         Raises ValueError for a size or dtype out of range, FileExistsError if ``name`` exists,
         OSError(ENOSPC) if /dev/shm has no room.
         """
@@ -245,7 +247,7 @@ class KVPool(_shm.ShmSegment):
         code = _CODE_OF[dtype_name(dtype)]
         elem = DTYPE_CODES[code][1].itemsize
         data_offset = _align(HEADER_BYTES + 8 * num_blocks, DATA_ALIGN)
-        data_bytes = num_layers * 2 * num_blocks * block_tokens * num_kv_heads * head_dim * elem
+        data_bytes = num_layers * 2 * num_blocks * block_tokens * num_kv_heads * head_dim * elem if data else 0
 
         def init(mm) -> None:
             HEADER.pack_into(mm, 0, b"\0\0\0\0", VERSION, num_layers, num_blocks, block_tokens, num_kv_heads,
@@ -281,7 +283,7 @@ class KVPool(_shm.ShmSegment):
         self._owner_slot = _shm.shm_array(mm, "<i4", nb, meta_offset)
         self._generation = _shm.shm_array(mm, "<u4", nb, meta_offset + 4 * nb)
         self._alloc = None if self.readonly else BlockAllocator(self._owner_slot, self._generation)
-        self._array = _shm.shm_array(mm, carrier, self.shape, self.data_offset)
+        self._array = _shm.shm_array(mm, carrier, self.shape, self.data_offset) if self.data_bytes else None
         self._tensor = None   # made from _array on the first tensor()
 
     def _teardown(self) -> None:
@@ -323,8 +325,7 @@ class KVPool(_shm.ShmSegment):
         """The pool as ``[num_layers, 2, num_blocks, block_tokens, num_kv_heads, head_dim]`` (K at [:, 0], V
         at [:, 1]) viewing the shm bytes, zero copy; data is 4096-byte (so 64-byte) aligned. Keep it no longer
         than the pool; it pins the mapping after ``close()``."""
-        if self._closed:
-            raise ValueError(f"KV pool {self.name!r} is closed in this process")
+        self._check_data()
         if self._tensor is None:
             import torch
 
@@ -338,9 +339,15 @@ class KVPool(_shm.ShmSegment):
         """The same bytes as ``tensor()`` as a numpy array of the same shape, in a carrier dtype of the same
         width (uint16 for bfloat16). Read-only (numpy refuses writes) in a read-only attach. For bytewise
         copies (the CPU transport)."""
+        self._check_data()
+        return self._array
+
+    def _check_data(self) -> None:
         if self._closed:
             raise ValueError(f"KV pool {self.name!r} is closed in this process")
-        return self._array
+        if self._array is None:
+            raise ValueError(f"KV pool {self.name!r} has no data section: its data is a tensor in its actor "
+                             f"(kv_transport cuda-ipc / torch-ipc: gpu/cuda_ipc.allocate_device_pool)")
 
     # ------------------------------------------------------------------ allocator (owner only)
 

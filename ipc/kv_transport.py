@@ -4,7 +4,8 @@ The decode actor pulls: it owns a ``KVTransport`` built over its own pool (the d
 prefill actor's pool once as the source (``open_peer``), and for each request copies the prefill blocks into
 the blocks it reserved. Block ids and the token count travel in messages; the data never does.
 
-Implementations: ``cpu-shm`` (here; every test runs on it). ``cuda-ipc`` (gpu/cuda_ipc.py) and ``mooncake``
+Implementations: ``cpu-shm`` (here; every test runs on it). ``cuda-ipc`` (gpu/cuda_ipc.py: device pools through
+CUDA IPC), ``torch-ipc`` (its CPU twin in the same module: CPU tensor pools shared through torch's shm) and ``mooncake``
 (ipc/mooncake_transport.py, the Mooncake Transfer Engine over TCP; an optional extra) register with
 ``register_transport`` from their own modules, so the deadlines and the lifecycle above them stay the same.
 A transport whose source side must do something at start (mooncake: register the prefill pool with its engine
@@ -233,8 +234,11 @@ def register_source(kind: str, factory: Callable[[KVPool], object]) -> None:
     _SOURCES[kind] = factory
 
 
+# Transports whose pools are tensors in their actors (gpu/cuda_ipc.py): the KVPool segment is their KV table only.
+TENSOR_POOL_TRANSPORTS = ("cuda-ipc", "torch-ipc")
+
 # Transports that live in their own module (heavy or optional imports) and register on import.
-_PLUGIN_MODULES = {"cuda-ipc": "gpu.cuda_ipc", "mooncake": "ipc.mooncake_transport"}
+_PLUGIN_MODULES = {"cuda-ipc": "gpu.cuda_ipc", "torch-ipc": "gpu.cuda_ipc", "mooncake": "ipc.mooncake_transport"}
 
 
 def known_transports() -> list[str]:

@@ -125,9 +125,14 @@ class EngineConfig:
                                     "this node has work, else the CPUs this process may use, shared among the "
                                     "prefill actors (an idle decode actor's core prefills)",
                                     _non_negative, ">= 0")
-    kv_transport: str = _setting("cpu-shm", "KV handoff transport: cpu-shm (one host, shared memory) or mooncake "
-                                 "(the Mooncake Transfer Engine over TCP; pip install .[mooncake], see README)",
-                                 choices=("cpu-shm", "mooncake"))
+    kv_transport: str = _setting("cpu-shm", "KV handoff transport: cpu-shm (one host, shared memory), mooncake "
+                                 "(the Mooncake Transfer Engine over TCP; pip install .[mooncake], see README), "
+                                 "cuda-ipc (device cuda: GPU pools through CUDA IPC; the default there) or "
+                                 "torch-ipc (its CPU twin: CPU tensor pools shared through torch)",
+                                 choices=("cpu-shm", "mooncake", "cuda-ipc", "torch-ipc"))
+    attention_backend: str = _setting("torch", "attention kernels of the model: torch (SDPA over the paged pool; "
+                                      "any device) or numba (gpu/kernels paged attention; device cuda)",
+                                      choices=("torch", "numba"))
     role: str = _setting("both", "what this node runs: both = prefill and decode actors (one host); prefill or "
                          "decode = one side of a multi-node deployment, reached by `pdserve router` (its KV goes "
                          "over kv_transport=mooncake)", choices=("both", "prefill", "decode"))
@@ -324,7 +329,10 @@ def load_config(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] |
     from pdserve.faults import parse_faults
 
     parse_faults(values["faults"])  # an unknown fault is a start-up error, never silently ignored
+    if values["device"] == "cuda" and sources["kv_transport"] == "default":
+        values["kv_transport"] = "cuda-ipc"   # a GPU pool moves through CUDA IPC; cpu-shm is the CPU default
     config = EngineConfig(**values)
+    _check_device_path(config)
     _check_kv_transport(config)
     _check_otlp(config)
     _check_api_key(config, sources["api_key"])
@@ -333,6 +341,22 @@ def load_config(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] |
         raise ConfigError(f"config field chat_template={config.chat_template!r}: no such file",
                           param="chat_template")   # whether it compiles: actors.supervisor.plan_layout
     return LoadedConfig(config, sources)
+
+
+def _check_device_path(config: EngineConfig) -> None:
+    """Raises ConfigError for a KV transport or attention backend the device cannot run: cuda-ipc needs device
+    cuda, device cuda keeps KV in GPU memory (cuda-ipc), numba attention runs on cuda. Whether this host has the
+    device: actors.supervisor.check_device."""
+    if config.kv_transport == "cuda-ipc" and config.device != "cuda":
+        raise ConfigError(f"config field kv_transport='cuda-ipc' needs device=cuda (device={config.device!r}); on "
+                          f"CPU use cpu-shm or torch-ipc", param="kv_transport")
+    if config.device == "cuda" and config.kv_transport != "cuda-ipc":
+        raise ConfigError(f"config field kv_transport={config.kv_transport!r}: device=cuda keeps each actor's KV pool "
+                          f"in GPU memory, which only cuda-ipc moves (across hosts: not wired yet); use cuda-ipc",
+                          param="kv_transport")
+    if config.attention_backend == "numba" and config.device != "cuda":
+        raise ConfigError(f"config field attention_backend='numba' needs device=cuda (device={config.device!r}): the "
+                          f"numba kernels run on a GPU; use torch", param="attention_backend")
 
 
 def _check_kv_transport(config: EngineConfig) -> None:

@@ -69,6 +69,15 @@ def test_a_prefill_and_a_decode_actor_may_share_a_gpu():
     assert actor_devices(config(device="cuda", prefill_devices="0", decode_devices="0")) == (["cuda:0"], ["cuda:0"])
 
 
-def test_cuda_is_still_refused_at_start_up():
-    with pytest.raises(ConfigError):
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message given without a GPU")
+def test_cuda_on_a_host_without_a_gpu_is_refused_at_start_up_naming_the_missing_device():
+    with pytest.raises(ConfigError, match=r"device='cuda': torch.cuda.is_available\(\) is False") as info:
         check_device(config(device="cuda", prefill_devices="0,1", decode_devices="2,3").device)
+    assert info.value.param == "device"
+    check_device("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_is_accepted_where_torch_sees_a_gpu():
+    check_device("cuda")

@@ -17,21 +17,27 @@ from pdserve.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_a_device_the_engine_is_not_wired_for_is_refused_naming_what_is_missing():
+NO_GPU = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message given without a GPU")
+
+
+@NO_GPU
+def test_device_cuda_on_a_host_without_a_gpu_is_refused_naming_the_missing_device():
     with pytest.raises(ConfigError) as info:
         plan_layout(load_config({"device": "cuda"}, {}), "e1")
     message = str(info.value)
     assert "device='cuda'" in message and info.value.param == "device"
-    assert all(part in message for part in ("KV pool", "cuda-ipc", "docs/gpu.md", "device=cpu"))
+    assert all(part in message for part in ("torch.cuda.is_available() is False", "GPU", "device=cpu"))
 
 
+@NO_GPU
 @pytest.mark.timeout(120)
-def test_serve_with_device_cuda_stops_at_start_up_with_that_message():
+def test_serve_with_device_cuda_on_a_host_without_a_gpu_exits_at_start_up_with_that_message():
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     result = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--device", "cuda", "--port", "0"],
                             cwd=ROOT, env=env, capture_output=True, timeout=100)
-    assert result.returncode == 1, result.stderr.decode()
-    assert "device='cuda'" in result.stderr.decode() and "not wired" in result.stderr.decode()
+    err = result.stderr.decode()
+    assert result.returncode == 1, err
+    assert "device='cuda': torch.cuda.is_available() is False on this host" in err and "Traceback" not in err, err
 
 
 def test_resolved_values_have_names_of_their_own_and_the_config_keeps_what_was_given():

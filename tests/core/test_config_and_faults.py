@@ -98,3 +98,27 @@ def test_the_mooncake_transport_is_refused_at_start_up_where_it_cannot_run(monke
         load_config({"kv_transport": "mooncake"}, {})
     assert info.value.param == "kv_transport"
     assert load_config({"kv_transport": "cpu-shm"}, {}).config.kv_transport == "cpu-shm"
+
+
+def test_the_device_path_settings_are_checked_against_the_device():
+    assert load_config({"kv_transport": "torch-ipc"}, {}).config.kv_transport == "torch-ipc"
+    assert load_config({}, {}).config.attention_backend == "torch"
+    assert load_config({"device": "cuda"}, {}).config.kv_transport == "cuda-ipc"   # the GPU default
+    for flags, param, words in [({"kv_transport": "cuda-ipc"}, "kv_transport", "needs device=cuda"),
+                                ({"device": "cuda", "kv_transport": "torch-ipc"}, "kv_transport", "use cuda-ipc"),
+                                ({"attention_backend": "numba"}, "attention_backend", "needs device=cuda")]:
+        with pytest.raises(ConfigError, match=words) as info:
+            load_config(flags, {})
+        assert info.value.param == param
+    with pytest.raises(ConfigError, match="attention_backend"):
+        load_config({}, {"PDSERVE_ATTENTION_BACKEND": "triton"})
+
+
+def test_the_executor_hook_runs_torch_attention_and_refuses_numba_until_an_executor_runs_it():
+    from actors.shell import choose_executor
+
+    model = object()
+    assert choose_executor(model, "cpu", "torch") is model
+    with pytest.raises(ConfigError, match="numba") as info:
+        choose_executor(model, "cuda", "numba")
+    assert info.value.param == "attention_backend"

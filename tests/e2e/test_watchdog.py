@@ -172,10 +172,17 @@ def transport_engine(request, fault_engine, fault_probe, tmp_path):
         return
     if transport == "mooncake":   # an optional extra (pip install .[mooncake]): absent on a plain install
         pytest.importorskip("mooncake.engine", reason="the mooncake extra is not installed (make test-mooncake)")
+    device = ()
+    if transport == "cuda-ipc":   # GPU pools: device cuda only
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device (kv_transport cuda-ipc runs with device=cuda)")
+        device = ("--device", "cuda")
     from tests.conftest import EngineProbe, cleanup_engine, start_engine
     from tests.e2e.conftest import FAULTS
 
-    eng = start_engine(tmp_path, "--kv-pool-tokens", "1024", "--kv-transport", transport,
+    eng = start_engine(tmp_path, *device, "--kv-pool-tokens", "1024", "--kv-transport", transport,
                        env={"PDSERVE_FAULTS": FAULTS, "PDSERVE_BOOTSTRAP_TIMEOUT_S": str(BOOTSTRAP_TIMEOUT_S),
                             "PDSERVE_MONITOR_TICK_S": str(TICK_S),
                             "PDSERVE_ACTOR_HANG_TIMEOUT_S": str(HANG_TIMEOUT_S)})
@@ -187,8 +194,7 @@ def transport_engine(request, fault_engine, fault_probe, tmp_path):
 
 @pytest.mark.parametrize("transport_engine", engine_transports(), indirect=True)
 def test_s2_decode_never_registers_fails_at_the_bootstrap_deadline(transport_engine):
-    """Against every transport the engine can run (the cuda-ipc transport is not an engine choice yet; its own
-    tests are in tests/gpu/test_cuda_ipc.py, gated on CUDA)."""
+    """Against every transport the engine can run (cuda-ipc where a GPU is; torch-ipc is its CPU twin)."""
     engine, probe = transport_engine
     response, elapsed = complete_timed_from_stage(engine, probe, "silent-s2", S.BOOTSTRAP)
     assert response.status_code == 504, response.text

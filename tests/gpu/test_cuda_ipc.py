@@ -108,10 +108,12 @@ def test_the_export_segment_round_trips_and_a_restart_is_visible_through_an_old_
     # a restarted exporter re-opens the same name and publishes again: the old mapping sees it
     writer.close()
     writer = open_export_segment(name, create=True)
-    seq2 = write_export(writer, b"second, longer", pool_epoch=2, pid=456, device=1)
+    seq2 = write_export(writer, b"second, longer", pool_epoch=2, pid=456, device=1, files=["/f2", "/f1"])
     assert seq2 == seq + 2
     rec = read_export(reader)
     assert (rec.pool_epoch, rec.pid, rec.device, rec.payload) == (2, 456, 1, b"second, longer")
+    write_export(writer, b"third", pool_epoch=3, pid=789, device=-1, files=["/f1", "/f3"])
+    assert read_export(reader).files == ("/f2", "/f1", "/f3")   # the history keeps every file once
     with pytest.raises(ValueError, match="exceeds"):
         write_export(writer, b"x" * EXPORT_BYTES, pool_epoch=3, pid=1, device=0)
     writer.close()

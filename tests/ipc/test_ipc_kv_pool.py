@@ -36,6 +36,24 @@ def test_the_tensor_views_the_shm_data_with_the_documented_shape(pool):
     assert pool.tensor() is t
 
 
+def test_a_pool_without_data_is_the_kv_table_alone(name):
+    p = KVPool.create(name("kvt"), data=False, **GEOMETRY)
+    try:
+        peer = KVPool.attach(p.name, readonly=True)
+        assert p.data_bytes == peer.data_bytes == 0 and peer.shape == (2, 2, 8, 4, 2, 8)
+        assert peer.block_bytes == 2 * 2 * 4 * 2 * 8 * 4   # the geometry a transport checks and counts with
+        ids = p.allocate(3, 5)
+        assert peer.generations(ids) == p.generations(ids) and peer.epoch == 1
+        with pytest.raises(ValueError, match="no data section"):
+            p.tensor()
+        with pytest.raises(ValueError, match="no data section"):
+            peer.array()
+        peer.close()
+    finally:
+        p.close()
+        p.unlink()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_pools_keep_their_dtype(name, dtype):
     p = KVPool.create(name("kvh"), dtype=dtype, **GEOMETRY)
