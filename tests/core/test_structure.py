@@ -287,3 +287,85 @@ def test_the_sentinel_finder_finds_the_old_spellings():
                     "key = -100 - len(peers)\n"
                     "dest = 'decode' if request.decode_actor == -1 else request.decode_actor\n")
     assert sorted(actor_sentinels(old)) == [1, 2, 3, 4, 5, 6]
+
+
+def api_module_graph() -> dict[str, set[str]]:
+    """Module -> the ``api`` modules it imports (at any depth of the file: lazy imports count too)."""
+    graph: dict[str, set[str]] = collections.defaultdict(set)
+    for path, tree in sources():
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        if not module.startswith("api"):
+            continue
+        graph[module]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                # ``from api.dialects import openai`` imports the module api.dialects.openai
+                names = [f"{node.module}.{a.name}" if (ROOT / node.module.replace(".", "/") / f"{a.name}.py").exists()
+                         else node.module for a in node.names]
+            else:
+                names = []
+            graph[module] |= {n for n in names if n.split(".")[0] == "api" and n != module}
+    return graph
+
+
+# the two processes that serve the app (the API actor, `pdserve router`) sit above it
+APP_SERVERS = {"api.server", "api.router_server"}
+
+
+def test_no_api_module_imports_the_app_but_the_processes_that_serve_it():
+    graph = api_module_graph()
+    assert "api.protocol" in graph["api.app"] | graph["api.exchange"], "the walk found nothing"
+    importers = sorted(m for m, there in graph.items() if "api.app" in there and m not in APP_SERVERS)
+    assert not importers, importers
+
+
+def test_api_has_no_import_cycle_between_its_modules():
+    graph = api_module_graph()
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_a_requests_end_is_written_only_in_the_exchange():
+    """``http.disconnect``, ``finish_all`` (the release of an HTTP request's rows) and the recorder's CLOSED event
+    appear in api/exchange.py alone (api/node_api.py, the /internal/* protocol between nodes, ends its own rows)."""
+    found = collections.defaultdict(set)
+    for path, tree in sources():
+        where = path.relative_to(ROOT).as_posix()
+        if not where.startswith("api/"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value == "http.disconnect":
+                found["http.disconnect"].add(where)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr == "finish_all" and where != "api/node_api.py":
+                found["finish_all"].add(where)
+            elif isinstance(node, ast.Attribute) and node.attr == "CLOSED" and ast.unparse(node.value) == "EventKind":
+                found["CLOSED"].add(where)
+    assert dict(found) == {name: {"api/exchange.py"} for name in ("http.disconnect", "finish_all", "CLOSED")}
+
+
+def test_no_dialect_imports_starlette_responses_or_the_recorder():
+    graph = {m: there for m, there in import_names_by_module().items() if m.startswith("api.dialects")}
+    assert "api.dialects.anthropic" in graph, "the walk found no dialect"
+    bad = {m: sorted(n for n in names if n.startswith(("starlette.responses", "ipc.recorder")))
+           for m, names in graph.items()}
+    assert not any(bad.values()), bad
+
+
+def import_names_by_module() -> dict[str, set[str]]:
+    """Module -> every module name it imports (``from x import y``: x)."""
+    names: dict[str, set[str]] = collections.defaultdict(set)
+    for path, tree in sources():
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names[module] |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names[module].add(node.module)
+    return names
+
+
+def test_the_app_module_is_the_route_table_and_the_routes_that_generate_nothing():
+    assert len((ROOT / "api" / "app.py").read_text().splitlines()) < 300
+    assert not (ROOT / "api" / "dialects" / "routes.py").exists()   # every dialect's life is api/exchange.py's
