@@ -140,8 +140,8 @@ class QuantLinear:
     ``x`` and ``y`` are float32 ``[M, K]`` / ``[M, N]`` on every path. Kinds: ``"dense"`` (``F.linear``; ``fn`` and
     ``big`` are the same), ``"int4"``, ``"int8"`` and ``"int8h"`` (``fn`` runs gpu/lowbit_cpu.py's GEMV on int8-quantized
     ``x``, its cost linear in ``M``; ``big`` runs ``F.linear`` on the exact float32 weight ``tensors["dense"]``
-    when it is there: MKL's fp32 GEMM wins at prefill sizes, see docs/performance.md). ``tensors`` is what the
-    prepared-model cache stores (:meth:`from_tensors`).
+    when it is there: MKL's fp32 GEMM wins at prefill sizes: `python -m bench.prefill_forward`). ``tensors`` is
+    what the prepared-model cache stores (:meth:`from_tensors`).
     """
 
     __slots__ = ("kind", "tensors", "out_features", "fn", "big")
