@@ -14,7 +14,7 @@
 # Steps (GPU_CHECK_STEPS, comma separated; default all, in this order):
 #   env        nvidia-smi, python/torch/numba versions, /dev/shm                              (<= 30 s)
 #   gpu-tests  pytest -m gpu over tests/ (kernels on the GPU, CUDA IPC between processes)       (<= 200 s)
-#   bench      tools/bench_gpu.py --quick -> bench.md, bench.json                               (<= 240 s)
+#   bench      bench/gpu.py --quick -> bench.md, bench.json                               (<= 240 s)
 #   suite      pytest -m "not gpu and not slow" over tests/, with whatever time is left
 # Installs nothing from the network (there is none there): only the carried wheels, into /tmp/site.
 # Files back (at most 8): summary.txt env.log wheels.log gpu-tests.log bench.log bench.md bench.json suite.log
@@ -107,7 +107,7 @@ EOF
 step gpu-tests 200 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --durations=15 --timeout=150 \
     --continue-on-collection-errors tests
 
-step bench 240 $PY tools/bench_gpu.py --quick --out "$OUT/bench.md" --json "$OUT/bench.json" \
+step bench 240 $PY bench/gpu.py --quick --out "$OUT/bench.md" --json "$OUT/bench.json" \
     --tune-cache "$PDSERVE_AUTOTUNE_CACHE"
 
 step suite 600 $PY -m pytest -q -p no:cacheprovider -m "not gpu and not slow" -rs --timeout=120 \

@@ -12,7 +12,7 @@ import pytest
 from ipc.lifecycle import LIFECYCLE
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("actors", "api", "gpu", "ipc", "pdserve", "tools")
+PACKAGES = ("actors", "api", "gpu", "ipc", "pdserve", "tools", "bench")
 # Entry points sit above every package (the command line starts the supervisor): their own node in the graph.
 ENTRY_MODULES = {"pdserve.cli"}
 MAX_FUNCTION_LINES = 80
@@ -124,8 +124,8 @@ ROW_MOVERS = {"actors/prefill_core.py", "actors/decode_core.py", "api/admission.
 # who else calls a KV block allocator's allocate: the allocators themselves and their decorator (ipc/kv_pool.py,
 # actors/prefix_cache.py), and the warm-up pass that takes one scratch block before serving (actors/model_runner.py)
 BLOCK_ALLOCATORS = {"ipc/kv_pool.py", "actors/prefix_cache.py", "actors/model_runner.py"}
-# ipc/_shm.py is ipc's own base; tools/bench_ipc.py measures its primitives against a raw-segment baseline
-SHM_IMPORTERS = {"tools/bench_ipc.py"}
+# ipc/_shm.py is ipc's own base; bench/ipc.py measures its primitives against a raw-segment baseline
+SHM_IMPORTERS = {"bench/ipc.py"}
 
 
 def method_calls(name: str) -> list[tuple[str, int, str]]:
@@ -369,3 +369,16 @@ def import_names_by_module() -> dict[str, set[str]]:
 def test_the_app_module_is_the_route_table_and_the_routes_that_generate_nothing():
     assert len((ROOT / "api" / "app.py").read_text().splitlines()) < 300
     assert not (ROOT / "api" / "dialects" / "routes.py").exists()   # every dialect's life is api/exchange.py's
+
+
+def test_the_installed_wheel_holds_no_benchmark():
+    """setup.cfg's packages leave bench/ out, and tools/ (shipped: what users run) holds no bench script."""
+    import configparser
+    import fnmatch
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    include = [p.strip() for p in cfg["options.packages.find"]["include"].split(",")]
+    assert "tools*" in include and not any(fnmatch.fnmatch(name, pattern) for pattern in include
+                                           for name in ("bench", "bench.anchors"))
+    assert not sorted(p.name for p in (ROOT / "tools").glob("bench_*"))
