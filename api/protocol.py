@@ -12,13 +12,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.messages import Sampling
 from api import fields
 from api.formats import (OutputFormats, prompt_closes_reasoning, prompt_opens_reasoning, tool_parser,
                          with_special_markers)
 from api.tools import ToolPlan, parameters_schema, parse_tools, template_messages
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 from pdserve.kv_budget import blocks_for
+from pdserve.sampling import Sampling
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024

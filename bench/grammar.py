@@ -37,10 +37,10 @@ def run_round(model, kv, tables, prompt_len: int, batch: int, steps: int, compil
               seed: int) -> float:
     """Tokens per second of ``steps`` batched decode steps (constrained when ``grammar`` is set)."""
     from gpu.grammar import accept_tokens, batch_allowed
-    from gpu.sampling import Sampler, SamplingParams, make_generator
+    from gpu.sampling import Sampler, Sampling, make_generator
 
     sampler = Sampler()
-    params = [SamplingParams(temperature=0.8, seed=seed + i, max_tokens=10**6) for i in range(batch)]
+    params = [Sampling(temperature=0.8, seed=seed + i, max_tokens=10**6) for i in range(batch)]
     gens = [make_generator(p.seed) for p in params]
     matchers = [compiler.matcher(grammar) if grammar else None for _ in range(batch)]
     tokens = [1] * batch

@@ -11,7 +11,6 @@ import pytest
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from actors.messages import Sampling
 from api.admission import RequestHandle
 from api.dialects import anthropic, openai, responses
 from api.exchange import Engine, Exchange
@@ -19,6 +18,7 @@ from api.protocol import GenerationRequest, error_body
 from ipc import naming, recorder
 from ipc.recorder import ClosedBy, EventKind, Recorder, request_key
 from pdserve.errors import EngineOverloadedError, RequestFailedError
+from pdserve.sampling import Sampling
 
 WORDS = ["Hello", " there", ",", " friend", "."]
 HANG = "hang"   # a script's last entry: no more events (the engine is still working)

@@ -382,3 +382,15 @@ def test_the_installed_wheel_holds_no_benchmark():
     assert "tools*" in include and not any(fnmatch.fnmatch(name, pattern) for pattern in include
                                            for name in ("bench", "bench.anchors"))
     assert not sorted(p.name for p in (ROOT / "tools").glob("bench_*"))
+
+
+def test_one_sampling_type_from_the_http_body_to_the_sampler():
+    from actors.messages import Sampling as wire
+    from gpu.sampling import Sampling as sampler
+    from pdserve.sampling import Sampling
+
+    assert wire is sampler is Sampling
+    declared = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name}" for path, tree in sources()
+                for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and "Sampling" in node.name
+                and path.relative_to(ROOT).as_posix() != "pdserve/sampling.py"]
+    assert not declared, declared
