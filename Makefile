@@ -65,5 +65,5 @@ install-mooncake: install
 
 test-mooncake: install-mooncake
 	$(PY) -c "import ipc.mooncake_transport"   # fails loudly here rather than letting the tests skip
-	$(PY) -m pytest -q -p no:cacheprovider tests/ipc/test_ipc_mooncake_transport.py tests/tools/test_bench_kv_network.py \
+	$(PY) -m pytest -q -p no:cacheprovider tests/ipc/test_ipc_mooncake_transport.py tests/bench/test_kv_network.py \
 		tests/e2e/test_mooncake.py $(PYTEST_ARGS)

@@ -1,6 +1,7 @@
-"""The decode scheduler core: plain synchronous code over ports (actors/ports.py), no shm, queue, torch, clock or
-fault code. The shell (actors/decode.py) feeds it KVReady messages, runs the decode step over ``batch()`` and
-publishes its counts.
+"""The decode scheduler core: plain synchronous code over ports (actors/ports.py), no queue, torch or fault
+code, and no clock of its own (time comes in as ``now_ns``); its one shm write is the flight recorder's
+events (ipc/recorder.py, which stamps them). The shell (actors/decode.py) feeds it KVReady messages, runs the
+decode step over ``batch()`` and publishes its counts.
 
 Rows it moves, each collection named after the state its entries are in:
     bootstrap       KVReady received (BOOTSTRAP): reserve blocks for prompt + the output's reserved tokens
@@ -291,8 +292,8 @@ class DecodeCore:
     def join_batch(self) -> list[DecodeEntry]:
         """Move waiting requests into the running batch (between steps) and emit their first token (sampled by
         prefill) at once: ``flush`` sends them before the shell runs the next decode step, which would hold them
-        for a whole step (50-130 ms on a 2-core host, docs/performance.md §6). Returns the entries that joined the
-        batch (the shell prepares their sampling state)."""
+        for a whole step (`python -m bench.colocated` times them). Returns the entries that joined the batch (the
+        shell prepares their sampling state)."""
         joined = []
         while self.decode_waiting and len(self.decoding) < self.max_num_seqs:
             entry = self.decode_waiting.pop(0)

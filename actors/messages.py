@@ -11,43 +11,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from actors.topology import LOCAL_DECODE, LOCAL_PREFILL
+from pdserve.sampling import Sampling
 
 # 2: PrefillRequest.decode_actor and KVReady.prefill_actor are addresses (actors/topology.py), no longer indices
 WIRE_VERSION = 2
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Per-request sampling settings sent with the request (see gpu.sampling.SamplingParams)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 16
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None   # None: none; k: the chosen token's log-probability and the top k alternatives
-    prompt_logprobs: int | None = None   # completions' echo with logprobs: the same for every prompt token
-    # structured output / forced tool call: the llguidance grammar (gpu.grammar) every sampled token must follow;
-    # prefill masks the first token with it, decode rebuilds the matcher from it and the tokens so far
-    grammar: str | None = None
-    # output tokens decode reserves KV blocks for when it takes the request (0 = all of max_tokens); with fewer (a
-    # request without max_tokens) decode takes one more block whenever the answer needs it and ends the answer
-    # with finish_reason "length" when its pool has none free (actors/decode_core.py)
-    reserve_tokens: int = 0
-    # OpenAI's logit_bias as two parallel tuples: each bias (in [-100, 100]) is added to its token id's logit
-    logit_bias_ids: tuple[int, ...] = ()
-    logit_bias_values: tuple[float, ...] = ()
-
-    @property
-    def reserved_output_tokens(self) -> int:
-        """Output tokens whose KV blocks are reserved up front (prompt + this is what decode reserves)."""
-        return self.max_tokens if self.reserve_tokens <= 0 else min(self.reserve_tokens, self.max_tokens)
 
 
 # ---- to the prefill actor ---------------------------------------------------------------------------

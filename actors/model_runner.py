@@ -19,18 +19,6 @@ log = logging.getLogger("pdserve.actors")
 LAST_TOKEN_ROWS = 16
 
 
-def sampling_params(sampling):
-    """Convert a wire Sampling into gpu.sampling.SamplingParams."""
-    from gpu.sampling import SamplingParams
-
-    return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                          min_p=sampling.min_p, seed=sampling.seed, max_tokens=sampling.max_tokens,
-                          stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
-                          presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
-                          repetition_penalty=sampling.repetition_penalty, logprobs=sampling.logprobs,
-                          logit_bias=tuple(zip(sampling.logit_bias_ids, sampling.logit_bias_values)))
-
-
 def logprobs_to_wire(lp) -> list | None:
     """gpu.sampling.TokenLogprob -> ``[logprob, [[token_id, logprob], ...]]`` (None stays None)."""
     if lp is None:
@@ -73,7 +61,7 @@ def first_tokens(sampler, logits, prompt_ids: list[int], samplings: list,
     from gpu.grammar import batch_allowed
     from gpu.sampling import make_generator, token_logprobs
 
-    params = [sampling_params(s) for s in samplings]
+    params = list(samplings)
     batch = logits[None, :].expand(len(params), -1)
     histories = [(prompt_ids, ()) if p.has_penalties else None for p in params]
     matchers = [grammars.matcher(s.grammar) if s.grammar else None for s in samplings]
@@ -232,12 +220,12 @@ class DecodeRunner:
         self.threads = 1   # the next step's low-bit GEMV threads (native models; the actor sets it per step)
 
     def prepare(self, entry) -> None:
-        """A request joined the batch: its SamplingParams, seeded generator (prefill used ``seed``) and grammar
+        """A request joined the batch: its Sampling, seeded generator (prefill used ``seed``) and grammar
         matcher, rebuilt from the grammar and the first token prefill sampled under it."""
         from gpu.sampling import make_generator
 
         sampling = entry.ready.sampling
-        params = sampling_params(sampling)
+        params = sampling
         generator = make_generator((params.seed + 1) % 2**63) if params.seed is not None else None
         matcher = self.grammars.matcher(sampling.grammar, [entry.ready.first_token]) if sampling.grammar else None
         entry.runtime = (params, generator, matcher)

@@ -1,6 +1,7 @@
-"""The prefill scheduler core: plain synchronous code over ports (actors/ports.py), no shm, queue, torch, clock or
-fault code. The shell (actors/prefill.py, or actors/decode.py in colocated mode) feeds it messages, runs the
-forward pass it asks for and publishes its counts.
+"""The prefill scheduler core: plain synchronous code over ports (actors/ports.py), no queue, torch or fault
+code, and no clock of its own (time comes in as ``now_ns``); its one shm write is the flight recorder's
+events (ipc/recorder.py, which stamps them). The shell (actors/prefill.py, or actors/decode.py in colocated
+mode) feeds it messages, runs the forward pass it asks for and publishes its counts.
 
 Batched prefill: each forward pass packs chunks of several prompts (``next_batch``), FIFO, up to
 ``batch_tokens`` prompt tokens and at most ``chunk_tokens`` of any one prompt, so a long prompt advances a chunk per

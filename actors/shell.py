@@ -19,8 +19,9 @@ import os
 
 # a native model's dense_min_tokens under prefill_low_bit: no prefill is that long
 PREFILL_LOW_BIT_MIN_TOKENS = 1 << 62
-# auto decode_threads: smaller steps stay on one thread (one row gained 1.1-1.3x in process, and lost 0.9x tok/s and
-# 1.45x warm TTFT in the engine beside the API and prefill processes; docs/performance.md section 28)
+# auto decode_threads: smaller steps stay on one thread (a second thread sped one row up in process, and slowed the
+# engine's tokens and warm TTFT beside the API and prefill processes: `python -m bench.anchors --variant
+# "threads1=--decode-threads 1"` compares them)
 DECODE_THREADS_MIN_ROWS = 4
 
 

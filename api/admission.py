@@ -59,8 +59,8 @@ class RequestHandle:
     admitted_ns: int = field(default_factory=time.monotonic_ns)
     first_token_ns: int = 0
     completion_tokens: int = 0
-    stop_string: str | None = None  # the stop string that ended the text (api.app.generate_text), else None
-    finish_reason: str | None = None   # the choice's finish reason once it ended (api.app.Routes.finished)
+    stop_string: str | None = None  # the stop string that ended the text (api.generation.generate_text), else None
+    finish_reason: str | None = None   # the choice's finish reason once it ended (api.exchange.Exchange.release)
     timings: dict | None = None   # queue_s, prefill_s, transfer_s, transfer_bytes (from the decode actor)
     prompt_logprobs: list = field(default_factory=list)   # echo + logprobs: one wire entry per prompt token
     prefill_actor: int = NO_ACTOR  # the actors the router chose (actor-table indices; NO_ACTOR colocated)
@@ -70,7 +70,7 @@ class RequestHandle:
     handed_across: bool = False    # a prefill node: its KVReady went to the router; the row ends by its messages
     ended: bool = False            # its last event (a finish reason or an error) reached the API, or the API ended it
     lost_since_ns: int = 0         # first seen with its row ended (final, freed or reused) and ``ended`` not set
-    on_text_end: Any = None        # called with the handle once its text ended in the API (api.app.merged_choices)
+    on_text_end: Any = None        # called with the handle once its text ended in the API (api.generation.merged_choices)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -373,7 +373,7 @@ class Admission:
 
     def check_room(self, sequences: int) -> None:
         """Whether ``sequences`` more fit beside those in flight now (AdmissionPolicy.check_room's errors); admits
-        nothing (api.app.submit_all checks a list of prompts whole before admitting any)."""
+        nothing (api.exchange.submit_all checks a list of prompts whole before admitting any)."""
         self.policy.check_room(len(self.handles), sequences)
 
     def stop(self, handle: RequestHandle) -> None:

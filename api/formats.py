@@ -30,9 +30,9 @@ has no reasoning split off.
 Streams hold back text that may be the start of a marker (``<tool_call>``, ``[TOOL_CALLS]``, ``</think>``), so a
 marker split across deltas never leaks into the content; a call cut by ``max_tokens`` comes back as a call with
 the arguments written so far, whatever the parser. Markers the model files declare special tokens stay in the text
-the parsers read (:func:`marker_texts`, kept by api/app.py's detokenizer) and are named as those tokens in the
+the parsers read (:func:`marker_texts`, kept by api/generation.py's detokenizer) and are named as those tokens in the
 ``required`` grammar (:func:`with_special_markers`). Entry points: :func:`formats_for` (API start-up),
-:class:`OutputFormats` (per request, api/protocol.py), :class:`ChatDeltas` (a streamed choice: api/app.py,
+:class:`OutputFormats` (per request, api/protocol.py), :class:`ChatDeltas` (a streamed choice: api/dialects/openai.py,
 api/dialects/events.py) and :func:`finish_choice` (a whole one). Plain synchronous code, no I/O.
 """
 from __future__ import annotations
@@ -764,7 +764,7 @@ class ChatDeltas:
 
 
 def finish_choice(formats: OutputFormats, plan, choice) -> None:
-    """Parse a finished chat choice (api.protocol.ChoiceResult) in place: ``reasoning`` split off, then ``text``,
+    """Parse a finished chat choice (api.dialects.openai.ChoiceResult) in place: ``reasoning`` split off, then ``text``,
     ``tool_calls`` and ``finish_reason`` from the tool-call parser (api.tools.finished_choice)."""
     text = choice.text or ""
     if formats.reasoning:

@@ -22,7 +22,10 @@ version), it logs a warning and leaves the library's own behaviour in place. Eac
   connection pools and proxies retire idle connections before the server closes them.
 - ``answer_cancelled_requests``: a request cancelled by Hypercorn's shutdown before its response started gets
   a 503 OpenAI error instead of a 500 with an empty body.
-No Hypercorn or h2 setting does any of this, and no upstream fix was found for Hypercorn 0.18 / h2 4.x.
+No Hypercorn or h2 setting does any of this. The GOAWAY, the staged close and REFUSED_STREAM belong upstream
+(Hypercorn's H2Protocol and TCPServer, h2's stream limit); no upstream issue or fix was found for Hypercorn 0.18 /
+h2 4.x. setup.cfg pins both below their next major versions, and tests/api/test_server.py asserts every wrapper is
+in place on the installed versions, so an upgrade that disables one fails a test instead of a log line.
 """
 from __future__ import annotations
 

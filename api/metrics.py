@@ -213,7 +213,7 @@ def _prefix_cache_families(rows):
 
 class RequestMetrics:
     """The request counters and latency histograms every OpenAI front end keeps (a node's API process and
-    `pdserve router`): what api/app.py's Routes call, ``on_admitted``, ``on_token``, ``on_finished``, ``render``."""
+    `pdserve router`): what api/exchange.py's Exchange calls, ``on_admitted``, ``on_token``, ``on_finished``, ``render``."""
 
     def __init__(self, admitted_doc: str):
         self.registry = CollectorRegistry()

@@ -125,7 +125,7 @@ class ErrorLogMiddleware:
     never logged). 5xx at WARNING, 4xx at INFO; 499 (the client went away before the answer) names that.
 
     An error met after a streamed response started is a 200 on the wire and is logged by the stream itself
-    (api/app.py)."""
+    (api/exchange.py)."""
 
     def __init__(self, app: ASGIApp):
         self.app = app

@@ -36,11 +36,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from actors.messages import KVReady, Sampling, from_wire, to_wire
+from actors.messages import KVReady, from_wire, to_wire
 from api.engine_client import EngineClient, RequestHandle
 from api.protocol import SAMPLING_BOUNDS, SAMPLING_NOT_ZERO, GenerationRequest, error_body
 from ipc.cache_summary import encode_words
 from pdserve.errors import InvalidRequestError, PdserveError
+from pdserve.sampling import Sampling
 
 log = logging.getLogger("pdserve.api")
 

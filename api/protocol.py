@@ -1,4 +1,4 @@
-"""OpenAI request parsing and validation, and response bodies. Plain synchronous code, no I/O.
+"""OpenAI request parsing and validation (the response bodies: api/dialects/openai.py). Plain synchronous code, no I/O.
 
 Every invalid input raises InvalidRequestError naming the parameter; the app turns it into
 ``{"error": {"message", "type", "param", "code"}}`` with status 400. Nothing invalid reaches an actor.
@@ -12,13 +12,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.messages import Sampling
 from api import fields
 from api.formats import (OutputFormats, prompt_closes_reasoning, prompt_opens_reasoning, tool_parser,
                          with_special_markers)
 from api.tools import ToolPlan, parameters_schema, parse_tools, template_messages
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 from pdserve.kv_budget import blocks_for
+from pdserve.sampling import Sampling
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
@@ -792,124 +792,3 @@ def _max_token_chars(tokenizer) -> int:
         return max(64, max(len(t) for t in vocab))
     except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary view: keep the generous bound
         return 64
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI ``usage``; ``prompt_tokens_details.cached_tokens``: leading prompt tokens whose KV the prefill
-    actor's prefix cache held (not recomputed)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def prompt_counts(handles) -> tuple[int, int]:
-    """``(prompt tokens, cached prompt tokens)`` of one HTTP request's sequences (api.admission.RequestHandle: its
-    ``request`` and ``timings``): each prompt once, as its ``n`` choices share its prefill, with the leading tokens
-    the prefix cache held for it (the most any of its choices' first-token timings report)."""
-    prompts: dict[int, tuple[int, int]] = {}
-    for h in handles:
-        tokens, cached = prompts.get(id(h.request), (len(h.request.prompt_ids), 0))
-        prompts[id(h.request)] = (tokens, max(cached, int((h.timings or {}).get("cached_tokens", 0))))
-    return sum(t for t, _ in prompts.values()), sum(c for _, c in prompts.values())
-
-
-def _logprob_entry(tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
-    raw = tokenizer.token_bytes(token_id)
-    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
-
-
-def chat_logprobs(tokenizer, tokens: list[tuple[int, list]]) -> dict[str, Any]:
-    """OpenAI chat ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}``.
-
-    ``tokens`` holds ``(token_id, [logprob, [[top_id, top_logprob], ...]])`` per generated token.
-    """
-    content = []
-    for token_id, (logprob, top) in tokens:
-        entry = _logprob_entry(tokenizer, token_id, logprob)
-        entry["top_logprobs"] = [_logprob_entry(tokenizer, t, v) for t, v in top]
-        content.append(entry)
-    return {"content": content}
-
-
-def completion_logprobs(tokenizer, tokens: list[tuple[int, list]], text_offset: int = 0) -> dict[str, Any]:
-    """Legacy completions ``logprobs``: ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (an entry
-    of ``tokens`` may be None: an echoed prompt's first token, given null log-probabilities), where
-    ``text_offset`` counts characters from the start of the choice's text (``text_offset`` is where these tokens
-    begin: the streamed text so far, or the echoed prompt's length)."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, entry in tokens:
-        text = tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
-        out["tokens"].append(text)
-        if entry is None:   # an echoed prompt's first token: nothing before it to score it
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
-        else:
-            logprob, top = entry
-            out["token_logprobs"].append(logprob)
-            alternatives = {tokenizer.token_bytes(t).decode("utf-8", errors="replace"): v for t, v in top}
-            alternatives.setdefault(text, logprob)   # the sampled token is always there (up to logprobs + 1)
-            out["top_logprobs"].append(alternatives)
-        out["text_offset"].append(text_offset)
-        text_offset += len(text)
-    return out
-
-
-@dataclass
-class ChoiceResult:
-    """One finished choice of a non-streamed response."""
-
-    index: int
-    text: str | None
-    finish_reason: str | None
-    logprobs: dict | None = None
-    tool_calls: list[dict] | None = None   # chat with tools: OpenAI ``message.tool_calls`` entries
-    reasoning: str | None = None           # chat with a reasoning parser: ``message.reasoning_content``
-
-
-def full_response(req: GenerationRequest, choices: list[ChoiceResult], usage_body: dict) -> dict:
-    """The non-streamed body: the choices in index order (``req``: the first prompt's request; its id, kind, model
-    and creation time are the whole request's); ``usage_body``: :func:`usage` of :func:`prompt_counts`."""
-    out = []
-    for c in sorted(choices, key=lambda c: c.index):
-        if req.kind == "chat":
-            message = {"role": "assistant", "content": c.text}
-            if c.reasoning is not None:
-                message["reasoning_content"] = c.reasoning
-            if c.tool_calls:
-                message["tool_calls"] = c.tool_calls
-            out.append({"index": c.index, "message": message, "logprobs": c.logprobs,
-                        "finish_reason": c.finish_reason})
-        else:
-            out.append({"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason})
-    obj = "chat.completion" if req.kind == "chat" else "text_completion"
-    return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": out, "usage": usage_body}
-
-
-def chunk(req: GenerationRequest, text: str | None, finish_reason: str | None, *, first: bool = False,
-          usage_body: dict | None = None, index: int = 0, logprobs: dict | None = None,
-          tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
-    """One SSE chunk of choice ``index``. ``usage_body`` set = the final usage-only chunk (choices empty).
-    ``tool_calls``: chat ``delta.tool_calls`` entries (the first chunk then has ``content: null``); ``reasoning``:
-    chat ``delta.reasoning_content`` (vLLM's and SGLang's field)."""
-    if req.kind == "chat":
-        obj = "chat.completion.chunk"
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if text or (first and not tool_calls and not reasoning):
-            delta["content"] = text or ""
-        elif first:
-            delta["content"] = None
-        if tool_calls:
-            delta["tool_calls"] = tool_calls
-        choices = [] if usage_body else [{"index": index, "delta": delta, "logprobs": logprobs,
-                                          "finish_reason": finish_reason}]
-    else:
-        obj = "text_completion"
-        choices = [] if usage_body else [{"index": index, "text": text or "", "logprobs": logprobs,
-                                          "finish_reason": finish_reason}]
-    body = {"id": req.request_id, "object": obj, "created": req.created, "model": req.model, "choices": choices}
-    if usage_body is not None:
-        body["usage"] = usage_body
-    return body

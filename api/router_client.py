@@ -1,4 +1,4 @@
-"""`pdserve router`'s view of the nodes: the EngineClient interface api/app.py serves from, over the nodes'
+"""`pdserve router`'s view of the nodes: the EngineClient interface api/exchange.py serves from, over the nodes'
 ``/internal/*`` routes (api/node_api.py) instead of shared memory.
 
 Per request: ``POST /internal/prefill`` on a prefill node (it answers once every choice's KV is ready, with the
@@ -134,7 +134,7 @@ def read_cache_report(report: Any) -> tuple[Any, int]:
 
 
 class RouterClient:
-    """What api/app.py's Routes need of an engine (``submit``, ``next_event``, ``finish``, ``finish_all``,
+    """What api/exchange.py's Exchange needs of an engine (``submit``, ``next_event``, ``finish``, ``finish_all``,
     ``stop_generation``, ``num_active``, ``config``), over prefill and decode nodes."""
 
     def __init__(self, config, prefill_urls: list[str], decode_urls: list[str], api_key: str = ""):

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from api.protocol import prompt_counts
+from api.generation import prompt_counts
 from ipc.recorder import EventKind
 
 log = logging.getLogger("pdserve.api")

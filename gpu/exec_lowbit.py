@@ -36,8 +36,8 @@ class LowbitExecutor(TorchExecutor):
     def linear(self, lin: QuantLinear, x: torch.Tensor, big: bool) -> torch.Tensor:
         """``lin`` over ``x`` ``[N, K]`` -> ``[N, out]``: its float32 copy when ``big``, else its own kernel; a dense
         weight then runs row by row, so a decode row gets the bits it gets alone, as from the low-bit GEMVs
-        (MKL's GEMM sums a row in another order in calls of 1 to 3 rows than in larger ones,
-        docs/performance.md §30)."""
+        (MKL's GEMM sums a row in another order in calls of 1 to 3 rows than in larger ones: `python -m
+        bench.prefill_forward`)."""
         if big:  # the bits of a PREFILL_BLOCK_ROWS-row call (see there)
             return self.m._gemm_rows(lin, x)
         if lin.kind == "dense" and x.shape[0] > 1:

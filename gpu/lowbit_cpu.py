@@ -3,7 +3,7 @@
 The method is llama.cpp's (``ggml_vec_dot_q4_0_q8_0`` / ``ggml_vec_dot_q8_0_q8_0`` in ggml-cpu): each row of
 the activations is quantized to int8 per group of 32 (``scale = max |x| / 127``, ggml's ``quantize_row_q8_0``),
 the group's dot products run in integers, and one float multiply-add per group applies both scales. Rounding
-the activations costs top-1 agreement only at near ties (docs/performance.md §4 has the measured quality).
+the activations costs top-1 agreement only at near ties (`python -m bench.quality` measures it).
 
 Weights are laid out in tiles of :data:`TILE_ROWS` output rows so the integer work runs across rows, one
 vector lane per row (Q4: per row and pair of inputs), with no horizontal sums (``R`` = ``TILE_ROWS``,

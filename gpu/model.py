@@ -57,24 +57,25 @@ def kv_pool_shape(config: ModelConfig, num_blocks: int, block_tokens: int) -> tu
 
 WEIGHT_MODES = ("auto", "float32", "bfloat16")
 # native weights: prefills of >= this many tokens run the layers' float32 copies (see QuantLinear) with the bits of
-# PREFILL_BLOCK_ROWS-row calls. 1 = every prefill: the low-bit GEMVs are batch-invariant too and 0.5-1.0x the time at
-# 16-1000 tokens (docs/performance.md §26), but their int8-rounded activations flip SmolLM2's first answer token
-# at a near tie ("What is the capital of France?": "L'Étoile..." instead of "The capital... Paris"). The engine's
-# ``--prefill-low-bit`` sets a model's ``dense_min_tokens`` past any prompt instead (actors/shell.configure_model)
+# PREFILL_BLOCK_ROWS-row calls. 1 = every prefill: the low-bit GEMVs are batch-invariant too and no slower at 16-1000
+# tokens (`python -m bench.prefill_forward --lengths 1,16,200,1000`), but their int8-rounded activations flip
+# SmolLM2's first answer token at a near tie ("What is the capital of France?": "L'Étoile..." instead of "The
+# capital... Paris"). The engine's ``--prefill-low-bit`` sets a model's ``dense_min_tokens`` past any prompt instead
+# (actors/shell.configure_model)
 DENSE_MIN_TOKENS = 1
-# native weights, decode steps (docs/performance.md §16): steps of fewer than DECODE_STACKED_MAX_ROWS rows run the
-# low-bit GEMV, in lowbit_cpu.decode_layers where the layer is Llama's (measured 1.5-2.6x cheaper than the float32
-# copies at 1-64 rows; not measured beyond), op by op otherwise; the output projection over >= HEAD_DENSE_MIN_ROWS
-# rows uses its float32 copy. Both limits are equal: a row's logits then come from the same kernel in every step of
-# the invariant path (at 32 the float32 head gave a row of a full batch other logits than alone; the int8 one costs
-# no more at 32-64 rows, docs/performance.md §27)
+# native weights, decode steps (`python -m bench.quality --decode-steps`): steps of fewer than DECODE_STACKED_MAX_ROWS
+# rows run the low-bit GEMV, in lowbit_cpu.decode_layers where the layer is Llama's (measured 1.5-2.6x cheaper than
+# the float32 copies at 1-64 rows; not measured beyond), op by op otherwise; the output projection over >=
+# HEAD_DENSE_MIN_ROWS rows uses its float32 copy. Both limits are equal: a row's logits then come from the same kernel
+# in every step of the invariant path (at 32 the float32 head gave a row of a full batch other logits than alone; the
+# int8 one costs no more at 32-64 rows: `python -m bench.anchors`)
 DECODE_STACKED_MAX_ROWS = 65
 HEAD_DENSE_MIN_ROWS = DECODE_STACKED_MAX_ROWS
 # native weights: a row of the float32 copies' GEMMs gets the bits it gets in a call of this many rows on one thread
 # (a short call zero-padded to it), so a prompt's KV does not depend on how it was packed with others or how much of
-# it the prefix cache held. MKL (torch 2.13.0+cpu) gives a row those bits in a call of any 12-2300 rows, on one or
-# two threads (docs/performance.md §30), so a pass runs one call over all its rows where ``gemm_plan`` finds that on
-# the machine, blocks of this many rows otherwise (MKL gives a row the same bits at any place of such a block)
+# it the prefix cache held. MKL (torch 2.13.0+cpu) gives a row those bits in a call of any 12-2300 rows, on one or two
+# threads (`python -m bench.prefill_forward`), so a pass runs one call over all its rows where ``gemm_plan`` finds
+# that on the machine, blocks of this many rows otherwise (MKL gives a row the same bits at any place of such a block)
 PREFILL_BLOCK_ROWS = 32
 # the row counts ``gemm_plan`` tries: short and long, odd and even, in and beyond a few blocks
 GEMM_PROBE_ROWS = (32, 33, 47, 100, 161)

@@ -8,7 +8,7 @@ Two weight forms, both in groups of 32 inputs as GGUF stores them:
   Q5_1 exactly (Q4_K is Int4Groups: Q4_1's form per sub-block of 32; layouts at the K-quant section below).
 - :class:`Int8Groups`: 8-bit codes with a scale per group, GGUF's Q8_0 exactly (used for the token embedding /
   output projection; re-quantizing Q8_0 per row instead costs quality: top-1 agreement 0.96 instead of 0.99 on
-  tools/bench_quality's text).
+  bench/quality's text).
 
 :class:`QuantLinear` runs them on activations quantized to int8 per group (llama.cpp's method; the only rounding
 is of the activations) for decode-sized batches, and on an exact float32 copy for prefill-sized ones. Block
@@ -140,8 +140,8 @@ class QuantLinear:
     ``x`` and ``y`` are float32 ``[M, K]`` / ``[M, N]`` on every path. Kinds: ``"dense"`` (``F.linear``; ``fn`` and
     ``big`` are the same), ``"int4"``, ``"int8"`` and ``"int8h"`` (``fn`` runs gpu/lowbit_cpu.py's GEMV on int8-quantized
     ``x``, its cost linear in ``M``; ``big`` runs ``F.linear`` on the exact float32 weight ``tensors["dense"]``
-    when it is there: MKL's fp32 GEMM wins at prefill sizes, see docs/performance.md). ``tensors`` is what the
-    prepared-model cache stores (:meth:`from_tensors`).
+    when it is there: MKL's fp32 GEMM wins at prefill sizes: `python -m bench.prefill_forward`). ``tensors`` is
+    what the prepared-model cache stores (:meth:`from_tensors`).
     """
 
     __slots__ = ("kind", "tensors", "out_features", "fn", "big")

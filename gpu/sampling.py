@@ -15,130 +15,19 @@ Log-probabilities are computed from the raw model logits, before penalties and t
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from pdserve.errors import InvalidRequestError
+from pdserve.sampling import GREEDY_TEMPERATURE, MAX_LOGPROBS, Sampling
 
-__all__ = ["SamplingParams", "Sampler", "make_generator", "apply_penalties", "TokenLogprob", "token_logprobs",
+__all__ = ["Sampling", "Sampler", "make_generator", "apply_penalties", "TokenLogprob", "token_logprobs",
            "prompt_logprobs", "GREEDY_TEMPERATURE", "MAX_LOGPROBS"]
-
-GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (argmax)
-MAX_SEED = 2**63 - 1
-MAX_LOGPROBS = 20  # most top alternatives per token (OpenAI's top_logprobs limit)
-MAX_PRESENCE_FREQUENCY_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI)
-MAX_REPETITION_PENALTY = 10.0  # repetition_penalty lies in (0, 10]
-MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI)
 
 # One sequence's token history for penalties: (prompt_ids, output_ids), each a sequence of token ids
 # (list, tuple, numpy array or 1-D integer tensor).
 History = tuple[Sequence[int], Sequence[int]]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens for one request.
-
-    temperature: >= 0; below 1e-5 means greedy. top_p: in (0, 1]. top_k: -1 (or 0) = off, else >= 1.
-    min_p: in [0, 1]. seed: None or an int in [0, 2**63 - 1]; the same seed gives the same tokens.
-    max_tokens: >= 1 new tokens. stop_token_ids: ids that end generation (besides EOS). ignore_eos: keep
-    going past the model's EOS tokens.
-
-    presence_penalty: in [-2, 2]; subtracted once from the logit of every token already in the output.
-    frequency_penalty: in [-2, 2]; subtracted from a token's logit once per occurrence in the output.
-    repetition_penalty: in (0, 10]; 1 = off. Every token seen in the prompt or the output has a positive
-    logit divided by it and a negative one multiplied by it (CTRL, Keskar et al. 2019). logprobs: None = no
-    log-probabilities; else return the chosen token's log-probability and its ``logprobs`` (0..20) most
-    likely alternatives. logit_bias: ``((token_id, bias), ...)``, each bias in [-100, 100] added to that
-    token's logit after the penalties (OpenAI's ``logit_bias``: -100 bans a token, 100 all but forces it). New
-    fields go at the end so positional construction keeps working.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
-
-    @property
-    def has_penalties(self) -> bool:
-        """True when any of presence, frequency or repetition penalty changes the logits."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        """Check every field; returns ``self`` so it can be chained.
-
-        Raises:
-            InvalidRequestError: with ``param`` naming the first field out of range or of the wrong type.
-        """
-        def num(name: str, v: object) -> float:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise InvalidRequestError(f"{name} must be a finite number, got {v!r}", param=name)
-            return float(v)
-
-        def integer(name: str, v: object) -> int:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise InvalidRequestError(f"{name} must be an integer, got {v!r}", param=name)
-            return v
-
-        if num("temperature", self.temperature) < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}",
-                                      param="temperature")
-        if not 0 < num("top_p", self.top_p) <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
-        if integer("top_k", self.top_k) < -1:
-            raise InvalidRequestError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}", param="top_k")
-        if not 0 <= num("min_p", self.min_p) <= 1:
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
-        if self.seed is not None and not 0 <= integer("seed", self.seed) <= MAX_SEED:
-            raise InvalidRequestError(f"seed must be in [0, 2**63 - 1], got {self.seed}", param="seed")
-        if integer("max_tokens", self.max_tokens) < 1:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
-        if not isinstance(self.stop_token_ids, tuple):
-            raise InvalidRequestError("stop_token_ids must be a tuple of token ids", param="stop_token_ids")
-        for t in self.stop_token_ids:
-            integer("stop_token_ids", t)
-            if t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise InvalidRequestError(
-                    f"stop_token_ids has {t}, outside the vocabulary [0, {vocab_size or 'vocab_size'})",
-                    param="stop_token_ids")
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}",
-                                      param="ignore_eos")
-        limit = MAX_PRESENCE_FREQUENCY_PENALTY
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not -limit <= num(name, v) <= limit:
-                raise InvalidRequestError(f"{name} must be in [-{limit:g}, {limit:g}], got {v}", param=name)
-        if not 0 < num("repetition_penalty", self.repetition_penalty) <= MAX_REPETITION_PENALTY:
-            raise InvalidRequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] "
-                                      f"(1 = off), got {self.repetition_penalty}", param="repetition_penalty")
-        if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= MAX_LOGPROBS:
-            raise InvalidRequestError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
-                                      f"got {self.logprobs}", param="logprobs")
-        for pair in self.logit_bias:
-            if not (isinstance(pair, tuple) and len(pair) == 2) or integer("logit_bias", pair[0]) < 0 or \
-                    (vocab_size is not None and pair[0] >= vocab_size) or \
-                    not -MAX_LOGIT_BIAS <= num("logit_bias", pair[1]) <= MAX_LOGIT_BIAS:
-                raise InvalidRequestError(f"logit_bias entries are (token id in the vocabulary, bias in "
-                                          f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]), got {pair!r}",
-                                          param="logit_bias")
-        return self
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
@@ -164,7 +53,7 @@ def _flat_ids(rows: list[int], seqs: list[Sequence[int]], vocab: int, what: str)
     return torch.repeat_interleave(torch.tensor(rows, dtype=torch.long) * vocab, lengths) + flat
 
 
-def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+def apply_penalties(logits: torch.Tensor, params: Sequence[Sampling],
                     histories: Sequence[History | None] | None) -> torch.Tensor:
     """Logits with each row's repetition, frequency and presence penalties applied.
 
@@ -177,7 +66,7 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
 
     Args:
         logits: ``[B, vocab]`` float32; not modified.
-        params: ``B`` validated :class:`SamplingParams`.
+        params: ``B`` validated :class:`Sampling`.
         histories: None, or ``B`` items, each None or ``(prompt_ids, output_ids)``; needed for (only) the rows
             whose params have penalties.
     Returns:
@@ -218,7 +107,7 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     return out
 
 
-def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[Sampling]) -> torch.Tensor:
     """``logits`` (``[B, vocab]`` float32, not modified) with each row's ``logit_bias`` added; ``logits`` itself
     when no row has one, else a new tensor (unbiased rows bit-identical copies)."""
     rows = [i for i, p in enumerate(params) if p.logit_bias]
@@ -235,7 +124,7 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
 class Sampler:
     """Picks one token per row of a logits batch; stateless (randomness lives in per-request generators)."""
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+    def sample(self, logits: torch.Tensor, params: list[Sampling],
                generators: list[torch.Generator | None],
                histories: Sequence[History | None] | None = None,
                allowed: torch.Tensor | None = None) -> list[int]:
@@ -243,7 +132,7 @@ class Sampler:
 
         Args:
             logits: ``[B, vocab]`` (any float dtype; computed in float32); not modified.
-            params: ``B`` validated :class:`SamplingParams`.
+            params: ``B`` validated :class:`Sampling`.
             generators: ``B`` generators from :func:`make_generator` (None = global RNG); used only for
                 non-greedy rows, one draw per row per call, so a seeded request is reproducible regardless
                 of what it is batched with.
@@ -279,7 +168,7 @@ class Sampler:
             return out
 
     @staticmethod
-    def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    def _sample_row(logits: torch.Tensor, p: Sampling, gen: torch.Generator | None) -> int:
         # logits: [vocab] float32
         x = logits / p.temperature
         vocab = x.shape[0]

@@ -1,8 +1,8 @@
 """The CPU KV handoff's copy loop: whole blocks between two pools' byte views, compiled with numba.
 
-``ipc.kv_transport.CpuShmTransport`` calls ``copy_blocks`` (and tools/bench_ipc, to compare); only they import
+``ipc.kv_transport.CpuShmTransport`` calls ``copy_blocks`` (and bench/ipc, to compare); only they import
 this module: numba's import and loading the cached machine code cost 1-3 s, paid at actor start, not on a
-request's path. The loop and why it is shaped this way (measured): docs/performance.md §2.
+request's path. The loop is shaped by what `python -m bench.ipc --only kv` measures.
 """
 from __future__ import annotations
 

@@ -137,7 +137,8 @@ class CpuShmTransport(KVTransport):
     temporary: every byte is read once and written once. Bytewise, so every pool dtype (bf16 included) is exact.
     ``open_peer`` compiles the loop (or loads it from numba's cache): at actor start, not on a request's path,
     and sets ``streaming`` (True: this pair of pools is copied with non-temporal stores).
-    Why this shape (4 KiB shm pages, 12 KiB pieces 3 MiB apart, glibc's memmove): docs/performance.md §2.
+    Why this shape (4 KiB shm pages, 12 KiB pieces 3 MiB apart, glibc's memmove): what
+    `python -m bench.ipc --only kv` measures.
     """
 
     kind = "cpu-shm"

@@ -390,7 +390,8 @@ class ConnectionLedger(_shm.ShmSegment):
         return out
 
     def counters(self) -> dict:
-        """``closed_total``, ``next_conn_id``, ``dropped``, ``closes`` {reason: n}, ``detections`` {reason: n}."""
+        """``closed_total``, ``last_conn_id`` (the header's next_conn_id: the last id given), ``dropped``,
+        ``closes`` {reason: n}, ``detections`` {reason: n}."""
         self._require_open()
         c = self._counters.tolist()
         return {"closed_total": c[0], "last_conn_id": c[1], "dropped": c[2],

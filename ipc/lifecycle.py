@@ -2,7 +2,7 @@
 
 ``ALLOWED``, ``LIVE_STATES``/``FINAL_STATES``, stage names (metrics labels, 504 messages, tools/inspect and
 docs/architecture.md alike), stage deadlines, renewal rules, gauge membership and which role holds or moves a
-row are all read from the one table below; nothing else re-declares them (tests/core/test_lifecycle.py checks
+row are all read from the one table below; nothing else re-declares them (tests/core/test_structure.py checks
 docs/architecture.md's state table against it).
 
 Renewal (``renewal``) says what extends a stage deadline through the row's ``last_progress_ns``:

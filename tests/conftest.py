@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.engine_process import wait_until
+from bench.engine_process import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@
 #   gpu-tests  pytest -m gpu over tests/ but the engine's (kernels and MMA tiles vs cuBLAS/SDPA, CUDA IPC)  (<= 120 s)
 #   engine     tests/e2e/test_gpu_engine.py: pdserve serve --device cuda, greedy vs HF float32, a stuck
 #              transfer timed out by the watchdog                                               (<= 200 s)
-#   bench      tools/bench_gpu.py --quick -> bench.md, bench.json                               (<= 150 s)
+#   bench      bench/gpu.py --quick -> bench.md, bench.json                               (<= 150 s)
 #   suite      pytest -m "not gpu and not slow" over tests/, with whatever time is left
 # Installs nothing from the network (there is none there): only the carried wheels, into /tmp/site.
 # Files back (8): summary.txt env.log gpu-tests.log engine.log bench.log bench.md bench.json suite.log
@@ -120,7 +120,7 @@ step gpu-tests 120 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --durations=1
 
 step engine 200 $PY -m pytest -q -p no:cacheprovider -rs --durations=10 --timeout=180 tests/e2e/test_gpu_engine.py
 
-step bench 150 $PY tools/bench_gpu.py --quick --out "$OUT/bench.md" --json "$OUT/bench.json" \
+step bench 150 $PY bench/gpu.py --quick --out "$OUT/bench.md" --json "$OUT/bench.json" \
     --tune-cache "$PDSERVE_AUTOTUNE_CACHE"
 
 step suite 600 $PY -m pytest -q -p no:cacheprovider -m "not gpu and not slow" -rs --timeout=120 \

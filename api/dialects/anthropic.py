@@ -7,6 +7,8 @@
 ``MessageStream``        engine events -> message_start, ping, content_block_start/_delta/_stop,
                          message_delta (stop_reason, usage), message_stop; ``error`` on failure
 ``error_body``           ``{"type": "error", "error": {"type", "message"}}`` for a PdserveError
+``MessagesDialect``      the dialect of api/exchange.py: build, renderer (``MessagesRenderer``), error body
+``count_tokens``         ``POST /v1/messages/count_tokens``: a body -> ``{"input_tokens"}``
 =======================  =========================================================================
 
 Honoured: ``system`` (string or text blocks), ``messages`` with text, ``tool_use`` and ``tool_result`` blocks,
@@ -26,6 +28,8 @@ from typing import Any
 
 import orjson
 
+from api.dialects.events import EventRenderer, parse_chat
+from api.protocol import check_request_id
 from pdserve.errors import InvalidRequestError, PdserveError
 
 IGNORED_FIELDS = frozenset({"thinking", "metadata", "service_tier", "container", "context_management",
@@ -350,3 +354,51 @@ class MessageStream:
     @staticmethod
     def failed(exc: PdserveError) -> bytes:
         return _frame("error", {"error": error_body(exc)["error"]})
+
+
+class MessagesDialect:
+    """``POST /v1/messages`` over api/exchange.py; ``headers``: the request's (X-Request-Id)."""
+
+    error_body = staticmethod(error_body)
+
+    def __init__(self, parser, headers):
+        self.parser = parser
+        self.message_id = new_id()
+        self.request_id = check_request_id(headers.get("x-request-id"), self.message_id)
+
+    def build(self, body: Any) -> list:
+        return parse_chat(self.parser, translate(body), self.request_id, renamed)
+
+    def renderer(self, handles: list) -> MessagesRenderer:
+        return MessagesRenderer(handles, self.message_id)
+
+
+class MessagesRenderer(EventRenderer):
+    """The Message object, or its SSE events (MessageStream)."""
+
+    def __init__(self, handles: list, message_id: str):
+        request = handles[0].request
+        super().__init__(handles, request.stream)
+        self.id, self.model = message_id, request.model
+        self.sse = MessageStream(message_id, request.model)
+
+    def start(self) -> list[bytes]:
+        return self.sse.start(usage_body(len(self.handles[0].request.prompt_ids), 0)) if self.stream else []
+
+    def frames(self, event: tuple) -> list[bytes]:
+        return self.sse.event(event)
+
+    def finish(self) -> list[bytes] | dict:
+        outcome = self.outcome
+        if self.stream:
+            return self.sse.finish(outcome.reason, outcome.stop_string, self.usage(usage_body))
+        return message_object(self.id, self.model, outcome, self.usage(usage_body))
+
+    def failed(self, exc: PdserveError) -> list[bytes]:
+        return [self.sse.failed(exc)]
+
+
+def count_tokens(parser, body: Any) -> dict:
+    """``{"input_tokens": n}``: the prompt the Messages body would run, counted (nothing is admitted)."""
+    (request,) = parse_chat(parser, translate(body, count_only=True), "count-tokens", renamed)
+    return {"input_tokens": len(request.prompt_ids)}

@@ -1,4 +1,11 @@
-"""The engine events one admitted sequence yields, shared by every dialect's renderer.
+"""The events of one choice, shared by the renderers of the Responses and Messages dialects.
+
+=======================  =========================================================================
+``ChoiceEvents``         one choice's text pieces (api/generation.py) -> the events below
+``Outcome``              the events of a finished choice, collected (a full answer's content)
+``EventRenderer``        the base of both dialects' renderers (api/exchange.py's Renderer) over these events
+``parse_chat``           a translated body through RequestParser.chat, its errors in the dialect's names
+=======================  =========================================================================
 
 Events (tuples, in order):
     ("reasoning", str)                        reasoning text (before ``</think>``; api/formats.py), before any text
@@ -8,43 +15,47 @@ Events (tuples, in order):
     ("finish", reason, stop_string)           last event: "stop", "length", "tool_calls" (a call was made and the
                                               answer ended normally), ...; the stop string that matched, or None
 
-Built from api.app.merged_choices (detokenization, stop strings, logprobs) and api.formats.ChatDeltas (the
-reasoning, the calls of auto/required in the served model's format, the arguments of a named function), exactly as
-chat streams them.
+The reasoning and the calls come out of the text by api.formats.ChatDeltas, exactly as chat streams them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from api.formats import ChatDeltas, request_formats
+from api.generation import prompt_counts
+from pdserve.errors import PdserveError
 
 
-async def engine_events(client, tokenizer, handle, metrics, reasons: dict) -> AsyncIterator[tuple]:
-    """Yield the events of ``handle`` (one choice). ``reasons[handle.index]`` is set to the finish reason once
-    known (api.app.Routes.finished counts the request by it). Raises PdserveError as generate_text does."""
-    from api.app import merged_choices
+class ChoiceEvents:
+    """One choice (``handle``: api.admission.RequestHandle) as events; ``reason``: its finish reason once known."""
 
-    formats = request_formats(handle.request)
-    deltas = ChatDeltas(formats, handle.request.tools) if formats is not None else None
-    async for _, text, reason, _ in merged_choices(client, tokenizer, [handle], metrics):
+    def __init__(self, handle):
+        self.handle = handle
+        formats = request_formats(handle.request)
+        self.deltas = ChatDeltas(formats, handle.request.tools) if formats is not None else None
+        self.reason: str | None = None
+
+    def push(self, text: str, reason: str | None) -> list[tuple]:
+        """The events of one text piece (``reason``: the finish reason with the last piece, else None)."""
+        deltas = self.deltas
         pieces = deltas.push(text, reason is not None) if deltas is not None else [(text, None, None)]
         if deltas is not None:
             reason = deltas.finish_reason(reason)
+        events: list[tuple] = []
         for content, calls, thought in pieces:
             if thought:
-                yield ("reasoning", thought)
+                events.append(("reasoning", thought))
             if content:
-                yield ("text", content)
+                events.append(("text", content))
             for call in calls or ():
                 if "id" in call:
-                    yield ("call", call["id"], call["function"]["name"], call["function"]["arguments"])
+                    events.append(("call", call["id"], call["function"]["name"], call["function"]["arguments"]))
                 elif call["function"]["arguments"]:
-                    yield ("args", call["function"]["arguments"])
+                    events.append(("args", call["function"]["arguments"]))
         if reason is not None:
-            reasons[handle.index] = reason
-            yield ("finish", reason, handle.stop_string)
-            return
+            self.reason = reason
+            events.append(("finish", reason, self.handle.stop_string))
+        return events
 
 
 @dataclass
@@ -70,3 +81,43 @@ class Outcome:
             self.calls[-1]["arguments"] += event[1]
         elif kind == "finish":
             self.reason, self.stop_string = event[1], event[2]
+
+
+class EventRenderer:
+    """One choice (these dialects take ``n`` 1) as events: ``outcome`` collects them; a stream renders each but the
+    finish with ``frames(event)``. Subclasses give ``start``, ``frames``, ``finish`` and ``failed``."""
+
+    def __init__(self, handles: list, stream: bool):
+        self.handles, self.stream = handles, stream
+        self.events = ChoiceEvents(handles[0])
+        self.outcome = Outcome()
+        self.reasons: dict[int, str | None] = {}
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def frames(self, event: tuple) -> list[bytes]:
+        raise NotImplementedError
+
+    def event(self, index: int, text: str, reason: str | None, logprobs: list) -> list[bytes]:
+        frames: list[bytes] = []
+        for event in self.events.push(text, reason):
+            self.outcome.add(event)
+            if self.stream and event[0] != "finish":
+                frames += self.frames(event)
+        if self.events.reason is not None:
+            self.reasons[index] = self.events.reason
+        return frames
+
+    def usage(self, shape) -> dict:
+        """``shape(prompt tokens, output tokens, cached prompt tokens)``: the dialect's usage body."""
+        prompt_tokens, cached_tokens = prompt_counts(self.handles)
+        return shape(prompt_tokens, self.handles[0].completion_tokens, cached_tokens)
+
+
+def parse_chat(parser, chat_body: dict, request_id: str, renamed) -> list:
+    """``[parser.chat(chat_body)]``; its error with the dialect's field names (``renamed``)."""
+    try:
+        return [parser.chat(chat_body, request_id)]
+    except PdserveError as exc:
+        raise renamed(exc) from None

@@ -6,6 +6,8 @@ events, and the bounded store behind ``store`` / ``previous_response_id``. Plain
 ``response_object``      a finished (or failed) response as the Response object
 ``ResponseStream``       engine events -> the SSE event sequence the official SDK and Codex parse
 ``ResponseStore``        finished responses by id: per API key, TTL, entry cap (least recently stored out)
+``ResponsesDialect``     the dialect of api/exchange.py: build, renderer (``ResponsesRenderer``), error body
+``stored``, ``deleted``  ``GET`` / ``DELETE /v1/responses/{id}``: ``(status, body)``
 =======================  =========================================================================
 
 Honoured: ``input`` (a string, or items: messages with text parts, ``function_call``, ``function_call_output``;
@@ -19,6 +21,7 @@ while streaming).
 from __future__ import annotations
 
 import collections
+import hashlib
 import re
 import time
 import uuid
@@ -28,6 +31,8 @@ from typing import Any
 import orjson
 
 from api import fields
+from api.dialects.events import EventRenderer, Outcome, parse_chat
+from api.protocol import check_request_id, error_body
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 
 # hints a model without reasoning or server-side tools has no use for (OpenAI documents each)
@@ -477,3 +482,86 @@ class ResponseNotFoundError(ModelNotFoundError):
     """404: no stored response with that id (for this API key)."""
 
     error_type = "invalid_request_error"
+
+
+def api_key_digest(headers) -> str:
+    """The offered API key (Bearer, else x-api-key) as a SHA-256 hex digest; "" when none: the store's owner key."""
+    scheme, _, token = headers.get("authorization", "").strip().partition(" ")
+    token = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "").strip()
+    return hashlib.sha256(token.encode("utf-8", errors="surrogateescape")).hexdigest() if token else ""
+
+
+class ResponsesDialect:
+    """``POST /v1/responses`` over api/exchange.py; ``headers``: the request's (API key, X-Request-Id)."""
+
+    error_body = staticmethod(error_body)
+
+    def __init__(self, parser, store: ResponseStore, headers):
+        self.parser, self.store = parser, store
+        self.key = api_key_digest(headers)
+        self.response_id = new_id("resp")
+        self.request_id = check_request_id(headers.get("x-request-id"), self.response_id)
+        self.body: dict = {}
+        self.conversation: list[dict] = []
+
+    def build(self, body: Any) -> list:
+        history = None
+        if isinstance(body, dict) and body.get("previous_response_id") is not None:
+            history = self.store.history(self.key, body["previous_response_id"])
+        chat_body, self.conversation = translate(body, history)
+        requests = parse_chat(self.parser, chat_body, self.request_id, renamed)
+        self.body = body
+        return requests
+
+    def renderer(self, handles: list) -> ResponsesRenderer:
+        meta = ResponseMeta(self.response_id, handles[0].request.model, self.body)
+        return ResponsesRenderer(handles, meta, self.body.get("stream") is True, self.keep)
+
+    def keep(self, outcome: Outcome, response: dict) -> None:
+        if self.body.get("store") is not False:
+            self.store.put(self.key, response, self.conversation + [assistant_message(outcome)])
+
+
+class ResponsesRenderer(EventRenderer):
+    """The Response object, or its SSE events (ResponseStream); the finished response goes to ``keep``."""
+
+    def __init__(self, handles: list, meta: ResponseMeta, stream: bool, keep):
+        super().__init__(handles, stream)
+        self.meta, self.keep = meta, keep
+        self.sse = ResponseStream(meta)
+
+    def start(self) -> list[bytes]:
+        return self.sse.start() if self.stream else []
+
+    def frames(self, event: tuple) -> list[bytes]:
+        return self.sse.event(event)
+
+    def finish(self) -> list[bytes] | dict:
+        if self.stream:
+            frames, response = self.sse.finish(self.outcome.reason, self.usage(usage_body))
+        else:
+            response = frames = response_object(self.meta, self.outcome, self.usage(usage_body))
+        self.keep(self.outcome, response)
+        return frames
+
+    def failed(self, exc: PdserveError) -> list[bytes]:
+        return [self.sse.failed(exc)]
+
+
+def _not_stored(store: ResponseStore, response_id: str) -> tuple[int, dict]:
+    return 404, error_body(f"No response with id '{response_id}' found (responses are kept {store.ttl_s:g} s, at "
+                           f"most {store.max_entries}, and only with 'store' true)", "invalid_request_error",
+                           "response_id", "not_found")
+
+
+def stored(store: ResponseStore, headers, response_id: str) -> tuple[int, dict]:
+    """``GET /v1/responses/{id}``: ``(status, body)``."""
+    entry = store.get(api_key_digest(headers), response_id)
+    return _not_stored(store, response_id) if entry is None else (200, entry.response)
+
+
+def deleted(store: ResponseStore, headers, response_id: str) -> tuple[int, dict]:
+    """``DELETE /v1/responses/{id}``: ``(status, body)``."""
+    if not store.delete(api_key_digest(headers), response_id):
+        return _not_stored(store, response_id)
+    return 200, {"id": response_id, "object": "response.deleted", "deleted": True}

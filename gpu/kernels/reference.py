@@ -1,5 +1,5 @@
 """Torch implementations of what the numba kernels compute: the references they are tested against, and the
-torch baselines ``tools/bench_gpu.py`` times them against. Plain torch, any device, no numba import.
+torch baselines ``bench/gpu.py`` times them against. Plain torch, any device, no numba import.
 
 Shapes follow the KV pool of ``gpu/model.py`` (vLLM's PagedAttention layout)::
 

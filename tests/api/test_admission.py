@@ -115,7 +115,7 @@ def _client(engine: Engine):
 def test_a_list_of_prompts_is_admitted_whole_with_choice_indices_after_the_earlier_prompts_or_not_at_all():
     """api/app.py's submit_all over the core: one PrefillRequest per prompt, choices indexed k * n + i; a refusal
     of a later prompt (here a full state table) aborts and releases the rows of those admitted before it."""
-    from api.app import submit_all
+    from api.exchange import submit_all
 
     engine = Engine(num_rows=MAX_QUEUED)
     client = _client(engine)
@@ -136,7 +136,7 @@ def test_a_list_of_prompts_over_the_in_flight_limit_is_refused_whole_before_any_
     """Beside one sequence in flight, a list of two prompts of n=2 (4 sequences, limit 4): one 503 saying 1 in
     flight and 4 asked for, no row opened and nothing sent (admitted one by one, its second prompt's 503 said 3 in
     flight and 2 asked for, and the first prompt went to a prefill actor only to be aborted)."""
-    from api.app import submit_all
+    from api.exchange import submit_all
 
     engine = Engine()
     held, = engine.core.admit(request("x"))

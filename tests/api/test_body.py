@@ -12,7 +12,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from api.app import MAX_BODY_BYTES, decode_body, error_response, parse_json, read_body
+from api.body import MAX_BODY_BYTES, decode_body, parse_json, read_body
+from api.exchange import error_response
 from pdserve.errors import PdserveError
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from api.formats import (FAMILY_DEFAULTS, TOOL_PARSERS, ChatDeltas, OutputFormats, ReasoningStream, choose,
                          finish_choice, prompt_opens_reasoning, split_reasoning, tool_parser)
-from api.protocol import ChoiceResult
+from api.dialects.openai import ChoiceResult
 from api.tools import ToolPlan, parse_tools
 from gpu.families import FAMILIES
 

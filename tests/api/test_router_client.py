@@ -8,7 +8,6 @@ import asyncio
 import orjson
 import pytest
 
-from actors.messages import Sampling
 from actors.topology import REMOTE, Topology
 from api.node_api import generation_request, request_wire
 from api.protocol import GenerationRequest
@@ -19,6 +18,7 @@ from pdserve.cli import node_urls
 from pdserve.config import load_config
 from ipc.cache_summary import encode_words, key_words
 from pdserve.errors import ConfigError, EngineOverloadedError, InvalidRequestError
+from pdserve.sampling import Sampling
 
 
 def router(prefill=("http://p0:1", "http://p1:1"), decode=("http://d0:1",)) -> RouterClient:

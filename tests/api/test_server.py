@@ -81,3 +81,15 @@ def test_a_stream_over_the_limit_is_refused_alone_and_its_header_block_still_dec
     events = server.receive_data(client.data_to_send())
     headers = next(dict(e.headers) for e in events if isinstance(e, h2.events.RequestReceived))
     assert headers[b"x-request-id"] == b"id-5"
+
+
+def test_the_h2_idle_start_patch_is_in_place_after_the_idle_close_install():
+    """The one patch that finds nothing to wrap without a warning (H2Protocol.initiate): an upgrade that moves it
+    fails here rather than leaving a preface-only h2c connection open forever."""
+    from hypercorn.protocol.h2 import H2Protocol
+
+    from api import http_edges
+
+    assert http_edges.install_idle_close() is True
+    assert getattr(H2Protocol.initiate, http_edges._PATCH_MARK, False)
+    assert H2Protocol.initiate.__wrapped__.__qualname__ == "H2Protocol.initiate"

@@ -38,8 +38,9 @@ def test_every_pdserve_variable_the_docs_and_tools_name_is_a_config_field_and_on
     """Following a doc or a script must never make ``pdserve serve`` exit 2 on an unknown variable (as
     PDSERVE_AUTOTUNE_CACHE did), and no module reads PDSERVE_* around the config (a side channel)."""
     root = Path(__file__).resolve().parents[2]
-    files = [root / "README.md", *(root / "docs").rglob("*.md"), *(root / "tools").rglob("*.sh")]
-    for package in ("actors", "api", "gpu", "ipc", "pdserve", "tools"):
+    files = [root / "README.md", *(root / "docs").rglob("*.md"), *(root / "tools").rglob("*.sh"),
+             *(root / "bench").rglob("*.sh")]
+    for package in ("actors", "api", "gpu", "ipc", "pdserve", "tools", "bench"):
         files += [p for p in (root / package).rglob("*.py") if p != root / "pdserve" / "config.py"]
     named: set[str] = set()
     for path in files:

@@ -12,7 +12,7 @@ import pytest
 from ipc.lifecycle import LIFECYCLE
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("actors", "api", "gpu", "ipc", "pdserve", "tools")
+PACKAGES = ("actors", "api", "gpu", "ipc", "pdserve", "tools", "bench")
 # Entry points sit above every package (the command line starts the supervisor): their own node in the graph.
 ENTRY_MODULES = {"pdserve.cli"}
 MAX_FUNCTION_LINES = 80
@@ -124,8 +124,8 @@ ROW_MOVERS = {"actors/prefill_core.py", "actors/decode_core.py", "api/admission.
 # who else calls a KV block allocator's allocate: the allocators themselves and their decorator (ipc/kv_pool.py,
 # actors/prefix_cache.py), and the warm-up pass that takes one scratch block before serving (actors/model_runner.py)
 BLOCK_ALLOCATORS = {"ipc/kv_pool.py", "actors/prefix_cache.py", "actors/model_runner.py"}
-# ipc/_shm.py is ipc's own base; tools/bench_ipc.py measures its primitives against a raw-segment baseline
-SHM_IMPORTERS = {"tools/bench_ipc.py"}
+# ipc/_shm.py is ipc's own base; bench/ipc.py measures its primitives against a raw-segment baseline
+SHM_IMPORTERS = {"bench/ipc.py"}
 
 
 def method_calls(name: str) -> list[tuple[str, int, str]]:
@@ -290,8 +290,8 @@ def test_the_sentinel_finder_finds_the_old_spellings():
 
 
 # the one door to the numba kernels (gpu/kernels): the CUDA executor, beside the kernels' own package and tests;
-# tools/bench_gpu.py measures the kernels themselves
-KERNEL_IMPORTERS = {"gpu/exec_cuda.py", "tests/gpu/test_kernels_cudasim.py", "tools/bench_gpu.py"}
+# bench/gpu.py measures the kernels themselves
+KERNEL_IMPORTERS = {"gpu/exec_cuda.py", "tests/gpu/test_kernels_cudasim.py", "bench/gpu.py"}
 
 
 def imported_modules(path: Path, tree: ast.Module) -> set[str]:
@@ -320,3 +320,110 @@ def test_only_the_cuda_executor_imports_the_numba_kernels():
     found = kernel_importers()
     assert "gpu/exec_cuda.py" in found, "the walk found no importer: it reads no imports"
     assert found <= KERNEL_IMPORTERS, sorted(found - KERNEL_IMPORTERS)
+
+
+def api_module_graph() -> dict[str, set[str]]:
+    """Module -> the ``api`` modules it imports (at any depth of the file: lazy imports count too)."""
+    graph: dict[str, set[str]] = collections.defaultdict(set)
+    for path, tree in sources():
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        if not module.startswith("api"):
+            continue
+        graph[module]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                # ``from api.dialects import openai`` imports the module api.dialects.openai
+                names = [f"{node.module}.{a.name}" if (ROOT / node.module.replace(".", "/") / f"{a.name}.py").exists()
+                         else node.module for a in node.names]
+            else:
+                names = []
+            graph[module] |= {n for n in names if n.split(".")[0] == "api" and n != module}
+    return graph
+
+
+# the two processes that serve the app (the API actor, `pdserve router`) sit above it
+APP_SERVERS = {"api.server", "api.router_server"}
+
+
+def test_no_api_module_imports_the_app_but_the_processes_that_serve_it():
+    graph = api_module_graph()
+    assert "api.protocol" in graph["api.app"] | graph["api.exchange"], "the walk found nothing"
+    importers = sorted(m for m, there in graph.items() if "api.app" in there and m not in APP_SERVERS)
+    assert not importers, importers
+
+
+def test_api_has_no_import_cycle_between_its_modules():
+    graph = api_module_graph()
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_a_requests_end_is_written_only_in_the_exchange():
+    """``http.disconnect``, ``finish_all`` (the release of an HTTP request's rows) and the recorder's CLOSED event
+    appear in api/exchange.py alone (api/node_api.py, the /internal/* protocol between nodes, ends its own rows)."""
+    found = collections.defaultdict(set)
+    for path, tree in sources():
+        where = path.relative_to(ROOT).as_posix()
+        if not where.startswith("api/"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value == "http.disconnect":
+                found["http.disconnect"].add(where)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr == "finish_all" and where != "api/node_api.py":
+                found["finish_all"].add(where)
+            elif isinstance(node, ast.Attribute) and node.attr == "CLOSED" and ast.unparse(node.value) == "EventKind":
+                found["CLOSED"].add(where)
+    assert dict(found) == {name: {"api/exchange.py"} for name in ("http.disconnect", "finish_all", "CLOSED")}
+
+
+def test_no_dialect_imports_starlette_responses_or_the_recorder():
+    graph = {m: there for m, there in import_names_by_module().items() if m.startswith("api.dialects")}
+    assert "api.dialects.anthropic" in graph, "the walk found no dialect"
+    bad = {m: sorted(n for n in names if n.startswith(("starlette.responses", "ipc.recorder")))
+           for m, names in graph.items()}
+    assert not any(bad.values()), bad
+
+
+def import_names_by_module() -> dict[str, set[str]]:
+    """Module -> every module name it imports (``from x import y``: x)."""
+    names: dict[str, set[str]] = collections.defaultdict(set)
+    for path, tree in sources():
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names[module] |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names[module].add(node.module)
+    return names
+
+
+def test_the_app_module_is_the_route_table_and_the_routes_that_generate_nothing():
+    assert len((ROOT / "api" / "app.py").read_text().splitlines()) < 300
+    assert not (ROOT / "api" / "dialects" / "routes.py").exists()   # every dialect's life is api/exchange.py's
+
+
+def test_the_installed_wheel_holds_no_benchmark():
+    """setup.cfg's packages leave bench/ out, and tools/ (shipped: what users run) holds no bench script."""
+    import configparser
+    import fnmatch
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    include = [p.strip() for p in cfg["options.packages.find"]["include"].split(",")]
+    assert "tools*" in include and not any(fnmatch.fnmatch(name, pattern) for pattern in include
+                                           for name in ("bench", "bench.anchors"))
+    assert not sorted(p.name for p in (ROOT / "tools").glob("bench_*"))
+
+
+def test_one_sampling_type_from_the_http_body_to_the_sampler():
+    from actors.messages import Sampling as wire
+    from gpu.sampling import Sampling as sampler
+    from pdserve.sampling import Sampling
+
+    assert wire is sampler is Sampling
+    declared = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name}" for path, tree in sources()
+                for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and "Sampling" in node.name
+                and path.relative_to(ROOT).as_posix() != "pdserve/sampling.py"]
+    assert not declared, declared

@@ -14,7 +14,7 @@ import pytest
 
 from ipc.ledger import CLOSE_REASONS, ConnectionLedger, row_state
 from tests.conftest import cleanup_engine, probe_fixture, scrape, start_engine
-from tools.engine_process import wait_until
+from bench.engine_process import wait_until
 
 STALL_S = 2.0
 # the stopped reader's stream: echo + logprobs of a long prompt for 8 choices, ~5 MB of SSE, more than the kernel's

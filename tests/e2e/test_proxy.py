@@ -19,7 +19,7 @@ from ipc.ledger import ConnectionLedger
 from tests.conftest import cleanup_engine, free_port, start_engine
 from tests.e2e.test_connections import h11_body, h11_post, sse_tokens
 from tests.e2e.test_openai_api import self_signed
-from tools.engine_process import wait_until
+from bench.engine_process import wait_until
 
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if shutil.os.path.exists("/usr/sbin/nginx") else None)
 pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (make install-nginx: Debian's package)")

@@ -140,7 +140,7 @@ def test_every_request_passed_the_inflight_queue_and_gauges_return_to_zero(engin
 def test_a_second_engine_maps_the_prepared_model_and_is_healthy_within_60_s(engine, tmp_path):
     """Start-up after a first run: the module engine built (or found) the prepared model and the GGUF header in
     the model cache; this one only reads them. The bound is generous for a loaded 2-core machine (about 10 s
-    measured at load 3-4); `python -m tools.bench_engine --start-up-only` reports the figure (target 10 s)."""
+    measured at load 3-4); `python -m bench.engine --start-up-only` reports the figure (target 10 s)."""
     import time
 
     assert "prepared model" in engine.log_text()

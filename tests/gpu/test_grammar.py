@@ -11,7 +11,7 @@ import torch
 
 from gpu.grammar import (CLOSE_WITHIN_TOKENS, MAX_NUMBER_CHARS, GrammarCompiler, accept_tokens, batch_allowed,
                          json_schema_grammar, lark_grammar)
-from gpu.sampling import Sampler, SamplingParams, make_generator
+from gpu.sampling import Sampler, Sampling, make_generator
 from pdserve.errors import InvalidRequestError
 
 PERSON = {
@@ -37,7 +37,7 @@ def compiler(tok) -> GrammarCompiler:
 def generate(compiler, tok, grammar: str, logits_of, rows: int, max_tokens: int, seed: int = 0) -> list[str]:
     """Sample ``rows`` sequences at once under ``grammar`` the way the decode actor does (batch_allowed ->
     Sampler(allowed=) -> accept_tokens), with logits from ``logits_of(step)`` ``[rows, vocab]``."""
-    params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=max_tokens) for i in range(rows)]
+    params = [Sampling(temperature=1.0, seed=seed + i, max_tokens=max_tokens) for i in range(rows)]
     gens = [make_generator(p.seed) for p in params]
     matchers = [compiler.matcher(grammar) for _ in range(rows)]
     out: list[list[int]] = [[] for _ in range(rows)]
@@ -201,8 +201,8 @@ def test_the_sampler_only_picks_allowed_tokens_and_refuses_an_empty_mask():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     allowed = torch.zeros(3, 50, dtype=torch.bool)
     allowed[0, 7] = allowed[1, [3, 4]] = allowed[2, 49] = True
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, seed=1),
-              SamplingParams(temperature=1.0, top_k=2)]
+    params = [Sampling(temperature=0.0), Sampling(temperature=1.5, seed=1),
+              Sampling(temperature=1.0, top_k=2)]
     for _ in range(20):
         tokens = Sampler().sample(logits, params, [None, make_generator(1), None], None, allowed)
         assert tokens[0] == 7 and tokens[1] in (3, 4) and tokens[2] == 49

@@ -447,7 +447,7 @@ def test_every_kernel_passes_under_the_cuda_simulator():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what the benchmark says without a device")
 def test_the_gpu_benchmark_says_plainly_that_there_is_no_cuda_device():
-    proc = subprocess.run([sys.executable, "tools/bench_gpu.py", "--quick"], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "bench/gpu.py", "--quick"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "no CUDA device" in proc.stderr and "nothing was measured" in proc.stderr
@@ -460,7 +460,7 @@ def test_the_gpu_benchmark_runs_every_simulable_section_at_toy_sizes(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "NUMBA_"))}
     env["NUMBA_ENABLE_CUDASIM"] = "1"
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "tools/bench_gpu.py", "--smoke", "--json", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "bench/gpu.py", "--smoke", "--json", str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "FAILED" not in proc.stdout, proc.stdout[-4000:]

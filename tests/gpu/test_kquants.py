@@ -105,7 +105,7 @@ def q4_k_m_models(gguf_path, tmp_path_factory):
 
 
 def test_a_q4_k_m_model_runs_its_k_quants_low_bit_and_agrees_with_its_float32_path(q4_k_m_models, tok):
-    from tools.bench_quality import DEFAULT_TEXT, compare
+    from bench.quality import DEFAULT_TEXT, compare
 
     counts, native, reference = q4_k_m_models
     # the embedded model's hidden size 576 is no multiple of 256: only ffn_down (input 1536) is a K-quant,

@@ -98,7 +98,7 @@ def native_model(gguf_path) -> LlamaModel:
 def test_native_weights_agree_with_float32_on_most_next_tokens_of_english_text(model, native_model, tok, path):
     """``engine_prefill``: the engine's prefill (float32 copies, per-row attention, float32 output projection);
     ``all_low_bit``: the output projection on its int8 kernel too, as decode steps of a few rows run it."""
-    from tools.bench_quality import DEFAULT_TEXT, compare
+    from bench.quality import DEFAULT_TEXT, compare
 
     ids = tok.encode(DEFAULT_TEXT.read_text(encoding="utf-8"))[:257]
     if path == "all_low_bit":
@@ -177,7 +177,7 @@ def test_a_damaged_or_stale_prepared_file_is_refused_and_rebuilt(gguf_path, prep
 
 
 def test_native_decode_steps_agree_with_float32_on_most_next_tokens(model, native_model, tok):
-    from tools.bench_quality import DEFAULT_TEXT, compare
+    from bench.quality import DEFAULT_TEXT, compare
 
     ids = tok.encode(DEFAULT_TEXT.read_text(encoding="utf-8"))[:129]
     res = compare(model, native_model, ids, chunk_tokens=128, candidate_by_decode=True)

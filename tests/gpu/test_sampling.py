@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from gpu.sampling import (Sampler, SamplingParams, TokenLogprob, apply_penalties, make_generator, prompt_logprobs,
+from gpu.sampling import (Sampler, Sampling, TokenLogprob, apply_penalties, make_generator, prompt_logprobs,
                           token_logprobs)
 from pdserve.errors import InvalidRequestError
 
@@ -22,15 +22,15 @@ def logits_batch(b: int = 4, seed: int = 0) -> torch.Tensor:
 
 def test_temperature_zero_is_argmax():
     x = logits_batch()
-    params = [SamplingParams(temperature=0.0)] * 4
+    params = [Sampling(temperature=0.0)] * 4
     assert Sampler().sample(x, params, [None] * 4) == x.argmax(-1).tolist()
-    tiny = [SamplingParams(temperature=1e-6, seed=1)] * 4
+    tiny = [Sampling(temperature=1e-6, seed=1)] * 4
     assert Sampler().sample(x, tiny, [make_generator(1)] * 4) == x.argmax(-1).tolist()
 
 
 def test_the_same_seed_gives_the_same_tokens():
     x = logits_batch()
-    p = SamplingParams(temperature=1.0, seed=1234)
+    p = Sampling(temperature=1.0, seed=1234)
 
     def run():
         gens = [make_generator(p.seed) for _ in range(4)]
@@ -43,17 +43,17 @@ def test_the_same_seed_gives_the_same_tokens():
 
 def test_a_seeded_row_does_not_depend_on_its_batch_neighbours():
     x = logits_batch(3)
-    seeded = SamplingParams(temperature=0.8, seed=7)
+    seeded = Sampling(temperature=0.8, seed=7)
     alone = Sampler().sample(x[1:2], [seeded], [make_generator(7)])
     g = make_generator(7)
-    batched = Sampler().sample(x, [SamplingParams(temperature=0.0), seeded, SamplingParams(seed=None)],
+    batched = Sampler().sample(x, [Sampling(temperature=0.0), seeded, Sampling(seed=None)],
                                [None, g, None])
     assert batched[1] == alone[0]
 
 
 def test_top_k_one_is_greedy():
     x = logits_batch()
-    params = [SamplingParams(temperature=1.5, top_k=1, seed=i) for i in range(4)]
+    params = [Sampling(temperature=1.5, top_k=1, seed=i) for i in range(4)]
     gens = [make_generator(i) for i in range(4)]
     for _ in range(10):
         assert Sampler().sample(x, params, gens) == x.argmax(-1).tolist()
@@ -61,7 +61,7 @@ def test_top_k_one_is_greedy():
 
 def test_tiny_top_p_is_greedy():
     x = logits_batch()
-    params = [SamplingParams(temperature=1.0, top_p=1e-6, seed=i) for i in range(4)]
+    params = [Sampling(temperature=1.0, top_p=1e-6, seed=i) for i in range(4)]
     gens = [make_generator(i) for i in range(4)]
     for _ in range(10):
         assert Sampler().sample(x, params, gens) == x.argmax(-1).tolist()
@@ -69,14 +69,14 @@ def test_tiny_top_p_is_greedy():
 
 def test_min_p_one_is_greedy():
     x = logits_batch()
-    params = [SamplingParams(temperature=1.0, min_p=1.0, seed=i) for i in range(4)]
+    params = [Sampling(temperature=1.0, min_p=1.0, seed=i) for i in range(4)]
     assert Sampler().sample(x, params, [make_generator(i) for i in range(4)]) == x.argmax(-1).tolist()
 
 
 def test_top_k_only_draws_from_the_k_best():
     x = logits_batch(1)
     best3 = set(torch.topk(x[0], 3).indices.tolist())
-    p = SamplingParams(temperature=5.0, top_k=3, seed=3)
+    p = Sampling(temperature=5.0, top_k=3, seed=3)
     g = make_generator(3)
     drawn = {Sampler().sample(x, [p], [g])[0] for _ in range(200)}
     assert drawn <= best3 and len(drawn) > 1
@@ -85,7 +85,7 @@ def test_top_k_only_draws_from_the_k_best():
 def test_top_p_keeps_the_smallest_set_reaching_p():
     # probabilities 0.5, 0.3, 0.2: top_p=0.6 keeps the first two (0.5 < 0.6 <= 0.8).
     x = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
-    p = SamplingParams(temperature=1.0, top_p=0.6, seed=0)
+    p = Sampling(temperature=1.0, top_p=0.6, seed=0)
     g = make_generator(0)
     drawn = {Sampler().sample(x, [p], [g])[0] for _ in range(300)}
     assert drawn == {0, 1}
@@ -113,40 +113,40 @@ def test_unseeded_requests_have_no_generator():
 ])
 def test_out_of_range_values_are_rejected_naming_the_field(field, value):
     with pytest.raises(InvalidRequestError) as e:
-        SamplingParams(**{field: value}).validate()
+        Sampling(**{field: value}).validate()
     assert e.value.param == field
 
 
 def test_defaults_and_edge_values_are_valid():
-    for params in [SamplingParams(),
-                   SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, max_tokens=1),
-                   SamplingParams(top_k=0, min_p=1.0, seed=2**63 - 1, stop_token_ids=(0, 5), ignore_eos=True),
-                   SamplingParams(presence_penalty=-2.0, frequency_penalty=2, repetition_penalty=10.0, logprobs=0),
-                   SamplingParams(presence_penalty=2.0, frequency_penalty=-2.0, repetition_penalty=1e-3,
+    for params in [Sampling(),
+                   Sampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, max_tokens=1),
+                   Sampling(top_k=0, min_p=1.0, seed=2**63 - 1, stop_token_ids=(0, 5), ignore_eos=True),
+                   Sampling(presence_penalty=-2.0, frequency_penalty=2, repetition_penalty=10.0, logprobs=0),
+                   Sampling(presence_penalty=2.0, frequency_penalty=-2.0, repetition_penalty=1e-3,
                                   logprobs=20)]:
         before = dataclasses.replace(params)
         assert params.validate() is params and params == before   # accepted as given, nothing rewritten
     with pytest.raises(InvalidRequestError):
-        SamplingParams(stop_token_ids=(50000,)).validate(vocab_size=49152)
+        Sampling(stop_token_ids=(50000,)).validate(vocab_size=49152)
 
 
 def test_mismatched_batch_sizes_are_a_caller_bug():
     with pytest.raises(ValueError):
-        Sampler().sample(logits_batch(2), [SamplingParams()], [None])
+        Sampler().sample(logits_batch(2), [Sampling()], [None])
 
 
 # ---------------------------------------------------------------- penalties
 
 def test_new_fields_default_off_and_positional_construction_still_works():
-    p = SamplingParams(0.5, 0.9, 40, 0.05, 7, 32, (2,), True)
-    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.max_tokens, p.stop_token_ids, p.ignore_eos) == \
-        (0.5, 0.9, 40, 0.05, 7, 32, (2,), True)
+    p = Sampling(0.5, 0.9, 40, 0.05, 7, 32, True, (2,))
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.max_tokens, p.ignore_eos, p.stop_token_ids) == \
+        (0.5, 0.9, 40, 0.05, 7, 32, True, (2,))
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logprobs) == (0.0, 0.0, 1.0, None)
     assert not p.has_penalties
-    assert SamplingParams(presence_penalty=0.1).has_penalties
-    assert SamplingParams(frequency_penalty=-0.1).has_penalties
-    assert SamplingParams(repetition_penalty=1.1).has_penalties
-    assert not SamplingParams(logprobs=5).has_penalties
+    assert Sampling(presence_penalty=0.1).has_penalties
+    assert Sampling(frequency_penalty=-0.1).has_penalties
+    assert Sampling(repetition_penalty=1.1).has_penalties
+    assert not Sampling(logprobs=5).has_penalties
 
 
 def reference_penalties(logits, params, histories):
@@ -180,7 +180,7 @@ def test_repetition_penalty_equals_hf_repetition_penalty_logits_processor(penalt
     vocab = 50
     x = logits_batch(4, seed=3)[:, :vocab].contiguous()
     histories = random_histories(4, vocab, seed=5)
-    ours = apply_penalties(x, [SamplingParams(repetition_penalty=penalty)] * 4, histories)
+    ours = apply_penalties(x, [Sampling(repetition_penalty=penalty)] * 4, histories)
     input_ids = torch.tensor([prompt + output for prompt, output in histories])  # [4, 21]
     hf = RepetitionPenaltyLogitsProcessor(penalty)(input_ids, x.clone())
     assert torch.equal(ours, hf)
@@ -190,7 +190,7 @@ def test_repetition_penalty_equals_hf_repetition_penalty_logits_processor(penalt
 def test_frequency_and_presence_penalties_match_a_hand_computation():
     x = torch.tensor([[1.0, -2.0, 0.5, 3.0, -0.25, 0.0]])
     prompt, output = [0, 1], [2, 2, 5, 2, 3]  # counts in the output: 2 -> 3, 3 -> 1, 5 -> 1; the prompt is ignored
-    p = SamplingParams(frequency_penalty=0.5, presence_penalty=-0.25)
+    p = Sampling(frequency_penalty=0.5, presence_penalty=-0.25)
     got = apply_penalties(x, [p], [(prompt, output)])
     expected = [1.0, -2.0, 0.5 - 0.5 * 3 + 0.25, 3.0 - 0.5 + 0.25, -0.25, 0.0 - 0.5 + 0.25]
     assert got[0].tolist() == pytest.approx(expected, abs=1e-6)
@@ -199,7 +199,7 @@ def test_frequency_and_presence_penalties_match_a_hand_computation():
 def test_repetition_then_frequency_and_presence_in_vllm_order():
     x = torch.tensor([[2.0, -2.0, 4.0, -1.0, 1.0]])
     prompt, output = [0, 1], [2, 2, 3]
-    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=1.0)
+    p = Sampling(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=1.0)
     got = apply_penalties(x, [p], [(prompt, output)])
     # seen (prompt or output): 0, 1, 2, 3. Then output counts 2 -> 2, 3 -> 1.
     expected = [2.0 / 2, -2.0 * 2, 4.0 / 2 - 0.5 * 2 - 1.0, -1.0 * 2 - 0.5 - 1.0, 1.0]
@@ -209,20 +209,20 @@ def test_repetition_then_frequency_and_presence_in_vllm_order():
 
 def test_a_strong_repetition_penalty_changes_the_greedy_choice():
     x = torch.tensor([[5.0, 4.0, 1.0, -1.0]])
-    plain = SamplingParams(temperature=0.0)
+    plain = Sampling(temperature=0.0)
     assert Sampler().sample(x, [plain], [None]) == [0]
-    penalised = SamplingParams(temperature=0.0, repetition_penalty=10.0)
+    penalised = Sampling(temperature=0.0, repetition_penalty=10.0)
     assert Sampler().sample(x, [penalised], [None], histories=[([3], [0])]) == [1]
     assert Sampler().sample(x, [penalised], [None], histories=[([0, 1], [])]) == [2]
-    freq = SamplingParams(temperature=0.0, frequency_penalty=2.0)
+    freq = Sampling(temperature=0.0, frequency_penalty=2.0)
     assert Sampler().sample(x, [freq], [None], histories=[([], [0])]) == [1]
 
 
 def test_rows_without_penalties_are_bit_identical_and_the_input_is_not_modified():
     x = logits_batch(4, seed=11)
     before = x.clone()
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, repetition_penalty=3.0),
-              SamplingParams(temperature=0.9, seed=4), SamplingParams(temperature=0.0, presence_penalty=2.0)]
+    params = [Sampling(temperature=0.0), Sampling(temperature=0.0, repetition_penalty=3.0),
+              Sampling(temperature=0.9, seed=4), Sampling(temperature=0.0, presence_penalty=2.0)]
     histories = [None] + random_histories(3, VOCAB, seed=2)
     histories[2] = None
     got = apply_penalties(x, params, histories)
@@ -233,14 +233,14 @@ def test_rows_without_penalties_are_bit_identical_and_the_input_is_not_modified(
     assert torch.equal(x, before)
     assert batched[0] == int(x[0].argmax())
     assert batched[2] == Sampler().sample(x[2:3], [params[2]], [make_generator(4)])[0]
-    no_penalties = [SamplingParams(temperature=0.0)] * 4
+    no_penalties = [Sampling(temperature=0.0)] * 4
     assert apply_penalties(x, no_penalties, None) is x
     assert Sampler().sample(x, no_penalties, [None] * 4, histories=None) == x.argmax(-1).tolist()
 
 
 def test_batched_and_single_row_penalties_agree():
     x = logits_batch(5, seed=21)
-    params = [SamplingParams(temperature=0.0, repetition_penalty=1.0 + i / 2, frequency_penalty=0.3 * i - 0.6,
+    params = [Sampling(temperature=0.0, repetition_penalty=1.0 + i / 2, frequency_penalty=0.3 * i - 0.6,
                              presence_penalty=-0.4 * i + 0.8) for i in range(5)]
     histories = [random_histories(1, VOCAB, seed=30 + i, prompt_len=3 * i, output_len=7 - i)[0] for i in range(5)]
     batched = apply_penalties(x, params, histories)
@@ -256,14 +256,14 @@ def test_batched_and_single_row_penalties_agree():
 
 def test_histories_may_be_tensors_and_tuples():
     x = logits_batch(1, seed=8)
-    p = SamplingParams(repetition_penalty=1.7, frequency_penalty=0.2)
+    p = Sampling(repetition_penalty=1.7, frequency_penalty=0.2)
     as_lists = apply_penalties(x, [p], [([1, 2, 3], [3, 4, 4])])
     assert torch.equal(as_lists, apply_penalties(x, [p], [((1, 2, 3), torch.tensor([3, 4, 4]))]))
 
 
 def test_penalties_without_a_history_are_a_caller_bug():
     x = logits_batch(2)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, frequency_penalty=1.0)]
+    params = [Sampling(temperature=0.0), Sampling(temperature=0.0, frequency_penalty=1.0)]
     with pytest.raises(ValueError, match="histor"):
         Sampler().sample(x, params, [None, None])
     with pytest.raises(ValueError, match="histor"):
@@ -273,7 +273,7 @@ def test_penalties_without_a_history_are_a_caller_bug():
     with pytest.raises(ValueError, match="vocabulary"):
         Sampler().sample(x, params, [None, None], histories=[None, ([], [VOCAB])])
     with pytest.raises(ValueError, match="vocabulary"):
-        apply_penalties(x, [SamplingParams(repetition_penalty=2.0)] * 2, [([-1], []), ([], [])])
+        apply_penalties(x, [Sampling(repetition_penalty=2.0)] * 2, [([-1], []), ([], [])])
 
 
 @settings(max_examples=50, deadline=None, derandomize=True, database=None,
@@ -285,7 +285,7 @@ def test_penalties_never_make_nan_and_greedy_picks_the_penalised_argmax(vocab, r
                                         max_size=rows)), dtype=torch.float32)  # [rows, vocab]
     params, histories = [], []
     for _ in range(rows):
-        params.append(SamplingParams(
+        params.append(Sampling(
             temperature=0.0,
             presence_penalty=data.draw(st.floats(-2, 2) | st.just(0.0)),
             frequency_penalty=data.draw(st.floats(-2, 2) | st.just(0.0)),
@@ -370,9 +370,9 @@ def test_logit_bias_bans_and_forces_tokens_greedy_or_sampled_and_leaves_other_ro
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
     best = int(logits[0].argmax())
-    ban = SamplingParams(temperature=0.0, logit_bias=((best, -100.0),))
-    force = SamplingParams(temperature=1.0, seed=3, logit_bias=((7, 100.0),))
-    plain = SamplingParams(temperature=0.0)
+    ban = Sampling(temperature=0.0, logit_bias_ids=(best,), logit_bias_values=(-100.0,))
+    force = Sampling(temperature=1.0, seed=3, logit_bias_ids=(7,), logit_bias_values=(100.0,))
+    plain = Sampling(temperature=0.0)
     before = logits.clone()
     tokens = Sampler().sample(logits, [ban, force, plain], [None, make_generator(3), None])
     assert tokens[0] != best and tokens[0] == int(logits[0].topk(2).indices[1])
@@ -383,5 +383,5 @@ def test_logit_bias_bans_and_forces_tokens_greedy_or_sampled_and_leaves_other_ro
 @pytest.mark.parametrize("pair", [(5, 100.5), (-1, 1.0), (50, 1.0), (5, float("nan"))])
 def test_out_of_range_logit_bias_is_rejected(pair):
     with pytest.raises(InvalidRequestError) as info:
-        SamplingParams(logit_bias=(pair,)).validate(vocab_size=50)
+        Sampling(logit_bias_ids=(pair[0],), logit_bias_values=(pair[1],)).validate(vocab_size=50)
     assert info.value.param == "logit_bias"

@@ -198,7 +198,7 @@ def test_counts_and_live_slots_match_the_rows(table):
 
 def test_count_by_state_and_live_slots_over_10000_rows_match_the_rows(name):
     """Correctness at the monitor's scale; the timings are printed, not asserted (speed claims live in
-    tools/bench_ipc, measured against a baseline in the same run)."""
+    bench/ipc, measured against a baseline in the same run)."""
     t = StateTable.create(name("big"), 10_000)
     try:
         rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""Fixtures for the multi-node tests: two network namespaces (tools/netns.py) joined by a data veth and
+"""Fixtures for the multi-node tests: two network namespaces (bench/netns.py) joined by a data veth and
 bridged to the root namespace. Everything here is marked ``multinode`` and skips, saying why, where this process
 cannot create network namespaces (not root) or the Mooncake extra does not import (``make test`` installs both
 as root, best-effort)."""
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.netns import TwoHostNet, can_create_netns, sweep_stale
+from bench.netns import TwoHostNet, can_create_netns, sweep_stale
 
 HERE = Path(__file__).resolve().parent
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.conftest import wait_until
-from tools.netns import TwoHostNet, can_create_netns, start_in_namespace, stop_process, sweep_stale
+from bench.netns import TwoHostNet, can_create_netns, start_in_namespace, stop_process, sweep_stale
 
 PORT = 5555   # free in any fresh namespace
 DEADLINE_S = 20.0

@@ -26,7 +26,7 @@ from ipc.cache_summary import key_words
 from tests.conftest import (ROOT, EngineProbe, cleanup_engine, free_port, signal_pids, start_engine, sweep_engine,
                             wait_until)
 from tests.e2e.test_recorder import OTEL, OtlpCollector, needs_otel
-from tools.netns import start_in_namespace, stop_process, wait_http_ok
+from bench.netns import start_in_namespace, stop_process, wait_http_ok
 
 # the first test also waits for three engines to start and a reference run (minutes when the machine is busy)
 pytestmark = pytest.mark.timeout(900)
