@@ -55,15 +55,19 @@ def load_model(actor, decode: bool):
 
 def choose_executor(model, device: str, attention_backend: str):
     """The one place an actor picks how ``model`` (loaded for ``device``: ``cpu`` or ``cuda``, the actor's own GPU)
-    executes: ``attention_backend`` ``torch`` (pdserve.config) runs the model as loaded (SDPA / the CPU kernels
-    over the pool tensor). The executor split (issue 37 item 1) plugs the CUDA executor with the numba kernels in
-    here for ``numba``; until then ``numba`` is refused with ConfigError. Returns the model to run."""
+    executes. On a CPU the path it was loaded for (native low-bit or dense torch); ``attention_backend`` must be
+    ``torch`` there. On ``cuda`` the CUDA executor (gpu/exec_cuda.py) with that decode attention: ``torch`` (SDPA
+    over the gathered pages), ``numba`` (the paged kernel) or ``mma`` (its tensor-core tiles). Returns the model.
+    Raises ConfigError for a kernel backend on a CPU."""
     from pdserve.errors import ConfigError
 
-    if attention_backend == "torch":
+    if device != "cuda":
+        if attention_backend != "torch":
+            raise ConfigError(f"config field attention_backend={attention_backend!r} on device={device!r}: the "
+                              f"numba kernels run on a GPU; use torch", param="attention_backend")
         return model
-    raise ConfigError(f"config field attention_backend={attention_backend!r} on device={device!r}: no executor runs "
-                      f"the numba kernels yet (actors/shell.choose_executor); use torch", param="attention_backend")
+    model.use_executor("cuda", {"attention_backend": attention_backend})
+    return model
 
 
 def pool_tensor(config, pool):

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 
 from .exec_torch import DecodeStep, TorchExecutor
 from .kernels import _runtime as rt
-from .kernels import copy_blocks, cuda_device_available, paged_attention_decode, tiled_linear
+from .kernels import (copy_blocks, cuda_device_available, mma_attention_decode, mma_linear, paged_attention_decode,
+                      tiled_linear)
 from .kernels.paged_attention import STATIC_SHARED_LIMIT
 from .mla import MLATorchExecutor
 from .quant import QuantLinear
@@ -47,9 +48,9 @@ from .quant import QuantLinear
 __all__ = ["ATTENTION_BACKENDS", "CudaExecutor", "LINEAR_BACKENDS", "MLACudaExecutor", "copy_blocks",
            "cuda_device_available", "cuda_executor", "heads_per_launch"]
 
-ATTENTION_BACKENDS = ("numba", "torch")
+ATTENTION_BACKENDS = ("numba", "mma", "torch")
 LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-LINEAR_BACKENDS: dict[str, LinearFn] = {"torch": F.linear, "numba": tiled_linear}
+LINEAR_BACKENDS: dict[str, LinearFn] = {"torch": F.linear, "numba": tiled_linear, "mma": mma_linear}
 
 
 def cuda_executor(model: Any, attention_backend: str = "numba", linear_backend: str | LinearFn = "torch",
@@ -80,7 +81,7 @@ class _CudaHooks:
                              "function (x [M, K], w [N, K]) -> [M, N]")
         if model.native:
             raise ValueError("the cuda path runs dense weights (float32 or bfloat16), not native low-bit ones")
-        uses_kernels = attention_backend == "numba" or linear_backend == "numba"
+        uses_kernels = attention_backend != "torch" or linear_backend in ("numba", "mma")
         if uses_kernels:
             rt.require_kernels()
         want = "cpu" if rt.simulator() else "cuda"
@@ -116,9 +117,13 @@ class CudaExecutor(_CudaHooks, TorchExecutor):
         TorchExecutor.__init__(self, model)
         self._configure(model, attention_backend, linear_backend, target_ctas)
         c = model.config
-        # the layers the paged kernel computes exactly: no sliding window, no soft-capped scores
+        # the layers the paged kernel computes exactly: no sliding window, no soft-capped scores; the tensor-core
+        # kernel also needs bf16, a head dim of 16s and at most 16 query heads per kv head
+        mma_ok = (model.dtype == torch.bfloat16 and c.head_dim % 16 == 0
+                  and c.num_heads // c.num_kv_heads <= 16)
         self.kernel_layers = [li for li, wnd in enumerate(model._windows)
-                              if attention_backend == "numba" and wnd == 0 and c.attn_softcap is None]
+                              if attention_backend != "torch" and wnd == 0 and c.attn_softcap is None
+                              and (attention_backend == "numba" or mma_ok)]
 
     def attend_decode(self, li: int, q: torch.Tensor, kv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                       step: DecodeStep) -> torch.Tensor:
@@ -126,6 +131,9 @@ class CudaExecutor(_CudaHooks, TorchExecutor):
         written), or the torch gather + SDPA (``[B, H, 1, D]``)."""
         if li not in self.kernel_layers:
             return super().attend_decode(li, q, kv, k_pool, v_pool, step)
+        if self.attention_backend == "mma":
+            return mma_attention_decode(q.contiguous(), kv, step.extra["tables"], step.extra["lens"], layer=li,
+                                        scale=self.m._scale).to(q.dtype)
         return paged_attention_decode(q.contiguous(), kv, step.extra["tables"], step.extra["lens"], layer=li,
                                       scale=self.m._scale, target_ctas=self.target_ctas, max_seq_len=step.S)
 
@@ -141,7 +149,8 @@ class MLACudaExecutor(_CudaHooks, MLATorchExecutor):
         c = model.config
         self.latent_dim = c.kv_lora_rank + c.qk_rope_head_dim  # the kernel's head dim
         self.heads_per_launch = heads_per_launch(c.num_heads, self.latent_dim)
-        self.kernel_layers = list(range(c.num_layers)) if attention_backend == "numba" else []
+        self.kernel_layers = list(range(c.num_layers)) if attention_backend != "torch" else []   # mma: the numba
+        # kernel here (the latent's 576 dims x H heads fit no 16-row tile; MQA over it is the numba kernel's)
 
     def decode_step(self, kv: torch.Tensor, positions: list[int], padded: list[list[int]],
                     w_blk: list[int]) -> DecodeStep:

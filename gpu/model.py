@@ -129,8 +129,8 @@ def gemm_plan(fn, in_features: int, threads: int, rows: tuple[int, ...] = GEMM_P
 
 def resolve_weights_mode(mode: str, device: str | torch.device = "cpu") -> str:
     """``"native"`` (GGUF Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K/Q5_0/Q5_1 kept in low bits, int8-quantized activations;
-    CPU only) for ``"auto"``
-    on a CPU, else ``"float32"`` or ``"bfloat16"`` (every weight dequantized to that dtype).
+    CPU only) for ``"auto"`` on a CPU, ``"bfloat16"`` for ``"auto"`` on a GPU, else ``"float32"`` or ``"bfloat16"``
+    (every weight dequantized to that dtype).
 
     Raises:
         ValueError: a mode outside :data:`WEIGHT_MODES`.
@@ -138,7 +138,7 @@ def resolve_weights_mode(mode: str, device: str | torch.device = "cpu") -> str:
     if mode not in WEIGHT_MODES:
         raise ValueError(f"weights mode {mode!r}: must be one of {', '.join(WEIGHT_MODES)}")
     if mode == "auto":
-        return "native" if torch.device(device).type == "cpu" else "float32"
+        return "native" if torch.device(device).type == "cpu" else "bfloat16"
     return mode
 
 
@@ -232,6 +232,11 @@ class LlamaModel(LayerMath):
         self._llama_layers = (config.spec.llama_like and not any(self._windows) and config.attn_scale is None
                               and config.attn_softcap is None and config.final_softcap is None)
         self.executor = self._make_executor(resolve_executor(executor, native), executor_options or {})
+
+    def use_executor(self, executor: str, options: dict[str, Any] | None = None) -> None:
+        """Run on another path from now on (``resolve_executor``'s names; ``options``: the cuda path's knobs). The
+        actors choose once, after loading (actors/shell.choose_executor). Raises ValueError as the constructor."""
+        self.executor = self._make_executor(resolve_executor(executor, self.native), options or {})
 
     def _make_executor(self, path: str, options: dict[str, Any]) -> Any:
         """The executor object of ``path`` (resolved) over this model."""

@@ -131,8 +131,8 @@ class EngineConfig:
                                  "torch-ipc (its CPU twin: CPU tensor pools shared through torch)",
                                  choices=("cpu-shm", "mooncake", "cuda-ipc", "torch-ipc"))
     attention_backend: str = _setting("torch", "attention kernels of the model: torch (SDPA over the paged pool; "
-                                      "any device) or numba (gpu/kernels paged attention; device cuda)",
-                                      choices=("torch", "numba"))
+                                      "any device), numba (gpu/kernels paged attention; device cuda) or mma (its "
+                                      "tensor-core tiles: bf16, device cuda)", choices=("torch", "numba", "mma"))
     role: str = _setting("both", "what this node runs: both = prefill and decode actors (one host); prefill or "
                          "decode = one side of a multi-node deployment, reached by `pdserve router` (its KV goes "
                          "over kv_transport=mooncake)", choices=("both", "prefill", "decode"))
@@ -354,9 +354,10 @@ def _check_device_path(config: EngineConfig) -> None:
         raise ConfigError(f"config field kv_transport={config.kv_transport!r}: device=cuda keeps each actor's KV pool "
                           f"in GPU memory, which only cuda-ipc moves (across hosts: not wired yet); use cuda-ipc",
                           param="kv_transport")
-    if config.attention_backend == "numba" and config.device != "cuda":
-        raise ConfigError(f"config field attention_backend='numba' needs device=cuda (device={config.device!r}): the "
-                          f"numba kernels run on a GPU; use torch", param="attention_backend")
+    if config.attention_backend != "torch" and config.device != "cuda":
+        raise ConfigError(f"config field attention_backend={config.attention_backend!r} needs device=cuda "
+                          f"(device={config.device!r}): the numba kernels run on a GPU; use torch",
+                          param="attention_backend")
 
 
 def _check_kv_transport(config: EngineConfig) -> None:

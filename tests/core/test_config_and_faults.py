@@ -107,7 +107,8 @@ def test_the_device_path_settings_are_checked_against_the_device():
     assert load_config({"device": "cuda"}, {}).config.kv_transport == "cuda-ipc"   # the GPU default
     for flags, param, words in [({"kv_transport": "cuda-ipc"}, "kv_transport", "needs device=cuda"),
                                 ({"device": "cuda", "kv_transport": "torch-ipc"}, "kv_transport", "use cuda-ipc"),
-                                ({"attention_backend": "numba"}, "attention_backend", "needs device=cuda")]:
+                                ({"attention_backend": "numba"}, "attention_backend", "needs device=cuda"),
+                                ({"attention_backend": "mma"}, "attention_backend", "needs device=cuda")]:
         with pytest.raises(ConfigError, match=words) as info:
             load_config(flags, {})
         assert info.value.param == param
@@ -115,11 +116,14 @@ def test_the_device_path_settings_are_checked_against_the_device():
         load_config({}, {"PDSERVE_ATTENTION_BACKEND": "triton"})
 
 
-def test_the_executor_hook_runs_torch_attention_and_refuses_numba_until_an_executor_runs_it():
+def test_the_executor_hook_keeps_a_cpu_model_and_puts_a_cuda_one_on_the_cuda_executor():
     from actors.shell import choose_executor
+    from gpu.model import LlamaModel
 
-    model = object()
-    assert choose_executor(model, "cpu", "torch") is model
-    with pytest.raises(ConfigError, match="numba") as info:
-        choose_executor(model, "cuda", "numba")
+    model = LlamaModel.from_path(None, progress=False, weights="float32")   # the embedded model, dense, on the CPU
+    assert choose_executor(model, "cpu", "torch") is model and model.executor.name == "torch"
+    with pytest.raises(ConfigError, match="numba kernels run on a GPU") as info:
+        choose_executor(model, "cpu", "numba")
     assert info.value.param == "attention_backend"
+    with pytest.raises((ValueError, RuntimeError), match="CUDA device|simulator"):   # it asked for the cuda path
+        choose_executor(model, "cuda", "torch")

@@ -127,6 +127,35 @@ def test_the_numba_kernels_decode_the_torch_paths_greedy_tokens(dev, tiny_dirs, 
         assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear]), step
 
 
+def test_the_tensor_core_attention_decodes_the_torch_paths_bf16_tokens(dev, tiny_dirs, monkeypatch):
+    """``attention_backend="mma"`` (gpu/kernels/mma_attention.py: QK^T and PV as mma.sync tiles, P in bf16): the
+    tiny Llama in bf16, teacher-forced on the torch path's tokens, every step's logits within bf16 rounding and the
+    same argmax wherever the torch path's top two are further apart than that."""
+    from gpu import exec_cuda
+
+    launches = []
+    real = exec_cuda.mma_attention_decode
+
+    def counted(*args, **kwargs):
+        launches.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(exec_cuda, "mma_attention_decode", counted)
+    ref = LlamaModel.from_path(tiny_dirs["llama"], device=dev, progress=False, dtype=torch.bfloat16)
+    ours = LlamaModel.from_path(tiny_dirs["llama"], device=dev, progress=False, dtype=torch.bfloat16,
+                                executor="cuda", executor_options={"attention_backend": "mma"})
+    assert ours.executor.kernel_layers == [0, 1]
+    tol = DTYPES[torch.bfloat16]
+    want, want_logits = greedy(ref, PROMPTS, DECODE_STEPS)
+    _, got_logits = greedy(ours, PROMPTS, DECODE_STEPS, forced=want)
+    assert len(launches) == DECODE_STEPS * 2   # one per layer and step
+    for step, (a, b) in enumerate(zip(got_logits, want_logits)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=tol, msg=f"step {step}")
+        top2 = b.float().topk(2, dim=-1).values  # [B, 2]
+        clear = top2[:, 0] - top2[:, 1] > 2 * tol
+        assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear]), step
+
+
 def test_the_numba_linear_backend_gives_the_torch_linears_tokens(dev, tiny_dirs, monkeypatch):
     """``linear_backend``: a function ``(x, w) -> x @ w.T`` that every dense linear (prefill and decode, the LM head
     too) goes through, here the numba tiled kernel (``LINEAR_BACKENDS["numba"]``) with tiles of 64 outputs (the
@@ -176,7 +205,7 @@ def test_the_cuda_path_refuses_a_machine_without_a_device(tiny_dirs):
 
 def simulated_cases() -> int:
     """How many ``simulated`` tests this file holds (the child must pass them all)."""
-    return len(KINDS) * len(DTYPES) + 1
+    return len(KINDS) * len(DTYPES) + 2   # the kinds x dtypes, the tensor-core attention, the numba linear
 
 
 @pytest.mark.timeout(400)
