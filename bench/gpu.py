@@ -494,7 +494,7 @@ def _hf_generate_rows(c, weights, dtype, dev, plan, steps: int, g, weight_bytes:
 
 
 def bench_engine(args, hbm_gbs: float) -> tuple[str, list[dict]]:
-    from gpu.model import LlamaModel, kv_bytes_per_token, kv_pool_shape  # noqa: PLC0415
+    from gpu.model import LlamaModel, kv_bytes_per_token  # noqa: PLC0415
 
     plan = args.plan
     dev = plan.device
@@ -510,6 +510,28 @@ def bench_engine(args, hbm_gbs: float) -> tuple[str, list[dict]]:
                        if k != "model.embed_tokens.weight") + weights["model.embed_tokens.weight"].numel() * 2
     # per step every weight matrix is read once (the tied embedding as the LM head), plus the KV read
     kv_tok = kv_bytes_per_token(c, dtype)
+    for backend in ("torch", "numba", "mma"):   # the CUDA executor's decode attention (--attention-backend)
+        model.use_executor("cuda", {"attention_backend": backend})
+        rows += _engine_rows(model, c, plan, args, steps, blocks_per_seq, weight_bytes, kv_tok, hbm_gbs, backend)
+    g = torch.Generator().manual_seed(3)
+    rows += _hf_generate_rows(c, weights, dtype, dev, plan, steps, g, weight_bytes, kv_tok, hbm_gbs)
+    note = (f"Random-weight Llama-3.2-1B shape ({weight_bytes / 1e9:.2f} GB of bf16 weights read per step, "
+            f"tied embedding as LM head), prompt {prompt_len} tokens, {steps} greedy decode steps, host-side "
+            f"argmax every step, on the CUDA executor (gpu/exec_cuda.py) with each decode attention. HBM bound = "
+            f"{hbm_gbs:,.0f} GB/s (this run's device copy, read + write) / (weight bytes + batch x mean "
+            "context x KV bytes per token). "
+            "TTFT: prefill + first-token argmax, wall clock, per sequence.")
+    cols = ["impl", "batch", "TTFT ms", "decode tok/s", "ms / step", "HBM bound tok/s",
+            "% of bound"]
+    return table("Decode throughput, Llama-3.2-1B shape", cols, rows, note), rows
+
+
+def _engine_rows(model, c, plan, args, steps: int, blocks_per_seq: int, weight_bytes: int, kv_tok: int,
+                 hbm_gbs: float, backend: str) -> list[dict]:
+    from gpu.model import kv_pool_shape  # noqa: PLC0415
+
+    dev, bt, prompt_len, dtype = plan.device, plan.block_tokens, plan.prompt_len, model.dtype
+    rows = []
     g = torch.Generator().manual_seed(3)
     for B in plan.engine_batches:
         pool = torch.zeros(kv_pool_shape(c, B * blocks_per_seq, bt), dtype=dtype, device=dev)
@@ -532,20 +554,11 @@ def bench_engine(args, hbm_gbs: float) -> tuple[str, list[dict]]:
         ctx_mean = prompt_len + steps / 2
         step_bytes = weight_bytes + B * ctx_mean * kv_tok
         bound_tps = B * hbm_gbs * 1e9 / step_bytes
-        rows.append({"impl": "pdserve LlamaModel (torch attention)", "batch": B, "TTFT ms": ttft_ms,
+        rows.append({"impl": f"pdserve cuda executor ({backend} attention)", "batch": B, "TTFT ms": ttft_ms,
                      "decode tok/s": tps, "ms / step": dt * 1e3 / steps, "HBM bound tok/s": bound_tps,
                      "% of bound": 100 * tps / bound_tps})
         del pool
-    rows += _hf_generate_rows(c, weights, dtype, dev, plan, steps, g, weight_bytes, kv_tok, hbm_gbs)
-    note = (f"Random-weight Llama-3.2-1B shape ({weight_bytes / 1e9:.2f} GB of bf16 weights read per step, "
-            f"tied embedding as LM head), prompt {prompt_len} tokens, {steps} greedy decode steps, host-side "
-            f"argmax every step. Model level (the actors' GPU device wiring is not in yet). HBM bound = "
-            f"{hbm_gbs:,.0f} GB/s (this run's device copy, read + write) / (weight bytes + batch x mean "
-            "context x KV bytes per token). "
-            "TTFT: prefill + first-token argmax, wall clock, per sequence.")
-    cols = ["impl", "batch", "TTFT ms", "decode tok/s", "ms / step", "HBM bound tok/s",
-            "% of bound"]
-    return table("Decode throughput, Llama-3.2-1B shape", cols, rows, note), rows
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- main
