@@ -12,7 +12,7 @@ import pytest
 from actors.forensics import dump_stacks, loop_position, stacks_path
 from ipc.naming import forensics_dir, unlink_all
 from tests.actors.forensics_children import stuck_in_a_call
-from tools.engine_process import wait_until
+from tests.conftest import wait_until
 
 
 @pytest.fixture
