@@ -21,7 +21,7 @@ relative to the first event, ``null`` = unknown)::
 tools/inspect --request prints the same.
 
 When the ring wraps, a life can lose events (``Recorder.horizon_ns``: before it, some sub-ring was overwritten).
-``partial`` says what is missing: "start evicted" (its first event is not the row's ALLOCATE), "end evicted" (not
+``partial`` says what is missing: "start evicted" (the row's ALLOCATE is not among its events), "end evicted" (not
 final, but events after its last one may be gone: its row is no longer live in the state table, or, without the
 table, the horizon is past its last event), "events evicted" (it began before the horizon: events between may be
 gone; final, or live in the table). A life
@@ -175,7 +175,7 @@ def _completeness(events: np.ndarray, ended: bool, horizon_ns: int, in_table: bo
         live = in_table
     else:   # no sub-ring lost anything after its last event: nothing happened to it since
         live = horizon_ns <= int(events["t_ns"][-1])
-    if int(events["kind"][0]) != EventKind.ALLOCATE:
+    if not (events["kind"] == EventKind.ALLOCATE).any():   # the row's birth (the API's headers may come first)
         return live, "start evicted"
     if not ended and not live:
         return live, "end evicted"

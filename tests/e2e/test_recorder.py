@@ -426,6 +426,7 @@ def test_the_outage_one_keep_alive_connection_24_rounds_a_transfer_stuck_at_roun
     assert incident["deadline_field"] == "inflight_timeout_s"
     (timeline,) = bundle["timelines/incident.json"]["timelines"]
     assert timeline["request_id"] == rid and timeline["timeout"]["stage"] == "transfer"
+    assert timeline["partial"] is None and not timeline["live"]   # a whole life: nothing of it overwritten
     assert bundle["config.json"]["inflight_timeout_s"]["source"] == "env" and bundle["bundle.json"]["versions"]
     assert bundle["state.json"]["engine_id"] == engine.engine_id
     assert any(rid in line and "timeout" in line for line in bundle["log.json"]["lines"])

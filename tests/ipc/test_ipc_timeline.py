@@ -138,6 +138,13 @@ def test_failed_and_timed_out_lives_are_both_selected_as_failed():
     assert sorted(t["slot"] for t in report["timelines"]) == [1, 2]
 
 
+def test_a_whole_life_is_not_partial_when_the_apis_headers_come_before_its_allocate():
+    rows = life("whole", 2, 1, 5.0, [S.QUEUED, S.PREFILLING, S.FINISHED])
+    rows[1] = (4.9, *rows[1][1:])   # the API records the headers it read before the row exists
+    (t,) = timelines_of(events_of(rows), "whole", now_ns=20 * S_NS)
+    assert (t["partial"], t["live"], t["final"]) == (None, False, "FINISHED")
+
+
 def test_a_life_whose_start_the_ring_overwrote_reads_as_partial_and_finished():
     rows = life("wrapped", 4, 2, 5.0, [S.QUEUED, S.PREFILLING, S.BOOTSTRAP, S.TRANSFERRING, S.DECODE_WAITING,
                                        S.DECODING, S.FINISHED])
