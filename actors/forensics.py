@@ -3,6 +3,7 @@
 | name | what |
 |---|---|
 | ``arm`` | in each engine child: ``faulthandler`` dumps every thread's stack to its stacks file on SIGUSR1 |
+| ``process_state`` | a process's state letter from /proc ("T": stopped) |
 | ``dump_stacks`` | from another process (the incident bundle's): SIGUSR1, then the text appended, or why there is none |
 | ``loop_position`` | the innermost frame of the main thread in a dump ("where its loop is") |
 | ``holder_report`` | one holder's evidence: stacks, where its loop is, its loop counters over a short window |
@@ -42,7 +43,7 @@ def arm(engine_id: str, actor: str) -> str:
     return path
 
 
-def _process_state(pid: int) -> str:
+def process_state(pid: int) -> str:
     """The state letter of /proc/PID/stat ("R", "S", "D", "T" stopped, "Z"...); "" when it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
@@ -54,7 +55,7 @@ def _process_state(pid: int) -> str:
 def dump_stacks(pid: int, path: str, timeout_s: float = 2.0) -> tuple[str | None, str]:
     """``(stacks text, "")`` of process ``pid`` (armed with :func:`arm`, writing to ``path``), or ``(None, why)``:
     gone, stopped, not armed, or no answer within ``timeout_s``."""
-    state = _process_state(pid)
+    state = process_state(pid)
     if not state or state == "Z":
         return None, f"pid {pid} is gone"
     if state in ("T", "t"):

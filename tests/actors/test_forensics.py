@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from actors.forensics import dump_stacks, loop_position, stacks_path
+from actors.forensics import process_state, dump_stacks, loop_position, stacks_path
 from ipc.naming import forensics_dir, unlink_all
 from tests.actors.forensics_children import stuck_in_a_call
 from tests.conftest import wait_until
@@ -54,6 +54,7 @@ def test_an_armed_process_answers_with_the_stack_of_the_call_it_is_stuck_in(chil
 def test_a_stopped_or_unarmed_process_is_named_as_such_at_once(child, engine_id):
     stopped = child()
     os.kill(stopped.pid, signal.SIGSTOP)
+    wait_until(lambda: process_state(stopped.pid) in ("T", "t"), 10, 0.02, "the child stopped")
     stacks, why = dump_stacks(stopped.pid, stacks_path(engine_id, "prefill0"))
     assert stacks is None and "is stopped" in why
     os.kill(stopped.pid, signal.SIGCONT)

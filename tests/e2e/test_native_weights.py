@@ -98,14 +98,16 @@ def test_a_repeated_request_gets_the_same_first_token_logits_although_the_cache_
 
 def test_prefill_low_bit_reaches_the_actors_and_moves_the_near_tie(tmp_path):
     """``--prefill-low-bit true``: both actors' models prefill on the low-bit kernels (their warm-up says so), and
-    the France question's first-token near tie goes the way llama-server's goes on the same file (checked by hand
-    against llama-server 11434, 2026-12-02): away from Paris."""
+    the bare France question's first-token near tie goes the way llama-server's goes on the same file (checked by
+    hand against llama-server 11434, 2026-12-02): away from Paris. (On the float32 copies that tie goes either way by
+    the CPU's vector width: Paris on AVX-512, away from it on AVX2; tests/conftest.FRANCE_QUESTION avoids it.)"""
     eng = start_engine(tmp_path, "--prefill-low-bit", "true", "--kv-pool-tokens", "1024")
     try:
         log = eng.log_text()
         assert log.count("prefill: low-bit)") >= 2, log[-3000:]
+        near_tie = [{"role": "user", "content": "What is the capital of France?"}]   # the bare question
         answer = httpx.post(eng.base_url + "/v1/chat/completions", timeout=120,
-                            json={"messages": FRANCE, "temperature": 0, "max_tokens": 8}).json()
+                            json={"messages": near_tie, "temperature": 0, "max_tokens": 8}).json()
         text = answer["choices"][0]["message"]["content"]
         assert text and "Paris" not in text, answer
     finally:
