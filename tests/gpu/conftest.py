@@ -45,3 +45,30 @@ def hf_model(gguf_path):
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     m.eval()
     return m
+
+
+def run_simulated_child(test_file, expected: int, timeout_s: float) -> str:
+    """Run ``test_file``'s ``simulated`` tests in a child pytest under ``NUMBA_ENABLE_CUDASIM=1`` (the simulator must
+    be on before numba is first imported, and then holds for the whole process) and check that all ``expected`` of
+    them passed; returns the child's summary line."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "NUMBA_"))}
+    env["NUMBA_ENABLE_CUDASIM"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "simulated",
+                           "-o", "addopts=", str(test_file)], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    took = time.monotonic() - start
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, f"simulated tests failed (rc {proc.returncode}, {took:.0f}s):\n{tail}"
+    summary = [line for line in proc.stdout.strip().splitlines() if " passed" in line][-1]
+    assert re.match(rf"{expected} passed, \d+ deselected in ", summary), f"expected {expected} passed:\n{tail}"
+    return f"{summary} ({took:.0f}s)"

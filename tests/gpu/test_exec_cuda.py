@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import os
 import pathlib
-import re
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
 from gpu.model import LlamaModel, kv_pool_shape, resolve_executor
+from tests.gpu.conftest import run_simulated_child
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 GPU = not SIM and torch.cuda.is_available()
@@ -212,15 +209,4 @@ def simulated_cases() -> int:
 def test_the_cuda_executor_passes_under_the_cuda_simulator():
     if SIM:
         pytest.skip("this is the simulator child")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "NUMBA_"))}
-    env["NUMBA_ENABLE_CUDASIM"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "simulated",
-                           "-o", "addopts=", str(HERE)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=380)
-    took = time.monotonic() - start
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, f"simulated executor tests failed (rc {proc.returncode}, {took:.0f}s):\n{tail}"
-    summary = [line for line in proc.stdout.strip().splitlines() if " passed" in line][-1]
-    assert re.match(rf"{simulated_cases()} passed, \d+ deselected in ", summary), f"expected all passed:\n{tail}"
+    print(run_simulated_child(HERE, simulated_cases(), timeout_s=380))

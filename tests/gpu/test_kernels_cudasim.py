@@ -14,10 +14,8 @@ import inspect
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -29,6 +27,7 @@ from gpu.kernels.kv_copy import rows_view
 from gpu.kernels.mma import mma_linear
 from gpu.kernels.mma_attention import mma_attention_decode
 from gpu.kernels.paged_attention import pick_tile_tokens
+from tests.gpu.conftest import run_simulated_child
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 HERE = pathlib.Path(__file__).resolve()
@@ -429,20 +428,7 @@ def simulated_cases() -> int:
 def test_every_kernel_passes_under_the_cuda_simulator():
     if SIM:
         pytest.skip("this is the simulator child")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "NUMBA_"))}
-    env["NUMBA_ENABLE_CUDASIM"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "simulated",
-                           "-o", "addopts=", str(HERE)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=260)
-    took = time.monotonic() - start
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, f"simulated kernel tests failed (rc {proc.returncode}, {took:.0f}s):\n{tail}"
-    summary = proc.stdout.strip().splitlines()[-1]
-    expected = simulated_cases()
-    assert re.match(rf"{expected} passed, \d+ deselected in ", summary), f"expected {expected} passed:\n{tail}"
-    print(proc.stdout.splitlines()[-1], f"({took:.0f}s)")
+    print(run_simulated_child(HERE, simulated_cases(), timeout_s=260))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what the benchmark says without a device")
