@@ -289,8 +289,8 @@ class HeartbeatMonitor(Actor):
 
         for index, pool in self.pools.items():
             ready = int(actor_rows[index]["status"]) == int(ActorStatus.READY)
-            holds = not ready or bool(held_mask(rows, self.topology, index).any())
-            leaked = self.conservation.check(index, pool.owner_slots(), holds)
+            leaked = self.conservation.check(index, pool.owner_slots(), lambda i=index, r=ready: not r or bool(
+                held_mask(rows, self.topology, i).any()))
             if not leaked:
                 continue
             ids = sorted({rows["request_id"][slot].decode(errors="replace") for _, slot in leaked

@@ -141,15 +141,16 @@ class BlockConservation:
         self.seen: dict[int, dict[tuple[int, int], int]] = {}   # actor -> (block, slot) -> consecutive idle checks
         self.reported: dict[int, frozenset] = {}
 
-    def check(self, actor: int, owners: np.ndarray, holds_rows: bool) -> list[tuple[int, int]]:
-        """``owners``: the actor's pool's owner slot per block (-1 free); ``holds_rows``: any live row is the
-        actor's. Returns the leaked ``(block, owner slot)`` pairs to report now (empty: nothing new)."""
+    def check(self, actor: int, owners: np.ndarray, holds_rows) -> list[tuple[int, int]]:
+        """``owners``: the actor's pool's owner slot per block (-1 free); ``holds_rows()``: any live row is the
+        actor's (asked only when it owns a block: an idle pool costs one pass over ``owners``). Returns the leaked
+        ``(block, owner slot)`` pairs to report now (empty: nothing new)."""
         from actors.prefix_cache import CACHE_OWNER, HANDBACK_OWNER
 
-        if holds_rows:   # judged again once it is idle; what was reported stays reported
+        owned = np.flatnonzero((owners >= 0) & (owners != CACHE_OWNER) & (owners != HANDBACK_OWNER))
+        if owned.size and holds_rows():   # judged again once it is idle; what was reported stays reported
             self.seen.pop(actor, None)
             return []
-        owned = np.flatnonzero((owners >= 0) & (owners != CACHE_OWNER) & (owners != HANDBACK_OWNER))
         before = self.seen.get(actor, {})
         now = {(int(b), int(owners[b])): before.get((int(b), int(owners[b])), 0) + 1 for b in owned}
         self.seen[actor] = now

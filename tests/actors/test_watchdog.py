@@ -183,19 +183,19 @@ def test_blocks_owned_while_their_actor_holds_no_request_are_named_on_the_second
 
     check = BlockConservation(checks=2)
     owners = np.array([-1, 5, CACHE_OWNER, HANDBACK_OWNER, 5, -1], dtype=np.int32)
-    assert check.check(0, owners, holds_rows=True) == []        # a live request: its blocks are its own
-    assert check.check(0, owners, holds_rows=False) == []       # first sight: it may free them on its next loop
-    assert check.check(0, owners, holds_rows=False) == [(1, 5), (4, 5)]   # still there: leaked (cache, hand-back: not)
-    assert check.check(0, owners, holds_rows=False) == []       # reported once
-    assert check.check(0, owners, holds_rows=True) == []        # busy again, then idle: the same leak, not again
-    assert check.check(0, owners, holds_rows=False) == [] and check.check(0, owners, holds_rows=False) == []
+    assert check.check(0, owners, holds_rows=lambda: True) == []        # a live request: its blocks are its own
+    assert check.check(0, owners, holds_rows=lambda: False) == []       # first sight: it may free them on its next loop
+    assert check.check(0, owners, holds_rows=lambda: False) == [(1, 5), (4, 5)]   # still there: leaked (cache, hand-back: not)
+    assert check.check(0, owners, holds_rows=lambda: False) == []       # reported once
+    assert check.check(0, owners, holds_rows=lambda: True) == []        # busy again, then idle: the same leak, not again
+    assert check.check(0, owners, holds_rows=lambda: False) == [] and check.check(0, owners, holds_rows=lambda: False) == []
     more = owners.copy()
     more[5] = 9
-    assert check.check(0, more, holds_rows=False) == []
-    assert check.check(0, more, holds_rows=False) == [(1, 5), (4, 5), (5, 9)]   # a block added: reported anew
-    assert check.check(1, more, holds_rows=False) == []         # per actor
-    assert check.check(0, np.full(6, -1, dtype=np.int32), holds_rows=False) == []
+    assert check.check(0, more, holds_rows=lambda: False) == []
+    assert check.check(0, more, holds_rows=lambda: False) == [(1, 5), (4, 5), (5, 9)]   # a block added: reported anew
+    assert check.check(1, more, holds_rows=lambda: False) == []         # per actor
+    assert check.check(0, np.full(6, -1, dtype=np.int32), holds_rows=lambda: False) == []
     passing = BlockConservation(checks=2)   # a block freed between two checks is never reported
-    assert passing.check(0, owners, holds_rows=False) == []
-    assert passing.check(0, np.full(6, -1, dtype=np.int32), holds_rows=False) == []
-    assert passing.check(0, owners, holds_rows=False) == []
+    assert passing.check(0, owners, holds_rows=lambda: False) == []
+    assert passing.check(0, np.full(6, -1, dtype=np.int32), holds_rows=lambda: False) == []
+    assert passing.check(0, owners, holds_rows=lambda: False) == []
