@@ -72,3 +72,15 @@ def run_simulated_child(test_file, expected: int, timeout_s: float) -> str:
     summary = [line for line in proc.stdout.strip().splitlines() if " passed" in line][-1]
     assert re.match(rf"{expected} passed, \d+ deselected in ", summary), f"expected {expected} passed:\n{tail}"
     return f"{summary} ({took:.0f}s)"
+
+
+IPC_GEOMETRY = dict(num_layers=3, num_blocks=16, block_tokens=4, num_kv_heads=2, head_dim=8)   # the IPC tests' pools
+
+
+def finished(xfer, handle, timeout_s: float = 30.0):
+    """The TransferStatus of ``handle`` once it left IN_PROGRESS (polled until the deadline)."""
+    from ipc.kv_transport import TransferStatus
+    from tests.conftest import wait_until
+
+    return wait_until(lambda: xfer.poll(handle) != TransferStatus.IN_PROGRESS and xfer.poll(handle),
+                      timeout_s, 0.001, "the KV copy")

@@ -3,13 +3,14 @@ on a GPU (marker ``gpu``, skipped without one)."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 
 import numpy as np
 import pytest
 import torch
 
 from ipc import naming
+from tests.conftest import wait_until
+from tests.gpu.conftest import IPC_GEOMETRY, finished
 from gpu.cuda_ipc import (EXPORT_BYTES, CudaIpcExport, CudaIpcTransport, allocate_device_pool, export_name,
                           open_export_segment, read_export, write_export)
 from ipc.kv_pool import KVPool
@@ -17,24 +18,8 @@ from ipc.kv_transport import CpuShmTransport, TransferStatus, known_transports, 
 
 pytestmark = pytest.mark.timeout(120)
 
-GEOMETRY = dict(num_layers=3, num_blocks=16, block_tokens=4, num_kv_heads=2, head_dim=8)
+GEOMETRY = IPC_GEOMETRY
 CUDA = torch.cuda.is_available()
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.001)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
-def finished(xfer, handle, timeout_s: float = 30.0) -> TransferStatus:
-    """The status of ``handle`` once it left IN_PROGRESS (polled until the deadline)."""
-    return wait_until(lambda: xfer.poll(handle) != TransferStatus.IN_PROGRESS and xfer.poll(handle),
-                      timeout_s, "the KV copy")
 
 
 def pool_data(seed: int, shape, dtype) -> torch.Tensor:
@@ -315,7 +300,7 @@ def test_decode_pulls_scattered_blocks_from_a_prefill_gpu_pool_in_another_proces
         assert xfer.bytes_moved_total == 5 * dst_pool.block_bytes
         # ordering: the producer's write of block 3 sits behind a slow kernel; the copy must wait for it
         go.set()
-        wait_until(lambda: not ready.is_set(), 30, "the producer to record its write")
+        wait_until(lambda: not ready.is_set(), 30, message="the producer to record its write")
         h2 = xfer.start_copy([3], [1], num_tokens=4)
         assert finished(xfer, h2) == TransferStatus.DONE
         assert torch.equal(xfer._dst[:, :, 1].cpu(), pool_data(99, want[:, :, 3].shape, dtype))

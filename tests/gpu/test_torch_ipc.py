@@ -10,7 +10,6 @@ import multiprocessing.connection
 import os
 import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -18,27 +17,14 @@ import torch
 from gpu.cuda_ipc import (TorchIpcExport, TorchIpcTransport, allocate_device_pool, export_name,
                           open_export_segment, read_export, unlink_exported_files)
 from ipc import naming
+from tests.conftest import wait_until
+from tests.gpu.conftest import IPC_GEOMETRY, finished
 from ipc.kv_pool import KVPool
 from ipc.kv_transport import TransferStatus, make_transport
 
 pytestmark = pytest.mark.timeout(120)
 
-GEOMETRY = dict(num_layers=3, num_blocks=16, block_tokens=4, num_kv_heads=2, head_dim=8)
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.002)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
-def finished(xfer, handle, timeout_s: float = 30.0) -> TransferStatus:
-    return wait_until(lambda: xfer.poll(handle) != TransferStatus.IN_PROGRESS and xfer.poll(handle),
-                      timeout_s, "the KV copy")
+GEOMETRY = IPC_GEOMETRY
 
 
 def pool_data(seed: int, shape, dtype=torch.float32) -> torch.Tensor:
@@ -124,7 +110,7 @@ def test_decode_pulls_scattered_blocks_from_a_prefill_cpu_pool_in_another_proces
         assert xfer.bytes_moved_total == 5 * dst_pool.block_bytes
         # the producer writes block 3 after the export: the reader maps the same memory, no re-export
         go.set()
-        wait_until(lambda: not ready.is_set(), 30, "the producer to rewrite block 3")
+        wait_until(lambda: not ready.is_set(), 30, message="the producer to rewrite block 3")
         h2 = xfer.start_copy([3], [1], num_tokens=4)
         assert finished(xfer, h2) == TransferStatus.DONE
         assert torch.equal(xfer._dst[:, :, 1], pool_data(99, want[:, :, 3].shape))
@@ -142,7 +128,7 @@ def test_decode_pulls_scattered_blocks_from_a_prefill_cpu_pool_in_another_proces
         join_all([p])
     assert p.exitcode == 0
     gc.collect()
-    wait_until(lambda: not torch_files([p.pid]), 30, "the exported pool's shm file to be unlinked")
+    wait_until(lambda: not torch_files([p.pid]), 30, message="the exported pool's shm file to be unlinked")
 
 
 def decode_side(pool_name: str, peer_name: str, steps, results) -> None:
@@ -268,7 +254,7 @@ def test_decode_sends_transfer_done_only_after_the_copy_is_done(pools):
             decode.flush()
             return to_prefill.take(LOCAL_PREFILL, TransferDone)
 
-        assert wait_until(transfer_done, 30, "TransferDone") == [TransferDone(*key)]
+        assert wait_until(transfer_done, 30, message="TransferDone") == [TransferDone(*key)]
         want = pool_data(7, src_pool.shape)
         dst = decode.decode_waiting[0].blocks[:len(kv_ready.src_block_ids)]
         assert torch.equal(xfer._dst[:, :, dst], want[:, :, kv_ready.src_block_ids])
