@@ -115,18 +115,35 @@ def jit_kernel(fn):
 
 
 @functools.lru_cache(maxsize=None)
-def pair_fn():
-    """``pair(a, row, k, rows) -> uint32``: ``a[row, k]`` (low half) and ``a[row, k + 1]`` (high half) of an
-    int16-bits array, or 0 for ``row >= rows`` (a tile's padding rows)."""
+def pack_fn():
+    """``pack(lo, hi) -> uint32``: two 16-bit values (int16 bits of bf16/f16) as one fragment register, ``lo`` in
+    the low half."""
     global cuda
     cuda = rt._cuda()
     from numba import int32, uint32  # noqa: PLC0415
 
     @cuda.jit(device=True, inline=True)
+    def pack(lo, hi):
+        return uint32(uint32(int32(lo) & 0xFFFF) | (uint32(int32(hi) & 0xFFFF) << uint32(16)))
+
+    return pack
+
+
+@functools.lru_cache(maxsize=None)
+def pair_fn():
+    """``pair(a, row, k, rows) -> uint32``: ``a[row, k]`` (low half) and ``a[row, k + 1]`` (high half) of an
+    int16-bits array, or 0 for ``row >= rows`` (a tile's padding rows)."""
+    global cuda
+    cuda = rt._cuda()
+    from numba import uint32  # noqa: PLC0415
+
+    pack = pack_fn()
+
+    @cuda.jit(device=True, inline=True)
     def pair(a, row, k, rows):
         if row >= rows:
             return uint32(0)
-        return uint32(uint32(int32(a[row, k]) & 0xFFFF) | (uint32(int32(a[row, k + 1]) & 0xFFFF) << uint32(16)))
+        return pack(a[row, k], a[row, k + 1])
 
     return pair
 

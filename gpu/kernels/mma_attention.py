@@ -25,7 +25,7 @@ import math
 import torch
 
 from . import _runtime as rt
-from .mma import jit_kernel, mma_fn, scratch_shape
+from .mma import jit_kernel, mma_fn, pack_fn, scratch_shape
 
 cuda = None  # numba.cuda, bound on first use (a module global: the simulator swaps it)
 
@@ -65,14 +65,10 @@ def attention_kernel_source(D: int, G: int, BT: int):
 
     if D % 16 or not 1 <= G <= 16:
         raise ValueError(f"mma attention needs head_dim % 16 == 0 and 1 <= H / Hkv <= 16; got {D}, {G}")
-    mma, bits = mma_fn("bf16"), bf16_bits_fn()
+    mma, bits, pack = mma_fn("bf16"), bf16_bits_fn(), pack_fn()
     SCR = scratch_shape(1)
     KS, NO = D // 16, D // 8  # k-steps of QK^T over the head dim; 8-dim tiles of O
     NEG = -math.inf
-
-    @cuda.jit(device=True, inline=True)
-    def pack(lo, hi):  # two int16 bf16 values -> one fragment register
-        return uint32(uint32(int32(lo) & 0xFFFF) | (uint32(int32(hi) & 0xFFFF) << uint32(16)))
 
     @cuda.jit(device=True, inline=True)
     def q_pair(q, b, head0, r, d):  # A[r][d..d+1] of the query tile: head head0 + r, zero past the group

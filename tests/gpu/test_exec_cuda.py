@@ -81,6 +81,28 @@ def greedy(model: LlamaModel, prompts: list[list[int]], steps: int,
     return tokens, logits
 
 
+def count_calls(monkeypatch, module, name: str) -> list:
+    """Replace ``module.name`` by a wrapper that records each call's first argument's shape; the list it fills."""
+    calls, real = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def assert_steps_close(got_logits: list, want_logits: list, tol: float) -> None:
+    """Every step's logits within ``tol``, and the same argmax wherever the reference's top two are further apart
+    than twice that (a near tie may fall either way)."""
+    for step, (a, b) in enumerate(zip(got_logits, want_logits)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=tol, msg=f"step {step}")
+        top2 = b.float().topk(2, dim=-1).values  # [B, 2]
+        clear = top2[:, 0] - top2[:, 1] > 2 * tol
+        assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear]), step
+
+
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [11, 200, 13, 6, 77, 190, 31, 8, 64, 2, 128]]   # 7 and 11: ragged rows
 
 
@@ -97,14 +119,7 @@ def test_the_numba_kernels_decode_the_torch_paths_greedy_tokens(dev, tiny_dirs, 
     than that (a near tie may fall either way in bf16, as on the GPU)."""
     from gpu import exec_cuda
 
-    launches = []
-    real = exec_cuda.paged_attention_decode
-
-    def counted(*args, **kwargs):
-        launches.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(exec_cuda, "paged_attention_decode", counted)
+    launches = count_calls(monkeypatch, exec_cuda, "paged_attention_decode")
     ref = LlamaModel.from_path(tiny_dirs[name], device=dev, progress=False, dtype=dtype)
     ours = LlamaModel.from_path(tiny_dirs[name], device=dev, progress=False, dtype=dtype, executor="cuda",
                                 executor_options={"attention_backend": "numba"})
@@ -117,11 +132,7 @@ def test_the_numba_kernels_decode_the_torch_paths_greedy_tokens(dev, tiny_dirs, 
     assert len(launches) == DECODE_STEPS * 2   # one per layer and step (MLA: its 4 heads fit one launch)
     if dtype == torch.float32:
         assert got == want
-    for step, (a, b) in enumerate(zip(got_logits, want_logits)):
-        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=tol, msg=f"step {step}")
-        top2 = b.float().topk(2, dim=-1).values  # [B, 2]
-        clear = top2[:, 0] - top2[:, 1] > 2 * tol
-        assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear]), step
+    assert_steps_close(got_logits, want_logits, tol)
 
 
 def test_the_tensor_core_attention_decodes_the_torch_paths_bf16_tokens(dev, tiny_dirs, monkeypatch):
@@ -130,14 +141,7 @@ def test_the_tensor_core_attention_decodes_the_torch_paths_bf16_tokens(dev, tiny
     same argmax wherever the torch path's top two are further apart than that."""
     from gpu import exec_cuda
 
-    launches = []
-    real = exec_cuda.mma_attention_decode
-
-    def counted(*args, **kwargs):
-        launches.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(exec_cuda, "mma_attention_decode", counted)
+    launches = count_calls(monkeypatch, exec_cuda, "mma_attention_decode")
     ref = LlamaModel.from_path(tiny_dirs["llama"], device=dev, progress=False, dtype=torch.bfloat16)
     ours = LlamaModel.from_path(tiny_dirs["llama"], device=dev, progress=False, dtype=torch.bfloat16,
                                 executor="cuda", executor_options={"attention_backend": "mma"})
@@ -146,11 +150,7 @@ def test_the_tensor_core_attention_decodes_the_torch_paths_bf16_tokens(dev, tiny
     want, want_logits = greedy(ref, PROMPTS, DECODE_STEPS)
     _, got_logits = greedy(ours, PROMPTS, DECODE_STEPS, forced=want)
     assert len(launches) == DECODE_STEPS * 2   # one per layer and step
-    for step, (a, b) in enumerate(zip(got_logits, want_logits)):
-        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=tol, msg=f"step {step}")
-        top2 = b.float().topk(2, dim=-1).values  # [B, 2]
-        clear = top2[:, 0] - top2[:, 1] > 2 * tol
-        assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear]), step
+    assert_steps_close(got_logits, want_logits, tol)
 
 
 def test_the_numba_linear_backend_gives_the_torch_linears_tokens(dev, tiny_dirs, monkeypatch):
