@@ -423,3 +423,20 @@ def probe_fixture(engine_fixture: str = "engine", scope: str = "module"):
         yield p
         p.close()
     return probe
+
+
+@pytest.fixture
+def ring(engine_id):
+    """A flight recorder of one 1,024-event sub-ring, installed as this process's (what the state table and the
+    API's events write to), uninstalled and unlinked after the test."""
+    from ipc import naming, recorder
+    from ipc.recorder import Recorder
+
+    ring = Recorder.create(naming.segment_name(engine_id, "rec"), num_writers=1, events_per_writer=1024)
+    recorder.install(ring, 0, 0)
+    try:
+        yield ring
+    finally:
+        recorder.install(None, 0, 0)
+        ring.close()
+        ring.unlink()

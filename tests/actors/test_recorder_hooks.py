@@ -3,24 +3,9 @@ queue renewals and the KV handoff, each keyed by its request (the fake table rec
 tests/ipc/test_ipc_recorder.py covers those)."""
 from __future__ import annotations
 
-import pytest
-
-from ipc import naming, recorder
-from ipc.recorder import EventKind, Recorder, Renewal, request_key
+from ipc.recorder import EventKind, Renewal, request_key
 from tests.actors.fakes import prefill_request
 from tests.actors.test_scheduler_cores import Pair
-
-
-@pytest.fixture
-def ring(engine_id):
-    ring = Recorder.create(naming.segment_name(engine_id, "rec"), num_writers=1, events_per_writer=1024)
-    recorder.install(ring, 0, 0)
-    try:
-        yield ring
-    finally:
-        recorder.install(None, 0, 0)
-        ring.close()
-        ring.unlink()
 
 
 def kinds_of(ring, request_id: str) -> list[tuple[int, int]]:

@@ -15,8 +15,7 @@ from api.admission import RequestHandle
 from api.dialects import anthropic, openai, responses
 from api.exchange import Engine, Exchange
 from api.protocol import GenerationRequest, error_body
-from ipc import naming, recorder
-from ipc.recorder import ClosedBy, EventKind, Recorder, request_key
+from ipc.recorder import ClosedBy, EventKind, request_key
 from pdserve.errors import EngineOverloadedError, RequestFailedError
 from pdserve.sampling import Sampling
 
@@ -166,18 +165,6 @@ async def drive(app, gone_after: int | None = None, deadline_s: float = 5.0) -> 
     await asyncio.wait_for(app(scope, receive, send), deadline_s)
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     return status, [m["body"] for m in sent if m["type"] == "http.response.body" and m.get("body")]
-
-
-@pytest.fixture
-def ring(engine_id):
-    ring = Recorder.create(naming.segment_name(engine_id, "rec"), num_writers=1, events_per_writer=1024)
-    recorder.install(ring, 0, 0)
-    try:
-        yield ring
-    finally:
-        recorder.install(None, 0, 0)
-        ring.close()
-        ring.unlink()
 
 
 def closed(ring, request_id: str) -> list[tuple[int, int]]:
