@@ -74,6 +74,7 @@ class Routes:
         self.served = parser.served_model_name
         self.debug = DebugState(client)
         self.store = store or responses.ResponseStore()
+        metrics.registry.register(self.store)   # pdserve_response_store_entries / _bytes
 
     def exchange(self, dialect: Callable[[Request], Dialect]):
         """A generating route: ``dialect(request)`` through one Exchange."""
