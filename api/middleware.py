@@ -119,13 +119,17 @@ class ApiKeyMiddleware:
 
 
 
+HEALTH_PATHS = frozenset({"/health", "/health/ready"})
+
+
 class ErrorLogMiddleware:
     """One log line per response with status >= 400: request id, method, route (the path, never the query),
     status, and the error's ``param`` and message from the JSON error body (the request body and the API key are
     never logged). 5xx at WARNING, 4xx at INFO; 499 (the client went away before the answer) names that.
 
     An error met after a streamed response started is a 200 on the wire and is logged by the stream itself
-    (api/exchange.py)."""
+    (api/exchange.py). The health routes (HEALTH_PATHS) log their own changes (api/app.py ``Routes.health``):
+    a probe every few seconds would otherwise be a WARNING line each while the engine starts."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -142,7 +146,7 @@ class ErrorLogMiddleware:
                 status = int(message["status"])
                 rid = next((v.decode("latin-1") for k, v in message.get("headers") or ()
                             if k.lower() == b"x-request-id"), "")
-            elif message["type"] == "http.response.body" and status >= 400:
+            elif message["type"] == "http.response.body" and status >= 400 and scope.get("path") not in HEALTH_PATHS:
                 if len(body) < ERROR_BODY_LOG_BYTES:
                     body.extend(message.get("body", b"")[:ERROR_BODY_LOG_BYTES - len(body)])
                 if not message.get("more_body", False):
