@@ -64,7 +64,7 @@ def first_tokens(sampler, logits, prompt_ids: list[int], samplings: list,
     params = list(samplings)
     batch = logits[None, :].expand(len(params), -1)
     histories = [(prompt_ids, ()) if p.has_penalties else None for p in params]
-    matchers = [grammars.matcher(s.grammar) if s.grammar else None for s in samplings]
+    matchers = [grammars.for_sampling(s) if s.grammar else None for s in samplings]
     allowed = batch_allowed(matchers, batch.shape[-1], [s.max_tokens for s in samplings])
     tokens = sampler.sample(batch, params, [make_generator(p.seed) for p in params], histories, allowed)
     return [(int(t), logprobs_to_wire(lp))
@@ -227,7 +227,7 @@ class DecodeRunner:
         sampling = entry.ready.sampling
         params = sampling
         generator = make_generator((params.seed + 1) % 2**63) if params.seed is not None else None
-        matcher = self.grammars.matcher(sampling.grammar, [entry.ready.first_token]) if sampling.grammar else None
+        matcher = self.grammars.for_sampling(sampling, [entry.ready.first_token]) if sampling.grammar else None
         entry.runtime = (params, generator, matcher)
 
     def step(self, batch) -> tuple[list[int], list]:

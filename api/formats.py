@@ -24,8 +24,8 @@ The choice (:func:`choose`): ``--tool-call-parser`` / ``--reasoning-parser`` whe
 gets that format's parser (DeepSeek's: ``deepseek_v31`` when it writes the name right after the call marker).
 Reasoning is split before tool calls: the content after ``</think>`` goes to the tool parser. A request that turns
 thinking off (``chat_template_kwargs: {"enable_thinking": false}``, or a prompt the template ends with
-``</think>``) or whose output a grammar constrains from its first token (``response_format``, forced tool calls)
-has no reasoning split off.
+``</think>``) has no reasoning split off; a grammar (``response_format``, forced tool calls) then constrains the
+whole answer, else the answer after the reasoning (gpu.grammar.after_reasoning).
 
 Streams hold back text that may be the start of a marker (``<tool_call>``, ``[TOOL_CALLS]``, ``</think>``), so a
 marker split across deltas never leaks into the content; a call cut by ``max_tokens`` comes back as a call with

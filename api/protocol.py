@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api import fields
-from api.formats import (OutputFormats, prompt_closes_reasoning, prompt_opens_reasoning, tool_parser,
-                         with_special_markers)
+from api.formats import (THINK_CLOSE, THINK_OPEN, OutputFormats, prompt_closes_reasoning, prompt_opens_reasoning,
+                         tool_parser, with_special_markers)
 from api.tools import ToolPlan, parameters_schema, parse_tools, template_messages
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
 from pdserve.kv_budget import blocks_for
@@ -577,25 +577,18 @@ class RequestParser:
         text = self.render_chat(conversation, body, extra)
         prompt_ids = self._encode(text, "messages")
         sampling = self._sampling(body, len(prompt_ids), "chat")
-        if plan is not None and plan.mode == "named":
-            sampling = self._constrain(sampling, self._schema_grammar(parameters_schema(tools, plan.function),
-                                                                      "tool_choice"), "tool_choice")
-        elif plan is not None and plan.mode == "required":
-            from gpu.grammar import lark_grammar
-
-            special = {m: self.tokenizer.token_to_id(m) for m in parser.markers
-                       if self.tokenizer.token_to_id(m) in self.tokenizer.special_ids}
-            grammar = with_special_markers(parser.required_grammar(tools, plan.parallel), special)
-            sampling = self._constrain(sampling, lark_grammar(grammar), "tool_choice")
-        elif fmt is not False:
-            sampling = self._constrain(sampling, self._schema_grammar(fmt, "response_format"), "response_format")
-        constrained_by = None if sampling.grammar is None else "tool_choice" if plan else "response_format"
-        # no reasoning when the request turns thinking off, nor in an answer a grammar constrains from its first token
+        # the request's thinking switch, and whether the model reasons before its answer
         thinking = kwargs.get("enable_thinking", kwargs.get("thinking", True)) is not False
-        reasoning = self.reasoning_parser if thinking and sampling.grammar is None else None
-        if reasoning and prompt_closes_reasoning(text):   # the template closed it: thinking is off
-            reasoning = None
-        formats = OutputFormats(parser.name, reasoning, bool(reasoning) and prompt_opens_reasoning(text))
+        reasons = bool(self.reasoning_parser) and thinking and not prompt_closes_reasoning(text)
+        opened = reasons and (prompt_opens_reasoning(text) or self.reasoning_parser == "deepseek_r1")
+        forced = plan is not None and plan.mode in ("named", "required")
+        if forced or fmt is not False:
+            sampling = self._constrain_answer(sampling, self._answer_grammar(plan, tools, fmt, parser), reasons,
+                                              opened, "tool_choice" if forced else "response_format")
+        constrained_by = None if sampling.grammar is None else "tool_choice" if plan else "response_format"
+        # a grammar constrains the answer after the reasoning (after_reasoning), or the whole output without one
+        reasoning = self.reasoning_parser if reasons and (sampling.grammar is None or sampling.reasoning_end) else None
+        formats = OutputFormats(parser.name, reasoning, bool(reasoning) and opened)
         return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body, constrained_by), stream,
                                  include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan,
                                  formats=formats)
@@ -664,6 +657,37 @@ class RequestParser:
         if not all(0 <= t < self.tokenizer.vocab_size for t in tokens):
             raise InvalidRequestError(f"token ids must be in [0, {self.tokenizer.vocab_size})", param="tokens")
         return {"prompt": self.tokenizer.decode(tokens)}
+
+    def _answer_grammar(self, plan, tools, fmt, parser) -> str:
+        """The Lark grammar (llguidance) of a constrained answer: a named function's arguments, ``required``'s
+        calls in the parser's format (its markers written as the special tokens they are), or ``response_format``'s
+        JSON."""
+        from gpu.grammar import schema_lark
+
+        if plan is not None and plan.mode == "named":
+            return schema_lark(parameters_schema(tools, plan.function))
+        if plan is not None and plan.mode == "required":
+            return with_special_markers(parser.required_grammar(tools, plan.parallel), self._special(parser.markers))
+        return schema_lark(fmt)
+
+    def _special(self, markers) -> dict[str, int]:
+        """Marker text -> token id, for the markers the tokenizer has as special tokens."""
+        return {m: self.tokenizer.token_to_id(m) for m in markers
+                if self.tokenizer.token_to_id(m) in self.tokenizer.special_ids}
+
+    def _constrain_answer(self, sampling: Sampling, answer: str, reasons: bool, opened: bool,
+                          param: str) -> Sampling:
+        """``sampling`` constrained by ``answer`` (a Lark grammar): from the first token, or, when the model
+        ``reasons`` first, after its reasoning (gpu.grammar.after_reasoning; ``opened``: the prompt opened it), which
+        may take half of ``max_tokens`` before its end marker is forced."""
+        from gpu.grammar import after_reasoning, lark_grammar
+
+        if not reasons:
+            return self._constrain(sampling, lark_grammar(answer), param)
+        grammar = after_reasoning(answer, THINK_CLOSE, opened, THINK_OPEN, self._special((THINK_OPEN, THINK_CLOSE)))
+        sampling = dataclasses.replace(sampling, reasoning_end=THINK_CLOSE,
+                                       reasoning_budget=max(1, sampling.max_tokens // 2))
+        return self._constrain(sampling, lark_grammar(grammar), param)
 
     def _schema_grammar(self, schema: dict | None, param: str) -> str:
         from gpu.grammar import json_schema_grammar

@@ -35,7 +35,9 @@ transformers, triton and apache-tvm-ffi) and for building a grammar without a pe
 from __future__ import annotations
 
 import collections
+import json
 import logging
+import re
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -49,7 +51,8 @@ if TYPE_CHECKING:   # torch is imported where a mask becomes a tensor: the API p
 
 log = logging.getLogger("pdserve.grammar")
 
-__all__ = ["GrammarCompiler", "GrammarMatcher", "json_schema_grammar", "lark_grammar", "batch_allowed",
+__all__ = ["GrammarCompiler", "GrammarMatcher", "json_schema_grammar", "lark_grammar", "after_reasoning",
+           "schema_lark", "batch_allowed",
            "accept_tokens", "CLOSE_WITHIN_TOKENS", "MAX_GRAMMAR_BYTES", "MAX_NUMBER_CHARS"]
 
 CLOSE_WITHIN_TOKENS = 16      # closing pressure in the last this many (+ open depth) tokens of max_tokens
@@ -90,13 +93,46 @@ def lark_grammar(text: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(text)
 
 
+def after_reasoning(answer: str, end: str, opened: bool, start: str = "", special: dict[str, int] | None = None,
+                    ) -> str:
+    """A Lark grammar (llguidance dialect) of the model's reasoning, free text up to ``end`` (``</think>``), then
+    whitespace, then ``answer`` (a Lark grammar whose ``start`` rule is the constrained answer; its other rules
+    keep their names): vLLM's structured output after the reasoning ends (vllm-project/vllm issue 20663).
+    ``opened``: the prompt ends inside the reasoning; else the answer opens it with ``start`` (``<think>``).
+    ``special``: marker text -> token id for markers the tokenizer has as special tokens (matched as that token;
+    a text marker ends the reasoning's lazy ``stop``). The budget that forces ``end`` is the matcher's
+    (:meth:`GrammarCompiler.for_sampling`)."""
+    special = special or {}
+    body = re.sub(r"(?m)^start:", "pd_answer:", answer)
+
+    def marker(text: str) -> str:
+        return f"<[{special[text]}]>" if text in special else json.dumps(text)
+
+    if end in special:   # a special token is never text: the free text ends where it comes
+        reasoning = f"pd_reasoning {marker(end)}"
+        rule = "pd_reasoning: /(.|\\n)*/"
+    else:
+        reasoning = "pd_reasoning"
+        rule = f"pd_reasoning[stop={json.dumps(end)}]: /(.|\\n)*/"
+    head = reasoning if opened else f"{marker(start)} {reasoning}"
+    return f"start: {head} /[ \\n]*/ pd_answer\n{rule}\n{body}"
+
+
+def schema_lark(schema: dict[str, Any] | None) -> str:
+    """A Lark grammar whose ``start`` is JSON valid under ``schema`` (None: any object), compact as
+    :func:`json_schema_grammar`'s."""
+    schema = dict(schema) if schema is not None else {"type": "object"}
+    schema.setdefault("x-guidance", JSON_OPTIONS)
+    return f"start: %json {json.dumps(schema)}\n"
+
+
 class GrammarMatcher:
     """One request's grammar state: which tokens may come next, and the tokens accepted so far.
 
     Build with :meth:`GrammarCompiler.matcher`. Not thread-safe; one per sequence.
     """
 
-    def __init__(self, matcher, compiler: "GrammarCompiler"):
+    def __init__(self, matcher, compiler: "GrammarCompiler", reasoning_end: str = "", reasoning_budget: int = 0):
         self._m = matcher
         self._c = compiler
         self._words = compiler.mask_words
@@ -104,6 +140,17 @@ class GrammarMatcher:
         self._escape = False
         self._depth = 0           # brackets open outside strings
         self._number_chars = 0    # characters of the number the output ends in (0: it does not end in one)
+        # a grammar after the reasoning (after_reasoning): no closing pressure nor number bound before its end
+        self._end = reasoning_end.encode()
+        self._budget = reasoning_budget
+        self._reasoning_tokens = 0
+        self._tail = b""          # the reasoning's last bytes, to see its end marker
+        self._forced = compiler.forced_ids(reasoning_end) if reasoning_end and reasoning_budget else ()
+
+    @property
+    def reasoning(self) -> bool:
+        """The output so far is still the reasoning before the grammar's answer."""
+        return bool(self._end)
 
     def fill_bitmask(self, row: np.ndarray, tokens_left: int | None = None) -> None:
         """Write the allowed-token bitmask into ``row`` (``[mask_words]`` int32, bit ``t % 32`` of word
@@ -114,6 +161,12 @@ class GrammarMatcher:
             self._c.set_eos_bits(row)
             return
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if self._end:
+            if self._forced and self._reasoning_tokens >= self._budget:   # the budget is spent: write the end
+                token = self._forced[min(self._reasoning_tokens - self._budget, len(self._forced) - 1)]
+                row[:] = 0
+                row.view(np.uint32)[token // 32] |= np.uint32(1 << (token % 32))
+            return
         if self._number_chars >= MAX_NUMBER_CHARS:
             ending = row & self._c.not_number_bits
             if ending.any():
@@ -148,7 +201,15 @@ class GrammarMatcher:
         ok = self._m.consume_token(int(token))
         if not ok:
             log.warning("grammar rejected token %d: %s", token, self._m.get_error())
-        self._scan(self._c.token_bytes[token] if 0 <= token < len(self._c.token_bytes) else b"")
+        raw = self._c.token_bytes[token] if 0 <= token < len(self._c.token_bytes) else b""
+        if self._end:
+            self._reasoning_tokens += 1
+            self._tail = (self._tail + raw)[-len(self._end) - 16:]
+            if self._end in self._tail:   # the answer starts: what follows the marker is the grammar's
+                raw, self._end = self._tail.split(self._end, 1)[1], b""
+            else:
+                return ok
+        self._scan(raw)
         return ok
 
     def _scan(self, raw: bytes) -> None:
@@ -281,9 +342,12 @@ class GrammarCompiler:
             raise InvalidRequestError(f"'{param}' cannot be used for constrained decoding: {exc.message}",
                                       param=param) from None
 
-    def matcher(self, grammar: str, tokens: Sequence[int] = ()) -> GrammarMatcher:
+    def matcher(self, grammar: str, tokens: Sequence[int] = (), reasoning_end: str = "",
+                reasoning_budget: int = 0) -> GrammarMatcher:
         """A fresh matcher for ``grammar`` that has accepted ``tokens`` (the output so far: decode rebuilds the
-        state prefill had after its first token this way).
+        state prefill had after its first token this way). ``reasoning_end``, ``reasoning_budget``: the grammar
+        starts after the model's reasoning (:func:`after_reasoning`), which ends with that text, forced once the
+        reasoning has that many tokens (0: never forced).
 
         Never raises: the API checked the grammar on admission; should the library still reject it here, the
         matcher is in its error state, which allows EOS alone (the sequence ends at once), and a line is logged.
@@ -295,10 +359,18 @@ class GrammarCompiler:
 
             log.error("a request's grammar does not compile in this actor: %s", exc.message)
             compiled = llguidance.LLMatcher(self._load(), grammar, log_level=0)
-        m = GrammarMatcher(compiled, self)
+        m = GrammarMatcher(compiled, self, reasoning_end, reasoning_budget)
         for token in tokens:
             m.accept(token)
         return m
+
+    def for_sampling(self, sampling, tokens: Sequence[int] = ()) -> GrammarMatcher:
+        """:meth:`matcher` for a request's pdserve.sampling.Sampling (its grammar, and the reasoning before it)."""
+        return self.matcher(sampling.grammar, tokens, sampling.reasoning_end, sampling.reasoning_budget)
+
+    def forced_ids(self, text: str) -> tuple[int, ...]:
+        """The token ids that write ``text`` when it is forced (its own tokenization, from a token boundary)."""
+        return tuple(int(t) for t in self._load().tokenize_str(text))
 
 
 def batch_allowed(matchers: Sequence[GrammarMatcher | None], vocab_size: int,

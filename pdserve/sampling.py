@@ -60,6 +60,10 @@ class Sampling:
     # OpenAI's logit_bias as two parallel tuples: each bias (in [-100, 100]) is added to its token id's logit
     logit_bias_ids: tuple[int, ...] = ()
     logit_bias_values: tuple[float, ...] = ()
+    # a grammar that starts after the model's reasoning (gpu.grammar.after_reasoning): the text that ends the
+    # reasoning ("</think>"), and the most tokens the reasoning may take before that text is forced (0: no bound)
+    reasoning_end: str = ""
+    reasoning_budget: int = 0
 
     @property
     def greedy(self) -> bool:

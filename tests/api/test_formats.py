@@ -397,7 +397,8 @@ THINKING_TEMPLATE = (
 @pytest.mark.parametrize("reasoning", ["qwen3", "deepseek_r1"])
 def test_request_formats_follow_the_prompt_and_chat_template_kwargs(reasoning, compiler):
     """A prompt the template ends inside <think> starts the answer in the reasoning; enable_thinking false (through
-    chat_template_kwargs, which reach the template) splits nothing, nor does a grammar-constrained answer; a
+    chat_template_kwargs, which reach the template) splits nothing; a grammar-constrained answer is constrained
+    after the reasoning (its end forced at half of max_tokens), or from its first token with thinking off; a
     malformed chat_template_kwargs is a 400 naming it."""
     from api.protocol import RequestParser
     from gpu.tokenizer import Tokenizer
@@ -413,8 +414,12 @@ def test_request_formats_follow_the_prompt_and_chat_template_kwargs(reasoning, c
     off = parse.chat({"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
     assert off.formats == OutputFormats("hermes", None, False)
     assert tok.decode(off.prompt_ids).rstrip().endswith("</think>")
-    constrained = parse.chat({"messages": messages, "response_format": {"type": "json_object"}})
-    assert constrained.formats == OutputFormats("hermes", None, False)   # the JSON is never reasoning
+    constrained = parse.chat({"messages": messages, "response_format": {"type": "json_object"}, "max_tokens": 40})
+    assert constrained.formats == OutputFormats("hermes", reasoning, True)   # the JSON comes after the reasoning
+    assert (constrained.sampling.reasoning_end, constrained.sampling.reasoning_budget) == ("</think>", 20)
+    plain = parse.chat({"messages": messages, "response_format": {"type": "json_object"},
+                        "chat_template_kwargs": {"enable_thinking": False}})
+    assert plain.formats == OutputFormats("hermes", None, False) and plain.sampling.reasoning_end == ""
     for bad in (["enable_thinking"], {"messages": []}):
         with pytest.raises(InvalidRequestError) as err:
             parse.chat({"messages": messages, "chat_template_kwargs": bad})

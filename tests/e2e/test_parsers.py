@@ -54,13 +54,14 @@ def reasoning_of(obj) -> str | None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_call_is_decoded_and_parsed_in_the_mistral_format(client, stream):
     request = dict(model=MODEL, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=40,
-                   messages=[{"role": "user", "content": "What is the weather in Oslo?"}], parallel_tool_calls=False)
+                   messages=[{"role": "user", "content": "What is the weather in Oslo?"}], parallel_tool_calls=False,
+                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **request))
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         calls = [(d.function.name, d.function.arguments) for x in deltas for d in x.tool_calls or []]
         assert not "".join(x.content or "" for x in deltas)   # no [TOOL_CALLS] markup as content
-        assert not any(reasoning_of(x) for x in deltas)        # a constrained answer has no reasoning
+        assert not any(reasoning_of(x) for x in deltas)        # thinking off: no reasoning
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     else:
         choice = client.chat.completions.create(**request).choices[0]
@@ -71,6 +72,29 @@ def test_required_call_is_decoded_and_parsed_in_the_mistral_format(client, strea
     [(name, arguments)] = calls
     assert name == "get_weather"
     jsonschema.validate(json.loads(arguments), WEATHER)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_a_forced_call_thinks_first_then_calls_in_every_choice_streamed(client, tool_choice):
+    """vLLM issue 20663: with the reasoning opened by the template, the grammar of a forced call starts after it
+    (its end forced at half of max_tokens): in each of n=2 streamed choices reasoning_content deltas come first,
+    then the call, whose arguments validate."""
+    chunks = list(client.chat.completions.create(
+        model=MODEL, tools=TOOLS, tool_choice=tool_choice, temperature=0.8, seed=5, max_tokens=60, n=2,
+        parallel_tool_calls=False, stream=True,
+        messages=[{"role": "user", "content": "What is the weather in Oslo?"}]))
+    for index in (0, 1):
+        deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].index == index]
+        kinds = [("reasoning" if reasoning_of(d) else "call") for d in deltas if reasoning_of(d) or d.tool_calls]
+        assert kinds and kinds[0] == "reasoning" and "call" in kinds, kinds
+        assert kinds.index("call") > max(i for i, k in enumerate(kinds) if k == "reasoning")   # no reasoning after
+        assert not "".join(d.content or "" for d in deltas)
+        calls = [c for d in deltas for c in d.tool_calls or []]
+        assert calls[0].function.name == "get_weather"
+        jsonschema.validate(json.loads("".join(c.function.arguments or "" for c in calls)), WEATHER)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].index == index]
+        assert finish[-1] == "tool_calls"
 
 
 def test_reasoning_opened_by_the_template_is_reasoning_content_streamed_and_not(client):

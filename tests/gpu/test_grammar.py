@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 import torch
 
-from gpu.grammar import (CLOSE_WITHIN_TOKENS, MAX_NUMBER_CHARS, GrammarCompiler, accept_tokens, batch_allowed,
-                         json_schema_grammar, lark_grammar)
+from gpu.grammar import (CLOSE_WITHIN_TOKENS, MAX_NUMBER_CHARS, GrammarCompiler, accept_tokens, after_reasoning,
+                         batch_allowed, json_schema_grammar, lark_grammar, schema_lark)
 from gpu.sampling import Sampler, Sampling, make_generator
 from pdserve.errors import InvalidRequestError
 
@@ -34,12 +34,16 @@ def compiler(tok) -> GrammarCompiler:
     return c
 
 
-def generate(compiler, tok, grammar: str, logits_of, rows: int, max_tokens: int, seed: int = 0) -> list[str]:
+def generate(compiler, tok, grammar: str, logits_of, rows: int, max_tokens: int, seed: int = 0,
+             reasoning_budget: int = 0) -> list[str]:
     """Sample ``rows`` sequences at once under ``grammar`` the way the decode actor does (batch_allowed ->
-    Sampler(allowed=) -> accept_tokens), with logits from ``logits_of(step)`` ``[rows, vocab]``."""
-    params = [Sampling(temperature=1.0, seed=seed + i, max_tokens=max_tokens) for i in range(rows)]
+    Sampler(allowed=) -> accept_tokens), with logits from ``logits_of(step)`` ``[rows, vocab]``;
+    ``reasoning_budget``: the grammar follows a reasoning ending in ``</think>`` (after_reasoning)."""
+    params = [Sampling(temperature=1.0, seed=seed + i, max_tokens=max_tokens, grammar=grammar,
+                       reasoning_end="</think>" if reasoning_budget else "", reasoning_budget=reasoning_budget)
+              for i in range(rows)]
     gens = [make_generator(p.seed) for p in params]
-    matchers = [compiler.matcher(grammar) for _ in range(rows)]
+    matchers = [compiler.for_sampling(p) for p in params]
     out: list[list[int]] = [[] for _ in range(rows)]
     done = [False] * rows
     for step in range(max_tokens):
@@ -67,6 +71,31 @@ def test_whatever_the_logits_every_sampled_answer_validates_against_the_schema(c
     for text in texts:
         jsonschema.validate(json.loads(text), PERSON)
     assert len(set(texts)) > 4   # really sampled, not one forced answer
+
+
+def test_a_grammar_after_the_reasoning_leaves_it_free_then_forces_its_end_at_the_budget(compiler, tok):
+    """Reasoning first (vLLM issue 20663): logits that favour brackets and quotes meet no closing pressure nor
+    grammar in the reasoning; at the budget ``</think>`` is forced, and the answer after it validates."""
+    grammar = lark_grammar(after_reasoning(schema_lark(PERSON), "</think>", opened=True))
+    bias = torch.zeros(tok.vocab_size)
+    for piece in ("[", "{", '"', "]}", " the"):
+        for t in tok.encode(piece):
+            bias[t] = 11.0
+    noise = torch.Generator().manual_seed(11)
+    budget = 30
+    texts = generate(compiler, tok, grammar, lambda step: torch.randn(6, tok.vocab_size, generator=noise) + bias,
+                     rows=6, max_tokens=160, reasoning_budget=budget)
+    for text in texts:
+        reasoning, _, answer = text.partition("</think>")
+        assert len(tok.encode(reasoning)) <= budget + 4, text   # re-encoded text: a few tokens apart
+        jsonschema.validate(json.loads(answer), PERSON)
+    assert sum(text.partition("</think>")[0].count("{") for text in texts) > 3   # brackets left open in reasoning
+    ids = tok.encode(texts[0])[:budget + 8]   # decode rebuilds the matcher from the tokens so far
+    stepped = compiler.for_sampling(Sampling(grammar=grammar, reasoning_end="</think>", reasoning_budget=budget))
+    for t in ids:
+        stepped.accept(t)
+    rebuilt = compiler.for_sampling(Sampling(grammar=grammar, reasoning_end="</think>", reasoning_budget=budget), ids)
+    assert torch.equal(stepped.allowed_tokens(tok.vocab_size, 50), rebuilt.allowed_tokens(tok.vocab_size, 50))
 
 
 def test_closing_pressure_ends_an_unbounded_json_object_inside_max_tokens(compiler, tok):
