@@ -81,6 +81,10 @@ def _field_ok(name: str, default: Any, value: Any) -> bool:
         return value is None or (isinstance(value, int) and not isinstance(value, bool))
     if name == "grammar":
         return value is None or isinstance(value, str)
+    if name == "reasoning_end":
+        return isinstance(value, str) and len(value) <= 64
+    if name == "reasoning_budget":
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
     if name == "logit_bias_values":
         return isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                         for v in value)
