@@ -119,14 +119,14 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: dict, receive, send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
         if path.startswith("/internal/"):
-            needed = self.node
+            needed, guarded = self.node, bool(self.node)
         elif path.startswith("/debug/") and self.digests:
-            needed = self.admin
+            needed, guarded = self.admin, True   # no admin key configured: nobody reads them over HTTP
         elif path.startswith(PROTECTED_PREFIXES):
-            needed = self.digests
+            needed, guarded = self.digests, bool(self.digests)
         else:
-            needed = []
-        if not needed and not (path.startswith("/debug/") and self.digests):
+            needed, guarded = [], False
+        if not guarded:
             await self.app(scope, receive, send)
             return
         offered = self.offered(_header(scope, b"authorization"), _header(scope, b"x-api-key"))

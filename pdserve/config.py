@@ -494,7 +494,10 @@ def _check_node_secret(config: EngineConfig) -> None:
     """Raises ConfigError when a node (role prefill or decode) has no node secret and ``insecure_nodes`` is not
     set (its /internal/* routes would take orders from anyone who reaches the port), when the secret is shorter
     than MIN_NODE_SECRET_CHARS, or when it equals an API or admin key (it must never open the public routes).
-    The router checks its own side in pdserve.cli.node_urls."""
+    The router checks its own side in pdserve.cli.node_urls. Refused rather than generated: the router must hold
+    the same value, and a secret printed at start-up for copying ends up in logs; refused rather than open: a
+    node's port reachable from the network would otherwise take aborts from anyone (an explicit --insecure-nodes
+    keeps that choice available, and visible in the command line)."""
     secret = node_secret(config)
     if config.role != "both" and not secret and not config.insecure_nodes:
         raise ConfigError(f"config field role={config.role!r}: a node takes /internal/* calls only with "
