@@ -51,13 +51,15 @@ def request_timelines(client, request_id: str) -> dict | None:
 
 
 def build_app(client, tokenizer, parser: RequestParser, metrics, api_keys: tuple[str, ...] = (),
-              extra_routes: tuple = (), allowed_origins: tuple[str, ...] = ()):
+              extra_routes: tuple = (), allowed_origins: tuple[str, ...] = (), admin_keys: tuple[str, ...] = (),
+              node_secret: str = ""):
     """The ASGI app: the routes (plus ``extra_routes``, Starlette ``Route``s: a node's ``/internal/*``), behind
-    api.middleware's API-key check (``api_keys``: none = open), ``x-request-id`` on every response and a log line
-    per error; CORS (Starlette's CORSMiddleware, outermost so a preflight needs no key) for ``allowed_origins``
-    (none = no CORS headers; ``*`` = any origin)."""
+    api.middleware's credential check (``api_keys`` and ``admin_keys``: none = open; ``/debug/*`` wants an admin
+    key once any key is configured; ``/internal/*`` wants ``node_secret`` when one is given), ``x-request-id`` on
+    every response and a log line per error; CORS (Starlette's CORSMiddleware, outermost so a preflight needs no
+    key) for ``allowed_origins`` (none = no CORS headers; ``*`` = any origin)."""
     app = Routes(client, tokenizer, parser, metrics).app(extra_routes)
-    app = ErrorLogMiddleware(RequestIdMiddleware(ApiKeyMiddleware(app, api_keys)))
+    app = ErrorLogMiddleware(RequestIdMiddleware(ApiKeyMiddleware(app, api_keys, admin_keys, node_secret)))
     if allowed_origins:
         app = CORSMiddleware(app, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"],
                              expose_headers=["x-request-id"], max_age=600)

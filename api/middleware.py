@@ -1,6 +1,6 @@
 """ASGI middleware around the Starlette app: API keys (Bearer or x-api-key) on ``/v1/*`` (and its routes without
-``/v1``), ``/debug/*`` and ``/internal/*``; ``x-request-id`` on every response; one log line per 4xx/5xx response
-(ErrorLogMiddleware).
+``/v1``), admin keys on ``/debug/*``, the node secret on ``/internal/*``; ``x-request-id`` on every response; one
+log line per 4xx/5xx response (ErrorLogMiddleware).
 
 Both are plain ASGI (not Starlette's BaseHTTPMiddleware, which buffers streamed bodies and hides client
 disconnects from the handlers): they look at the request's headers and add or answer with response headers.
@@ -18,7 +18,8 @@ import orjson
 
 from api.protocol import check_request_id, error_body
 from ipc.arrivals import note_arrival
-from pdserve.config import api_keys as load_api_keys  # noqa: F401 - the API process reads its keys here
+from pdserve.config import admin_keys, node_secret  # noqa: F401 - the API process reads its credentials here
+from pdserve.config import api_keys as load_api_keys  # noqa: F401
 from pdserve.errors import PdserveError
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
@@ -76,9 +77,18 @@ class RequestIdMiddleware:
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, when no Authorization header is sent) required on
-    ``PROTECTED_PREFIXES`` (``/v1/*`` and its routes without ``/v1``, ``/tokenize``, ``/detokenize``, ``/debug/*``
-    and the router-to-node ``/internal/*``) when keys are configured.
+    """Who may call what, when credentials are configured (``Authorization: Bearer <key>``, or ``x-api-key: <key>``
+    when no Authorization header is sent):
+
+    =====================  ====================================================================================
+    ``/internal/*``        the node secret only (``node_secret``; none configured: open, as on a plain engine,
+                           where those routes are not mounted and answer 404); an API or admin key is a 401
+    ``/debug/*``           an admin key (``admin_keys``) once any API or admin key is configured: the views show
+                           every tenant's requests; a valid API key there is a 403
+    ``PROTECTED_PREFIXES`` an API key or an admin key (``/v1/*`` and its routes without ``/v1``, ``/tokenize``,
+                           ``/detokenize``); the node secret is not one
+    the rest               open (``/health*``, ``/metrics``, ``/``)
+    =====================  ====================================================================================
 
     Keys are compared in constant time: the SHA-256 digests of the offered and of every configured key go through
     ``hmac.compare_digest`` (equal lengths whatever the offered key's length), all of them, without an early
@@ -87,44 +97,72 @@ class ApiKeyMiddleware:
     with ``WWW-Authenticate: Bearer``.
     """
 
-    def __init__(self, app: ASGIApp, keys: Iterable[str]):
+    def __init__(self, app: ASGIApp, keys: Iterable[str], admin_keys: Iterable[str] = (), node_secret: str = ""):
         self.app = app
-        self.digests = [hashlib.sha256(k.encode("utf-8")).digest() for k in keys]
+        self.admin = [hashlib.sha256(k.encode("utf-8")).digest() for k in admin_keys]
+        self.digests = [hashlib.sha256(k.encode("utf-8")).digest() for k in keys] + self.admin
+        self.node = [hashlib.sha256(node_secret.encode("utf-8")).digest()] if node_secret else []
 
-    def authorized(self, header: str | None, x_api_key: str | None = None) -> bool:
-        """Whether an ``Authorization`` header value (``Bearer <key>``), or else an ``x-api-key`` header value (as
-        Anthropic's clients send it), carries one of the keys."""
+    @staticmethod
+    def offered(header: str | None, x_api_key: str | None = None) -> bytes | None:
+        """The SHA-256 digest of the key an ``Authorization`` header value (``Bearer <key>``), or else an
+        ``x-api-key`` header value, carries; None when there is none (or another scheme)."""
         scheme, _, token = (header or "").strip().partition(" ")
         if header is not None and (scheme.lower() != "bearer" or not token.strip()):
-            return False
+            return None
         token = token.strip() if header is not None else (x_api_key or "").strip()
-        if not token:
-            return False
-        offered = hashlib.sha256(token.encode("utf-8", errors="surrogateescape")).digest()
+        return hashlib.sha256(token.encode("utf-8", errors="surrogateescape")).digest() if token else None
+
+    @staticmethod
+    def _matches(offered: bytes | None, digests: list[bytes]) -> bool:
         match = False
-        for digest in self.digests:
-            match |= hmac.compare_digest(offered, digest)
-        return match
+        for digest in digests:   # every one, no early exit
+            match |= hmac.compare_digest(offered or b"", digest)
+        return match and offered is not None
+
+    def authorized(self, header: str | None, x_api_key: str | None = None) -> bool:
+        """Whether the headers carry one of the API or admin keys."""
+        return self._matches(self.offered(header, x_api_key), self.digests)
 
     async def __call__(self, scope: dict, receive, send) -> None:
-        if (scope["type"] != "http" or not self.digests or not scope.get("path", "").startswith(PROTECTED_PREFIXES)
-                or self.authorized(_header(scope, b"authorization"), _header(scope, b"x-api-key"))):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path.startswith("/internal/"):
+            needed, guarded = self.node, bool(self.node)
+        elif path.startswith("/debug/") and self.digests:
+            needed, guarded = self.admin, True   # no admin key configured: nobody reads them over HTTP
+        elif path.startswith(PROTECTED_PREFIXES):
+            needed, guarded = self.digests, bool(self.digests)
+        else:
+            needed, guarded = [], False
+        if not guarded:
             await self.app(scope, receive, send)
             return
-        if _header(scope, b"authorization") is None and _header(scope, b"x-api-key") is None:
+        offered = self.offered(_header(scope, b"authorization"), _header(scope, b"x-api-key"))
+        if self._matches(offered, needed):
+            await self.app(scope, receive, send)
+            return
+        status = 401
+        if offered is None:
             message = ("You didn't provide an API key. Provide it in the Authorization header as "
                        "'Authorization: Bearer YOUR_KEY'.")
+        elif path.startswith("/debug/") and self._matches(offered, self.digests):
+            status, message = 403, ("the debug views show every tenant's requests: they need an admin key "
+                                    "(admin_key / admin_key_file)")
+        elif path.startswith("/internal/"):
+            message = "the node routes take the router's node secret (node_secret), not an API key"
         else:
             message = "Incorrect API key provided (expected 'Authorization: Bearer YOUR_KEY' with a configured key)."
-        if scope["path"].startswith(ANTHROPIC_PREFIX):   # Anthropic's clients parse their own error shape
+        if path.startswith(ANTHROPIC_PREFIX):   # Anthropic's clients parse their own error shape
             body = orjson.dumps({"type": "error", "error": {"type": "authentication_error", "message": message}})
+        elif status == 403:
+            body = orjson.dumps(error_body(message, "permission_error", None, "admin_key_required"))
         else:
             body = orjson.dumps(error_body(message, "invalid_request_error", None, "invalid_api_key"))
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b'Bearer realm="pdserve"')]})
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if status == 401:
+            headers.append((b"www-authenticate", b'Bearer realm="pdserve"'))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-
 
 
 HEALTH_PATHS = frozenset({"/health", "/health/ready"})

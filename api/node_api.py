@@ -18,10 +18,15 @@ Decode node:
         the first), ``{"error": {"message", "type", "status"}}``. Closing the stream aborts the row.
 Both: ``GET /internal/status`` -> ``{"engine_id", "role", "healthy", "problems", "active", "kv_blocks_free"}``; a
 prefill node with a prefix cache adds ``"cache": {"block_tokens", "words"}``: the block keys its prefill actors
-cache (ipc/cache_summary.py ``encode_words``), for `pdserve router`'s cache-aware choice.
+cache (ipc/cache_summary.py ``encode_words``), for `pdserve router`'s cache-aware choice. ``GET /internal/state``
+-> the node's ``/debug/state`` snapshot (api/debug_state.py), which the router's own ``/debug/state`` gathers.
+
+Only a node (``role`` prefill or decode) mounts these routes (api/server.py), and api/middleware.py lets through
+only the router's ``node_secret`` to them (an API key is a 401). Bodies are read as the public routes' are
+(api/body.py: MAX_BODY_BYTES decoded, Content-Encoding, body_read_timeout_s).
 
 REQUEST is ``{"request_id", "prompt_ids", "sampling": Sampling wire list, "n", "timeout_s"}``. Errors before a
-stream starts are OpenAI error JSON with their status (a bad body: 400).
+stream starts are OpenAI error JSON with their status (a bad body: 400; too large: 413; too slow: 408).
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from actors.messages import KVReady, from_wire, to_wire
+from api.debug_state import DebugState
 from api.engine_client import EngineClient, RequestHandle
 from api.protocol import SAMPLING_BOUNDS, SAMPLING_NOT_ZERO, GenerationRequest, error_body
 from ipc.cache_summary import encode_words
@@ -223,19 +229,30 @@ class NodeRoutes:
     def __init__(self, client: EngineClient, health, engine_id: str, limits: NodeLimits):
         self.client, self.health, self.engine_id, self.limits = client, health, engine_id, limits
         self._descriptors: dict[int, Any] = {}
+        self.debug = DebugState(client)
 
     def routes(self) -> list[Route]:
         return [Route("/internal/prefill", self.prefill, methods=["POST"]),
                 Route("/internal/transfer_done", self.transfer_done, methods=["POST"]),
                 Route("/internal/abort", self.abort, methods=["POST"]),
                 Route("/internal/decode", self.decode, methods=["POST"]),
-                Route("/internal/status", self.status, methods=["GET"])]
+                Route("/internal/status", self.status, methods=["GET"]),
+                Route("/internal/state", self.state, methods=["GET"])]
 
     async def _body(self, request: Request) -> dict:
+        """The JSON object of the call's body, read as a public route's (api/body.py). Raises PdserveError: 400
+        (not JSON, not an object), 408 (too slow), 413 (over MAX_BODY_BYTES decoded), 415 (a coding), 499 (the
+        router went away mid-body)."""
+        from starlette.requests import ClientDisconnect
+
+        from api.body import parse_json, read_decoded_body
+
         try:
-            body = orjson.loads(await request.body())
-        except orjson.JSONDecodeError as exc:
-            raise InvalidRequestError(f"the body is not valid JSON ({exc})") from None
+            body = parse_json(await read_decoded_body(request, self.client.config.body_read_timeout_s))
+        except ClientDisconnect:
+            error = PdserveError("the router closed the connection before sending the whole body")
+            error.http_status, error.error_type = 499, "client_closed_request"
+            raise error from None
         if not isinstance(body, dict):
             raise InvalidRequestError("the body must be a JSON object")
         return body
@@ -370,6 +387,14 @@ class NodeRoutes:
             self.client.finish(handle)
 
     # ---- both -------------------------------------------------------------------------------------
+    async def state(self, request: Request) -> Response:
+        """The node's /debug/state snapshot (``sample_s`` as there), for the router's /debug/state."""
+        try:
+            sample_s = self.debug.sample_s(request.query_params.get("sample_s"))
+            return JSONResponse(await asyncio.to_thread(self.debug.snapshot, sample_s))
+        except PdserveError as exc:
+            return error_json(exc)
+
     async def status(self, request: Request) -> Response:
         report = await asyncio.get_running_loop().run_in_executor(None, self.health)
         rows = self.client.actors.rows()

@@ -12,6 +12,12 @@ Deadlines: each node's monitor enforces the stages it holds; the router enforces
 (``next_event``) and watches the nodes: each is polled every ``monitor_tick_s`` (``GET /internal/status``); one
 that has not answered for ``actor_hang_timeout_s`` is marked dead and its requests fail at once (503), the other
 node's part of them is aborted. Every call has a timeout; the HTTP client reconnects by itself.
+
+Security: every call carries the router <-> node secret (``Authorization: Bearer <node_secret>``, the only
+credential a node's ``/internal/*`` takes), never a client's key; ``https://`` nodes are verified against
+``node_ca`` (else the system's store, ``SSL_CERT_FILE``/``SSL_CERT_DIR`` honoured) and, with
+``node_client_cert``/``node_client_key``, shown a client certificate (``node_ssl_context``). Whether cleartext is
+allowed is decided at start-up (pdserve.cli.node_urls).
 """
 from __future__ import annotations
 
@@ -35,6 +41,19 @@ from ipc.cache_summary import decode_words, leading_run
 from pdserve.errors import EngineOverloadedError, InvalidRequestError, PdserveError
 
 log = logging.getLogger("pdserve.router")
+
+
+def node_ssl_context(config):
+    """The TLS context the router reaches ``https://`` nodes with: certificates verified (hostname included)
+    against ``config.node_ca``, else the system's trust store (OpenSSL's default paths, which honour
+    ``SSL_CERT_FILE`` and ``SSL_CERT_DIR``); ``config.node_client_cert``/``node_client_key`` loaded as the client
+    certificate when given (httpcore sets ALPN on it per connection: one context per client). Raises ssl.SSLError / OSError for an unreadable or invalid file."""
+    import ssl
+
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=config.node_ca or None)
+    if config.node_client_cert:
+        context.load_cert_chain(config.node_client_cert, config.node_client_key or None)
+    return context
 
 
 def node_error(message: str, http_status: int = 503, error_type: str = "service_unavailable") -> PdserveError:
@@ -137,7 +156,7 @@ class RouterClient:
     """What api/exchange.py's Exchange needs of an engine (``submit``, ``next_event``, ``finish``, ``finish_all``,
     ``stop_generation``, ``num_active``, ``config``), over prefill and decode nodes."""
 
-    def __init__(self, config, prefill_urls: list[str], decode_urls: list[str], api_key: str = ""):
+    def __init__(self, config, prefill_urls: list[str], decode_urls: list[str], node_secret: str = ""):
         if not prefill_urls or not decode_urls:
             raise InvalidRequestError("the router needs at least one --prefill-node and one --decode-node")
         self.config = config
@@ -146,7 +165,7 @@ class RouterClient:
                      [Node(u.rstrip("/"), "decode") for u in decode_urls]
         self.handles: dict[tuple[int, int], RequestHandle] = {}
         self.flights: dict[tuple[int, int], InFlight] = {}
-        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = {"authorization": f"Bearer {node_secret}"} if node_secret else {}
         self._ids = itertools.count(1)
         self._poller: asyncio.Task | None = None
         self._messages: set[asyncio.Task] = set()   # transfer_done / abort calls in flight (_background)
@@ -158,11 +177,14 @@ class RouterClient:
 
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
         # HTTP/2 only (h2c prior knowledge on http://, ALPN h2 on https://): every call to a node is a stream on
-        # one connection per node; trust_env=False: node traffic never goes through an HTTP(S)_PROXY
+        # one connection per node; trust_env=False: node traffic never goes through an HTTP(S)_PROXY (the TLS
+        # context reads SSL_CERT_FILE itself)
         self.http = httpx.AsyncClient(limits=limits, headers=self.headers, timeout=httpx.Timeout(5.0),
-                                      trust_env=False, http1=False, http2=True)
+                                      trust_env=False, http1=False, http2=True,
+                                      verify=node_ssl_context(self.config))
         # node polls on connections of their own: a stream stalled on a frozen node must not delay the verdict
-        self.poll_http = httpx.AsyncClient(headers=self.headers, trust_env=False)
+        self.poll_http = httpx.AsyncClient(headers=self.headers, trust_env=False,
+                                           verify=node_ssl_context(self.config))
         await self.poll_nodes()
         self._poller = asyncio.create_task(self._poll_loop())
 
@@ -318,6 +340,9 @@ class RouterClient:
             answer = orjson.loads(content)
         except orjson.JSONDecodeError:
             answer = None
+        if status in (401, 403):   # the router's own configuration, never the client's fault
+            raise node_error(f"{node.role} node {node.url} refused the router's node_secret on {path} (HTTP "
+                             f"{status}); give the router and its nodes the same node_secret", 502, "bad_gateway")
         if status != 200 or not isinstance(answer, dict):
             error = (answer or {}).get("error") if isinstance(answer, dict) else None
             if isinstance(error, dict):

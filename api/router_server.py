@@ -3,7 +3,9 @@
 One process: the same Starlette routes as a node's API (api/app.py: parsing, tokenization, chat templates, stop
 strings, streaming) over ``RouterClient`` (api/router_client.py) instead of shared memory; /health is 200 while at
 least one node of each role serves; /metrics has the router's request counts and latencies and one gauge set per
-node; ``GET /debug/state`` is the router's view plus each node's own (``tools/inspect --url``). SIGTERM or SIGINT
+node; ``GET /debug/state`` is the router's view plus each node's own (their ``/internal/state``; ``tools/inspect
+--url``), for an admin key once keys are configured (api/middleware.py). Every call to a node carries
+``node_secret``; ``https://`` nodes are verified (api/router_client.py ``node_ssl_context``). SIGTERM or SIGINT
 stops it gracefully.
 """
 from __future__ import annotations
@@ -72,12 +74,12 @@ class RouterMetrics(RequestMetrics):
 
 
 def debug_route(client: RouterClient) -> Route:
-    """``GET /debug/state``: ``{"router": client.view(), "nodes": [each node's /debug/state, or {"url", "error"}]}``
-    (the document tools/inspect --url renders)."""
+    """``GET /debug/state``: ``{"router": client.view(), "nodes": [each node's /internal/state (its /debug/state
+    snapshot), or {"url", "error"}]}`` (the document tools/inspect --url renders)."""
     async def debug_state(request: Request) -> Response:
         async def one(node) -> dict:
             try:
-                resp = await asyncio.wait_for(client.poll_http.get(node.url + "/debug/state", timeout=2.0), 2.5)
+                resp = await asyncio.wait_for(client.poll_http.get(node.url + "/internal/state", timeout=2.0), 2.5)
                 if resp.status_code == 200:
                     return {"url": node.url, **resp.json()}
                 return {"url": node.url, "error": f"HTTP {resp.status_code}"}
@@ -111,7 +113,7 @@ async def _serve(layout, prefill_urls: list[str], decode_urls: list[str]) -> Non
     from gpu.grammar import GrammarCompiler
     from gpu.model_files import model_cache_dir
     from gpu.tokenizer import Tokenizer
-    from pdserve.config import allowed_origins, api_keys
+    from pdserve.config import admin_keys, allowed_origins, node_secret
 
     config = layout.config
     tokenizer = Tokenizer.load(layout.model_path or None, model_cache_dir(config.model_cache_dir))
@@ -120,14 +122,13 @@ async def _serve(layout, prefill_urls: list[str], decode_urls: list[str]) -> Non
 
         tokenizer.set_chat_template(pathlib.Path(config.chat_template).read_text(encoding="utf-8"))
     grammars = GrammarCompiler(tokenizer=tokenizer)
-    keys = api_keys(config)
-    client = RouterClient(config, prefill_urls, decode_urls, api_key=keys[0] if keys else "")
+    client = RouterClient(config, prefill_urls, decode_urls, node_secret=node_secret(config))
     await client.start()
     parser = RequestParser(tokenizer, layout.served_model_name, layout.max_context_tokens,
                            config.reserve_output_tokens, layout.kv_blocks_per_pool, config.kv_block_tokens, grammars,
                            config.max_tokens_policy, formats_for(layout, tokenizer), config.max_queued_requests)
     app = build_app(client, tokenizer, parser, RouterMetrics(client), load_api_keys(config), (debug_route(client),),
-                    allowed_origins(config))
+                    allowed_origins(config), admin_keys(config))
     hconfig = keep_alive_config(config.keep_alive_timeout_s)
     hconfig.bind = [f"{config.host}:{layout.http_port}"]
     hconfig.accesslog = None

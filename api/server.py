@@ -1,6 +1,8 @@
 """ApiActor: the HTTP process. Hypercorn serves the Starlette app over HTTP/1.1 and cleartext HTTP/2
 (h2c with prior knowledge, and the HTTP/1.1 Upgrade) on one port; with ``ssl_certfile``/``ssl_keyfile``,
-HTTP/2 over TLS (ALPN h2) and HTTP/1.1 over TLS instead.
+HTTP/2 over TLS (ALPN h2) and HTTP/1.1 over TLS instead (``ssl_ca_certs``: clients must present a certificate).
+A node (``role`` prefill or decode) also mounts api/node_api.py's ``/internal/*`` routes, which take only the
+router's ``node_secret``; a plain engine has none (404).
 
 The process beats its heartbeat from the asyncio loop, so a wedged event loop shows up as a hung API.
 
@@ -63,6 +65,10 @@ class ApiActor(Actor):
                 raise ValueError("ssl_certfile and ssl_keyfile must be given together")
             hconfig.certfile, hconfig.keyfile = certfile, keyfile
             hconfig.alpn_protocols = ["h2", "http/1.1"]   # HTTP/2 over TLS, HTTP/1.1 for clients without h2
+            if getattr(self.config, "ssl_ca_certs", ""):   # mutual TLS: no certificate signed by it, no handshake
+                import ssl
+
+                hconfig.ca_certs, hconfig.verify_mode = self.config.ssl_ca_certs, ssl.CERT_REQUIRED
         return hconfig
 
     async def _serve(self) -> None:
@@ -74,7 +80,7 @@ class ApiActor(Actor):
                                     install_connection_ledger, install_idle_close, install_refused_streams,
                                     record_requests)
         from api.metrics import EngineMetrics
-        from api.middleware import load_api_keys
+        from api.middleware import admin_keys, load_api_keys, node_secret
         from pdserve.config import allowed_origins
         from api.node_api import NodeLimits, NodeRoutes
         from api.formats import formats_for
@@ -97,10 +103,12 @@ class ApiActor(Actor):
                                self.config.kv_block_tokens, grammars, self.config.max_tokens_policy,
                                formats_for(self.layout, tokenizer), self.config.max_queued_requests)
         metrics = EngineMetrics(client, parser.served_model_name)
-        limits = NodeLimits(tokenizer.vocab_size, self.layout.max_context_tokens, self.config.kv_block_tokens)
-        node_routes = NodeRoutes(client, metrics.health, self.layout.engine_id, limits).routes()   # for the router
+        node_routes = ()
+        if self.config.role != "both":   # a node behind `pdserve router`: its /internal/* routes, its secret
+            limits = NodeLimits(tokenizer.vocab_size, self.layout.max_context_tokens, self.config.kv_block_tokens)
+            node_routes = NodeRoutes(client, metrics.health, self.layout.engine_id, limits).routes()
         app = build_app(client, tokenizer, parser, metrics, load_api_keys(self.config), node_routes,
-                        allowed_origins(self.config))
+                        allowed_origins(self.config), admin_keys(self.config), node_secret(self.config))
 
         hconfig = self._hypercorn_config()
         install_idle_close()

@@ -167,8 +167,20 @@ def start_node(net, role: str, flags: Sequence[str], log_dir: Path) -> NodeProce
                            (net.decode_ns, net.decode_addr, net.decode_data_addr))
     log_path = log_dir / f"{role}.log"
     argv = [sys.executable, "-m", "pdserve.cli", "serve", "--role", role, "--host", addr, "--port", str(NODE_PORT),
-            "--kv-transport", "mooncake", "--kv-transfer-host", data_addr, *flags]
+            "--kv-transport", "mooncake", "--kv-transfer-host", data_addr, "--node-secret-file",
+            str(node_secret_file(log_dir)), *flags]
     return NodeProcess(role, f"http://{addr}:{NODE_PORT}", start_in_namespace(ns, argv, log_path), log_path)
+
+
+def node_secret_file(log_dir: Path) -> Path:
+    """The router <-> node secret of this run (``log_dir/node-secret``, made on the first call)."""
+    import secrets
+
+    path = log_dir / "node-secret"
+    if not path.exists():
+        path.write_text(secrets.token_hex(32) + "\n")
+        path.chmod(0o600)
+    return path
 
 
 def stop_node(node: NodeProcess) -> None:
@@ -185,7 +197,9 @@ def stop_node(node: NodeProcess) -> None:
 
 def start_router(prefill_url: str, decode_url: str, flags: Sequence[str], log_dir: Path
                  ) -> tuple[subprocess.Popen, str]:
-    """``pdserve router`` on a free loopback port of the root namespace; (process, base URL), not yet ready."""
+    """``pdserve router`` on a free loopback port of the root namespace; (process, base URL), not yet ready. Its
+    nodes are reached in cleartext (``--insecure-nodes``: namespaces on one host; TLS would add its cost to what
+    the benchmark compares) with the run's node secret."""
     from bench.engine_process import _free_port
     from bench.netns import ROOT
 
@@ -193,7 +207,8 @@ def start_router(prefill_url: str, decode_url: str, flags: Sequence[str], log_di
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     with open(log_dir / "router.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "router", "--port", str(port),
-                                 "--prefill-node", prefill_url, "--decode-node", decode_url, *flags],
+                                 "--prefill-node", prefill_url, "--decode-node", decode_url, "--node-secret-file",
+                                 str(node_secret_file(log_dir)), "--insecure-nodes", *flags],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}"
 

@@ -266,8 +266,9 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
     return proc.returncode
 
 
-def wait_http_ok(url: str, deadline_s: float, proc: subprocess.Popen | None = None) -> None:
-    """Poll GET ``url`` (no proxy: the namespaces' addresses are local) until it answers 200.
+def wait_http_ok(url: str, deadline_s: float, proc: subprocess.Popen | None = None, verify=True) -> None:
+    """Poll GET ``url`` (no proxy: the namespaces' addresses are local) until it answers 200; ``verify``: httpx's
+    (an ssl.SSLContext for an https:// node with a private CA or mutual TLS).
 
     Raises:
         AssertionError: no 200 within ``deadline_s`` seconds.
@@ -278,7 +279,7 @@ def wait_http_ok(url: str, deadline_s: float, proc: subprocess.Popen | None = No
     def answered():
         if proc is not None and proc.poll() is not None:
             return "exited"
-        return httpx.get(url, timeout=2, trust_env=False).status_code == 200
+        return httpx.get(url, timeout=2, trust_env=False, verify=verify).status_code == 200
 
     if wait_until(answered, deadline_s, 0.1, f"{url} to answer 200") == "exited":
         raise RuntimeError(f"the server exited with {proc.returncode} before {url} answered")

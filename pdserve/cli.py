@@ -31,12 +31,29 @@ ROUTER_FIELDS = ("model", "served_model_name", "host", "port", "keep_alive_timeo
                  "api_key", "api_key_file", "chat_template", "model_cache_dir", "kv_block_tokens", "kv_pool_tokens",
                  "max_model_len", "reserve_output_tokens", "max_tokens_policy", "max_queued_requests",
                  "request_timeout_s", "allowed_origins", "monitor_tick_s", "actor_hang_timeout_s", "log_level",
-                 "otlp_traces_endpoint")
+                 "otlp_traces_endpoint", "admin_key", "admin_key_file", "node_secret", "node_secret_file",
+                 "insecure_nodes", "node_ca", "node_client_cert", "node_client_key")
 
 
-def node_urls(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """The router's node lists. Raises ConfigError for a missing role or a URL that is not http(s)://host:port."""
+def loopback(host: str) -> bool:
+    """``host`` (a URL's hostname) names this host's loopback: ``localhost`` or an address in 127.0.0.0/8 or ::1."""
+    import ipaddress
+
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def node_urls(args: argparse.Namespace, config=None) -> tuple[list[str], list[str]]:
+    """The router's node lists. Raises ConfigError for a missing role, a URL that is not http(s)://host:port, and
+    (``config``: the router's EngineConfig) unless ``config.insecure_nodes``: a cleartext ``http://`` node that is
+    not on loopback (its calls would carry the node secret and the prompts in the clear), or no node_secret."""
     from urllib.parse import urlsplit
+
+    from pdserve.config import node_secret
 
     lists = []
     for role in ("prefill", "decode"):
@@ -47,7 +64,15 @@ def node_urls(args: argparse.Namespace) -> tuple[list[str], list[str]]:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
                 raise ConfigError(f"--{role}-node {url!r}: give http://HOST:PORT", param=f"{role}_node")
+            if (config is not None and not config.insecure_nodes and parts.scheme == "http"
+                    and not loopback(parts.hostname)):
+                raise ConfigError(f"--{role}-node {url!r}: cleartext to another host; serve the node over TLS "
+                                  "(--ssl-certfile/--ssl-keyfile there, https:// and --node-ca here), or allow it "
+                                  "with --insecure-nodes", param=f"{role}_node")
         lists.append(list(urls))
+    if config is not None and not config.insecure_nodes and not node_secret(config):
+        raise ConfigError("the router needs the nodes' node_secret (--node-secret-file FILE, as given to each "
+                          "node), or --insecure-nodes for nodes started without one", param="node_secret")
     return lists[0], lists[1]
 
 
@@ -55,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         loaded = load_config(vars(args))
-        urls = node_urls(args) if args.command == "router" else None
+        urls = node_urls(args, loaded.config) if args.command == "router" else None
     except ConfigError as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2

@@ -71,6 +71,9 @@ class EngineConfig:
     ssl_certfile: str = _setting("", "TLS certificate (PEM); with ssl_keyfile serves HTTP/2 (ALPN h2) and "
                                      "HTTP/1.1 over TLS")
     ssl_keyfile: str = _setting("", "TLS private key (PEM)")
+    ssl_ca_certs: str = _setting("", "with ssl_certfile: CA bundle (PEM) whose certificates clients must present "
+                                 "(mutual TLS: a node that only its router, holding node_client_cert, may reach); "
+                                 "empty = no client certificate asked")
     api_key: str = _setting("", "API key(s) required as 'Authorization: Bearer KEY' on /v1/* and "
                                 "/debug/state (comma-separated, or the flag repeated); empty (and no api_key_file) = "
                                 "no authentication",
@@ -79,6 +82,23 @@ class EngineConfig:
                                     "browser pages may call the API (preflight OPTIONS answered); empty = no CORS",
                                     repeatable=True)
     api_key_file: str = _setting("", "file of API keys, one per line ('#' starts a comment); added to api_key")
+    admin_key: str = _setting("", "admin key(s): valid wherever an API key is, and the only keys that read "
+                              "/debug/* (every request's row and timeline) once any key is configured "
+                              "(comma-separated, or the flag repeated)", secret=True, repeatable=True)
+    admin_key_file: str = _setting("", "file of admin keys, one per line ('#' starts a comment); added to admin_key")
+    node_secret: str = _setting("", "router <-> node secret: the only credential /internal/* accepts on a node "
+                                "(--role prefill|decode), sent by `pdserve router` on every call; never a valid "
+                                "API key; at least 16 characters (prefer node_secret_file: a flag shows in ps)",
+                                secret=True)
+    node_secret_file: str = _setting("", "file holding node_secret (its first non-comment line)")
+    insecure_nodes: bool = _setting(False, "allow what node_secret and TLS otherwise guard: a node or router "
+                                    "without node_secret (a node's /internal/* then open to whoever reaches its "
+                                    "port), and the router's cleartext http:// to a node that is not on loopback")
+    node_ca: str = _setting("", "router: CA bundle (PEM) that verifies https:// nodes' certificates; empty = the "
+                            "system's trust store (SSL_CERT_FILE / SSL_CERT_DIR honoured)")
+    node_client_cert: str = _setting("", "router: client certificate (PEM) presented to https:// nodes (whose "
+                                     "ssl_ca_certs asks for one); with node_client_key")
+    node_client_key: str = _setting("", "router: the private key (PEM) of node_client_cert")
     chat_template: str = _setting("", "jinja2 chat template file replacing the model's own (e.g. one that "
                                       "renders 'tools'); empty = the model's template")
     tool_call_parser: str = _setting("auto", "format of the model's tool calls in chat answers (api/formats.py); "
@@ -299,12 +319,16 @@ def check_env(env: Mapping[str, str]) -> dict[str, str]:
 def add_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> None:
     """Add one ``--field-name`` flag per config field (``only``: just those fields; default None so we can tell
     'not given'); a bool field that defaults to true also gets ``--no-field-name`` (the same as ``--field-name
-    false``)."""
+    false``), one that defaults to false may be given alone (``--field-name`` = ``--field-name true``)."""
     for f in _fields():
         if only and f.name not in only:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = "" if f.metadata.get("secret") else repr(f.default)
+        if f.default is False:   # --flag alone means true (as --insecure-nodes reads); --flag false still works
+            parser.add_argument(flag, dest=f.name, default=None, nargs="?", const="true",
+                                help=f"{f.metadata['help']} [{default}]")
+            continue
         parser.add_argument(flag, dest=f.name, default=None, help=f"{f.metadata['help']} [{default}]",
                             action="append" if f.metadata.get("repeatable") else "store")
         if f.default is True:
@@ -341,6 +365,9 @@ def load_config(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] |
     _check_otlp(config)
     _check_api_key(config, sources["api_key"])
     api_keys(config)   # an unreadable or empty key file is a start-up error, not an open server
+    admin_keys(config)
+    _check_node_secret(config)
+    _check_tls_files(config)
     if config.chat_template and not os.path.isfile(config.chat_template):
         raise ConfigError(f"config field chat_template={config.chat_template!r}: no such file",
                           param="chat_template")   # whether it compiles: actors.supervisor.plan_layout
@@ -418,27 +445,89 @@ def _check_api_key(config: EngineConfig, source: str) -> None:
                           param="api_key")
 
 
+def _key_lines(path: str, field_name: str) -> list[str]:
+    """The keys in file ``path`` (one per line; blank lines and ``#`` comments skipped). Raises ConfigError naming
+    ``field_name`` when it cannot be read or holds none."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+    except OSError as exc:
+        raise ConfigError(f"config field {field_name}={path!r}: cannot read it ({exc})", param=field_name) from None
+    found = [line for line in lines if line and not line.startswith("#")]
+    if not found:
+        raise ConfigError(f"config field {field_name}={path!r}: holds no key (one per line)", param=field_name)
+    return found
+
+
 def api_keys(config: EngineConfig) -> tuple[str, ...]:
     """The API keys ``config`` asks for: ``api_key`` (comma-separated) plus the lines of ``api_key_file``
-    (blank lines and ``#`` comments skipped). Empty = no authentication.
+    (blank lines and ``#`` comments skipped). Empty (and no admin keys) = no authentication.
 
     Raises:
         ConfigError: the key file cannot be read or holds no key.
     """
     keys = [k.strip() for k in config.api_key.split(",") if k.strip()]
     if config.api_key_file:
-        try:
-            with open(config.api_key_file, encoding="utf-8") as f:
-                lines = [line.strip() for line in f]
-        except OSError as exc:
-            raise ConfigError(f"config field api_key_file={config.api_key_file!r}: cannot read it ({exc})",
-                              param="api_key_file") from None
-        found = [line for line in lines if line and not line.startswith("#")]
-        if not found:
-            raise ConfigError(f"config field api_key_file={config.api_key_file!r}: holds no key (one per line)",
-                              param="api_key_file")
-        keys += found
+        keys += _key_lines(config.api_key_file, "api_key_file")
     return tuple(dict.fromkeys(keys))
+
+
+def admin_keys(config: EngineConfig) -> tuple[str, ...]:
+    """The admin keys: ``admin_key`` (comma-separated) plus the lines of ``admin_key_file``. Raises ConfigError as
+    ``api_keys``."""
+    keys = [k.strip() for k in config.admin_key.split(",") if k.strip()]
+    if config.admin_key_file:
+        keys += _key_lines(config.admin_key_file, "admin_key_file")
+    return tuple(dict.fromkeys(keys))
+
+
+MIN_NODE_SECRET_CHARS = 16
+
+
+def node_secret(config: EngineConfig) -> str:
+    """The router <-> node secret: ``node_secret``, else the first line of ``node_secret_file``; "" when neither is
+    given. Raises ConfigError when the file cannot be read or holds none."""
+    if config.node_secret.strip():
+        return config.node_secret.strip()
+    if config.node_secret_file:
+        return _key_lines(config.node_secret_file, "node_secret_file")[0]
+    return ""
+
+
+def _check_node_secret(config: EngineConfig) -> None:
+    """Raises ConfigError when a node (role prefill or decode) has no node secret and ``insecure_nodes`` is not
+    set (its /internal/* routes would take orders from anyone who reaches the port), when the secret is shorter
+    than MIN_NODE_SECRET_CHARS, or when it equals an API or admin key (it must never open the public routes).
+    The router checks its own side in pdserve.cli.node_urls. Refused rather than generated: the router must hold
+    the same value, and a secret printed at start-up for copying ends up in logs; refused rather than open: a
+    node's port reachable from the network would otherwise take aborts from anyone (an explicit --insecure-nodes
+    keeps that choice available, and visible in the command line)."""
+    secret = node_secret(config)
+    if config.role != "both" and not secret and not config.insecure_nodes:
+        raise ConfigError(f"config field role={config.role!r}: a node takes /internal/* calls only with "
+                          "node_secret (give --node-secret-file FILE here and to `pdserve router`), or run it "
+                          "open with --insecure-nodes", param="node_secret")
+    if secret and len(secret) < MIN_NODE_SECRET_CHARS:
+        raise ConfigError(f"config field node_secret: {len(secret)} characters; give at least "
+                          f"{MIN_NODE_SECRET_CHARS} (e.g. python -c 'import secrets; print(secrets.token_hex(32))')",
+                          param="node_secret")
+    if secret and secret in api_keys(config) + admin_keys(config):
+        raise ConfigError("config field node_secret equals an API or admin key; give the nodes a secret of their "
+                          "own", param="node_secret")
+
+
+def _check_tls_files(config: EngineConfig) -> None:
+    """Raises ConfigError for a TLS file that does not exist or a certificate given without its key."""
+    for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "node_ca", "node_client_cert", "node_client_key"):
+        path = getattr(config, name)
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"config field {name}={path!r}: no such file", param=name)
+    for cert, key in (("ssl_certfile", "ssl_keyfile"), ("node_client_cert", "node_client_key")):
+        if bool(getattr(config, cert)) != bool(getattr(config, key)):
+            raise ConfigError(f"config fields {cert} and {key} go together; give both or neither", param=cert)
+    if config.ssl_ca_certs and not config.ssl_certfile:
+        raise ConfigError("config field ssl_ca_certs (client certificates) needs ssl_certfile and ssl_keyfile (TLS)",
+                          param="ssl_ca_certs")
 
 
 def allowed_origins(config: EngineConfig) -> tuple[str, ...]:

@@ -13,8 +13,9 @@ memory, or over HTTP from any number of nodes (and routers) through their ``GET 
 
 Local mode never goes through HTTP and never writes: every segment is mapped read-only, so it answers while the
 API process is wedged and cannot disturb the engine. ``--url`` asks each URL's ``/debug/state`` (the same snapshot,
-built by the same code: api/debug_state.py) with ``--timeout-s`` per call and ``--api-key`` (default: the first
-of ``$PDSERVE_API_KEY``) when the node has keys; a node that does not answer is shown as unreachable with the
+built by the same code: api/debug_state.py) with ``--timeout-s`` per call and ``--api-key`` (an admin key: the
+debug views show every tenant's requests; default: the first of ``$PDSERVE_ADMIN_KEY``, else ``$PDSERVE_API_KEY``)
+when the node has keys; a node that does not answer is shown as unreachable with the
 error. Exit status: 0 healthy, 1 something stuck, hung, dead or mismatched (``--url``: or a URL unreachable),
 2 no engine found (``--url``: no URL answered).
 
@@ -298,12 +299,14 @@ def render_sources(sources: list[dict[str, Any]]):
 
 
 def default_api_key() -> str | None:
-    """The first key the engine's own config gives (PDSERVE_API_KEY / PDSERVE_API_KEY_FILE), else None."""
-    from pdserve.config import api_keys, load_config
+    """The first admin key the engine's own config gives (PDSERVE_ADMIN_KEY / PDSERVE_ADMIN_KEY_FILE: /debug/state
+    wants one once keys are configured), else its first API key (PDSERVE_API_KEY / _FILE), else None."""
+    from pdserve.config import admin_keys, api_keys, load_config
     from pdserve.errors import ConfigError
 
     try:
-        keys = api_keys(load_config({}).config)
+        config = load_config({}).config
+        keys = admin_keys(config) + api_keys(config)
     except ConfigError:
         return None
     return keys[0] if keys else None
@@ -416,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", action="append", metavar="URL",
                         help="a node's or router's base URL (repeatable): read its /debug/state over HTTP")
     parser.add_argument("--timeout-s", type=float, default=5.0, help="--url: limit of each HTTP call")
-    parser.add_argument("--api-key", help="--url: the nodes' API key (default: the first of $PDSERVE_API_KEY)")
+    parser.add_argument("--api-key", help="--url: the nodes' admin key (default: the first of $PDSERVE_ADMIN_KEY, else "
+                        "$PDSERVE_API_KEY)")
     add_timeline_arguments(parser)
     args = parser.parse_args(argv)
     if args.url and (args.engine_id or args.list):

@@ -17,7 +17,7 @@ from api.router_server import RouterMetrics
 from pdserve.cli import node_urls
 from pdserve.config import load_config
 from ipc.cache_summary import encode_words, key_words
-from pdserve.errors import ConfigError, EngineOverloadedError, InvalidRequestError
+from pdserve.errors import ConfigError, EngineOverloadedError, InvalidRequestError, PdserveError
 from pdserve.sampling import Sampling
 
 
@@ -188,6 +188,65 @@ def test_the_router_cli_needs_a_node_of_each_role_as_http_host_port():
                             (["http://h"], ["http://h:2"]), (["ftp://h:1"], ["http://h:2"])):
         with pytest.raises(ConfigError):
             node_urls(args(prefill, decode))
+
+
+SECRET = "router-node-secret-0123456789"
+
+
+def test_cleartext_to_another_host_needs_insecure_nodes_and_loopback_may_stay_cleartext():
+    """The node secret and the prompts travel in every call: http:// is refused unless the node is this host's
+    loopback or the operator says --insecure-nodes; https:// always goes."""
+    def args(prefill, decode):
+        return argparse.Namespace(prefill_nodes=prefill, decode_nodes=decode)
+    config = load_config({"node_secret": SECRET}, env={}).config
+    for prefill, decode in ((["http://10.0.0.1:8001"], ["https://h:3"]), (["https://h:1"], ["http://node-b:2"]),
+                            (["http://[fd00::1]:1"], ["https://h:2"])):
+        with pytest.raises(ConfigError, match="--insecure-nodes") as err:
+            node_urls(args(prefill, decode), config)
+        assert err.value.param in ("prefill_node", "decode_node")
+    insecure = load_config({"node_secret": SECRET, "insecure_nodes": "true"}, env={}).config
+    assert node_urls(args(["http://10.0.0.1:8001"], ["http://node-b:2"]), insecure) == \
+        (["http://10.0.0.1:8001"], ["http://node-b:2"])
+    local = (["http://127.0.0.1:1", "http://localhost:2"], ["http://[::1]:3", "https://10.0.0.2:4"])
+    assert node_urls(args(*local), config) == local
+    with pytest.raises(ConfigError, match="node_secret") as err:   # nodes without a secret: said out loud
+        node_urls(args(*local), load_config({}, env={}).config)
+    assert err.value.param == "node_secret"
+    assert node_urls(args(*local), load_config({"insecure_nodes": "true"}, env={}).config) == local
+
+
+def test_the_router_sends_the_node_secret_and_no_client_key_to_its_nodes():
+    config = load_config({"node_secret": SECRET, "api_key": "sk-client"}, env={}).config
+    client = RouterClient(config, ["http://p0:1"], ["http://d0:1"], node_secret=SECRET)
+    assert client.headers == {"authorization": f"Bearer {SECRET}"}
+
+
+def test_a_node_that_refuses_the_routers_secret_is_a_502_naming_the_setting_not_a_401_to_the_client():
+    client = router()
+    with pytest.raises(PdserveError) as err:
+        client._answer(client.nodes[0], "/internal/prefill", 401, b'{"error": {"message": "no"}}')
+    assert err.value.http_status == 502 and "node_secret" in err.value.message
+
+
+def test_the_node_tls_context_verifies_against_node_ca_and_loads_the_client_certificate(tmp_path, monkeypatch):
+    import ssl
+
+    from api.router_client import node_ssl_context
+    from tests.multinode.certs import TestCA
+
+    ca = TestCA(tmp_path)
+    server = ca.issue("node", ["127.0.0.1"])
+    client_cert = ca.issue("router", [], client=True)
+    config = load_config({"node_ca": str(ca.cert_path), "node_client_cert": str(client_cert.cert_path),
+                          "node_client_key": str(client_cert.key_path)}, env={}).config
+    context = node_ssl_context(config)
+    assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+    assert [c["subject"] for c in context.get_ca_certs()] == [((("commonName", "pdserve test CA"),),)]
+    assert server.cert_path.exists()
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca.cert_path))   # no node_ca: the system's store, as OpenSSL finds it
+    default = node_ssl_context(load_config({}, env={}).config)
+    assert default.verify_mode == ssl.CERT_REQUIRED and default.check_hostname
+    assert ((("commonName", "pdserve test CA"),),) in [c["subject"] for c in default.get_ca_certs()]
 
 
 def test_a_node_of_one_side_refuses_what_belongs_to_the_other():

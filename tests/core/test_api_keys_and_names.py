@@ -84,16 +84,41 @@ def test_the_default_served_name_is_the_model_files_own_name(path, name):
     assert model_file_name(path) == name
 
 
-@pytest.mark.parametrize("path,header,status", [
-    ("/debug/state", None, 401), ("/debug/state", b"Bearer sk-wrong", 401), ("/debug/state", b"Bearer sk-right", 200),
-    ("/v1/models", None, 401), ("/health", None, 200), ("/metrics", None, 200),
-])
-def test_keys_guard_the_v1_and_debug_routes_and_leave_health_and_metrics_open(path, header, status):
-    import asyncio
+NODE_SECRET = "node-secret-0123456789abcdef"
 
-    async def app(scope, receive, send):   # the routes behind the middleware: answer 200
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
+
+@pytest.mark.parametrize("path,header,status", [
+    ("/debug/state", None, 401), ("/debug/state", b"Bearer sk-wrong", 401), ("/debug/state", b"Bearer sk-right", 403),
+    ("/debug/requests/r-1", b"Bearer sk-right", 403), ("/debug/state", b"Bearer sk-admin", 200),
+    ("/debug/state", f"Bearer {NODE_SECRET}".encode(), 401),
+    ("/v1/models", None, 401), ("/v1/models", b"Bearer sk-admin", 200), ("/v1/models", b"Bearer sk-right", 200),
+    ("/v1/models", f"Bearer {NODE_SECRET}".encode(), 401),
+    ("/internal/abort", None, 401), ("/internal/abort", b"Bearer sk-right", 401),
+    ("/internal/abort", b"Bearer sk-admin", 401), ("/internal/abort", f"Bearer {NODE_SECRET}".encode(), 200),
+    ("/health", None, 200), ("/metrics", None, 200),
+])
+def test_client_keys_guard_v1_admin_keys_debug_and_the_node_secret_alone_internal(path, header, status):
+    """The middleware alone (the routes behind it answer 200): who may call what (api/middleware.py's table)."""
+    assert guarded(ApiKeyMiddleware(answer_200, ["sk-right"], ["sk-admin"], NODE_SECRET), path, header) == status
+
+
+def test_without_keys_everything_is_open_and_without_a_node_secret_internal_falls_through():
+    """No key configured: /debug/* open as before; no node secret (a plain engine, whose routes then 404, or an
+    --insecure-nodes node): /internal/* passes to the routes."""
+    open_app = ApiKeyMiddleware(answer_200, [], [], "")
+    assert [guarded(open_app, p, None) for p in ("/debug/state", "/v1/models", "/internal/abort")] == [200] * 3
+    keyed = ApiKeyMiddleware(answer_200, ["sk-right"])   # keys but no admin key: nobody reads /debug/* over HTTP
+    assert guarded(keyed, "/debug/state", b"Bearer sk-right") == 403
+    assert guarded(keyed, "/internal/abort", b"Bearer sk-right") == 200   # the app (a plain engine) answers 404
+
+
+async def answer_200(scope, receive, send):   # the routes behind the middleware
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+
+def guarded(middleware, path: str, header: bytes | None) -> int:
+    import asyncio
 
     sent = []
 
@@ -105,8 +130,40 @@ def test_keys_guard_the_v1_and_debug_routes_and_leave_health_and_metrics_open(pa
 
     scope = {"type": "http", "path": path, "method": "GET",
              "headers": [] if header is None else [(b"authorization", header)]}
-    asyncio.run(ApiKeyMiddleware(app, ["sk-right"])(scope, receive, send))
-    assert sent[0]["status"] == status
+    asyncio.run(middleware(scope, receive, send))
+    return sent[0]["status"]
+
+
+@pytest.mark.parametrize("given, param", [
+    ({"role": "prefill", "kv_transport": "mooncake"}, "node_secret"),
+    ({"role": "decode", "kv_transport": "mooncake", "node_secret": "short"}, "node_secret"),
+    ({"node_secret": NODE_SECRET, "api_key": NODE_SECRET}, "node_secret"),
+    ({"node_secret": NODE_SECRET, "admin_key": NODE_SECRET}, "node_secret"),
+    ({"node_secret_file": "/nonexistent/secret"}, "node_secret_file"),
+    ({"node_client_cert": __file__}, "node_client_cert"),
+    ({"node_ca": "/nonexistent/ca.pem"}, "node_ca"),
+    ({"ssl_ca_certs": __file__}, "ssl_ca_certs"),
+])
+def test_a_node_without_a_secret_or_with_a_weak_or_shared_one_is_a_start_up_error(given, param):
+    if given.get("role"):   # a node of one side needs the mooncake extra before its secret is looked at
+        pytest.importorskip("mooncake.engine")
+    with pytest.raises(ConfigError) as err:
+        load_config(given, env={})
+    assert err.value.param == param and NODE_SECRET not in str(err.value)
+
+
+def test_a_node_takes_its_secret_from_a_file_or_runs_open_only_when_told(tmp_path):
+    pytest.importorskip("mooncake.engine")
+    from pdserve.config import node_secret
+
+    secret_file = tmp_path / "node-secret"
+    secret_file.write_text(f"# the router's and the nodes'\n{NODE_SECRET}\n")
+    config = load_config({"role": "prefill", "kv_transport": "mooncake", "node_secret_file": str(secret_file)},
+                         env={}).config
+    assert node_secret(config) == NODE_SECRET
+    assert node_secret(load_config({}, env={"PDSERVE_NODE_SECRET": NODE_SECRET}).config) == NODE_SECRET
+    insecure = load_config({"role": "prefill", "kv_transport": "mooncake", "insecure_nodes": "true"}, env={}).config
+    assert node_secret(insecure) == ""
 
 
 @pytest.mark.parametrize("given", [{"flags": ("--api-key", " ")}, {"flags": ("--api-key", ",")},

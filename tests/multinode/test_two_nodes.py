@@ -2,6 +2,11 @@
 `pdserve router` in the root namespace. One cluster for the module (node start-up dominates); the tests run in
 file order and the last one kills the decode node.
 
+Issue 39: router -> node is HTTPS with mutual TLS under a CA the module makes (tests/multinode/certs.py): each
+node serves its certificate for its namespace address and asks for a client certificate (``--ssl-ca-certs``), the
+router verifies the nodes with ``--node-ca`` and presents ``--node-client-cert``; every internal call carries the
+node secret (``--node-secret-file``). The test itself calls the nodes as the router does (``Tls.context``).
+
 The nodes share this host's /dev/shm (network namespaces do not separate it), which lets the test read each
 node's state table and pools through ``EngineProbe``; the nodes themselves exchange nothing through it.
 """
@@ -11,6 +16,7 @@ import concurrent.futures
 import re
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -23,6 +29,7 @@ import pytest
 from actors.prefix_cache import block_keys
 from api.router_client import read_cache_report
 from ipc.cache_summary import key_words
+from tests.multinode.certs import TestCA
 from tests.conftest import (ROOT, EngineProbe, cleanup_engine, free_port, signal_pids, start_engine, sweep_engine,
                             wait_until)
 from tests.e2e.test_recorder import OTEL, OtlpCollector, needs_otel
@@ -43,18 +50,55 @@ PROMPTS = [f"Question {i}: name a colour, a number and an animal." if i % 2 else
            f"Write one short sentence about the number {i * 7}." for i in range(16)]
 
 
-class Node:
-    """One `pdserve serve --role ROLE` inside a namespace; ``otlp``: the collector URL its traces go to."""
+class Tls:
+    """The module's CA, a server certificate per node address, the router's client certificate and the node
+    secret, as files under ``directory``."""
 
-    def __init__(self, net, role: str, log_dir: Path, faults: str = "", otlp: str = ""):
-        self.role = role
+    SECRET = "multinode-node-secret-" + secrets.token_hex(16)
+
+    def __init__(self, directory: Path, net):
+        self.ca = TestCA(directory)
+        self.nodes = {"prefill": self.ca.issue("prefill", [net.prefill_addr]),
+                      "decode": self.ca.issue("decode", [net.decode_addr])}
+        self.router = self.ca.issue("router", [], client=True)
+        self.secret_path = directory / "node-secret"
+        self.secret_path.write_text(self.SECRET + "\n")
+        self.secret_path.chmod(0o600)
+
+    def node_flags(self, role: str) -> list[str]:
+        return ["--ssl-certfile", str(self.nodes[role].cert_path), "--ssl-keyfile", str(self.nodes[role].key_path),
+                "--ssl-ca-certs", str(self.ca.cert_path), "--node-secret-file", str(self.secret_path)]
+
+    def router_flags(self) -> list[str]:
+        return ["--node-ca", str(self.ca.cert_path), "--node-client-cert", str(self.router.cert_path),
+                "--node-client-key", str(self.router.key_path), "--node-secret-file", str(self.secret_path)]
+
+    def context(self, client_cert: bool = True) -> ssl.SSLContext:
+        """What the router holds: the CA, and (``client_cert``) its certificate."""
+        context = ssl.create_default_context(cafile=str(self.ca.cert_path))
+        if client_cert:
+            context.load_cert_chain(str(self.router.cert_path), str(self.router.key_path))
+        return context
+
+    def node_get(self, url: str, **kwargs) -> httpx.Response:
+        """GET a node's internal route as the router does (its certificate, its secret)."""
+        return httpx.get(url, verify=self.context(), trust_env=False, timeout=10,
+                         headers={"authorization": f"Bearer {self.SECRET}"}, **kwargs)
+
+
+class Node:
+    """One `pdserve serve --role ROLE` inside a namespace, over TLS (``tls``); ``otlp``: the collector URL its
+    traces go to."""
+
+    def __init__(self, net, role: str, log_dir: Path, tls: Tls, faults: str = "", otlp: str = ""):
+        self.role, self.tls = role, tls
         ns = net.prefill_ns if role == "prefill" else net.decode_ns
         self.addr = net.prefill_addr if role == "prefill" else net.decode_addr
         data_addr = net.prefill_data_addr if role == "prefill" else net.decode_data_addr
         self.log_path = log_dir / f"{role}.log"
         argv = [sys.executable, "-m", "pdserve.cli", "serve", "--role", role, "--host", self.addr, "--port",
-                str(NODE_PORT), "--kv-transfer-host", data_addr, *NODE_FLAGS] + (["--faults", faults] if faults else []) \
-            + (["--otlp-traces-endpoint", otlp] if otlp else [])
+                str(NODE_PORT), "--kv-transfer-host", data_addr, *NODE_FLAGS, *tls.node_flags(role)] \
+            + (["--faults", faults] if faults else []) + (["--otlp-traces-endpoint", otlp] if otlp else [])
         # a read that stopped answering (link down) holds Mooncake's worker up to this many seconds (default 30)
         self.proc = start_in_namespace(ns, argv, self.log_path, env={"MC_TRANSFER_TIMEOUT": "5"})
         self.engine_id = ""
@@ -62,10 +106,10 @@ class Node:
 
     @property
     def url(self) -> str:
-        return f"http://{self.addr}:{NODE_PORT}"
+        return f"https://{self.addr}:{NODE_PORT}"
 
     def wait_ready(self, timeout_s: float = 400.0) -> None:
-        wait_http_ok(self.url + "/health", timeout_s, self.proc)
+        wait_http_ok(self.url + "/health", timeout_s, self.proc, verify=self.tls.context())
         self.engine_id = re.search(r"pdserve engine (\w+) serving", self.log_path.read_text()).group(1)
         self.pids = [self.proc.pid] + [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
 
@@ -101,13 +145,18 @@ def collector(two_host_net):
 
 
 @pytest.fixture(scope="module")
-def cluster(two_host_net, tmp_path_factory, collector):
+def tls(two_host_net, tmp_path_factory):
+    return Tls(tmp_path_factory.mktemp("multinode-tls"), two_host_net)
+
+
+@pytest.fixture(scope="module")
+def cluster(two_host_net, tmp_path_factory, collector, tls):
     """(router URL, prefill Node, decode Node, the single-node engine's answers to PROMPTS)."""
     log_dir = tmp_path_factory.mktemp("multinode")
     net = two_host_net
     otlp = f"http://{collector.host}:{collector.port}" if collector is not None else ""
-    nodes = [Node(net, "prefill", log_dir, otlp=otlp),
-             Node(net, "decode", log_dir, faults="transfer_stuck:match=stuck-;drop_transfer_done:match=nodone-",
+    nodes = [Node(net, "prefill", log_dir, tls, otlp=otlp),
+             Node(net, "decode", log_dir, tls, faults="transfer_stuck:match=stuck-;drop_transfer_done:match=nodone-",
                   otlp=otlp)]
     router = None
     single = None
@@ -122,8 +171,8 @@ def cluster(two_host_net, tmp_path_factory, collector):
         router_log = open(log_dir / "router.log", "wb")
         router = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "router", "--port", str(port),
                                    "--prefill-node", nodes[0].url, "--decode-node", nodes[1].url,
-                                   "--monitor-tick-s", str(TICK_S), "--actor-hang-timeout-s", str(NODE_HANG_S)]
-                                  + (["--otlp-traces-endpoint", otlp] if otlp else []),
+                                   "--monitor-tick-s", str(TICK_S), "--actor-hang-timeout-s", str(NODE_HANG_S),
+                                   *tls.router_flags()] + (["--otlp-traces-endpoint", otlp] if otlp else []),
                                   cwd=ROOT, stdout=router_log, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         wait_http_ok(base + "/health", 120, router)
@@ -207,7 +256,33 @@ def test_a_request_without_traceparent_is_one_trace_rooted_at_the_router(cluster
     assert len({s.trace_id for s in spans}) == 1
 
 
-def test_the_prefill_node_reports_the_blocks_its_cache_holds_to_the_router(cluster):
+def test_the_nodes_speak_only_verified_tls_and_take_only_the_node_secret(cluster, tls):
+    """What the router's link rests on, tried from the root namespace: cleartext to a node's port gets no answer,
+    a client without the router's certificate gets no handshake, one that does not trust the CA refuses the node,
+    and through the handshake a client key is a 401 where the node secret is a 200."""
+    _, prefill, decode, _ = cluster
+    for node in (prefill, decode):
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://{node.addr}:{NODE_PORT}/internal/status", timeout=5, trust_env=False)
+        with pytest.raises(httpx.HTTPError):   # mutual TLS: no client certificate, no request
+            httpx.get(node.url + "/health", verify=tls.context(client_cert=False), timeout=5, trust_env=False)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):   # the system store: unknown CA
+            httpx.get(node.url + "/health", timeout=5, trust_env=False)
+        assert tls.node_get(node.url + "/internal/status").json()["role"] == node.role
+        keyed = httpx.get(node.url + "/internal/status", verify=tls.context(), trust_env=False, timeout=10,
+                          headers={"authorization": "Bearer sk-some-client"})
+        assert keyed.status_code == 401
+
+
+def test_a_router_told_of_a_cleartext_node_on_another_host_refuses_to_start(cluster, tls):
+    _, prefill, decode, _ = cluster
+    argv = [sys.executable, "-m", "pdserve.cli", "router", "--port", "0", "--node-secret-file",
+            str(tls.secret_path), "--prefill-node", f"http://{prefill.addr}:{NODE_PORT}", "--decode-node", decode.url]
+    refused = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--insecure-nodes" in refused.stderr, refused.stderr
+
+
+def test_the_prefill_node_reports_the_blocks_its_cache_holds_to_the_router(cluster, tls):
     """Cache-aware routing across nodes: a prompt of 2 full blocks prefilled through the router shows up in the
     prefill node's /internal/status cache report (what the router polls and prefers a node by)."""
     base, prefill, _, _ = cluster
@@ -215,7 +290,7 @@ def test_the_prefill_node_reports_the_blocks_its_cache_holds_to_the_router(clust
     response = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0},
                           timeout=120, trust_env=False)
     assert response.status_code == 200, response.text
-    report = httpx.get(prefill.url + "/internal/status", timeout=10, trust_env=False).json()
+    report = tls.node_get(prefill.url + "/internal/status").json()
     words, block_tokens = read_cache_report(report["cache"])
     assert set(key_words(block_keys(prompt, block_tokens)).tolist()) <= set(words.tolist())
 
