@@ -59,7 +59,11 @@ def check_request_id(value: str | None, default: str) -> str:
     return default
 
 
+REASONING_SHARE = 0.5   # of max_tokens, the most a reasoning before a constrained answer takes (then </think>)
+
+
 @dataclass(frozen=True)
+
 class GenerationRequest:
     """A validated request, ready for admission."""
 
@@ -679,14 +683,14 @@ class RequestParser:
                           param: str) -> Sampling:
         """``sampling`` constrained by ``answer`` (a Lark grammar): from the first token, or, when the model
         ``reasons`` first, after its reasoning (gpu.grammar.after_reasoning; ``opened``: the prompt opened it), which
-        may take half of ``max_tokens`` before its end marker is forced."""
+        may take REASONING_SHARE of ``max_tokens`` before its end marker is forced."""
         from gpu.grammar import after_reasoning, lark_grammar
 
         if not reasons:
             return self._constrain(sampling, lark_grammar(answer), param)
         grammar = after_reasoning(answer, THINK_CLOSE, opened, THINK_OPEN, self._special((THINK_OPEN, THINK_CLOSE)))
         sampling = dataclasses.replace(sampling, reasoning_end=THINK_CLOSE,
-                                       reasoning_budget=max(1, sampling.max_tokens // 2))
+                                       reasoning_budget=max(1, int(sampling.max_tokens * REASONING_SHARE)))
         return self._constrain(sampling, lark_grammar(grammar), param)
 
     def _schema_grammar(self, schema: dict | None, param: str) -> str:

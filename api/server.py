@@ -71,14 +71,34 @@ class ApiActor(Actor):
                 hconfig.ca_certs, hconfig.verify_mode = self.config.ssl_ca_certs, ssl.CERT_REQUIRED
         return hconfig
 
+    def _write_records(self, app, metrics):
+        """Attach what this process writes in shm besides the recorder: the arrival index (ipc/arrivals.py) and
+        the connection ledger (ipc/ledger.py, around ``app``); returns the app."""
+        from api.http_edges import install_connection_ledger, record_requests
+
+        if "arrivals" in self.layout.segments:
+            from ipc import arrivals
+
+            arrivals.install(arrivals.ArrivalIndex.attach(self.layout.segment("arrivals")))
+        if "conns" in self.layout.segments:
+            from ipc.ledger import ConnectionLedger
+
+            ledger = ConnectionLedger.attach(self.layout.segment("conns"))
+            orphans = ledger.close_orphans(time.monotonic_ns())
+            if orphans:   # a restart: the dead API's connections died with it
+                log.warning("closed %d connection-ledger rows the previous API process left open (reason error)",
+                            orphans)
+            if install_connection_ledger(ledger):
+                app, metrics.ledger = record_requests(app), ledger
+        return app
+
     async def _serve(self) -> None:
         from hypercorn.asyncio import serve
 
         from api.app import build_app
         from api.engine_client import EngineClient
         from api.http_edges import (answer_cancelled_requests, ignore_cancelled_connection_callbacks,
-                                    install_connection_ledger, install_idle_close, install_refused_streams,
-                                    record_requests)
+                                    install_idle_close, install_refused_streams)
         from api.metrics import EngineMetrics
         from api.middleware import admin_keys, load_api_keys, node_secret
         from pdserve.config import allowed_origins
@@ -113,20 +133,7 @@ class ApiActor(Actor):
         hconfig = self._hypercorn_config()
         install_idle_close()
         install_refused_streams()
-        if "arrivals" in self.layout.segments:   # the arrival index (ipc/arrivals.py): this process writes it
-            from ipc import arrivals
-
-            arrivals.install(arrivals.ArrivalIndex.attach(self.layout.segment("arrivals")))
-        if "conns" in self.layout.segments:   # the connection ledger (ipc/ledger.py): this process writes it
-            from ipc.ledger import ConnectionLedger
-
-            ledger = ConnectionLedger.attach(self.layout.segment("conns"))
-            orphans = ledger.close_orphans(time.monotonic_ns())
-            if orphans:   # a restart: the dead API's connections died with it
-                log.warning("closed %d connection-ledger rows the previous API process left open (reason error)",
-                            orphans)
-            if install_connection_ledger(ledger):
-                app, metrics.ledger = record_requests(app), ledger
+        app = self._write_records(app, metrics)
         tracer = None
         if self.config.otlp_traces_endpoint:   # OpenTelemetry traces of finished requests (api/tracing.py)
             from api.tracing import TraceMiddleware, start_tracer
