@@ -93,10 +93,14 @@ def lark_grammar(text: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(text)
 
 
+AFTER_REASONING_SPACE = 2   # characters of whitespace between the reasoning's end and a constrained answer
+
+
 def after_reasoning(answer: str, end: str, opened: bool, start: str = "", special: dict[str, int] | None = None,
                     ) -> str:
     """A Lark grammar (llguidance dialect) of the model's reasoning, free text up to ``end`` (``</think>``), then
-    whitespace, then ``answer`` (a Lark grammar whose ``start`` rule is the constrained answer; its other rules
+    at most AFTER_REASONING_SPACE spaces or newlines (unbounded, a random-weight model wrote them to the end of
+    ``max_tokens``), then ``answer`` (a Lark grammar whose ``start`` rule is the constrained answer; its other rules
     keep their names): vLLM's structured output after the reasoning ends (vllm-project/vllm issue 20663).
     ``opened``: the prompt ends inside the reasoning; else the answer opens it with ``start`` (``<think>``).
     ``special``: marker text -> token id for markers the tokenizer has as special tokens (matched as that token;
@@ -115,7 +119,7 @@ def after_reasoning(answer: str, end: str, opened: bool, start: str = "", specia
         reasoning = "pd_reasoning"
         rule = f"pd_reasoning[stop={json.dumps(end)}]: /(.|\\n)*/"
     head = reasoning if opened else f"{marker(start)} {reasoning}"
-    return f"start: {head} /[ \\n]*/ pd_answer\n{rule}\n{body}"
+    return f"start: {head} /[ \\n]{{0,{AFTER_REASONING_SPACE}}}/ pd_answer\n{rule}\n{body}"
 
 
 def schema_lark(schema: dict[str, Any] | None) -> str:

@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 import torch
 
-from gpu.grammar import (CLOSE_WITHIN_TOKENS, MAX_NUMBER_CHARS, GrammarCompiler, accept_tokens, after_reasoning,
-                         batch_allowed, json_schema_grammar, lark_grammar, schema_lark)
+from gpu.grammar import (AFTER_REASONING_SPACE, CLOSE_WITHIN_TOKENS, MAX_NUMBER_CHARS, GrammarCompiler, accept_tokens,
+                         after_reasoning, batch_allowed, json_schema_grammar, lark_grammar, schema_lark)
 from gpu.sampling import Sampler, Sampling, make_generator
 from pdserve.errors import InvalidRequestError
 
@@ -75,10 +75,11 @@ def test_whatever_the_logits_every_sampled_answer_validates_against_the_schema(c
 
 def test_a_grammar_after_the_reasoning_leaves_it_free_then_forces_its_end_at_the_budget(compiler, tok):
     """Reasoning first (vLLM issue 20663): logits that favour brackets and quotes meet no closing pressure nor
-    grammar in the reasoning; at the budget ``</think>`` is forced, and the answer after it validates."""
+    grammar in the reasoning; at the budget ``</think>`` is forced, and the answer after it validates, after at
+    most AFTER_REASONING_SPACE characters of the whitespace the logits favour too."""
     grammar = lark_grammar(after_reasoning(schema_lark(PERSON), "</think>", opened=True))
     bias = torch.zeros(tok.vocab_size)
-    for piece in ("[", "{", '"', "]}", " the"):
+    for piece in ("[", "{", '"', "]}", " the", "\n\n", "  "):
         for t in tok.encode(piece):
             bias[t] = 11.0
     noise = torch.Generator().manual_seed(11)
@@ -89,6 +90,7 @@ def test_a_grammar_after_the_reasoning_leaves_it_free_then_forces_its_end_at_the
         reasoning, _, answer = text.partition("</think>")
         assert len(tok.encode(reasoning)) <= budget + 4, text   # re-encoded text: a few tokens apart
         jsonschema.validate(json.loads(answer), PERSON)
+        assert len(answer) - len(answer.lstrip()) <= AFTER_REASONING_SPACE, text
     assert sum(text.partition("</think>")[0].count("{") for text in texts) > 3   # brackets left open in reasoning
     ids = tok.encode(texts[0])[:budget + 8]   # decode rebuilds the matcher from the tokens so far
     stepped = compiler.for_sampling(Sampling(grammar=grammar, reasoning_end="</think>", reasoning_budget=budget))
