@@ -5,7 +5,8 @@ HTTP/2 over TLS (ALPN h2) and HTTP/1.1 over TLS instead.
 The process beats its heartbeat from the asyncio loop, so a wedged event loop shows up as a hung API.
 
 Connection edges Hypercorn and h2 handle short of the RFCs (idle close: GOAWAY on HTTP/2, a staged close on
-HTTP/1.1; ``Keep-Alive: timeout=N``; REFUSED_STREAM for a stream over the HTTP/2 limit; a 503 for a request cut
+HTTP/1.1; a connection the client closed while idle closed at once; ``Keep-Alive: timeout=N``; REFUSED_STREAM for
+a stream over the HTTP/2 limit; no admission for a stream reset before its body was read; a 503 for a request cut
 by the shutdown) are fixed by the guarded wrappers of ``api/http_edges.py``, which also keep the connection ledger
 (ipc/ledger.py): what each connection is doing, readable by tools/inspect with this process stopped.
 """
@@ -72,7 +73,7 @@ class ApiActor(Actor):
         from api.engine_client import EngineClient
         from api.http_edges import (answer_cancelled_requests, ignore_cancelled_connection_callbacks,
                                     install_connection_ledger, install_idle_close, install_refused_streams,
-                                    record_requests)
+                                    install_reset_streams, record_requests)
         from api.metrics import EngineMetrics
         from api.middleware import load_api_keys
         from pdserve.config import allowed_origins
@@ -105,6 +106,7 @@ class ApiActor(Actor):
         hconfig = self._hypercorn_config()
         install_idle_close()
         install_refused_streams()
+        install_reset_streams()
         if "conns" in self.layout.segments:   # the connection ledger (ipc/ledger.py): this process writes it
             from ipc.ledger import ConnectionLedger
 
