@@ -13,19 +13,26 @@ version), it logs a warning and leaves the library's own behaviour in place. Eac
   and discards whatever arrives for up to ``IDLE_CLOSE_LINGER_S`` or until the client closes, then closes; a
   racing request then sees a clean EOF. Over TLS (no TCP half-close under a TLS session) it closes as before.
 - ``_install_h2_idle_start``: an h2c connection that sent only its preface starts its idle timer.
+- ``_install_eof_close`` (installed with the idle close): a connection whose client closed its end while idle
+  closes at once; Hypercorn's keep-alive timer held it in CLOSE-WAIT for ``keep_alive_timeout``.
 - ``install_refused_streams``: h2 treats a HEADERS frame over our advertised SETTINGS_MAX_CONCURRENT_STREAMS as a
   connection error (``TooManyStreamsError``, raised before the header block is decoded), so Hypercorn answers
   GOAWAY(PROTOCOL_ERROR) and every stream on the connection dies. RFC 9113 section 5.1.2 makes it a stream
   error: the wrapper lets h2 open the stream (decoding its header block, so HPACK state stays in step) and
   refuses just that one with h2's own ``reset_stream(REFUSED_STREAM)``; the client may retry it.
+- ``install_reset_streams``: HTTP/2 rapid reset (CVE-2023-44487). A stream opened and reset by the client in one
+  read never reaches the application; one reset later, before its body was read, finds ``http.disconnect`` next
+  (nothing admitted); a connection's pending streams are bounded (REFUSED_STREAM past the bound); a burst logs
+  one WARNING naming the connection.
 - ``KeepAliveConfig``: Hypercorn's config plus a ``Keep-Alive: timeout=N`` header on HTTP/1.1 responses, so
   connection pools and proxies retire idle connections before the server closes them.
 - ``answer_cancelled_requests``: a request cancelled by Hypercorn's shutdown before its response started gets
   a 503 OpenAI error instead of a 500 with an empty body.
-No Hypercorn or h2 setting does any of this. The GOAWAY, the staged close and REFUSED_STREAM belong upstream
-(Hypercorn's H2Protocol and TCPServer, h2's stream limit); no upstream issue or fix was found for Hypercorn 0.18 /
-h2 4.x. setup.cfg pins both below their next major versions, and tests/api/test_server.py asserts every wrapper is
-in place on the installed versions, so an upgrade that disables one fails a test instead of a log line.
+No Hypercorn or h2 setting does any of this. The GOAWAY, the staged close, the close on EOF, the handling of reset
+streams and REFUSED_STREAM belong upstream (Hypercorn's H2Protocol, HTTPStream and TCPServer, h2's stream limit);
+no upstream issue or fix was found for Hypercorn 0.18 / h2 4.x. setup.cfg pins both below their next major
+versions, and tests/api/test_server.py asserts every wrapper is in place on the installed versions, so an upgrade
+that disables one fails a test instead of a log line.
 """
 from __future__ import annotations
 
@@ -109,6 +116,7 @@ def install_idle_close() -> bool:
         return False
 
     async def _initiate_server_close(self) -> None:
+        self._pdserve_closing = True   # _install_eof_close: a client FIN now leaves this close to finish
         protocol = getattr(getattr(self, "protocol", None), "protocol", None)   # ProtocolWrapper.protocol
         _ledger_server_closing(self, isinstance(protocol, H2Protocol))
         if isinstance(protocol, H2Protocol) and not getattr(protocol, "closed", True):
@@ -128,7 +136,47 @@ def install_idle_close() -> bool:
     _mark(_initiate_server_close, original)
     TCPServer._initiate_server_close = _initiate_server_close
     _install_h2_idle_start(H2Protocol)
+    _install_eof_close(TCPServer)
     return True
+
+
+def _install_eof_close(TCPServer) -> None:
+    """Close a connection at once when its client closes its end (TCP FIN, TLS close) while it is idle.
+
+    Hypercorn 0.18's asyncio ``TCPServer.run`` (trio's has the same shape) reads until EOF (``_read_data``), hands
+    the protocol ``Closed()``, then leaves its task group, whose exit waits for every task in it, the keep-alive
+    timer too; the socket is closed only after that. On an idle connection the timer is running (it stops only
+    while a request is in progress) and nothing stops it on EOF: H11Protocol ignores ``Closed()`` without a
+    request, H2Protocol just ends its sender. So a connection the client closed sat in CLOSE-WAIT for
+    ``keep_alive_timeout`` (issue 39: 50 such sockets, the ledger listing them idle and open). After
+    ``_read_data`` returns the wrapper stops the timer, and a timer started later (an HTTP/2 stream that ends after
+    the EOF reports the connection idle again) returns at once; ``run`` then closes the socket as soon as the
+    requests still running end (Hypercorn already told each one ``http.disconnect``).
+    """
+    read_data, idle_timeout = TCPServer.__dict__.get("_read_data"), TCPServer.__dict__.get("_idle_timeout")
+    if getattr(read_data, _PATCH_MARK, False):
+        return
+    if not (asyncio.iscoroutinefunction(read_data) and asyncio.iscoroutinefunction(idle_timeout)):
+        log.warning("connections closed by the client while idle stay open for keep_alive_timeout: hypercorn %s "
+                    "has no TCPServer._read_data / _idle_timeout coroutines", _hypercorn_version())
+        return
+
+    async def _read_data(self) -> None:
+        try:
+            await read_data(self)
+        finally:
+            self._pdserve_read_closed = True
+            if not getattr(self, "_pdserve_closing", False):   # the idle close under way ends by itself
+                await self.idle_task.stop()
+
+    async def _idle_timeout(self) -> None:
+        if not getattr(self, "_pdserve_read_closed", False):
+            await idle_timeout(self)
+
+    for name, wrapper, original in (("_read_data", _read_data, read_data),
+                                    ("_idle_timeout", _idle_timeout, idle_timeout)):
+        _mark(wrapper, original)
+        setattr(TCPServer, name, wrapper)
 
 
 def _install_h2_idle_start(H2Protocol) -> None:
@@ -216,6 +264,150 @@ def install_refused_streams() -> bool:
     _mark(_receive_headers_frame, original)
     H2Connection._receive_headers_frame = _receive_headers_frame
     return True
+
+
+RAPID_RESET_WINDOW_S = 1.0   # the window in which a connection's client resets are counted
+RAPID_RESET_WARN = 100       # client resets of unanswered streams within the window that name a rapid-reset burst
+PENDING_STREAMS_PER_MAX = 2  # an HTTP/2 connection's pending streams, in h2_max_concurrent_streams, before refusals
+
+
+class _ResetWatch:
+    """One HTTP/2 connection's count of streams its client reset before their answer, per window."""
+
+    __slots__ = ("since", "count", "warned")
+
+    def __init__(self, now: float):
+        self.since, self.count, self.warned = now, 0, False
+
+
+def _note_client_resets(protocol, count: int) -> None:
+    """Count ``count`` client resets on ``protocol`` (an H2Protocol); reaching RAPID_RESET_WARN within
+    RAPID_RESET_WINDOW_S logs the connection's one WARNING."""
+    now = time.monotonic()
+    watch = getattr(protocol, "_pdserve_resets", None)
+    if watch is None:
+        watch = protocol._pdserve_resets = _ResetWatch(now)
+    elif now - watch.since > RAPID_RESET_WINDOW_S:
+        watch.since, watch.count = now, 0
+    watch.count += count
+    if watch.count >= RAPID_RESET_WARN and not watch.warned:
+        watch.warned = True
+        peer = protocol.client or ("?", 0)
+        log.warning("HTTP/2 connection from %s:%s reset %d streams within %.3f s before they were answered (a "
+                    "rapid-reset burst, CVE-2023-44487); a stream reset in the same read as its request never "
+                    "reaches the application; logged once per connection", peer[0], peer[1], watch.count,
+                    now - watch.since)
+
+
+def install_reset_streams() -> bool:
+    """HTTP/2 streams the client resets cost no admission, a connection's pending streams are bounded, and a
+    rapid-reset burst logs one WARNING naming its connection. Returns True when both wrappers are in place.
+
+    A rapid-reset client (CVE-2023-44487) sends HEADERS, DATA and RST_STREAM together, over and over. Hypercorn 0.18
+    makes each such stream an application task; the task read the whole body, admitted the request into the engine
+    and only then met the disconnect (issue 39: 2,000 such streams in 0.6 s kept admission full and 681 other
+    requests got 503). And a stream leaves Hypercorn's priority tree only once its task ended and its sender caught
+    up, so a burst that outruns them fills the tree's 1,000 entries: ``priority.TooManyStreamsError`` escapes
+    ``H2Protocol._create_stream`` and ends the connection's task group, leaving a task stuck in its response's
+    drain. Two wrappers:
+
+    - ``H2Protocol._handle_events`` (the events of one read): a stream the client opened and reset within the same
+      read is dropped before Hypercorn sees it (its DATA still credited to the connection's flow-control window,
+      and counted against ``keep_alive_max_requests`` like any request); a new stream while the connection has
+      PENDING_STREAMS_PER_MAX x ``h2_max_concurrent_streams`` streams whose task has not ended is refused with
+      RST_STREAM(REFUSED_STREAM) (RFC 9113 section 8.7: the client may retry it), which keeps the tree far below
+      its limit and bounds what one connection can ask of admission. The client's resets of open streams are
+      counted per connection; the RAPID_RESET_WARNth within RAPID_RESET_WINDOW_S logs the WARNING, once per
+      connection.
+    - ``HTTPStream.handle(StreamClosed)``: a stream reset in a later read, before its task read the body, drops
+      the body messages still unread, so the task's next ``receive()`` is ``http.disconnect`` and the route
+      answers 499 with nothing admitted (api/exchange.py). A stream reset after its body was read is admitted and
+      then aborted by its disconnect watch, as before.
+    """
+    try:
+        import h2.errors
+        import h2.events
+        import h2.exceptions
+        from hypercorn.protocol.events import StreamClosed
+        from hypercorn.protocol.h2 import H2Protocol
+        from hypercorn.protocol.http_stream import HTTPStream
+    except ImportError as exc:
+        log.warning("HTTP/2 streams reset by the client may still be admitted: cannot import hypercorn/h2 "
+                    "internals (%s)", exc)
+        return False
+    handle, handle_events = HTTPStream.__dict__.get("handle"), H2Protocol.__dict__.get("_handle_events")
+    if _wrapped_by(handle, "reset_streams"):
+        return True
+    if not (asyncio.iscoroutinefunction(handle) and asyncio.iscoroutinefunction(handle_events)):
+        log.warning("HTTP/2 streams reset by the client may still be admitted: hypercorn %s has no "
+                    "HTTPStream.handle / H2Protocol._handle_events coroutines", _hypercorn_version())
+        return False
+    opened_event, reset_event, data_event = (h2.events.RequestReceived, h2.events.StreamReset,
+                                             h2.events.DataReceived)
+    refused = h2.errors.ErrorCodes.REFUSED_STREAM
+
+    async def handle_events_filtered(self, events) -> None:
+        opened = [e.stream_id for e in events if isinstance(e, opened_event)]
+        resets = {e.stream_id for e in events if isinstance(e, reset_event) and e.remote_reset}
+        if resets:
+            _note_client_resets(self, sum(1 for i in resets if i in self.streams or i in opened))
+        if opened:
+            dropped = resets.intersection(opened)   # opened and reset in this read: nobody to answer
+            limit = PENDING_STREAMS_PER_MAX * self.config.h2_max_concurrent_streams
+            pending, refusing = len(self.stream_buffers), []
+            for stream_id in opened:
+                if stream_id in dropped:
+                    continue
+                if pending >= limit:
+                    refusing.append(stream_id)
+                else:
+                    pending += 1
+            if dropped or refusing:
+                skip = dropped.union(refusing)
+                kept = []
+                for event in events:
+                    stream_id = getattr(event, "stream_id", None)
+                    if stream_id not in skip:
+                        kept.append(event)
+                    elif isinstance(event, data_event):   # credit the connection's window (the stream's is gone)
+                        self.connection.acknowledge_received_data(event.flow_controlled_length, stream_id)
+                events = kept
+                for stream_id in refusing:
+                    try:
+                        self.connection.reset_stream(stream_id, error_code=refused)
+                    except h2.exceptions.ProtocolError:   # closed meanwhile
+                        pass
+                if refusing:
+                    log.info("HTTP/2 connection from %s: %d streams refused (REFUSED_STREAM): %d streams of it "
+                             "are still pending", self.client, len(refusing), pending)
+                self.keep_alive_requests += len(skip)
+                if self.keep_alive_requests > self.config.keep_alive_max_requests:   # as Hypercorn does it
+                    self.connection.close_connection()
+        await handle_events(self, events)
+
+    async def handle_closing(self, event) -> None:
+        if isinstance(event, StreamClosed) and not self.closed:
+            queue = getattr(getattr(self, "app_put", None), "__self__", None)   # app_put is app_queue.put
+            if isinstance(queue, asyncio.Queue):
+                while not queue.empty():
+                    queue.get_nowait()
+        await handle(self, event)
+
+    for cls, name, wrapper, original in ((HTTPStream, "handle", handle_closing, handle),
+                                         (H2Protocol, "_handle_events", handle_events_filtered, handle_events)):
+        _mark(wrapper, original)
+        wrapper._pdserve_role = "reset_streams"
+        setattr(cls, name, wrapper)
+    return True
+
+
+def _wrapped_by(func, role: str) -> bool:
+    """Whether ``func`` or a function it wraps (``__wrapped__``) is a wrapper of ``role``."""
+    while func is not None:
+        if getattr(func, "_pdserve_role", None) == role:
+            return True
+        func = getattr(func, "__wrapped__", None)
+    return False
 
 
 def keep_alive_header_value(keep_alive_timeout_s: float) -> bytes | None:
@@ -444,6 +636,7 @@ def install_connection_ledger(ledger) -> bool:
     global _LEDGER
     try:
         import h2.events
+        import h2.exceptions
         from hypercorn.asyncio.tcp_server import TCPServer
         from hypercorn.protocol import h2 as hypercorn_h2
         from hypercorn.protocol.events import Body, Data, EndBody, EndData
@@ -466,7 +659,8 @@ def install_connection_ledger(ledger) -> bool:
 
     wrappers = ((TCPServer, "run", _recorded_run(run), run),
                 (H2Protocol, "stream_send", _recorded_stream_send(stream_send, high_water, (Body, Data),
-                                                                  (EndBody, EndData)), stream_send),
+                                                                  (EndBody, EndData), h2.exceptions.ProtocolError),
+                 stream_send),
                 (H2Protocol, "_handle_events", _recorded_handle_events(handle_events,
                                                                        h2.events.ConnectionTerminated), handle_events))
     for cls, name, wrapper, original in wrappers:
@@ -501,7 +695,8 @@ def _recorded_run(run):
     return run_recorded
 
 
-def _recorded_stream_send(stream_send, high_water: int, data_events: tuple, end_events: tuple):
+def _recorded_stream_send(stream_send, high_water: int, data_events: tuple, end_events: tuple,
+                          protocol_error: type):
     """``H2Protocol.stream_send`` marking the connection write-blocked while a stream's send waits for the client's
     flow-control window (hypercorn's StreamBuffer: a push at BUFFER_HIGH_WATER, an end with data left)."""
     def flow_buffered(protocol) -> int:
@@ -513,10 +708,13 @@ def _recorded_stream_send(stream_send, high_water: int, data_events: tuple, end_
             await stream_send(self, event)
             return
         buffer = self.stream_buffers.get(getattr(event, "stream_id", None))
-        waits = buffer is not None and (
-            (isinstance(event, data_events) and len(buffer.buffer) + len(event.data) >= high_water)
-            or (isinstance(event, end_events) and len(buffer.buffer) > 0
-                and self.connection.local_flow_control_window(event.stream_id) <= 0))
+        try:
+            waits = buffer is not None and (
+                (isinstance(event, data_events) and len(buffer.buffer) + len(event.data) >= high_water)
+                or (isinstance(event, end_events) and len(buffer.buffer) > 0
+                    and self.connection.local_flow_control_window(event.stream_id) <= 0))
+        except protocol_error:   # h2 closed the stream (the client reset it): stream_send drops the event itself
+            waits = False
         if not waits:
             await stream_send(self, event)
             return

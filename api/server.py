@@ -7,7 +7,8 @@ router's ``node_secret``; a plain engine has none (404).
 The process beats its heartbeat from the asyncio loop, so a wedged event loop shows up as a hung API.
 
 Connection edges Hypercorn and h2 handle short of the RFCs (idle close: GOAWAY on HTTP/2, a staged close on
-HTTP/1.1; ``Keep-Alive: timeout=N``; REFUSED_STREAM for a stream over the HTTP/2 limit; a 503 for a request cut
+HTTP/1.1; a connection the client closed while idle closed at once; ``Keep-Alive: timeout=N``; REFUSED_STREAM for
+a stream over the HTTP/2 limit; no admission for a stream reset before its body was read; a 503 for a request cut
 by the shutdown) are fixed by the guarded wrappers of ``api/http_edges.py``, which also keep the connection ledger
 (ipc/ledger.py): what each connection is doing, readable by tools/inspect with this process stopped.
 """
@@ -98,7 +99,7 @@ class ApiActor(Actor):
         from api.app import build_app
         from api.engine_client import EngineClient
         from api.http_edges import (answer_cancelled_requests, ignore_cancelled_connection_callbacks,
-                                    install_idle_close, install_refused_streams)
+                                    install_idle_close, install_refused_streams, install_reset_streams)
         from api.metrics import EngineMetrics
         from api.middleware import admin_keys, load_api_keys, node_secret
         from pdserve.config import allowed_origins
@@ -133,6 +134,7 @@ class ApiActor(Actor):
         hconfig = self._hypercorn_config()
         install_idle_close()
         install_refused_streams()
+        install_reset_streams()
         app = self._write_records(app, metrics)
         tracer = None
         if self.config.otlp_traces_endpoint:   # OpenTelemetry traces of finished requests (api/tracing.py)

@@ -1,5 +1,6 @@
 """api/http_edges.py's guarded Hypercorn and h2 wrappers (their effect on the wire is tested end to end in
-tests/e2e/test_openai_api.py: idle GOAWAY over h2c and TLS, the staged HTTP/1.1 close, REFUSED_STREAM)."""
+tests/e2e/test_openai_api.py: idle GOAWAY over h2c and TLS, the staged HTTP/1.1 close, REFUSED_STREAM; and in
+tests/e2e/test_hostile.py: the close on a client's FIN, HTTP/2 rapid reset)."""
 from __future__ import annotations
 
 import pytest
@@ -93,3 +94,30 @@ def test_the_h2_idle_start_patch_is_in_place_after_the_idle_close_install():
     assert http_edges.install_idle_close() is True
     assert getattr(H2Protocol.initiate, http_edges._PATCH_MARK, False)
     assert H2Protocol.initiate.__wrapped__.__qualname__ == "H2Protocol.initiate"
+
+
+def test_the_eof_close_patches_are_in_place_after_the_idle_close_install():
+    """Hypercorn's read loop and keep-alive timer, wrapped so a client's FIN on an idle connection closes it at once:
+    an upgrade that renames them fails here instead of leaving such sockets in CLOSE-WAIT for keep_alive_timeout."""
+    from hypercorn.asyncio.tcp_server import TCPServer
+
+    from api import http_edges
+
+    assert http_edges.install_idle_close() is True
+    for name in ("_read_data", "_idle_timeout"):
+        wrapper = getattr(TCPServer, name)
+        assert getattr(wrapper, http_edges._PATCH_MARK, False), name
+        assert wrapper.__wrapped__.__qualname__ == f"TCPServer.{name}"
+
+
+def test_reset_streams_wrappers_install_once_around_hypercorns_own_handlers():
+    from hypercorn.protocol.h2 import H2Protocol
+    from hypercorn.protocol.http_stream import HTTPStream
+
+    from api.http_edges import install_reset_streams
+
+    assert install_reset_streams() is True
+    handle, handle_events = HTTPStream.handle, H2Protocol._handle_events
+    assert install_reset_streams() is True
+    assert (HTTPStream.handle, H2Protocol._handle_events) == (handle, handle_events)
+    assert handle.__wrapped__.__qualname__ == "HTTPStream.handle"
