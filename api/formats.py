@@ -37,6 +37,7 @@ api/dialects/events.py) and :func:`finish_choice` (a whole one). Plain synchrono
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -244,6 +245,11 @@ class ToolParser:
     def new_call_id(self) -> str:
         """The id of a new call (OpenAI's ``call_...`` form)."""
         return hermes.new_call_id()
+
+    def history_id(self, call_id: str) -> str:
+        """A call id of the history (an assistant's ``tool_calls[].id``, a tool message's ``tool_call_id``) as this
+        family's template takes it; the same id always maps to the same one. Any id, here."""
+        return call_id
 
 
 def _collect(events: list) -> tuple[str | None, list[dict]]:
@@ -465,6 +471,8 @@ class _MarkerStream(hermes.MarkerBuffer):
         return events
 
 
+_ALNUM = string.ascii_letters + string.digits
+_MISTRAL_ID = re.compile(r"[a-zA-Z0-9]{9}")
 _V11_NAME = re.compile(r"\s*([a-zA-Z0-9_-]{1,64})" + re.escape(MISTRAL_ARGS))
 
 
@@ -510,7 +518,16 @@ class MistralParser(ToolParser):
 
     def new_call_id(self):
         """9 letters and digits: Mistral's templates refuse any other tool-call id in the history."""
-        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+    def history_id(self, call_id):
+        """9 letters and digits, as Mistral's templates demand: the id itself when it is such, else its last 9
+        characters when those are (vLLM's truncation: ``call_`` + 24 hex, Anthropic's ``toolu_...``), else 9
+        characters of its SHA-256 (any other id a client made)."""
+        if _MISTRAL_ID.fullmatch(call_id[-9:]):
+            return call_id[-9:]
+        digest = int.from_bytes(hashlib.sha256(call_id.encode()).digest(), "big")
+        return "".join(_ALNUM[(digest >> (6 * k)) % len(_ALNUM)] for k in range(9))
 
     def render_calls(self, calls):
         return MISTRAL_CALLS + json.dumps([{"name": c["name"], "arguments": _loads_or_text(c["arguments"])}

@@ -327,10 +327,36 @@ def _chat_message(message: Any, index: int) -> dict[str, Any]:
             raise InvalidRequestError(f"messages[{index}] (role tool) needs a 'tool_call_id' string",
                                       param="messages")
         out["tool_call_id"] = call_id
+    if role == "assistant":   # an earlier turn's reasoning (vLLM's ``reasoning_content``, or ``reasoning``)
+        for name in ("reasoning_content", "reasoning"):
+            value = message.get(name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidRequestError(f"messages[{index}].{name} must be a string", param="messages")
+            if value and "reasoning_content" not in out:
+                out["reasoning_content"] = value
     if message.get("content") is None and out.get("tool_calls"):
         out["content"] = None
         return out
     out["content"] = _message_text(message, index)
+    return out
+
+
+REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")   # transformers' names of a message's reasoning
+
+
+def as_transformers_passes(messages: list[dict]) -> list[dict]:
+    """The messages as transformers' ``apply_chat_template`` hands them to a template (transformers 5
+    ``_normalize_chat_messages`` and ``_alias_reasoning_fields``): keys whose value is None dropped (a tool-call-only
+    turn has no ``content`` key, so a template tests ``message.content is defined`` rather than meeting None), and
+    an assistant's reasoning (any of :data:`REASONING_NAMES`) as ``reasoning_content`` and ``thinking`` (Qwen3 reads
+    the first, gpt-oss the second)."""
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in REASONING_NAMES if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
     return out
 
 
@@ -612,6 +638,7 @@ class RequestParser:
         Raises InvalidRequestError naming the field."""
         add = _flag(body, "add_generation_prompt", True)
         cont = _flag(body, "continue_final_message", False)
+        conversation = as_transformers_passes(conversation)
         if not cont:
             return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add, **(extra or {}))
         if add and body.get("add_generation_prompt") is not None:

@@ -170,16 +170,21 @@ def template_messages(messages: list[dict], tools: list[dict] | None, template_h
 
     ``messages`` are validated chat messages (``role``, ``content`` str or None, ``tool_calls`` on an assistant,
     ``tool_call_id`` on a tool message). A template that handles tools gets them as transformers passes them
-    (arguments parsed back to objects, as vLLM does); for any other template they are written as text, in the
-    format of ``parser`` (an api.formats tool-call parser; None: Hermes blocks).
+    (arguments parsed back to objects, as vLLM does; call ids in the family's form, ``parser.history_id``); for any
+    other template they are written as text, in the format of ``parser`` (an api.formats tool-call parser; None:
+    Hermes blocks).
     """
     if template_has_tools:
+        history_id = parser.history_id if parser is not None else str
         out = []
         for m in messages:
             m = dict(m)
             if m.get("tool_calls"):
-                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _loads_or_text(
-                    c["function"]["arguments"])}} for c in m["tool_calls"]]
+                m["tool_calls"] = [{**c, "id": history_id(c["id"]) if c.get("id") else c.get("id"),
+                                    "function": {**c["function"], "arguments": _loads_or_text(
+                                        c["function"]["arguments"])}} for c in m["tool_calls"]]
+            if m.get("tool_call_id"):
+                m["tool_call_id"] = history_id(m["tool_call_id"])
             out.append(m)
         return out
     out: list[dict] = []
@@ -199,7 +204,8 @@ def template_messages(messages: list[dict], tools: list[dict] | None, template_h
             else:
                 out.append({"role": "user", "content": response, "_tool_turn": True})
         else:
-            out.append({"role": m["role"], "content": m.get("content") or ""})
+            out.append({"role": m["role"], "content": m.get("content") or "",
+                        **({"reasoning_content": m["reasoning_content"]} if m.get("reasoning_content") else {})})
     for m in out:
         m.pop("_tool_turn", None)
     if tools:

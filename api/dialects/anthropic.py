@@ -245,8 +245,9 @@ def new_id(prefix: str = "msg") -> str:
 
 
 def tool_use_id(call_id: str) -> str:
-    """The engine's ``call_...`` ids as Anthropic's ``toolu_...``."""
-    return "toolu_" + call_id.removeprefix("call_")
+    """The engine's ``call_...`` ids as Anthropic's ``toolu_...``; a family's own form (Mistral's 9 letters and
+    digits, which its template demands back in the next turn) unchanged."""
+    return "toolu_" + call_id.removeprefix("call_") if call_id.startswith("call_") else call_id
 
 
 def usage_body(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -580,3 +581,58 @@ def test_an_earlier_call_and_its_result_are_rendered_by_the_families_own_templat
             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_abcDEF123", "content": "12 C"}]})
     assert call in tok.decode(gen.prompt_ids, skip_special_tokens=False)
+
+
+def _family_parser(variant: str):
+    from api.protocol import RequestParser
+    from gpu.tokenizer import Tokenizer
+    from tests.gpu.tiny_families import FAMILY_FORMATS, TEMPLATES
+
+    tok = Tokenizer.load(None)
+    tok.set_chat_template((TEMPLATES / FAMILY_FORMATS[variant][0]).read_text(encoding="utf-8"))
+    return tok, RequestParser(tok, "m", 4096, reserve_tokens=16, formats=choose(variant.split("-")[0],
+                                                                                tok.chat_template))
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "mistral", "llama"])
+def test_a_tool_call_only_turn_reaches_the_template_without_content_as_transformers_passes_it(variant):
+    """transformers drops a message's None-valued keys before the template sees it, so a template tests
+    ``message.content is defined`` (Qwen3's test template does, and failed to render content None)."""
+    tok, parse = _family_parser(variant)
+    gen = parse.chat({"tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "abcDEF123", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "abcDEF123", "content": "12 C"}]})
+    prompt = tok.decode(gen.prompt_ids, skip_special_tokens=False)
+    assert "get_weather" in prompt and "Paris" in prompt and "None" not in prompt
+
+
+@pytest.mark.parametrize("call_id, expected", [
+    ("abcDEF123", "abcDEF123"), ("toolu_abcDEF123", "abcDEF123"), ("call_0123456789abcdef01234567", "f01234567"),
+    ("toolu_01-xyz_ab", None)])
+def test_mistral_call_ids_of_any_form_reach_its_template_as_9_alphanumerics(call_id, expected):
+    """Mistral's template refuses any call id but 9 letters and digits (vLLM issue 38738: the Messages route's
+    ``toolu_`` ids); the history's ids are mapped to that form, the call's and its result's alike."""
+    tok, parse = _family_parser("mistral")
+    from api.dialects import anthropic
+
+    body = {"max_tokens": 5, "tools": [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+            "messages": [{"role": "user", "content": "Weather in Paris?"},
+                         {"role": "assistant", "content": [{"type": "tool_use", "id": call_id, "name": "get_weather",
+                                                            "input": {"city": "Paris"}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id,
+                                                       "content": "12 C"}]}]}
+    prompt = tok.decode(parse.chat(anthropic.translate(body)).prompt_ids, skip_special_tokens=False)
+    ids = re.findall(r'"(?:id|call_id)": "([^"]*)"', prompt)
+    assert len(ids) == 2 and ids[0] == ids[1] and re.fullmatch(r"[a-zA-Z0-9]{9}", ids[0]), prompt
+    if expected is not None:
+        assert ids[0] == expected
+
+
+def test_the_messages_route_keeps_a_family_s_own_call_ids():
+    from api.dialects import anthropic
+
+    assert anthropic.tool_use_id("call_0123abc") == "toolu_0123abc"
+    mistral = tool_parser("mistral").new_call_id()
+    assert anthropic.tool_use_id(mistral) == mistral and len(mistral) == 9
