@@ -5,8 +5,9 @@ name                   what the model writes
 =====================  ==========================================================================================
 tool ``hermes``        ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks (Qwen2.5/Qwen3,
                        Hermes; api/tools.py, also what the fallback tools prompt teaches a template without tools)
-tool ``llama3_json``   the whole message is ``{"name": ..., "parameters": {...}}`` (Llama 3.1-3.3's template),
-                       optionally after ``<|python_tag|>``; several calls separated by ``;``
+tool ``llama3_json``   the message starts with ``{"name": ..., "parameters": {...}}`` (Llama 3.1-3.3's template),
+                       optionally after ``<|python_tag|>``; several calls separated by ``;``; text after the calls
+                       is content
 tool ``mistral``       ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after any content (Mistral v3
                        tokenizer); the v11 form ``[TOOL_CALLS]name[ARGS]{...}`` is read as well
 tool ``deepseek_v3``   ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` + fenced JSON
@@ -308,7 +309,7 @@ class HermesParser(ToolParser):
 
 class _WholeMessageStream:
     """Llama 3.x: an answer that starts with ``{`` (or ``<|python_tag|>``) is held whole and parsed at the end as
-    calls separated by ``;``; any other answer streams as content at once."""
+    calls separated by ``;``, then any text after them as content; any other answer streams as content at once."""
 
     def __init__(self, parallel: bool):
         self.parallel = parallel
@@ -335,18 +336,24 @@ class _WholeMessageStream:
         text, self.buffer = self.buffer, ""
         if self.mode == "content":
             return [("content", text)] if text else []
-        calls = _llama_calls(text.strip())
-        if calls is None and names is not None:
-            calls = _cut_calls(text.strip().removeprefix(PYTHON_TAG), ";", names)
-        if calls is None:
+        parsed = _llama_calls(text.strip())
+        rest = ""
+        if names is not None and (parsed is None or parsed[1]):   # cut inside a call: the partial call, not text
+            cut = _cut_calls(text.strip().removeprefix(PYTHON_TAG), ";", names)
+            if cut is not None:
+                parsed = cut, ""
+        if parsed is None:
             text = text.strip()
             return [("content", text)] if text else []
-        return [("call", c) for c in (calls if self.parallel else calls[:1])]
+        calls, rest = parsed
+        events: list[tuple[str, Any]] = [("call", c) for c in (calls if self.parallel else calls[:1])]
+        return events + ([("content", rest)] if rest else [])
 
 
-def _llama_calls(text: str) -> list[dict] | None:
-    """The calls of a whole Llama 3.x answer (``<|python_tag|>`` optional, objects separated by ``;``), or None
-    when any part is not a call."""
+def _llama_calls(text: str) -> tuple[list[dict], str] | None:
+    """The calls a Llama 3.x answer starts with (``<|python_tag|>`` optional, objects separated by ``;``) and the
+    text after them, stripped (vLLM PR 19024: a model writes a call, then words about it); None when it does not
+    start with a call."""
     if text.startswith(PYTHON_TAG):
         text = text[len(PYTHON_TAG):]
     decoder = json.JSONDecoder()
@@ -355,15 +362,16 @@ def _llama_calls(text: str) -> list[dict] | None:
         while pos < len(text) and (text[pos].isspace() or text[pos] == ";"):
             pos += 1
         if pos == len(text):
-            return calls or None
+            return (calls, "") if calls else None
         try:
-            obj, pos = decoder.raw_decode(text, pos)
+            obj, end = decoder.raw_decode(text, pos)
         except ValueError:
-            return None
+            obj, end = None, pos
         call = _as_call(obj)
         if call is None or not ("parameters" in obj or "arguments" in obj):
-            return None
+            return (calls, text[pos:].strip()) if calls else None
         calls.append(call)
+        pos = end
 
 
 def _cut_calls(text: str, separator: str, names: tuple[str, ...]) -> list[dict] | None:

@@ -23,6 +23,8 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 QWEN = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
 LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+# a call, then words about it (vLLM PR 19024's example): the call, and the words as content
+LLAMA_THEN_TEXT = LLAMA + "\n\nI will check the weather in Paris for you."
 LLAMA_TAGGED = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; ' \
                '{"name": "get_time", "parameters": {"zone": "CET"}}'
 MISTRAL = ('Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
@@ -65,6 +67,7 @@ def streamed(parser: str, pieces: list[str], parallel: bool = True):
     ("hermes", QWEN, "Let me check.", [PARIS, CET]),
     ("llama3_json", LLAMA, None, [PARIS]),
     ("llama3_json", LLAMA_TAGGED, None, [PARIS, CET]),
+    ("llama3_json", LLAMA_THEN_TEXT, "I will check the weather in Paris for you.", [PARIS]),
     ("mistral", MISTRAL, "Let me check.", [PARIS, CET]),
     ("mistral", MISTRAL_V11, None, [PARIS]),
     ("mistral", MISTRAL_DROPPED, None, [PARIS]),
@@ -636,3 +639,16 @@ def test_the_messages_route_keeps_a_family_s_own_call_ids():
     assert anthropic.tool_use_id("call_0123abc") == "toolu_0123abc"
     mistral = tool_parser("mistral").new_call_id()
     assert anthropic.tool_use_id(mistral) == mistral and len(mistral) == 9
+
+
+def test_a_llama_call_followed_by_text_is_a_call_with_finish_reason_tool_calls():
+    plan = parse_tools({"tools": [WEATHER]})[1]
+    choice = ChoiceResult(0, LLAMA_THEN_TEXT, "stop", None)
+    finish_choice(OutputFormats("llama3_json"), plan, choice)
+    assert choice.finish_reason == "tool_calls" and choice.text == "I will check the weather in Paris for you."
+    assert [c["function"]["name"] for c in choice.tool_calls] == ["get_weather"]
+    # cut by max_tokens inside a second call: the partial call, not text
+    cut = ChoiceResult(0, LLAMA + '; {"name": "get_weather", "parameters": {"city": "Os', "length", None)
+    finish_choice(OutputFormats("llama3_json"), plan, cut)
+    assert [c["function"]["arguments"] for c in cut.tool_calls] == ['{"city": "Paris"}', '{"city": "Os']
+    assert cut.text is None and cut.finish_reason == "length"
