@@ -26,7 +26,9 @@ gets that format's parser (DeepSeek's: ``deepseek_v31`` when it writes the name 
 Reasoning is split before tool calls: the content after ``</think>`` goes to the tool parser. A request that turns
 thinking off (``chat_template_kwargs: {"enable_thinking": false}``, or a prompt the template ends with
 ``</think>``) or whose output a grammar constrains from its first token (``response_format``, forced tool calls)
-has no reasoning split off.
+has no reasoning split off. A complete call the model writes before ``</think>`` (llama.cpp issue 22684) is a call,
+as SGLang returns it, and is no longer in the reasoning; the config's ``tool_calls_in_reasoning`` "reasoning" leaves
+it there, as vLLM does.
 
 Streams hold back text that may be the start of a marker (``<tool_call>``, ``[TOOL_CALLS]``, ``</think>``), so a
 marker split across deltas never leaks into the content; a call cut by ``max_tokens`` comes back as a call with
@@ -74,11 +76,13 @@ FAMILY_DEFAULTS: dict[str, tuple[str, str | None]] = {
 class OutputFormats:
     """The parsers of one chat request. ``tool_parser``: a :data:`TOOL_PARSERS` name. ``reasoning``: a
     :data:`REASONING_PARSERS` name or None (no split). ``opened``: the prompt ends inside ``<think>``, so the answer
-    starts in the reasoning."""
+    starts in the reasoning. ``calls_in_reasoning``: complete calls in the reasoning are calls (the config's
+    ``tool_calls_in_reasoning`` "call"), not reasoning text."""
 
     tool_parser: str = "hermes"
     reasoning: str | None = None
     opened: bool = False
+    calls_in_reasoning: bool = True   # a complete call written before </think> is a call (else it stays reasoning)
 
 
 def choose(family: str, template: str | None, tool_flag: str = "auto",
@@ -765,6 +769,26 @@ class ChatDeltas:
     def __init__(self, formats: OutputFormats, plan):
         self.reasoning = ReasoningStream(formats.reasoning, formats.opened) if formats.reasoning else None
         self.tools = hermes.ToolDeltas(plan, tool_parser(formats.tool_parser)) if plan is not None else None
+        # calls written inside the reasoning (llama.cpp issue 22684), read out of it by the same parser
+        self.inner = (tool_parser(formats.tool_parser).stream(plan.parallel) if self.reasoning is not None and
+                      plan is not None and plan.mode == "auto" and formats.calls_in_reasoning else None)
+
+    def _thought(self, piece: str | None, out: list) -> None:
+        """Reasoning text through the inner parser (None: the reasoning ended, flush what it holds)."""
+        if self.inner is None:
+            if piece:
+                out.append((None, None, piece))
+            return
+        events = self.inner.push(piece) if piece is not None else self.inner.finish()
+        if piece is None:
+            self.inner = None
+        for kind, value in events:
+            if kind == "content":
+                out.append((None, None, value))
+            else:
+                calls = self.tools.take(value)
+                if calls:
+                    out.append((None, calls, None))
 
     def push(self, text: str, final: bool | str | None) -> list[tuple[str | None, list[dict] | None, str | None]]:
         """``final``: the choice's finish reason when this is its last text (falsy before)."""
@@ -775,11 +799,16 @@ class ChatDeltas:
         out: list[tuple[str | None, list[dict] | None, str | None]] = []
         for kind, piece in events:
             if kind == "reasoning":
-                out.append((None, None, piece))
-            elif self.tools is None:
+                self._thought(piece, out)
+                continue
+            if self.inner is not None:
+                self._thought(None, out)
+            if self.tools is None:
                 out.append((piece, None, None))
             else:
                 out += [(c, calls, None) for c, calls in self.tools.push(piece, None)]
+        if final and self.inner is not None:
+            self._thought(None, out)
         if final and self.tools is not None:
             out += [(c, calls, None) for c, calls in self.tools.push("", final)]
         return out
@@ -792,11 +821,19 @@ def finish_choice(formats: OutputFormats, plan, choice) -> None:
     """Parse a finished chat choice (api.dialects.openai.ChoiceResult) in place: ``reasoning`` split off, then ``text``,
     ``tool_calls`` and ``finish_reason`` from the tool-call parser (api.tools.finished_choice)."""
     text = choice.text or ""
+    early: list[dict] = []   # calls written inside the reasoning
     if formats.reasoning:
         choice.reasoning, text = split_reasoning(formats.reasoning, text, formats.opened)
+        if choice.reasoning and plan is not None and plan.mode == "auto" and formats.calls_in_reasoning:
+            rest, early = tool_parser(formats.tool_parser).parse(choice.reasoning, plan.parallel)
+            choice.reasoning = rest if early else choice.reasoning
     if plan is not None:
         choice.text, choice.tool_calls, choice.finish_reason = hermes.finished_choice(
             plan, text, choice.finish_reason, tool_parser(formats.tool_parser))
+        if early:
+            calls = [hermes.openai_call(c, None, tool_parser(formats.tool_parser)) for c in early]
+            choice.tool_calls = (calls + choice.tool_calls)[:None if plan.parallel else 1]
+            choice.finish_reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
     else:
         choice.text = text
     if choice.reasoning and not choice.text:

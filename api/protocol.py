@@ -43,7 +43,10 @@ SAMPLING_NOT_ZERO = frozenset({"top_p", "top_k", "repetition_penalty"})
 CHAT_FIELDS = fields.CHAT.names
 COMPLETION_FIELDS = fields.COMPLETION.names
 TOKENIZE = fields.FieldTable("/tokenize", frozenset({"model", "prompt", "messages", "add_special_tokens",
-                                                     "add_generation_prompt", "continue_final_message"}))
+                                                     "add_generation_prompt", "continue_final_message",
+                                                     # llama.cpp's form
+                                                     "content", "add_special", "with_pieces"}),
+                              {"parse_special": "llama.cpp's switch; special-token text is always read as the token"})
 DETOKENIZE = fields.FieldTable("/detokenize", frozenset({"model", "tokens"}))
 
 
@@ -409,6 +412,8 @@ class RequestParser:
             ``hermes`` and no reasoning.
         max_sequences: the sequences admission takes at once (the config's ``max_queued_requests``): a list of
             prompts whose prompts x ``n`` exceed it is a 400, as it could never be admitted whole.
+        calls_in_reasoning: a complete tool call inside the reasoning is a call (api/formats.py), not reasoning.
+        strict_fields: the Responses and Messages routes refuse unknown names (api.fields.UnknownFields).
 
     A text prompt longer than ``max_token_chars * max_context_tokens`` characters cannot fit whatever its
     tokenization (one token covers at most ``max_token_chars`` characters), so it is rejected before the
@@ -418,8 +423,10 @@ class RequestParser:
     def __init__(self, tokenizer, served_model_name: str, max_context_tokens: int, reserve_tokens: int,
                  kv_pool_blocks: int = 0, kv_block_tokens: int = 16, grammars=None,
                  max_tokens_policy: str = "reject", formats: tuple[str, str | None] | None = None,
-                 max_sequences: int = 256):
+                 max_sequences: int = 256, calls_in_reasoning: bool = True, strict_fields: bool = False):
         self.tokenizer = tokenizer
+        self.calls_in_reasoning = calls_in_reasoning   # the config's tool_calls_in_reasoning is "call"
+        self.unknown_fields = fields.UnknownFields(strict_fields)   # the Responses and Messages routes' (api/fields.py)
         self.tool_parser, self.reasoning_parser = formats or ("hermes", None)
         tool_parser(self.tool_parser)   # KeyError naming the choices
         self.grammars = grammars                 # gpu.grammar.GrammarCompiler; None = no constrained decoding
@@ -626,7 +633,8 @@ class RequestParser:
         reasoning = self.reasoning_parser if thinking and sampling.grammar is None else None
         if reasoning and prompt_closes_reasoning(text):   # the template closed it: thinking is off
             reasoning = None
-        formats = OutputFormats(parser.name, reasoning, bool(reasoning) and prompt_opens_reasoning(text))
+        formats = OutputFormats(parser.name, reasoning, bool(reasoning) and prompt_opens_reasoning(text),
+                                self.calls_in_reasoning)
         return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body, constrained_by), stream,
                                  include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan,
                                  formats=formats)
@@ -658,12 +666,16 @@ class RequestParser:
     def tokenize(self, body: Any) -> dict[str, Any]:
         """vLLM's ``/tokenize``: ``prompt`` (text; ``add_special_tokens`` default true) or ``messages`` (through
         the chat template with ``add_generation_prompt`` / ``continue_final_message``; ``add_special_tokens``
-        default false) -> ``{"count", "max_model_len", "tokens"}``. Raises InvalidRequestError (400) or
-        ModelNotFoundError (404)."""
+        default false) -> ``{"count", "max_model_len", "tokens"}``; llama.cpp's: ``content`` (``add_special``
+        default false, ``with_pieces``) -> ``{"tokens": [id, ...]}``, or with pieces ``{"tokens": [{"id", "piece"}]}``
+        (the piece a string, or its bytes as a list of ints when not whole UTF-8). Raises InvalidRequestError (400)
+        or ModelNotFoundError (404)."""
         if not isinstance(body, dict):
             raise InvalidRequestError("the request body must be a JSON object")
         TOKENIZE.check(body)
         self._model(body)
+        if "content" in body and "prompt" not in body and "messages" not in body:
+            return self._tokenize_llama_cpp(body)
         if ("prompt" in body) == ("messages" in body):
             raise InvalidRequestError("send one of 'prompt' (text) or 'messages'", param="prompt")
         if "prompt" in body:
@@ -682,6 +694,26 @@ class RequestParser:
                                       f"({self.max_context_tokens} tokens) can hold", param="prompt")
         tokens = self.tokenizer.encode(text, add_special_tokens=special)
         return {"count": len(tokens), "max_model_len": self.max_context_tokens, "tokens": tokens}
+
+    def _tokenize_llama_cpp(self, body: dict) -> dict[str, Any]:
+        content = body["content"]
+        if not isinstance(content, str):
+            raise InvalidRequestError("'content' must be a string", param="content")
+        if len(content) > self.max_token_chars * self.max_context_tokens:
+            raise InvalidRequestError(f"the text has {len(content)} characters, more than the model's context "
+                                      f"({self.max_context_tokens} tokens) can hold", param="content")
+        tokens = self.tokenizer.encode(content, add_special_tokens=_flag(body, "add_special", False))
+        if not _flag(body, "with_pieces", False):
+            return {"tokens": tokens}
+        pieces = []
+        for token in tokens:
+            raw = self.tokenizer.token_bytes(token)
+            try:
+                piece: Any = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                piece = list(raw)
+            pieces.append({"id": token, "piece": piece})
+        return {"tokens": pieces}
 
     def detokenize(self, body: Any) -> dict[str, Any]:
         """vLLM's ``/detokenize``: ``tokens`` (ids in the vocabulary) -> ``{"prompt": text}``. Raises

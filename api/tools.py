@@ -438,10 +438,18 @@ class ToolDeltas:
         for kind, value in events:
             if kind == "content":
                 out.append((value, None))
-            else:
+            elif self.plan.parallel or not self.calls:   # (a call taken from the reasoning counts)
                 out.append((None, [openai_call(value, self.calls, self.parser)]))
                 self.calls += 1
         return out
+
+    def take(self, call: dict) -> list[dict]:
+        """A call parsed elsewhere (inside the reasoning: api/formats.py) as the next ``delta.tool_calls`` entry;
+        [] when ``parallel_tool_calls`` is false and a call went out already."""
+        if not self.plan.parallel and self.calls:
+            return []
+        self.calls += 1
+        return [openai_call(call, self.calls - 1, self.parser)]
 
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if reason == "stop" and self.calls else reason

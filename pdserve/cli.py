@@ -31,7 +31,7 @@ ROUTER_FIELDS = ("model", "served_model_name", "host", "port", "keep_alive_timeo
                  "api_key", "api_key_file", "chat_template", "model_cache_dir", "kv_block_tokens", "kv_pool_tokens",
                  "max_model_len", "reserve_output_tokens", "max_tokens_policy", "max_queued_requests",
                  "request_timeout_s", "allowed_origins", "monitor_tick_s", "actor_hang_timeout_s", "log_level",
-                 "otlp_traces_endpoint")
+                 "otlp_traces_endpoint", "tool_calls_in_reasoning", "strict_fields")
 
 
 def node_urls(args: argparse.Namespace) -> tuple[list[str], list[str]]:

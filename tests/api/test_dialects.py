@@ -325,3 +325,71 @@ def test_the_codex_clis_request_fields_and_hosted_tools_are_accepted_and_only_fu
     chat, _ = responses.translate(body)
     assert [t["function"]["name"] for t in chat["tools"]] == ["exec_command"]
     assert [m["role"] for m in chat["messages"]][-1] == "user"
+
+
+# -- forward compatibility: unknown names of the Responses and Messages APIs ---------------------------------------
+
+NEWER_RESPONSES = {"input": [{"role": "user", "content": "hi"}, {"type": "web_search_call_v9", "id": "ws_1"}],
+                   "tools": [{"type": "tool_search_v2"}], "frobnicate": {"level": 3}}
+NEWER_MESSAGES = {"max_tokens": 5, "frobnicate": True, "tools": [{"type": "bash_20250124", "name": "bash"}],
+                  "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                            {"type": "hologram_v1", "data": "x"}]}]}
+
+
+def test_unknown_responses_and_messages_names_are_accepted_logged_once_and_counted(parser, caplog):
+    """Codex broke on a server that refused its new tool type (openai/codex issue 10635): by default an unknown
+    field, item, block or tool type is left out, logged at WARNING the first time and counted; the request is the
+    one without it."""
+    from api.fields import UnknownFields
+    from api.metrics import RequestMetrics
+
+    unknown = UnknownFields()
+    with caplog.at_level("WARNING", logger="api.fields"):
+        for _ in range(2):
+            chat_body, _ = responses.translate(NEWER_RESPONSES, unknown=unknown)
+            plain, _ = responses.translate({"input": [{"role": "user", "content": "hi"}]})
+            assert parser.chat(chat_body, "r").prompt_ids == parser.chat(plain, "r").prompt_ids
+            assert chat_body["tools"] == []
+            got = parser.chat(anthropic.translate(NEWER_MESSAGES, unknown=unknown), "m")
+            want = parser.chat(anthropic.translate({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}),
+                               "m")
+            assert got.prompt_ids == want.prompt_ids and got.tools is None
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 6 and any("frobnicate" in w and "/v1/responses" in w for w in warned), warned
+    assert unknown.counts[("/v1/responses", "frobnicate")] == 2
+    assert unknown.counts[("/v1/responses", "input:web_search_call_v9")] == 2
+    assert unknown.counts[("/v1/messages", "tools:bash_20250124")] == 2
+    assert unknown.counts[("/v1/messages", "hologram_v1")] == 2
+    metrics = RequestMetrics("admitted")
+    metrics.watch_unknown_fields(unknown)
+    text = metrics.render()[0].decode()
+    assert 'pdserve_unknown_request_fields_total{field="frobnicate",route="/v1/responses"} 2.0' in text
+
+
+@pytest.mark.parametrize("body, translate, param", [
+    ({"input": "hi", "frobnicate": 1}, lambda b, u: responses.translate(b, unknown=u), "frobnicate"),
+    ({**NEWER_RESPONSES, "frobnicate": None}, lambda b, u: responses.translate(b, unknown=u), "input"),
+    ({"input": "hi", "tools": [{"type": "tool_search_v2"}]}, lambda b, u: responses.translate(b, unknown=u), "tools"),
+    ({**NEWER_MESSAGES, "tools": None, "frobnicate": None}, lambda b, u: anthropic.translate(b, unknown=u),
+     "messages"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "frobnicate": 1},
+     lambda b, u: anthropic.translate(b, unknown=u), "frobnicate"),
+])
+def test_strict_fields_restores_the_400_naming_the_unknown_name(body, translate, param):
+    from api.fields import UnknownFields
+
+    body = {k: v for k, v in body.items() if v is not None}
+    with pytest.raises(InvalidRequestError) as exc:
+        translate(body, UnknownFields(strict=True))
+    assert exc.value.param == param and exc.value.code == "unknown_parameter"
+    translate(body, UnknownFields())   # accepted without it
+
+
+def test_a_content_part_we_cannot_honour_stays_a_400_whatever_the_mode():
+    from api.fields import UnknownFields
+
+    with pytest.raises(InvalidRequestError):
+        responses.translate({"input": [{"type": "input_image", "image_url": "x"}]}, unknown=UnknownFields())
+    with pytest.raises(InvalidRequestError):
+        anthropic.translate({"max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {}}]}]}, unknown=UnknownFields())

@@ -652,3 +652,57 @@ def test_a_llama_call_followed_by_text_is_a_call_with_finish_reason_tool_calls()
     finish_choice(OutputFormats("llama3_json"), plan, cut)
     assert [c["function"]["arguments"] for c in cut.tool_calls] == ['{"city": "Paris"}', '{"city": "Os']
     assert cut.text is None and cut.finish_reason == "length"
+
+
+CALL_IN_THOUGHT = ('Let me look it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                   '</tool_call>\n</think>\n\nChecking.')
+
+
+@pytest.mark.parametrize("calls_in_reasoning", [True, False])
+def test_a_call_written_before_think_ends_is_a_call_unless_configured_to_stay_reasoning(calls_in_reasoning):
+    """llama.cpp issue 22684: a Hermes call before ``</think>``. By default a call, as SGLang returns it (no longer in
+    the reasoning); ``tool_calls_in_reasoning`` "reasoning" keeps it reasoning text, as vLLM does. Complete and in
+    every chunking of the stream."""
+    plan = parse_tools({"tools": [WEATHER]})[1]
+    formats = OutputFormats("hermes", "qwen3", True, calls_in_reasoning)
+    choice = ChoiceResult(0, CALL_IN_THOUGHT, "stop", None)
+    finish_choice(formats, plan, choice)
+    names = [c["function"]["name"] for c in choice.tool_calls]
+    assert choice.text == "Checking."
+    if calls_in_reasoning:
+        assert names == ["get_weather"] and choice.finish_reason == "tool_calls"
+        assert choice.reasoning == "Let me look it up." and "tool_call" not in choice.reasoning
+    else:
+        assert names == [] and choice.finish_reason == "stop" and "<tool_call>" in choice.reasoning
+    for pieces in chunkings(CALL_IN_THOUGHT):
+        deltas = ChatDeltas(formats, plan)
+        events = [e for p in pieces for e in deltas.push(p, False)] + deltas.push("", "stop")
+        calls = [c for _, cs, _ in events for c in cs or []]
+        assert [c["function"]["name"] for c in calls] == names, pieces
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}] * len(names)
+        assert "".join(r or "" for _, _, r in events).strip() == choice.reasoning, pieces
+        assert "".join(c or "" for c, _, _ in events).strip() == "Checking."
+        assert deltas.finish_reason("stop") == choice.finish_reason
+
+
+def test_messages_thinking_disabled_closes_the_template_s_thinking_and_earlier_thinking_reaches_it():
+    """Anthropic ``thinking: {"type": "disabled"}`` is the template's switch (Qwen3's ``enable_thinking``): no
+    reasoning split; earlier turns' ``thinking`` blocks reach the template as ``reasoning_content``, which Qwen3's
+    renders after the last user turn."""
+    from api.dialects import anthropic
+
+    tok, parse = _family_parser("qwen3")
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    on = parse.chat(anthropic.translate({"max_tokens": 5, "messages": ask}))
+    off = parse.chat(anthropic.translate({"max_tokens": 5, "messages": ask, "thinking": {"type": "disabled"}}))
+    assert on.formats.reasoning == "qwen3" and on.formats.opened
+    assert off.formats.reasoning is None
+    assert tok.decode(off.prompt_ids, skip_special_tokens=False).endswith("<think>\n\n</think>\n\n")
+    tools = [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
+    turn = [*ask, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "The user wants Paris.", "signature": ""},
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "12 C"}]}]
+    prompt = tok.decode(parse.chat(anthropic.translate({"max_tokens": 5, "messages": turn, "tools": tools}))
+                        .prompt_ids, skip_special_tokens=False)
+    assert "<think>\nThe user wants Paris.\n</think>" in prompt
