@@ -30,7 +30,9 @@ has no reasoning split off. A complete call the model writes before ``</think>``
 as SGLang returns it, and is no longer in the reasoning; the config's ``tool_calls_in_reasoning`` "reasoning" leaves
 it there, as vLLM does.
 
-Streams hold back text that may be the start of a marker (``<tool_call>``, ``[TOOL_CALLS]``, ``</think>``), so a
+Hermes calls stream as they are written (api.tools.ToolCallStream: the name, then the arguments' JSON text in
+pieces, equal when joined to the whole answer's call, which the same stream reads); the other formats' calls go out
+whole once complete. Streams hold back text that may be the start of a marker (``<tool_call>``, ``[TOOL_CALLS]``, ``</think>``), so a
 marker split across deltas never leaks into the content; a call cut by ``max_tokens`` comes back as a call with
 the arguments written so far, whatever the parser. Markers the model files declare special tokens stay in the text
 the parsers read (:func:`marker_texts`, kept by api/generation.py's detokenizer) and are named as those tokens in the
@@ -224,11 +226,14 @@ class ToolParser:
     name = ""
     markers: tuple[str, ...] = ()
 
-    def parse(self, text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
-        stream = self.stream(parallel)
+    def parse(self, text: str, parallel: bool = True,
+              names: tuple[str, ...] | None = None) -> tuple[str | None, list[dict]]:
+        stream = self.stream(parallel, names)
         return _collect(stream.push(text) + stream.finish())
 
-    def stream(self, parallel: bool = True):
+    def stream(self, parallel: bool = True, names: tuple[str, ...] | None = None):
+        """``names``: the offered functions, for a format whose calls stream as written (``call_start`` /
+        ``args`` / ``call_end`` events: api.tools.ToolCallStream); the others ignore it."""
         raise NotImplementedError
 
     def cut(self, content: str | None, names: tuple[str, ...]) -> tuple[str | None, list[dict]]:
@@ -259,7 +264,7 @@ class ToolParser:
 
 def _collect(events: list) -> tuple[str | None, list[dict]]:
     content = "".join(v for k, v in events if k == "content").strip()
-    return content or None, [v for k, v in events if k == "call"]
+    return content or None, [v for k, v in events if k in ("call", "call_end")]
 
 
 def _call_schema(tools: list[dict], arguments_key: str) -> str:
@@ -291,11 +296,12 @@ class HermesParser(ToolParser):
     name = "hermes"
     markers = (hermes.TOOL_CALL_OPEN, hermes.TOOL_CALL_CLOSE)
 
-    def parse(self, text, parallel=True):
-        return hermes.parse_tool_calls(text, parallel)
+    def parse(self, text, parallel=True, names=None):
+        """Without ``names``: :func:`api.tools.parse_tool_calls`; with them, the calls exactly as they stream."""
+        return hermes.parse_tool_calls(text, parallel) if names is None else super().parse(text, parallel, names)
 
-    def stream(self, parallel=True):
-        return hermes.ToolCallStream(parallel)
+    def stream(self, parallel=True, names=None):
+        return hermes.ToolCallStream(parallel, names)
 
     def cut(self, content, names):
         content, call = hermes._cut_call(content, names)
@@ -405,7 +411,7 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     markers = (PYTHON_TAG,)
 
-    def stream(self, parallel=True):
+    def stream(self, parallel=True, names=None):
         return _WholeMessageStream(parallel)
 
     def required_grammar(self, tools, parallel):
@@ -515,7 +521,7 @@ class MistralParser(ToolParser):
     name = "mistral"
     markers = (MISTRAL_CALLS, MISTRAL_ARGS)
 
-    def stream(self, parallel=True):
+    def stream(self, parallel=True, names=None):
         return _MarkerStream(parallel)
 
     def required_grammar(self, tools, parallel):
@@ -656,7 +662,7 @@ class DeepSeekV3Parser(ToolParser):
     name = "deepseek_v3"
     markers = (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP)
 
-    def stream(self, parallel=True):
+    def stream(self, parallel=True, names=None):
         return _DeepSeekStream(parallel)
 
     def _call(self, name: str, arguments: str) -> str:
