@@ -178,5 +178,5 @@ def test_messages_thinking_disabled_answers_text_on_a_thinking_template(served):
     on = httpx.post(eng.base_url + "/v1/messages", timeout=120, json=body)
     off = httpx.post(eng.base_url + "/v1/messages", timeout=120, json={**body, "thinking": {"type": "disabled"}})
     assert on.status_code == off.status_code == 200, (on.text, off.text)
-    assert kinds(on) == ["thinking"], on.text
-    assert kinds(off) == ["text"], off.text
+    assert kinds(on)[0] == "thinking" and not on.json()["content"][-1].get("text"), on.text   # all reasoning
+    assert kinds(off) == ["text"] and off.json()["content"][0]["text"], off.text
