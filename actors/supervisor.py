@@ -148,6 +148,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
                           param="max_model_len")
     engine_actors = topo.prefill + topo.decode
     recorder = ("recorder",) if config.recorder_events else ()   # the flight recorder (ipc/recorder.py)
+    recorder += ("arrivals",) if config.arrival_index_entries else ()   # the arrival index (ipc/arrivals.py)
     names = ("state", "actors", "status", "q_api") + recorder + tuple(topo.segment(what, i) for i in engine_actors
                                                                       for what in ("q", "kv"))
     names += ("conns",) if config.connection_ledger_rows else ()   # the connection ledger (ipc/ledger.py)
@@ -270,10 +271,14 @@ class Supervisor:
 
     def _create_recorder(self) -> None:
         """The flight recorder (ipc/recorder.py): one sub-ring per actor, then the supervisor's own (installed
-        here, so its transitions are recorded too)."""
+        here, so its transitions are recorded too); the arrival index (ipc/arrivals.py) beside it."""
         from ipc import recorder
 
         cfg, writers = self.layout.config, len(self.topology.names) + 1
+        if "arrivals" in self.layout.segments:
+            from ipc.arrivals import ArrivalIndex
+
+            self._owned.append(ArrivalIndex.create(self.layout.segment("arrivals"), cfg.arrival_index_entries))
         if not cfg.recorder_events:
             return
         ring = recorder.Recorder.create(self.layout.segment("recorder"), num_writers=writers,

@@ -75,6 +75,8 @@ class Routes:
         self.served = parser.served_model_name
         self.debug = DebugState(client)
         self.store = store or responses.ResponseStore()
+        self.ready: bool | None = None   # the last /health answer: None until the first 200 (starting)
+        metrics.registry.register(self.store)   # pdserve_response_store_entries / _bytes
 
     def exchange(self, dialect: Callable[[Request], Dialect]):
         """A generating route: ``dialect(request)`` through one Exchange."""
@@ -123,9 +125,21 @@ class Routes:
 
     async def health(self, request: Request) -> Response:
         """Readiness with its report: 200 while a route through prefill and decode serves, else 503 with the
-        reasons (api.metrics.not_ready); ``problems`` also names actors down beside others that serve."""
+        reasons (api.metrics.not_ready); ``problems`` also names actors down beside others that serve. Logged on a
+        change only (api.middleware.HEALTH_PATHS): one INFO line when ready, a WARNING naming the reasons when it
+        stops being ready; a 503 while starting is a DEBUG line."""
         report = self.metrics.health()
-        return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
+        ready, problems = report["status"] == "ok", "; ".join(report["problems"])
+        if ready and not self.ready:
+            log.info("ready: %s answers 200%s", request.url.path, " again" if self.ready is False else "")
+        elif not ready and self.ready:
+            log.warning("not ready: %s answers 503: %s", request.url.path, problems)
+        elif not ready:
+            log.debug("%s: %s answers 503: %s", "starting" if self.ready is None else "not ready", request.url.path,
+                      problems)
+        if ready or self.ready is not None:
+            self.ready = ready
+        return JSONResponse(report, status_code=200 if ready else 503)
 
     async def live(self, request: Request) -> Response:
         """Liveness: the API process answers (nothing else is looked at)."""

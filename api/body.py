@@ -27,6 +27,7 @@ log = logging.getLogger("pdserve.api")
 MAX_BODY_BYTES = 4 * 1024 * 1024   # larger request bodies get a 413 (checked on Content-Length and on the bytes read)
 MAX_DRAIN_BYTES = 64 * 1024 * 1024   # a refused body up to this size is read to its end before the 413 (_drain)
 INLINE_PARSE_BYTES = 64 * 1024     # larger bodies are parsed and tokenized in a worker thread
+MAX_JSON_DEPTH = 128               # arrays and objects nested deeper are a 400 (orjson writes at most 255 levels)
 
 
 class PayloadTooLargeError(InvalidRequestError):
@@ -95,6 +96,10 @@ async def _drain(pieces, declared_bytes: int, timeout_s: float) -> None:
         pass
 
 
+MAX_GZIP_MEMBERS = 64             # concatenated gzip members of one body (each costs an inflater; empty ones cost
+                                  # bytes but decode to nothing, so the decoded-size limit never stops them)
+INFLATE_PIECE_BYTES = 64 * 1024   # compressed bytes given to zlib at a time (its copies of the input's tail stay small)
+GZIP_MAGIC = b"\x1f\x8b"
 # Content-Encoding codings of request bodies -> zlib wbits (None: nothing to decode)
 BODY_ENCODINGS = {"identity": None, "gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS,
                   "deflate": zlib.MAX_WBITS}
@@ -126,32 +131,50 @@ def decode_body(raw: bytes, content_encoding: str | None, limit: int | None = No
 
 
 def _inflate(data: bytes, coding: str, limit: int) -> bytes:
+    """One coding's bytes inflated, in time linear in ``len(data)``: the input is fed in INFLATE_PIECE_BYTES
+    pieces (zlib's unconsumed and unused tails are copies of what is left of its input, so a whole-body input
+    made every member copy the rest of the body), gzip members at most MAX_GZIP_MEMBERS."""
     wbits = BODY_ENCODINGS[coding]
-    out = bytearray()
+    view, out, pos, members = memoryview(data), bytearray(), 0, 0
     try:
         while True:
-            inflater = zlib.decompressobj(wbits)
+            members += 1
+            if members > MAX_GZIP_MEMBERS:
+                raise InvalidRequestError(f"the request body has more than {MAX_GZIP_MEMBERS} {coding} members "
+                                          "(MAX_GZIP_MEMBERS); send it as one", param="Content-Encoding")
             try:
-                out += inflater.decompress(data, limit + 1 - len(out))
+                pos = _inflate_member(view, pos, zlib.decompressobj(wbits), out, limit, coding)
             except zlib.error:
                 if coding != "deflate" or wbits < 0 or out:
                     raise
                 wbits = -zlib.MAX_WBITS   # raw deflate (no zlib header): what some clients send as "deflate"
+                members -= 1
                 continue
-            if len(out) > limit:
-                raise PayloadTooLargeError(f"the request body inflates past the limit of {limit} bytes "
-                                           f"(MAX_BODY_BYTES, applied to the decoded body; Content-Encoding {coding})")
-            if not inflater.eof:
-                raise zlib.error("the compressed data ends early")
-            data = inflater.unused_data
-            if not (data.strip(b"\0") and wbits == BODY_ENCODINGS["gzip"]):   # another gzip member, or the end
+            if wbits != BODY_ENCODINGS["gzip"] or not data.startswith(GZIP_MAGIC, pos):   # no further member
                 break
     except zlib.error as exc:
         raise InvalidRequestError(f"the request body is not valid {coding} data ({exc})",
                                   param="Content-Encoding") from None
-    if data.strip(b"\0"):   # trailing bytes after the compressed data (gzip writers may pad with zeros)
+    if view[pos:].tobytes().strip(b"\0"):   # once, at the end: trailing bytes (gzip writers may pad with zeros)
         raise InvalidRequestError(f"the request body has bytes after its {coding} data", param="Content-Encoding")
     return bytes(out)
+
+
+def _inflate_member(view: memoryview, pos: int, inflater, out: bytearray, limit: int, coding: str) -> int:
+    """Inflate one stream of ``view`` from ``pos`` into ``out`` (at most ``limit`` bytes in all); returns the
+    offset just past it. Raises zlib.error when the data ends before the stream does, PayloadTooLargeError."""
+    while not inflater.eof:
+        piece = inflater.unconsumed_tail   # input zlib held back at max_length: a suffix of the last piece
+        if not piece:
+            if pos >= len(view):
+                raise zlib.error("the compressed data ends early")
+            piece = view[pos:pos + INFLATE_PIECE_BYTES]
+            pos += len(piece)
+        out += inflater.decompress(piece, limit + 1 - len(out))
+        if len(out) > limit:
+            raise PayloadTooLargeError(f"the request body inflates past the limit of {limit} bytes "
+                                       f"(MAX_BODY_BYTES, applied to the decoded body; Content-Encoding {coding})")
+    return pos - len(inflater.unused_data)
 
 
 async def read_decoded_body(request: Request, timeout_s: float) -> bytes:
@@ -163,17 +186,40 @@ async def read_decoded_body(request: Request, timeout_s: float) -> bytes:
 
 
 def parse_json(raw: bytes) -> Any:
-    """orjson, which rejects invalid UTF-8 and lone surrogates (``"\\ud800"``) as well as bad syntax."""
+    """orjson, which rejects invalid UTF-8 and lone surrogates (``"\\ud800"``) as well as bad syntax; a value nested
+    deeper than MAX_JSON_DEPTH arrays and objects is a 400 (whatever a route echoes back, orjson can write: its
+    output stops at 255 levels)."""
     try:
-        return orjson.loads(raw)
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _too_deep(body, MAX_JSON_DEPTH):
+        path = _deep_path(body, MAX_JSON_DEPTH)
+        raise InvalidRequestError(f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels "
+                                  f"(MAX_JSON_DEPTH) at '{path[:200]}'", param=path.split(".")[0].split("[")[0])
+    return body
 
 
-def parse_request(parser: RequestParser, kind: str, raw: bytes, request_id: str | None) -> list[GenerationRequest]:
-    """Body bytes -> the validated engine requests: a chat's one, a completion's one per prompt. Bad input of any
-    shape is a PdserveError (4xx), never a crash."""
-    body = parse_json(raw)
+def _too_deep(value: Any, levels: int) -> bool:
+    """Whether a container lies ``levels`` containers below the container ``value``: a walk of the containers
+    (about 0.6x orjson's parse time on a body of small arrays; a flat list of numbers is one type check each)."""
+    if levels == 0:
+        return True
+    for child in (value.values() if type(value) is dict else value):
+        kind = type(child)
+        if (kind is dict or kind is list) and _too_deep(child, levels - 1):
+            return True
+    return False
+
+
+def _deep_path(value: Any, levels: int, path: str = "") -> str:
+    """Where ``_too_deep`` found it, as ``a.b[3].c`` (called only then)."""
+    items = value.items() if type(value) is dict else enumerate(value)
+    for name, child in items:
+        if type(child) in (dict, list) and _too_deep(child, levels - 1):
+            inner = f"{path}[{name}]" if isinstance(name, int) else f"{path}.{name}" if path else str(name)
+            return inner if levels == 1 else _deep_path(child, levels - 1, inner)
+    return path
 
 
 def built(build: Callable[[Any], Any], raw: bytes, what: str) -> Any:

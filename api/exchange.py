@@ -196,27 +196,42 @@ class Exchange:
     def error(self, exc: PdserveError) -> JSONResponse:
         return error_response(exc, self.request_id, self.dialect.error_body)
 
+    def inject(self, step: str) -> None:
+        """The ``exchange_bug`` fault (pdserve/faults.py): raise at ``step`` as a bug would, for the tests that
+        check a failure at any step releases everything."""
+        faults = getattr(self.engine.client, "faults", None)
+        if faults and faults.fires("exchange_bug", self.request_id or "", step=step):
+            raise RuntimeError(f"injected fault exchange_bug at step {step}")
+
     async def __call__(self, scope: dict, receive, send) -> None:
         try:
-            self.admitted(scope)
-            self.renderer = self.dialect.renderer(self.handles)
-            if self.renderer.stream:
-                response: Response = StreamingResponse(
-                    with_pings(self.frames(self.renderer), self.engine.client.config.sse_ping_interval_s),
-                    media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": self.request_id})
-            else:
-                response = await self.collect(self.renderer, receive)
+            try:
+                self.admitted(scope)
+                self.inject("renderer")
+                self.renderer = self.dialect.renderer(self.handles)
+                if self.renderer.stream:
+                    response: Response = StreamingResponse(
+                        with_pings(self.frames(self.renderer), self.engine.client.config.sse_ping_interval_s),
+                        media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": self.request_id})
+                else:
+                    response = await self.collect(self.renderer, receive)
+                self.inject("send")
+            except Exception:   # a bug before the answer's first byte: a 500 in the dialect's shape
+                log.exception("request %s: internal error", self.request_id)
+                self.status = 500
+                response = self.error(PdserveError("internal error; see the server log"))
             await response(scope, receive, send)
             self.sent_all = self.sent_all or self.status != 499
         except ClientDisconnect:   # an ASGI 2.4 server's send to a closed connection: the client's doing
             raise
         except Exception:
-            self.status = 500   # a bug (logged by Starlette's error handler): not the client's doing
+            self.status = 500   # a bug while sending (logged by Starlette's error handler): not the client's doing
             raise
         finally:
             self.release()
 
     def admitted(self, scope: dict) -> None:
+        self.inject("admitted")
         note_engine_requests(scope, self.handles)   # the connection ledger (api/http_edges.py)
         for _ in self.handles:
             self.engine.metrics.on_admitted()
@@ -232,7 +247,9 @@ class Exchange:
         error in the dialect's shape."""
         async def work() -> dict:
             async for item in self.texts():
+                self.inject("event")
                 renderer.event(*item)
+            self.inject("finish")
             return renderer.finish()
 
         async def gone() -> None:
@@ -256,22 +273,30 @@ class Exchange:
                 task.cancel()
 
     async def frames(self, renderer: Renderer) -> AsyncIterator[bytes]:
-        """The stream: the renderer's frames; on an engine error its ``failed`` frames. Closing it early (the
+        """The stream: the renderer's frames; on an engine error its ``failed`` frames, and on a bug (logged with
+        its traceback) ``failed`` frames of a 500 when the renderer can still make them. Closing it early (the
         client gone) leaves ``status`` at 499."""
         sent = 0
         try:
+            self.inject("start")
             for frame in renderer.start():
                 sent = self.first_byte(sent)
                 yield frame
             async for item in self.texts():
+                self.inject("event")
                 for frame in renderer.event(*item):
                     sent = self.first_byte(sent)
                     yield frame
+            self.inject("finish")
             end, status = renderer.finish(), 200
         except PdserveError as exc:
             log.warning("request %s: %d %s%s", self.request_id, exc.http_status, exc.message,   # the whole id
                         timeline_hint(exc.http_status, self.request_id))
             end, status = renderer.failed(with_hint(exc, self.request_id)), exc.http_status
+        except Exception:   # a bug: the stream still ends with the dialect's error event, and everything is released
+            self.status = 500
+            log.exception("request %s: internal error while streaming", self.request_id)
+            end, status = renderer.failed(PdserveError("internal error; see the server log")), 500
         for frame in end:
             sent = self.first_byte(sent)
             yield frame

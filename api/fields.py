@@ -105,6 +105,36 @@ STREAM_OPTIONS = FieldTable("stream_options", frozenset({"include_usage", "conti
 })
 
 
+# OpenAI's bounds on ``metadata`` (chat completions and Responses): key-value string pairs
+METADATA_MAX_KEYS, METADATA_MAX_KEY_CHARS, METADATA_MAX_VALUE_CHARS = 16, 64, 512
+USER_MAX_CHARS = 512   # ``user``/``safety_identifier``: an end-user id string (OpenAI's guide: a hash of it)
+
+
+def check_echoed(body: dict) -> None:
+    """The fields a route echoes back or stores, checked as OpenAI does: ``metadata`` an object of at most 16
+    string keys of at most 64 characters, each value a string of at most 512; ``user`` and ``safety_identifier``
+    strings of at most USER_MAX_CHARS. Raises InvalidRequestError (400) naming the field."""
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise InvalidRequestError("'metadata' must be an object of string values", param="metadata")
+        if len(metadata) > METADATA_MAX_KEYS:
+            raise InvalidRequestError(f"'metadata' has {len(metadata)} keys; at most {METADATA_MAX_KEYS}",
+                                      param="metadata")
+        for key, value in metadata.items():
+            if len(key) > METADATA_MAX_KEY_CHARS:
+                raise InvalidRequestError(f"'metadata' key {key[:METADATA_MAX_KEY_CHARS]!r}... is longer than "
+                                          f"{METADATA_MAX_KEY_CHARS} characters", param="metadata")
+            if not isinstance(value, str) or len(value) > METADATA_MAX_VALUE_CHARS:
+                raise InvalidRequestError(f"'metadata.{key}' must be a string of at most {METADATA_MAX_VALUE_CHARS} "
+                                          "characters", param="metadata")
+    for name in ("user", "safety_identifier"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, str) or len(value) > USER_MAX_CHARS):
+            raise InvalidRequestError(f"'{name}' must be a string of at most {USER_MAX_CHARS} characters",
+                                      param=name)
+
+
 class UnknownFields:
     """What the Responses and Messages routes do with a name they do not know (a top-level field, an input item or
     content block type, a tool type): these APIs grow often and their clients send the new names at once (Codex

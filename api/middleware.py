@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import time
 import uuid
 from typing import Awaitable, Callable, Iterable
 
 import orjson
 
 from api.protocol import check_request_id, error_body
+from ipc.arrivals import note_arrival
 from pdserve.config import api_keys as load_api_keys  # noqa: F401 - the API process reads its keys here
 from pdserve.errors import PdserveError
 
@@ -41,7 +43,8 @@ def _header(scope: dict, name: bytes) -> str | None:
 class RequestIdMiddleware:
     """Every HTTP response carries ``x-request-id``: the one the handler set (a generation's id), else the
     client's ``X-Request-Id`` when it is acceptable (api.protocol.check_request_id), else a new ``req-...`` id.
-    Covers responses made outside the routes too (404, 405, 413, 401 from ApiKeyMiddleware)."""
+    Covers responses made outside the routes too (404, 405, 413, 401 from ApiKeyMiddleware). A POST's id, arrival
+    and status go into the arrival index (ipc/arrivals.py) as its answer starts."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -50,6 +53,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        arrived_ns = time.monotonic_ns()
         try:
             default = check_request_id(_header(scope, b"x-request-id"), "")
         except PdserveError:
@@ -59,9 +63,13 @@ class RequestIdMiddleware:
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers") or [])
-                if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                rid = next((v.decode("latin-1") for k, v in headers if k.lower() == b"x-request-id"), None)
+                if rid is None:
+                    rid = default
                     headers.append((b"x-request-id", default.encode("latin-1")))
                     message = {**message, "headers": headers}
+                if scope.get("method") == "POST":
+                    note_arrival(rid, arrived_ns, int(message["status"]))
             await send(message)
 
         await self.app(scope, receive, send_with_id)
@@ -119,13 +127,17 @@ class ApiKeyMiddleware:
 
 
 
+HEALTH_PATHS = frozenset({"/health", "/health/ready"})
+
+
 class ErrorLogMiddleware:
     """One log line per response with status >= 400: request id, method, route (the path, never the query),
     status, and the error's ``param`` and message from the JSON error body (the request body and the API key are
     never logged). 5xx at WARNING, 4xx at INFO; 499 (the client went away before the answer) names that.
 
     An error met after a streamed response started is a 200 on the wire and is logged by the stream itself
-    (api/exchange.py)."""
+    (api/exchange.py). The health routes (HEALTH_PATHS) log their own changes (api/app.py ``Routes.health``):
+    a probe every few seconds would otherwise be a WARNING line each while the engine starts."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -142,7 +154,7 @@ class ErrorLogMiddleware:
                 status = int(message["status"])
                 rid = next((v.decode("latin-1") for k, v in message.get("headers") or ()
                             if k.lower() == b"x-request-id"), "")
-            elif message["type"] == "http.response.body" and status >= 400:
+            elif message["type"] == "http.response.body" and status >= 400 and scope.get("path") not in HEALTH_PATHS:
                 if len(body) < ERROR_BODY_LOG_BYTES:
                     body.extend(message.get("body", b"")[:ERROR_BODY_LOG_BYTES - len(body)])
                 if not message.get("more_body", False):

@@ -172,12 +172,7 @@ def _check_unsupported_fields(body: dict, kind: str) -> None:
     best_of = _integer(body, "best_of", 1, 1, 128)
     if best_of != 1:
         raise _unsupported("best_of", "server-side ranking of candidates is not implemented; use n")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise InvalidRequestError("'user' must be a string", param="user")
-    metadata = body.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise InvalidRequestError("'metadata' must be an object", param="metadata")
+    fields.check_echoed(body)
     store = body.get("store")
     if store is not None and not isinstance(store, bool):
         raise InvalidRequestError("'store' must be a boolean", param="store")

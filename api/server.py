@@ -107,6 +107,10 @@ class ApiActor(Actor):
         hconfig = self._hypercorn_config()
         install_idle_close()
         install_refused_streams()
+        if "arrivals" in self.layout.segments:   # the arrival index (ipc/arrivals.py): this process writes it
+            from ipc import arrivals
+
+            arrivals.install(arrivals.ArrivalIndex.attach(self.layout.segment("arrivals")))
         if "conns" in self.layout.segments:   # the connection ledger (ipc/ledger.py): this process writes it
             from ipc.ledger import ConnectionLedger
 

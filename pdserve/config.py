@@ -213,6 +213,10 @@ class EngineConfig:
     recorder_events: int = _setting(262144, "flight recorder: events kept in its shm ring (64 B each, split evenly "
                                     "between the writer processes; the oldest are overwritten; tools/inspect "
                                     "--request reads it); 0 = off", _non_negative, ">= 0")
+    arrival_index_entries: int = _setting(131072, "arrival index: the last N POST requests' ids, arrival times and "
+                                          "statuses (40 B each; ipc/arrivals.py), so tools/inspect --request tells "
+                                          "an id that never reached the server from one whose recorder events were "
+                                          "overwritten; 0 = off", _non_negative, ">= 0")
     otlp_traces_endpoint: str = _setting("", "OpenTelemetry collector URL (OTLP over HTTP, protobuf) each finished "
                                          "request's trace is exported to: its HTTP span and one span per stage, "
                                          "from the flight recorder; a URL without a path gets /v1/traces (as "

@@ -20,6 +20,7 @@ header, so a test or an operator can aim a fault at one request).
 | ``crash:actor=NAME`` | that actor | the process exits abruptly (os._exit) when it takes an eligible request |
 | ``stop_holding_lock:actor=decodeJ`` | decode | takes the state table lock and SIGSTOPs itself (a stuck holder) |
 | ``leak_blocks`` | prefill | the request's prompt blocks are never freed (a leak the monitor's conservation check names) |
+| ``exchange_bug:step=STEP`` | api | the request's exchange raises an error as a bug would, at STEP (one of ``EXCHANGE_STEPS``: after admission, making the renderer, its start, its first event, its finish, sending the answer) |
 | ``router_count_drift:count_delta=K`` | api | on admitting an eligible request, the router's per-actor active counts drift K off for good (the monitor flags it) |
 
 Example: ``PDSERVE_FAULTS="drop_transfer_done:count=1;stall:actor=decode0,seconds=20,count=1"``.
@@ -46,7 +47,9 @@ FAULT_KEYS = {
     "stop_holding_lock": {"actor"},
     "router_count_drift": {"count_delta"},
     "leak_blocks": set(),
+    "exchange_bug": {"step"},
 }
+EXCHANGE_STEPS = ("admitted", "renderer", "start", "event", "finish", "send")   # api/exchange.py's Exchange
 COMMON_KEYS = {"count", "fraction", "seed", "match"}
 ACTOR_NAME_RE = re.compile(r"^(prefill|decode)[0-9]{1,3}$")   # an engine actor (see actors.topology.Topology)
 
@@ -101,6 +104,9 @@ def parse_faults(spec: str) -> list[Fault]:
         if "actor" in params and not ACTOR_NAME_RE.match(params["actor"]):
             raise ConfigError(f"config field faults: {name} actor must be an engine actor (prefill<i> or "
                               f"decode<j>), not {params['actor']!r}", param="faults")
+        if name == "exchange_bug" and params["step"] not in EXCHANGE_STEPS:
+            raise ConfigError(f"config field faults: {name} step must be one of {', '.join(EXCHANGE_STEPS)}, not "
+                              f"{params['step']!r}", param="faults")
         if name == "stop_holding_lock" and not params["actor"].startswith("decode"):
             raise ConfigError(f"config field faults: {name} is wired in decode actors only (on taking a KVReady), "
                               f"not {params['actor']!r}", param="faults")
@@ -127,10 +133,12 @@ class FaultPlan:
         self.faults = [f for f in parse_faults(spec)
                        if f.params.get("actor", actor_name) == actor_name]
 
-    def fires(self, name: str, request_id: str = "") -> Fault | None:
-        """The fault ``name`` if it applies to this event (consuming one count), else None."""
+    def fires(self, name: str, request_id: str = "", **where: str) -> Fault | None:
+        """The fault ``name`` whose parameters include ``where`` if it applies to this event (consuming one count),
+        else None."""
         for fault in self.faults:
-            if fault.name == name and fault.fires(request_id):
+            if (fault.name == name and all(fault.params.get(k) == v for k, v in where.items())
+                    and fault.fires(request_id)):
                 return fault
         return None
 

@@ -87,19 +87,45 @@ def main_timelines(args, manifest: dict[str, Any]) -> int:
     if args.json:
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
     elif not report["timelines"]:
-        print(not_found_text(args.request, ring["horizon_ns"], now_ns) if args.request
-              else "no request timelines in the flight recorder")
+        print(not_found_text(args.request, ring["horizon_ns"], now_ns, read_arrivals(manifest, args.request))
+              if args.request else "no request timelines in the flight recorder")
     for timeline in [] if args.json else report["timelines"]:
         print("\n".join(render_text(timeline)))
     return 1 if args.request and not report["timelines"] else 0
 
 
-def not_found_text(request_id: str, horizon_ns: int, now_ns: int) -> str:
-    """Why ``request_id`` has no timeline: with a ring that never wrapped it never reached this engine (the ring
-    holds every event since the start); else it did not reach it, or it came before the ring's horizon."""
+def read_arrivals(manifest: dict[str, Any], request_id: str) -> dict[str, Any] | None:
+    """The arrival index's entries for ``request_id`` (ipc/arrivals.py ``ArrivalIndex.find``), None when the
+    engine keeps none (arrival_index_entries=0) or it cannot be read."""
+    from ipc.arrivals import ArrivalIndex
+    from ipc.recorder import request_key
+
+    name = manifest["segments"].get("arrivals")
+    try:
+        with ArrivalIndex.attach(name, readonly=True) as index:
+            return index.find(request_key(request_id))
+    except (FileNotFoundError, ValueError, TypeError):
+        return None
+
+
+def not_found_text(request_id: str, horizon_ns: int, now_ns: int, arrivals: dict[str, Any] | None = None) -> str:
+    """Why ``request_id`` has no timeline. The arrival index (``arrivals``: ``ArrivalIndex.find``'s answer) knows
+    it: it reached this server, its events are older than the ring's horizon. Else, with a ring that never wrapped
+    (it holds every event since the start) or an index that reaches further back than the ring, it never reached
+    this server; else it did not, or it came before both."""
+    if arrivals and arrivals["arrivals"]:
+        t_ns, status = arrivals["arrivals"][-1]
+        return (f"request {request_id!r} reached this server {(now_ns - t_ns) / 1e9:.1f} s ago (answered {status}); "
+                f"its events were overwritten in the flight recorder (its horizon is "
+                f"{(now_ns - horizon_ns) / 1e9:.1f} s ago)")
     if not horizon_ns:
         return (f"request {request_id!r} never reached this server: the flight recorder holds every event since "
                 f"the engine started and none of them names it")
+    if arrivals and arrivals["since_ns"] and (not arrivals["wrapped"] or arrivals["since_ns"] <= horizon_ns):
+        reach = "since the engine started" if not arrivals["wrapped"] else \
+            f"of the last {(now_ns - arrivals['since_ns']) / 1e9:.1f} s"
+        return (f"request {request_id!r} never reached this server: the arrival index holds every request id "
+                f"answered {reach}")
     return (f"no events of request {request_id!r} in the flight recorder: it never reached this server, or it "
             f"came before the ring's horizon ({(now_ns - horizon_ns) / 1e9:.1f} s ago; older events were overwritten)")
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from prometheus_client.core import GaugeMetricFamily
 
 from api import fields
 from api.dialects.events import EventRenderer, Outcome, parse_chat
@@ -59,7 +60,8 @@ _CONTENT_PART_TYPES = frozenset(_TEXT_PARTS) | {"input_image", "input_file", "in
 _RENAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input",
             "prompt": "input"}
 
-STORE_MAX_ENTRIES = 1024
+STORE_MAX_ENTRIES = 1024              # per API key
+STORE_MAX_BYTES = 64 * 1024 * 1024    # per API key: a keyless server holds at most this much
 STORE_TTL_S = 3600.0
 
 
@@ -208,8 +210,10 @@ def translate(body: Any, history: list[dict] | None = None,
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidRequestError("'instructions' must be a string", param="instructions")
-    if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
-        raise InvalidRequestError("'metadata' must be an object", param="metadata")
+    fields.check_echoed(body)
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise InvalidRequestError("'reasoning' must be an object", param="reasoning")
     conversation = list(history or []) + input_messages(body.get("input"), unknown)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
     chat: dict[str, Any] = {"messages": messages, **_tools(body, unknown)}
@@ -432,22 +436,35 @@ class ResponseStream:
 @dataclass
 class _Stored:
     key: str
-    response: dict
-    conversation: list[dict]
+    blob: bytes          # orjson of [response, conversation]: what the entry costs is its length
     expires_s: float
+
+    @property
+    def response(self) -> dict:
+        return orjson.loads(self.blob)[0]
+
+    @property
+    def conversation(self) -> list[dict]:
+        return orjson.loads(self.blob)[1]
 
 
 class ResponseStore:
     """Finished responses by id, for ``GET``/``DELETE /v1/responses/{id}`` and ``previous_response_id``.
 
     Each entry belongs to the API key that made it (``key``: a digest; "" when the server has no keys): another
-    key sees nothing. At most ``max_entries`` (the oldest stored goes first); an entry expires ``ttl_s`` seconds
-    after it was stored. ``clock`` (seconds, monotonic) is injectable for tests.
+    key sees nothing, and the bounds are per key, so one key's load never evicts another's entries: at most
+    ``max_entries`` entries and ``max_bytes`` bytes per key (the oldest of that key goes first; an entry larger
+    than ``max_bytes`` is not kept). Entries are held as orjson bytes, so the bytes counted are the memory held.
+    An entry expires ``ttl_s`` seconds after it was stored. ``clock`` (seconds, monotonic) is injectable for
+    tests. A prometheus collector: ``pdserve_response_store_entries`` and ``pdserve_response_store_bytes``.
     """
 
-    def __init__(self, max_entries: int = STORE_MAX_ENTRIES, ttl_s: float = STORE_TTL_S, clock=time.monotonic):
-        self.max_entries, self.ttl_s, self.clock = max_entries, ttl_s, clock
-        self.entries: collections.OrderedDict[str, _Stored] = collections.OrderedDict()
+    def __init__(self, max_entries: int = STORE_MAX_ENTRIES, ttl_s: float = STORE_TTL_S,
+                 max_bytes: int = STORE_MAX_BYTES, clock=time.monotonic):
+        self.max_entries, self.max_bytes, self.ttl_s, self.clock = max_entries, max_bytes, ttl_s, clock
+        self.entries: collections.OrderedDict[str, _Stored] = collections.OrderedDict()   # oldest first
+        self.by_key: dict[str, collections.OrderedDict[str, None]] = {}   # each key's ids, oldest first
+        self.key_bytes: collections.Counter[str] = collections.Counter()
 
     def _expire(self) -> None:
         now = self.clock()
@@ -455,14 +472,32 @@ class ResponseStore:
             rid, entry = next(iter(self.entries.items()))
             if entry.expires_s > now:
                 break
-            del self.entries[rid]
+            self._drop(rid)
 
-    def put(self, key: str, response: dict, conversation: list[dict]) -> None:
+    def _drop(self, response_id: str) -> None:
+        entry = self.entries.pop(response_id)
+        ids = self.by_key[entry.key]
+        del ids[response_id]
+        self.key_bytes[entry.key] -= len(entry.blob)
+        if not ids:
+            del self.by_key[entry.key], self.key_bytes[entry.key]
+
+    def put(self, key: str, response: dict, conversation: list[dict]) -> bool:
+        """Keep the response; False when it alone is over ``max_bytes`` (it is not kept)."""
         self._expire()
-        self.entries.pop(response["id"], None)
-        self.entries[response["id"]] = _Stored(key, response, conversation, self.clock() + self.ttl_s)
-        while len(self.entries) > self.max_entries:
-            self.entries.popitem(last=False)
+        if response["id"] in self.entries:
+            self._drop(response["id"])
+        blob = orjson.dumps([response, conversation])
+        if len(blob) > self.max_bytes:
+            return False
+        ids = self.by_key.setdefault(key, collections.OrderedDict())
+        while ids and (len(ids) >= self.max_entries or self.key_bytes[key] + len(blob) > self.max_bytes):
+            self._drop(next(iter(ids)))
+            ids = self.by_key.setdefault(key, collections.OrderedDict())
+        self.entries[response["id"]] = _Stored(key, blob, self.clock() + self.ttl_s)
+        ids[response["id"]] = None
+        self.key_bytes[key] += len(blob)
+        return True
 
     def get(self, key: str, response_id: str) -> _Stored | None:
         self._expire()
@@ -472,7 +507,7 @@ class ResponseStore:
     def delete(self, key: str, response_id: str) -> bool:
         if self.get(key, response_id) is None:
             return False
-        del self.entries[response_id]
+        self._drop(response_id)
         return True
 
     def history(self, key: str, response_id: Any) -> list[dict]:
@@ -483,10 +518,22 @@ class ResponseStore:
                                       param="previous_response_id")
         entry = self.get(key, response_id)
         if entry is None:
-            raise ResponseNotFoundError(f"Previous response with id '{response_id}' not found (responses are kept "
-                                        f"{self.ttl_s:g} s, at most {self.max_entries}, and only with 'store' true)",
+            raise ResponseNotFoundError(f"Previous response with id '{response_id}' not found ({self.limits()})",
                                         param="previous_response_id")
         return entry.conversation
+
+    def limits(self) -> str:
+        """The store's rules, for a 404's message."""
+        return (f"responses are kept {self.ttl_s:g} s, at most {self.max_entries} and {self.max_bytes} bytes per "
+                "API key, and only with 'store' true")
+
+    def collect(self):
+        """The store's size at scrape time (a prometheus_client collector)."""
+        self._expire()
+        yield GaugeMetricFamily("pdserve_response_store_entries", "stored responses (all API keys)",
+                                value=len(self.entries))
+        yield GaugeMetricFamily("pdserve_response_store_bytes", "bytes held by stored responses (all API keys)",
+                                value=sum(self.key_bytes.values()))
 
 
 class ResponseNotFoundError(ModelNotFoundError):
@@ -560,8 +607,7 @@ class ResponsesRenderer(EventRenderer):
 
 
 def _not_stored(store: ResponseStore, response_id: str) -> tuple[int, dict]:
-    return 404, error_body(f"No response with id '{response_id}' found (responses are kept {store.ttl_s:g} s, at "
-                           f"most {store.max_entries}, and only with 'store' true)", "invalid_request_error",
+    return 404, error_body(f"No response with id '{response_id}' found ({store.limits()})", "invalid_request_error",
                            "response_id", "not_found")
 
 

@@ -4,7 +4,10 @@ once a gzip/deflate body is decoded), 415 naming an unsupported Content-Encoding
 from __future__ import annotations
 
 import gzip
+import random
 import zlib
+
+import orjson
 
 import pytest
 from starlette.applications import Starlette
@@ -12,7 +15,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from api.body import MAX_BODY_BYTES, decode_body, parse_json, read_body
+from api.body import (INFLATE_PIECE_BYTES, MAX_BODY_BYTES, MAX_GZIP_MEMBERS, MAX_JSON_DEPTH, decode_body, parse_json,
+                      read_body)
 from api.exchange import error_response
 from pdserve.errors import PdserveError
 
@@ -121,3 +125,63 @@ def test_bytes_that_are_not_valid_gzip_are_a_400(client, content):
 def test_decode_body_without_an_encoding_returns_the_bytes_as_they_are():
     assert decode_body(b"\x1f\x8b raw", None) == b"\x1f\x8b raw"
     assert decode_body(b"abc", " ") == b"abc"
+
+
+EMPTY_MEMBER = gzip.compress(b"")   # 20 bytes that decode to nothing
+
+
+def test_a_body_of_empty_gzip_members_is_refused_at_the_member_bound_without_reading_the_rest(client):
+    bomb = EMPTY_MEMBER * (MAX_BODY_BYTES // len(EMPTY_MEMBER))   # ~210,000 members, 4 MiB: the decoded limit never fires
+    response = client.post("/", content=bomb, headers={"Content-Encoding": "gzip"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "Content-Encoding" and f"more than {MAX_GZIP_MEMBERS} gzip members" in error["message"]
+    at_bound = gzip.compress(BODY[:10]) + EMPTY_MEMBER * (MAX_GZIP_MEMBERS - 2) + gzip.compress(BODY[10:])
+    assert client.post("/", content=at_bound, headers={"Content-Encoding": "gzip"}).json()["size"] == len(BODY)
+
+
+def test_inflating_walks_the_body_once_whatever_its_members():
+    """Each member used to copy the rest of the body twice (zlib's unused tail and a strip): the cost grew with
+    the square of the member count. Counted here as the bytes zlib is handed, which must stay within the body's
+    length plus one piece per member."""
+    seen = []
+    real = zlib.decompressobj
+
+    class Counting:
+        def __init__(self, wbits):
+            self.inner = real(wbits)
+
+        def decompress(self, data, max_length=0):
+            seen.append(len(data))
+            return self.inner.decompress(data, max_length)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    parts = [random.Random(i).randbytes(60_000) for i in range(MAX_GZIP_MEMBERS)]   # incompressible: a 3.8 MB body
+    body = b"".join(gzip.compress(part, compresslevel=1) for part in parts)
+    zlib.decompressobj = Counting
+    try:
+        out = decode_body(body, "gzip")
+    finally:
+        zlib.decompressobj = real
+    assert out == b"".join(parts)
+    assert sum(seen) <= len(body) + MAX_GZIP_MEMBERS * INFLATE_PIECE_BYTES, (sum(seen), len(body))
+
+
+def nested(levels: int, leaf=0):
+    """``levels`` containers, objects and arrays in turn, around ``leaf``."""
+    for level in range(levels):
+        leaf = [leaf] if level % 2 else {"a": leaf}
+    return leaf
+
+
+def test_json_nested_deeper_than_the_bound_is_a_400_naming_the_field(client):
+    deep = {"metadata": {"k": "v"}, "reasoning": nested(MAX_JSON_DEPTH)}   # the body's object makes one more
+    response = client.post("/", content=orjson.dumps(deep))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "reasoning" and f"deeper than {MAX_JSON_DEPTH} levels" in error["message"]
+    assert parse_json(orjson.dumps(nested(MAX_JSON_DEPTH))) == nested(MAX_JSON_DEPTH)
+    flat = orjson.dumps({"prompt": [[i] for i in range(1000)] + [[[[[[]]]]]]})   # many containers, shallow
+    assert parse_json(flat)["prompt"][-1] == [[[[[]]]]]

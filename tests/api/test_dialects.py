@@ -7,6 +7,7 @@ import json
 
 import orjson
 import pytest
+from prometheus_client import CollectorRegistry
 
 from api.dialects import anthropic, responses
 from api.dialects.events import Outcome
@@ -82,6 +83,14 @@ def test_a_stored_conversation_is_prepended_and_text_format_becomes_a_grammar(pa
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "instructions": 3}, "instructions"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation"),
+    # echoed fields, bounded as OpenAI bounds them
+    ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"input": "hi", "metadata": {"k" * 65: "v"}}, "metadata"),
+    ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata"),
+    ({"input": "hi", "metadata": {"k": {"nested": "v"}}}, "metadata"),
+    ({"input": "hi", "user": {"id": 1}}, "user"),
+    ({"input": "hi", "user": "u" * 513}, "user"),
+    ({"input": "hi", "reasoning": "high"}, "reasoning"),
 ])
 def test_bad_responses_bodies_are_400s_naming_the_responses_field(body, param):
     with pytest.raises(InvalidRequestError) as exc:
@@ -262,6 +271,32 @@ def test_the_store_is_per_key_bounded_and_expires():
     assert store.get("k1", "r1") is None and store.get("k1", "r2") is None and not store.entries
     store.put("k1", {"id": "r3"}, [])
     assert store.delete("k1", "r3") and store.get("k1", "r3") is None
+
+
+def test_one_keys_load_never_evicts_another_keys_responses():
+    store = responses.ResponseStore(max_entries=4)
+    store.put("a", {"id": "ra"}, [{"role": "user", "content": "A's conversation"}])
+    for i in range(10):   # key b well past its cap
+        store.put("b", {"id": f"rb{i}"}, [])
+    assert store.history("a", "ra") == [{"role": "user", "content": "A's conversation"}]
+    assert [rid for rid in store.entries if store.entries[rid].key == "b"] == ["rb6", "rb7", "rb8", "rb9"]
+
+
+def test_the_store_is_bounded_in_bytes_per_key_oldest_first_and_counts_them():
+    store = responses.ResponseStore(max_bytes=3000)
+    text = "x" * 900
+    for i in range(4):
+        assert store.put("b", {"id": f"r{i}"}, [{"role": "user", "content": text}])
+    assert list(store.entries) == ["r1", "r2", "r3"] and store.key_bytes["b"] <= 3000   # r0 went for r3
+    assert not store.put("b", {"id": "huge"}, [{"role": "user", "content": "y" * 4000}])   # alone over the bound
+    assert store.get("b", "huge") is None and list(store.entries) == ["r1", "r2", "r3"]
+    store.put("a", {"id": "ra"}, [{"role": "user", "content": text}])
+    registry = CollectorRegistry()
+    registry.register(store)
+    assert registry.get_sample_value("pdserve_response_store_entries") == 4
+    assert registry.get_sample_value("pdserve_response_store_bytes") == sum(len(e.blob) for e in store.entries.values())
+    assert store.delete("a", "ra") and store.delete("b", "r1") and store.delete("b", "r2") and store.delete("b", "r3")
+    assert registry.get_sample_value("pdserve_response_store_bytes") == 0 and not store.by_key
 
 
 def test_the_assistant_message_stored_carries_the_calls():

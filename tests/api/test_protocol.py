@@ -283,6 +283,16 @@ def test_prompts_times_n_over_what_admission_takes_at_once_is_a_400_before_any_p
     assert small.completions(completion_body(prompt="a", n=8))[0].n == 8   # one prompt's n: admission's to refuse
 
 
+@pytest.mark.parametrize("field, value", [
+    ("metadata", {f"k{i}": "v" for i in range(17)}), ("metadata", {"k" * 65: "v"}), ("metadata", {"k": "v" * 513}),
+    ("metadata", {"k": 1}), ("user", "u" * 513), ("user", ["u"]), ("safety_identifier", 7),
+])
+def test_echoed_fields_are_bounded_as_openai_bounds_them(parser, field, value):
+    rejected(parser.chat, chat_body(**{field: value}), field)
+    rejected(parser.completions, completion_body(**{field: value}), field)
+    assert parser.chat(chat_body(metadata={f"k{i}": "v" * 512 for i in range(16)}, user="u" * 512))
+
+
 def test_stop_list_limit_is_a_named_constant(parser):
     assert parser.chat(chat_body(stop=["s"] * MAX_STOP_STRINGS)).stop == ("s",) * MAX_STOP_STRINGS
 

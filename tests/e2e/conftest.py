@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.faults import EXCHANGE_STEPS
 from tests.conftest import cleanup_engine, probe_fixture, start_engine
 
 TICK_S = 0.5
@@ -26,6 +27,7 @@ FAULTS = ";".join([
     "stall:actor=prefill0,seconds=1.5,match=slowp-",
     "slow_prefill:seconds=1.5,match=longp-",
     "stall_prefill:seconds=120,match=stallp-",
+    *(f"exchange_bug:step={step},match=xbug-{step}-" for step in EXCHANGE_STEPS),
 ])
 PREFILL_TIMEOUT_S = 4.0     # above the hang timeout, like the bootstrap deadline
 PREFILL_CHUNK_TOKENS = 64

@@ -134,3 +134,22 @@ def test_n_over_the_bound_is_a_400_naming_n_not_a_retry_later_503(engine, probe)
                          json={"prompt": "Hi", "max_tokens": 2, "n": MAX_QUEUED})
     assert exactly.status_code == 200 and len(exactly.json()["choices"]) == MAX_QUEUED
     assert_recovered(engine, probe)
+
+
+@pytest.mark.parametrize("field", ["metadata", "reasoning", "user"])
+def test_deeply_nested_echoed_fields_are_400s_that_hold_no_admission(engine, probe, field):
+    """256 streamed /v1/responses bodies with an echoed field nested 300 levels deep (past orjson's 255 output
+    levels: once a 500 after admission; before the exchange, a slot held for good): each is a 400 naming the
+    field, before admission, and then more requests than ``max_queued_requests`` are served one after another."""
+    deep = b'{"a":' * 300 + b'"x"' + b"}" * 300   # orjson itself writes at most 255 levels
+    body = b'{"input": "hi", "max_output_tokens": 2, "stream": true, "' + field.encode() + b'": ' + deep + b"}"
+    with httpx.Client(timeout=ANSWER_WITHIN_S) as client:
+        for _ in range(256):
+            answer = client.post(engine.base_url + "/v1/responses", content=body,
+                                 headers={"Content-Type": "application/json"})
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
+        for _ in range(MAX_QUEUED + 1):
+            answer = client.post(engine.base_url + "/v1/responses", json={"input": "hi", "max_output_tokens": 2},
+                                 timeout=60)
+            assert answer.status_code == 200, answer.text
+    assert_recovered(engine, probe)

@@ -141,3 +141,20 @@ def test_debug_state_serves_the_json_snapshot_over_http_and_inspect_url_renders_
     assert refused["url"] == gone and not refused["ok"] and "refused" in refused["error"].lower()
     bad = httpx.get(url + "/debug/state", params={"sample_s": "soon"}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "sample_s"
+
+
+def test_inspect_tells_an_id_whose_events_were_overwritten_from_one_that_never_arrived(engine_factory, capsys):
+    """A 64-event ring (16 per writer) forgets a request after a few more; the arrival index (ipc/arrivals.py)
+    still knows it reached the server, and that an id never sent did not."""
+    engine = engine_factory("--kv-pool-tokens", "1024", "--recorder-events", "64")
+    with httpx.Client(timeout=60) as client:
+        for i in range(12):
+            rid = "old-1" if i == 0 else f"later-{i}"
+            answer = client.post(engine.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                                 headers={"X-Request-Id": rid})
+            assert answer.status_code == 200, answer.text
+    assert inspect.main([engine.engine_id, "--request", "old-1"]) == 1
+    assert "request 'old-1' reached this server" in capsys.readouterr().out
+    assert inspect.main([engine.engine_id, "--request", "never-sent"]) == 1
+    assert ("request 'never-sent' never reached this server: the arrival index holds every request id answered "
+            "since the engine started") in capsys.readouterr().out

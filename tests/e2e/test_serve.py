@@ -157,6 +157,14 @@ def test_a_second_engine_maps_the_prepared_model_and_is_healthy_within_60_s(engi
         cleanup_engine(second)
 
 
+def test_start_up_probes_log_no_warning_and_readiness_is_one_info_line(engine):
+    """start_engine polled /health every 0.2 s while the engine started (503s): those are DEBUG lines, and the
+    first 200 is one INFO line."""
+    log = engine.log_text()
+    assert "/health -> 503" not in log and "not ready:" not in log
+    assert log.count("ready: /health answers 200") == 1, log[-3000:]
+
+
 def test_sigterm_drains_then_leaves_no_child_process_and_no_shm_segment(engine):
     """SIGTERM: admission stops (503), a running request gets drain_timeout_s to finish and is then aborted
     with a clear error; afterwards no child process and no /dev/shm segment is left."""
