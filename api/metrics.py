@@ -273,8 +273,10 @@ class _UnknownFieldsCollector:
 class EngineMetrics(RequestMetrics):
     """Per-API-process registry: histograms and counters, plus the scrape-time shared-state collector."""
 
-    def __init__(self, client, served_model_name: str):
+    def __init__(self, client, served_model_name: str, unknown_fields=None):
         super().__init__("requests admitted to the engine")
+        if unknown_fields is not None:   # api.fields.UnknownFields of the parser
+            self.watch_unknown_fields(unknown_fields)
         self.client = client
         self.handoffs = 0
         self.ledger = None   # the connection ledger, when the API process writes one (api/server.py)

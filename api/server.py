@@ -97,8 +97,7 @@ class ApiActor(Actor):
                                self.config.kv_block_tokens, grammars, self.config.max_tokens_policy,
                                formats_for(self.layout, tokenizer), self.config.max_queued_requests,
                                self.config.tool_calls_in_reasoning == "call", self.config.strict_fields)
-        metrics = EngineMetrics(client, parser.served_model_name)
-        metrics.watch_unknown_fields(parser.unknown_fields)
+        metrics = EngineMetrics(client, parser.served_model_name, parser.unknown_fields)
         limits = NodeLimits(tokenizer.vocab_size, self.layout.max_context_tokens, self.config.kv_block_tokens)
         node_routes = NodeRoutes(client, metrics.health, self.layout.engine_id, limits).routes()   # for the router
         app = build_app(client, tokenizer, parser, metrics, load_api_keys(self.config), node_routes,
