@@ -444,8 +444,9 @@ class ToolCallStream(MarkerBuffer):
         events: list[tuple[str, Any]] = []
         if self.value >= 0:
             self._stream_call(events)
-            if self.value >= 0:
-                self._end(len(self.buffer), events)
+            if self.value >= 0:   # the block never closed: what follows its arguments and own brace is content
+                self._end(self.scanned if self.closed else len(self.buffer), events)
+                self.buffer = self.buffer.removeprefix("}")
         out, self.buffer = self.buffer.rstrip(), ""
         call = None
         if names is not None and out.startswith(TOOL_CALL_OPEN):

@@ -500,6 +500,7 @@ def test_a_400_character_argument_streams_in_pieces_in_every_dialect_equal_to_th
     '<tool_call>{"name":"write_file","arguments":{"path":"a"}}</tool_call> and after',
     '<tool_call>\n{"name": "write_file", "arguments": {"path": "unclosed\n</tool_call>\nthen text',
     '<tool_call>\n{"name": "write_file", "arguments": {"path": "cut by the end',
+    '<tool_call>\n{"name": "write_file", "arguments": {"path": "a"}}\nno closing tag, then words',
     '<tool_call>\n{"name": "nope", "arguments": {"path": "a"}}\n</tool_call>',
     '<tool_call>\n{"arguments": {"path": "a"}, "name": "write_file"}\n</tool_call>',
 ])
