@@ -154,8 +154,8 @@ class UnknownFields:
         if self.strict:
             raise InvalidRequestError(message, param=param, code="unknown_parameter")
         if (route, name) not in self.counts:
-            log.warning("%s: accepted and ignored %s (unknown to this server; --strict-fields refuses it)", route,
-                        message)
+            log.warning("%s: %r is unknown to this server, accepted and left out (first seen in: %s; "
+                        "--strict-fields refuses it)", route, name, message)
         self.counts[route, name] += 1
 
     def fields(self, route: str, body: dict, known, message: str = "unrecognized request argument {name!r}") -> None:
