@@ -32,8 +32,8 @@ it there, as vLLM does.
 
 Hermes calls stream as they are written (api.tools.ToolCallStream: the name, then the arguments' JSON text in
 pieces, equal when joined to the whole answer's call, which the same stream reads); the other formats' calls go out
-whole once complete. Streams hold back text that may be the start of a marker (``<tool_call>``, ``[TOOL_CALLS]``, ``</think>``), so a
-marker split across deltas never leaks into the content; a call cut by ``max_tokens`` comes back as a call with
+whole once complete. Streams hold back text that may be the start of a marker (``<tool_call>``, ``[TOOL_CALLS]``,
+``</think>``), so a marker split across deltas never leaks into the content; a call cut by ``max_tokens`` comes back as a call with
 the arguments written so far, whatever the parser. Markers the model files declare special tokens stay in the text
 the parsers read (:func:`marker_texts`, kept by api/generation.py's detokenizer) and are named as those tokens in the
 ``required`` grammar (:func:`with_special_markers`). Entry points: :func:`formats_for` (API start-up),

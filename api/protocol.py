@@ -711,8 +711,8 @@ class RequestParser:
         return {"tokens": pieces}
 
     def detokenize(self, body: Any) -> dict[str, Any]:
-        """vLLM's ``/detokenize``: ``tokens`` (ids in the vocabulary) -> ``{"prompt": text}``. Raises
-        InvalidRequestError (400) or ModelNotFoundError (404)."""
+        """vLLM's ``/detokenize``: ``tokens`` (ids in the vocabulary) -> ``{"prompt": text}``, the text also as
+        llama.cpp's ``content``. Raises InvalidRequestError (400) or ModelNotFoundError (404)."""
         if not isinstance(body, dict):
             raise InvalidRequestError("the request body must be a JSON object")
         DETOKENIZE.check(body)
@@ -722,7 +722,8 @@ class RequestParser:
             raise InvalidRequestError("'tokens' must be a list of token ids", param="tokens")
         if not all(0 <= t < self.tokenizer.vocab_size for t in tokens):
             raise InvalidRequestError(f"token ids must be in [0, {self.tokenizer.vocab_size})", param="tokens")
-        return {"prompt": self.tokenizer.decode(tokens)}
+        text = self.tokenizer.decode(tokens)
+        return {"prompt": text, "content": text}
 
     def _schema_grammar(self, schema: dict | None, param: str) -> str:
         from gpu.grammar import json_schema_grammar

@@ -446,7 +446,8 @@ class ToolCallStream(MarkerBuffer):
             self._stream_call(events)
             if self.value >= 0:   # the block never closed: what follows its arguments and own brace is content
                 self._end(self.scanned if self.closed else len(self.buffer), events)
-                self.buffer = self.buffer.removeprefix("}")
+                rest = self.buffer.removeprefix("}").rstrip()
+                self.buffer = rest[:len(rest) - partial_suffix(rest, TOOL_CALL_CLOSE)]
         out, self.buffer = self.buffer.rstrip(), ""
         call = None
         if names is not None and out.startswith(TOOL_CALL_OPEN):
@@ -504,8 +505,8 @@ class ToolDeltas:
     """One streamed chat choice of a request with tools: text deltas in, ``(content, delta_tool_calls)`` pieces out,
     as OpenAI streams them: a call's first piece has its index, id and name, later ones ``arguments`` pieces (a named
     function; a Hermes call of an offered function, as it is written: ``call_start`` / ``args`` events of the
-    parser's stream); a call of another format goes out whole, once complete. ``parser``: the api.formats tool-call parser (None: Hermes
-    ``<tool_call>`` blocks)."""
+    parser's stream); a call of another format goes out whole, once complete. ``parser``: the api.formats
+    tool-call parser (None: Hermes ``<tool_call>`` blocks)."""
 
     def __init__(self, plan: ToolPlan, parser=None):
         self.plan = plan

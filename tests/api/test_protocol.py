@@ -368,7 +368,7 @@ def test_tokenize_takes_a_prompt_or_messages_and_detokenize_inverts_it(parser):
     assert parser.tokenize({"prompt": "hello there"}) == {"count": len(ids), "max_model_len": MAX_LEN, "tokens": ids}
     chat = parser.tokenize({"messages": [{"role": "user", "content": "hi"}]})
     assert chat["tokens"] == parser.chat(chat_body()).prompt_ids
-    assert parser.detokenize({"tokens": ids, "model": MODEL}) == {"prompt": "hello there"}
+    assert parser.detokenize({"tokens": ids, "model": MODEL}) == {"prompt": "hello there", "content": "hello there"}
     rejected(parser.tokenize, {"prompt": "a", "messages": []}, "prompt")
     rejected(parser.tokenize, {"prompt": "a", "add_special_token": True}, "add_special_token")
     rejected(parser.detokenize, {"tokens": [10**9]}, "tokens")

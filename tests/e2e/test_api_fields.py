@@ -112,7 +112,11 @@ def test_continue_final_message_continues_the_assistants_text(http):
 def test_tokenize_detokenize_models_aliases_and_routes_without_v1(http):
     got = http.post("/tokenize", json={"prompt": "Hello world", "model": NAMES[1]}).json()
     assert got["count"] == len(got["tokens"]) > 0 and got["max_model_len"] == MAX_LEN
-    assert http.post("/detokenize", json={"tokens": got["tokens"]}).json() == {"prompt": "Hello world"}
+    assert http.post("/detokenize", json={"tokens": got["tokens"]}).json() == {"prompt": "Hello world",
+                                                                              "content": "Hello world"}
+    # llama.cpp's form of /tokenize (its server tests send content, with_pieces)
+    pieces = http.post("/tokenize", json={"content": "Hello world", "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == got["tokens"] and "".join(p["piece"] for p in pieces) == "Hello world"
     listed = http.get("/v1/models").json()["data"]
     assert [m["id"] for m in listed] == [NAMES[0]]
     for name in NAMES:
