@@ -12,7 +12,8 @@ Generating routes (each an api/exchange.py Exchange over its dialect): POST /v1/
 GET /v1/models, GET /v1/models/{id}, POST /v1/embeddings (a 400: a generation model), POST /tokenize and
 /detokenize (vLLM's), GET (and HEAD) /, /health, /health/live, /health/ready, /metrics, /debug/state
 (api/debug_state.py), /debug/requests/{id} (the request's timelines from the flight recorder, ipc/timeline.py).
-The OpenAI routes answer without the ``/v1`` prefix too (as llama.cpp serves them). Nothing raises out of a
+The OpenAI routes (Responses included) answer without the ``/v1`` prefix too (as llama.cpp serves them);
+/tokenize also takes llama.cpp's ``content`` form. Nothing raises out of a
 handler; errors are in the dialect's shape.
 """
 from __future__ import annotations
@@ -182,12 +183,15 @@ class Routes:
         return JSONResponse(error_body("internal error; see the server log", "internal_error"), status_code=500)
 
     def app(self, extra_routes: tuple = ()) -> Starlette:
-        routes = [
-            *extra_routes,
-            Route("/v1/responses", self.exchange(lambda r: responses.ResponsesDialect(self.parser, self.store,
-                                                                                      r.headers)), methods=["POST"]),
-            Route("/v1/responses/{response_id}", self.stored_response, methods=["GET"]),
-            Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
+        routes = [*extra_routes]
+        for prefix in ("/v1", ""):   # /responses too, as llama.cpp serves it
+            routes += [
+                Route(prefix + "/responses", self.exchange(lambda r: responses.ResponsesDialect(
+                    self.parser, self.store, r.headers)), methods=["POST"]),
+                Route(prefix + "/responses/{response_id}", self.stored_response, methods=["GET"]),
+                Route(prefix + "/responses/{response_id}", self.delete_response, methods=["DELETE"]),
+            ]
+        routes += [
             Route("/v1/messages", self.exchange(lambda r: anthropic.MessagesDialect(self.parser, r.headers)),
                   methods=["POST"]),
             Route("/v1/messages/count_tokens", self.json_tool(lambda body: anthropic.count_tokens(self.parser, body),

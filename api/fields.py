@@ -2,6 +2,9 @@
 
     FieldTable      one route's table: ``honoured`` names, ``ignored`` {name: why}; ``check(body)`` is the 400
                     naming an unknown field (a typo such as ``max_token`` is never silently ignored)
+    UnknownFields   the Responses and Messages routes' unknown fields, input items and tool types: accepted,
+                    logged once per name at WARNING and counted (``pdserve_unknown_request_fields_total``), or,
+                    with ``--strict-fields``, the 400
     CHAT, COMPLETION  the tables of /v1/chat/completions and /v1/completions (README "OpenAI API" lists them)
 
 The field lists follow the official ``openai`` Python package's ``CompletionCreateParams`` (chat and legacy
@@ -14,9 +17,13 @@ api/protocol.py checks (``audio``/``modalities`` asking for audio output is a 40
 """
 from __future__ import annotations
 
+import collections
+import logging
 from dataclasses import dataclass, field
 
 from pdserve.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -126,3 +133,36 @@ def check_echoed(body: dict) -> None:
         if value is not None and (not isinstance(value, str) or len(value) > USER_MAX_CHARS):
             raise InvalidRequestError(f"'{name}' must be a string of at most {USER_MAX_CHARS} characters",
                                       param=name)
+
+
+class UnknownFields:
+    """What the Responses and Messages routes do with a name they do not know (a top-level field, an input item or
+    content block type, a tool type): these APIs grow often and their clients send the new names at once (Codex
+    broke on llama.cpp when it added a tool type: openai/codex issue 10635), so by default the name is accepted and
+    left out, logged at WARNING the first time per (route, name), and counted (``counts``, exported as
+    ``pdserve_unknown_request_fields_total{route,field}``). ``strict`` (the config's ``strict_fields``): the 400
+    naming it. The long-standing chat and completions fields keep their 400 (:class:`FieldTable`): a typo there is
+    a client bug, not a newer API."""
+
+    def __init__(self, strict: bool = False):
+        self.strict = strict
+        self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def seen(self, route: str, name: str, message: str, param: str) -> None:
+        """Raises InvalidRequestError(``message``, ``param``, code unknown_parameter) when strict; else logs (once)
+        and counts ``name`` under ``route``."""
+        if self.strict:
+            raise InvalidRequestError(message, param=param, code="unknown_parameter")
+        if (route, name) not in self.counts:
+            log.warning("%s: %r is unknown to this server, accepted and left out (first seen in: %s; "
+                        "--strict-fields refuses it)", route, name, message)
+        self.counts[route, name] += 1
+
+    def fields(self, route: str, body: dict, known, message: str = "unrecognized request argument {name!r}") -> None:
+        """:meth:`seen` for every top-level field of ``body`` not in ``known``."""
+        for name in body:
+            if name not in known:
+                self.seen(route, name, message.format(name=name), name)
+
+
+STRICT = UnknownFields(strict=True)   # the default of the dialects' translate(): callers that do not say refuse

@@ -5,8 +5,9 @@ name                   what the model writes
 =====================  ==========================================================================================
 tool ``hermes``        ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks (Qwen2.5/Qwen3,
                        Hermes; api/tools.py, also what the fallback tools prompt teaches a template without tools)
-tool ``llama3_json``   the whole message is ``{"name": ..., "parameters": {...}}`` (Llama 3.1-3.3's template),
-                       optionally after ``<|python_tag|>``; several calls separated by ``;``
+tool ``llama3_json``   the message starts with ``{"name": ..., "parameters": {...}}`` (Llama 3.1-3.3's template),
+                       optionally after ``<|python_tag|>``; several calls separated by ``;``; text after the calls
+                       is content
 tool ``mistral``       ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after any content (Mistral v3
                        tokenizer); the v11 form ``[TOOL_CALLS]name[ARGS]{...}`` is read as well
 tool ``deepseek_v3``   ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` + fenced JSON
@@ -25,10 +26,14 @@ gets that format's parser (DeepSeek's: ``deepseek_v31`` when it writes the name 
 Reasoning is split before tool calls: the content after ``</think>`` goes to the tool parser. A request that turns
 thinking off (``chat_template_kwargs: {"enable_thinking": false}``, or a prompt the template ends with
 ``</think>``) has no reasoning split off; a grammar (``response_format``, forced tool calls) then constrains the
-whole answer, else the answer after the reasoning (gpu.grammar.after_reasoning).
+whole answer, else the answer after the reasoning (gpu.grammar.after_reasoning). A complete call the model writes
+before ``</think>`` (llama.cpp issue 22684) is a call, as SGLang returns it, and is no longer in the reasoning; the
+config's ``tool_calls_in_reasoning`` "reasoning" leaves it there, as vLLM does.
 
-Streams hold back text that may be the start of a marker (``<tool_call>``, ``[TOOL_CALLS]``, ``</think>``), so a
-marker split across deltas never leaks into the content; a call cut by ``max_tokens`` comes back as a call with
+Hermes calls stream as they are written (api.tools.ToolCallStream: the name, then the arguments' JSON text in
+pieces, equal when joined to the whole answer's call, which the same stream reads); the other formats' calls go out
+whole once complete. Streams hold back text that may be the start of a marker (``<tool_call>``, ``[TOOL_CALLS]``,
+``</think>``), so a marker split across deltas never leaks into the content; a call cut by ``max_tokens`` comes back as a call with
 the arguments written so far, whatever the parser. Markers the model files declare special tokens stay in the text
 the parsers read (:func:`marker_texts`, kept by api/generation.py's detokenizer) and are named as those tokens in the
 ``required`` grammar (:func:`with_special_markers`). Entry points: :func:`formats_for` (API start-up),
@@ -37,6 +42,7 @@ api/dialects/events.py) and :func:`finish_choice` (a whole one). Plain synchrono
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -72,11 +78,13 @@ FAMILY_DEFAULTS: dict[str, tuple[str, str | None]] = {
 class OutputFormats:
     """The parsers of one chat request. ``tool_parser``: a :data:`TOOL_PARSERS` name. ``reasoning``: a
     :data:`REASONING_PARSERS` name or None (no split). ``opened``: the prompt ends inside ``<think>``, so the answer
-    starts in the reasoning."""
+    starts in the reasoning. ``calls_in_reasoning``: complete calls in the reasoning are calls (the config's
+    ``tool_calls_in_reasoning`` "call"), not reasoning text."""
 
     tool_parser: str = "hermes"
     reasoning: str | None = None
     opened: bool = False
+    calls_in_reasoning: bool = True   # a complete call written before </think> is a call (else it stays reasoning)
 
 
 def choose(family: str, template: str | None, tool_flag: str = "auto",
@@ -218,11 +226,14 @@ class ToolParser:
     name = ""
     markers: tuple[str, ...] = ()
 
-    def parse(self, text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
-        stream = self.stream(parallel)
+    def parse(self, text: str, parallel: bool = True,
+              names: tuple[str, ...] | None = None) -> tuple[str | None, list[dict]]:
+        stream = self.stream(parallel, names)
         return _collect(stream.push(text) + stream.finish())
 
-    def stream(self, parallel: bool = True):
+    def stream(self, parallel: bool = True, names: tuple[str, ...] | None = None):
+        """``names``: the offered functions, for a format whose calls stream as written (``call_start`` /
+        ``args`` / ``call_end`` events: api.tools.ToolCallStream); the others ignore it."""
         raise NotImplementedError
 
     def cut(self, content: str | None, names: tuple[str, ...]) -> tuple[str | None, list[dict]]:
@@ -245,10 +256,15 @@ class ToolParser:
         """The id of a new call (OpenAI's ``call_...`` form)."""
         return hermes.new_call_id()
 
+    def history_id(self, call_id: str) -> str:
+        """A call id of the history (an assistant's ``tool_calls[].id``, a tool message's ``tool_call_id``) as this
+        family's template takes it; the same id always maps to the same one. Any id, here."""
+        return call_id
+
 
 def _collect(events: list) -> tuple[str | None, list[dict]]:
     content = "".join(v for k, v in events if k == "content").strip()
-    return content or None, [v for k, v in events if k == "call"]
+    return content or None, [v for k, v in events if k in ("call", "call_end")]
 
 
 def _call_schema(tools: list[dict], arguments_key: str) -> str:
@@ -280,11 +296,12 @@ class HermesParser(ToolParser):
     name = "hermes"
     markers = (hermes.TOOL_CALL_OPEN, hermes.TOOL_CALL_CLOSE)
 
-    def parse(self, text, parallel=True):
-        return hermes.parse_tool_calls(text, parallel)
+    def parse(self, text, parallel=True, names=None):
+        """Without ``names``: :func:`api.tools.parse_tool_calls`; with them, the calls exactly as they stream."""
+        return hermes.parse_tool_calls(text, parallel) if names is None else super().parse(text, parallel, names)
 
-    def stream(self, parallel=True):
-        return hermes.ToolCallStream(parallel)
+    def stream(self, parallel=True, names=None):
+        return hermes.ToolCallStream(parallel, names)
 
     def cut(self, content, names):
         content, call = hermes._cut_call(content, names)
@@ -302,7 +319,7 @@ class HermesParser(ToolParser):
 
 class _WholeMessageStream:
     """Llama 3.x: an answer that starts with ``{`` (or ``<|python_tag|>``) is held whole and parsed at the end as
-    calls separated by ``;``; any other answer streams as content at once."""
+    calls separated by ``;``, then any text after them as content; any other answer streams as content at once."""
 
     def __init__(self, parallel: bool):
         self.parallel = parallel
@@ -329,18 +346,24 @@ class _WholeMessageStream:
         text, self.buffer = self.buffer, ""
         if self.mode == "content":
             return [("content", text)] if text else []
-        calls = _llama_calls(text.strip())
-        if calls is None and names is not None:
-            calls = _cut_calls(text.strip().removeprefix(PYTHON_TAG), ";", names)
-        if calls is None:
+        parsed = _llama_calls(text.strip())
+        rest = ""
+        if names is not None and (parsed is None or parsed[1]):   # cut inside a call: the partial call, not text
+            cut = _cut_calls(text.strip().removeprefix(PYTHON_TAG), ";", names)
+            if cut is not None:
+                parsed = cut, ""
+        if parsed is None:
             text = text.strip()
             return [("content", text)] if text else []
-        return [("call", c) for c in (calls if self.parallel else calls[:1])]
+        calls, rest = parsed
+        events: list[tuple[str, Any]] = [("call", c) for c in (calls if self.parallel else calls[:1])]
+        return events + ([("content", rest)] if rest else [])
 
 
-def _llama_calls(text: str) -> list[dict] | None:
-    """The calls of a whole Llama 3.x answer (``<|python_tag|>`` optional, objects separated by ``;``), or None
-    when any part is not a call."""
+def _llama_calls(text: str) -> tuple[list[dict], str] | None:
+    """The calls a Llama 3.x answer starts with (``<|python_tag|>`` optional, objects separated by ``;``) and the
+    text after them, stripped (vLLM PR 19024: a model writes a call, then words about it); None when it does not
+    start with a call."""
     if text.startswith(PYTHON_TAG):
         text = text[len(PYTHON_TAG):]
     decoder = json.JSONDecoder()
@@ -349,15 +372,16 @@ def _llama_calls(text: str) -> list[dict] | None:
         while pos < len(text) and (text[pos].isspace() or text[pos] == ";"):
             pos += 1
         if pos == len(text):
-            return calls or None
+            return (calls, "") if calls else None
         try:
-            obj, pos = decoder.raw_decode(text, pos)
+            obj, end = decoder.raw_decode(text, pos)
         except ValueError:
-            return None
+            obj, end = None, pos
         call = _as_call(obj)
         if call is None or not ("parameters" in obj or "arguments" in obj):
-            return None
+            return (calls, text[pos:].strip()) if calls else None
         calls.append(call)
+        pos = end
 
 
 def _cut_calls(text: str, separator: str, names: tuple[str, ...]) -> list[dict] | None:
@@ -387,7 +411,7 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     markers = (PYTHON_TAG,)
 
-    def stream(self, parallel=True):
+    def stream(self, parallel=True, names=None):
         return _WholeMessageStream(parallel)
 
     def required_grammar(self, tools, parallel):
@@ -465,6 +489,8 @@ class _MarkerStream(hermes.MarkerBuffer):
         return events
 
 
+_ALNUM = string.ascii_letters + string.digits
+_MISTRAL_ID = re.compile(r"[a-zA-Z0-9]{9}")
 _V11_NAME = re.compile(r"\s*([a-zA-Z0-9_-]{1,64})" + re.escape(MISTRAL_ARGS))
 
 
@@ -495,7 +521,7 @@ class MistralParser(ToolParser):
     name = "mistral"
     markers = (MISTRAL_CALLS, MISTRAL_ARGS)
 
-    def stream(self, parallel=True):
+    def stream(self, parallel=True, names=None):
         return _MarkerStream(parallel)
 
     def required_grammar(self, tools, parallel):
@@ -510,7 +536,16 @@ class MistralParser(ToolParser):
 
     def new_call_id(self):
         """9 letters and digits: Mistral's templates refuse any other tool-call id in the history."""
-        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+    def history_id(self, call_id):
+        """9 letters and digits, as Mistral's templates demand: the id itself when it is such, else its last 9
+        characters when those are (vLLM's truncation: ``call_`` + 24 hex, Anthropic's ``toolu_...``), else 9
+        characters of its SHA-256 (any other id a client made)."""
+        if _MISTRAL_ID.fullmatch(call_id[-9:]):
+            return call_id[-9:]
+        digest = int.from_bytes(hashlib.sha256(call_id.encode()).digest(), "big")
+        return "".join(_ALNUM[(digest >> (6 * k)) % len(_ALNUM)] for k in range(9))
 
     def render_calls(self, calls):
         return MISTRAL_CALLS + json.dumps([{"name": c["name"], "arguments": _loads_or_text(c["arguments"])}
@@ -627,7 +662,7 @@ class DeepSeekV3Parser(ToolParser):
     name = "deepseek_v3"
     markers = (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP)
 
-    def stream(self, parallel=True):
+    def stream(self, parallel=True, names=None):
         return _DeepSeekStream(parallel)
 
     def _call(self, name: str, arguments: str) -> str:
@@ -740,6 +775,26 @@ class ChatDeltas:
     def __init__(self, formats: OutputFormats, plan):
         self.reasoning = ReasoningStream(formats.reasoning, formats.opened) if formats.reasoning else None
         self.tools = hermes.ToolDeltas(plan, tool_parser(formats.tool_parser)) if plan is not None else None
+        # calls written inside the reasoning (llama.cpp issue 22684), read out of it by the same parser
+        self.inner = (tool_parser(formats.tool_parser).stream(plan.parallel) if self.reasoning is not None and
+                      plan is not None and plan.mode == "auto" and formats.calls_in_reasoning else None)
+
+    def _thought(self, piece: str | None, out: list) -> None:
+        """Reasoning text through the inner parser (None: the reasoning ended, flush what it holds)."""
+        if self.inner is None:
+            if piece:
+                out.append((None, None, piece))
+            return
+        events = self.inner.push(piece) if piece is not None else self.inner.finish()
+        if piece is None:
+            self.inner = None
+        for kind, value in events:
+            if kind == "content":
+                out.append((None, None, value))
+            else:
+                calls = self.tools.take(value)
+                if calls:
+                    out.append((None, calls, None))
 
     def push(self, text: str, final: bool | str | None) -> list[tuple[str | None, list[dict] | None, str | None]]:
         """``final``: the choice's finish reason when this is its last text (falsy before)."""
@@ -750,11 +805,16 @@ class ChatDeltas:
         out: list[tuple[str | None, list[dict] | None, str | None]] = []
         for kind, piece in events:
             if kind == "reasoning":
-                out.append((None, None, piece))
-            elif self.tools is None:
+                self._thought(piece, out)
+                continue
+            if self.inner is not None:
+                self._thought(None, out)
+            if self.tools is None:
                 out.append((piece, None, None))
             else:
                 out += [(c, calls, None) for c, calls in self.tools.push(piece, None)]
+        if final and self.inner is not None:
+            self._thought(None, out)
         if final and self.tools is not None:
             out += [(c, calls, None) for c, calls in self.tools.push("", final)]
         return out
@@ -767,11 +827,19 @@ def finish_choice(formats: OutputFormats, plan, choice) -> None:
     """Parse a finished chat choice (api.dialects.openai.ChoiceResult) in place: ``reasoning`` split off, then ``text``,
     ``tool_calls`` and ``finish_reason`` from the tool-call parser (api.tools.finished_choice)."""
     text = choice.text or ""
+    early: list[dict] = []   # calls written inside the reasoning
     if formats.reasoning:
         choice.reasoning, text = split_reasoning(formats.reasoning, text, formats.opened)
+        if choice.reasoning and plan is not None and plan.mode == "auto" and formats.calls_in_reasoning:
+            rest, early = tool_parser(formats.tool_parser).parse(choice.reasoning, plan.parallel)
+            choice.reasoning = rest if early else choice.reasoning
     if plan is not None:
         choice.text, choice.tool_calls, choice.finish_reason = hermes.finished_choice(
             plan, text, choice.finish_reason, tool_parser(formats.tool_parser))
+        if early:
+            calls = [hermes.openai_call(c, None, tool_parser(formats.tool_parser)) for c in early]
+            choice.tool_calls = (calls + choice.tool_calls)[:None if plan.parallel else 1]
+            choice.finish_reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
     else:
         choice.text = text
     if choice.reasoning and not choice.text:

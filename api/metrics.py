@@ -248,15 +248,35 @@ class RequestMetrics:
             self.tpot.observe((now - handle.first_token_ns) / 1e9 / (handle.completion_tokens - 1))
         return True
 
+    def watch_unknown_fields(self, unknown) -> None:
+        """Export ``unknown``'s counts (api.fields.UnknownFields) as ``pdserve_unknown_request_fields_total{route,
+        field}``, read at scrape time."""
+        self.registry.register(_UnknownFieldsCollector(unknown))
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _UnknownFieldsCollector:
+    def __init__(self, unknown):
+        self.unknown = unknown
+
+    def collect(self):
+        family = CounterMetricFamily("pdserve_unknown_request_fields", "Responses / Messages request fields, input "
+                                     "items and tool types unknown to this server, accepted and ignored",
+                                     labels=["route", "field"])
+        for (route, name), count in sorted(self.unknown.counts.items()):
+            family.add_metric([route, name], count)
+        yield family
 
 
 class EngineMetrics(RequestMetrics):
     """Per-API-process registry: histograms and counters, plus the scrape-time shared-state collector."""
 
-    def __init__(self, client, served_model_name: str):
+    def __init__(self, client, served_model_name: str, unknown_fields=None):
         super().__init__("requests admitted to the engine")
+        if unknown_fields is not None:   # api.fields.UnknownFields of the parser
+            self.watch_unknown_fields(unknown_fields)
         self.client = client
         self.handoffs = 0
         self.ledger = None   # the connection ledger, when the API process writes one (api/server.py)

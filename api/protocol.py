@@ -43,7 +43,10 @@ SAMPLING_NOT_ZERO = frozenset({"top_p", "top_k", "repetition_penalty"})
 CHAT_FIELDS = fields.CHAT.names
 COMPLETION_FIELDS = fields.COMPLETION.names
 TOKENIZE = fields.FieldTable("/tokenize", frozenset({"model", "prompt", "messages", "add_special_tokens",
-                                                     "add_generation_prompt", "continue_final_message"}))
+                                                     "add_generation_prompt", "continue_final_message",
+                                                     # llama.cpp's form
+                                                     "content", "add_special", "with_pieces"}),
+                              {"parse_special": "llama.cpp's switch; special-token text is always read as the token"})
 DETOKENIZE = fields.FieldTable("/detokenize", frozenset({"model", "tokens"}))
 
 
@@ -326,10 +329,36 @@ def _chat_message(message: Any, index: int) -> dict[str, Any]:
             raise InvalidRequestError(f"messages[{index}] (role tool) needs a 'tool_call_id' string",
                                       param="messages")
         out["tool_call_id"] = call_id
+    if role == "assistant":   # an earlier turn's reasoning (vLLM's ``reasoning_content``, or ``reasoning``)
+        for name in ("reasoning_content", "reasoning"):
+            value = message.get(name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidRequestError(f"messages[{index}].{name} must be a string", param="messages")
+            if value and "reasoning_content" not in out:
+                out["reasoning_content"] = value
     if message.get("content") is None and out.get("tool_calls"):
         out["content"] = None
         return out
     out["content"] = _message_text(message, index)
+    return out
+
+
+REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")   # transformers' names of a message's reasoning
+
+
+def as_transformers_passes(messages: list[dict]) -> list[dict]:
+    """The messages as transformers' ``apply_chat_template`` hands them to a template (transformers 5
+    ``_normalize_chat_messages`` and ``_alias_reasoning_fields``): keys whose value is None dropped (a tool-call-only
+    turn has no ``content`` key, so a template tests ``message.content is defined`` rather than meeting None), and
+    an assistant's reasoning (any of :data:`REASONING_NAMES`) as ``reasoning_content`` and ``thinking`` (Qwen3 reads
+    the first, gpt-oss the second)."""
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in REASONING_NAMES if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
     return out
 
 
@@ -382,6 +411,8 @@ class RequestParser:
             ``hermes`` and no reasoning.
         max_sequences: the sequences admission takes at once (the config's ``max_queued_requests``): a list of
             prompts whose prompts x ``n`` exceed it is a 400, as it could never be admitted whole.
+        calls_in_reasoning: a complete tool call inside the reasoning is a call (api/formats.py), not reasoning.
+        strict_fields: the Responses and Messages routes refuse unknown names (api.fields.UnknownFields).
 
     A text prompt longer than ``max_token_chars * max_context_tokens`` characters cannot fit whatever its
     tokenization (one token covers at most ``max_token_chars`` characters), so it is rejected before the
@@ -391,8 +422,10 @@ class RequestParser:
     def __init__(self, tokenizer, served_model_name: str, max_context_tokens: int, reserve_tokens: int,
                  kv_pool_blocks: int = 0, kv_block_tokens: int = 16, grammars=None,
                  max_tokens_policy: str = "reject", formats: tuple[str, str | None] | None = None,
-                 max_sequences: int = 256):
+                 max_sequences: int = 256, calls_in_reasoning: bool = True, strict_fields: bool = False):
         self.tokenizer = tokenizer
+        self.calls_in_reasoning = calls_in_reasoning   # the config's tool_calls_in_reasoning is "call"
+        self.unknown_fields = fields.UnknownFields(strict_fields)   # the Responses and Messages routes' (api/fields.py)
         self.tool_parser, self.reasoning_parser = formats or ("hermes", None)
         tool_parser(self.tool_parser)   # KeyError naming the choices
         self.grammars = grammars                 # gpu.grammar.GrammarCompiler; None = no constrained decoding
@@ -592,7 +625,7 @@ class RequestParser:
         constrained_by = None if sampling.grammar is None else "tool_choice" if plan else "response_format"
         # a grammar constrains the answer after the reasoning (after_reasoning), or the whole output without one
         reasoning = self.reasoning_parser if reasons and (sampling.grammar is None or sampling.reasoning_end) else None
-        formats = OutputFormats(parser.name, reasoning, bool(reasoning) and opened)
+        formats = OutputFormats(parser.name, reasoning, bool(reasoning) and opened, self.calls_in_reasoning)
         return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body, constrained_by), stream,
                                  include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan,
                                  formats=formats)
@@ -604,6 +637,7 @@ class RequestParser:
         Raises InvalidRequestError naming the field."""
         add = _flag(body, "add_generation_prompt", True)
         cont = _flag(body, "continue_final_message", False)
+        conversation = as_transformers_passes(conversation)
         if not cont:
             return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add, **(extra or {}))
         if add and body.get("add_generation_prompt") is not None:
@@ -623,12 +657,16 @@ class RequestParser:
     def tokenize(self, body: Any) -> dict[str, Any]:
         """vLLM's ``/tokenize``: ``prompt`` (text; ``add_special_tokens`` default true) or ``messages`` (through
         the chat template with ``add_generation_prompt`` / ``continue_final_message``; ``add_special_tokens``
-        default false) -> ``{"count", "max_model_len", "tokens"}``. Raises InvalidRequestError (400) or
-        ModelNotFoundError (404)."""
+        default false) -> ``{"count", "max_model_len", "tokens"}``; llama.cpp's: ``content`` (``add_special``
+        default false, ``with_pieces``) -> ``{"tokens": [id, ...]}``, or with pieces ``{"tokens": [{"id", "piece"}]}``
+        (the piece a string, or its bytes as a list of ints when not whole UTF-8). Raises InvalidRequestError (400)
+        or ModelNotFoundError (404)."""
         if not isinstance(body, dict):
             raise InvalidRequestError("the request body must be a JSON object")
         TOKENIZE.check(body)
         self._model(body)
+        if "content" in body and "prompt" not in body and "messages" not in body:
+            return self._tokenize_llama_cpp(body)
         if ("prompt" in body) == ("messages" in body):
             raise InvalidRequestError("send one of 'prompt' (text) or 'messages'", param="prompt")
         if "prompt" in body:
@@ -648,9 +686,29 @@ class RequestParser:
         tokens = self.tokenizer.encode(text, add_special_tokens=special)
         return {"count": len(tokens), "max_model_len": self.max_context_tokens, "tokens": tokens}
 
+    def _tokenize_llama_cpp(self, body: dict) -> dict[str, Any]:
+        content = body["content"]
+        if not isinstance(content, str):
+            raise InvalidRequestError("'content' must be a string", param="content")
+        if len(content) > self.max_token_chars * self.max_context_tokens:
+            raise InvalidRequestError(f"the text has {len(content)} characters, more than the model's context "
+                                      f"({self.max_context_tokens} tokens) can hold", param="content")
+        tokens = self.tokenizer.encode(content, add_special_tokens=_flag(body, "add_special", False))
+        if not _flag(body, "with_pieces", False):
+            return {"tokens": tokens}
+        pieces = []
+        for token in tokens:
+            raw = self.tokenizer.token_bytes(token)
+            try:
+                piece: Any = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                piece = list(raw)
+            pieces.append({"id": token, "piece": piece})
+        return {"tokens": pieces}
+
     def detokenize(self, body: Any) -> dict[str, Any]:
-        """vLLM's ``/detokenize``: ``tokens`` (ids in the vocabulary) -> ``{"prompt": text}``. Raises
-        InvalidRequestError (400) or ModelNotFoundError (404)."""
+        """vLLM's ``/detokenize``: ``tokens`` (ids in the vocabulary) -> ``{"prompt": text}``, the text also as
+        llama.cpp's ``content``. Raises InvalidRequestError (400) or ModelNotFoundError (404)."""
         if not isinstance(body, dict):
             raise InvalidRequestError("the request body must be a JSON object")
         DETOKENIZE.check(body)
@@ -660,7 +718,8 @@ class RequestParser:
             raise InvalidRequestError("'tokens' must be a list of token ids", param="tokens")
         if not all(0 <= t < self.tokenizer.vocab_size for t in tokens):
             raise InvalidRequestError(f"token ids must be in [0, {self.tokenizer.vocab_size})", param="tokens")
-        return {"prompt": self.tokenizer.decode(tokens)}
+        text = self.tokenizer.decode(tokens)
+        return {"prompt": text, "content": text}
 
     def _answer_grammar(self, plan, tools, fmt, parser) -> str:
         """The Lark grammar (llguidance) of a constrained answer: a named function's arguments, ``required``'s

@@ -126,8 +126,11 @@ async def _serve(layout, prefill_urls: list[str], decode_urls: list[str]) -> Non
     await client.start()
     parser = RequestParser(tokenizer, layout.served_model_name, layout.max_context_tokens,
                            config.reserve_output_tokens, layout.kv_blocks_per_pool, config.kv_block_tokens, grammars,
-                           config.max_tokens_policy, formats_for(layout, tokenizer), config.max_queued_requests)
-    app = build_app(client, tokenizer, parser, RouterMetrics(client), load_api_keys(config), (debug_route(client),),
+                           config.max_tokens_policy, formats_for(layout, tokenizer), config.max_queued_requests,
+                           config.tool_calls_in_reasoning == "call", config.strict_fields)
+    metrics = RouterMetrics(client)
+    metrics.watch_unknown_fields(parser.unknown_fields)
+    app = build_app(client, tokenizer, parser, metrics, load_api_keys(config), (debug_route(client),),
                     allowed_origins(config), admin_keys(config))
     hconfig = keep_alive_config(config.keep_alive_timeout_s)
     hconfig.bind = [f"{config.host}:{layout.http_port}"]

@@ -122,8 +122,9 @@ class ApiActor(Actor):
         parser = RequestParser(tokenizer, self.layout.served_model_name, self.layout.max_context_tokens,
                                self.config.reserve_output_tokens, self.layout.kv_blocks_per_pool,
                                self.config.kv_block_tokens, grammars, self.config.max_tokens_policy,
-                               formats_for(self.layout, tokenizer), self.config.max_queued_requests)
-        metrics = EngineMetrics(client, parser.served_model_name)
+                               formats_for(self.layout, tokenizer), self.config.max_queued_requests,
+                               self.config.tool_calls_in_reasoning == "call", self.config.strict_fields)
+        metrics = EngineMetrics(client, parser.served_model_name, parser.unknown_fields)
         node_routes = ()
         if self.config.role != "both":   # a node behind `pdserve router`: its /internal/* routes, its secret
             limits = NodeLimits(tokenizer.vocab_size, self.layout.max_context_tokens, self.config.kv_block_tokens)

@@ -8,7 +8,8 @@ Output format: Hermes-style blocks, as Qwen2.5, Hermes and SmolLM3 templates ask
     </tool_call>
 
 - ``tool_choice: "auto"``: the model decides; its text is parsed for such blocks (:func:`parse_tool_calls`, and
-  :class:`ToolCallStream` while streaming).
+  :class:`ToolCallStream` while streaming: a block naming an offered function streams its name, then its arguments'
+  JSON text in pieces as it is written; the whole answer is read by the same stream, so both agree).
 - ``"required"``: decoding is constrained by a grammar of one block (several with ``parallel_tool_calls``) whose
   JSON is ``{"name": <one of the tools>, "arguments": <that tool's parameters schema>}``.
 - a named function: decoding is constrained by the function's parameters schema and the whole output is the
@@ -34,6 +35,8 @@ TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.S)
+# the head of a block that can stream: the name, then the arguments object's opening brace (not consumed)
+_STREAM_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 _PARTIAL = re.compile(r'\{\s*"name"\s*:\s*"([^"]*)("?)\s*(?:,\s*"(?:arguments|parameters)"\s*:\s*(.*))?', re.S)
 MAX_TOOLS = 128
 
@@ -170,16 +173,21 @@ def template_messages(messages: list[dict], tools: list[dict] | None, template_h
 
     ``messages`` are validated chat messages (``role``, ``content`` str or None, ``tool_calls`` on an assistant,
     ``tool_call_id`` on a tool message). A template that handles tools gets them as transformers passes them
-    (arguments parsed back to objects, as vLLM does); for any other template they are written as text, in the
-    format of ``parser`` (an api.formats tool-call parser; None: Hermes blocks).
+    (arguments parsed back to objects, as vLLM does; call ids in the family's form, ``parser.history_id``); for any
+    other template they are written as text, in the format of ``parser`` (an api.formats tool-call parser; None:
+    Hermes blocks).
     """
     if template_has_tools:
+        history_id = parser.history_id if parser is not None else str
         out = []
         for m in messages:
             m = dict(m)
             if m.get("tool_calls"):
-                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _loads_or_text(
-                    c["function"]["arguments"])}} for c in m["tool_calls"]]
+                m["tool_calls"] = [{**c, "id": history_id(c["id"]) if c.get("id") else c.get("id"),
+                                    "function": {**c["function"], "arguments": _loads_or_text(
+                                        c["function"]["arguments"])}} for c in m["tool_calls"]]
+            if m.get("tool_call_id"):
+                m["tool_call_id"] = history_id(m["tool_call_id"])
             out.append(m)
         return out
     out: list[dict] = []
@@ -199,7 +207,8 @@ def template_messages(messages: list[dict], tools: list[dict] | None, template_h
             else:
                 out.append({"role": "user", "content": response, "_tool_turn": True})
         else:
-            out.append({"role": m["role"], "content": m.get("content") or ""})
+            out.append({"role": m["role"], "content": m.get("content") or "",
+                        **({"reasoning_content": m["reasoning_content"]} if m.get("reasoning_content") else {})})
     for m in out:
         m.pop("_tool_turn", None)
     if tools:
@@ -325,16 +334,95 @@ class ToolCallStream(MarkerBuffer):
 
     ``push(text)`` and ``finish()`` return events ``("content", text)`` or ``("call", {"name", "arguments"})``.
     ``"".join(content) `` and the calls equal :func:`parse_tool_calls` on the whole text, up to whitespace.
+
+    With ``names`` (the offered functions), a block that starts ``{"name": "<one of them>", "arguments": {`` streams
+    as it is written: ``("call_start", name)``, then ``("args", piece)`` events carrying the arguments' JSON text as
+    the model writes it (whitespace and a tail that may start ``</tool_call>`` held until more comes), then
+    ``("call_end", {"name", "arguments"})`` whose arguments are those pieces joined: the object's text up to its
+    closing brace, or, when the block closes (or the answer ends) before it, the text written so far.
     """
+
+    def __init__(self, parallel: bool = True, names: tuple[str, ...] | None = None):
+        super().__init__(parallel)
+        self.names = names
+        self.value = -1      # streaming a call: where its arguments start in the buffer (-1: not streaming)
+        self.scanned = 0     # buffer index the JSON scan reached
+        self.sent_to = 0     # buffer index the arguments went out to
+        self.depth, self.in_string, self.escape, self.closed = 0, False, False, False
+        self.name = ""
+
+    def _start(self, events: list) -> None:
+        """Begin streaming the block at the buffer's start when its head is complete and names an offered one."""
+        match = _STREAM_HEAD.match(self.buffer, len(TOOL_CALL_OPEN))
+        if match is None or match.group(1) not in self.names or not (self.parallel or self.calls == 0):
+            return
+        self.name, self.value = match.group(1), match.end()
+        self.scanned = self.sent_to = self.value
+        self.depth, self.in_string, self.escape, self.closed = 0, False, False, False
+        events.append(("call_start", self.name))
+
+    def _scan(self, stop: int) -> None:
+        """Scan the arguments' JSON up to ``stop`` (string- and escape-aware), ending at their closing brace."""
+        i, text = self.scanned, self.buffer
+        while i < stop and not self.closed:
+            c = text[i]
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif c == "\\":
+                    self.escape = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                self.closed = self.depth == 0
+            i += 1
+        self.scanned = i
+
+    def _send(self, upto: int, events: list) -> None:
+        if upto > self.sent_to:
+            events.append(("args", self.buffer[self.sent_to:upto]))
+            self.sent_to = upto
+
+    def _end(self, rest_from: int, events: list) -> None:
+        events.append(("call_end", {"name": self.name, "arguments": self.buffer[self.value:self.sent_to]}))
+        self.calls += 1
+        self.buffer, self.value = self.buffer[rest_from:].lstrip(), -1
+
+    def _stream_call(self, events: list) -> bool:
+        """Advance the streamed call; True when it ended (the buffer then holds what follows its block)."""
+        close = self.buffer.find(TOOL_CALL_CLOSE, self.value)
+        self._scan(close if close >= 0 else len(self.buffer))
+        if self.closed:
+            self._send(self.scanned, events)
+        else:
+            limit = close if close >= 0 else len(self.buffer) - partial_suffix(self.buffer, TOOL_CALL_CLOSE)
+            self._send(self.value + len(self.buffer[self.value:limit].rstrip()), events)
+        if close < 0:
+            return False
+        self._end(close + len(TOOL_CALL_CLOSE), events)
+        return True
 
     def push(self, text: str) -> list[tuple[str, Any]]:
         self.buffer += text
         events: list[tuple[str, Any]] = []
         while True:
+            if self.value >= 0:
+                if not self._stream_call(events):
+                    return events
+                continue
             start = self._text_before(TOOL_CALL_OPEN, events)
             if start < 0:
                 return events
             self.buffer = self.buffer[start:]
+            if self.names is not None:
+                self._start(events)
+                if self.value >= 0:
+                    continue
             end = self.buffer.find(TOOL_CALL_CLOSE)
             if end < 0:
                 return events
@@ -351,9 +439,16 @@ class ToolCallStream(MarkerBuffer):
 
     def finish(self, names: tuple[str, ...] | None = None) -> list[tuple[str, Any]]:
         """The held tail, as content; with ``names`` (the answer was cut by ``max_tokens``) an unclosed block
-        at the end is the partial call it began (:func:`partial_call`), not markup in the content."""
-        out, self.buffer = self.buffer.rstrip(), ""
+        at the end is the partial call it began (:func:`partial_call`), not markup in the content. A call being
+        streamed ends with the arguments written so far."""
         events: list[tuple[str, Any]] = []
+        if self.value >= 0:
+            self._stream_call(events)
+            if self.value >= 0:   # the block never closed: what follows its arguments and own brace is content
+                self._end(self.scanned if self.closed else len(self.buffer), events)
+                rest = self.buffer.removeprefix("}").rstrip()
+                self.buffer = rest[:len(rest) - partial_suffix(rest, TOOL_CALL_CLOSE)]
+        out, self.buffer = self.buffer.rstrip(), ""
         call = None
         if names is not None and out.startswith(TOOL_CALL_OPEN):
             out, call = _cut_call(out, names)
@@ -390,7 +485,8 @@ def finished_choice(plan: ToolPlan, text: str, reason: str | None,
     if plan.mode == "named":
         content, calls = None, [{"name": plan.function, "arguments": text}]
     else:
-        content, calls = parser.parse(text, plan.parallel) if parser else parse_tool_calls(text, plan.parallel)
+        content, calls = (parser.parse(text, plan.parallel, plan.names) if parser else
+                          parse_tool_calls(text, plan.parallel))
         if reason == "length":
             if parser is not None:
                 content, partial = parser.cut(content, plan.names)
@@ -407,16 +503,18 @@ def finished_choice(plan: ToolPlan, text: str, reason: str | None,
 
 class ToolDeltas:
     """One streamed chat choice of a request with tools: text deltas in, ``(content, delta_tool_calls)`` pieces out,
-    as OpenAI streams them (a named function: the first piece names it, later ones carry ``arguments`` pieces;
-    otherwise one piece per call, when it is complete). ``parser``: the api.formats tool-call parser (None: Hermes
-    ``<tool_call>`` blocks)."""
+    as OpenAI streams them: a call's first piece has its index, id and name, later ones ``arguments`` pieces (a named
+    function; a Hermes call of an offered function, as it is written: ``call_start`` / ``args`` events of the
+    parser's stream); a call of another format goes out whole, once complete. ``parser``: the api.formats
+    tool-call parser (None: Hermes ``<tool_call>`` blocks)."""
 
     def __init__(self, plan: ToolPlan, parser=None):
         self.plan = plan
         self.parser = parser
-        self.stream = None if plan.mode == "named" else (parser.stream(plan.parallel) if parser
-                                                         else ToolCallStream(plan.parallel))
+        self.stream = None if plan.mode == "named" else (parser.stream(plan.parallel, plan.names) if parser
+                                                         else ToolCallStream(plan.parallel, plan.names))
         self.calls = 0
+        self.open = False   # a streamed call's arguments are going out (call_start sent, call_end not yet)
 
     def push(self, text: str, final: bool | str | None) -> list[tuple[str | None, list[dict] | None]]:
         """``final``: the choice's finish reason when this is its last text (falsy before); "length" turns an
@@ -432,10 +530,28 @@ class ToolDeltas:
         for kind, value in events:
             if kind == "content":
                 out.append((value, None))
-            else:
+            elif kind == "call_start":   # a streamed call: its name now, its arguments in pieces ("args")
+                self.open = self.plan.parallel or not self.calls   # (a call taken from the reasoning counts)
+                if self.open:
+                    out.append((None, [openai_call({"name": value, "arguments": ""}, self.calls, self.parser)]))
+                    self.calls += 1
+            elif kind == "args":
+                if self.open:
+                    out.append((None, [{"index": self.calls - 1, "function": {"arguments": value}}]))
+            elif kind == "call_end":
+                self.open = False
+            elif self.plan.parallel or not self.calls:
                 out.append((None, [openai_call(value, self.calls, self.parser)]))
                 self.calls += 1
         return out
+
+    def take(self, call: dict) -> list[dict]:
+        """A call parsed elsewhere (inside the reasoning: api/formats.py) as the next ``delta.tool_calls`` entry;
+        [] when ``parallel_tool_calls`` is false and a call went out already."""
+        if not self.plan.parallel and self.calls:
+            return []
+        self.calls += 1
+        return [openai_call(call, self.calls - 1, self.parser)]
 
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if reason == "stop" and self.calls else reason

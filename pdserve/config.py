@@ -108,6 +108,12 @@ class EngineConfig:
     reasoning_parser: str = _setting("auto", "format of the model's reasoning, returned as reasoning_content "
                                      "(api/formats.py); auto = by the model's family, none = no split",
                                      choices=("auto", "none", "qwen3", "deepseek_r1"))
+    tool_calls_in_reasoning: str = _setting("call", "a complete tool call the model writes before its reasoning "
+                                            "ends: call = returned as a tool call (as SGLang), reasoning = left in "
+                                            "reasoning_content (as vLLM)", choices=("call", "reasoning"))
+    strict_fields: bool = _setting(False, "Responses and Messages requests: an unknown field, input item or tool "
+                                          "type is a 400 (default: accepted, logged once per name at WARNING and "
+                                          "counted in pdserve_unknown_request_fields_total)")
     device: str = _setting("cpu", "device of both actors", choices=("cpu", "cuda"))
     colocated: bool = _setting(False, "one decode actor also prefills (no prefill actor, no KV handoff); for "
                                       "comparing with disaggregation")

@@ -13,8 +13,11 @@
 
 Honoured: ``system`` (string or text blocks), ``messages`` with text, ``tool_use`` and ``tool_result`` blocks,
 ``tools`` (``input_schema``), ``tool_choice`` (auto / any / tool / none, ``disable_parallel_tool_use``),
-``stop_sequences``, ``max_tokens`` (required), ``temperature``, ``top_p``, ``top_k``, ``stream``. Accepted and
-ignored: :data:`IGNORED_FIELDS`; ``thinking`` blocks of earlier turns are dropped, ``cache_control`` ignored.
+``stop_sequences``, ``max_tokens`` (required), ``temperature``, ``top_p``, ``top_k``, ``stream``, ``thinking``
+(``disabled``: the template's thinking switch off). Accepted and ignored: :data:`IGNORED_FIELDS`, ``cache_control``;
+``thinking`` blocks of earlier turns reach the template as the assistant's ``reasoning_content`` (templates that
+render it, such as Qwen3's after the last user turn, do). Unknown fields, block and tool types: accepted, logged
+and counted, or a 400 with ``--strict-fields`` (api.fields.UnknownFields).
 The served model's reasoning (api/formats.py) comes back as a ``thinking`` block first (``thinking_delta``
 while streaming; the signature is empty). Usage follows Anthropic: ``input_tokens`` excludes the prompt tokens read from the prefix cache
 (``cache_read_input_tokens``).
@@ -28,14 +31,18 @@ from typing import Any
 
 import orjson
 
+from api import fields
 from api.dialects.events import EventRenderer, parse_chat
 from api.protocol import check_request_id
 from pdserve.errors import InvalidRequestError, PdserveError
 
-IGNORED_FIELDS = frozenset({"thinking", "metadata", "service_tier", "container", "context_management",
-                            "mcp_servers"})
+IGNORED_FIELDS = frozenset({"metadata", "service_tier", "container", "context_management", "mcp_servers"})
 FIELDS = IGNORED_FIELDS | {"model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature",
-                           "top_p", "top_k", "tools", "tool_choice", "output_config"}
+                           "top_p", "top_k", "tools", "tool_choice", "output_config", "thinking"}
+# content block types of Anthropic's API this server knows (those it cannot honour, such as image, are a 400);
+# any other type is unknown: api.fields.UnknownFields
+KNOWN_BLOCKS = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image", "document",
+                          "search_result", "server_tool_use", "web_search_tool_result", "container_upload"})
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "context_management",
                           "mcp_servers", "output_config"})
 OUTPUT_CONFIG_EFFORTS = ("low", "medium", "high", "max")   # output_config.effort: accepted and ignored
@@ -68,9 +75,10 @@ def _text(content: Any, where: str) -> str:
     return "".join(out)
 
 
-def _message(message: Any, index: int) -> list[dict]:
+def _message(message: Any, index: int, unknown: fields.UnknownFields = fields.STRICT) -> list[dict]:
     """One Messages turn -> chat messages (``tool_result`` blocks become ``tool`` messages, before the turn's
-    text; ``tool_use`` blocks an assistant's ``tool_calls``)."""
+    text; ``tool_use`` blocks an assistant's ``tool_calls``; an assistant's ``thinking`` blocks its
+    ``reasoning_content``). A block type this server does not know goes to ``unknown``."""
     where = f"messages.{index}"
     if isinstance(message, dict) and message.get("role") == "system":   # Claude Code 2.1 sends these mid-list
         content = message.get("content")
@@ -86,6 +94,7 @@ def _message(message: Any, index: int) -> list[dict]:
     texts: list[str] = []
     results: list[dict] = []
     calls: list[dict] = []
+    thoughts: list[str] = []
     for k, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
@@ -105,20 +114,26 @@ def _message(message: Any, index: int) -> list[dict]:
             if block.get("is_error"):
                 text = f"Error: {text}"
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
-        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-            continue
+        elif kind == "thinking" and role == "assistant":
+            if isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])
+        elif kind == "redacted_thinking" and role == "assistant":
+            continue   # encrypted by Anthropic: nothing a template can render
+        elif isinstance(kind, str) and kind not in KNOWN_BLOCKS:
+            unknown.seen("/v1/messages", kind, f"{where}.content.{k}: block type {kind!r}", "messages")
         else:
             raise InvalidRequestError(f"{where}.content.{k}: block type {kind!r} is not supported in a {role} "
                                       "message (text, tool_use, tool_result)", param="messages")
     out = results
+    reasoning = {"reasoning_content": "".join(thoughts)} if thoughts else {}
     if calls:
-        out.append({"role": "assistant", "content": "".join(texts) or None, "tool_calls": calls})
+        out.append({"role": "assistant", "content": "".join(texts) or None, "tool_calls": calls, **reasoning})
     elif texts or not results:
-        out.append({"role": role, "content": "".join(texts)})
+        out.append({"role": role, "content": "".join(texts), **reasoning})
     return out
 
 
-def _tools(body: dict) -> dict:
+def _tools(body: dict, unknown: fields.UnknownFields = fields.STRICT) -> dict:
     chat: dict[str, Any] = {}
     tools = body.get("tools")
     if tools is not None:
@@ -126,6 +141,10 @@ def _tools(body: dict) -> dict:
             raise InvalidRequestError("'tools' must be a list", param="tools")
         converted = []
         for i, tool in enumerate(tools):
+            kind = tool.get("type", "custom") if isinstance(tool, dict) else None
+            if isinstance(kind, str) and kind != "custom":   # Anthropic's server and versioned tools: not offered
+                unknown.seen("/v1/messages", f"tools:{kind}", f"tools.{i}: tool type {kind!r}", "tools")
+                continue
             if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or "input_schema" not in tool:
                 kind = tool.get("type") if isinstance(tool, dict) else None
                 raise InvalidRequestError(f"tools.{i}: only client tools {{'name', 'description', 'input_schema'}} "
@@ -158,15 +177,14 @@ def _tools(body: dict) -> dict:
     return chat
 
 
-def translate(body: Any, count_only: bool = False) -> dict:
+def translate(body: Any, count_only: bool = False, unknown: fields.UnknownFields = fields.STRICT) -> dict:
     """A Messages body -> a chat body for RequestParser.chat. ``count_only`` (count_tokens): no ``max_tokens``,
-    sampling fields refused as unknown. Raises InvalidRequestError naming the Messages field."""
+    sampling fields unknown. ``unknown``: what an unknown field, block or tool type gets (api.fields.UnknownFields;
+    the default refuses it). Raises InvalidRequestError naming the Messages field."""
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
     allowed = COUNT_FIELDS if count_only else FIELDS
-    for name in body:
-        if name not in allowed:
-            raise InvalidRequestError(f"{name}: Extra inputs are not permitted", param=name, code="unknown_parameter")
+    unknown.fields("/v1/messages", body, allowed, "{name}: Extra inputs are not permitted")
     if not count_only and body.get("max_tokens") is None:
         raise InvalidRequestError("max_tokens: Field required", param="max_tokens")
     system = body.get("system")
@@ -182,8 +200,8 @@ def translate(body: Any, count_only: bool = False) -> dict:
         if system:
             chat_messages.append({"role": "system", "content": system})
     for i, m in enumerate(messages):
-        chat_messages += _message(m, i)
-    chat: dict[str, Any] = {"messages": chat_messages, **_tools(body)}
+        chat_messages += _message(m, i, unknown)
+    chat: dict[str, Any] = {"messages": chat_messages, **_tools(body, unknown), **_thinking(body.get("thinking"))}
     for name in ("model", "temperature", "top_p", "top_k", "max_tokens", "stream"):
         if body.get(name) is not None:
             chat[name] = body[name]
@@ -200,6 +218,21 @@ def translate(body: Any, count_only: bool = False) -> dict:
             and chat["temperature"] > 1:
         raise InvalidRequestError("temperature: must be between 0 and 1", param="temperature")
     return chat
+
+
+def _thinking(thinking: Any) -> dict:
+    """``thinking``: ``{"type": "disabled"}`` turns the template's thinking off (``enable_thinking`` false: Qwen3's
+    switch; DeepSeek-V3.1's ``thinking`` false), ``enabled`` / ``adaptive`` on; the reasoning parser then follows
+    the prompt (api/protocol.py). ``budget_tokens`` is accepted and not enforced. Raises InvalidRequestError for a
+    type it does not know."""
+    if thinking is None:
+        return {}
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise InvalidRequestError("thinking: must be {'type': 'enabled' | 'disabled' | 'adaptive', ...}",
+                                  param="thinking")
+    on = kind != "disabled"
+    return {"chat_template_kwargs": {"enable_thinking": on, "thinking": on}}
 
 
 def _output_config(config: Any) -> dict:
@@ -245,8 +278,9 @@ def new_id(prefix: str = "msg") -> str:
 
 
 def tool_use_id(call_id: str) -> str:
-    """The engine's ``call_...`` ids as Anthropic's ``toolu_...``."""
-    return "toolu_" + call_id.removeprefix("call_")
+    """The engine's ``call_...`` ids as Anthropic's ``toolu_...``; a family's own form (Mistral's 9 letters and
+    digits, which its template demands back in the next turn) unchanged."""
+    return "toolu_" + call_id.removeprefix("call_") if call_id.startswith("call_") else call_id
 
 
 def usage_body(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
@@ -367,7 +401,7 @@ class MessagesDialect:
         self.request_id = check_request_id(headers.get("x-request-id"), self.message_id)
 
     def build(self, body: Any) -> list:
-        return parse_chat(self.parser, translate(body), self.request_id, renamed)
+        return parse_chat(self.parser, translate(body, unknown=self.parser.unknown_fields), self.request_id, renamed)
 
     def renderer(self, handles: list) -> MessagesRenderer:
         return MessagesRenderer(handles, self.message_id)
@@ -400,5 +434,6 @@ class MessagesRenderer(EventRenderer):
 
 def count_tokens(parser, body: Any) -> dict:
     """``{"input_tokens": n}``: the prompt the Messages body would run, counted (nothing is admitted)."""
-    (request,) = parse_chat(parser, translate(body, count_only=True), "count-tokens", renamed)
+    (request,) = parse_chat(parser, translate(body, count_only=True, unknown=parser.unknown_fields), "count-tokens",
+                            renamed)
     return {"input_tokens": len(request.prompt_ids)}

@@ -14,7 +14,8 @@ Honoured: ``input`` (a string, or items: messages with text parts, ``function_ca
 ``reasoning`` items are skipped), ``instructions`` (not carried to a later turn, as OpenAI), ``tools`` (type
 ``function``), ``tool_choice``, ``parallel_tool_calls``, ``text.format`` (text / json_object / json_schema),
 ``max_output_tokens``, ``temperature``, ``top_p``, ``stream``, ``store``, ``previous_response_id``, ``metadata``
-(echoed). Accepted and ignored: :data:`IGNORED_FIELDS`. The served model's reasoning (api/formats.py) comes back as
+(echoed). Accepted and ignored: :data:`IGNORED_FIELDS`. Unknown fields, item and tool types: accepted, logged and
+counted, or a 400 with ``--strict-fields`` (api.fields.UnknownFields). The served model's reasoning (api/formats.py) comes back as
 a ``reasoning`` output item first (summary text and ``reasoning_text`` content; ``response.reasoning_text.delta``
 while streaming).
 """
@@ -53,6 +54,8 @@ TABLE = fields.FieldTable("/v1/responses", FIELDS - IGNORED_FIELDS,
 UNSUPPORTED = {"conversation": "the Conversations API is not served; use previous_response_id",
                "prompt": "stored prompt templates are not served; send the text as input"}
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+# content part types (input_image, ...) sent as items: a malformed input, not a newer item type
+_CONTENT_PART_TYPES = frozenset(_TEXT_PARTS) | {"input_image", "input_file", "input_audio"}
 # chat parser names -> this dialect's names (in the error's param and message)
 _RENAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input",
             "prompt": "input"}
@@ -80,9 +83,10 @@ def _item_text(content: Any, where: str) -> str:
     return "".join(parts)
 
 
-def input_messages(value: Any) -> list[dict]:
+def input_messages(value: Any, unknown: fields.UnknownFields = fields.STRICT) -> list[dict]:
     """``input`` as chat messages (``function_call`` items become an assistant's ``tool_calls``,
-    ``function_call_output`` items ``tool`` messages). Raises InvalidRequestError (param ``input``)."""
+    ``function_call_output`` items ``tool`` messages); an item type this server does not know goes to ``unknown``
+    (left out, or the 400). Raises InvalidRequestError (param ``input``)."""
     if isinstance(value, str):
         if not value:
             raise InvalidRequestError("'input' is empty", param="input")
@@ -121,6 +125,8 @@ def input_messages(value: Any) -> list[dict]:
             out.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "reasoning":
             continue
+        elif isinstance(kind, str) and kind not in _CONTENT_PART_TYPES:
+            unknown.seen("/v1/responses", f"input:{kind}", f"{where}: item type {kind!r}", "input")
         else:
             raise InvalidRequestError(f"{where}: items of type {kind!r} are not supported (message, function_call, "
                                       "function_call_output, reasoning)", param="input")
@@ -129,7 +135,7 @@ def input_messages(value: Any) -> list[dict]:
     return out
 
 
-def _tools(body: dict) -> dict:
+def _tools(body: dict, unknown: fields.UnknownFields = fields.STRICT) -> dict:
     chat: dict[str, Any] = {}
     tools = body.get("tools")
     if tools is not None:
@@ -139,6 +145,9 @@ def _tools(body: dict) -> dict:
         for i, tool in enumerate(tools):
             kind = tool.get("type") if isinstance(tool, dict) else None
             if kind in HOSTED_TOOL_TYPES:
+                continue
+            if isinstance(kind, str) and kind != "function":
+                unknown.seen("/v1/responses", f"tools:{kind}", f"tools[{i}]: tool type {kind!r}", "tools")
                 continue
             if kind != "function":
                 raise InvalidRequestError(f"tools[{i}]: only tools of type 'function' are served (hosted tools such as "
@@ -177,16 +186,18 @@ def _text_format(body: dict) -> dict | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
-def translate(body: Any, history: list[dict] | None = None) -> tuple[dict, list[dict]]:
+def translate(body: Any, history: list[dict] | None = None,
+              unknown: fields.UnknownFields = fields.STRICT) -> tuple[dict, list[dict]]:
     """A Responses body -> ``(chat body for RequestParser.chat, this turn's conversation)``.
 
     ``history``: the stored conversation of ``previous_response_id`` (chat messages, no instructions). The
     conversation returned is ``history`` plus this turn's input (the answer is added when it is stored).
-    Raises InvalidRequestError naming the Responses field.
+    ``unknown``: what an unknown field, input item or tool type gets (api.fields.UnknownFields; the default refuses
+    it). Raises InvalidRequestError naming the Responses field.
     """
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
-    TABLE.check(body)
+    unknown.fields("/v1/responses", body, TABLE.names, "unrecognized request argument {name!r} for /v1/responses")
     for name, why in UNSUPPORTED.items():
         if body.get(name) is not None:
             raise InvalidRequestError(f"'{name}' is not supported ({why})", param=name, code="unsupported_parameter")
@@ -203,9 +214,9 @@ def translate(body: Any, history: list[dict] | None = None) -> tuple[dict, list[
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
         raise InvalidRequestError("'reasoning' must be an object", param="reasoning")
-    conversation = list(history or []) + input_messages(body.get("input"))
+    conversation = list(history or []) + input_messages(body.get("input"), unknown)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
-    chat: dict[str, Any] = {"messages": messages, **_tools(body)}
+    chat: dict[str, Any] = {"messages": messages, **_tools(body, unknown)}
     for name in ("model", "temperature", "top_p"):
         if body.get(name) is not None:
             chat[name] = body[name]
@@ -555,7 +566,7 @@ class ResponsesDialect:
         history = None
         if isinstance(body, dict) and body.get("previous_response_id") is not None:
             history = self.store.history(self.key, body["previous_response_id"])
-        chat_body, self.conversation = translate(body, history)
+        chat_body, self.conversation = translate(body, history, self.parser.unknown_fields)
         requests = parse_chat(self.parser, chat_body, self.request_id, renamed)
         self.body = body
         return requests

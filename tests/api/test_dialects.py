@@ -360,3 +360,167 @@ def test_the_codex_clis_request_fields_and_hosted_tools_are_accepted_and_only_fu
     chat, _ = responses.translate(body)
     assert [t["function"]["name"] for t in chat["tools"]] == ["exec_command"]
     assert [m["role"] for m in chat["messages"]][-1] == "user"
+
+
+# -- forward compatibility: unknown names of the Responses and Messages APIs ---------------------------------------
+
+NEWER_RESPONSES = {"input": [{"role": "user", "content": "hi"}, {"type": "web_search_call_v9", "id": "ws_1"}],
+                   "tools": [{"type": "tool_search_v2"}], "frobnicate": {"level": 3}}
+NEWER_MESSAGES = {"max_tokens": 5, "frobnicate": True, "tools": [{"type": "bash_20250124", "name": "bash"}],
+                  "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                            {"type": "hologram_v1", "data": "x"}]}]}
+
+
+def test_unknown_responses_and_messages_names_are_accepted_logged_once_and_counted(parser, caplog):
+    """Codex broke on a server that refused its new tool type (openai/codex issue 10635): by default an unknown
+    field, item, block or tool type is left out, logged at WARNING the first time and counted; the request is the
+    one without it."""
+    from api.fields import UnknownFields
+    from api.metrics import RequestMetrics
+
+    unknown = UnknownFields()
+    with caplog.at_level("WARNING", logger="api.fields"):
+        for _ in range(2):
+            chat_body, _ = responses.translate(NEWER_RESPONSES, unknown=unknown)
+            plain, _ = responses.translate({"input": [{"role": "user", "content": "hi"}]})
+            assert parser.chat(chat_body, "r").prompt_ids == parser.chat(plain, "r").prompt_ids
+            assert chat_body["tools"] == []
+            got = parser.chat(anthropic.translate(NEWER_MESSAGES, unknown=unknown), "m")
+            want = parser.chat(anthropic.translate({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}),
+                               "m")
+            assert got.prompt_ids == want.prompt_ids and got.tools is None
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 6 and any("frobnicate" in w and "/v1/responses" in w for w in warned), warned
+    assert unknown.counts[("/v1/responses", "frobnicate")] == 2
+    assert unknown.counts[("/v1/responses", "input:web_search_call_v9")] == 2
+    assert unknown.counts[("/v1/messages", "tools:bash_20250124")] == 2
+    assert unknown.counts[("/v1/messages", "hologram_v1")] == 2
+    metrics = RequestMetrics("admitted")
+    metrics.watch_unknown_fields(unknown)
+    text = metrics.render()[0].decode()
+    assert 'pdserve_unknown_request_fields_total{field="frobnicate",route="/v1/responses"} 2.0' in text
+
+
+@pytest.mark.parametrize("body, translate, param", [
+    ({"input": "hi", "frobnicate": 1}, lambda b, u: responses.translate(b, unknown=u), "frobnicate"),
+    ({**NEWER_RESPONSES, "frobnicate": None}, lambda b, u: responses.translate(b, unknown=u), "input"),
+    ({"input": "hi", "tools": [{"type": "tool_search_v2"}]}, lambda b, u: responses.translate(b, unknown=u), "tools"),
+    ({**NEWER_MESSAGES, "tools": None, "frobnicate": None}, lambda b, u: anthropic.translate(b, unknown=u),
+     "messages"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "frobnicate": 1},
+     lambda b, u: anthropic.translate(b, unknown=u), "frobnicate"),
+])
+def test_strict_fields_restores_the_400_naming_the_unknown_name(body, translate, param):
+    from api.fields import UnknownFields
+
+    body = {k: v for k, v in body.items() if v is not None}
+    with pytest.raises(InvalidRequestError) as exc:
+        translate(body, UnknownFields(strict=True))
+    assert exc.value.param == param and exc.value.code == "unknown_parameter"
+    translate(body, UnknownFields())   # accepted without it
+
+
+def test_a_content_part_we_cannot_honour_stays_a_400_whatever_the_mode():
+    from api.fields import UnknownFields
+
+    with pytest.raises(InvalidRequestError):
+        responses.translate({"input": [{"type": "input_image", "image_url": "x"}]}, unknown=UnknownFields())
+    with pytest.raises(InvalidRequestError):
+        anthropic.translate({"max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {}}]}]}, unknown=UnknownFields())
+
+
+# -- an auto call's arguments stream as they are written (issue 41 item 2) ----------------------------------------
+
+WRITE = {"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "text": {"type": "string"}}}}}
+LONG_TEXT = ('He said "close the brace }" then wrote </tool_call in a string; ' * 7)[:400]
+LONG_CALL = json.dumps({"path": "notes/a}b.txt", "text": LONG_TEXT, "meta": [1, {"k": "v"}]})
+LONG_ANSWER = f'Writing it.\n<tool_call>\n{{"name": "write_file", "arguments": {LONG_CALL}}}\n</tool_call>'
+
+
+def _pieces(text: str, seed: int) -> list[str]:
+    import random
+
+    rng, out, pos = random.Random(seed), [], 0
+    while pos < len(text):
+        n = rng.randint(1, 6)
+        out.append(text[pos:pos + n])
+        pos += n
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_400_character_argument_streams_in_pieces_in_every_dialect_equal_to_the_whole_call(parser, seed):
+    """The name once known, then the arguments' JSON text in pieces as tokens arrive (chat ``delta.tool_calls``,
+    Responses ``function_call_arguments.delta``, Messages ``input_json_delta``); joined, the non-streamed call's."""
+    from api.admission import RequestHandle
+    from api.dialects.events import ChoiceEvents
+    from api.dialects.openai import ChoiceResult
+    from api.formats import ChatDeltas, finish_choice
+
+    gen = parser.chat({"messages": [{"role": "user", "content": "Write it."}], "tools": [WRITE]}, "r")
+    whole = ChoiceResult(0, LONG_ANSWER, "stop", None)
+    finish_choice(gen.formats, gen.tools, whole)
+    [call] = whole.tool_calls
+    assert json.loads(call["function"]["arguments"]) == json.loads(LONG_CALL) and whole.finish_reason == "tool_calls"
+    pieces = _pieces(LONG_ANSWER, seed)
+    # chat
+    deltas = ChatDeltas(gen.formats, gen.tools)
+    out = [e for k, p in enumerate(pieces) for e in deltas.push(p, "stop" if k == len(pieces) - 1 else None)]
+    entries = [c for _, cs, _ in out for c in cs or ()]
+    args = [c["function"]["arguments"] for c in entries if c["function"].get("arguments")]
+    assert entries[0]["function"] == {"name": "write_file", "arguments": ""} and entries[0]["id"] == entries[0]["id"]
+    assert "".join(args) == call["function"]["arguments"] and len(args) >= 10
+    assert "".join(c or "" for c, _, _ in out).strip() == "Writing it." and deltas.finish_reason("stop") == "tool_calls"
+    # Responses and Messages, from the shared events
+    events = ChoiceEvents(RequestHandle(gen, 0, 0))
+    shared = [e for k, p in enumerate(pieces) for e in events.push(p, "stop" if k == len(pieces) - 1 else None)]
+    meta = responses.ResponseMeta("resp_1", MODEL, {"input": "x"})
+    rstream, mstream = responses.ResponseStream(meta), anthropic.MessageStream("msg_1", MODEL)
+    raw_r, raw_m = rstream.start(), mstream.start(anthropic.usage_body(10, 0))
+    for event in shared[:-1]:
+        raw_r += rstream.event(event)
+        raw_m += mstream.event(event)
+    closing, final = rstream.finish("tool_calls", responses.usage_body(10, 5))
+    got_r = frames(raw_r + closing)
+    args_r = [b["delta"] for k, b in got_r if k == "response.function_call_arguments.delta"]
+    assert "".join(args_r) == call["function"]["arguments"] == final["output"][-1]["arguments"]
+    assert len(args_r) >= 10
+    got_m = frames(raw_m + mstream.finish("tool_calls", None, anthropic.usage_body(10, 5)))
+    args_m = [b["delta"]["partial_json"] for k, b in got_m if k == "content_block_delta"
+              and b["delta"]["type"] == "input_json_delta"]
+    assert "".join(args_m) == call["function"]["arguments"] and len(args_m) >= 10
+    starts = [b["content_block"] for k, b in got_m if k == "content_block_start"]
+    assert starts[-1]["type"] == "tool_use" and starts[-1]["name"] == "write_file"
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "write_file", "arguments": {"path": "a", "text": "b\\"}"}}\n</tool_call>',
+    '<tool_call>{"name":"write_file","arguments":{"path":"a"}}</tool_call> and after',
+    '<tool_call>\n{"name": "write_file", "arguments": {"path": "unclosed\n</tool_call>\nthen text',
+    '<tool_call>\n{"name": "write_file", "arguments": {"path": "cut by the end',
+    '<tool_call>\n{"name": "write_file", "arguments": {"path": "a"}}\nno closing tag, then words',
+    '<tool_call>\n{"name": "nope", "arguments": {"path": "a"}}\n</tool_call>',
+    '<tool_call>\n{"arguments": {"path": "a"}, "name": "write_file"}\n</tool_call>',
+])
+def test_streamed_and_whole_hermes_calls_agree_in_every_split(parser, text):
+    """Whatever the text (strings holding braces and quotes, compact JSON, a block that closes or ends before its
+    arguments do, an unknown name, the name after the arguments), the streamed calls joined are the whole answer's,
+    and so are the content and the finish reason, in every split."""
+    from api.dialects.openai import ChoiceResult
+    from api.formats import ChatDeltas, finish_choice
+    from tests.api.test_tools import assembled
+
+    gen = parser.chat({"messages": [{"role": "user", "content": "Write it."}], "tools": [WRITE]}, "r")
+    for reason in ("stop", "length"):
+        whole = ChoiceResult(0, text, reason, None)
+        finish_choice(gen.formats, gen.tools, whole)
+        want = [c["function"] for c in whole.tool_calls]
+        for seed in range(8):
+            pieces = _pieces(text, seed) if seed else list(text)
+            deltas = ChatDeltas(gen.formats, gen.tools)
+            out = [e for k, p in enumerate(pieces) for e in deltas.push(p, reason if k == len(pieces) - 1 else None)]
+            assert assembled([c for _, cs, _ in out for c in cs or ()]) == want, (reason, pieces)
+            assert ("".join(c or "" for c, _, _ in out).strip() or None) == whole.text, (reason, pieces)
+            assert deltas.finish_reason(reason) == whole.finish_reason

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -12,6 +13,7 @@ from api.formats import (FAMILY_DEFAULTS, TOOL_PARSERS, ChatDeltas, OutputFormat
 from api.dialects.openai import ChoiceResult
 from api.tools import ToolPlan, parse_tools
 from gpu.families import FAMILIES
+from tests.api.test_tools import assembled
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -22,6 +24,8 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 QWEN = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
 LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+# a call, then words about it (vLLM PR 19024's example): the call, and the words as content
+LLAMA_THEN_TEXT = LLAMA + "\n\nI will check the weather in Paris for you."
 LLAMA_TAGGED = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; ' \
                '{"name": "get_time", "parameters": {"zone": "CET"}}'
 MISTRAL = ('Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
@@ -64,6 +68,7 @@ def streamed(parser: str, pieces: list[str], parallel: bool = True):
     ("hermes", QWEN, "Let me check.", [PARIS, CET]),
     ("llama3_json", LLAMA, None, [PARIS]),
     ("llama3_json", LLAMA_TAGGED, None, [PARIS, CET]),
+    ("llama3_json", LLAMA_THEN_TEXT, "I will check the weather in Paris for you.", [PARIS]),
     ("mistral", MISTRAL, "Let me check.", [PARIS, CET]),
     ("mistral", MISTRAL_V11, None, [PARIS]),
     ("mistral", MISTRAL_DROPPED, None, [PARIS]),
@@ -242,7 +247,7 @@ def test_reasoning_then_tool_calls():
         assert "".join(r for _, _, r in out if r).strip() == "I need the weather tool."
         assert "".join(c for c, _, _ in out if c).strip() == "Let me check."
         calls = [c for _, cs, _ in out for c in cs or ()]
-        assert [c["function"] for c in calls] == [PARIS, CET] and [c["index"] for c in calls] == [0, 1]
+        assert assembled(calls) == [PARIS, CET] and [c["index"] for c in calls if "id" in c] == [0, 1]
         assert deltas.finish_reason("stop") == "tool_calls"
 
 
@@ -453,7 +458,7 @@ def test_a_call_cut_by_max_tokens_is_a_call_with_partial_arguments(parser, text)
         out = []
         for k, piece in enumerate(pieces):
             out += deltas.push(piece, "length" if k == len(pieces) - 1 else None)
-        assert [c["function"] for _, cs, _ in out for c in cs or ()] == [c["function"] for c in choice.tool_calls]
+        assert assembled([c for _, cs, _ in out for c in cs or ()]) == [c["function"] for c in choice.tool_calls]
         assert "".join(c for c, _, _ in out if c).strip() == (choice.text or "")
 
 
@@ -585,3 +590,125 @@ def test_an_earlier_call_and_its_result_are_rendered_by_the_families_own_templat
             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_abcDEF123", "content": "12 C"}]})
     assert call in tok.decode(gen.prompt_ids, skip_special_tokens=False)
+
+
+def _family_parser(variant: str):
+    from api.protocol import RequestParser
+    from gpu.tokenizer import Tokenizer
+    from tests.gpu.tiny_families import FAMILY_FORMATS, TEMPLATES
+
+    tok = Tokenizer.load(None)
+    tok.set_chat_template((TEMPLATES / FAMILY_FORMATS[variant][0]).read_text(encoding="utf-8"))
+    return tok, RequestParser(tok, "m", 4096, reserve_tokens=16, formats=choose(variant.split("-")[0],
+                                                                                tok.chat_template))
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "mistral", "llama"])
+def test_a_tool_call_only_turn_reaches_the_template_without_content_as_transformers_passes_it(variant):
+    """transformers drops a message's None-valued keys before the template sees it, so a template tests
+    ``message.content is defined`` (Qwen3's test template does, and failed to render content None)."""
+    tok, parse = _family_parser(variant)
+    gen = parse.chat({"tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "abcDEF123", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "abcDEF123", "content": "12 C"}]})
+    prompt = tok.decode(gen.prompt_ids, skip_special_tokens=False)
+    assert "get_weather" in prompt and "Paris" in prompt and "None" not in prompt
+
+
+@pytest.mark.parametrize("call_id, expected", [
+    ("abcDEF123", "abcDEF123"), ("toolu_abcDEF123", "abcDEF123"), ("call_0123456789abcdef01234567", "f01234567"),
+    ("toolu_01-xyz_ab", None)])
+def test_mistral_call_ids_of_any_form_reach_its_template_as_9_alphanumerics(call_id, expected):
+    """Mistral's template refuses any call id but 9 letters and digits (vLLM issue 38738: the Messages route's
+    ``toolu_`` ids); the history's ids are mapped to that form, the call's and its result's alike."""
+    tok, parse = _family_parser("mistral")
+    from api.dialects import anthropic
+
+    body = {"max_tokens": 5, "tools": [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+            "messages": [{"role": "user", "content": "Weather in Paris?"},
+                         {"role": "assistant", "content": [{"type": "tool_use", "id": call_id, "name": "get_weather",
+                                                            "input": {"city": "Paris"}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id,
+                                                       "content": "12 C"}]}]}
+    prompt = tok.decode(parse.chat(anthropic.translate(body)).prompt_ids, skip_special_tokens=False)
+    ids = re.findall(r'"(?:id|call_id)": "([^"]*)"', prompt)
+    assert len(ids) == 2 and ids[0] == ids[1] and re.fullmatch(r"[a-zA-Z0-9]{9}", ids[0]), prompt
+    if expected is not None:
+        assert ids[0] == expected
+
+
+def test_the_messages_route_keeps_a_family_s_own_call_ids():
+    from api.dialects import anthropic
+
+    assert anthropic.tool_use_id("call_0123abc") == "toolu_0123abc"
+    mistral = tool_parser("mistral").new_call_id()
+    assert anthropic.tool_use_id(mistral) == mistral and len(mistral) == 9
+
+
+def test_a_llama_call_followed_by_text_is_a_call_with_finish_reason_tool_calls():
+    plan = parse_tools({"tools": [WEATHER]})[1]
+    choice = ChoiceResult(0, LLAMA_THEN_TEXT, "stop", None)
+    finish_choice(OutputFormats("llama3_json"), plan, choice)
+    assert choice.finish_reason == "tool_calls" and choice.text == "I will check the weather in Paris for you."
+    assert [c["function"]["name"] for c in choice.tool_calls] == ["get_weather"]
+    # cut by max_tokens inside a second call: the partial call, not text
+    cut = ChoiceResult(0, LLAMA + '; {"name": "get_weather", "parameters": {"city": "Os', "length", None)
+    finish_choice(OutputFormats("llama3_json"), plan, cut)
+    assert [c["function"]["arguments"] for c in cut.tool_calls] == ['{"city": "Paris"}', '{"city": "Os']
+    assert cut.text is None and cut.finish_reason == "length"
+
+
+CALL_IN_THOUGHT = ('Let me look it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                   '</tool_call>\n</think>\n\nChecking.')
+
+
+@pytest.mark.parametrize("calls_in_reasoning", [True, False])
+def test_a_call_written_before_think_ends_is_a_call_unless_configured_to_stay_reasoning(calls_in_reasoning):
+    """llama.cpp issue 22684: a Hermes call before ``</think>``. By default a call, as SGLang returns it (no longer in
+    the reasoning); ``tool_calls_in_reasoning`` "reasoning" keeps it reasoning text, as vLLM does. Complete and in
+    every chunking of the stream."""
+    plan = parse_tools({"tools": [WEATHER]})[1]
+    formats = OutputFormats("hermes", "qwen3", True, calls_in_reasoning)
+    choice = ChoiceResult(0, CALL_IN_THOUGHT, "stop", None)
+    finish_choice(formats, plan, choice)
+    names = [c["function"]["name"] for c in choice.tool_calls]
+    assert choice.text == "Checking."
+    if calls_in_reasoning:
+        assert names == ["get_weather"] and choice.finish_reason == "tool_calls"
+        assert choice.reasoning == "Let me look it up." and "tool_call" not in choice.reasoning
+    else:
+        assert names == [] and choice.finish_reason == "stop" and "<tool_call>" in choice.reasoning
+    for pieces in chunkings(CALL_IN_THOUGHT):
+        deltas = ChatDeltas(formats, plan)
+        events = [e for p in pieces for e in deltas.push(p, False)] + deltas.push("", "stop")
+        calls = [c for _, cs, _ in events for c in cs or []]
+        assert [c["function"]["name"] for c in calls] == names, pieces
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}] * len(names)
+        assert "".join(r or "" for _, _, r in events).strip() == choice.reasoning, pieces
+        assert "".join(c or "" for c, _, _ in events).strip() == "Checking."
+        assert deltas.finish_reason("stop") == choice.finish_reason
+
+
+def test_messages_thinking_disabled_closes_the_template_s_thinking_and_earlier_thinking_reaches_it():
+    """Anthropic ``thinking: {"type": "disabled"}`` is the template's switch (Qwen3's ``enable_thinking``): no
+    reasoning split; earlier turns' ``thinking`` blocks reach the template as ``reasoning_content``, which Qwen3's
+    renders after the last user turn."""
+    from api.dialects import anthropic
+
+    tok, parse = _family_parser("qwen3")
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    on = parse.chat(anthropic.translate({"max_tokens": 5, "messages": ask}))
+    off = parse.chat(anthropic.translate({"max_tokens": 5, "messages": ask, "thinking": {"type": "disabled"}}))
+    assert on.formats.reasoning == "qwen3" and on.formats.opened
+    assert off.formats.reasoning is None
+    assert tok.decode(off.prompt_ids, skip_special_tokens=False).endswith("<think>\n\n</think>\n\n")
+    tools = [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
+    turn = [*ask, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "The user wants Paris.", "signature": ""},
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "12 C"}]}]
+    prompt = tok.decode(parse.chat(anthropic.translate({"max_tokens": 5, "messages": turn, "tools": tools}))
+                        .prompt_ids, skip_special_tokens=False)
+    assert "<think>\nThe user wants Paris.\n</think>" in prompt

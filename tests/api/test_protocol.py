@@ -368,7 +368,7 @@ def test_tokenize_takes_a_prompt_or_messages_and_detokenize_inverts_it(parser):
     assert parser.tokenize({"prompt": "hello there"}) == {"count": len(ids), "max_model_len": MAX_LEN, "tokens": ids}
     chat = parser.tokenize({"messages": [{"role": "user", "content": "hi"}]})
     assert chat["tokens"] == parser.chat(chat_body()).prompt_ids
-    assert parser.detokenize({"tokens": ids, "model": MODEL}) == {"prompt": "hello there"}
+    assert parser.detokenize({"tokens": ids, "model": MODEL}) == {"prompt": "hello there", "content": "hello there"}
     rejected(parser.tokenize, {"prompt": "a", "messages": []}, "prompt")
     rejected(parser.tokenize, {"prompt": "a", "add_special_token": True}, "add_special_token")
     rejected(parser.detokenize, {"tokens": [10**9]}, "tokens")
@@ -419,3 +419,20 @@ def test_tokenize_and_detokenize_refuse_an_unknown_field_naming_it(parser, metho
     with pytest.raises(InvalidRequestError) as err:
         getattr(parser, method)(body)
     assert err.value.param == name and err.value.code == "unknown_parameter"
+
+
+def test_tokenize_takes_llama_cpp_s_content_and_answers_its_shape_with_pieces(parser):
+    """llama.cpp's /tokenize: ``content`` (``add_special`` default false) -> ``{"tokens": [ids]}``; ``with_pieces``:
+    ``{"tokens": [{"id", "piece"}]}``, a piece that is not whole UTF-8 as its bytes (llama.cpp's test_tokenize)."""
+    text = "Hello wörld ✨"
+    ids = parser.tokenizer.encode(text, add_special_tokens=False)
+    assert parser.tokenize({"content": text}) == {"tokens": ids}
+    pieces = parser.tokenize({"content": text, "with_pieces": True})["tokens"]
+    assert [p["id"] for p in pieces] == ids
+    raw = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
+    assert raw.decode() == text
+    assert any(isinstance(p["piece"], list) for p in pieces)   # the sparkle's bytes span tokens
+    assert parser.tokenize({"prompt": text})["count"] == len(parser.tokenizer.encode(text))   # vLLM's shape kept
+    with pytest.raises(InvalidRequestError) as err:
+        parser.tokenize({"content": 3})
+    assert err.value.param == "content"

@@ -79,12 +79,22 @@ def test_streamed_in_any_pieces_the_same_calls_and_content_come_out(text, conten
         assert [(v["name"], json.loads(v["arguments"])) for k, v in events if k == "call"] == calls
 
 
+def assembled(entries: list[dict]) -> list[dict]:
+    """Streamed ``delta.tool_calls`` entries joined by index, as a client rebuilds them: ``[{"name", "arguments"}]``."""
+    calls: dict[int, dict] = {}
+    for entry in entries:
+        call = calls.setdefault(entry["index"], {"name": None, "arguments": ""})
+        call["name"] = entry["function"].get("name") or call["name"]
+        call["arguments"] += entry["function"].get("arguments") or ""
+    return [calls[i] for i in sorted(calls)]
+
+
 def test_without_parallel_tool_calls_only_the_first_call_is_kept():
     text = RECORDED[1][0]
     assert [c["name"] for c in parse_tool_calls(text, parallel=False)[1]] == ["add"]
     deltas = ToolDeltas(parse_tools({"tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": False})[1])
     pieces = deltas.push(text, final=True)
-    assert [c[0]["function"]["name"] for _, c in pieces if c] == ["add"]
+    assert [c["name"] for c in assembled([e for _, c in pieces for e in c or ()])] == ["add"]
     assert deltas.finish_reason("stop") == "tool_calls" and deltas.finish_reason("length") == "length"
 
 
@@ -133,7 +143,7 @@ def test_a_required_call_cut_by_max_tokens_comes_back_as_tool_calls_with_its_par
     deltas = ToolDeltas(plan)
     pieces = [p for k in range(0, len(text), 7) for p in deltas.push(text[k:k + 7], False)] + \
         deltas.push("", "length")
-    streamed = [c[0]["function"] for _, c in pieces if c]
+    streamed = assembled([e for _, c in pieces for e in c or ()])
     assert not any(piece for piece, _ in pieces) and deltas.finish_reason("length") == "length"
     assert [(f["name"], f["arguments"]) for f in streamed][-1] == partial and len(streamed) == len(calls)
 

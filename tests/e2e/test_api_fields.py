@@ -1,9 +1,9 @@
 """End-to-end: the request fields of current OpenAI clients (honoured or accepted-and-ignored, api/fields.py), output
 length without max_tokens, logit_bias, continue_final_message, the extra routes (/tokenize, /detokenize,
 /v1/models/{id}, routes without /v1, HEAD /, the health split, /v1/embeddings' 400), model-name aliases, CORS, and
-the log line of every 4xx. One engine for the module: a small context (MAX_LEN) so that an answer without
-max_tokens runs to its end quickly, a small up-front reservation (RESERVE) so that it grows block by block, and
-max_tokens_policy clamp."""
+the log line of every 4xx, and ``--strict-fields``. One engine for the module: a small context (MAX_LEN) so that an
+answer without max_tokens runs to its end quickly, a small up-front reservation (RESERVE) so that it grows block by
+block, max_tokens_policy clamp, and strict_fields (unknown Responses / Messages names refused)."""
 from __future__ import annotations
 
 import httpx
@@ -33,7 +33,7 @@ def engine(tmp_path_factory):
     eng = start_engine(tmp_path_factory.mktemp("fields"), "--max-model-len", str(MAX_LEN), "--kv-pool-tokens",
                        "1024", "--reserve-output-tokens", str(RESERVE), "--max-tokens-policy", "clamp",
                        "--served-model-name", NAMES[0], "--served-model-name", NAMES[1],
-                       "--allowed-origins", ORIGIN)
+                       "--allowed-origins", ORIGIN, "--strict-fields", "true")
     yield eng
     cleanup_engine(eng)
 
@@ -112,7 +112,11 @@ def test_continue_final_message_continues_the_assistants_text(http):
 def test_tokenize_detokenize_models_aliases_and_routes_without_v1(http):
     got = http.post("/tokenize", json={"prompt": "Hello world", "model": NAMES[1]}).json()
     assert got["count"] == len(got["tokens"]) > 0 and got["max_model_len"] == MAX_LEN
-    assert http.post("/detokenize", json={"tokens": got["tokens"]}).json() == {"prompt": "Hello world"}
+    assert http.post("/detokenize", json={"tokens": got["tokens"]}).json() == {"prompt": "Hello world",
+                                                                              "content": "Hello world"}
+    # llama.cpp's form of /tokenize (its server tests send content, with_pieces)
+    pieces = http.post("/tokenize", json={"content": "Hello world", "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == got["tokens"] and "".join(p["piece"] for p in pieces) == "Hello world"
     listed = http.get("/v1/models").json()["data"]
     assert [m["id"] for m in listed] == [NAMES[0]]
     for name in NAMES:
@@ -143,3 +147,15 @@ def test_cors_preflight_is_answered_for_an_allowed_origin_only(http):
     assert simple.headers["access-control-allow-origin"] == ORIGIN
     other = http.options(CHAT, headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
     assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+
+
+def test_strict_fields_restores_the_400_for_unknown_responses_and_messages_names(http):
+    """With ``--strict-fields`` an unknown Responses or Messages field (or tool type) is the 400 naming it again
+    (by default it is accepted and logged: tests/e2e/test_dialects.py)."""
+    bad = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "frobnicate_v2": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "frobnicate_v2", bad.text
+    bad = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "tools": [{"type": "shell_v3"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools", bad.text
+    bad = http.post("/v1/messages", json={"max_tokens": 2, "messages": HI, "frobnicate_v2": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", bad.text
+    assert http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2}).status_code == 200

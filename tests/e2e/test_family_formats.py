@@ -141,3 +141,42 @@ def test_a_prompt_the_template_closes_gives_content_only(served):
                                             extra_body={"ignore_eos": True})
     message = answer.choices[0].message
     assert message.content and getattr(message, "reasoning_content", None) is None, message
+
+
+def test_a_messages_tool_conversation_continues_in_every_family(served):
+    """The Messages route's tool_use id comes back in the next turn's tool_result (and the assistant turn): the
+    family's template takes it (Mistral's demands 9 letters and digits: vLLM issue 38738 was a 400 there); the
+    assistant turn of calls alone has no content for the template to trip on (transformers' way)."""
+    import httpx
+
+    name, eng, client, _ = served
+    tools = [{"name": "get_weather", "description": "Current weather in a city", "input_schema": WEATHER}]
+    first = httpx.post(eng.base_url + "/v1/messages", timeout=120, json={
+        "model": client.model, "max_tokens": 60, "temperature": 0, "tools": tools, "tool_choice": {"type": "any"},
+        "messages": ASK})
+    assert first.status_code == 200, first.text
+    use = [b for b in first.json()["content"] if b["type"] == "tool_use"][0]
+    if name == "mistral":
+        assert re.fullmatch(r"[a-zA-Z0-9]{9}", use["id"]), use
+    second = httpx.post(eng.base_url + "/v1/messages", timeout=120, json={
+        "model": client.model, "max_tokens": 4, "temperature": 0, "tools": tools, "messages": [
+            *ASK, {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "12 C"}]}]})
+    assert second.status_code == 200, second.text
+
+
+def test_messages_thinking_disabled_answers_text_on_a_thinking_template(served):
+    """Anthropic ``thinking: {"type": "disabled"}`` is Qwen3's ``enable_thinking`` false: the template closes the
+    reasoning, so the answer is text, not a thinking block that takes the whole budget."""
+    import httpx
+
+    name, eng, client, _ = served
+    if name != "qwen3":
+        pytest.skip("Qwen3's template has the enable_thinking switch")
+    body = {"model": client.model, "max_tokens": 8, "temperature": 0, "messages": ASK}
+    kinds = lambda r: [b["type"] for b in r.json()["content"]]   # noqa: E731
+    on = httpx.post(eng.base_url + "/v1/messages", timeout=120, json=body)
+    off = httpx.post(eng.base_url + "/v1/messages", timeout=120, json={**body, "thinking": {"type": "disabled"}})
+    assert on.status_code == off.status_code == 200, (on.text, off.text)
+    assert kinds(on)[0] == "thinking" and not on.json()["content"][-1].get("text"), on.text   # all reasoning
+    assert kinds(off) == ["text"] and off.json()["content"][0]["text"], off.text

@@ -211,10 +211,11 @@ def test_required_tool_choice_always_yields_calls_that_validate(openai_client, s
     request = dict(model="SmolLM2-135M-Instruct", tools=TOOLS, tool_choice="required", temperature=0.8,
                    max_tokens=48, messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
                    parallel_tool_calls=False)
-    if stream:
-        calls = [d for e in openai_client.chat.completions.create(stream=True, **request) for c in e.choices
-                 for d in c.delta.tool_calls or []]
-        calls = [(d.function.name, d.function.arguments) for d in calls]
+    if stream:   # a call's name first, then its arguments in pieces as they are written
+        deltas = [d for e in openai_client.chat.completions.create(stream=True, **request) for c in e.choices
+                  for d in c.delta.tool_calls or []]
+        assert {d.index for d in deltas} == {0} and [d.function.name for d in deltas if d.function.name]
+        calls = [(deltas[0].function.name, "".join(d.function.arguments or "" for d in deltas))]
     else:
         message = openai_client.chat.completions.create(**request).choices[0].message
         calls = [(c.function.name, c.function.arguments) for c in message.tool_calls]
