@@ -6,7 +6,7 @@ tests/api/test_admission.py in-memory ones.
 |-------------------|-----------------------------------------------------------------------------------|
 | `RequestHandle`   | one admitted sequence: its row, reservation, events queue                         |
 | `AdmissionPolicy` | capacity and deadline cap (also `pdserve router`'s, api/router_client.py)         |
-| `Admission`       | admit / admit_embeddings / admit_prefilled / transfer_done / stop / release over the ports below |
+| `Admission`       | admit / admit_embedding / admit_prefilled / transfer_done / stop / release over the ports |
 | `PrefixLookup`    | a prompt's cached prefix on each prefill actor, from the cache summaries            |
 | `TablePort` ...   | the table (with allocate/release), outbox, actors' loads, cache summaries, draining |
 
@@ -325,18 +325,17 @@ class Admission:
         self.publish_routed()
         return handles
 
-    def admit_embeddings(self, inputs: Sequence[Any], pooling: str, timeout_s: float | None = None
-                         ) -> list[RequestHandle]:
-        """Admit one embeddings request: a row (QUEUED) and an EmbedRequest per input (``inputs``: objects with
-        ``request_id``, ``prompt_ids``, ``first_index`` (its index in the answer), ``timeout_s``), all or none,
-        back to back so the prefill batcher packs them together. Each goes to the prefill actor ``pick_prefill``
-        chooses (colocated: the decode actor ``pick_decode`` chooses, whose prefill core takes it); no decode actor
-        is named (the row's ``decode_actor`` is NO_ACTOR), nothing is reserved for decode. The row ends FINISHED by
-        the actor's Embedding, or by the deadlines as any prompt's. Returns the handles in input order.
+    def admit_embedding(self, item: Any, timeout_s: float | None = None) -> RequestHandle:
+        """Admit one input of an embeddings request (``item``: api/embeddings.py EmbeddingInput: ``request_id``,
+        ``prompt_ids``, ``first_index`` (its index in the answer)): a row (QUEUED) and an EmbedRequest, pooled as
+        the config's ``pooling`` says, to the prefill actor ``pick_prefill`` chooses (colocated: the decode actor
+        ``pick_decode`` chooses, whose prefill core takes it). No decode actor is named (the row's
+        ``decode_actor`` is NO_ACTOR) and nothing is reserved there. The row ends FINISHED by the actor's
+        Embedding, or by the deadlines as any prompt's. api/exchange.py ``submit_all`` admits a request's inputs
+        back to back, all or none, so the prefill batcher packs them together.
 
         Raises:
-            InvalidRequestError: a decode node (it has no prefill), more inputs than ``max_queued_requests``, or an
-                input over one queue slot.
+            InvalidRequestError: a decode node (it has no prefill), or an input over one queue slot.
             EngineOverloadedError: draining, too many sequences in flight, no actor serving, the table or the
                 intake queue full. Nothing stays allocated when it raises.
         """
@@ -344,16 +343,10 @@ class Admission:
             raise InvalidRequestError("this node runs the decode side only; it computes no embeddings")
         if self.draining():
             raise EngineOverloadedError("the engine is shutting down (draining); retry on another replica")
-        self.policy.check_room(len(self.handles), len(inputs))
-        handles: list[RequestHandle] = []
-        try:
-            for item in inputs:
-                handles.append(self._admit_embedding(item, pooling, timeout_s))
-        except BaseException:   # all or none
-            self.release_all(handles)
-            raise
+        self.policy.check_room(len(self.handles), 1)
+        handle = self._admit_embedding(item, self.config.pooling, timeout_s)
         self.publish_routed()
-        return handles
+        return handle
 
     def _admit_embedding(self, item: Any, pooling: str, timeout_s: float | None) -> RequestHandle:
         prefill_loads, decode_loads = self.actor_loads()

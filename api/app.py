@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from api.debug_state import DebugState
 from api.dialects import anthropic, openai, responses
-from api.embeddings import EmbeddingsExchange
+from api.embeddings import EmbeddingsDialect
 from api.exchange import Dialect, Engine, Exchange, JSONResponse, answer_json, error_response
 from api.middleware import ApiKeyMiddleware, ErrorLogMiddleware, RequestIdMiddleware
 from api.protocol import RequestParser, error_body
@@ -117,9 +117,9 @@ class Routes:
 
     def embeddings(self, llama: bool = False):
         """POST /v1/embeddings (OpenAI's shape), or llama.cpp's /embedding with ``llama``: api/embeddings.py."""
-        async def endpoint(request: Request):
-            return await EmbeddingsExchange(self.client, self.parser, self.metrics, request, llama).run()
-        return endpoint
+        serves = hasattr(self.client, "admission")   # `pdserve router` routes none
+        return self.exchange(lambda request: EmbeddingsDialect(self.parser, request.headers.get("x-request-id"),
+                                                               llama, serves))
 
 
     async def health(self, request: Request) -> Response:

@@ -6,9 +6,12 @@ POST /embedding (its own shape, ``content`` or ``input``).
 ``EmbeddingInput``       one input: its token ids and index (the ``request`` of its RequestHandle)
 ``EmbeddingsRequest``    a validated body: its inputs, encoding format, model name
 ``parse_embeddings``     body -> EmbeddingsRequest; every bad input a 400 naming the field
-``EmbeddingsExchange``   read, admit, wait (watching for the client leaving), answer, and always release
 ``answer_body``          the inputs' vectors -> OpenAI's JSON or llama.cpp's
+``EmbeddingsDialect``    api/exchange.py's Dialect (``build``, ``renderer``, ``error_body``); its Renderer
 =======================  =========================================================================
+
+api/exchange.py's Exchange runs it as it runs a generation (admission all or none, the wait for the client leaving,
+the recorder, the metrics, the release); api/generation.py hands it each input's one event.
 
 Each input is one state-table row and one EmbedRequest to a prefill actor (api/admission.py
 ``admit_embeddings``), which packs it into its forward passes beside the prompts it prefills and answers with the
@@ -19,23 +22,15 @@ llama.cpp's per-token vectors (its pooling ``none``), and embeddings through `pd
 """
 from __future__ import annotations
 
-import asyncio
 import base64
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
 
 from api import fields
-from api.body import read_and_build
-from api.exchange import JSONResponse, error_response, record_api
-from api.http_edges import note_engine_requests
-from api.protocol import RequestParser, check_request_id
-from ipc.recorder import ClosedBy, EventKind
+from api.protocol import RequestParser, check_request_id, error_body
 from pdserve.errors import InvalidRequestError, PdserveError
 
 EMBEDDINGS = fields.FieldTable("/v1/embeddings", frozenset({"input", "model", "encoding_format", "dimensions"}),
@@ -53,6 +48,7 @@ class EmbeddingInput:
     first_index: int
     timeout_s: float | None = None   # the server's request_timeout_s (the API takes no per-request deadline here)
     n: int = 1
+    embedding: bool = True           # what api/engine_client.py submit and api/generation.py tell it apart by
 
 
 @dataclass(frozen=True)
@@ -166,102 +162,50 @@ def answer_body(request: EmbeddingsRequest, vectors: list[str]) -> Any:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-class EmbeddingsExchange:
-    """One embeddings HTTP request, as api/exchange.py's Exchange is one generation: ``await
-    EmbeddingsExchange(...).run()`` is the route's answer. ``run`` reads, validates and admits (a refusal is
-    answered there, nothing held); the admitted exchange is the ASGI response: it waits for every input's vector
-    while watching for ``http.disconnect`` (499 and the rows aborted when it comes first), answers, and in one
-    ``finally`` records the last byte and the close, counts each input (``finish_reason`` ``embedding``, or abort /
-    error) and releases every row."""
+class EmbeddingsRenderer:
+    """api/exchange.py's Renderer of an embeddings answer: each input's one item (its base64 vector as the text,
+    finish reason ``embedding``) kept, the whole answer (``answer_body``) at the end; never streamed."""
 
-    def __init__(self, client, parser: RequestParser, metrics, request: Request, llama: bool = False):
-        self.client, self.parser, self.metrics, self.request, self.llama = client, parser, metrics, request, llama
-        self.handles: list = []
+    stream = False
+
+    def __init__(self, request: EmbeddingsRequest):
+        self.request = request
+        self.vectors: dict[int, str] = {}
+        self.reasons: dict[int, str | None] = {}
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def event(self, index: int, text: str, reason: str | None, logprobs: list) -> list[bytes]:
+        self.vectors[index], self.reasons[index] = text, reason
+        return []
+
+    def finish(self) -> Any:
+        return answer_body(self.request, [self.vectors[i] for i in range(len(self.request.inputs))])
+
+    def failed(self, exc: PdserveError) -> list[bytes]:   # never streamed: the error is a JSON answer
+        return []
+
+
+class EmbeddingsDialect:
+    """api/exchange.py's Dialect of POST /v1/embeddings (``llama``: llama.cpp's /embedding): ``build`` validates
+    the body into one EmbeddingInput per input, which the Exchange admits all or none (api/engine_client.py
+    ``submit`` -> ``Admission.admit_embedding``); ``serves`` False (`pdserve router`, whose nodes are not asked
+    for embeddings) refuses every body."""
+
+    def __init__(self, parser: RequestParser, request_id: str | None, llama: bool = False, serves: bool = True):
+        self.parser, self.request_id, self.llama, self.serves = parser, request_id, llama, serves
         self.parsed: EmbeddingsRequest | None = None
-        self.status = 499          # until the answer is out: 200 or the error's status; 500 for a bug
-        self.sent_all = False
-        self.headers_ns = self.body_bytes = 0
 
-    async def run(self) -> Response | EmbeddingsExchange:
-        self.headers_ns = time.monotonic_ns()
-        if not hasattr(self.client, "submit_embeddings"):   # `pdserve router`: nodes are not asked for them
-            return error_response(InvalidRequestError("`pdserve router` does not route embeddings; send them to a "
-                                                      "node's API (pdserve serve)", param="input"))
-        header_id = self.request.headers.get("x-request-id")
-        try:
-            self.parsed, self.body_bytes = await read_and_build(
-                self.request, lambda body: parse_embeddings(self.parser, body, header_id, self.llama),
-                self.client.config.body_read_timeout_s)
-            self.handles = self.client.submit_embeddings(self.parsed.inputs, self.client.config.pooling)
-        except PdserveError as exc:
-            return error_response(exc, self.parsed.request_id if self.parsed else None)
-        except ClientDisconnect:   # gone before its body was complete: nobody to answer, nothing admitted
-            return Response(status_code=499)
-        return self
+    def build(self, body: Any) -> list[EmbeddingInput]:
+        if not self.serves:
+            raise InvalidRequestError("`pdserve router` does not route embeddings; send them to a node's API "
+                                      "(pdserve serve)", param="input")
+        self.parsed = parse_embeddings(self.parser, body, self.request_id, self.llama)
+        return self.parsed.inputs
 
-    async def __call__(self, scope: dict, receive, send) -> None:
-        try:
-            note_engine_requests(scope, self.handles)   # the connection ledger (api/http_edges.py)
-            for _ in self.handles:
-                self.metrics.on_admitted()
-            record_api(EventKind.HTTP_HEADERS, self.handles, t_ns=self.headers_ns, a=self.body_bytes)
-            record_api(EventKind.ADMITTED, self.handles)
-            response = await self.collect(receive)
-            record_api(EventKind.FIRST_BYTE, self.handles)
-            await response(scope, receive, send)
-            self.sent_all = self.status != 499
-        except ClientDisconnect:
-            raise
-        except Exception:
-            self.status = 500   # a bug (logged by Starlette's error handler): not the client's doing
-            raise
-        finally:
-            self.release()
+    def renderer(self, handles: list) -> EmbeddingsRenderer:
+        return EmbeddingsRenderer(self.parsed)
 
-    async def vector(self, handle) -> str:
-        """The input's base64 vector: its one event. Raises the engine's PdserveError (a deadline: 504; its actor
-        died: 503 ...)."""
-        event = await self.client.next_event(handle)
-        if event[0] == "error":
-            raise event[1]
-        if handle.on_text_end is not None:   # the ledger now waits on the inputs still running
-            handle.on_text_end(handle)
-        return event[1]
-
-    async def collect(self, receive) -> Response:
-        rid = self.parsed.request_id
-
-        async def gone() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        work = asyncio.ensure_future(asyncio.gather(*(self.vector(h) for h in self.handles)))
-        watch = asyncio.ensure_future(gone())
-        try:
-            done, _ = await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
-            if work not in done:
-                return Response(status_code=499)
-            try:
-                vectors = work.result()
-            except PdserveError as exc:
-                self.status = exc.http_status
-                return error_response(exc, rid)
-            self.status = 200
-            return JSONResponse(answer_body(self.parsed, vectors), headers={"x-request-id": rid})
-        finally:
-            for task in (work, watch):
-                task.cancel()
-
-    def release(self) -> None:
-        """Its last byte and close in the recorder, each input counted once, every row released (the live ones
-        aborted: the prefill actor drops them from its next forward pass and frees their blocks)."""
-        handles, status = self.handles, self.status
-        try:
-            if self.sent_all:
-                record_api(EventKind.LAST_BYTE, handles, a=status)
-            record_api(EventKind.CLOSED, handles, aux=ClosedBy.CLIENT if status == 499 else ClosedBy.SERVER, a=status)
-            reason = "embedding" if status == 200 else "abort" if status == 499 else "error"
-            for handle in handles:
-                self.metrics.on_finished(handle, reason, status)
-        finally:
-            self.client.finish_all(handles)
+    def error_body(self, error: PdserveError) -> dict:
+        return error_body(error)

@@ -165,13 +165,12 @@ class EngineClient:
 
     def submit(self, request: GenerationRequest, timeout_s: float | None = None,
                remote_decode: bool = False) -> list[RequestHandle]:
-        """``Admission.admit``: one handle per choice; raises InvalidRequestError / EngineOverloadedError."""
+        """``Admission.admit``: one handle per choice; an embedding's input (api/embeddings.py, ``embedding`` set)
+        ``Admission.admit_embedding``, its one event ``("embedding", base64 of float32)``. Raises
+        InvalidRequestError / EngineOverloadedError."""
+        if getattr(request, "embedding", False):
+            return [self.admission.admit_embedding(request, timeout_s)]
         return self.admission.admit(request, timeout_s, remote_decode)
-
-    def submit_embeddings(self, inputs: list, pooling: str, timeout_s: float | None = None) -> list[RequestHandle]:
-        """``Admission.admit_embeddings``: one handle per input; its one event is ``("embedding", base64 of
-        float32)`` or ``("error", PdserveError)``."""
-        return self.admission.admit_embeddings(inputs, pooling, timeout_s)
 
     def admit_prefilled(self, request: GenerationRequest, ready: KVReady, timeout_s: float | None = None
                         ) -> RequestHandle:
