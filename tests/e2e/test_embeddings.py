@@ -11,8 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from ipc.lifecycle import RequestState as S
-from tests.conftest import assert_recovered, cleanup_engine, probe_fixture, send_and_trace, start_engine
+from tests.conftest import assert_recovered, cleanup_engine, probe_fixture, start_engine
 from tests.e2e.conftest import PREFILL_TIMEOUT_S, TICK_S
 
 TEXTS = ["The food was delicious and the waiter was friendly.", "Paris is the capital of France.",
@@ -109,17 +108,18 @@ def test_a_bad_embeddings_body_is_a_400_naming_the_field_and_leaves_the_engine_s
 
 
 def test_an_embedding_row_goes_queued_prefilling_finished_and_every_gauge_returns_to_zero(engine, probe):
-    """Through the prefill actor alone: never BOOTSTRAP or a decode state; afterwards no live row, every block
-    free, queue gauges 0 (tests.conftest.assert_recovered, which also sends an ordinary request)."""
+    """Through the prefill actor alone, as the flight recorder saw the row (GET /debug/requests/{id}): QUEUED ->
+    PREFILLING -> FINISHED, moved there by prefill0, never BOOTSTRAP or a decode state; afterwards no live row,
+    every block free, queue gauges 0 (tests.conftest.assert_recovered, which also sends an ordinary request)."""
     rid = "embed-trace-1"
-
-    def send():
-        return httpx.post(engine.base_url + "/v1/embeddings", json={"input": LONG},
-                          headers={"x-request-id": rid}, timeout=120)
-    response, _, trace = send_and_trace(probe, rid, send)
+    response = httpx.post(engine.base_url + "/v1/embeddings", json={"input": LONG}, headers={"x-request-id": rid},
+                          timeout=120)
     assert response.status_code == 200 and response.headers["x-request-id"] == rid
-    assert S.PREFILLING in trace.first and set(trace.first) <= {S.QUEUED, S.PREFILLING, S.FINISHED}
-    assert int(trace.first[S.PREFILLING]["decode_actor"]) == -1   # NO_ACTOR: no decode actor named
+    [timeline] = httpx.get(engine.base_url + f"/debug/requests/{rid}", timeout=10).json()["timelines"]
+    assert [(st["state"], st["by"]) for st in timeline["stages"]] == [
+        ("QUEUED", "api"), ("PREFILLING", "prefill0"), ("FINISHED", "prefill0")]
+    assert sum(e["kind"] == "prefill_chunk" for e in timeline["events"]) == -(-response.json()["usage"][
+        "prompt_tokens"] // 64)   # a chunk of 64 tokens per forward pass, each renewing the row
     assert_recovered(engine, probe)
 
 
