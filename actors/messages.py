@@ -37,6 +37,27 @@ class PrefillRequest:
 
 
 @dataclass(frozen=True)
+class EmbedRequest:
+    """API -> prefill: embed one input (``/v1/embeddings``); its row is QUEUED. Prefill runs ``prompt_ids`` through
+    the packed forward passes beside prompts being generated, pools the final hidden state (after the final norm)
+    with ``pooling`` (``"last"``: the last token's; ``"mean"``: the mean over every token), L2-normalises it, moves
+    the row PREFILLING -> FINISHED and answers Embedding; nothing goes to decode. In colocated mode the decode
+    actor's prefill core takes it."""
+
+    kind: ClassVar[str] = "embed_request"
+    slot: int
+    generation: int
+    request_id: str
+    prompt_ids: list[int]
+    pooling: str = "last"
+
+    @property
+    def children(self) -> tuple:
+        """No ``n > 1`` rows: an embedding is one row (the cores read ``children`` of every request they queue)."""
+        return ()
+
+
+@dataclass(frozen=True)
 class TransferDone:
     """Decode -> prefill: decode holds a full copy of the request's KV; prefill may free its blocks."""
 
@@ -135,6 +156,18 @@ class PromptLogprobs:
 
 
 @dataclass(frozen=True)
+class Embedding:
+    """Prefill -> API: the embedding of row ``(slot, generation)`` (an EmbedRequest), sent once its row is FINISHED:
+    ``data`` is base64 of its float32 values, little-endian (``hidden_size * 4`` bytes: what OpenAI's
+    ``encoding_format: "base64"`` answers, and exact for the float one)."""
+
+    kind: ClassVar[str] = "embedding"
+    slot: int
+    generation: int
+    data: str
+
+
+@dataclass(frozen=True)
 class RequestError:
     """Any actor or the monitor -> API: the request ended in an error the client must be told."""
 
@@ -146,7 +179,8 @@ class RequestError:
     message: str
 
 
-_ALL = (PrefillRequest, TransferDone, KVHandBack, HandBackDone, KVReady, TokenBatch, PromptLogprobs, RequestError)
+_ALL = (PrefillRequest, EmbedRequest, TransferDone, KVHandBack, HandBackDone, KVReady, TokenBatch, PromptLogprobs,
+        Embedding, RequestError)
 _BY_KIND = {cls.kind: cls for cls in _ALL}
 
 

@@ -72,9 +72,11 @@ def first_tokens(sampler, logits, prompt_ids: list[int], samplings: list,
 
 
 def prefill_forward(model, kv, chunks: list[tuple], threads: int = 0) -> list[tuple]:
-    """One forward pass over prompt chunks ``(prompt_ids, start, end, blocks, echo)``: tokens ``start:end`` of
-    each prompt into its ``blocks`` of the pool ``kv``, packed (``model.prefill_packed``); ``echo``: every
-    position's logits are wanted (prompt log-probabilities). ``threads`` > 0: a native model's float32 GEMMs run
+    """One forward pass over prompt chunks ``(prompt_ids, start, end, blocks, echo[, hidden])``: tokens
+    ``start:end`` of each prompt into its ``blocks`` of the pool ``kv``, packed (``model.prefill_packed``);
+    ``echo``: every position's logits are wanted (prompt log-probabilities); ``hidden`` (an embedding's chunk):
+    every position's final hidden state after the final norm ``[end - start, hidden_size]`` instead of logits,
+    every token through the packed prefill (none as a decode step). ``threads`` > 0: a native model's float32 GEMMs run
     on that many torch threads (``prefill_packed``'s ``gemm_threads``: fixed blocks of rows, the bits of one
     thread); every other op, and other models, keep torch's count.
 
@@ -93,13 +95,16 @@ def prefill_forward(model, kv, chunks: list[tuple], threads: int = 0) -> list[tu
 
     if not chunks:
         return []
-    ids, starts, ends, blocks, echoes = zip(*chunks)
+    ids, starts, ends, blocks, echoes = zip(*[c[:5] for c in chunks])
+    hiddens = [len(c) > 5 and bool(c[5]) for c in chunks]
     split = getattr(model, "prompt_last_by_decode", False)
-    by_decode = [split and end == len(p) for p, end in zip(ids, ends)]
+    by_decode = [split and end == len(p) and not h for p, end, h in zip(ids, ends, hiddens)]
     out: list = [None] * len(chunks)
     packed = [i for i in range(len(chunks)) if ends[i] - starts[i] > by_decode[i]]   # tokens left to prefill
     if packed:
         extra = {"gemm_threads": threads} if threads > 0 and getattr(model, "native", False) else {}
+        if any(hiddens):
+            extra["hidden"] = [hiddens[i] for i in packed]
         logits = model.prefill_packed(kv, [ids[i][starts[i]:ends[i] - by_decode[i]] for i in packed],
                                       [blocks[i] for i in packed], [starts[i] for i in packed],
                                       [echoes[i] for i in packed],
@@ -116,6 +121,35 @@ def prefill_forward(model, kv, chunks: list[tuple], threads: int = 0) -> list[tu
     return list(zip(out, by_decode))
 
 
+POOLINGS = ("last", "mean")   # how an embedding pools its tokens' final hidden states (config ``pooling``)
+
+
+def pooled_embedding(rows, pooling: str):
+    """An embedding from a prompt's final hidden states after the final norm, ``rows`` ``[T, hidden_size]``
+    float32 (every token for ``"mean"``; at least the last one for ``"last"``): the last row (``"last"``: the
+    token that has read the whole input under causal attention, vLLM's default for a decoder's embeddings) or the
+    mean over the rows (``"mean"``), then divided by its L2 norm (both servers normalise). Returns ``[hidden_size]``
+    float32. Raises ValueError for another ``pooling``."""
+    import torch.nn.functional as F
+
+    if pooling == "last":
+        vector = rows[-1]
+    elif pooling == "mean":
+        vector = rows.mean(dim=0)
+    else:
+        raise ValueError(f"pooling {pooling!r}: must be one of {', '.join(POOLINGS)}")
+    return F.normalize(vector.float(), dim=0)
+
+
+def embedding_to_wire(vector) -> str:
+    """``[hidden_size]`` float32 -> base64 of its little-endian float32 bytes (actors.messages.Embedding.data)."""
+    import base64
+
+    import numpy as np
+
+    return base64.b64encode(vector.detach().cpu().numpy().astype("<f4").tobytes()).decode("ascii")
+
+
 class PrefillRunner:
     """Runs the forward passes a PrefillCore plans (actors/prefill_core.py): one packed forward per batch of
     chunks (``LlamaModel.prefill_packed``), the prompt log-probabilities of requests that echo them, and the
@@ -129,18 +163,31 @@ class PrefillRunner:
         self.threads = 0   # the next pass's torch threads (native models; the actor sets it per pass; 0: as set)
         # per request echoing its prompt's log-probabilities: (wire entries so far, last chunk's last logits)
         self.echo: dict[tuple[int, int], tuple[list, object]] = {}
+        # per embedding being prefilled: the final hidden states of its chunks so far ([T_chunk, hidden_size] each)
+        self.hidden: dict[tuple[int, int], list] = {}
 
     def run(self, core, chunks, after_forward: Callable[[list], None] = lambda chunks: None) -> None:
         """One forward pass over ``chunks`` (from ``core.next_batch()``, through :func:`prefill_forward`), then
         ``after_forward(chunks)`` (the shell's per-chunk fault hooks), then ``core.batch_done`` and ``core.finish``
-        for each completed prompt. A prompt whose last token ran as a decode step keeps that token's KV out of the
-        prefix cache (its work's ``cache_tokens``)."""
-        echoes = [c.work.request.sampling.prompt_logprobs is not None for c in chunks]
-        outs = prefill_forward(self.model, self.kv, [(c.work.request.prompt_ids, c.start, c.end, c.work.blocks, e)
-                                                     for c, e in zip(chunks, echoes)], self.threads)
+        for each completed prompt (an embedding: ``core.finish_embedding`` with its :func:`pooled_embedding`, from
+        its rows' final hidden states kept chunk by chunk and pooled once whole, so its numbers do not depend on how
+        the batcher cut or packed it). A prompt whose last token ran as a decode step keeps that token's KV out of
+        the prefix cache (its work's ``cache_tokens``)."""
+        import torch
+
+        embeds = [c.work.embedding for c in chunks]
+        echoes = [not e and c.work.request.sampling.prompt_logprobs is not None for c, e in zip(chunks, embeds)]
+        # an embedding wants hidden states of every chunk when it averages them, of its last one otherwise
+        hiddens = [e and (c.last or c.work.request.pooling == "mean") for c, e in zip(chunks, embeds)]
+        outs = prefill_forward(self.model, self.kv, [(c.work.request.prompt_ids, c.start, c.end, c.work.blocks, e, h)
+                                                     for c, e, h in zip(chunks, echoes, hiddens)], self.threads)
         lasts = {}
-        for chunk, echo, (chunk_logits, by_decode) in zip(chunks, echoes, outs):
+        for chunk, echo, embed, (chunk_logits, by_decode) in zip(chunks, echoes, embeds, outs):
             key = (chunk.work.request.slot, chunk.work.request.generation)
+            if embed:
+                if chunk_logits is not None:
+                    self.hidden.setdefault(key, []).append(chunk_logits)
+                continue
             if by_decode:
                 chunk.work.cache_tokens = chunk.end - 1
             if echo:
@@ -154,14 +201,20 @@ class PrefillRunner:
         after_forward(chunks)
         for work in core.batch_done(chunks):
             key = (work.request.slot, work.request.generation)
+            if work.embedding:
+                rows = self.hidden.pop(key)
+                core.finish_embedding(work, embedding_to_wire(pooled_embedding(
+                    rows[0] if len(rows) == 1 else torch.cat(rows), work.request.pooling)))
+                continue
             firsts = first_tokens(self.sampler, lasts[key], work.request.prompt_ids, work.samplings, self.grammars)
             if key in self.echo:   # to the first live row's handle; the API shares them among the choices
                 send_prompt_logprobs(self.outbox, *work.rows[0][1], self.echo.pop(key)[0],
                                      work.request.sampling.prompt_logprobs)
             core.finish(work, firsts)
         live = {(w.request.slot, w.request.generation) for w in core.prefilling}
-        for key in [k for k in self.echo if k not in live]:   # aborted meanwhile
-            del self.echo[key]
+        for held in (self.echo, self.hidden):
+            for key in [k for k in held if k not in live]:   # aborted meanwhile
+                del held[key]
 
 
 def copy_block_rows(kv, src_block: int, dst_block: int, rows: int) -> None:

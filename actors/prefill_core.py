@@ -9,6 +9,9 @@ forward beside short ones and the shell beats its heartbeat and reads its inbox 
 
 Rows it moves: QUEUED -> PREFILLING (blocks allocated, first chunk packed) -> BOOTSTRAP (KVReady sent; the row is
 in the *prefill inflight queue*, its blocks held here). Decode moves the row on (TRANSFERRING, DECODE_WAITING).
+An embedding (EmbedRequest) is queued, packed and chunked as any prompt and ends PREFILLING -> FINISHED with its
+Embedding sent to the API (``finish_embedding``): no decode, its blocks released at once (into the prefix cache,
+which may keep its KV), its deadlines and gauges those of a prompt.
 Prefill frees its blocks once decode holds a copy: on TransferDone, or on seeing the row past TRANSFERRING (so
 a lost TransferDone costs one loop iteration, not a pinned request), or when the row turns final; it records
 the fact in the row (``prefill_blocks = 0``). Every path frees each block exactly once.
@@ -26,10 +29,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from actors.messages import HandBackDone, KVHandBack, KVReady, PrefillRequest, TransferDone
+from actors.messages import EmbedRequest, Embedding, HandBackDone, KVHandBack, KVReady, PrefillRequest, TransferDone
 from actors.ports import AllocatorPort, Clock, OutboxPort, TablePort
 from actors.prefix_cache import HANDBACK_OWNER, CachingAllocator, PromptBlocks
-from actors.topology import LOCAL_DECODE, LOCAL_PREFILL
+from actors.topology import API, LOCAL_DECODE, LOCAL_PREFILL
 from ipc.lifecycle import LIVE_STATES, held_by
 from ipc.lifecycle import RequestState as S
 from ipc.recorder import EventKind, Renewal, record_request
@@ -39,7 +42,7 @@ Key = tuple[int, int]   # (state-table slot, generation)
 PREFILL_HELD = held_by("prefill")   # states in which prefill still holds a row's prompt KV (ipc/lifecycle.py)
 
 
-def request_rows(request: PrefillRequest) -> list[Key]:
+def request_rows(request: PrefillRequest | EmbedRequest) -> list[Key]:
     """Every state-table row the request stands for: itself, then its ``n > 1`` children."""
     return [(request.slot, request.generation)] + [(int(s), int(g)) for s, g in request.children]
 
@@ -74,7 +77,7 @@ class PrefillWork:
     tokens' KV the prefix cache may keep once it is complete (None: all; the shell sets one less when the prompt's
     last token ran as a decode step, whose KV a prefill of a longer prompt would not compute bit for bit)."""
 
-    request: PrefillRequest
+    request: PrefillRequest | EmbedRequest
     prompt: PromptBlocks
     rows: list[tuple[int, Key]]
     start_ns: int
@@ -94,6 +97,11 @@ class PrefillWork:
     @property
     def samplings(self) -> list:
         return [child_sampling(self.request.sampling, index) for index, _ in self.rows]
+
+    @property
+    def embedding(self) -> bool:
+        """An EmbedRequest: pooled into an embedding by ``finish_embedding``, no first token, no decode."""
+        return isinstance(self.request, EmbedRequest)
 
 
 @dataclasses.dataclass
@@ -140,7 +148,7 @@ class PrefillCore:
         self.prefilling: list[PrefillWork] = []   # begun (PREFILLING), prompt not yet done; in that order
         self.inflight: dict[Key, SharedBlocks] = {}   # rows whose prompt KV is held here (BOOTSTRAP/TRANSFERRING)
         self.blocked = False   # the head request waits for free blocks: do not spin on it
-        self.handed_off = 0    # rows whose KVReady it sent (a per-actor work counter)
+        self.handed_off = 0    # rows whose KVReady (or Embedding) it sent (a per-actor work counter)
         self.renewed_ns = 0
         self.hand_back_copy = hand_back_copy
         self.recent_prompts = recent_prompts
@@ -149,8 +157,9 @@ class PrefillCore:
 
     # ---- events -------------------------------------------------------------------------------------
     def on_message(self, message: Any) -> bool:
-        """A PrefillRequest, TransferDone or KVHandBack; returns False for any other message (the shell logs it)."""
-        if isinstance(message, PrefillRequest):
+        """A PrefillRequest, EmbedRequest, TransferDone or KVHandBack; returns False for any other message (the
+        shell logs it)."""
+        if isinstance(message, (PrefillRequest, EmbedRequest)):
             self.queued.append(message)
         elif isinstance(message, KVHandBack):
             self._hand_back(message)
@@ -232,12 +241,14 @@ class PrefillCore:
         left = len(work.request.prompt_ids) - work.done_tokens
         return PrefillChunk(work, work.done_tokens, work.done_tokens + min(left, self.chunk_tokens, budget))
 
-    def _begin(self, request: PrefillRequest) -> PrefillWork | None:
+    def _begin(self, request: PrefillRequest | EmbedRequest) -> PrefillWork | None:
         """Allocate ``request``'s prompt blocks and move its live rows to PREFILLING. None (and ``blocked``) if
         no blocks are free; None if no row is live any more."""
-        try:   # echo with logprobs needs every prompt position's logits: no cached prefix
-            prompt = self.allocator.acquire(request.prompt_ids, request.slot,
-                                            use_cache=request.sampling.prompt_logprobs is None)
+        # echo with logprobs needs every prompt position's logits, an embedding every position's hidden state (and
+        # the same numbers whatever was cached before): no cached prefix
+        fresh = isinstance(request, EmbedRequest) or request.sampling.prompt_logprobs is not None
+        try:
+            prompt = self.allocator.acquire(request.prompt_ids, request.slot, use_cache=not fresh)
         except OutOfKVBlocksError:
             self.blocked = True
             return None
@@ -288,6 +299,21 @@ class PrefillCore:
                 self.recent[key] = np.asarray(request.prompt_ids, dtype=np.int32)   # 4 bytes a token
                 if len(self.recent) > self.recent_prompts:
                     self.recent.popitem(last=False)
+        self.renew_queued()
+
+    def finish_embedding(self, work: PrefillWork, data: str) -> None:
+        """An embedding's forward passes are done and pooled (``data``: actors.messages.Embedding's base64): its
+        blocks go (``commit`` first: the prefix cache may keep the prompt's KV; every token of it was prefilled),
+        its live row moves PREFILLING -> FINISHED and the API gets the Embedding. A row that turned final meanwhile
+        (deadline, client gone) gets nothing; whoever ended it told the API."""
+        self.prefilling.remove(work)
+        self.allocator.commit(work.prompt, work.cache_tokens)
+        for _, key in work.rows:
+            finished = self.table.transition(*key, S.FINISHED, owner=self.actor_index, by="prefill")
+            self._free(key)
+            if finished:
+                self.outbox.send(API, Embedding(key[0], key[1], data), work.request.request_id)
+                self.handed_off += 1
         self.renew_queued()
 
     def _hand_back(self, message: KVHandBack) -> None:

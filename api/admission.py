@@ -6,7 +6,7 @@ tests/api/test_admission.py in-memory ones.
 |-------------------|-----------------------------------------------------------------------------------|
 | `RequestHandle`   | one admitted sequence: its row, reservation, events queue                         |
 | `AdmissionPolicy` | capacity and deadline cap (also `pdserve router`'s, api/router_client.py)         |
-| `Admission`       | admit / admit_prefilled / transfer_done / stop / release over the ports below     |
+| `Admission`       | admit / admit_embedding / admit_prefilled / transfer_done / stop / release over the ports |
 | `PrefixLookup`    | a prompt's cached prefix on each prefill actor, from the cache summaries            |
 | `TablePort` ...   | the table (with allocate/release), outbox, actors' loads, cache summaries, draining |
 
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
-from actors.messages import KVReady, PrefillRequest, TransferDone
+from actors.messages import EmbedRequest, KVReady, PrefillRequest, TransferDone
 from actors.topology import LOCAL_DECODE, NO_ACTOR, REMOTE, REMOTE_ACTOR, Topology
 from actors.ports import Clock, OutboxPort
 from actors.prefix_cache import block_keys
@@ -47,10 +47,11 @@ class RequestHandle:
 
     Events: ``("token", token_id, finish_reason|None, logprobs|None)`` (logprobs on the wire form ``[logprob,
     [[token_id, logprob], ...]]``) or ``("error", PdserveError)``; on a prefill node ``("kv_ready", KVReady)``,
-    on a decode node ``("transfer_done",)`` (api/node_api.py carries both to the router).
+    on a decode node ``("transfer_done",)`` (api/node_api.py carries both to the router); an embedding's one
+    event ``("embedding", base64 of little-endian float32)`` (actors.messages.Embedding).
     """
 
-    request: Any                   # api.protocol.GenerationRequest
+    request: Any                   # api.protocol.GenerationRequest (api.embeddings.EmbeddingInput: an embedding)
     slot: int
     generation: int
     index: int = 0                 # the choice's index in the response (first_index .. first_index + n - 1)
@@ -323,6 +324,51 @@ class Admission:
             self.count_drift += int(drift.number("count_delta"))
         self.publish_routed()
         return handles
+
+    def admit_embedding(self, item: Any, timeout_s: float | None = None) -> RequestHandle:
+        """Admit one input of an embeddings request (``item``: api/embeddings.py EmbeddingInput: ``request_id``,
+        ``prompt_ids``, ``first_index`` (its index in the answer)): a row (QUEUED) and an EmbedRequest, pooled as
+        the config's ``pooling`` says, to the prefill actor ``pick_prefill`` chooses (colocated: the decode actor
+        ``pick_decode`` chooses, whose prefill core takes it). No decode actor is named (the row's
+        ``decode_actor`` is NO_ACTOR) and nothing is reserved there. The row ends FINISHED by the actor's
+        Embedding, or by the deadlines as any prompt's. api/exchange.py ``submit_all`` admits a request's inputs
+        back to back, all or none, so the prefill batcher packs them together.
+
+        Raises:
+            InvalidRequestError: a decode node (it has no prefill), or an input over one queue slot.
+            EngineOverloadedError: draining, too many sequences in flight, no actor serving, the table or the
+                intake queue full. Nothing stays allocated when it raises.
+        """
+        if self.config.role == "decode":
+            raise InvalidRequestError("this node runs the decode side only; it computes no embeddings")
+        if self.draining():
+            raise EngineOverloadedError("the engine is shutting down (draining); retry on another replica")
+        self.policy.check_room(len(self.handles), 1)
+        handle = self._admit_embedding(item, self.config.pooling, timeout_s)
+        self.publish_routed()
+        return handle
+
+    def _admit_embedding(self, item: Any, pooling: str, timeout_s: float | None) -> RequestHandle:
+        prefill_loads, decode_loads = self.actor_loads()
+        if self.prefill:
+            actor = pick_prefill(prefill_loads, item.prompt_ids, self.config.cache_routing_max_imbalance_tokens)
+            prefill_actor, decode_actor = actor.index, NO_ACTOR
+        else:   # colocated: the decode actor's own prefill core (its pool holds the prompt)
+            actor = pick_decode(decode_loads, len(item.prompt_ids), 0)
+            prefill_actor, decode_actor = NO_ACTOR, actor.index
+        handle, = self._open_rows(item, 1, self.policy.timeout_s(item, timeout_s), prompt_tokens=len(item.prompt_ids),
+                                  max_tokens=0, prefill_actor=prefill_actor, decode_actor=decode_actor)
+        message = EmbedRequest(handle.slot, handle.generation, item.request_id, list(item.prompt_ids), pooling)
+        try:
+            self.outbox.send(self.topology.address(actor.index), message, item.request_id)
+        except QueueFullError:
+            self.release(handle)
+            raise EngineOverloadedError("the prefill queue is full; retry") from None
+        except MessageTooLargeError as exc:
+            self.release(handle)
+            raise InvalidRequestError(f"an input is too large for the engine's queues ({exc.message}); send a "
+                                      "shorter one, or raise queue_slot_bytes", param="input") from None
+        return handle
 
     def admit_prefilled(self, request: Any, ready: KVReady, timeout_s: float | None = None) -> RequestHandle:
         """A decode node: admit a request a prefill node prefilled (``ready``: its KVReady with the source pool's

@@ -9,8 +9,8 @@
 Generating routes (each an api/exchange.py Exchange over its dialect): POST /v1/chat/completions and
 /v1/completions (api/dialects/openai.py), POST /v1/responses (api/dialects/responses.py), POST /v1/messages
 (api/dialects/anthropic.py). The others: GET and DELETE /v1/responses/{id}, POST /v1/messages/count_tokens,
-GET /v1/models, GET /v1/models/{id}, POST /v1/embeddings (a 400: a generation model), POST /tokenize and
-/detokenize (vLLM's), GET (and HEAD) /, /health, /health/live, /health/ready, /metrics, /debug/state
+GET /v1/models, GET /v1/models/{id}, POST /v1/embeddings (api/embeddings.py; llama.cpp's /embedding too), POST
+/tokenize and /detokenize (vLLM's), GET (and HEAD) /, /health, /health/live, /health/ready, /metrics, /debug/state
 (api/debug_state.py), /debug/requests/{id} (the request's timelines from the flight recorder, ipc/timeline.py).
 The OpenAI routes (Responses included) answer without the ``/v1`` prefix too (as llama.cpp serves them);
 /tokenize also takes llama.cpp's ``content`` form. Nothing raises out of a
@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 from api.debug_state import DebugState
 from api.dialects import anthropic, openai, responses
+from api.embeddings import EmbeddingsDialect
 from api.exchange import Dialect, Engine, Exchange, JSONResponse, answer_json, error_response
 from api.middleware import ApiKeyMiddleware, ErrorLogMiddleware, RequestIdMiddleware
 from api.protocol import RequestParser, error_body
@@ -119,10 +120,11 @@ class Routes:
                                            "model_not_found"), status_code=404)
         return JSONResponse(self.model_card(name))
 
-    async def embeddings(self, request: Request) -> Response:
-        return JSONResponse(error_body(f"'{self.served}' is a generation model; this server does not compute "
-                                       "embeddings (serve an embedding model elsewhere)", "invalid_request_error",
-                                       "model", "model_not_supported"), status_code=400)
+    def embeddings(self, llama: bool = False):
+        """POST /v1/embeddings (OpenAI's shape), or llama.cpp's /embedding with ``llama``: api/embeddings.py."""
+        serves = hasattr(self.client, "admission")   # `pdserve router` routes none
+        return self.exchange(lambda request: EmbeddingsDialect(self.parser, request.headers.get("x-request-id"),
+                                                               llama, serves))
 
 
     async def health(self, request: Request) -> Response:
@@ -203,8 +205,9 @@ class Routes:
                 Route(prefix + "/completions", self.openai("completion"), methods=["POST"]),
                 Route(prefix + "/models", self.models, methods=["GET"]),
                 Route(prefix + "/models/{model_id:path}", self.model, methods=["GET"]),
-                Route(prefix + "/embeddings", self.embeddings, methods=["POST"]),
+                Route(prefix + "/embeddings", self.embeddings(), methods=["POST"]),
             ]
+        routes.append(Route("/embedding", self.embeddings(llama=True), methods=["POST"]))   # llama.cpp's own shape
         routes += [   # GET routes answer HEAD too (Starlette)
             Route("/tokenize", self.json_tool(self.parser.tokenize), methods=["POST"]),
             Route("/detokenize", self.json_tool(self.parser.detokenize), methods=["POST"]),

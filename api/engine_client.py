@@ -22,7 +22,7 @@ from typing import Any
 
 from actors.base import EngineLayout
 from actors.topology import topology
-from actors.messages import KVReady, PromptLogprobs, RequestError, TokenBatch, TransferDone, parse_frames
+from actors.messages import Embedding, KVReady, PromptLogprobs, RequestError, TokenBatch, TransferDone, parse_frames
 from api.admission import Admission, RequestHandle
 from api.protocol import GenerationRequest
 from pdserve.errors import PdserveError
@@ -104,6 +104,13 @@ class EngineClient:
                 handle.prefilled = True
                 handle.ended = handle.ended or item[3] is not None
                 handle.events.put_nowait(("token", item[2], item[3], extras.get("logprobs")))
+        elif isinstance(message, Embedding):   # an embedding's one and last event
+            handle = self.handles.get((message.slot, message.generation))
+            if handle is None:
+                self.stale_messages[message.kind] += 1
+                return
+            handle.prefilled = handle.ended = True
+            handle.events.put_nowait(("embedding", message.data))
         elif isinstance(message, PromptLogprobs):
             handle = self.handles.get((message.slot, message.generation))
             if handle is None:
@@ -158,7 +165,11 @@ class EngineClient:
 
     def submit(self, request: GenerationRequest, timeout_s: float | None = None,
                remote_decode: bool = False) -> list[RequestHandle]:
-        """``Admission.admit``: one handle per choice; raises InvalidRequestError / EngineOverloadedError."""
+        """``Admission.admit``: one handle per choice; an embedding's input (api/embeddings.py, ``embedding`` set)
+        ``Admission.admit_embedding``, its one event ``("embedding", base64 of float32)``. Raises
+        InvalidRequestError / EngineOverloadedError."""
+        if getattr(request, "embedding", False):
+            return [self.admission.admit_embedding(request, timeout_s)]
         return self.admission.admit(request, timeout_s, remote_decode)
 
     def admit_prefilled(self, request: GenerationRequest, ready: KVReady, timeout_s: float | None = None

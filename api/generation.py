@@ -53,7 +53,8 @@ class StopStringMatcher:
 
 async def generate_text(client, tokenizer, handle: RequestHandle,
                         metrics=None) -> AsyncIterator[tuple[str, str | None, list]]:
-    """Yield ``(text_delta, finish_reason, logprobs)`` for one sequence; the last item has a finish reason.
+    """Yield ``(text_delta, finish_reason, logprobs)`` for one sequence; the last item has a finish reason (an
+    embedding's one item: its base64 vector, ``"embedding"``).
 
     ``logprobs`` lists ``(token_id, [logprob, [[top_id, top_logprob], ...]])`` for the tokens received since the
     previous item (empty unless the request asked for log-probabilities; text held back by the stop-string
@@ -62,8 +63,14 @@ async def generate_text(client, tokenizer, handle: RequestHandle,
     Raises:
         PdserveError: the engine or the monitor reported an error, or the deadline passed.
     """
-    # a chat choice's parser markers stay in its text when they are special tokens (the rest are skipped)
     request = handle.request
+    if getattr(request, "embedding", False):   # api/embeddings.py: one event, its vector (base64) as the text
+        event = await client.next_event(handle)
+        if event[0] == "error":
+            raise event[1]
+        yield event[1], "embedding", []
+        return
+    # a chat choice's parser markers stay in its text when they are special tokens (the rest are skipped)
     markers = marker_texts(request_formats(request), tools=getattr(request, "tools", None) is not None)
     detok = IncrementalDetokenizer(tokenizer, keep=tokenizer.special_ids_of(markers) if markers else frozenset())
     stops = StopStringMatcher(handle.request.stop)

@@ -219,7 +219,7 @@ class RequestMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_requests", "ended requests by finish reason (stop, length, abort, "
-                                "error) and HTTP status", ["finish_reason", "status"], registry=r)
+                                "error; embedding: an input of /v1/embeddings) and HTTP status", ["finish_reason", "status"], registry=r)
         self.admitted = Counter("pdserve_requests_admitted", admitted_doc, registry=r)
         self.ttft = self.latency("pdserve_time_to_first_token_seconds", "admission to first token")
         self.e2e = self.latency("pdserve_e2e_request_latency_seconds", "admission to last token")

@@ -84,7 +84,7 @@ class TorchExecutor:
 
     def prefill_packed(self, kv: torch.Tensor, token_ids: list[list[int]], block_tables: list[list[int]],
                        start_positions: list[int], all_logits: list[bool] | None,
-                       logits: list[bool] | None) -> list[torch.Tensor | None]:
+                       logits: list[bool] | None, hidden: list[bool] | None = None) -> list[torch.Tensor | None]:
         """``gpu.model.LlamaModel.prefill_packed`` (arguments checked there too)."""
         m = self.m
         c = m.config
@@ -106,12 +106,29 @@ class TorchExecutor:
             v_pool.index_copy_(0, w_slot, v.to(kv.dtype))
             o = self.attend_prefill(li, q, k, v, k_pool, v_pool, seqs, plan)  # o: [N, H D]
             x = m._layer_rest(layer, x, o, big)  # x: [N, hidden]
-        return self.packed_logits(x, seqs, flags, big, logits)
+        return self.packed_logits(x, seqs, flags, big, logits, hidden)
 
     def packed_logits(self, x: torch.Tensor, seqs: list[tuple], flags: list[bool], big: bool,
-                      wanted: list[bool] | None = None) -> list[torch.Tensor | None]:
+                      wanted: list[bool] | None = None, hidden: list[bool] | None = None) -> list[torch.Tensor | None]:
         """``prefill_packed``'s return from the last layer's output ``x`` ``[N, hidden]``: only the rows whose
-        logits are asked for go through the norm and the LM head (``wanted``: its ``logits`` flags)."""
+        logits are asked for go through the norm and the LM head (``wanted``: its ``logits`` flags); a sequence
+        flagged in ``hidden`` gets its rows after the final norm ``[T, hidden]`` (float32) instead, normed in a
+        call of their own (the logit rows' bits do not depend on them)."""
+        if hidden is None or not any(hidden):
+            return self._logits(x, seqs, flags, big, wanted)
+        m = self.m
+        out = self._logits(x, seqs, flags, big, [w and not h for w, h in zip(wanted or [True] * len(seqs), hidden)])
+        rows = [range(a, b) if h else range(0) for (a, b, *_), h in zip(seqs, hidden)]
+        normed = F.rms_norm(x[torch.tensor([i for r in rows for i in r], dtype=torch.long, device=m.device)],
+                            (m.config.hidden_size,), m.norm, m.config.rms_norm_eps).float()  # [rows, hidden]
+        for b, part in enumerate(normed.split([len(r) for r in rows])):
+            if hidden[b]:
+                out[b] = part
+        return out
+
+    def _logits(self, x: torch.Tensor, seqs: list[tuple], flags: list[bool], big: bool,
+                wanted: list[bool] | None) -> list[torch.Tensor | None]:
+        """:meth:`packed_logits` without hidden states: the norm and the LM head over the wanted rows."""
         m = self.m
         wanted = [True] * len(seqs) if wanted is None else wanted
         rows = [range(a, b) if f else range(b - 1, b) if w else range(0) for (a, b, *_), f, w in

@@ -239,7 +239,7 @@ class MLATorchExecutor(TorchExecutor):
 
     def prefill_packed(self, kv: torch.Tensor, token_ids: list[list[int]], block_tables: list[list[int]],
                        start_positions: list[int], all_logits: list[bool] | None,
-                       logits: list[bool] | None) -> list[torch.Tensor | None]:
+                       logits: list[bool] | None, hidden: list[bool] | None = None) -> list[torch.Tensor | None]:
         """As :meth:`gpu.model.LlamaModel.prefill_packed` (same arguments, returns and errors)."""
         m = self.m
         c = m.config
@@ -261,7 +261,7 @@ class MLATorchExecutor(TorchExecutor):
                     attn_mask=mask, is_causal=r_slot is None, scale=m._scale)  # [1, H, T, v]
                 outs.append(o[0].transpose(0, 1).reshape(b - a, -1))  # [T, H v]
             x = m._layer_rest(layer, x, outs[0] if len(outs) == 1 else torch.cat(outs), False)
-        return self.packed_logits(x, seqs, flags, False, logits)
+        return self.packed_logits(x, seqs, flags, False, logits, hidden)
 
     def decode_layers(self, kv: torch.Tensor, token_ids: list[int], step: DecodeStep) -> torch.Tensor:
         """As :meth:`gpu.model.LlamaModel.decode` after the checks: logits ``[B, vocab]``."""

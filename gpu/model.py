@@ -435,7 +435,8 @@ class LlamaModel(LayerMath):
     @torch.inference_mode()
     def prefill_packed(self, kv: torch.Tensor, token_ids: list[list[int]], block_tables: list[list[int]],
                        start_positions: list[int], all_logits: list[bool] | None = None,
-                       logits: list[bool] | None = None, gemm_threads: int = 0) -> list[torch.Tensor | None]:
+                       logits: list[bool] | None = None, gemm_threads: int = 0,
+                       hidden: list[bool] | None = None) -> list[torch.Tensor | None]:
         """Prefill ``B`` sequences (or chunks of them) in one forward pass (varlen packing, as vLLM and
         SGLang pack prefills): their ``N = sum(T_b)`` tokens are concatenated, so every linear layer runs once
         over ``[N, hidden]``; attention runs per sequence over its own causal context (block-diagonal),
@@ -454,16 +455,20 @@ class LlamaModel(LayerMath):
                 :func:`gemm_plan` finds they give a row the bits of one thread (one thread otherwise), every other
                 op on torch's count as set (an activation over all the pass's rows splits where the threads do, and
                 its bits then differ); 0 or a model that is not native: torch's count as set.
+            hidden: ``[B]`` flags: sequence ``b`` gets its tokens' final hidden states after the final norm (what
+                the LM head would read; Hugging Face's ``last_hidden_state``) instead of logits (embeddings,
+                actors/model_runner.py; default: none does).
         Returns:
-            ``B`` items: float32 ``[T_b, vocab]`` where ``all_logits[b]``, else the last token's ``[vocab]``, or
-            None where ``logits[b]`` is False.
+            ``B`` items: float32 ``[T_b, hidden_size]`` where ``hidden[b]``, else float32 ``[T_b, vocab]`` where
+            ``all_logits[b]``, else the last token's ``[vocab]``, or None where ``logits[b]`` is False.
         Raises:
             ValueError: mismatched list lengths, no sequences, or any sequence's bad argument (see
                 :meth:`prefill`).
         """
         self._gemm_threads = gemm_threads
         try:
-            return self.executor.prefill_packed(kv, token_ids, block_tables, start_positions, all_logits, logits)
+            return self.executor.prefill_packed(kv, token_ids, block_tables, start_positions, all_logits, logits,
+                                                hidden)
         finally:
             self._gemm_threads = 0
 

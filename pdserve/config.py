@@ -201,6 +201,10 @@ class EngineConfig:
     max_tokens_policy: str = _setting("reject", "an explicit max_tokens over the context the prompt leaves: reject = "
                                       "a 400 (as vLLM), clamp = the rest of the context (as llama.cpp; then reserved "
                                       "like a request without max_tokens)", choices=("reject", "clamp"))
+    pooling: str = _setting("last", "how /v1/embeddings pools the final hidden states (after the final norm) of "
+                            "an input, L2-normalised: last = the last token's, the one token that has read the whole "
+                            "input under causal attention (vLLM's default for a decoder), mean = the mean over its "
+                            "tokens", choices=("last", "mean"))
     queue_slots: int = _setting(512, "slots in each shm message queue", _positive, "> 0")
     queue_slot_bytes: int = _setting(131072, "bytes per shm queue slot (largest message)", _positive, "> 0")
     idle_wait_s: float = _setting(0.5, "longest an actor loop (and the API's inbox thread and heartbeat loop) "

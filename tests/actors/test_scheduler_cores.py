@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from actors.decode_core import DecodeCore
-from actors.messages import HandBackDone, KVHandBack, KVReady, PrefillRequest, PromptLogprobs, from_wire, RequestError, TokenBatch, TransferDone
+from actors.messages import (EmbedRequest, Embedding, HandBackDone, KVHandBack, KVReady, PrefillRequest, PromptLogprobs,
+                             from_wire, RequestError, TokenBatch, TransferDone)
 from actors.ports import QueueOutbox
 from actors.prefill_core import PrefillCore
 from actors.prefix_cache import CACHE_OWNER, HANDBACK_OWNER, CachingAllocator
@@ -1129,3 +1130,96 @@ def test_colocated_mode_hands_the_finished_blocks_over_to_the_cache_without_a_co
     assert base.num_free == 16 - pool.cached_blocks and pool.num_free == 16
     work = serve("turn2", prompt + [5] + [7] * 19 + [100], max_tokens=1)
     assert work.cached_tokens == 39 and pool.num_free == 16
+
+
+# ---- embeddings: QUEUED -> PREFILLING -> FINISHED, through the prefill core alone --------------------------------
+def embed_request(table: FakeTable, request_id: str, prompt_tokens: int = 20, pooling: str = "last") -> EmbedRequest:
+    slot, generation = table.allocate(request_id, prompt_tokens)
+    return EmbedRequest(slot, generation, request_id, list(range(1, prompt_tokens + 1)), pooling)
+
+
+def test_an_embedding_is_prefilled_then_finished_by_prefill_with_nothing_sent_to_decode():
+    pair = batching_pair(batch_tokens=64, chunk_tokens=16)
+    request = embed_request(pair.table, "e1", prompt_tokens=40, pooling="mean")
+    key = (request.slot, request.generation)
+    pair.prefill.on_message(request)
+    passes = []
+    while not passes or not done:   # a chunk per pass, each renewing the row's PREFILLING deadline
+        chunks = pair.prefill.next_batch()
+        assert chunks[0].work.embedding and pair.table.state(key) == S.PREFILLING
+        assert pair.prefill.own_gauges() == {"queued": 0, "prefill_inflight": 0, "running": 1}
+        pair.clock.advance(1.0)
+        done = pair.prefill.batch_done(chunks)
+        assert pair.table.rows[key[0]]["last_progress_ns"] == pair.clock.now_ns
+        passes.append(spans(chunks))
+    assert passes == [[("e1", 0, 16)], [("e1", 16, 32)], [("e1", 32, 40)]]
+    assert pair.prefill_pool.num_free == 32 - 3 and pair.table.rows[key[0]]["prefill_blocks"] == 3
+    [work] = done
+    pair.prefill.finish_embedding(work, "AACAPw==")
+    assert pair.table.state(key) == S.FINISHED
+    assert pair.to_decode.take("api") == [Embedding(*key, "AACAPw==")]
+    assert pair.to_decode.sent == [] and pair.prefill.handed_off == 1
+    assert pair.prefill.own_gauges() == {"queued": 0, "prefill_inflight": 0, "running": 0}
+    assert pair.table.rows[key[0]]["prefill_blocks"] == 0
+    pair.assert_all_free()
+
+
+def test_embeddings_are_packed_with_prompts_in_arrival_order_and_each_prompt_goes_on_to_decode():
+    pair = batching_pair(batch_tokens=64, chunk_tokens=32)
+    pair.prefill.on_message(embed_request(pair.table, "e1", prompt_tokens=10))
+    pair.prefill.on_message(prefill_request(pair.table, "p1", prompt_tokens=20))
+    pair.prefill.on_message(embed_request(pair.table, "e2", prompt_tokens=12))
+    chunks = pair.prefill.next_batch()
+    assert spans(chunks) == [("e1", 0, 10), ("p1", 0, 20), ("e2", 0, 12)]
+    for work in pair.prefill.batch_done(chunks):
+        if work.embedding:
+            pair.prefill.finish_embedding(work, work.request.request_id)
+        else:
+            pair.prefill.finish(work, [(5, None)])
+    assert [m.data for m in pair.to_decode.take("api")] == ["e1", "e2"]
+    assert [r.request_id for r in pair.to_decode.take(LOCAL_DECODE)] == ["p1"]
+
+
+@pytest.mark.parametrize("end", ["aborted while queued", "aborted between chunks", "timed out before its end"])
+def test_an_embedding_whose_row_ended_sends_nothing_and_frees_its_blocks_once(end):
+    pair = batching_pair(batch_tokens=16, chunk_tokens=16)
+    request = embed_request(pair.table, "e1", prompt_tokens=40)
+    key = (request.slot, request.generation)
+    pair.prefill.on_message(request)
+    if end == "aborted while queued":
+        abort(pair, key)
+        pair.prefill.reap()
+        assert pair.prefill.next_batch() == []
+    else:
+        chunks = pair.prefill.next_batch()
+        pair.prefill.batch_done(chunks)
+        chunks = pair.prefill.next_batch()
+        if end == "aborted between chunks":
+            abort(pair, key)
+            pair.prefill.reap()
+        else:
+            pair.prefill.batch_done(chunks)
+            [last] = pair.prefill.next_batch()
+            [work] = pair.prefill.batch_done([last])
+            assert pair.table.transition(*key, S.TIMED_OUT)   # the monitor, while the runner pools it
+            pair.prefill.finish_embedding(work, "AAAA")
+    assert pair.to_decode.sent == []
+    assert pair.prefill.own_gauges() == {"queued": 0, "prefill_inflight": 0, "running": 0}
+    pair.assert_all_free()
+
+
+def test_an_embedding_reads_no_cached_prefix_but_leaves_its_kv_to_the_cache():
+    """Every token's hidden state is computed (the same numbers whatever was cached before), and the prompt's KV,
+    all of it prefilled, is cached for a later prompt that starts with it."""
+    pair = batching_pair(batch_tokens=256, chunk_tokens=256, prefix_cache=True)
+    for name in ("e1", "e2"):   # the second finds the first's blocks cached and computes every token anyway
+        pair.prefill.on_message(embed_request(pair.table, name, prompt_tokens=40))
+        [chunk] = pair.prefill.next_batch()
+        assert (chunk.start, chunk.end, chunk.work.cached_tokens) == (0, 40, 0)
+        [work] = pair.prefill.batch_done([chunk])
+        pair.prefill.finish_embedding(work, "AAAA")
+        assert pair.cache.cached_blocks_in_use == 0
+    later = prefill_request(pair.table, "p1", prompt_tokens=50)
+    pair.prefill.on_message(later)
+    [chunk] = pair.prefill.next_batch()
+    assert chunk.work.cached_tokens == 32 and chunk.start == 32   # e1's two full blocks

@@ -407,3 +407,62 @@ def test_a_row_that_ended_without_its_last_message_is_lost_after_the_grace_and_o
         assert engine.table.transition(*live.key, state)
     engine.core.stop(live)   # a stop string: the API ends the row itself, nothing is lost
     assert engine.core.lost(now + 3 * grace_ns, grace_ns) == [] and live.ended
+
+
+# ---- embeddings: a row and an EmbedRequest per input, to a prefill actor only -----------------------------------
+def embedding_input(k: int = 0, prompt_tokens: int = 20):
+    from api.embeddings import EmbeddingInput
+
+    return EmbeddingInput("e", list(range(1, prompt_tokens + 1)), k)
+
+
+def test_an_embedding_input_gets_a_queued_row_naming_no_decode_actor_and_one_embed_request():
+    from actors.messages import EmbedRequest
+
+    engine = Engine()
+    engine.config = dataclasses.replace(engine.config, pooling="mean")
+    engine.core.config = engine.config
+    first = engine.core.admit_embedding(embedding_input(0, prompt_tokens=3000))
+    second = engine.core.admit_embedding(embedding_input(1))
+    rows = [engine.table.rows[h.slot] for h in (first, second)]
+    assert all(r["state"] == S.QUEUED and r["decode_actor"] == NO_ACTOR for r in rows)
+    assert [r["prefill_actor"] for r in rows] == [0, 1]   # the second goes where fewer prompt tokens wait
+    assert [(d, type(m), m.pooling, (m.slot, m.generation)) for d, m in engine.outbox.sent] == [
+        ("prefill0", EmbedRequest, "mean", first.key), ("prefill1", EmbedRequest, "mean", second.key)]
+    assert first.index == 0 and second.index == 1
+    assert engine.actors.routed == {0: 1, 1: 1, 2: 0, 3: 0}   # counted on no decode actor
+    engine.core.release_all([first, second])
+    engine.outbox.sent.clear()
+    assert_nothing_held(engine)
+
+
+def test_colocated_an_embedding_goes_to_a_decode_actors_prefill_core_and_a_decode_node_refuses_it():
+    from actors.messages import EmbedRequest
+
+    engine = Engine(prefill=(), decode=(0, 1))
+    handle = engine.core.admit_embedding(embedding_input())
+    row = engine.table.rows[handle.slot]
+    assert (row["prefill_actor"], row["decode_actor"]) == (NO_ACTOR, 0)
+    [(dest, message)] = engine.outbox.sent
+    assert dest == "decode0" and isinstance(message, EmbedRequest)
+    decode_node = Engine(role="decode", prefill=(), decode=(0,))
+    with pytest.raises(InvalidRequestError, match="decode side only"):
+        decode_node.core.admit_embedding(embedding_input())
+    assert_nothing_held(decode_node)
+
+
+@pytest.mark.parametrize("refusal", [QueueFullError("full"), MessageTooLargeError("too large")])
+def test_a_refused_embedding_input_leaves_no_row_and_a_full_engine_refuses_it(refusal):
+    engine = Engine()
+    engine.outbox.refuse["prefill0"] = refusal
+    with pytest.raises(EngineOverloadedError if isinstance(refusal, QueueFullError) else InvalidRequestError):
+        engine.core.admit_embedding(embedding_input())
+    assert_nothing_held(engine)
+    del engine.outbox.refuse["prefill0"]
+    held = [engine.core.admit_embedding(embedding_input(k)) for k in range(MAX_QUEUED)]
+    with pytest.raises(EngineOverloadedError, match="sequences in flight"):
+        engine.core.admit_embedding(embedding_input())
+    engine.core.release_all(held)
+    engine.draining = True
+    with pytest.raises(EngineOverloadedError, match="draining"):
+        engine.core.admit_embedding(embedding_input())

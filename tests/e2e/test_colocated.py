@@ -56,3 +56,20 @@ def test_colocated_engine_answers_without_a_prefill_actor_or_a_handoff(engine):
         assert_recovered(engine, probe)
     finally:
         probe.close()
+
+
+def test_colocated_an_embedding_runs_in_the_decode_actors_prefill_core_and_leaves_it_clean(engine):
+    """No prefill actor: the decode actor's prefill core pools it (api/admission.py names that decode actor);
+    a batch equals each input alone, bit for bit."""
+    probe = EngineProbe(engine.engine_id)
+    try:
+        def embed(inputs):
+            response = httpx.post(engine.base_url + "/v1/embeddings", timeout=120,
+                                  json={"input": inputs, "encoding_format": "base64"})
+            assert response.status_code == 200, response.text
+            return [d["embedding"] for d in response.json()["data"]]
+        alone = [embed(p)[0] for p in PROMPTS]
+        assert embed(PROMPTS) == alone and len(set(alone)) == len(PROMPTS)
+        assert_recovered(engine, probe)
+    finally:
+        probe.close()
