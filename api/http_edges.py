@@ -299,6 +299,49 @@ def _note_client_resets(protocol, count: int) -> None:
                     now - watch.since)
 
 
+def _drop_and_refuse(protocol, events: list, opened: list[int], resets: set[int]) -> list:
+    """The events of one read on ``protocol`` (an H2Protocol) less the streams opened and reset in it and the new
+    streams past PENDING_STREAMS_PER_MAX x ``h2_max_concurrent_streams`` pending ones, which are refused with
+    RST_STREAM(REFUSED_STREAM); a dropped stream's DATA is still credited to the connection's window."""
+    import h2.errors
+    import h2.events
+    import h2.exceptions
+
+    data_event, refused = h2.events.DataReceived, h2.errors.ErrorCodes.REFUSED_STREAM
+    dropped = resets.intersection(opened)   # opened and reset in this read: nobody to answer
+    limit = PENDING_STREAMS_PER_MAX * protocol.config.h2_max_concurrent_streams
+    pending, refusing = len(protocol.stream_buffers), []
+    for stream_id in opened:
+        if stream_id in dropped:
+            continue
+        if pending >= limit:
+            refusing.append(stream_id)
+        else:
+            pending += 1
+    if dropped or refusing:
+        skip = dropped.union(refusing)
+        kept = []
+        for event in events:
+            stream_id = getattr(event, "stream_id", None)
+            if stream_id not in skip:
+                kept.append(event)
+            elif isinstance(event, data_event):   # credit the connection's window (the stream's is gone)
+                protocol.connection.acknowledge_received_data(event.flow_controlled_length, stream_id)
+        events = kept
+        for stream_id in refusing:
+            try:
+                protocol.connection.reset_stream(stream_id, error_code=refused)
+            except h2.exceptions.ProtocolError:   # closed meanwhile
+                pass
+        if refusing:
+            log.info("HTTP/2 connection from %s: %d streams refused (REFUSED_STREAM): %d streams of it "
+                     "are still pending", protocol.client, len(refusing), pending)
+        protocol.keep_alive_requests += len(skip)
+        if protocol.keep_alive_requests > protocol.config.keep_alive_max_requests:   # as Hypercorn does it
+            protocol.connection.close_connection()
+    return events
+
+
 def install_reset_streams() -> bool:
     """HTTP/2 streams the client resets cost no admission, a connection's pending streams are bounded, and a
     rapid-reset burst logs one WARNING naming its connection. Returns True when both wrappers are in place.
@@ -342,9 +385,7 @@ def install_reset_streams() -> bool:
         log.warning("HTTP/2 streams reset by the client may still be admitted: hypercorn %s has no "
                     "HTTPStream.handle / H2Protocol._handle_events coroutines", _hypercorn_version())
         return False
-    opened_event, reset_event, data_event = (h2.events.RequestReceived, h2.events.StreamReset,
-                                             h2.events.DataReceived)
-    refused = h2.errors.ErrorCodes.REFUSED_STREAM
+    opened_event, reset_event = h2.events.RequestReceived, h2.events.StreamReset
 
     async def handle_events_filtered(self, events) -> None:
         opened = [e.stream_id for e in events if isinstance(e, opened_event)]
@@ -352,37 +393,7 @@ def install_reset_streams() -> bool:
         if resets:
             _note_client_resets(self, sum(1 for i in resets if i in self.streams or i in opened))
         if opened:
-            dropped = resets.intersection(opened)   # opened and reset in this read: nobody to answer
-            limit = PENDING_STREAMS_PER_MAX * self.config.h2_max_concurrent_streams
-            pending, refusing = len(self.stream_buffers), []
-            for stream_id in opened:
-                if stream_id in dropped:
-                    continue
-                if pending >= limit:
-                    refusing.append(stream_id)
-                else:
-                    pending += 1
-            if dropped or refusing:
-                skip = dropped.union(refusing)
-                kept = []
-                for event in events:
-                    stream_id = getattr(event, "stream_id", None)
-                    if stream_id not in skip:
-                        kept.append(event)
-                    elif isinstance(event, data_event):   # credit the connection's window (the stream's is gone)
-                        self.connection.acknowledge_received_data(event.flow_controlled_length, stream_id)
-                events = kept
-                for stream_id in refusing:
-                    try:
-                        self.connection.reset_stream(stream_id, error_code=refused)
-                    except h2.exceptions.ProtocolError:   # closed meanwhile
-                        pass
-                if refusing:
-                    log.info("HTTP/2 connection from %s: %d streams refused (REFUSED_STREAM): %d streams of it "
-                             "are still pending", self.client, len(refusing), pending)
-                self.keep_alive_requests += len(skip)
-                if self.keep_alive_requests > self.config.keep_alive_max_requests:   # as Hypercorn does it
-                    self.connection.close_connection()
+            events = _drop_and_refuse(self, events, opened, resets)
         await handle_events(self, events)
 
     async def handle_closing(self, event) -> None:
