@@ -69,13 +69,25 @@ class RequestHandle:
     reserve_blocks: int = 0        # decode blocks the request will reserve (pdserve.kv_budget.blocks_for)
     prefilled: bool = False        # a token arrived: its prompt is off the prefill queue, its blocks reserved
     handed_across: bool = False    # a prefill node: its KVReady went to the router; the row ends by its messages
-    ended: bool = False            # its last event (a finish reason or an error) reached the API, or the API ended it
+    ended_ns: int = 0              # when ``ended`` was first set (monotonic ns; api/blame.py: the engine's time)
     lost_since_ns: int = 0         # first seen with its row ended (final, freed or reused) and ``ended`` not set
     on_text_end: Any = None        # called with the handle once its text ended in the API (api.generation.merged_choices)
 
     @property
     def key(self) -> tuple[int, int]:
         return (self.slot, self.generation)
+
+    @property
+    def ended(self) -> bool:
+        """Its last event (a finish reason or an error) reached the API, or the API ended it."""
+        return self.ended_ns != 0
+
+    @ended.setter
+    def ended(self, value: bool) -> None:
+        if value and not self.ended_ns:
+            self.ended_ns = time.monotonic_ns()
+        elif not value:
+            self.ended_ns = 0
 
 
 class TablePort(Protocol):
