@@ -145,6 +145,10 @@ class ApiActor(Actor):
             app = TraceMiddleware(app, tracer)
             metrics.registry.register(tracer.collector())
         ignore_cancelled_connection_callbacks(asyncio.get_running_loop())
+        from api.drill import Drills
+
+        drills = Drills(client, parser.served_model_name)   # the watchdog fire drill (drill_interval_s > 0)
+        drills.start()
 
         async def shutdown_trigger() -> None:
             self.actors.set_status(self.index, ActorStatus.READY)
@@ -159,6 +163,7 @@ class ApiActor(Actor):
         try:
             await serve(answer_cancelled_requests(app), hconfig, shutdown_trigger=shutdown_trigger)
         finally:
+            drills.stop()
             client.stop()
             if tracer is not None:
                 tracer.stop()
