@@ -18,6 +18,13 @@ log = logging.getLogger("pdserve.faults")
 UNKNOWN_TRANSFER_STATUS = 7   # a value TransferStatus does not define
 
 
+def level(request_id: str) -> int:
+    """A fault's log level: WARNING, DEBUG for a watchdog drill's request (api/drill.py: routine, every interval)."""
+    from pdserve.faults import DRILL_PREFIX
+
+    return logging.DEBUG if request_id.startswith(DRILL_PREFIX) else logging.WARNING
+
+
 def apply_actor_faults(faults, actor_name: str, request_id: str, table=None) -> None:
     """Checked when an actor takes a request: ``stall`` blocks the loop (a hang the monitor must detect),
     ``crash`` ends the process abruptly (a dead actor the supervisor restarts), ``stop_holding_lock`` stops it
@@ -65,7 +72,8 @@ def accept_kv_ready(faults, ready, core) -> bool:
     ``decode_reject`` has the decode core (actors/decode_core.py ``reject``) fail it with a retryable 503.
     Returns False if the message must not reach the core."""
     if faults.fires("bootstrap_silent", ready.request_id):
-        log.warning("fault bootstrap_silent: ignoring KVReady for slot %d", ready.slot)
+        log.log(level(ready.request_id), "fault bootstrap_silent: ignoring KVReady for slot %d (%s)", ready.slot,
+                ready.request_id)
         return False
     if faults.fires("decode_reject", ready.request_id):
         log.warning("fault decode_reject: dropping slot %d", ready.slot)
@@ -178,7 +186,7 @@ class HeldRequests:
         if verdict is None:
             verdict = self.judged[(fault, key)] = self.faults.fires(fault, request_id) is not None
             if verdict:
-                log.warning("fault %s: holding slot %d (%s)", fault, key[0], request_id)
+                log.log(level(request_id), "fault %s: holding slot %d (%s)", fault, key[0], request_id)
         return verdict
 
     def prefill_chunks(self, chunks: list) -> list:
@@ -198,6 +206,7 @@ def drop_prefill_request(faults, message) -> bool:
     from actors.messages import PrefillRequest
 
     if isinstance(message, PrefillRequest) and faults and faults.fires("drop_prefill_request", message.request_id):
-        log.warning("fault drop_prefill_request: dropping slot %d (%s)", message.slot, message.request_id)
+        log.log(level(message.request_id), "fault drop_prefill_request: dropping slot %d (%s)", message.slot,
+                message.request_id)
         return True
     return False

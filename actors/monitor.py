@@ -4,7 +4,7 @@ Each tick it reads the shm state table and the actor table and:
 1. times out every live request past a deadline (actors/watchdog.py): TIMED_OUT(stage) in the table,
    a 504 RequestError to the API, ``timeouts[stage] += 1``, one log line. The actors see the final row on
    their next loop iteration and free the request's KV blocks, each its own side, exactly once (a watchdog
-   drill's row, api/drill.py: its stage deadline is ``drill_timeout_s``; not counted, no incident, an INFO line);
+   drill's row, api/drill.py: its stage deadline is ``drill_timeout_s``; not counted, no incident, a DEBUG line);
 2. classifies each actor as ok / hung / dead and fails the requests a dead or hung actor holds (503,
    retryable); the supervisor restarts the actor (killing a hung one first);
 3. tracks stuck queue gauges and cross-checks the actors' own counts against the table;
@@ -330,7 +330,7 @@ class HeartbeatMonitor(Actor):
             self._notify(expired.slot, expired.generation, 504, "timeout_error", expired.message())
         names = self.topology.names
         owner = names[expired.owner] if 0 <= expired.owner < len(names) else "none"
-        log.log(logging.INFO if expired.drill else logging.WARNING,
+        log.log(logging.DEBUG if expired.drill else logging.WARNING,   # a drill's verdict is the API's to log
                 "timeout: request=%s stage=%s age_s=%.3f owner=%s reason=%s", expired.request_id,
                 expired.stage.name.lower(), expired.age_s, owner, expired.reason)
         if not expired.drill:

@@ -244,7 +244,7 @@ class Drills:
             if rec["drill_failing"][i]:
                 log.warning("watchdog drill of stage %s passed again (%s)", STAGE_NAME[stage], request_id)
             rec["drill_failing"][i] = 0
-            log.info("watchdog drill %s passed: %.2f s to the verdict, %.2f s for the frees", request_id,
+            log.debug("watchdog drill %s passed: %.2f s to the verdict, %.2f s for the frees", request_id,
                      *watch.timings)
             return
         rec["drill_failures"][i] += 1
