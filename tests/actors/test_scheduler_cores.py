@@ -1232,7 +1232,8 @@ def test_a_watchdog_drills_prompt_neither_reuses_nor_fills_the_prefix_cache():
     pair.prefill.on_message(prefill_request(pair.table, "r1", prompt_tokens=40, max_tokens=1))
     pair.run(2)
     cached, queried = pair.cache.cached_blocks, pair.cache.query_tokens
-    pair.prefill.on_message(prefill_request(pair.table, "drill-transfer-1", prompt_tokens=40, max_tokens=1))
+    # the first 32 tokens are the cached prompt's; its third full block would be new to the cache
+    pair.prefill.on_message(prefill_request(pair.table, "drill-transfer-1", prompt_tokens=56, max_tokens=1))
     work = prefill_one(pair.prefill)
     assert work.cached_tokens == 0 and work.uncached
     pair.prefill.finish(work, [(5, None)])
