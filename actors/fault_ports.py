@@ -1,6 +1,7 @@
 """Fault injection around the cores' ports (faults named in pdserve/faults.py, selected by ``PDSERVE_FAULTS``):
-decorators of the transfers port and the outbox, and the checks a shell makes when it takes a request. The
-cores themselves know nothing of faults.
+decorators of the transfers port and the outbox, the checks a shell makes when it takes a request, and the holds
+(``HeldRequests``: the requests of a core a shell's loop leaves alone; the watchdog drills' faults, api/drill.py).
+The cores themselves know nothing of faults.
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ within ``drill_timeout_s`` + one tick and that everything the request held is fr
 | `DrillSchedule` | which stage is due, one round per interval, one drill at a time, none while busy (plain) |
 | `Watch`         | what the driver saw of a drill's row: did it reach the stage, when its deadline started (plain) |
 | `judge`         | the verdict: 0 passed, else 1 + an index of ``ipc.engine_status.DRILL_FAILURES`` (plain) |
+| `blocks_held`, `gauges_held` | what a drill left behind: KV blocks of its slot, actors' own counts (plain) |
 | `Drills`        | the driver, an asyncio task of the API process: admit, watch the row, check, record    |
 
 A drill is a request like a client's (the API's admission, the actors' queues, the monitor's deadlines), told apart
@@ -129,6 +130,13 @@ def blocks_held(owner_slots, slot: int) -> int:
     return sum(int((owners == slot).sum()) for owners in owner_slots)
 
 
+def gauges_held(actor_rows) -> list[str]:
+    """``actor gauge=value`` for each actor's own queue count above 0 (``ActorTable.rows()``; -1: keeps none)."""
+    from ipc.engine_status import GAUGES
+
+    return [f"{r['name']} {g}={v}" for r in actor_rows if r["name"] for g, v in zip(GAUGES, r["own_gauges"]) if v > 0]
+
+
 class Drills:
     """The driver in the API process (``start`` an asyncio task; ``stop`` cancels it). ``client``: the EngineClient
     (its admission, tables and status record)."""
@@ -225,10 +233,13 @@ class Drills:
         return verdict
 
     async def freed(self, slot: int) -> bool:
-        """Whether every pool's blocks owned by ``slot`` are freed within ``free_bound_s`` (the row is final and
-        still ours: no other request owns that slot meanwhile)."""
+        """Whether, within ``free_bound_s``, every pool's blocks owned by ``slot`` are freed (the row is final and
+        still ours: no other request owns that slot meanwhile) and, while no other request is live, every actor's
+        own queue counts read 0."""
         deadline = time.monotonic() + self.free_bound_s
-        while blocks_held([p.owner_slots() for p in self.pools], slot):
+        while (blocks_held([p.owner_slots() for p in self.pools], slot)
+               or (len(self.client.handles) == 1 and not self.client.table.live_keys()
+                   and gauges_held(self.client.actors.rows()))):
             if time.monotonic() > deadline:
                 return False
             await asyncio.sleep(POLL_S)

@@ -4,7 +4,8 @@ HTTP/2 over TLS (ALPN h2) and HTTP/1.1 over TLS instead (``ssl_ca_certs``: clien
 A node (``role`` prefill or decode) also mounts api/node_api.py's ``/internal/*`` routes, which take only the
 router's ``node_secret``; a plain engine has none (404).
 
-The process beats its heartbeat from the asyncio loop, so a wedged event loop shows up as a hung API.
+The process beats its heartbeat from the asyncio loop, so a wedged event loop shows up as a hung API. The watchdog
+fire drill (api/drill.py, ``drill_interval_s``) is a task of the same loop.
 
 Connection edges Hypercorn and h2 handle short of the RFCs (idle close: GOAWAY on HTTP/2, a staged close on
 HTTP/1.1; a connection the client closed while idle closed at once; ``Keep-Alive: timeout=N``; REFUSED_STREAM for

@@ -87,7 +87,7 @@ DRILL_FAILURES = (
     "the stage deadline did not fire within drill_timeout_s + one tick",
     "the stage deadline fired before drill_timeout_s",
     "the request never reached the stage",
-    "its row or KV blocks were not freed after the deadline",
+    "its KV blocks (or the actors' own counts) were not freed after the deadline",
     "it ended otherwise than by the stage deadline",
 )
 

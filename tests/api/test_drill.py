@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from api.drill import (EARLY, NEVER_REACHED, NOT_FIRED, OTHER_END, SLACK_S, DrillSchedule, Watch, blocks_held,
-                       drill_id, drill_stages, judge)
+                       drill_id, drill_stages, gauges_held, judge)
 from ipc.engine_status import DRILL_FAILURES, drill_problems
 from ipc.lifecycle import RequestState as S
 
@@ -86,9 +86,14 @@ def test_a_row_that_never_reached_the_stage_or_ended_otherwise_fails():
     assert judge(finished, LIMIT_S, TICK_S) == OTHER_END
 
 
-def test_blocks_held_counts_a_slots_blocks_over_every_pool():
+def test_what_a_drill_left_behind_its_slots_blocks_over_every_pool_and_any_actors_own_count():
     assert blocks_held([np.array([-1, 3, 3, 5]), np.array([3, -1])], 3) == 3
     assert blocks_held([np.array([-1, 4])], 3) == 0
+    rows = [{"name": "prefill0", "own_gauges": [0, 0, 1, -1]}, {"name": "api", "own_gauges": [-1, -1, -1, -1]},
+            {"name": "", "own_gauges": [5, 5, 5, 5]}]
+    assert gauges_held(rows) == ["prefill0 prefill_inflight=1"]
+    rows[0]["own_gauges"] = [0, 0, 0, -1]
+    assert gauges_held(rows) == []
 
 
 def test_a_failed_stage_is_one_problem_naming_the_stage_and_why():
