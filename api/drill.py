@@ -186,10 +186,10 @@ class Drills:
                 verdict = await self.drill(stage)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - a drill's own bug must not end the drills
+            except Exception:  # noqa: BLE001 - a drill's own bug must not end the drills (nor repeat every tick)
                 log.exception("watchdog drill of stage %s failed to run", STAGE_NAME[stage])
-                verdict = None
-            if verdict is not None:
+                verdict = OTHER_END
+            if verdict is not None:   # None: not admitted (starting, draining): the stage is tried again
                 self.schedule.done(stage, time.monotonic_ns())
 
     async def drill(self, stage: S) -> int | None:
