@@ -100,9 +100,9 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
         stage = RequestState(int(row["state"]))
         since_ns = int(row["state_since_ns"])
         request_id = row["request_id"].decode(errors="replace")
-        drill = request_id.startswith(DRILL_PREFIX)   # a watchdog drill (api/drill.py): its own stage deadline
-        limit_s = float(config["drill_timeout_s" if drill and "drill_timeout_s" in config
-                               else STAGE_TIMEOUT_FIELD[stage]]["value"])
+        drill = request_id.startswith(DRILL_PREFIX)   # a watchdog drill (api/drill.py): drill-<stage>-<n>
+        drilled = drill and request_id.startswith(f"{DRILL_PREFIX}{STAGE_NAME[stage]}-") and "drill_timeout_s" in config
+        limit_s = float(config["drill_timeout_s" if drilled else STAGE_TIMEOUT_FIELD[stage]]["value"])
         if stage in RENEWABLE_STATES:   # the stage deadline runs from the last renewal (actors/watchdog.py)
             since_ns = max(since_ns, int(row["last_progress_ns"]))
         owner = int(row["owner"])

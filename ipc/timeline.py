@@ -165,9 +165,9 @@ def build_timeline(events: np.ndarray, now_ns: int, config: dict[str, float] | N
             released = True
         elif kind == EventKind.DRILL:
             drill = {k: fields[k] for k in ("stage", "passed", "failure")}
-    if drill is not None:   # a drill's stage deadlines are drill_timeout_s (actors/watchdog.py)
+    if drill is not None:   # in the stage it drills, its deadline is drill_timeout_s (actors/watchdog.py)
         for st in stages:
-            if st["deadline_field"]:
+            if st["stage"] == drill["stage"]:
                 st["deadline_field"], st["deadline_s"] = "drill_timeout_s", config.get("drill_timeout_s")
         if timeout is not None and timeout["reason"] == "stage_deadline":
             timeout["deadline_field"] = "drill_timeout_s"
