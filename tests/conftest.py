@@ -171,7 +171,8 @@ class EngineProcess:
 
 def start_engine(tmp_dir: Path, *args: str, env: dict | None = None, ready_timeout_s: float = 400.0,
                  new_session: bool = False) -> EngineProcess:
-    """``pdserve serve`` on a free port, polled until /health is 200. ``new_session``: the engine leads its own
+    """``pdserve serve`` on a free port, polled until /health is 200, watchdog drills off (``env`` may turn them
+    on). ``new_session``: the engine leads its own
     session and process group (pgid = its pid), so a test can signal the whole group as systemd does."""
     import httpx
 
@@ -179,6 +180,8 @@ def start_engine(tmp_dir: Path, *args: str, env: dict | None = None, ready_timeo
     log_path = tmp_dir / f"engine-{port}.log"
     ENGINE_LOGS.append(log_path)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    # no watchdog drills (api/drill.py) unless a test asks: their rows would race the tests' own assertions
+    full_env["PDSERVE_DRILL_INTERVAL_S"] = "0"
     full_env.update(env or {})
     log_file = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), *args],
