@@ -345,21 +345,6 @@ def test_an_incident_bundle_holds_the_state_config_timelines_and_connections(eng
     assert ledger["counters"]["last_conn_id"] > 0 and {"connections", "closed"} <= set(ledger)
 
 
-def test_a_router_count_drift_is_logged_with_the_ids_each_side_holds(engine, probe):
-    """router_count_drift bends the router's count, not its set of requests: the monitor's log line says so by
-    naming no diverging id on either side, and tools/inspect --reconcile agrees (exit 0). Runs last: the drift
-    stays."""
-    response = httpx.post(engine.base_url + "/v1/completions", headers={"X-Request-Id": "drift-1"},
-                          json={"prompt": "drift", "max_tokens": 2}, timeout=60)
-    assert response.status_code == 200, response.text
-    wait_until(lambda: "router count mismatch" in engine.log_text(), 5, 0.1, "the mismatch log line")
-    line = next(x for x in engine.log_text().splitlines() if "router count mismatch" in x)
-    assert "ids the API holds and the table does not: none; the table holds and the API does not: none" in line
-    shown = inspect(engine, "--reconcile", "--json")
-    assert shown.returncode == 0, shown.stdout
-    assert orjson.loads(shown.stdout) == {"api_only": [], "table_only": []}
-
-
 def incident_bundles(directory) -> list[dict]:
     """Every incident bundle in ``directory``, read back."""
     from tools.bundle import read_bundle
@@ -456,3 +441,18 @@ def test_the_outage_one_keep_alive_connection_24_rounds_a_transfer_stuck_at_roun
         assert replayed["path"] == timeline["path"] and replayed["timeout"]["stage"] == "transfer"
     finally:
         cleanup_engine(fresh)
+
+
+def test_a_router_count_drift_is_logged_with_the_ids_each_side_holds(engine, probe):
+    """router_count_drift bends the router's count, not its set of requests: the monitor's log line says so by
+    naming no diverging id on either side, and tools/inspect --reconcile agrees (exit 0). Runs last: the drift
+    stays."""
+    response = httpx.post(engine.base_url + "/v1/completions", headers={"X-Request-Id": "drift-1"},
+                          json={"prompt": "drift", "max_tokens": 2}, timeout=60)
+    assert response.status_code == 200, response.text
+    wait_until(lambda: "router count mismatch" in engine.log_text(), 5, 0.1, "the mismatch log line")
+    line = next(x for x in engine.log_text().splitlines() if "router count mismatch" in x)
+    assert "ids the API holds and the table does not: none; the table holds and the API does not: none" in line
+    shown = inspect(engine, "--reconcile", "--json")
+    assert shown.returncode == 0, shown.stdout
+    assert orjson.loads(shown.stdout) == {"api_only": [], "table_only": []}
