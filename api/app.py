@@ -115,7 +115,7 @@ class Routes:
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model_id"]
-        if name not in self.parser.model_names:
+        if name not in self.parser.model_names and not self.parser.any_model:
             return JSONResponse(error_body(f"The model '{name}' does not exist", "not_found_error", "model",
                                            "model_not_found"), status_code=404)
         return JSONResponse(self.model_card(name))

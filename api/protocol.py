@@ -397,7 +397,7 @@ class RequestParser:
     Args:
         tokenizer: gpu.tokenizer.Tokenizer of the served model.
         served_model_name: the model names accepted in ``model`` (comma-separated aliases); responses name the
-            first.
+            first; ``*`` among them accepts any name.
         max_context_tokens: longest prompt + output (tokens) the engine serves (the resolved max_model_len).
         reserve_tokens: output tokens decode reserves KV blocks for, up front, for a request whose max_tokens is
             the rest of the context (none given, or clamped); its answer takes more blocks as it grows.
@@ -432,8 +432,11 @@ class RequestParser:
         self.template_has_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
         self.kv_pool_blocks = kv_pool_blocks     # the decode pool's blocks; 0 = no check of n against it
         self.kv_block_tokens = kv_block_tokens
-        # several names (comma-separated: --served-model-name repeated) are aliases; the first is the one reported
-        self.model_names = tuple(n.strip() for n in served_model_name.split(",") if n.strip()) or (served_model_name,)
+        # several names (comma-separated: --served-model-name repeated) are aliases; the first is the one reported;
+        # "*" among them accepts any name (llama-server's way with one model: `model` is not checked)
+        names = tuple(n.strip() for n in served_model_name.split(",") if n.strip()) or (served_model_name,)
+        self.any_model = "*" in names
+        self.model_names = tuple(n for n in names if n != "*") or names
         self.served_model_name = self.model_names[0]
         self.max_context_tokens = max_context_tokens
         self.reserve_tokens = reserve_tokens
@@ -447,7 +450,7 @@ class RequestParser:
             model = self.served_model_name
         if not isinstance(model, str):
             raise InvalidRequestError("'model' must be a string", param="model")
-        if model not in self.model_names:
+        if model not in self.model_names and not self.any_model:
             raise ModelNotFoundError(f"The model '{model}' does not exist; this server serves "
                                      f"{' or '.join(repr(n) for n in self.model_names)}", param="model",
                                      code="model_not_found")
