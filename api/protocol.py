@@ -592,6 +592,28 @@ class RequestParser:
         """Validate a /v1/chat/completions body. Raises InvalidRequestError (400) or ModelNotFoundError (404)."""
         model, stream, include_usage = self._common(body, "chat")
         rid = check_request_id(request_id, f"chatcmpl-{uuid.uuid4().hex[:24]}")
+        text, tools, plan, fmt, kwargs, parser = self._chat_prompt(body)
+        prompt_ids = self._encode(text, "messages")
+        sampling = self._sampling(body, len(prompt_ids), "chat")
+        # the request's thinking switch, and whether the model reasons before its answer
+        thinking = kwargs.get("enable_thinking", kwargs.get("thinking", True)) is not False
+        reasons = bool(self.reasoning_parser) and thinking and not prompt_closes_reasoning(text)
+        opened = reasons and (prompt_opens_reasoning(text) or self.reasoning_parser == "deepseek_r1")
+        forced = plan is not None and plan.mode in ("named", "required")
+        if forced or fmt is not False:
+            sampling = self._constrain_answer(sampling, self._answer_grammar(plan, tools, fmt, parser), reasons,
+                                              opened, "tool_choice" if forced else "response_format")
+        constrained_by = None if sampling.grammar is None else "tool_choice" if plan else "response_format"
+        # a grammar constrains the answer after the reasoning (after_reasoning), or the whole output without one
+        reasoning = self.reasoning_parser if reasons and (sampling.grammar is None or sampling.reasoning_end) else None
+        formats = OutputFormats(parser.name, reasoning, bool(reasoning) and opened, self.calls_in_reasoning)
+        return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body, constrained_by), stream,
+                                 include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan,
+                                 formats=formats)
+
+    def _chat_prompt(self, body: dict) -> tuple:
+        """A chat body's prompt text through the chat template (its messages, tools and template controls) ->
+        ``(text, tools, tool plan, response format, template kwargs, tool parser)``. Raises InvalidRequestError."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("'messages' must be a non-empty list", param="messages")
@@ -614,24 +636,16 @@ class RequestParser:
                                              None if parser.name == "hermes" else parser)
         kwargs = _template_kwargs(body)
         extra = {**kwargs, "tools": tools} if tools and self.template_has_tools else kwargs
-        text = self.render_chat(conversation, body, extra)
-        prompt_ids = self._encode(text, "messages")
-        sampling = self._sampling(body, len(prompt_ids), "chat")
-        # the request's thinking switch, and whether the model reasons before its answer
-        thinking = kwargs.get("enable_thinking", kwargs.get("thinking", True)) is not False
-        reasons = bool(self.reasoning_parser) and thinking and not prompt_closes_reasoning(text)
-        opened = reasons and (prompt_opens_reasoning(text) or self.reasoning_parser == "deepseek_r1")
-        forced = plan is not None and plan.mode in ("named", "required")
-        if forced or fmt is not False:
-            sampling = self._constrain_answer(sampling, self._answer_grammar(plan, tools, fmt, parser), reasons,
-                                              opened, "tool_choice" if forced else "response_format")
-        constrained_by = None if sampling.grammar is None else "tool_choice" if plan else "response_format"
-        # a grammar constrains the answer after the reasoning (after_reasoning), or the whole output without one
-        reasoning = self.reasoning_parser if reasons and (sampling.grammar is None or sampling.reasoning_end) else None
-        formats = OutputFormats(parser.name, reasoning, bool(reasoning) and opened, self.calls_in_reasoning)
-        return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body, constrained_by), stream,
-                                 include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan,
-                                 formats=formats)
+        return self.render_chat(conversation, body, extra), tools, plan, fmt, kwargs, parser
+
+    def apply_template(self, body: Any) -> dict[str, str]:
+        """llama.cpp's ``POST /apply-template``: a chat body -> ``{"prompt": text}``, the prompt its
+        /v1/chat/completions would run (messages, tools, ``chat_template_kwargs``, ``add_generation_prompt``,
+        ``continue_final_message``), not tokenized and not generated from. Raises InvalidRequestError (400, the
+        chat route's checks) or ModelNotFoundError (404)."""
+        self._common(body, "chat")
+        fields.CHAT.check(body)
+        return {"prompt": self._chat_prompt(body)[0]}
 
     def render_chat(self, conversation: list[dict], body: dict, extra: dict | None = None) -> str:
         """The chat template over ``conversation`` with vLLM's controls from ``body``: ``add_generation_prompt``
