@@ -231,7 +231,7 @@ class Supervisor:
         from ipc.actor_table import ActorTable
         from ipc.engine_status import EngineStatus
         from ipc.kv_pool import KVPool
-        from ipc.manifest import write_manifest
+        from ipc.manifest import process_start_ticks, write_manifest
         from ipc.shm_queue import ShmQueue
         from ipc.state_table import StateTable
 
@@ -241,6 +241,7 @@ class Supervisor:
         # this one's objects are in use from the moment they exist
         self._owned.append(write_manifest(self.engine_id, {
             "engine_id": self.engine_id, "pid": os.getpid(), "created_unix_s": time.time(),
+            "start_ticks": process_start_ticks(os.getpid()),   # who the pid is (ipc.manifest.stale_engines)
             "model": lay.model_path or "(embedded default)", "served_model_name": lay.served_model_name,
             "max_context_tokens": lay.max_context_tokens, "kv_blocks_per_pool": lay.kv_blocks_per_pool,
             "url": f"http://{cfg.host}:{lay.http_port}", "segments": lay.segments, "actors": list(topo.names),

@@ -7,7 +7,8 @@ Layout of ``/pdserve_<id>_manifest`` (written once by the supervisor before any 
     0       4     magic          b"PDMF"
     4       4     version        u4 = 1
     8       4     json_bytes     u4 length of the JSON below
-    16      N     orjson-encoded object: engine_id, pid (supervisor), created_unix_s, model, served_model_name,
+    16      N     orjson-encoded object: engine_id, pid (supervisor), start_ticks (its /proc start time, in
+                  clock ticks after boot), created_unix_s, model, served_model_name,
                   max_context_tokens, kv_blocks_per_pool, url, segments {what: posix name}, actors [names],
                   config {field: {"value", "source"}}
 
@@ -90,6 +91,17 @@ def running_engines() -> list[str]:
     return sorted({engine_id_of(n) for n in list_engine_segments() if n.endswith("_manifest")} - {None})
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """``pid``'s start time in clock ticks after boot (/proc/PID/stat field 22), None when no such process. It
+    never changes for a process and differs for a reused pid, whatever the wall clock does (a VM paused and
+    resumed, an NTP step: ``btime`` in /proc/stat then moves, and start times in Unix seconds with it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def process_started_unix_s(pid: int) -> float | None:
     """When process ``pid`` started (Unix seconds, from /proc), or None if there is no such process. A process we
     may not signal but that exists counts (its start time is still readable in /proc)."""
@@ -105,7 +117,10 @@ def process_started_unix_s(pid: int) -> float | None:
 
 def stale_engines(now_unix_s: float | None = None, only: set[str] | None = None) -> dict[str, str]:
     """Engines with objects in /dev/shm whose supervisor is gone: engine id -> why. Gone = the manifest's ``pid``
-    runs no process, or a process that started after the manifest was written (the pid was reused). An engine
+    runs no process, or another process than the supervisor (the pid was reused): its start time in ticks after
+    boot differs from the manifest's ``start_ticks`` (a manifest without them, of an older build: the process
+    started after the manifest was written, in Unix seconds, which a wall-clock step can fake: a VM resumed after a
+    pause moved /proc/stat's btime 27 s and made a live engine look stale). An engine
     without a readable manifest counts once its newest object is NO_MANIFEST_GRACE_S old (the supervisor
     writes the manifest first, so a starting engine has one within moments). ``only``: look at these ids alone."""
     now_unix_s = time.time() if now_unix_s is None else now_unix_s
@@ -124,7 +139,14 @@ def stale_engines(now_unix_s: float | None = None, only: set[str] | None = None)
                 stale[eid] = f"no readable manifest, objects {now_unix_s - newest:.0f} s old"
             continue
         pid, created = int(manifest.get("pid", -1)), float(manifest.get("created_unix_s", now_unix_s))
-        started = process_started_unix_s(pid) if pid > 0 else None
+        if "start_ticks" in manifest:   # the supervisor's own start time: exact, immune to wall-clock steps
+            ticks = process_start_ticks(pid) if pid > 0 else None
+            if ticks is None:
+                stale[eid] = f"supervisor pid {pid} is gone"
+            elif ticks != int(manifest["start_ticks"]):
+                stale[eid] = f"supervisor pid {pid} now runs another process (started at another time)"
+            continue
+        started = process_started_unix_s(pid) if pid > 0 else None   # a manifest of an older build
         if started is None:
             stale[eid] = f"supervisor pid {pid} is gone"
         elif started > created + 2.0:

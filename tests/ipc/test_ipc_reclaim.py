@@ -67,6 +67,22 @@ def test_an_engine_whose_supervisor_is_gone_is_reclaimed_and_logged_and_a_live_o
     assert f"reclaimed engine {dead}" in caplog.text and f"{sizes} bytes" in caplog.text
 
 
+def test_a_live_supervisor_is_told_by_its_start_ticks_whatever_the_wall_clock_says(engines):
+    """A wall-clock step (a VM resumed after a pause, an NTP step) moves /proc/stat's btime, so a start time in
+    Unix seconds moves too: an engine whose manifest was written 30 s "before" its supervisor started was reclaimed
+    alive. The manifest's start_ticks (ticks after boot) say who the pid is, whatever the clock."""
+    from ipc.manifest import process_start_ticks
+
+    live, reused, gone = engines(), engines(), engines()
+    ticks = process_start_ticks(os.getpid())
+    for eid, pid, start in ((live, os.getpid(), ticks), (reused, os.getpid(), ticks - 1), (gone, a_dead_pid(), 0)):
+        write_manifest(eid, {"engine_id": eid, "pid": pid, "created_unix_s": time.time() - 30.0,
+                             "start_ticks": start}).close()
+    assert process_start_ticks(os.getpid()) == ticks and process_start_ticks(a_dead_pid()) is None
+    stale = stale_engines(time.time() + 60, only={live, reused, gone})
+    assert set(stale) == {reused, gone} and "another process" in stale[reused]
+
+
 def test_objects_without_a_manifest_are_reclaimed_only_after_a_grace_period(engines):
     """An engine writes its manifest first; objects without one are a start-up cut short (or an engine still
     creating its manifest): left alone while young."""
