@@ -71,7 +71,8 @@ for m in "${modules[@]}"; do
     segs="$(ls /dev/shm | grep -c "$id")"
     [ "$segs" -gt 0 ] && left="$left $id: $segs shm segments;"
   done
-  stray="$(pgrep -f 'pdserve.cli serve --drain-timeout-s' | grep -vx "${engine_pid:-none}" | wc -l)"
+  # engines of this run's port only (another run of this script may serve on another PORT meanwhile)
+  stray="$(pgrep -f "pdserve.cli serve --drain-timeout-s [0-9.]+ --port ${PORT:-8080} " | grep -vx "${engine_pid:-none}" | wc -l)"
   [ "$stray" -gt 0 ] && left="$left $stray shim engine processes still running;"
   echo "$m: ${summary:-no summary} ($(echo $ids | wc -w) engines)${left:+ LEFT:$left}"
   if [ -n "$engine_pid" ] && ! kill -0 "$engine_pid" 2>/dev/null; then echo "the engine died during $m"; rc=1; break; fi
