@@ -29,7 +29,7 @@ class DecodeActor(Actor):
 
     def on_start(self) -> None:
         from actors.decode_core import DecodeCore
-        from actors.fault_ports import FaultyOutbox, FaultyTransfers
+        from actors.fault_ports import FaultyOutbox, FaultyTransfers, HeldRequests
         from actors.model_runner import DecodeRunner, PrefillRunner, copy_block_rows
         from actors.ports import PeerTransfers, QueueOutbox, TransportTransfers
         from actors.prefill_core import PrefillCore
@@ -53,7 +53,9 @@ class DecodeActor(Actor):
             transport.open_peer(self.layout.segment(topo.segment("kv", peer)))
             self.transports[LOCAL_PREFILL if colocated else topo.address(peer)] = transport
         self.inbox = ShmQueue.attach(self.layout.segment(topo.segment("q", self.index)))
-        self.faults = FaultPlan(self.config.faults, self.name)
+        self.faults = FaultPlan(self.config.faults, self.name, drills=self.config.drill_interval_s > 0)
+        self.held = HeldRequests(self.faults)   # hold_prefill, hold_decode_waiting, hold_decode
+        self.only_held = False   # the last iteration had nothing to run but held requests: block on the inbox
         self.queues = {topo.address(i): ShmQueue.attach(self.layout.segment(topo.segment("q", i)))
                        for i in topo.prefill}
         self.queues[API] = ShmQueue.attach(self.layout.segment("q_api"))
@@ -96,16 +98,21 @@ class DecodeActor(Actor):
         wait_s = self.core.wait_s(self.idle_wait_s)
         if self.prefill_core is not None and self.prefill_core.has_work():
             wait_s = 0.0
+        if self.only_held and not self.core.transferring:
+            wait_s = self.idle_wait_s
         self._take(self.inbox.get_many(64, wait_s))
-        if self.prefill_core is not None:
-            self._prefill_here()
+        prefilled = self._prefill_here() if self.prefill_core is not None else False
         core = self.core
         core.reap()
         core.start_transfers()
         core.poll_transfers()
-        for entry in core.join_batch():
+        joined = self._join_batch()
+        for entry in joined:
             self.runner.prepare(entry)
-        batch = core.batch()
+        batch = [e for e in core.batch() if not self.held.held("hold_decode", e.key, e.ready.request_id)]
+        self.only_held = not (prefilled or joined or batch)
+        self.held.forget({e.key for e in core.decode_waiting + core.decoding} | (
+            {key for work in self.prefill_core.prefilling for _, key in work.rows} if self.prefill_core else set()))
         if batch:
             self._publish()   # the rows just admitted are DECODING in the table: say so before a long step
             self.runner.threads = decode_threads(self.config, self.topology.num_decode,
@@ -117,10 +124,25 @@ class DecodeActor(Actor):
         self.outbox.flush()
         self._publish()
 
+    def _join_batch(self) -> list:
+        """``core.join_batch()``, the ``hold_decode_waiting`` requests left out of it (they stay DECODE_WAITING, in
+        their place)."""
+        waiting = self.core.decode_waiting
+        held = {id(e) for e in waiting if self.held.held("hold_decode_waiting", e.key, e.ready.request_id)}
+        if not held:
+            return self.core.join_batch()
+        self.core.decode_waiting = [e for e in waiting if id(e) not in held]
+        try:
+            return self.core.join_batch()
+        finally:
+            self.core.decode_waiting = [e for e in waiting if id(e) in held] + self.core.decode_waiting
+
     def _take(self, frames) -> None:
-        from actors.fault_ports import accept_kv_ready, apply_actor_faults
+        from actors.fault_ports import accept_kv_ready, apply_actor_faults, drop_prefill_request
 
         for message in parse_frames(frames, log):
+            if drop_prefill_request(self.faults, message):
+                continue
             if isinstance(message, KVReady) and message.prefill_actor == REMOTE:
                 message = self._remote_ready(message)
                 if message is None:
@@ -162,13 +184,14 @@ class DecodeActor(Actor):
             self.queue_outbox.add_queue(key, self.queues[API])   # its TransferDone: through the API
         return replace(ready, prefill_actor=key)
 
-    def _prefill_here(self) -> None:
+    def _prefill_here(self) -> bool:
         """Colocated mode: the prefill core's next packed forward pass (one per loop iteration, between decode
-        steps), into this actor's own pool."""
+        steps), into this actor's own pool (``hold_prefill`` prompts left out). Whether a pass ran."""
         self.prefill_core.reap()
-        chunks = self.prefill_core.next_batch()
+        chunks = self.held.prefill_chunks(self.prefill_core.next_batch())
         if chunks:
             self.prefill_runner.run(self.prefill_core, chunks, self._after_prefill)
+        return bool(chunks)
 
     def _after_prefill(self, chunks) -> None:
         if self.kv_export is not None:   # before the prefill core's KVReady reaches the decode core

@@ -1,6 +1,7 @@
 """Fault injection around the cores' ports (faults named in pdserve/faults.py, selected by ``PDSERVE_FAULTS``):
-decorators of the transfers port and the outbox, and the checks a shell makes when it takes a request. The
-cores themselves know nothing of faults.
+decorators of the transfers port and the outbox, the checks a shell makes when it takes a request, and the holds
+(``HeldRequests``: the requests of a core a shell's loop leaves alone; the watchdog drills' faults, api/drill.py).
+The cores themselves know nothing of faults.
 """
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ from ipc.lifecycle import TransferStatus
 log = logging.getLogger("pdserve.faults")
 
 UNKNOWN_TRANSFER_STATUS = 7   # a value TransferStatus does not define
+
+
+def level(request_id: str) -> int:
+    """A fault's log level: WARNING, DEBUG for a watchdog drill's request (api/drill.py: routine, every interval)."""
+    from pdserve.faults import DRILL_PREFIX
+
+    return logging.DEBUG if request_id.startswith(DRILL_PREFIX) else logging.WARNING
 
 
 def apply_actor_faults(faults, actor_name: str, request_id: str, table=None) -> None:
@@ -65,7 +73,8 @@ def accept_kv_ready(faults, ready, core) -> bool:
     ``decode_reject`` has the decode core (actors/decode_core.py ``reject``) fail it with a retryable 503.
     Returns False if the message must not reach the core."""
     if faults.fires("bootstrap_silent", ready.request_id):
-        log.warning("fault bootstrap_silent: ignoring KVReady for slot %d", ready.slot)
+        log.log(level(ready.request_id), "fault bootstrap_silent: ignoring KVReady for slot %d (%s)", ready.slot,
+                ready.request_id)
         return False
     if faults.fires("decode_reject", ready.request_id):
         log.warning("fault decode_reject: dropping slot %d", ready.slot)
@@ -160,3 +169,45 @@ class FaultyOutbox:
             for _, dest, message, request_id in due:
                 self.inner.send(dest, message, request_id)
         self.inner.flush()
+
+
+class HeldRequests:
+    """The shell's side of the hold faults (``hold_prefill``, ``hold_decode_waiting``, ``hold_decode``): which of a
+    core's requests its loop leaves alone. Each request is judged once per fault (the first time it is asked about;
+    ``fires`` consumes a count) and remembered by its row key; ``forget`` drops keys no longer live."""
+
+    def __init__(self, faults):
+        self.faults = faults
+        self.judged: dict[tuple[str, tuple[int, int]], bool] = {}
+
+    def held(self, fault: str, key: tuple[int, int], request_id: str) -> bool:
+        if not self.faults:
+            return False
+        verdict = self.judged.get((fault, key))
+        if verdict is None:
+            verdict = self.judged[(fault, key)] = self.faults.fires(fault, request_id) is not None
+            if verdict:
+                log.log(level(request_id), "fault %s: holding slot %d (%s)", fault, key[0], request_id)
+        return verdict
+
+    def prefill_chunks(self, chunks: list) -> list:
+        """The chunks of a planned prefill pass that are computed: those of ``hold_prefill`` requests are left
+        out, so their prompts stay PREFILLING with no progress (the core plans them again next pass)."""
+        return [c for c in chunks if not self.held("hold_prefill", c.work.rows[0][1], c.work.request.request_id)]
+
+    def forget(self, live_keys) -> None:
+        """Drop the verdicts of rows not in ``live_keys`` (a set of row keys), so the dict stays small."""
+        if self.judged:
+            self.judged = {k: v for k, v in self.judged.items() if k[1] in live_keys}
+
+
+def drop_prefill_request(faults, message) -> bool:
+    """``drop_prefill_request``: True if this PrefillRequest is dropped on arrival (its row stays QUEUED, held by
+    nobody: only the queue deadline ends it)."""
+    from actors.messages import PrefillRequest
+
+    if isinstance(message, PrefillRequest) and faults and faults.fires("drop_prefill_request", message.request_id):
+        log.log(level(message.request_id), "fault drop_prefill_request: dropping slot %d (%s)", message.slot,
+                message.request_id)
+        return True
+    return False

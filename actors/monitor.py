@@ -3,7 +3,8 @@
 Each tick it reads the shm state table and the actor table and:
 1. times out every live request past a deadline (actors/watchdog.py): TIMED_OUT(stage) in the table,
    a 504 RequestError to the API, ``timeouts[stage] += 1``, one log line. The actors see the final row on
-   their next loop iteration and free the request's KV blocks, each its own side, exactly once;
+   their next loop iteration and free the request's KV blocks, each its own side, exactly once (a watchdog
+   drill's row, api/drill.py: its stage deadline is ``drill_timeout_s``; not counted, no incident, a DEBUG line);
 2. classifies each actor as ok / hung / dead and fails the requests a dead or hung actor holds (503,
    retryable); the supervisor restarts the actor (killing a hung one first);
 3. tracks stuck queue gauges and cross-checks the actors' own counts against the table;
@@ -168,6 +169,11 @@ class HeartbeatMonitor(Actor):
         self.table = StateTable.attach(self.layout.segment("state"))
         self.to_api = ShmQueue.attach(self.layout.segment("q_api"))
         self.limits_ns = stage_limits_ns(self.config)
+        self.drill_limit_ns = int(self.config.drill_timeout_s * 1e9) if self.config.drill_interval_s > 0 else 0
+        from actors.fault_ports import HeldRequests
+        from pdserve.faults import FaultPlan
+
+        self.blind = HeldRequests(FaultPlan(self.config.faults, "monitor"))   # the monitor_blind fault
         self.gauges = StuckGaugeTracker(self.config.stuck_gauge_s)
         self.tick_ns = int(self.config.monitor_tick_s * 1e9)
         self.next_tick_ns = time.monotonic_ns()
@@ -263,11 +269,14 @@ class HeartbeatMonitor(Actor):
         now_ns = time.monotonic_ns()
         if not self.engine_stopping():   # once the supervisor stops the engine, actors exiting are not deaths
             self.check_actors(rows, now_ns)
-        candidates = find_expired(rows, now_ns, self.config, self.limits_ns)
+        candidates = find_expired(rows, now_ns, self.config, self.limits_ns, self.drill_limit_ns)
+        self.blind.forget({(c.slot, c.generation) for c in candidates})
+        candidates = [c for c in candidates
+                      if not self.blind.held("monitor_blind", (c.slot, c.generation), c.request_id)]
         if candidates:  # the snapshot is consistent per field only: decide again on rows read consistently
             slots = [c.slot for c in candidates]
             fresh = self.table.consistent_rows(slots)
-            again = find_expired(fresh, time.monotonic_ns(), self.config, self.limits_ns)
+            again = find_expired(fresh, time.monotonic_ns(), self.config, self.limits_ns, self.drill_limit_ns)
             for confirmed in again:
                 self.expire(dataclasses.replace(confirmed, slot=slots[confirmed.slot]))
         rows = self.table.snapshot()
@@ -316,13 +325,16 @@ class HeartbeatMonitor(Actor):
         if expired.reason == "bad_timestamp":
             self._notify(expired.slot, expired.generation, 500, "internal_error", expired.message())
         else:
-            rec["timeouts"][int(expired.stage)] += 1
+            if not expired.drill:   # a drill's timeout is the drill's success (api/drill.py), not a client's 504
+                rec["timeouts"][int(expired.stage)] += 1
             self._notify(expired.slot, expired.generation, 504, "timeout_error", expired.message())
         names = self.topology.names
         owner = names[expired.owner] if 0 <= expired.owner < len(names) else "none"
-        log.warning("timeout: request=%s stage=%s age_s=%.3f owner=%s reason=%s", expired.request_id,
-                    expired.stage.name.lower(), expired.age_s, owner, expired.reason)
-        self.incident("timeout", expired.message(), expired=expired)
+        log.log(logging.DEBUG if expired.drill else logging.WARNING,   # a drill's verdict is the API's to log
+                "timeout: request=%s stage=%s age_s=%.3f owner=%s reason=%s", expired.request_id,
+                expired.stage.name.lower(), expired.age_s, owner, expired.reason)
+        if not expired.drill:
+            self.incident("timeout", expired.message(), expired=expired)
 
     def check_actors(self, rows: np.ndarray, now_ns: int) -> None:
         from actors.watchdog import classify_actor

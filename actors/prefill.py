@@ -26,7 +26,7 @@ class PrefillActor(Actor):
         super().__init__(layout, index)
 
     def on_start(self) -> None:
-        from actors.fault_ports import FaultyOutbox, leaky_pool
+        from actors.fault_ports import FaultyOutbox, HeldRequests, leaky_pool
         from actors.model_runner import PrefillRunner, copy_block_rows
         from actors.ports import QueueOutbox
         from actors.prefill_core import PrefillCore
@@ -41,7 +41,9 @@ class PrefillActor(Actor):
         # no decode steps but prompts' last tokens; kv: the pool's data, or a tensor on this actor's device
         self.model, self.pool, self.kv = load_model(self, decode=False)
         self.kv_export = publish_tensor_pool(self.config.kv_transport, self.pool, self.kv)
-        self.faults = FaultPlan(self.config.faults, self.name)
+        self.faults = FaultPlan(self.config.faults, self.name, drills=self.config.drill_interval_s > 0)
+        self.held = HeldRequests(self.faults)   # hold_prefill: prompts it begins but never computes
+        self.only_held = False   # the last pass planned only held prompts: block on the inbox, do not spin
         table = StateTable.attach(self.layout.segment("state"))
         # created after the reset: warm-up's block and a predecessor's cache are never served from it
         self.allocator = CachingAllocator(leaky_pool(self.pool, self.faults, table), enabled=self.config.prefix_cache,
@@ -80,9 +82,13 @@ class PrefillActor(Actor):
         two, so a long prompt or a large batch never blocks it for longer than one pass."""
         from actors.fault_ports import apply_actor_faults
 
-        self._take(self.inbox.get_many(64, 0.0 if self.core.has_work() else self.idle_wait_s))
+        busy = self.core.has_work() and not self.only_held
+        self._take(self.inbox.get_many(64, 0.0 if busy else self.idle_wait_s))
         self.core.reap()
-        chunks = self.core.next_batch()
+        planned = self.core.next_batch()
+        chunks = self.held.prefill_chunks(planned)
+        self.only_held = bool(planned) and not chunks
+        self.held.forget({key for work in self.core.prefilling for _, key in work.rows})
         if chunks:
             self._publish()
             for chunk in chunks:
@@ -98,7 +104,11 @@ class PrefillActor(Actor):
         self._publish()
 
     def _take(self, frames) -> None:
+        from actors.fault_ports import drop_prefill_request
+
         for message in parse_frames(frames, log):
+            if drop_prefill_request(self.faults, message):
+                continue
             if not self.core.on_message(message):
                 log.warning("prefill: unexpected message %r dropped", message)
 

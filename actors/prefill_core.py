@@ -19,7 +19,8 @@ the fact in the row (``prefill_blocks = 0``). Every path frees each block exactl
 Prompt blocks go through the allocator's prefix cache (actors/prefix_cache.py ``CachingAllocator``): a request
 reuses the cached blocks of its longest cached prefix (to the token: a hit ending mid-block is copied into its own
 block inside ``acquire``) and prefills only the tokens after it; its blocks are cached once its forward pass is
-done; "freeing" drops its references to cached blocks (kept until evicted).
+done; "freeing" drops its references to cached blocks (kept until evicted). A watchdog drill's request (id
+prefix ``DRILL_PREFIX``, api/drill.py) neither looks the cache up nor adds to it.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from ipc.lifecycle import LIVE_STATES, held_by
 from ipc.lifecycle import RequestState as S
 from ipc.recorder import EventKind, Renewal, record_request
 from pdserve.errors import OutOfKVBlocksError
+from pdserve.faults import DRILL_PREFIX   # the id prefix of watchdog drills (a naming rule, no fault code)
 
 Key = tuple[int, int]   # (state-table slot, generation)
 PREFILL_HELD = held_by("prefill")   # states in which prefill still holds a row's prompt KV (ipc/lifecycle.py)
@@ -85,6 +87,7 @@ class PrefillWork:
     chunks_done: int = 0
     done_tokens: int = 0
     cache_tokens: int | None = None
+    uncached: bool = False   # a watchdog drill (api/drill.py): neither looked up in nor added to the prefix cache
 
     @property
     def blocks(self) -> list[int]:
@@ -247,6 +250,8 @@ class PrefillCore:
         # echo with logprobs needs every prompt position's logits, an embedding every position's hidden state (and
         # the same numbers whatever was cached before): no cached prefix
         fresh = isinstance(request, EmbedRequest) or request.sampling.prompt_logprobs is not None
+        drill = request.request_id.startswith(DRILL_PREFIX)   # the engine's own test request: leaves no trace
+        fresh = fresh or drill
         try:
             prompt = self.allocator.acquire(request.prompt_ids, request.slot, use_cache=not fresh)
         except OutOfKVBlocksError:
@@ -271,7 +276,7 @@ class PrefillCore:
             for _, key in rows:
                 record_request(EventKind.CACHE_HIT, request.request_id, *key, a=prompt.cached_tokens)
         return PrefillWork(request, prompt, rows, now_ns, int(row["created_ns"]) if row else now_ns,
-                           done_tokens=prompt.cached_tokens)
+                           done_tokens=prompt.cached_tokens, uncached=drill)
 
     def any_live(self, work: PrefillWork) -> bool:
         return any(self._live(key) for _, key in work.rows)
@@ -280,7 +285,8 @@ class PrefillCore:
         """The forward pass ended with each row's first token (``(token_id, wire logprobs or None)`` per entry
         of ``work.rows``): move each live row to BOOTSTRAP and send decode its KVReady."""
         self.prefilling.remove(work)
-        self.allocator.commit(work.prompt, work.cache_tokens)   # its KV is complete: later prompts may reuse it
+        if not work.uncached:   # its KV is complete: later prompts may reuse it
+            self.allocator.commit(work.prompt, work.cache_tokens)
         request = work.request
         now_ns = self.clock()
         queue_s, prefill_s = (work.start_ns - work.created_ns) / 1e9, (now_ns - work.start_ns) / 1e9

@@ -112,16 +112,6 @@ def actor_device_map(config, topo) -> dict[int, str]:
     return {**dict(zip(topo.prefill, prefill)), **dict(zip(topo.decode, decode))}
 
 
-def served_names(configured: str, model_path: str) -> str:
-    """The served model names (comma-separated, the first reported): ``configured``, or the model file's name
-    when it is empty or names only ``*`` (any name accepted: the file's name is then reported)."""
-    from gpu.model_files import model_file_name
-
-    if any(n.strip() not in ("", "*") for n in configured.split(",")):
-        return configured
-    return ",".join([model_file_name(model_path)] + (["*"] if "*" in configured else []))
-
-
 def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     """Read the model's metadata (no weights) and size the pools, queues and tables.
 
@@ -132,7 +122,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
         ModelLoadError: the model cannot be read.
     """
     from gpu.loader import load_config as read_model_config
-    from gpu.model_files import model_cache_dir
+    from gpu.model_files import model_cache_dir, model_file_name
     from ipc.naming import segment_name
 
     config = loaded.config
@@ -165,7 +155,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     # the prefill actors' prefix-cache summaries, read by the router (ipc/cache_summary.py)
     names += ("cachesum",) if config.prefix_cache and topo.prefill else ()
     return EngineLayout(engine_id=engine_id, config=config, model_path=model_path,
-                        served_model_name=served_names(config.served_model_name, model_path), shape=shape,
+                        served_model_name=config.served_model_name or model_file_name(model_path), shape=shape,
                         max_context_tokens=max_context_tokens, http_port=config.port or free_port(config.host),
                         kv_blocks_per_pool=blocks,
                         segments={n: segment_name(engine_id, n) for n in names},
@@ -240,8 +230,8 @@ class Supervisor:
         # the manifest first: its pid tells another engine starting (ipc.manifest.reclaim_stale_engines) that
         # this one's objects are in use from the moment they exist
         self._owned.append(write_manifest(self.engine_id, {
-            "engine_id": self.engine_id, "pid": os.getpid(), "created_unix_s": time.time(),
-            "start_ticks": process_start_ticks(os.getpid()),   # who the pid is (ipc.manifest.stale_engines)
+            "engine_id": self.engine_id, "pid": os.getpid(), "pid_start_ticks": process_start_ticks(os.getpid()),
+            "created_unix_s": time.time(),
             "model": lay.model_path or "(embedded default)", "served_model_name": lay.served_model_name,
             "max_context_tokens": lay.max_context_tokens, "kv_blocks_per_pool": lay.kv_blocks_per_pool,
             "url": f"http://{cfg.host}:{lay.http_port}", "segments": lay.segments, "actors": list(topo.names),

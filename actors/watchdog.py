@@ -15,6 +15,10 @@ while its batch produces tokens). So healthy queueing and long prompts under loa
 nobody makes progress on (a pool that never frees, a transfer that never moves, an actor that dropped it) still
 fails at its stage deadline.
 
+Watchdog drills (api/drill.py): a live row whose request id is ``drill-<stage>-<n>`` has the deadline
+``drill_timeout_s`` (``drill_limit_ns``) in that stage, so a drill ends in about a second, not the stage's minutes;
+in the stages before it, the ordinary ones (a slow first pass after start-up is not the drill's failure).
+
 A zero or future ``state_since_ns`` is a bug; such a row is expired at once and counted, never "fresh".
 """
 from __future__ import annotations
@@ -40,6 +44,7 @@ def state_mask(states) -> np.ndarray:
 
 _LIVE = state_mask(LIVE_STATES)
 _RENEWABLE = state_mask(RENEWABLE_STATES)
+_STAGE_OF = {int(s): name for s, name in STAGE_NAME.items()}
 
 
 @dataclass(frozen=True)
@@ -54,13 +59,16 @@ class Expired:
     reason: str          # "stage_deadline", "request_deadline" or "bad_timestamp"
     owner: int
     request_id: str
+    drill: bool = False  # a watchdog drill's row (api/drill.py)
+    drill_deadline: bool = False   # ... timed out in the stage it drills, whose deadline is drill_timeout_s
 
     def message(self) -> str:
         name = STAGE_NAME[self.stage]
         if self.reason == "bad_timestamp":
             return (f"request {self.request_id} failed in stage {name}: its state timestamp is zero or in the "
                     f"future (an engine bug, reported by the watchdog)")
-        what = "request_timeout_s" if self.reason == "request_deadline" else STAGE_TIMEOUT_FIELD[self.stage]
+        what = ("request_timeout_s" if self.reason == "request_deadline" else
+                "drill_timeout_s" if self.drill_deadline else STAGE_TIMEOUT_FIELD[self.stage])
         return (f"request {self.request_id} timed out in stage {name} after {self.age_s:.2f} s "
                 f"({what}={self.limit_s:g})")
 
@@ -73,13 +81,36 @@ def stage_limits_ns(config) -> np.ndarray:
     return limits
 
 
-def find_expired(rows: np.ndarray, now_ns: int, config, limits_ns: np.ndarray | None = None) -> list[Expired]:
+def drill_rows(rows: np.ndarray, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Which of ``candidates`` (a bool mask over ``rows``) are watchdog drills' rows (request id starting with
+    ``DRILL_PREFIX``: one comparison of the ids' first bytes, over the candidates only), and which of those are in
+    the stage they drill (``drill-<stage>-<n>``). Two bool masks over ``rows``."""
+    from pdserve.faults import DRILL_PREFIX
+
+    prefix = np.frombuffer(DRILL_PREFIX.encode(), dtype=np.uint8)
+    drill = np.zeros(len(rows), dtype=bool)
+    idx = np.flatnonzero(candidates)
+    if idx.size:
+        ids = np.ascontiguousarray(rows["request_id"][idx])
+        head = ids.view(np.uint8).reshape(idx.size, ids.dtype.itemsize)[:, :prefix.size]
+        drill[idx] = (head == prefix).all(axis=1)
+    targeted = np.zeros(len(rows), dtype=bool)
+    for slot in np.flatnonzero(drill):   # at most one drill runs at a time
+        stage = rows["request_id"][slot].decode(errors="replace")[len(DRILL_PREFIX):].rpartition("-")[0]
+        state = int(rows["state"][slot])
+        targeted[slot] = state in _STAGE_OF and _STAGE_OF[state] == stage
+    return drill, targeted
+
+
+def find_expired(rows: np.ndarray, now_ns: int, config, limits_ns: np.ndarray | None = None,
+                 drill_limit_ns: int = 0) -> list[Expired]:
     """Live rows of a state-table snapshot that passed a deadline (vectorized over all rows).
 
     Args:
         rows: structured array with the state table's ROW_DTYPE (a snapshot copy).
         now_ns: CLOCK_MONOTONIC now, in ns.
         config: EngineConfig (the *_timeout_s fields).
+        drill_limit_ns: the stage deadline of drill rows (``drill_rows``); 0: drills are off, no row is one.
     """
     limits_ns = stage_limits_ns(config) if limits_ns is None else limits_ns
     live = _LIVE[rows["state"]]
@@ -90,6 +121,10 @@ def find_expired(rows: np.ndarray, now_ns: int, config, limits_ns: np.ndarray | 
     renewable = _RENEWABLE[rows["state"]]
     progress = np.where(renewable, np.maximum(since, rows["last_progress_ns"].astype(np.int64)), since)
     limit = limits_ns[state]
+    no = np.zeros(len(rows), dtype=bool)
+    drill, targeted = drill_rows(rows, live) if drill_limit_ns else (no, no)
+    if drill_limit_ns:
+        limit = np.where(targeted, drill_limit_ns, limit)
     bad = live & ((since <= 0) | (since > now_ns))
     stage_late = live & ~bad & (now_ns - progress > limit)
     deadline = rows["deadline_ns"].astype(np.int64)
@@ -107,7 +142,8 @@ def find_expired(rows: np.ndarray, now_ns: int, config, limits_ns: np.ndarray | 
             age, lim = (now_ns - int(row["created_ns"])) / 1e9, config.request_timeout_s
         rid = row["request_id"]
         out.append(Expired(int(slot), int(row["generation"]), st, age, lim, reason, int(row["owner"]),
-                           rid.decode(errors="replace") if isinstance(rid, bytes) else str(rid)))
+                           rid.decode(errors="replace") if isinstance(rid, bytes) else str(rid), bool(drill[slot]),
+                           bool(targeted[slot]) and reason == "stage_deadline"))
     return out
 
 

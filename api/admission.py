@@ -69,13 +69,25 @@ class RequestHandle:
     reserve_blocks: int = 0        # decode blocks the request will reserve (pdserve.kv_budget.blocks_for)
     prefilled: bool = False        # a token arrived: its prompt is off the prefill queue, its blocks reserved
     handed_across: bool = False    # a prefill node: its KVReady went to the router; the row ends by its messages
-    ended: bool = False            # its last event (a finish reason or an error) reached the API, or the API ended it
+    ended_ns: int = 0              # when ``ended`` was first set (monotonic ns; api/blame.py: the engine's time)
     lost_since_ns: int = 0         # first seen with its row ended (final, freed or reused) and ``ended`` not set
     on_text_end: Any = None        # called with the handle once its text ended in the API (api.generation.merged_choices)
 
     @property
     def key(self) -> tuple[int, int]:
         return (self.slot, self.generation)
+
+    @property
+    def ended(self) -> bool:
+        """Its last event (a finish reason or an error) reached the API, or the API ended it."""
+        return self.ended_ns != 0
+
+    @ended.setter
+    def ended(self, value: bool) -> None:
+        if value and not self.ended_ns:
+            self.ended_ns = time.monotonic_ns()
+        elif not value:
+            self.ended_ns = 0
 
 
 class TablePort(Protocol):
@@ -140,6 +152,13 @@ class PrefixLookup:
         return self.summaries.cached_blocks(index, keys, pid) * self.block_tokens if keys else 0
 
 
+def is_drill(request_id: str) -> bool:
+    """A watchdog drill's request (api/drill.py): the API gives no client's request this id prefix."""
+    from pdserve.faults import DRILL_PREFIX
+
+    return request_id.startswith(DRILL_PREFIX)
+
+
 class AdmissionPolicy:
     """Capacity and the deadline cap: ``max_queued_requests`` sequences in flight (every choice counts) and
     ``request_timeout_s`` as the longest deadline a client may ask for."""
@@ -188,6 +207,7 @@ class Admission:
         self.faults = faults
         self.prefix = PrefixLookup(summaries, config.kv_block_tokens) if summaries is not None else None
         self.handles: dict[tuple[int, int], RequestHandle] = {}
+        self.drills = 0   # handles of watchdog drills (api/drill.py): not counted against max_queued_requests
         self.count_drift = 0   # fault router_count_drift: added to every published routed count
         self.stale_messages: collections.Counter[str] = collections.Counter()   # by message kind, for /metrics
 
@@ -277,6 +297,7 @@ class Admission:
                                        admitted_ns=now_ns, prefill_actor=prefill_actor, decode_actor=decode_actor,
                                        reserve_blocks=reserve)
                 self.handles[handle.key] = handle
+                self.drills += is_drill(request.request_id)
                 handles.append(handle)
         except StateTableFullError as exc:
             self.release_all(handles)
@@ -298,7 +319,7 @@ class Admission:
         """
         if self.draining():
             raise EngineOverloadedError("the engine is shutting down (draining); retry on another replica")
-        self.policy.check_room(len(self.handles), request.n)
+        self.policy.check_room(len(self.handles) - self.drills, request.n)
         timeout_s = self.policy.timeout_s(request, timeout_s)
         prefill_actor, decode_actor = self._choose(request, remote_decode)
         handles = self._open_rows(request, request.n, timeout_s, prompt_tokens=len(request.prompt_ids),
@@ -343,7 +364,7 @@ class Admission:
             raise InvalidRequestError("this node runs the decode side only; it computes no embeddings")
         if self.draining():
             raise EngineOverloadedError("the engine is shutting down (draining); retry on another replica")
-        self.policy.check_room(len(self.handles), 1)
+        self.policy.check_room(len(self.handles) - self.drills, 1)
         handle = self._admit_embedding(item, self.config.pooling, timeout_s)
         self.publish_routed()
         return handle
@@ -381,7 +402,7 @@ class Admission:
                                       "requests")
         if not ready.peer:
             raise InvalidRequestError("a prefilled request needs the prefill pool's descriptor ('peer')")
-        self.policy.check_room(len(self.handles), 1)
+        self.policy.check_room(len(self.handles) - self.drills, 1)
         timeout_s = self.policy.timeout_s(request, timeout_s)
         decode_actor = pick_decode(self.actor_loads()[1], ready.num_tokens,
                                    ready.sampling.reserved_output_tokens).index
@@ -420,7 +441,7 @@ class Admission:
     def check_room(self, sequences: int) -> None:
         """Whether ``sequences`` more fit beside those in flight now (AdmissionPolicy.check_room's errors); admits
         nothing (api.exchange.submit_all checks a list of prompts whole before admitting any)."""
-        self.policy.check_room(len(self.handles), sequences)
+        self.policy.check_room(len(self.handles) - self.drills, sequences)
 
     def stop(self, handle: RequestHandle) -> None:
         """A stop string matched: the row is FINISHED; the decode actor sees it and frees its blocks."""
@@ -451,6 +472,7 @@ class Admission:
         transition refuses), then release it; a second call is a no-op."""
         if self.handles.pop(handle.key, None) is None:
             return
+        self.drills -= is_drill(handle.request.request_id)
         self.table.transition(handle.slot, handle.generation, S.ABORTED, owner=self.owner, by="api")
         self.table.release(handle.slot, handle.generation)
         self.publish_routed()

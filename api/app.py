@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from api.blame import PeerBlame
 from api.debug_state import DebugState
 from api.dialects import anthropic, openai, responses
 from api.embeddings import EmbeddingsDialect
@@ -61,7 +62,8 @@ def build_app(client, tokenizer, parser: RequestParser, metrics, api_keys: tuple
     every response and a log line per error; CORS (Starlette's CORSMiddleware, outermost so a preflight needs no
     key) for ``allowed_origins`` (none = no CORS headers; ``*`` = any origin)."""
     app = Routes(client, tokenizer, parser, metrics).app(extra_routes)
-    app = ErrorLogMiddleware(RequestIdMiddleware(ApiKeyMiddleware(app, api_keys, admin_keys, node_secret)))
+    blame = PeerBlame(metrics.registry) if getattr(metrics, "registry", None) is not None else None
+    app = ErrorLogMiddleware(RequestIdMiddleware(ApiKeyMiddleware(app, api_keys, admin_keys, node_secret), blame))
     if allowed_origins:
         app = CORSMiddleware(app, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"],
                              expose_headers=["x-request-id"], max_age=600)

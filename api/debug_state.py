@@ -67,7 +67,8 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
                    now_ns: int) -> dict[str, Any]:
     """Assemble the JSON snapshot from raw reads (``rows``: a StateTable snapshot; schema: tools/inspect.py)."""
     from ipc.actor_table import sum_own_gauges
-    from ipc.engine_status import GAUGE_METRIC, GAUGES, actor_failures
+    from ipc.engine_status import GAUGE_METRIC, GAUGES, drill_problems
+    from pdserve.faults import DRILL_PREFIX
     from ipc.lifecycle import (GAUGE_STATES, LIVE_STATES, RENEWABLE_STATES, STAGE_NAME, STAGE_TIMEOUT_FIELD,
                                RequestState)
 
@@ -98,13 +99,16 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
         row = rows[slot]
         stage = RequestState(int(row["state"]))
         since_ns = int(row["state_since_ns"])
-        limit_s = float(config[STAGE_TIMEOUT_FIELD[stage]]["value"])
+        request_id = row["request_id"].decode(errors="replace")
+        drill = request_id.startswith(DRILL_PREFIX)   # a watchdog drill (api/drill.py): drill-<stage>-<n>
+        drilled = drill and request_id.startswith(f"{DRILL_PREFIX}{STAGE_NAME[stage]}-") and "drill_timeout_s" in config
+        limit_s = float(config["drill_timeout_s" if drilled else STAGE_TIMEOUT_FIELD[stage]]["value"])
         if stage in RENEWABLE_STATES:   # the stage deadline runs from the last renewal (actors/watchdog.py)
             since_ns = max(since_ns, int(row["last_progress_ns"]))
         owner = int(row["owner"])
         deadline_ns = int(row["deadline_ns"])
         requests.append({
-            "request_id": row["request_id"].decode(errors="replace"), "slot": slot, "stage": STAGE_NAME[stage],
+            "request_id": request_id, "drill": drill, "slot": slot, "stage": STAGE_NAME[stage],
             "age_in_stage_s": (now_ns - int(row["state_since_ns"])) / 1e9,
             "total_age_s": (now_ns - int(row["created_ns"])) / 1e9,
             "owner": names[owner] if 0 <= owner < len(names) else None,
@@ -121,6 +125,7 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
     tick_s = float(config["monitor_tick_s"]["value"])
     if tick_age_s is None or tick_age_s > 3 * tick_s + 1:
         problems.append(f"the watchdog has not ticked for {tick_age_s if tick_age_s is not None else 'ever'} s")
+    problems += drill_problems(status)
     api_active = sum(max(int(r["active_requests"]), 0) for r in actor_rows)  # -1 = keeps no such count
     engine_active = len(requests)
     return {
@@ -128,13 +133,25 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
         "role": node_role(config),
         "taken_unix_s": time.time(), "healthy": not problems, "problems": problems, "config": config,
         "actors": actors, "gauges": gauges, "requests": requests,
-        "watchdog": {"ticks": int(status["watchdog_ticks"]), "last_tick_age_s": tick_age_s,
-                     "tick_cpu_ms": status["watchdog_tick_cpu_ns"] / 1e6,
-                     "timeouts_by_stage": {STAGE_NAME[s]: int(status["timeouts"][int(s)]) for s in STAGE_NAME},
-                     "actor_failures_by_stage": {STAGE_NAME[s]: int(actor_failures(status)[int(s)])
-                                                 for s in STAGE_NAME}},
+        "watchdog": _watchdog_entry(status, tick_age_s),
         "active_requests": {"api": api_active, "engine": engine_active, "agree": api_active == engine_active},
     }
+
+
+def _watchdog_entry(status: dict, tick_age_s: float | None) -> dict[str, Any]:
+    """The snapshot's "watchdog": ticks, timeouts and actor failures by stage, the drills run so far (api/drill.py)."""
+    from ipc.engine_status import actor_failures
+    from ipc.lifecycle import STAGE_NAME
+
+    return {"ticks": int(status["watchdog_ticks"]), "last_tick_age_s": tick_age_s,
+            "tick_cpu_ms": status["watchdog_tick_cpu_ns"] / 1e6,
+            "timeouts_by_stage": {STAGE_NAME[s]: int(status["timeouts"][int(s)]) for s in STAGE_NAME},
+            "actor_failures_by_stage": {STAGE_NAME[s]: int(actor_failures(status)[int(s)]) for s in STAGE_NAME},
+            "drills": {STAGE_NAME[s]: {"runs": int(status["drill_runs"][int(s)]),
+                                       "failures": int(status["drill_failures"][int(s)]),
+                                       "last_success_unix_s": status["drill_last_success_s"][int(s)] or None,
+                                       "failing": bool(status["drill_failing"][int(s)])}
+                       for s in STAGE_NAME if status["drill_runs"][int(s)]}}
 
 
 def node_role(config: dict) -> str:

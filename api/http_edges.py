@@ -828,7 +828,9 @@ def note_engine_requests(scope, handles) -> None:
     one whose text has not (the n choices or the prompts of one request end at different times, and the monitor's
     done_not_written reads the named row's end as the response's due time). A no-op without a ledger. Every route
     that submits to the engine calls it right after ``EngineClient.submit``; the request's trace note
-    (api/tracing.py), when tracing is on, gets ``handles`` too."""
+    (api/tracing.py), when tracing is on, gets ``handles`` too, and the scope's ``pdserve.handles`` (the arrival
+    index's time split, api/middleware.py)."""
+    scope.setdefault("pdserve.handles", []).extend(handles)   # api/middleware.py: the request's time split
     entry = scope.get("pdserve.ledger")
     if entry is not None and handles:
         first = handles[0]

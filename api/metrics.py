@@ -16,6 +16,10 @@ Queue gauges (SGLang's names with our prefix):
 HTTP families from the connection ledger (ipc/ledger.py; README "Connections"): pdserve_http_connections{state},
 pdserve_http_connections_closed_total{reason}, pdserve_http_problems_total{reason} (the monitor's detections),
 pdserve_http_connections_unrecorded_total.
+
+Watchdog drills (api/drill.py), per drilled stage: pdserve_watchdog_drill_last_success_timestamp{stage},
+pdserve_watchdog_drills_total{stage}, pdserve_watchdog_drill_failures_total{stage}; a stage whose last drill failed
+is a /health problem (status stays "ok": requests are still served).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from actors.watchdog import actor_state
 from ipc.lifecycle import GAUGE_STATES, STAGE_NAME
-from ipc.engine_status import GAUGES, actor_failures
+from ipc.engine_status import GAUGES, actor_failures, drill_problems
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -123,6 +127,7 @@ class _SharedStateCollector:
             timeouts.add_metric([stage], status["timeouts"][int(state)])
             failures.add_metric([stage], failed_by_stage[int(state)])
         yield from (timeouts, failures)
+        yield from _drill_families(client.config, status)
         stuck = _gauge("pdserve_stuck_gauge", "1 = gauge > 0 while nothing left its stage for stuck_gauge_s",
                        labels=["gauge"])
         mismatch = _gauge("pdserve_gauge_mismatch", "1 = an actor's own count disagrees with the state table",
@@ -148,6 +153,26 @@ class _SharedStateCollector:
                      client.num_active())
         if self.owner.ledger is not None:
             yield from _ledger_families(self.owner.ledger)
+
+
+def _drill_families(config, status):
+    """The watchdog fire drill's (api/drill.py) results per drilled stage, from the status record; none with drills
+    off."""
+    from api.drill import drill_stages
+
+    if config.drill_interval_s <= 0:
+        return
+    last = _gauge("pdserve_watchdog_drill_last_success_timestamp", "unix time of the last watchdog drill of the "
+                  "stage that passed (its deadline fired within drill_timeout_s + one tick and freed everything; "
+                  "0 = none yet)", labels=["stage"])
+    runs = CounterMetricFamily("pdserve_watchdog_drills", "watchdog drills run", labels=["stage"])
+    failed = CounterMetricFamily("pdserve_watchdog_drill_failures", "watchdog drills that failed", labels=["stage"])
+    for state in drill_stages(config.role, config.colocated):
+        stage, i = STAGE_NAME[state], int(state)
+        last.add_metric([stage], status["drill_last_success_s"][i])
+        runs.add_metric([stage], status["drill_runs"][i])
+        failed.add_metric([stage], status["drill_failures"][i])
+    yield from (last, runs, failed)
 
 
 def _ledger_families(ledger):
@@ -325,6 +350,7 @@ class EngineMetrics(RequestMetrics):
             if state != "ok":
                 problems.append(f"actor {name} is {state}")
         reasons = not_ready(self.client.topology, states, bool(status["draining"]))
+        problems += drill_problems(status)   # a watchdog that failed its drill: a problem, not an outage
         # status and problems only: /health is open (no API key), so it tells nothing about the configuration;
         # the effective config is in tools/inspect (local shm access)
         return {"status": "ok" if not reasons else "unavailable", "problems": reasons + problems, "actors": actors}

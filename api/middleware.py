@@ -44,36 +44,56 @@ def _header(scope: dict, name: bytes) -> str | None:
 class RequestIdMiddleware:
     """Every HTTP response carries ``x-request-id``: the one the handler set (a generation's id), else the
     client's ``X-Request-Id`` when it is acceptable (api.protocol.check_request_id), else a new ``req-...`` id.
-    Covers responses made outside the routes too (404, 405, 413, 401 from ApiKeyMiddleware). A POST's id, arrival
-    and status go into the arrival index (ipc/arrivals.py) as its answer starts."""
+    Covers responses made outside the routes too (404, 405, 413, 401 from ApiKeyMiddleware). At a POST's end its
+    id, arrival, status and time split (api/blame.py ``split_of``: a proxy's ``X-Request-Start``, the engine
+    requests api/http_edges.py ``note_engine_requests`` put in the scope) go into the arrival index
+    (ipc/arrivals.py), and into ``blame`` (api/blame.py ``PeerBlame``, per connection peer) when given."""
 
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, blame=None):
         self.app = app
+        self.blame = blame
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        arrived_ns = time.monotonic_ns()
+        arrived_ns, arrived_wall_ns = time.monotonic_ns(), time.time_ns()
         try:
             default = check_request_id(_header(scope, b"x-request-id"), "")
         except PdserveError:
             default = ""
         default = default or f"req-{uuid.uuid4().hex[:24]}"
+        answer = {"rid": default, "status": 0, "noted": scope.get("method") != "POST"}
 
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers") or [])
                 rid = next((v.decode("latin-1") for k, v in headers if k.lower() == b"x-request-id"), None)
                 if rid is None:
-                    rid = default
                     headers.append((b"x-request-id", default.encode("latin-1")))
                     message = {**message, "headers": headers}
-                if scope.get("method") == "POST":
-                    note_arrival(rid, arrived_ns, int(message["status"]))
+                answer["rid"], answer["status"] = rid or default, int(message["status"])
             await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                self._note(scope, answer, arrived_ns, arrived_wall_ns)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self._note(scope, answer, arrived_ns, arrived_wall_ns)
+
+    def _note(self, scope: dict, answer: dict, arrived_ns: int, arrived_wall_ns: int) -> None:
+        """A POST's entry in the arrival index and its peer's blame, once (its response ended, or never began)."""
+        if answer["noted"]:
+            return
+        answer["noted"] = True
+        from api.blame import proxy_wait_ns, split_of
+
+        split = split_of(arrived_ns, time.monotonic_ns(), scope.get("pdserve.handles", ()),
+                         proxy_wait_ns(_header(scope, b"x-request-start"), arrived_wall_ns))
+        note_arrival(answer["rid"], arrived_ns, answer["status"], split)
+        if self.blame is not None and answer["status"]:
+            self.blame.observe(str((scope.get("client") or ("?",))[0]), split)
 
 
 class ApiKeyMiddleware:

@@ -17,6 +17,7 @@ from api.formats import (THINK_CLOSE, THINK_OPEN, OutputFormats, prompt_closes_r
                          tool_parser, with_special_markers)
 from api.tools import ToolPlan, parameters_schema, parse_tools, template_messages
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
+from pdserve.faults import DRILL_PREFIX
 from pdserve.kv_budget import blocks_for
 from pdserve.sampling import Sampling
 
@@ -55,9 +56,12 @@ def check_request_id(value: str | None, default: str) -> str:
     trace ids are), else ``default``: a tracing header never makes a request fail.
 
     The id is kept whole for the response (``id``, the ``X-Request-Id`` header) and the API's log lines; the shm
-    state table stores its first 40 bytes, which is what tools/inspect and the monitor's log lines show.
+    state table stores its first 40 bytes, which is what tools/inspect and the monitor's log lines show. An id
+    starting with ``pdserve.faults.DRILL_PREFIX`` is the engine's own watchdog drills' (faults aim at those): a
+    client's gets ``default``.
     """
-    if value and len(value) <= MAX_REQUEST_ID_CHARS and all("!" <= c <= "~" for c in value):
+    if (value and len(value) <= MAX_REQUEST_ID_CHARS and all("!" <= c <= "~" for c in value)
+            and not value.startswith(DRILL_PREFIX)):
         return value
     return default
 

@@ -402,6 +402,7 @@ class RouterClient:
             return False
         if "error" in line:
             error = line["error"]
+            handle.ended = True
             handle.events.put_nowait(("error", node_error(error.get("message", "decode node error"),
                                                           int(error.get("status", 502)),
                                                           str(error.get("type", "bad_gateway")))))
@@ -410,6 +411,7 @@ class RouterClient:
         if line.get("timings"):
             handle.timings = line["timings"]
         handle.prefilled = True
+        handle.ended = handle.ended or reason is not None
         handle.events.put_nowait(("token", token, reason, logprobs))
         if reason is not None:   # the decode node ended the row itself
             self._carry(flight, flight.flight.last_token())
@@ -450,6 +452,7 @@ class RouterClient:
             elif effect.action == "abort":
                 self._background(self._tell(node, "/internal/abort", {"rows": [list(effect.row)]}, request_id))
             elif effect.action == "error":
+                flight.handle.ended = True
                 flight.handle.events.put_nowait(("error", effect.value))
             else:
                 raise ValueError(f"unknown flight effect {effect}")

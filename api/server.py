@@ -4,7 +4,8 @@ HTTP/2 over TLS (ALPN h2) and HTTP/1.1 over TLS instead (``ssl_ca_certs``: clien
 A node (``role`` prefill or decode) also mounts api/node_api.py's ``/internal/*`` routes, which take only the
 router's ``node_secret``; a plain engine has none (404).
 
-The process beats its heartbeat from the asyncio loop, so a wedged event loop shows up as a hung API.
+The process beats its heartbeat from the asyncio loop, so a wedged event loop shows up as a hung API. The watchdog
+fire drill (api/drill.py, ``drill_interval_s``) is a task of the same loop.
 
 Connection edges Hypercorn and h2 handle short of the RFCs (idle close: GOAWAY on HTTP/2, a staged close on
 HTTP/1.1; a connection the client closed while idle closed at once; ``Keep-Alive: timeout=N``; REFUSED_STREAM for
@@ -145,6 +146,10 @@ class ApiActor(Actor):
             app = TraceMiddleware(app, tracer)
             metrics.registry.register(tracer.collector())
         ignore_cancelled_connection_callbacks(asyncio.get_running_loop())
+        from api.drill import Drills
+
+        drills = Drills(client, parser.served_model_name)   # the watchdog fire drill (drill_interval_s > 0)
+        drills.start()
 
         async def shutdown_trigger() -> None:
             self.actors.set_status(self.index, ActorStatus.READY)
@@ -159,6 +164,7 @@ class ApiActor(Actor):
         try:
             await serve(answer_cancelled_requests(app), hconfig, shutdown_trigger=shutdown_trigger)
         finally:
+            drills.stop()
             client.stop()
             if tracer is not None:
                 tracer.stop()

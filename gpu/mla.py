@@ -247,9 +247,9 @@ class MLATorchExecutor(TorchExecutor):
         kv_flat = m._flat_pool(kv)  # [L, 2, slots, 1, head_dim]
         rope = m._rope_at(pos)
         x = m._embed(torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=m.device))
-        hidden, eps = (c.hidden_size,), c.rms_norm_eps
+        norm_shape, eps = (c.hidden_size,), c.rms_norm_eps
         for li, layer in enumerate(m.layers):
-            h = F.rms_norm(x, hidden, layer.ln_attn, eps)  # [N, hidden]
+            h = F.rms_norm(x, norm_shape, layer.ln_attn, eps)  # [N, hidden]
             q, row = m._q_row(layer, h, rope)  # [N, H, nope + rope], [N, 2 head_dim]
             stored = m._write(kv_flat, li, w_slot, row)
             outs = []

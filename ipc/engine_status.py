@@ -9,7 +9,7 @@ Layout (little endian)::
 
     offset  size  field
     0       4     magic         b"PDES"
-    4       4     version       u4 = 2
+    4       4     version       u4 = 3
     8       4     record_bytes  u4 = STATUS_DTYPE.itemsize
     64      ...   one record of STATUS_DTYPE (aligned: no field straddles its own size)
 
@@ -28,6 +28,11 @@ Record (``STATUS_DTYPE``; ``S`` = len(RequestState), indexed by state; ``G`` = l
     gauge_moved_ns         i8[G]   monitor     last time a request left that stage
     stuck                  u1[G]   monitor     1 = gauge > 0 and nothing left the stage for stuck_gauge_s
     mismatch               u1[G]   monitor     1 = the actors' own count disagrees with the table
+    drill_runs             u8[S]   api         watchdog drills run, by the stage drilled (api/drill.py)
+    drill_failures         u8[S]   api         of those, failed
+    drill_last_success_s   f8[S]   api         wall clock (unix s) of the stage's last passed drill (0 = none yet)
+    drill_failing          u1[S]   api         the stage's last drill failed: 1 + its index in DRILL_FAILURES
+                                               (0 = it passed, or none ran)
     draining               u1      supervisor  1 = stop admitting (SIGTERM received)
     stopping               u1      supervisor  1 = every actor leaves its loop (the supervisor's stop)
 
@@ -63,14 +68,37 @@ STATUS_DTYPE = np.dtype([
     ("gauge_moved_ns", "<i8", (_G,)),
     ("stuck", "u1", (_G,)),
     ("mismatch", "u1", (_G,)),
+    ("drill_runs", "<u8", (_S,)),
+    ("drill_failures", "<u8", (_S,)),
+    ("drill_last_success_s", "<f8", (_S,)),
+    ("drill_failing", "u1", (_S,)),
     ("draining", "u1"),
     ("stopping", "u1"),
 ], align=True)
 
 MAGIC = b"PDES"
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("<4sII")  # magic, version, record_bytes
 RECORD_OFFSET = 64
+
+
+# why a watchdog drill failed (``drill_failing`` - 1); api/drill.py decides which
+DRILL_FAILURES = (
+    "the stage deadline did not fire within drill_timeout_s + one tick",
+    "the stage deadline fired before drill_timeout_s",
+    "the request never reached the stage",
+    "its KV blocks (or the actors' own counts) were not freed after the deadline",
+    "it ended otherwise than by the stage deadline",
+)
+
+
+def drill_problems(rec) -> list[str]:
+    """/health and tools/inspect problems from the drill fields: one per stage whose last drill failed (``rec``:
+    the record, or ``EngineStatus.snapshot()``'s dict)."""
+    from ipc.lifecycle import STAGE_NAME
+
+    return [f"watchdog drill of stage {stage} failed: {DRILL_FAILURES[int(rec['drill_failing'][int(state)]) - 1]}"
+            for state, stage in STAGE_NAME.items() if rec["drill_failing"][int(state)]]
 
 
 def actor_failures(rec) -> np.ndarray:

@@ -7,13 +7,13 @@ Layout of ``/pdserve_<id>_manifest`` (written once by the supervisor before any 
     0       4     magic          b"PDMF"
     4       4     version        u4 = 1
     8       4     json_bytes     u4 length of the JSON below
-    16      N     orjson-encoded object: engine_id, pid (supervisor), start_ticks (its /proc start time, in
-                  clock ticks after boot), created_unix_s, model, served_model_name,
+    16      N     orjson-encoded object: engine_id, pid (supervisor), pid_start_ticks (its /proc starttime),
+                  created_unix_s, model, served_model_name,
                   max_context_tokens, kv_blocks_per_pool, url, segments {what: posix name}, actors [names],
                   config {field: {"value", "source"}}
 
-The manifest is the first object an engine creates (its ``pid`` tells whether the engine's supervisor still
-runs): ``reclaim_stale_engines`` unlinks the objects of engines whose supervisor is gone (SIGKILL leaves them;
+The manifest is the first object an engine creates (its ``pid`` and ``pid_start_ticks`` tell whether the engine's
+supervisor still runs, whatever the wall clock did since): ``reclaim_stale_engines`` unlinks the objects of engines whose supervisor is gone (SIGKILL leaves them;
 ``pdserve serve`` and ``tools/inspect --list`` call it at start).
 """
 from __future__ import annotations
@@ -92,37 +92,37 @@ def running_engines() -> list[str]:
 
 
 def process_start_ticks(pid: int) -> int | None:
-    """``pid``'s start time in clock ticks after boot (/proc/PID/stat field 22), None when no such process. It
-    never changes for a process and differs for a reused pid, whatever the wall clock does (a VM paused and
-    resumed, an NTP step: ``btime`` in /proc/stat then moves, and start times in Unix seconds with it)."""
+    """When process ``pid`` started, in clock ticks since boot (/proc/PID/stat's field 22, ``starttime``), or None
+    if there is no such process. The same number for the life of the process whatever the wall clock does, and a
+    reused pid's differs: the identity of a supervisor in the manifest (``pid_start_ticks``)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
+            return int(f.read().rsplit(b")", 1)[1].split()[19])   # field 22, counted after the ")"
     except (OSError, IndexError, ValueError):
         return None
 
 
 def process_started_unix_s(pid: int) -> float | None:
-    """When process ``pid`` started (Unix seconds, from /proc), or None if there is no such process. A process we
-    may not signal but that exists counts (its start time is still readable in /proc)."""
+    """When process ``pid`` started (Unix seconds: the boot time /proc/stat gives now, plus its
+    :func:`process_start_ticks`), or None if there is no such process. The boot time is the wall clock less the
+    uptime, so a step of the wall clock (NTP, a paused VM set right) moves every process's answer by that step."""
+    ticks = process_start_ticks(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
         with open("/proc/stat", "rb") as f:
             boot_s = next(float(line.split()[1]) for line in f if line.startswith(b"btime "))
     except (OSError, IndexError, StopIteration, ValueError):
         return None
-    return boot_s + int(fields[19]) / os.sysconf("SC_CLK_TCK")   # field 22 (starttime), counted after the ")"
+    return None if ticks is None else boot_s + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def stale_engines(now_unix_s: float | None = None, only: set[str] | None = None) -> dict[str, str]:
     """Engines with objects in /dev/shm whose supervisor is gone: engine id -> why. Gone = the manifest's ``pid``
-    runs no process, or another process than the supervisor (the pid was reused): its start time in ticks after
-    boot differs from the manifest's ``start_ticks`` (a manifest without them, of an older build: the process
-    started after the manifest was written, in Unix seconds, which a wall-clock step can fake: a VM resumed after a
-    pause moved /proc/stat's btime 27 s and made a live engine look stale). An engine
-    without a readable manifest counts once its newest object is NO_MANIFEST_GRACE_S old (the supervisor
-    writes the manifest first, so a starting engine has one within moments). ``only``: look at these ids alone."""
+    runs no process, or another process than the one that wrote it (the pid was reused: its
+    :func:`process_start_ticks` differ from the manifest's ``pid_start_ticks``; a manifest without them, from an
+    older pdserve, falls back to the wall clock: a process started after ``created_unix_s``, which a forward step of
+    the clock fakes, so a live engine's objects were unlinked under it). An engine without a readable manifest
+    counts once its newest object is NO_MANIFEST_GRACE_S old (the supervisor writes the manifest first, so a
+    starting engine has one within moments). ``only``: look at these ids alone."""
     now_unix_s = time.time() if now_unix_s is None else now_unix_s
     entries: dict[str, list[str]] = {}
     for entry in list_engine_segments():
@@ -139,17 +139,13 @@ def stale_engines(now_unix_s: float | None = None, only: set[str] | None = None)
                 stale[eid] = f"no readable manifest, objects {now_unix_s - newest:.0f} s old"
             continue
         pid, created = int(manifest.get("pid", -1)), float(manifest.get("created_unix_s", now_unix_s))
-        if "start_ticks" in manifest:   # the supervisor's own start time: exact, immune to wall-clock steps
-            ticks = process_start_ticks(pid) if pid > 0 else None
-            if ticks is None:
-                stale[eid] = f"supervisor pid {pid} is gone"
-            elif ticks != int(manifest["start_ticks"]):
-                stale[eid] = f"supervisor pid {pid} now runs another process (started at another time)"
-            continue
-        started = process_started_unix_s(pid) if pid > 0 else None   # a manifest of an older build
-        if started is None:
+        ticks = process_start_ticks(pid) if pid > 0 else None
+        if ticks is None:
             stale[eid] = f"supervisor pid {pid} is gone"
-        elif started > created + 2.0:
+        elif "pid_start_ticks" in manifest:
+            if ticks != int(manifest["pid_start_ticks"]):
+                stale[eid] = f"supervisor pid {pid} now runs another process"
+        elif (process_started_unix_s(pid) or 0.0) > created + 2.0:
             stale[eid] = f"supervisor pid {pid} now runs a process started after the engine"
     return stale
 

@@ -91,6 +91,8 @@ class EventKind(enum.IntEnum):
     CLOSED = 12         # the exchange ended; aux = ClosedBy; a = HTTP status
     RENEWAL = 13        # a deadline renewal; aux = Renewal (what renewed it); BLOCKS: a = blocks received so far
     HTTP_PROBLEM = 14   # a connection detection (ipc/ledger.DETECTIONS[aux - 1]); a = connection id; b = age_ns
+    DRILL = 15          # a watchdog drill's verdict (api/drill.py): old = the stage drilled; aux = 0 passed, else
+    #                     1 + its index in ipc.engine_status.DRILL_FAILURES
 
 
 class ClosedBy(enum.IntEnum):

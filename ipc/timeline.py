@@ -15,6 +15,8 @@ relative to the first event, ``null`` = unknown)::
                  "request_deadline_left_s": float|null (at entry)}],
      "timeout": null | {"stage", "reason": "stage_deadline"|"request_deadline"|"bad_timestamp", "age_s",
                         "limit_s", "deadline_field"},
+     "drill": null | {"stage", "passed": bool, "failure": str|null} (a watchdog drill's row, api/drill.py: its
+              stage deadlines are drill_timeout_s),
      "events": [{"t_s", "kind", "actor", ...kind's fields}]}
 
 ``/debug/requests/{id}`` answers ``{"schema": 1, "request_id": id, "timelines": [...]}`` (the newest last);
@@ -105,6 +107,12 @@ def _event_fields(ev, actor_names: tuple[str, ...]) -> dict[str, Any]:
         reason = int(ev["aux"]) - 1
         out.update({"reason": DETECTIONS[reason] if 0 <= reason < len(DETECTIONS) else str(reason + 1),
                     "connection": a, "age_s": b / 1e9})
+    elif kind == EventKind.DRILL:
+        from ipc.engine_status import DRILL_FAILURES
+
+        verdict = int(ev["aux"])
+        out.update({"stage": STAGE_NAME.get(S(int(ev["old"])), _state_name(int(ev["old"]))), "passed": not verdict,
+                    "failure": DRILL_FAILURES[verdict - 1] if 0 < verdict <= len(DRILL_FAILURES) else None})
     elif kind == EventKind.RENEWAL:
         out["what"] = Renewal(int(ev["aux"])).name.lower() if int(ev["aux"]) in Renewal._value2member_map_ \
             else str(int(ev["aux"]))
@@ -126,6 +134,7 @@ def build_timeline(events: np.ndarray, now_ns: int, config: dict[str, float] | N
     path: list[str] = []
     out_events = []
     timeout = None
+    drill = None
     final = None
     released = False
     for ev in events:
@@ -154,6 +163,14 @@ def build_timeline(events: np.ndarray, now_ns: int, config: dict[str, float] | N
                        else STAGE_TIMEOUT_FIELD.get(stage_state)}
         elif kind == EventKind.RELEASE:
             released = True
+        elif kind == EventKind.DRILL:
+            drill = {k: fields[k] for k in ("stage", "passed", "failure")}
+    if drill is not None:   # in the stage it drills, its deadline is drill_timeout_s (actors/watchdog.py)
+        for st in stages:
+            if st["stage"] == drill["stage"]:
+                st["deadline_field"], st["deadline_s"] = "drill_timeout_s", config.get("drill_timeout_s")
+        if timeout is not None and timeout["reason"] == "stage_deadline":
+            timeout["deadline_field"] = "drill_timeout_s"
     slot, generation = int(events["slot"][0]), int(events["generation"][0])
     live, partial = _completeness(events, final is not None or released, horizon_ns,
                                   None if live_rows is None else (slot, generation) in live_rows)
@@ -163,7 +180,7 @@ def build_timeline(events: np.ndarray, now_ns: int, config: dict[str, float] | N
     return {"key": f"{key:016x}", "request_id": request_id, "slot": slot, "generation": generation,
             "started_ago_s": (now_ns - t0) / 1e9, "duration_s": (int(events["t_ns"][-1]) - t0) / 1e9, "final": final,
             "released": released, "live": live, "partial": partial, "path": path, "stages": stages,
-            "timeout": timeout, "events": out_events}
+            "timeout": timeout, "drill": drill, "events": out_events}
 
 
 def _completeness(events: np.ndarray, ended: bool, horizon_ns: int, in_table: bool | None) -> tuple[bool, str | None]:
@@ -225,7 +242,7 @@ def stage_deadlines(config_values: dict[str, Any]) -> dict[str, float]:
     """The stage deadline fields of an effective config (``{field: value}`` or the manifest's ``{field:
     {"value": v, "source": s}}``) -> seconds."""
     out = {}
-    for name in list(STAGE_TIMEOUT_FIELD.values()) + ["request_timeout_s"]:
+    for name in list(STAGE_TIMEOUT_FIELD.values()) + ["request_timeout_s", "drill_timeout_s"]:
         v = config_values.get(name)
         if isinstance(v, dict):
             v = v.get("value")
@@ -242,6 +259,10 @@ def render_text(timeline: dict[str, Any]) -> list[str]:
             f"{' -> '.join(timeline['path'])}  ({timeline['duration_s']:.3f} s, started "
             f"{timeline['started_ago_s']:.1f} s ago{', row released' if timeline['released'] else ''})")
     lines = [head]
+    drill = timeline.get("drill")
+    if drill is not None:
+        lines.append(f"  WATCHDOG DRILL of stage {drill['stage']}: "
+                     + ("passed" if drill["passed"] else f"FAILED ({drill['failure']})"))
     if timeline.get("partial"):
         lines.append(f"  PARTIAL: {PARTIAL_TEXT[timeline['partial']]}")
     for st in timeline["stages"]:

@@ -235,6 +235,13 @@ class EngineConfig:
                                            _positive, "> 0")
     stuck_gauge_s: float = _setting(30.0, "a gauge > 0 with nothing leaving its stage this long is stuck",
                                     _positive, "> 0")
+    drill_interval_s: float = _setting(120.0, "watchdog fire drill (api/drill.py): this often the API sends the "
+                                       "engine a tiny request per stage, held there by a fault, one at a time, and "
+                                       "checks the stage deadline fires within drill_timeout_s + one tick and frees "
+                                       "its KV blocks; a drill waits while other requests are live; 0 = off",
+                                       _non_negative, ">= 0")
+    drill_timeout_s: float = _setting(1.0, "the stage deadline of drill requests (instead of the stage's own)",
+                                      _positive, "> 0")
     recorder_events: int = _setting(262144, "flight recorder: events kept in its shm ring (64 B each, split evenly "
                                     "between the writer processes; the oldest are overwritten; tools/inspect "
                                     "--request reads it); 0 = off", _non_negative, ">= 0")

@@ -22,6 +22,15 @@ header, so a test or an operator can aim a fault at one request).
 | ``leak_blocks`` | prefill | the request's prompt blocks are never freed (a leak the monitor's conservation check names) |
 | ``exchange_bug:step=STEP`` | api | the request's exchange raises an error as a bug would, at STEP (one of ``EXCHANGE_STEPS``: after admission, making the renderer, its start, its first event, its finish, sending the answer) |
 | ``router_count_drift:count_delta=K`` | api | on admitting an eligible request, the router's per-actor active counts drift K off for good (the monitor flags it) |
+| ``drop_prefill_request`` | prefill (colocated: decode) | the PrefillRequest is dropped on arrival: the row stays QUEUED, nobody holds it |
+| ``hold_prefill`` | prefill (colocated: decode) | the prompt is begun (PREFILLING, blocks allocated) but none of its chunks is computed; other prompts pass |
+| ``hold_decode_waiting`` | decode | the request never joins the running batch (stays DECODE_WAITING); others join |
+| ``hold_decode`` | decode | after its first token the request gets no more (stays DECODING); the rest of the batch steps on |
+| ``monitor_blind`` | monitor | the monitor does not time the request out (a watchdog that cannot fire) |
+
+Watchdog drills (api/drill.py, ``drill_interval_s`` > 0) add ``DRILL_FAULTS`` to every actor's plan: each holds a
+request whose id starts with ``drill-<stage>-`` in that stage. The API never admits a client's id with the
+``DRILL_PREFIX`` (api/protocol.py ``check_request_id``), so these never touch client traffic.
 
 Example: ``PDSERVE_FAULTS="drop_transfer_done:count=1;stall:actor=decode0,seconds=20,count=1"``.
 """
@@ -48,9 +57,19 @@ FAULT_KEYS = {
     "router_count_drift": {"count_delta"},
     "leak_blocks": set(),
     "exchange_bug": {"step"},
+    "drop_prefill_request": set(),
+    "hold_prefill": set(),
+    "hold_decode_waiting": set(),
+    "hold_decode": set(),
+    "monitor_blind": set(),
 }
 EXCHANGE_STEPS = ("admitted", "renderer", "start", "event", "finish", "send")   # api/exchange.py's Exchange
 COMMON_KEYS = {"count", "fraction", "seed", "match"}
+DRILL_PREFIX = "drill-"
+# stage name (ipc.lifecycle.STAGE_NAME) -> the fault that holds a drill request in it, aimed at drill-<stage>-
+DRILL_HOLDS = {"queued": "drop_prefill_request", "prefill": "hold_prefill", "bootstrap": "bootstrap_silent",
+               "transfer": "transfer_stuck", "decode_waiting": "hold_decode_waiting", "decode": "hold_decode"}
+DRILL_FAULTS = ";".join(f"{fault}:match={DRILL_PREFIX}{stage}-" for stage, fault in DRILL_HOLDS.items())
 ACTOR_NAME_RE = re.compile(r"^(prefill|decode)[0-9]{1,3}$")   # an engine actor (see actors.topology.Topology)
 
 
@@ -129,7 +148,9 @@ def parse_faults(spec: str) -> list[Fault]:
 class FaultPlan:
     """The faults that apply in one actor process. ``fires(name)`` is False for every name when none are set."""
 
-    def __init__(self, spec: str, actor_name: str):
+    def __init__(self, spec: str, actor_name: str, drills: bool = False):
+        """``drills``: watchdog drills are on (``drill_interval_s`` > 0): ``DRILL_FAULTS`` join the plan."""
+        spec = f"{spec};{DRILL_FAULTS}" if drills else spec
         self.faults = [f for f in parse_faults(spec)
                        if f.params.get("actor", actor_name) == actor_name]
 

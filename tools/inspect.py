@@ -34,11 +34,13 @@ JSON snapshot schema (``--json``; version 1; times in seconds, ``null`` = unknow
                                  "hit_ratio": float|null, "evicted_blocks"}}],
      "gauges": [{"name", "metric", "value", "nonzero_for_s", "since_last_move_s", "stuck", "mismatch",
                  "actors_count"}],
-     "requests": [{"request_id", "slot", "stage", "age_in_stage_s", "total_age_s", "owner", "prefill_actor",
+     "requests": [{"request_id", "drill": bool (a watchdog drill's row, api/drill.py), "slot", "stage", "age_in_stage_s", "total_age_s", "owner", "prefill_actor",
                    "decode_actor", "prefill_blocks",
                    "decode_blocks", "output_tokens", "stage_deadline_left_s", "request_deadline_left_s"}],
      "watchdog": {"ticks", "last_tick_age_s", "tick_cpu_ms", "timeouts_by_stage": {stage: n},
-                  "actor_failures_by_stage": {stage: n}},
+                  "actor_failures_by_stage": {stage: n},
+                  "drills": {stage: {"runs", "failures", "last_success_unix_s": float|null, "failing": bool}}
+                            (stages drilled so far; api/drill.py)},
      "active_requests": {"api": int, "engine": int, "agree": bool}}
 
 A router answers ``/debug/state`` with its own view and its nodes' snapshots (``age_s``, ``last_ok_age_s``:
@@ -116,6 +118,13 @@ def render(snapshot: dict[str, Any]):
     timeouts = ", ".join(f"{k}={v}" for k, v in wd["timeouts_by_stage"].items() if v) or "none"
     watchdog = Text(f"watchdog: {wd['ticks']} ticks, last {secs(wd['last_tick_age_s'])} ago, "
                     f"{wd['tick_cpu_ms']:.2f} ms CPU/tick; timeouts: {timeouts}")
+    drills = wd.get("drills") or {}
+    if drills:
+        now = time.time()
+        watchdog.append("; drills: " + ", ".join(
+            f"{stage} " + ("FAILED" if d["failing"] else "ok") + (f" {now - d['last_success_unix_s']:.0f}s ago"
+                                                                  if d["last_success_unix_s"] else " never")
+            for stage, d in drills.items()))
     active = snapshot["active_requests"]
     views = Text(f"active requests: api {active['api']} / engine table {active['engine']}"
                  + ("" if active["agree"] else "   <-- DISAGREE"), style="" if active["agree"] else "bold red")
@@ -149,7 +158,7 @@ def render(snapshot: dict[str, Any]):
         requests.add_column(column)
     for r in snapshot["requests"][:30]:
         left = r["stage_deadline_left_s"]
-        requests.add_row(r["request_id"], r["stage"], secs(r["age_in_stage_s"]), secs(r["total_age_s"]),
+        requests.add_row(r["request_id"] + (" (drill)" if r.get("drill") else ""), r["stage"], secs(r["age_in_stage_s"]), secs(r["total_age_s"]),
                          r["owner"] or "-", f"{r['prefill_actor'] or '-'}/{r['decode_actor'] or '-'}",
                          f"{r['prefill_blocks']}/{r['decode_blocks']}", str(r["output_tokens"]),
                          secs(left), style="red" if left < 0 else "")

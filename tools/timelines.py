@@ -84,13 +84,17 @@ def main_timelines(args, manifest: dict[str, Any]) -> int:
         print(f"wrote {len(window)} request timelines to {args.trace_out} (Trace Event Format: open it in "
               "ui.perfetto.dev or chrome://tracing)")
         return 0
+    arrivals = read_arrivals(manifest, args.request) if args.request else None
     if args.json:
+        report["arrivals"] = arrivals["arrivals"] if arrivals else []
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
     elif not report["timelines"]:
-        print(not_found_text(args.request, ring["horizon_ns"], now_ns, read_arrivals(manifest, args.request))
+        print(not_found_text(args.request, ring["horizon_ns"], now_ns, arrivals)
               if args.request else "no request timelines in the flight recorder")
     for timeline in [] if args.json else report["timelines"]:
         print("\n".join(render_text(timeline)))
+    if not args.json and report["timelines"] and arrivals and arrivals["arrivals"]:
+        print("where its time went (the arrival index):\n  " + split_text(arrivals["arrivals"][-1], now_ns))
     return 1 if args.request and not report["timelines"] else 0
 
 
@@ -108,16 +112,44 @@ def read_arrivals(manifest: dict[str, Any], request_id: str) -> dict[str, Any] |
         return None
 
 
+def split_text(entry: dict[str, int], now_ns: int) -> str:
+    """Where one answered request's time went, from its arrival-index entry (ipc/arrivals.py, api/blame.py's
+    split): a first line (when it reached this server, its status, the proxy's wait), then the engine's part and the
+    rest, indented."""
+    from api.blame import NONE_US, outside_and_engine_s
+
+    def at(field: str) -> str:
+        return f"+{entry[field] / 1e6:.3f} s"
+
+    status = f"answered {entry['status']}" if entry["status"] else "no answer began: the client left first"
+    first = f"reached this server {(now_ns - entry['t_ns']) / 1e9:.1f} s ago ({status})"
+    if entry["before_us"] != NONE_US:
+        first += f", {entry['before_us'] / 1e6:.3f} s after the proxy's X-Request-Start"
+    split = (entry["before_us"], entry["admitted_us"], entry["done_us"], entry["end_us"])
+    outside_s, engine_s = outside_and_engine_s(split)
+    if entry["admitted_us"] == NONE_US:
+        engine = "never admitted to the engine"
+    elif entry["done_us"] == NONE_US:
+        engine = f"admitted to the engine at {at('admitted_us')}; the engine never finished it"
+    else:
+        engine = (f"admitted to the engine at {at('admitted_us')}; engine done at {at('done_us')} "
+                  f"({engine_s:.3f} s in the engine)")
+    visible_s = (entry["end_us"] + (entry["before_us"] if entry["before_us"] != NONE_US else 0)) / 1e6
+    proxy = "" if entry["before_us"] != NONE_US else " (no X-Request-Start: a proxy's queue is not counted)"
+    return (f"{first}\n  {engine}; last byte handed to the connection at {at('end_us')} after the headers\n"
+            f"  outside the engine: {outside_s:.3f} s of {visible_s:.3f} s the client waited{proxy}: the proxy, the "
+            f"body, admission's queue, writing")
+
+
 def not_found_text(request_id: str, horizon_ns: int, now_ns: int, arrivals: dict[str, Any] | None = None) -> str:
     """Why ``request_id`` has no timeline. The arrival index (``arrivals``: ``ArrivalIndex.find``'s answer) knows
     it: it reached this server, its events are older than the ring's horizon. Else, with a ring that never wrapped
     (it holds every event since the start) or an index that reaches further back than the ring, it never reached
     this server; else it did not, or it came before both."""
     if arrivals and arrivals["arrivals"]:
-        t_ns, status = arrivals["arrivals"][-1]
-        return (f"request {request_id!r} reached this server {(now_ns - t_ns) / 1e9:.1f} s ago (answered {status}); "
-                f"its events were overwritten in the flight recorder (its horizon is "
-                f"{(now_ns - horizon_ns) / 1e9:.1f} s ago)")
+        first, _, rest = split_text(arrivals["arrivals"][-1], now_ns).partition("\n")
+        return (f"request {request_id!r} {first}; its events were overwritten in the flight recorder (its horizon "
+                f"is {(now_ns - horizon_ns) / 1e9:.1f} s ago)\n{rest}")
     if not horizon_ns:
         return (f"request {request_id!r} never reached this server: the flight recorder holds every event since "
                 f"the engine started and none of them names it")

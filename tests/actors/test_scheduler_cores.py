@@ -1223,3 +1223,21 @@ def test_an_embedding_reads_no_cached_prefix_but_leaves_its_kv_to_the_cache():
     pair.prefill.on_message(later)
     [chunk] = pair.prefill.next_batch()
     assert chunk.work.cached_tokens == 32 and chunk.start == 32   # e1's two full blocks
+
+
+def test_a_watchdog_drills_prompt_neither_reuses_nor_fills_the_prefix_cache():
+    """A drill (id prefix drill-, api/drill.py) after the same prompt was cached: no lookup, no hit, nothing cached
+    by it; a client's same prompt afterwards still hits the first one's blocks."""
+    pair = Pair(prefix_cache=True)
+    pair.prefill.on_message(prefill_request(pair.table, "r1", prompt_tokens=40, max_tokens=1))
+    pair.run(2)
+    cached, queried = pair.cache.cached_blocks, pair.cache.query_tokens
+    # the first 32 tokens are the cached prompt's; its third full block would be new to the cache
+    pair.prefill.on_message(prefill_request(pair.table, "drill-transfer-1", prompt_tokens=56, max_tokens=1))
+    work = prefill_one(pair.prefill)
+    assert work.cached_tokens == 0 and work.uncached
+    pair.prefill.finish(work, [(5, None)])
+    assert (pair.cache.cached_blocks, pair.cache.query_tokens) == (cached, queried)
+    pair.run(2)
+    pair.assert_all_free()
+    assert pair.cache.cached_blocks == cached

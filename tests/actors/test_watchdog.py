@@ -199,3 +199,18 @@ def test_blocks_owned_while_their_actor_holds_no_request_are_named_on_the_second
     assert passing.check(0, owners, holds_rows=lambda: False) == []
     assert passing.check(0, np.full(6, -1, dtype=np.int32), holds_rows=lambda: False) == []
     assert passing.check(0, owners, holds_rows=lambda: False) == []
+
+
+def test_a_drill_row_in_the_stage_it_drills_has_the_drill_deadline_and_the_ordinary_ones_elsewhere():
+    """api/drill.py: drill-<stage>-<n> times out after drill_timeout_s in that stage only; not a drill without
+    drills on (drill_limit_ns 0); a client row's deadlines never change."""
+    table = rows((S.TRANSFERRING, 10.0, {}), (S.QUEUED, 10.0, {}), (S.TRANSFERRING, 10.0, {}))
+    table[0]["request_id"] = b"drill-transfer-1"
+    table[1]["request_id"] = b"drill-transfer-2"   # not yet in the stage it drills
+    now = int(11.5 * S_NS)   # 1.5 s in: past a 1 s drill deadline, inside inflight_timeout_s=2 and the queue's
+    expired = find_expired(table, now, CONFIG, drill_limit_ns=S_NS)
+    assert [(e.slot, e.drill, e.drill_deadline) for e in expired] == [(0, True, True)]
+    assert "drill_timeout_s=1" in expired[0].message() and "stage transfer" in expired[0].message()
+    assert find_expired(table, now, CONFIG) == []
+    later = find_expired(table, int(12.5 * S_NS), CONFIG, drill_limit_ns=S_NS)
+    assert [(e.slot, e.drill, e.drill_deadline) for e in later] == [(0, True, True), (2, False, False)]

@@ -104,6 +104,19 @@ def test_n_over_the_limit_is_a_400_and_in_flight_plus_n_over_it_a_503():
     assert len(engine.table.rows) == 3 and len(engine.core.handles) == 3 and engine.outbox.sent == []
 
 
+def test_a_watchdog_drill_in_flight_takes_no_room_from_clients():
+    """api/drill.py runs one drill at a time, only while idle; even so its row never counts against
+    max_queued_requests, so a burst arriving during a drill is admitted as without it."""
+    engine = Engine()
+    drill = engine.core.admit(request("drill-queued-1"))
+    engine.core.admit(request("a", n=MAX_QUEUED))
+    assert len(engine.core.handles) == MAX_QUEUED + 1
+    with pytest.raises(EngineOverloadedError, match="4 sequences in flight"):
+        engine.core.check_room(1)
+    engine.core.release(drill[0])
+    assert engine.core.drills == 0 and len(engine.core.handles) == MAX_QUEUED
+
+
 def _client(engine: Engine):
     """api/app.py's view of an EngineClient over the core: what submit_all calls."""
     from types import SimpleNamespace

@@ -85,6 +85,39 @@ def test_fault_count_match_and_actor_select_events():
     assert not FaultPlan("", "prefill0")
 
 
+def test_drills_add_one_hold_per_stage_aimed_at_its_drill_ids_and_nothing_else():
+    from pdserve.faults import DRILL_FAULTS, DRILL_HOLDS
+
+    assert not FaultPlan("", "decode0") and FaultPlan("", "decode0", drills=True)
+    assert [f.params["match"] for f in parse_faults(DRILL_FAULTS)] == [f"drill-{s}-" for s in DRILL_HOLDS]
+    plan = FaultPlan("", "decode0", drills=True)
+    assert plan.fires("hold_decode", "drill-decode-3") is not None
+    assert plan.fires("hold_decode", "drill-decode_waiting-3") is None   # one stage's prefix is not another's
+    assert plan.fires("hold_decode", "cmpl-1") is None
+
+
+def test_a_hold_is_judged_once_per_request_and_a_dropped_prefill_request_is_only_the_aimed_one():
+    from actors.fault_ports import HeldRequests, drop_prefill_request
+    from actors.messages import PrefillRequest
+    from pdserve.sampling import Sampling
+
+    held = HeldRequests(FaultPlan("hold_decode:count=1,match=h-", "decode0"))
+    assert held.held("hold_decode", (1, 1), "h-1") and held.held("hold_decode", (1, 1), "h-1")   # its count: once
+    assert not held.held("hold_decode", (2, 1), "h-2")   # count used up
+    held.forget({(2, 1)})
+    assert held.judged == {("hold_decode", (2, 1)): False}
+    plan = FaultPlan("drop_prefill_request:match=d-", "prefill0")
+    assert drop_prefill_request(plan, PrefillRequest(0, 1, "d-1", [1], Sampling()))
+    assert not drop_prefill_request(plan, PrefillRequest(0, 1, "e-1", [1], Sampling()))
+
+
+def test_a_client_request_id_with_the_drill_prefix_is_not_taken():
+    from api.protocol import check_request_id
+
+    assert check_request_id("drill-transfer-1", "cmpl-9") == "cmpl-9"
+    assert check_request_id("drilled-1", "cmpl-9") == "drilled-1"
+
+
 def test_fault_fraction_is_reproducible_with_a_seed():
     runs = [[f.fires() for f in parse_faults("decode_reject:fraction=0.3,seed=5") for _ in range(50)]
             for _ in range(2)]

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import orjson
@@ -145,16 +147,26 @@ def test_debug_state_serves_the_json_snapshot_over_http_and_inspect_url_renders_
 
 def test_inspect_tells_an_id_whose_events_were_overwritten_from_one_that_never_arrived(engine_factory, capsys):
     """A 64-event ring (16 per writer) forgets a request after a few more; the arrival index (ipc/arrivals.py)
-    still knows it reached the server, and that an id never sent did not."""
+    still knows it reached the server, 1.5 s after its proxy's X-Request-Start, and that an id never sent did not.
+    A request still in the ring shows where its time went; /metrics has each request's time outside the engine."""
     engine = engine_factory("--kv-pool-tokens", "1024", "--recorder-events", "64")
     with httpx.Client(timeout=60) as client:
         for i in range(12):
             rid = "old-1" if i == 0 else f"later-{i}"
+            proxy = {"X-Request-Start": f"t={time.time() - 1.5:.3f}"} if i == 0 else {}
             answer = client.post(engine.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
-                                 headers={"X-Request-Id": rid})
+                                 headers={"X-Request-Id": rid, **proxy})
             assert answer.status_code == 200, answer.text
+        metrics = client.get(engine.base_url + "/metrics").text
     assert inspect.main([engine.engine_id, "--request", "old-1"]) == 1
-    assert "request 'old-1' reached this server" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "request 'old-1' reached this server" in text
+    assert re.search(r"\(answered 200\), 1\.[5-9]\d\d s after the proxy's X-Request-Start", text), text
+    assert re.search(r"engine done at \+\d\.\d{3} s", text) and "outside the engine: 1." in text, text
+    assert inspect.main([engine.engine_id, "--request", "later-11"]) == 0
+    text = capsys.readouterr().out
+    assert "where its time went" in text and "no X-Request-Start" in text, text
+    assert 'pdserve_request_outside_engine_seconds_count{peer="127.0.0.1"} 12.0' in metrics
     assert inspect.main([engine.engine_id, "--request", "never-sent"]) == 1
     assert ("request 'never-sent' never reached this server: the arrival index holds every request id answered "
             "since the engine started") in capsys.readouterr().out

@@ -15,6 +15,7 @@ import subprocess
 import httpx
 import pytest
 
+from api.blame import NONE_US
 from ipc.ledger import ConnectionLedger
 from tests.conftest import cleanup_engine, free_port, start_engine
 from tests.e2e.test_connections import h11_body, h11_post, sse_tokens
@@ -52,6 +53,7 @@ http {{
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_set_header X-Forwarded-For $remote_addr;
+            proxy_set_header X-Request-Start "t=${{msec}}";
             proxy_buffering off;
             proxy_read_timeout {read_timeout}s;
         }}
@@ -149,7 +151,7 @@ def test_without_sse_pings_the_same_prefill_is_cut_by_the_proxy(silent):
     assert "upstream timed out" in log
 
 
-def test_a_client_that_stops_reading_through_tls_and_nginx_is_named_and_resumes_whole(pinged):
+def test_a_client_that_stops_reading_through_tls_and_nginx_is_named_and_resumes_whole(pinged, capsys):
     eng, proxy = pinged
     from ipc.naming import segment_name
 
@@ -184,3 +186,22 @@ def test_a_client_that_stops_reading_through_tls_and_nginx_is_named_and_resumes_
     finally:
         sock.close()
         ledger.close()
+    # the blame split (api/blame.py): nginx's X-Request-Start, the engine done, then the bytes written to nginx,
+    # the last of them held back by the stopped reader: more of the time is outside the engine than in it
+    from tools import inspect
+
+    entry = wait_until(lambda: (read_arrivals(eng, rid) or [None])[-1], 30, 0.1, "the request's arrival entry")
+    assert entry["status"] == 200 and entry["before_us"] != NONE_US
+    assert entry["admitted_us"] < entry["done_us"] < entry["end_us"] != NONE_US
+    assert inspect.main([eng.engine_id, "--request", rid]) == 0
+    text = capsys.readouterr().out
+    assert "after the proxy's X-Request-Start" in text and "last byte handed to the connection at" in text, text
+
+
+def read_arrivals(eng, rid: str) -> list[dict]:
+    from ipc.arrivals import ArrivalIndex
+    from ipc.naming import segment_name
+    from ipc.recorder import request_key
+
+    with ArrivalIndex.attach(segment_name(eng.engine_id, "arrivals"), readonly=True) as index:
+        return index.find(request_key(rid))["arrivals"]

@@ -282,3 +282,23 @@ def test_yarn_is_refused_for_a_family_whose_model_does_not_run_it(tiny, tmp_path
                                                "rope_parameters": yarn}))
     with pytest.raises(ModelLoadError, match="'yarn' is not supported for qwen2"):
         load_config(d)
+
+
+def test_an_embedding_of_the_mla_family_is_hf_s_last_hidden_state_and_its_logits_stay_logits(tiny):
+    """prefill_forward with a ``hidden`` chunk beside a plain one through the MLA executor: the hidden chunk gets
+    ``[T, hidden_size]`` equal to HF's ``last_hidden_state`` (after the final norm), the other its last token's
+    ``[vocab]`` logits (the executor's norm shape once shadowed the ``hidden`` flags: a prompt got every
+    position's hidden state and the prefill actor died)."""
+    from actors.model_runner import prefill_forward
+
+    hf, _, path = tiny
+    ours = LlamaModel.from_path(path, progress=False)
+    ids = torch.randint(3, VOCAB, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    kv = torch.full(kv_pool_shape(ours.config, 6, BLOCK), float("nan"))
+    (states, _), (logits, _) = prefill_forward(ours, kv, [(ids, 0, 9, [0, 1, 2], False, True),
+                                                         (ids, 0, 9, [3, 4, 5], False)])
+    with torch.inference_mode():
+        want = hf.model(torch.tensor([ids])).last_hidden_state[0]
+        want_logits = hf(torch.tensor([ids])).logits[0, -1]
+    assert states.shape == (9, ours.config.hidden_size) and (states - want).abs().max().item() < 1e-4
+    assert logits.shape == (ours.config.vocab_size,) and (logits - want_logits).abs().max().item() < 1e-4

@@ -44,9 +44,11 @@ def test_the_lifecycle_map_matches_the_design():
     assert LIVE_STATES == set(HAPPY_PATH[:-1])
     for a, b in zip(HAPPY_PATH, HAPPY_PATH[1:]):
         assert b in ALLOWED[a]
-    for s in LIVE_STATES:   # one way forward; BOOTSTRAP also ends FINISHED on a prefill node (handed across)
-        assert {S.ABORTED, S.TIMED_OUT, S.FAILED} <= ALLOWED[s] and len(ALLOWED[s]) == 4 + (s == S.BOOTSTRAP)
-    assert S.FINISHED in ALLOWED[S.BOOTSTRAP]
+    # one way forward; BOOTSTRAP also ends FINISHED on a prefill node (handed across), PREFILLING for an embedding
+    for s in LIVE_STATES:
+        assert {S.ABORTED, S.TIMED_OUT, S.FAILED} <= ALLOWED[s]
+        assert len(ALLOWED[s]) == 4 + (s in (S.BOOTSTRAP, S.PREFILLING))
+    assert S.FINISHED in ALLOWED[S.BOOTSTRAP] and S.FINISHED in ALLOWED[S.PREFILLING]
     for s in FINAL_STATES | {S.FREE}:
         assert ALLOWED[s] == frozenset()
     assert [is_final(s) for s in S] == [s in FINAL_STATES for s in S]

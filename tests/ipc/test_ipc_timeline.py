@@ -185,3 +185,23 @@ def test_a_live_life_after_the_horizon_is_whole_and_an_old_finished_one_may_have
     assert (t["partial"], t["live"], t["stages"][-1]["age_s"]) == (None, True, 2.0)
     (o,) = timelines_of(events, "old", now_ns=12 * S_NS, horizon_ns=5 * S_NS)
     assert (o["partial"], o["live"], o["final"]) == ("events evicted", False, "FINISHED")
+
+
+def test_a_drills_timeline_says_so_with_its_verdict_and_the_drill_deadline():
+    """api/drill.py records a DRILL event (stage, verdict) on its row before releasing it."""
+    from ipc.timeline import stage_deadlines
+
+    rows = life("drill-transfer-3", 0, 7, 10.0, [S.QUEUED, S.PREFILLING, S.BOOTSTRAP, S.TRANSFERRING],
+                timeout_after_s=1.2)
+    rows.append((16.0, EventKind.DRILL, "drill-transfer-3", 0, 7, 2, {"old": int(S.TRANSFERRING), "aux": 0}))
+    [t] = timelines_of(events_of(rows), "drill-transfer-3", now_ns=20 * S_NS,
+                       config=stage_deadlines({**CONFIG, "drill_timeout_s": 1.0}), actor_names=NAMES)
+    assert t["drill"] == {"stage": "transfer", "passed": True, "failure": None}
+    assert t["timeout"]["deadline_field"] == "drill_timeout_s" and t["stages"][3]["deadline_s"] == 1.0
+    assert t["stages"][2]["deadline_field"] == "bootstrap_timeout_s"   # the stages before it: the ordinary ones
+    assert "WATCHDOG DRILL of stage transfer: passed" in render_text(t)[1]
+    rows[-1] = (16.0, EventKind.DRILL, "drill-transfer-3", 0, 7, 2, {"old": int(S.TRANSFERRING), "aux": 1})
+    [failed] = timelines_of(events_of(rows), "drill-transfer-3", now_ns=20 * S_NS, actor_names=NAMES)
+    assert "FAILED (the stage deadline did not fire" in render_text(failed)[1]
+    [client] = timelines_of(events_of(life("c-1", 1, 1, 10.0, [S.QUEUED])), "c-1", now_ns=20 * S_NS)
+    assert client["drill"] is None
