@@ -112,6 +112,16 @@ def actor_device_map(config, topo) -> dict[int, str]:
     return {**dict(zip(topo.prefill, prefill)), **dict(zip(topo.decode, decode))}
 
 
+def served_names(configured: str, model_path: str) -> str:
+    """The served model names (comma-separated, the first reported): ``configured``, or the model file's name
+    when it is empty or names only ``*`` (any name accepted: the file's name is then reported)."""
+    from gpu.model_files import model_file_name
+
+    if any(n.strip() not in ("", "*") for n in configured.split(",")):
+        return configured
+    return ",".join([model_file_name(model_path)] + (["*"] if "*" in configured else []))
+
+
 def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     """Read the model's metadata (no weights) and size the pools, queues and tables.
 
@@ -122,7 +132,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
         ModelLoadError: the model cannot be read.
     """
     from gpu.loader import load_config as read_model_config
-    from gpu.model_files import model_cache_dir, model_file_name
+    from gpu.model_files import model_cache_dir
     from ipc.naming import segment_name
 
     config = loaded.config
@@ -155,7 +165,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     # the prefill actors' prefix-cache summaries, read by the router (ipc/cache_summary.py)
     names += ("cachesum",) if config.prefix_cache and topo.prefill else ()
     return EngineLayout(engine_id=engine_id, config=config, model_path=model_path,
-                        served_model_name=config.served_model_name or model_file_name(model_path), shape=shape,
+                        served_model_name=served_names(config.served_model_name, model_path), shape=shape,
                         max_context_tokens=max_context_tokens, http_port=config.port or free_port(config.host),
                         kv_blocks_per_pool=blocks,
                         segments={n: segment_name(engine_id, n) for n in names},

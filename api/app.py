@@ -10,7 +10,7 @@ Generating routes (each an api/exchange.py Exchange over its dialect): POST /v1/
 /v1/completions (api/dialects/openai.py), POST /v1/responses (api/dialects/responses.py), POST /v1/messages
 (api/dialects/anthropic.py). The others: GET and DELETE /v1/responses/{id}, POST /v1/messages/count_tokens,
 GET /v1/models, GET /v1/models/{id}, POST /v1/embeddings (api/embeddings.py; llama.cpp's /embedding too), POST
-/tokenize and /detokenize (vLLM's), GET (and HEAD) /, /health, /health/live, /health/ready, /metrics, /debug/state
+/tokenize and /detokenize (vLLM's), POST /apply-template (llama.cpp's: a chat body's prompt text), GET (and HEAD) /, /health, /health/live, /health/ready, /metrics, /debug/state
 (api/debug_state.py), /debug/requests/{id} (the request's timelines from the flight recorder, ipc/timeline.py).
 The OpenAI routes (Responses included) answer without the ``/v1`` prefix too (as llama.cpp serves them);
 /tokenize also takes llama.cpp's ``content`` form. Nothing raises out of a
@@ -117,7 +117,7 @@ class Routes:
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model_id"]
-        if name not in self.parser.model_names:
+        if name not in self.parser.model_names and not self.parser.any_model:
             return JSONResponse(error_body(f"The model '{name}' does not exist", "not_found_error", "model",
                                            "model_not_found"), status_code=404)
         return JSONResponse(self.model_card(name))
@@ -213,6 +213,7 @@ class Routes:
         routes += [   # GET routes answer HEAD too (Starlette)
             Route("/tokenize", self.json_tool(self.parser.tokenize), methods=["POST"]),
             Route("/detokenize", self.json_tool(self.parser.detokenize), methods=["POST"]),
+            Route("/apply-template", self.json_tool(self.parser.apply_template), methods=["POST"]),   # llama.cpp's
             Route("/", self.live, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/health/live", self.live, methods=["GET"]),

@@ -68,49 +68,84 @@ def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _input_list(value: Any, param: str) -> list[str | list]:
-    """The shapes OpenAI takes: a string, a list of token ids, a list of strings, a list of token-id lists. Raises
-    InvalidRequestError naming ``param`` for an empty list, a mix of strings and token lists, any other type."""
-    if isinstance(value, str):
+def _input_list(value: Any, param: str) -> list[Any]:
+    """The inputs of ``value``: OpenAI's shapes (a string, a list of token ids, a list of strings, a list of
+    token-id lists) and llama.cpp's (a list of token ids and strings: one input, the strings' tokens in place; a
+    list mixing strings, token lists, such mixed lists and prompt objects ``{"prompt_string"}`` or ``{"content":
+    [text parts]}``, each one input; a prompt object alone). Raises InvalidRequestError naming ``param`` for an
+    empty list or any other type; each input is checked by ``_token_ids``."""
+    if isinstance(value, (str, dict)):
         return [value]
     if isinstance(value, list) and value:
-        if all(_is_token(t) for t in value):
+        if any(_is_token(t) for t in value):   # token ids, or llama.cpp's tokens and strings: one input
             return [value]
-        if all(isinstance(v, str) for v in value) or all(isinstance(v, list) for v in value):
-            return list(value)
+        return list(value)
     if value == []:
         raise InvalidRequestError(f"'{param}' is an empty list", param=param)
     raise InvalidRequestError(f"'{param}' must be a non-empty string, a non-empty list of token ids, or a list of "
-                              "such strings or of such lists (not mixed)", param=param)
+                              "such strings, lists or prompt objects", param=param)
 
 
-def _token_ids(parser: RequestParser, item: str | list, param: str) -> list[int]:
+def _prompt_text(item: dict, param: str) -> str:
+    """llama.cpp's prompt object -> its text: ``{"prompt_string": str}`` (without ``multimodal_data``) or
+    ``{"content": [{"type": "text", "text": str}, ...]}`` (the parts' texts joined). Raises InvalidRequestError
+    naming ``param``: another key, a part other than text (this model reads no images, audio or video)."""
+    if set(item) == {"prompt_string"} and isinstance(item["prompt_string"], str):
+        return item["prompt_string"]
+    if set(item) == {"content"} and isinstance(item["content"], list) and item["content"]:
+        texts = []
+        for k, part in enumerate(item["content"]):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(f"'{param}.content[{k}]' must be a text part ({{\"type\": \"text\", "
+                                          f"\"text\": ...}}); got type {str(kind)[:40]!r}: this model reads text "
+                                          "only", param=param)
+            texts.append(part["text"])
+        return "".join(texts)
+    if "multimodal_data" in item:
+        raise InvalidRequestError(f"'{param}.multimodal_data' is not supported: this model reads text only",
+                                  param=param)
+    raise InvalidRequestError(f"'{param}': a prompt object must be {{\"prompt_string\": text}} or {{\"content\": "
+                              "[text parts]}", param=param)
+
+
+def _encode(parser: RequestParser, text: str, param: str) -> list[int]:
+    if len(text) > parser.max_token_chars * parser.max_context_tokens:   # before the tokenizer: microseconds
+        raise InvalidRequestError(f"'{param}' has {len(text)} characters, too large for the model's context "
+                                  f"({parser.max_context_tokens} tokens)", param=param,
+                                  code="context_length_exceeded")
+    try:
+        return list(parser.tokenizer.encode(text))
+    except (TypeError, ValueError) as exc:   # e.g. a lone surrogate that slipped past the JSON parser
+        raise InvalidRequestError(f"'{param}' cannot be tokenized: {exc}", param=param) from None
+
+
+def _token_ids(parser: RequestParser, item: Any, param: str) -> list[int]:
     """One input as token ids: at least one, at most the context (``max_model_len``), each in the vocabulary.
     Raises InvalidRequestError naming ``param``."""
     limit = parser.max_context_tokens
+    if isinstance(item, dict):
+        item = _prompt_text(item, param)
     if isinstance(item, str):
         if not item:
             raise InvalidRequestError(f"'{param}' is an empty string", param=param)
-        if len(item) > parser.max_token_chars * limit:   # before the tokenizer: a 1 MB input costs microseconds
-            raise InvalidRequestError(f"'{param}' has {len(item)} characters, more than the model's context "
-                                      f"({limit} tokens) can hold", param=param, code="context_length_exceeded")
-        try:
-            ids = parser.tokenizer.encode(item)
-        except (TypeError, ValueError) as exc:   # e.g. a lone surrogate that slipped past the JSON parser
-            raise InvalidRequestError(f"'{param}' cannot be tokenized: {exc}", param=param) from None
+        ids = _encode(parser, item, param)
         if not ids:
             raise InvalidRequestError(f"'{param}' tokenizes to no tokens", param=param)
-    else:
-        ids = item
-        if not ids or not all(_is_token(t) for t in ids):
-            raise InvalidRequestError(f"'{param}': a token-id input must be a non-empty list of integers", param=param)
+    elif isinstance(item, list) and item and all(_is_token(t) or isinstance(t, str) for t in item):
+        ids = [t for piece in item for t in ([piece] if _is_token(piece) else _encode(parser, piece, param))]
         if not all(0 <= t < parser.tokenizer.vocab_size for t in ids):
             raise InvalidRequestError(f"'{param}': token ids must be in [0, {parser.tokenizer.vocab_size})",
                                       param=param)
+    else:
+        raise InvalidRequestError(f"'{param}' must be a non-empty string, a non-empty list of token ids (and "
+                                  "strings), or a prompt object", param=param)
+    if not ids:
+        raise InvalidRequestError(f"'{param}' tokenizes to no tokens", param=param)
     if len(ids) > limit:
-        raise InvalidRequestError(f"This model's maximum context length is {limit} tokens; '{param}' has "
-                                  f"{len(ids)}", param=param, code="context_length_exceeded")
-    return list(ids)
+        raise InvalidRequestError(f"'{param}' has {len(ids)} tokens, too large for this model's maximum context "
+                                  f"length of {limit} tokens", param=param, code="context_length_exceeded")
+    return ids
 
 
 def parse_embeddings(parser: RequestParser, body: Any, request_id: str | None = None,

@@ -401,7 +401,7 @@ class RequestParser:
     Args:
         tokenizer: gpu.tokenizer.Tokenizer of the served model.
         served_model_name: the model names accepted in ``model`` (comma-separated aliases); responses name the
-            first.
+            first; ``*`` among them accepts any name.
         max_context_tokens: longest prompt + output (tokens) the engine serves (the resolved max_model_len).
         reserve_tokens: output tokens decode reserves KV blocks for, up front, for a request whose max_tokens is
             the rest of the context (none given, or clamped); its answer takes more blocks as it grows.
@@ -436,8 +436,11 @@ class RequestParser:
         self.template_has_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
         self.kv_pool_blocks = kv_pool_blocks     # the decode pool's blocks; 0 = no check of n against it
         self.kv_block_tokens = kv_block_tokens
-        # several names (comma-separated: --served-model-name repeated) are aliases; the first is the one reported
-        self.model_names = tuple(n.strip() for n in served_model_name.split(",") if n.strip()) or (served_model_name,)
+        # several names (comma-separated: --served-model-name repeated) are aliases; the first is the one reported;
+        # "*" among them accepts any name (llama-server's way with one model: `model` is not checked)
+        names = tuple(n.strip() for n in served_model_name.split(",") if n.strip()) or (served_model_name,)
+        self.any_model = "*" in names
+        self.model_names = tuple(n for n in names if n != "*") or names
         self.served_model_name = self.model_names[0]
         self.max_context_tokens = max_context_tokens
         self.reserve_tokens = reserve_tokens
@@ -451,7 +454,7 @@ class RequestParser:
             model = self.served_model_name
         if not isinstance(model, str):
             raise InvalidRequestError("'model' must be a string", param="model")
-        if model not in self.model_names:
+        if model not in self.model_names and not self.any_model:
             raise ModelNotFoundError(f"The model '{model}' does not exist; this server serves "
                                      f"{' or '.join(repr(n) for n in self.model_names)}", param="model",
                                      code="model_not_found")
@@ -593,6 +596,28 @@ class RequestParser:
         """Validate a /v1/chat/completions body. Raises InvalidRequestError (400) or ModelNotFoundError (404)."""
         model, stream, include_usage = self._common(body, "chat")
         rid = check_request_id(request_id, f"chatcmpl-{uuid.uuid4().hex[:24]}")
+        text, tools, plan, fmt, kwargs, parser = self._chat_prompt(body)
+        prompt_ids = self._encode(text, "messages")
+        sampling = self._sampling(body, len(prompt_ids), "chat")
+        # the request's thinking switch, and whether the model reasons before its answer
+        thinking = kwargs.get("enable_thinking", kwargs.get("thinking", True)) is not False
+        reasons = bool(self.reasoning_parser) and thinking and not prompt_closes_reasoning(text)
+        opened = reasons and (prompt_opens_reasoning(text) or self.reasoning_parser == "deepseek_r1")
+        forced = plan is not None and plan.mode in ("named", "required")
+        if forced or fmt is not False:
+            sampling = self._constrain_answer(sampling, self._answer_grammar(plan, tools, fmt, parser), reasons,
+                                              opened, "tool_choice" if forced else "response_format")
+        constrained_by = None if sampling.grammar is None else "tool_choice" if plan else "response_format"
+        # a grammar constrains the answer after the reasoning (after_reasoning), or the whole output without one
+        reasoning = self.reasoning_parser if reasons and (sampling.grammar is None or sampling.reasoning_end) else None
+        formats = OutputFormats(parser.name, reasoning, bool(reasoning) and opened, self.calls_in_reasoning)
+        return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body, constrained_by), stream,
+                                 include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan,
+                                 formats=formats)
+
+    def _chat_prompt(self, body: dict) -> tuple:
+        """A chat body's prompt text through the chat template (its messages, tools and template controls) ->
+        ``(text, tools, tool plan, response format, template kwargs, tool parser)``. Raises InvalidRequestError."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("'messages' must be a non-empty list", param="messages")
@@ -615,24 +640,16 @@ class RequestParser:
                                              None if parser.name == "hermes" else parser)
         kwargs = _template_kwargs(body)
         extra = {**kwargs, "tools": tools} if tools and self.template_has_tools else kwargs
-        text = self.render_chat(conversation, body, extra)
-        prompt_ids = self._encode(text, "messages")
-        sampling = self._sampling(body, len(prompt_ids), "chat")
-        # the request's thinking switch, and whether the model reasons before its answer
-        thinking = kwargs.get("enable_thinking", kwargs.get("thinking", True)) is not False
-        reasons = bool(self.reasoning_parser) and thinking and not prompt_closes_reasoning(text)
-        opened = reasons and (prompt_opens_reasoning(text) or self.reasoning_parser == "deepseek_r1")
-        forced = plan is not None and plan.mode in ("named", "required")
-        if forced or fmt is not False:
-            sampling = self._constrain_answer(sampling, self._answer_grammar(plan, tools, fmt, parser), reasons,
-                                              opened, "tool_choice" if forced else "response_format")
-        constrained_by = None if sampling.grammar is None else "tool_choice" if plan else "response_format"
-        # a grammar constrains the answer after the reasoning (after_reasoning), or the whole output without one
-        reasoning = self.reasoning_parser if reasons and (sampling.grammar is None or sampling.reasoning_end) else None
-        formats = OutputFormats(parser.name, reasoning, bool(reasoning) and opened, self.calls_in_reasoning)
-        return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body, constrained_by), stream,
-                                 include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan,
-                                 formats=formats)
+        return self.render_chat(conversation, body, extra), tools, plan, fmt, kwargs, parser
+
+    def apply_template(self, body: Any) -> dict[str, str]:
+        """llama.cpp's ``POST /apply-template``: a chat body -> ``{"prompt": text}``, the prompt its
+        /v1/chat/completions would run (messages, tools, ``chat_template_kwargs``, ``add_generation_prompt``,
+        ``continue_final_message``), not tokenized and not generated from. Raises InvalidRequestError (400, the
+        chat route's checks) or ModelNotFoundError (404)."""
+        self._common(body, "chat")
+        fields.CHAT.check(body)
+        return {"prompt": self._chat_prompt(body)[0]}
 
     def render_chat(self, conversation: list[dict], body: dict, extra: dict | None = None) -> str:
         """The chat template over ``conversation`` with vLLM's controls from ``body``: ``add_generation_prompt``

@@ -46,8 +46,9 @@ class EngineConfig:
     # model and serving
     model: str = _setting("", "GGUF file or HF Llama directory; empty = the embedded SmolLM2-135M-Instruct")
     served_model_name: str = _setting("", "name listed by /v1/models; several (comma-separated, or the flag "
-                                      "repeated) are aliases, each accepted as 'model', the first reported; empty = "
-                                      "the model's own name", repeatable=True)
+                                      "repeated) are aliases, each accepted as 'model', the first reported; * among "
+                                      "them accepts any name (as llama-server does); empty = the model's own name",
+                                      repeatable=True)
     host: str = _setting("127.0.0.1", "address the HTTP server binds")
     port: int = _setting(8000, "TCP port of the HTTP server (0 = pick a free one)", _port, "0..65535")
     keep_alive_timeout_s: float = _setting(120.0, "idle HTTP connections are closed after this (HTTP/1.1 close, "

@@ -170,10 +170,11 @@ class EngineProcess:
 
 
 def start_engine(tmp_dir: Path, *args: str, env: dict | None = None, ready_timeout_s: float = 400.0,
-                 new_session: bool = False) -> EngineProcess:
+                 new_session: bool = False, command: list[str] | None = None) -> EngineProcess:
     """``pdserve serve`` on a free port, polled until /health is 200, watchdog drills off (``env`` may turn them
-    on). ``new_session``: the engine leads its own
-    session and process group (pgid = its pid), so a test can signal the whole group as systemd does."""
+    on). ``new_session``: the engine leads its own session and process group (pgid = its pid), so a test can signal
+    the whole group as systemd does. ``command``: what starts it instead of ``python -m pdserve.cli serve`` (given
+    ``--port P`` and ``args``; it must exec the engine, as tools/llama_server_shim.py does)."""
     import httpx
 
     port = free_port()
@@ -184,7 +185,8 @@ def start_engine(tmp_dir: Path, *args: str, env: dict | None = None, ready_timeo
     full_env["PDSERVE_DRILL_INTERVAL_S"] = "0"
     full_env.update(env or {})
     log_file = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), *args],
+    command = command or [sys.executable, "-m", "pdserve.cli", "serve"]
+    proc = subprocess.Popen([*command, "--port", str(port), *args],
                             cwd=ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT,
                             start_new_session=new_session)
     engine = EngineProcess(proc, port, log_path)

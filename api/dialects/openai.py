@@ -24,6 +24,19 @@ from api.protocol import GenerationRequest, error_body
 from pdserve.errors import PdserveError
 
 
+def _fingerprint() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"pdserve-{version('pdserve')}"
+    except PackageNotFoundError:   # a checkout run without installing it
+        return "pdserve-dev"
+
+
+# OpenAI's ``system_fingerprint`` (the backend configuration an answer came from): the engine and its version
+SYSTEM_FINGERPRINT = _fingerprint()
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """OpenAI ``usage``; ``prompt_tokens_details.cached_tokens``: leading prompt tokens whose KV the prefill
     actor's prefix cache held (not recomputed)."""
@@ -102,7 +115,7 @@ def full_response(req: GenerationRequest, choices: list[ChoiceResult], usage_bod
             out.append({"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason})
     obj = "chat.completion" if req.kind == "chat" else "text_completion"
     return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": out, "usage": usage_body}
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": out, "usage": usage_body}
 
 
 def chunk(req: GenerationRequest, text: str | None, finish_reason: str | None, *, first: bool = False,
@@ -128,7 +141,8 @@ def chunk(req: GenerationRequest, text: str | None, finish_reason: str | None, *
         obj = "text_completion"
         choices = [] if usage_body else [{"index": index, "text": text or "", "logprobs": logprobs,
                                           "finish_reason": finish_reason}]
-    body = {"id": req.request_id, "object": obj, "created": req.created, "model": req.model, "choices": choices}
+    body = {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
     if usage_body is not None:
         body["usage"] = usage_body
     return body

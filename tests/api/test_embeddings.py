@@ -43,14 +43,21 @@ def test_every_openai_input_shape_becomes_one_input_per_text_or_token_list(parse
     ({"input": ""}, "input", "empty string"),
     ({"input": []}, "input", "empty list"),
     ({"input": ["a", ""]}, "input[1]", "empty string"),
-    ({"input": [[1, 2], []]}, "input[1]", "non-empty list of integers"),
-    ({"input": ["a", [1, 2]]}, "input", "not mixed"),
-    ({"input": [1, "a"]}, "input", "not mixed"),
+    ({"input": [[1, 2], []]}, "input[1]", "non-empty list of token ids"),
+    ({"input": {"content": "a"}}, "input", "prompt object"),
+    ({"input": {"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}}, "input",
+     "text only"),
+    ({"input": {"content": [{"type": "unknown"}]}}, "input", "text part"),
+    ({"input": {"prompt_string": "a", "multimodal_data": ["AAAA"]}}, "input", "text only"),
+    ({"input": ["a", {"content": [{"type": "input_audio", "input_audio": {"data": "AAAA"}}]}]}, "input[1]",
+     "text only"),
+    ({"input": ["a", [1, None]]}, "input[1]", "non-empty string"),
+    ({"input": True}, "input", "non-empty string"),
     ({"input": 7}, "input", "non-empty string"),
-    ({"input": {"text": "a"}}, "input", "non-empty string"),
-    ({"input": [True, False]}, "input", "not mixed"),
+    ({"input": {"text": "a"}}, "input", "prompt object"),
+    ({"input": [True, False]}, "input[0]", "non-empty string"),
     ({"input": [[1, 10**9]]}, "input", "token ids must be in"),
-    ({"input": [[1.5, 2]]}, "input", "list of integers"),
+    ({"input": [[1.5, 2]]}, "input", "list of token ids"),
     ({}, "input", "is required"),
     ({"input": None}, "input", "is required"),
     ({"input": "a", "encoding_format": "int8"}, "encoding_format", "float, base64"),
@@ -65,6 +72,31 @@ def test_each_bad_input_is_a_400_naming_its_field(parser, body, param, words):
     with pytest.raises(InvalidRequestError) as caught:
         parse_embeddings(parser, body)
     assert caught.value.http_status == 400 and caught.value.param == param and words in caught.value.message
+
+
+def test_llama_cpp_input_shapes_mixed_lists_and_prompt_objects_are_one_input_each(parser):
+    """llama.cpp's /v1/embeddings takes more than OpenAI's shapes (its tests/unit/test_embedding.py): token ids and
+    strings in one list are one input, a batch may mix strings, token lists and prompt objects, and a prompt object
+    (``prompt_string``, or ``content`` text parts, joined) is the text it holds."""
+    enc = parser.tokenizer.encode
+    hello = enc("hello world")
+
+    def ids(body):
+        return [i.prompt_ids for i in parse_embeddings(parser, body).inputs]
+    assert ids({"input": [12, 34, "string", 56]}) == [[12, 34, *enc("string"), 56]]
+    assert ids({"input": ["string1", [12, 34]]}) == [enc("string1"), [12, 34]]
+    assert ids({"input": [[12, 34], [12, "string", 34]]}) == [[12, 34], [12, *enc("string"), 34]]
+    assert ids({"input": {"prompt_string": "hello world"}}) == [hello]
+    parts = {"content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}
+    assert ids({"input": parts}) == [hello]
+    assert ids({"input": ["hello world", {"prompt_string": "a"}, parts]}) == [hello, enc("a"), hello]
+    assert [i.first_index for i in parse_embeddings(parser, {"input": ["a", [1], parts]}).inputs] == [0, 1, 2]
+
+
+def test_any_model_name_is_accepted_when_the_served_names_hold_a_wildcard(parser):
+    wildcard = RequestParser(parser.tokenizer, f"{MODEL},*", MAX_LEN, reserve_tokens=16)
+    request = parse_embeddings(wildcard, {"input": "a", "model": "text-embedding-3-small"})
+    assert request.model == MODEL and wildcard.model_names == (MODEL,)
 
 
 def test_an_unknown_model_is_a_404_and_llama_cpp_content_takes_only_its_fields(parser):

@@ -436,3 +436,20 @@ def test_tokenize_takes_llama_cpp_s_content_and_answers_its_shape_with_pieces(pa
     with pytest.raises(InvalidRequestError) as err:
         parser.tokenize({"content": 3})
     assert err.value.param == "content"
+
+
+def test_apply_template_answers_the_prompt_text_the_chat_route_would_run(parser):
+    """llama.cpp's /apply-template: a chat body -> ``{"prompt"}``, the text whose tokens the chat route prefills
+    (template controls and tools included); the chat route's 400s and 404 apply."""
+    messages = [{"role": "system", "content": "You are a test."}, {"role": "user", "content": "Hi there"}]
+    prompt = parser.apply_template({"messages": messages})["prompt"]
+    assert parser.tokenizer.encode(prompt) == parser.chat(chat_body(messages=messages)).prompt_ids
+    assert "You are a test." in prompt and prompt.rstrip().endswith("assistant")
+    bare = parser.apply_template({"messages": messages, "add_generation_prompt": False})["prompt"]
+    assert not bare.rstrip().endswith("assistant")
+    tool = {"type": "function", "function": {"name": "list_files", "parameters": {"type": "object"}}}
+    assert "list_files" in parser.apply_template({"messages": messages, "tools": [tool]})["prompt"]
+    rejected(parser.apply_template, {"messages": []}, "messages")
+    rejected(parser.apply_template, {"messages": messages, "max_token": 3}, "max_token")
+    with pytest.raises(ModelNotFoundError):
+        parser.apply_template({"messages": messages, "model": "other"})

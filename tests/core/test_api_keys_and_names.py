@@ -84,6 +84,16 @@ def test_the_default_served_name_is_the_model_files_own_name(path, name):
     assert model_file_name(path) == name
 
 
+@pytest.mark.parametrize("configured,served", [
+    ("", "SmolLM2-135M-Instruct"), ("*", "SmolLM2-135M-Instruct,*"), ("tinyllama-2,*", "tinyllama-2,*"),
+    ("a,b", "a,b"),
+])
+def test_a_wildcard_alone_reports_the_model_files_name_and_keeps_accepting_any(configured, served):
+    from actors.supervisor import served_names
+
+    assert served_names(configured, "") == served
+
+
 NODE_SECRET = "node-secret-0123456789abcdef"
 
 

@@ -93,7 +93,7 @@ def test_llama_cpp_routes_answer_the_same_vectors_in_their_shapes(engine):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": ""}, "input"), ({"input": []}, "input"), ({"input": ["a", [1, 2]]}, "input"),
+    ({"input": ""}, "input"), ({"input": []}, "input"), ({"input": ["a", {"content": "b"}]}, "input[1]"),
     ({"input": [[1, 2], [-1]]}, "input[1]"), ({"input": "a", "dimensions": 8}, "dimensions"),
     ({"input": "a", "encoding_format": "hex"}, "encoding_format"), ({"input": "word " * 1100}, "input"),
     ({"input": "a", "temperature": 0}, "temperature"), ({"prompt": "a"}, "prompt"),
