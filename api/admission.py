@@ -34,6 +34,7 @@ from ipc.actor_table import ActorHealth, ActorStatus
 from ipc.lifecycle import RequestState as S
 from pdserve.errors import (EngineOverloadedError, InvalidRequestError, MessageTooLargeError, QueueFullError,
                             StateTableFullError)
+from pdserve.faults import DRILL_PREFIX
 from pdserve.kv_budget import blocks_for
 
 log = logging.getLogger("pdserve.api")
@@ -154,8 +155,6 @@ class PrefixLookup:
 
 def is_drill(request_id: str) -> bool:
     """A watchdog drill's request (api/drill.py): the API gives no client's request this id prefix."""
-    from pdserve.faults import DRILL_PREFIX
-
     return request_id.startswith(DRILL_PREFIX)
 
 

@@ -157,9 +157,7 @@ class Routes:
 
     async def debug_state(self, request: Request) -> Response:
         try:
-            sample_s = self.debug.sample_s(request.query_params.get("sample_s"))
-            # copies of the tables plus a loop-rate sample: a worker thread, never the event loop
-            return JSONResponse(await asyncio.to_thread(self.debug.snapshot, sample_s))
+            return JSONResponse(await self.debug.answer(request.query_params.get("sample_s")))
         except PdserveError as exc:
             return error_response(exc)
 

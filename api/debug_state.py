@@ -48,6 +48,14 @@ class DebugState:
                                       param="sample_s")
         return value
 
+    async def answer(self, raw_sample_s: str | None) -> dict[str, Any]:
+        """The snapshot for a ``sample_s`` query value (:meth:`sample_s`), taken in a worker thread (copies of the
+        tables plus a loop-rate sample: never the event loop). Raises what :meth:`sample_s` and :meth:`snapshot`
+        raise."""
+        import asyncio
+
+        return await asyncio.to_thread(self.snapshot, self.sample_s(raw_sample_s))
+
     def snapshot(self, sample_s: float) -> dict[str, Any]:
         """The snapshot (blocks ``sample_s`` seconds: run it in a worker thread). Raises RequestFailedError (503)
         when the engine's segments are gone or closed (the engine is stopping)."""

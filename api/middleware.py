@@ -16,6 +16,7 @@ from typing import Awaitable, Callable, Iterable
 
 import orjson
 
+from api.blame import proxy_wait_ns, split_of
 from api.protocol import check_request_id, error_body
 from ipc.arrivals import note_arrival
 from pdserve.config import admin_keys, node_secret  # noqa: F401 - the API process reads its credentials here
@@ -87,8 +88,6 @@ class RequestIdMiddleware:
         if answer["noted"]:
             return
         answer["noted"] = True
-        from api.blame import proxy_wait_ns, split_of
-
         split = split_of(arrived_ns, time.monotonic_ns(), scope.get("pdserve.handles", ()),
                          proxy_wait_ns(_header(scope, b"x-request-start"), arrived_wall_ns))
         note_arrival(answer["rid"], arrived_ns, answer["status"], split)

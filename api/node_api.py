@@ -390,8 +390,7 @@ class NodeRoutes:
     async def state(self, request: Request) -> Response:
         """The node's /debug/state snapshot (``sample_s`` as there), for the router's /debug/state."""
         try:
-            sample_s = self.debug.sample_s(request.query_params.get("sample_s"))
-            return JSONResponse(await asyncio.to_thread(self.debug.snapshot, sample_s))
+            return JSONResponse(await self.debug.answer(request.query_params.get("sample_s")))
         except PdserveError as exc:
             return error_json(exc)
 

@@ -430,6 +430,23 @@ def probe_fixture(engine_fixture: str = "engine", scope: str = "module"):
     return probe
 
 
+def ledger_fixture(engine_fixture: str = "engine", scope: str = "module"):
+    """A pytest fixture yielding the connection ledger (ipc/ledger.py) of the engine of fixture
+    ``engine_fixture``, attached read-only, closed at teardown. Use in a module as ``ledger = ledger_fixture()``."""
+    import pytest
+
+    @pytest.fixture(scope=scope)
+    def ledger(request):
+        from ipc.ledger import ConnectionLedger
+        from ipc.naming import segment_name
+
+        led = ConnectionLedger.attach(segment_name(request.getfixturevalue(engine_fixture).engine_id, "conns"),
+                                      readonly=True)
+        yield led
+        led.close()
+    return ledger
+
+
 @pytest.fixture
 def ring(engine_id):
     """A flight recorder of one 1,024-event sub-ring, installed as this process's (what the state table and the

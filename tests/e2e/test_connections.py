@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from ipc.ledger import CLOSE_REASONS, ConnectionLedger, row_state
-from tests.conftest import cleanup_engine, probe_fixture, scrape, start_engine
+from ipc.ledger import CLOSE_REASONS, row_state
+from tests.conftest import cleanup_engine, ledger_fixture, probe_fixture, scrape, start_engine
 from bench.engine_process import wait_until
 
 STALL_S = 2.0
@@ -39,13 +39,7 @@ def engine(tmp_path_factory):
 probe = probe_fixture()
 
 
-@pytest.fixture(scope="module")
-def ledger(engine):
-    from ipc.naming import segment_name
-
-    led = ConnectionLedger.attach(segment_name(engine.engine_id, "conns"), readonly=True)
-    yield led
-    led.close()
+ledger = ledger_fixture()
 
 
 def mine(ledger, port: int):

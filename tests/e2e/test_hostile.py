@@ -32,8 +32,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
 
-from ipc.ledger import CLOSE_REASONS, ConnectionLedger
-from tests.conftest import assert_recovered, cleanup_engine, probe_fixture, scrape, start_engine
+from ipc.ledger import CLOSE_REASONS
+from tests.conftest import assert_recovered, cleanup_engine, ledger_fixture, probe_fixture, scrape, start_engine
+from tests.e2e.test_connections import mine
 from bench.engine_process import wait_until
 
 CLOSE_WITHIN_S = 5.0    # a FIN is answered by the server's close in ms; the keep-alive timeout is 120 s
@@ -50,17 +51,7 @@ def engine(tmp_path_factory):
 probe = probe_fixture()
 
 
-@pytest.fixture(scope="module")
-def ledger(engine):
-    from ipc.naming import segment_name
-
-    led = ConnectionLedger.attach(segment_name(engine.engine_id, "conns"), readonly=True)
-    yield led
-    led.close()
-
-
-def live_row(ledger, port: int):
-    return next((r for r in ledger.live_rows() if int(r["peer_port"]) == port), None)
+ledger = ledger_fixture()
 
 
 def closed_row(ledger, port: int):
@@ -87,7 +78,7 @@ def assert_closed_by_the_client_at_once(ledger, socks: list[socket.socket]) -> N
     """FIN on every (idle, answered) connection of ``socks``: each is closed by the server within CLOSE_WITHIN_S
     (not at the 120 s keep-alive timeout) and its ledger row is closed with reason client_fin."""
     ports = [s.getsockname()[1] for s in socks]
-    wait_until(lambda: all(live_row(ledger, p) is not None and int(live_row(ledger, p)["requests_served"]) == 1
+    wait_until(lambda: all(mine(ledger, p) is not None and int(mine(ledger, p)["requests_served"]) == 1
                            for p in ports), 10, 0.05, "every connection's ledger row, its request served")
     for sock in socks:
         sock.shutdown(socket.SHUT_WR)
