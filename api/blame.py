@@ -145,8 +145,9 @@ class PeerBlame:
 
     def observe(self, peer: str, split: tuple[int, int, int, int]) -> None:
         outside_s, engine_s = outside_and_engine_s(split)
-        label = peer if peer in self._labels or len(self._labels) < MAX_PEERS else "other"
-        self._labels.add(label)
+        if peer not in self._labels and len(self._labels) < MAX_PEERS:
+            self._labels.add(peer)
+        label = peer if peer in self._labels else "other"
         self.outside.labels(label).observe(outside_s)
         alarm = self.slow.observe(peer, outside_s, engine_s, time.monotonic())
         if alarm:

@@ -111,7 +111,7 @@ class ArrivalIndex(_shm.ShmSegment):
         tails = self._entries["tail"].copy()
         entries = self._entries.copy()
         heads = self._entries["head"].copy()
-        ok = entries[(heads == tails) & (entries["head"] == tails) & (tails > 0)]
+        ok = entries[(heads == tails) & (tails > 0)]
         mine = np.sort(ok[ok["key"] == key], order="head")
         return {"arrivals": [{name: int(e[name]) for name in ("t_ns", "status") + SPLIT_FIELDS} for e in mine],
                 "since_ns": int(ok["t_ns"].min()) if len(ok) else 0, "wrapped": written > self.capacity}

@@ -78,3 +78,16 @@ def test_peer_blame_exports_the_outside_time_per_peer_and_counts_the_alarm(caplo
     assert 'pdserve_request_outside_engine_seconds_count{peer="192.0.2.7"} 3.0' in text
     assert 'pdserve_slow_peer_alarms_total{peer="192.0.2.7"} 1.0' in text
     assert [r.message for r in caplog.records if "peer 192.0.2.7" in r.message]
+
+
+def test_peers_past_max_peers_share_the_other_label():
+    from api.blame import MAX_PEERS
+
+    registry = CollectorRegistry()
+    blame = PeerBlame(registry)
+    for i in range(MAX_PEERS + 3):
+        blame.observe(f"10.1.0.{i}", (NONE_US, 0, 1000, 2000))
+    blame.observe("10.1.0.0", (NONE_US, 0, 1000, 2000))   # a labelled peer keeps its own label
+    text = generate_latest(registry).decode()
+    counts = [line for line in text.splitlines() if line.startswith("pdserve_request_outside_engine_seconds_count")]
+    assert len(counts) == MAX_PEERS + 1 and 'peer="other"} 3.0' in text and 'peer="10.1.0.0"} 2.0' in text
