@@ -246,7 +246,7 @@ class EngineConfig:
                                     "between the writer processes; the oldest are overwritten; tools/inspect "
                                     "--request reads it); 0 = off", _non_negative, ">= 0")
     arrival_index_entries: int = _setting(131072, "arrival index: the last N POST requests' ids, arrival times and "
-                                          "statuses (40 B each; ipc/arrivals.py), so tools/inspect --request tells "
+                                          "statuses (56 B each; ipc/arrivals.py), so tools/inspect --request tells "
                                           "an id that never reached the server from one whose recorder events were "
                                           "overwritten; 0 = off", _non_negative, ">= 0")
     otlp_traces_endpoint: str = _setting("", "OpenTelemetry collector URL (OTLP over HTTP, protobuf) each finished "
