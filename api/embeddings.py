@@ -221,6 +221,9 @@ class EmbeddingsRenderer:
     def failed(self, exc: PdserveError) -> list[bytes]:   # never streamed: the error is a JSON answer
         return []
 
+    def progress(self, prompt_progress: dict) -> list[bytes]:   # never streamed
+        return []
+
 
 class EmbeddingsDialect:
     """api/exchange.py's Dialect of POST /v1/embeddings (``llama``: llama.cpp's /embedding): ``build`` validates

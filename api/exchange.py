@@ -30,6 +30,7 @@ from starlette.responses import Response, StreamingResponse
 from api.body import BODY_ENCODINGS, read_and_build
 from api.generation import merged_choices
 from api.http_edges import note_engine_requests
+from api.llama_timings import Telemetry
 from api.protocol import GenerationRequest, error_body
 from api.sse import with_pings
 from ipc.recorder import ClosedBy, EventKind, record_request
@@ -66,6 +67,9 @@ class Renderer(Protocol):
 
     def failed(self, exc: PdserveError) -> list[bytes]:
         """A stream's frames for an engine error (a full answer's error is ``Dialect.error_body``)."""
+
+    def progress(self, prompt_progress: dict) -> list[bytes]:
+        """A stream's llama.cpp ``prompt_progress`` frames (api/llama_timings.py); [] in a dialect without them."""
 
 
 class Dialect(Protocol):
@@ -250,7 +254,11 @@ class Exchange:
                 self.inject("event")
                 renderer.event(*item)
             self.inject("finish")
-            return renderer.finish()
+            body = renderer.finish()
+            telemetry = Telemetry.of(self.handles)
+            if telemetry is not None and telemetry.per_token:   # llama.cpp's timings in a full answer
+                body["timings"] = telemetry.timings()
+            return body
 
         async def gone() -> None:
             while (await receive())["type"] != "http.disconnect":
@@ -277,6 +285,7 @@ class Exchange:
         its traceback) ``failed`` frames of a 500 when the renderer can still make them. Closing it early (the
         client gone) leaves ``status`` at 499."""
         sent = 0
+        telemetry = Telemetry.of(self.handles)   # llama.cpp's timings and prompt progress, when asked for
         try:
             self.inject("start")
             for frame in renderer.start():
@@ -284,11 +293,18 @@ class Exchange:
                 yield frame
             async for item in self.texts():
                 self.inject("event")
-                for frame in renderer.event(*item):
+                if telemetry is None:
+                    frames = renderer.event(*item)
+                else:   # the progress chunks before the first text's frames
+                    frames = telemetry.opening(renderer.progress)
+                    frames += telemetry.decorate(renderer.event(*item))
+                for frame in frames:
                     sent = self.first_byte(sent)
                     yield frame
             self.inject("finish")
             end, status = renderer.finish(), 200
+            if telemetry is not None:
+                end = telemetry.decorate(end)
         except PdserveError as exc:
             log.warning("request %s: %d %s%s", self.request_id, exc.http_status, exc.message,   # the whole id
                         timeline_hint(exc.http_status, self.request_id))

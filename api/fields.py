@@ -84,7 +84,9 @@ _IGNORED_COMPLETION = {
 
 # vLLM's sampling extensions and ours, honoured on both routes
 _EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "timeout"}
-_HONOURED_COMMON = _EXTENSIONS | {
+# llama.cpp's stream telemetry (api/llama_timings.py)
+LLAMA_TELEMETRY = frozenset({"timings_per_token", "return_progress"})
+_HONOURED_COMMON = _EXTENSIONS | LLAMA_TELEMETRY | {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs",
     "presence_penalty", "frequency_penalty", "logit_bias", "response_format",
 }

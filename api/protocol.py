@@ -90,6 +90,8 @@ class GenerationRequest:
     tools: ToolPlan | None = None    # chat with tools offered (tool_choice other than "none"); see api/tools.py
     formats: OutputFormats | None = None   # chat: its tool-call and reasoning parsers (api/formats.py)
     first_index: int = 0             # its first choice's index: k * n for the k-th prompt of a completions list
+    timings_per_token: bool = False  # llama.cpp's extensions (api/llama_timings.py): ``timings`` in each chunk
+    return_progress: bool = False    # and ``prompt_progress`` chunks before the first token (a stream's)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -209,6 +211,11 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise InvalidRequestError(f"'{name}' must be a boolean", param=name)
     return value
+
+
+def _llama_telemetry(body: dict) -> dict[str, bool]:
+    """llama.cpp's ``timings_per_token`` and ``return_progress`` (booleans; api/llama_timings.py)."""
+    return {name: _flag(body, name, False) for name in ("timings_per_token", "return_progress")}
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
@@ -613,7 +620,7 @@ class RequestParser:
         formats = OutputFormats(parser.name, reasoning, bool(reasoning) and opened, self.calls_in_reasoning)
         return GenerationRequest("chat", rid, model, prompt_ids, sampling, _stop_strings(body, constrained_by), stream,
                                  include_usage, _timeout(body), self._n(body, len(prompt_ids), sampling), tools=plan,
-                                 formats=formats)
+                                 formats=formats, **_llama_telemetry(body))
 
     def _chat_prompt(self, body: dict) -> tuple:
         """A chat body's prompt text through the chat template (its messages, tools and template controls) ->
@@ -812,7 +819,7 @@ class RequestParser:
         fmt = _response_format(body)
         grammar = None if fmt is False else self._schema_grammar(fmt, "response_format")
         stop = _stop_strings(body, None if grammar is None else "response_format")
-        timeout_s, created = _timeout(body), int(time.time())
+        timeout_s, created, telemetry = _timeout(body), int(time.time()), _llama_telemetry(body)
         out = []
         for k, prompt in enumerate(prompts):
             try:
@@ -831,7 +838,7 @@ class RequestParser:
                 raise _in_prompt(exc, k, len(prompts)) from None
             out.append(GenerationRequest("completion", rid, model, prompt_ids, sampling, stop, stream, include_usage,
                                          timeout_s, choices, echo_text, echo_only=echo_only, first_index=k * n,
-                                         created=created))
+                                         created=created, **telemetry))
         return out
 
     def _prompt_ids(self, prompt: str | list) -> list[int]:

@@ -99,6 +99,9 @@ class EventRenderer:
     def frames(self, event: tuple) -> list[bytes]:
         raise NotImplementedError
 
+    def progress(self, prompt_progress: dict) -> list[bytes]:
+        return []
+
     def event(self, index: int, text: str, reason: str | None, logprobs: list) -> list[bytes]:
         frames: list[bytes] = []
         for event in self.events.push(text, reason):

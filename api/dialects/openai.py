@@ -224,6 +224,9 @@ class ChatAnswer:
     def failed(self, exc: PdserveError) -> list[bytes]:
         return [data(error_body(exc))]
 
+    def progress(self, prompt_progress: dict) -> list[bytes]:
+        return []
+
 
 def data(body: dict) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
@@ -276,6 +279,13 @@ class ChatStream(ChatAnswer):
 
     def failed(self, exc: PdserveError) -> list[bytes]:
         return [data(error_body(exc)), DONE]
+
+    def progress(self, prompt_progress: dict) -> list[bytes]:
+        """llama.cpp's progress chunk: no choices, ``prompt_progress`` (api/llama_timings.py)."""
+        req = self.handles[0].request
+        obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+        return [data({"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
+                      "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [], "prompt_progress": prompt_progress})]
 
 
 DONE = b"data: [DONE]\n\n"

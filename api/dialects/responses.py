@@ -47,7 +47,7 @@ HOSTED_TOOL_TYPES = frozenset({"web_search", "web_search_preview", "file_search"
                                "computer_use_preview", "image_generation", "mcp", "local_shell", "namespace"})
 FIELDS = IGNORED_FIELDS | {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
                            "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id",
-                           "metadata", "conversation", "prompt"}
+                           "metadata", "conversation", "prompt"} | fields.LLAMA_TELEMETRY
 TABLE = fields.FieldTable("/v1/responses", FIELDS - IGNORED_FIELDS,
                           {name: "a hint for OpenAI's servers or reasoning models" for name in IGNORED_FIELDS})
 # documented fields this server cannot honour: a 400 saying so (not "unrecognized") unless null
@@ -217,7 +217,7 @@ def translate(body: Any, history: list[dict] | None = None,
     conversation = list(history or []) + input_messages(body.get("input"), unknown)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
     chat: dict[str, Any] = {"messages": messages, **_tools(body, unknown)}
-    for name in ("model", "temperature", "top_p"):
+    for name in ("model", "temperature", "top_p", *fields.LLAMA_TELEMETRY):
         if body.get(name) is not None:
             chat[name] = body[name]
     if body.get("max_output_tokens") is not None:
@@ -346,6 +346,11 @@ class ResponseStream:
         response = self.meta.response("in_progress", [])
         return [self._frame("response.created", response=response),
                 self._frame("response.in_progress", response=response)]
+
+    def progress(self, prompt_progress: dict) -> bytes:
+        """llama.cpp's ``response.in_progress`` with ``prompt_progress`` (api/llama_timings.py)."""
+        return self._frame("response.in_progress", response=self.meta.response("in_progress", []),
+                           prompt_progress=prompt_progress)
 
     def _close(self, status: str = "completed") -> list[bytes]:
         item, self.open = self.open, None
@@ -604,6 +609,9 @@ class ResponsesRenderer(EventRenderer):
 
     def failed(self, exc: PdserveError) -> list[bytes]:
         return [self.sse.failed(exc)]
+
+    def progress(self, prompt_progress: dict) -> list[bytes]:
+        return [self.sse.progress(prompt_progress)] if self.stream else []
 
 
 def _not_stored(store: ResponseStore, response_id: str) -> tuple[int, dict]:

@@ -2,7 +2,8 @@
 server test suite passes (tools/llama_suite.sh runs that suite; this module keeps what it found fixed): the flags
 mapped or dropped, any ``model`` name accepted (``--served-model-name ALIAS,*``), ``system_fingerprint`` on chat
 and completions answers and chunks, llama.cpp's embedding input shapes, and a clean stop on the suite's SIGTERM
-(no process, no /dev/shm segment); llama.cpp's /apply-template."""
+(no process, no /dev/shm segment); llama.cpp's /apply-template; its ``timings_per_token`` and
+``return_progress`` stream telemetry."""
 from __future__ import annotations
 
 import json
@@ -83,6 +84,49 @@ def test_apply_template_answers_the_chat_prompt_as_llama_server_does(http):
     answer = http.post("/apply-template", json={"messages": BOOK})
     assert answer.status_code == 200 and "What is the best book" in answer.json()["prompt"], answer.text
     assert http.post("/apply-template", json={"messages": []}).status_code == 400
+
+
+def sse_data(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_timings_per_token_and_return_progress_as_llama_server_streams_them(http):
+    """llama.cpp's telemetry extensions (api/llama_timings.py) on chat, completions and Responses: two
+    prompt_progress chunks before the first token (cache == processed, then processed == total), ``timings`` in
+    every later chunk and in a full answer; a non-boolean value is a 400 naming the field."""
+    prompt = "This is a test " * 10
+    chat = sse_data(http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True}, "timings_per_token": True, "return_progress": True}).text)
+    progress = [c["prompt_progress"] for c in chat if "prompt_progress" in c]
+    assert [c["choices"] for c in chat if "prompt_progress" in c] == [[], []]
+    assert len(progress) == 2 and progress[0]["processed"] == progress[0]["cache"] < progress[1]["processed"]
+    assert progress[1]["processed"] == progress[1]["total"] == chat[-1]["usage"]["prompt_tokens"]
+    assert progress[0]["time_ms"] == 0 < progress[1]["time_ms"]
+    assert all("timings" in c for c in chat), chat
+    last = chat[-1]["timings"]
+    assert last["predicted_n"] == chat[-1]["usage"]["completion_tokens"] == 4
+    assert last["prompt_n"] + last["cache_n"] == progress[1]["total"] and last["predicted_per_second"] > 0
+    assert last["prompt_per_second"] > 0 and all(v >= 0 for v in last.values())
+
+    full = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "timings_per_token": True}).json()
+    assert full["timings"]["predicted_n"] == 3 and full["timings"]["prompt_per_token_ms"] > 0, full
+    plain = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3}).json()
+    assert "timings" not in plain
+
+    events = sse_data(http.post("/v1/responses", json={
+        "input": prompt, "max_output_tokens": 4, "stream": True, "timings_per_token": True,
+        "return_progress": True}).text)
+    shown = [e for e in events if "prompt_progress" in e]
+    assert [e["type"] for e in shown] == ["response.in_progress"] * 2
+    assert any(e["type"] == "response.output_text.delta" and "prompt_per_second" in e["timings"] for e in events)
+    ended = events[-1]   # response.incomplete: max_output_tokens reached
+    assert ended["type"] in ("response.completed", "response.incomplete"), ended
+    assert ended["timings"]["predicted_n"] == ended["response"]["usage"]["output_tokens"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+    bad = http.post("/v1/chat/completions", json={"messages": BOOK, "max_tokens": 2, "timings_per_token": "yes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "timings_per_token", bad.text
 
 
 def test_sigterm_to_the_shims_pid_stops_the_engine_leaving_no_process_or_segment(engine):
