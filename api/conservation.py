@@ -3,6 +3,7 @@
 | name | what |
 |---|---|
 | `incident_writer` | the API process's incident bundle writer (actors/incidents.py), or None without ``incident_dir`` |
+| `engine_url` | the engine's HTTP root, for an incident's replay recipe |
 | `ConservationChecks` | reads its handles, the state table and the connection ledger; alarms on what persists |
 
 Plain decisions: actors/conservation.py (ids by row life, per-connection counts, ``Persisting``). A finding seen on
@@ -37,13 +38,18 @@ def incident_writer(layout, config):
                           config.incident_dir_max_bytes, tail)
 
 
+def engine_url(client) -> str:
+    """The engine's HTTP root (``client``: the EngineClient), for an incident's replay command."""
+    return f"http://{client.config.host}:{client.layout.http_port}"
+
+
 class ConservationChecks:
     """``client``: the EngineClient (handles, table, status record); ``ledger``: the ConnectionLedger this process
     writes, or None; ``incidents``: an IncidentWriter or None. ``check()`` is cheap to call often: it runs once per
     ``monitor_tick_s``."""
 
-    def __init__(self, client, ledger=None, incidents=None, base_url: str = ""):
-        self.client, self.ledger, self.incidents, self.base_url = client, ledger, incidents, base_url
+    def __init__(self, client, ledger=None, incidents=None):
+        self.client, self.ledger, self.incidents, self.base_url = client, ledger, incidents, engine_url(client)
         self.since_ns = time.monotonic_ns()   # rows allocated before: a predecessor API's (the monitor's)
         self.tick_ns = int(client.config.monitor_tick_s * 1e9)
         self.next_ns = 0
@@ -51,10 +57,18 @@ class ConservationChecks:
         self.inflight = Persisting(2)
 
     def check(self, now_ns: int | None = None) -> None:
+        """Run the checks if a tick passed since the last run (``now_ns``: monotonic ns). Never raises: a check's
+        own bug is logged and must not stop the heartbeat loop calling it."""
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         if now_ns < self.next_ns:
             return
         self.next_ns = now_ns + self.tick_ns
+        try:
+            self._check()
+        except Exception:  # noqa: BLE001 - logged; the next tick tries again
+            log.exception("conservation check failed")
+
+    def _check(self) -> None:
         from api.http_edges import in_flight_by_connection
 
         handles = [(h.slot, h.generation, h.request.request_id) for h in self.client.handles.values()]

@@ -156,9 +156,9 @@ class Drills:
     (its admission, tables and status record); ``incidents``: the process's IncidentWriter or None (a failed
     drill's incident bundle, kind "drill": its stage, id, verdict and the holder's stacks)."""
 
-    def __init__(self, client, model: str, incidents=None, base_url: str = ""):
+    def __init__(self, client, model: str, incidents=None):
         self.client, self.model = client, model
-        self.incidents, self.base_url = incidents, base_url   # a failed drill's bundle (actors/incidents.py)
+        self.incidents = incidents   # a failed drill's bundle (actors/incidents.py)
         config = client.config
         self.limit_s, self.tick_s = config.drill_timeout_s, config.monitor_tick_s
         self.free_bound_s = config.idle_wait_s + 2 * config.monitor_tick_s + 1.0   # actors free on their next loop
@@ -289,10 +289,11 @@ class Drills:
         if self.incidents is None:
             return
         from actors.incidents import Incident
+        from api.conservation import engine_url
         from ipc.engine_status import DRILL_FAILURES
 
         topo = self.client.topology
         detail = (f"watchdog drill {request_id} of stage {STAGE_NAME[stage]} failed: {DRILL_FAILURES[verdict - 1]} "
                   f"(reached the stage: {watch.reached})")
         self.incidents.report(Incident("drill", detail, [request_id], STAGE_NAME[stage], "drill_timeout_s",
-                                       self.base_url, holders=drill_holders(watch.last, topo.prefill + topo.decode)))
+                                       engine_url(self.client), holders=drill_holders(watch.last, topo.prefill + topo.decode)))
