@@ -11,10 +11,10 @@ actor, a stuck gauge, a count mismatch or a leaked KV block, and when the API pr
 | ``prune`` | deletes the oldest bundles of a directory beyond a byte total |
 | ``IncidentWriter`` | the I/O: a queue of one and a thread that runs ``python -m tools.bundle --incident SPEC`` |
 
-The monitor's tick (and the API's loop) only calls ``IncidentWriter.report``: a limiter check and a non-blocking put (a few us). The
-writer's thread hands the incident and the log lines to a ``tools.bundle`` process (tools sits above actors in
-the package layering), which reads the engine's shm read-only and writes the tar.gz, so the snapshot, the
-recorder read and the compression cost the monitor's process nothing but a wait on a thread; at most once per
+The monitor's tick (and the API's loop) only calls ``IncidentWriter.report``: a limiter check and a non-blocking put
+(a few us). The writer's thread hands the incident and the log lines to a ``tools.bundle`` process (tools sits above
+actors in the package layering), which reads the engine's shm read-only and writes the tar.gz, so the snapshot, the
+recorder read and the compression cost the caller's process nothing but a wait on a thread; at most once per
 ``incident_min_interval_s``. Bundle members: tools/bundle.py.
 """
 from __future__ import annotations
@@ -38,8 +38,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # wher
 
 @dataclass
 class Incident:
-    """What the monitor saw: ``kind`` (one of KINDS), a one-line ``detail``, the request ids involved, and for a
-    timeout its stage name (ipc/lifecycle's STAGE_NAME) and the config field of the deadline that fired."""
+    """What the monitor (or the API) saw: ``kind`` (one of KINDS), a one-line ``detail``, the request ids involved,
+    and for a timeout (or a failed drill) its stage name (ipc/lifecycle's STAGE_NAME) and the config field of the
+    deadline that fired (should have)."""
     kind: str
     detail: str
     request_ids: list[str] = field(default_factory=list)

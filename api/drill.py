@@ -295,5 +295,6 @@ class Drills:
         topo = self.client.topology
         detail = (f"watchdog drill {request_id} of stage {STAGE_NAME[stage]} failed: {DRILL_FAILURES[verdict - 1]} "
                   f"(reached the stage: {watch.reached})")
+        holders = drill_holders(watch.last, topo.prefill + topo.decode)
         self.incidents.report(Incident("drill", detail, [request_id], STAGE_NAME[stage], "drill_timeout_s",
-                                       engine_url(self.client), holders=drill_holders(watch.last, topo.prefill + topo.decode)))
+                                       engine_url(self.client), holders=holders))
