@@ -23,7 +23,9 @@ def engine(tmp_path_factory):
     incidents = tmp_path_factory.mktemp("incidents")
     eng = start_engine(tmp_path_factory.mktemp("conservation"),
                        env={"PDSERVE_FAULTS": FAULTS, "PDSERVE_MONITOR_TICK_S": str(TICK_S),
-                            "PDSERVE_INCIDENT_DIR": str(incidents), "PDSERVE_INCIDENT_MIN_INTERVAL_S": "0"})
+                            "PDSERVE_INCIDENT_DIR": str(incidents), "PDSERVE_INCIDENT_MIN_INTERVAL_S": "0",
+                            # the duplicated row is live until its queue deadline: the stop's drain waits on it
+                            "PDSERVE_DRAIN_TIMEOUT_S": "1"})
     eng.incident_dir = incidents
     yield eng
     cleanup_engine(eng)
