@@ -1,5 +1,7 @@
-"""Incident bundles the monitor writes itself (issue 26): when it times a request out or flags a dead/hung actor, a
-stuck gauge or a count mismatch, a tar.gz of the evidence goes into ``incident_dir`` (off when that is empty).
+"""Incident bundles the engine writes itself (issue 26): when the monitor times a request out or flags a dead/hung
+actor, a stuck gauge, a count mismatch or a leaked KV block, and when the API process sees a conservation violation
+(api/conservation.py) or a failed watchdog drill (api/drill.py), a tar.gz of the evidence goes into
+``incident_dir`` (off when that is empty). Each of the two processes has its own writer and limiter.
 
 | name | what |
 |---|---|
@@ -9,10 +11,10 @@ stuck gauge or a count mismatch, a tar.gz of the evidence goes into ``incident_d
 | ``prune`` | deletes the oldest bundles of a directory beyond a byte total |
 | ``IncidentWriter`` | the I/O: a queue of one and a thread that runs ``python -m tools.bundle --incident SPEC`` |
 
-The monitor's tick only calls ``IncidentWriter.report``: a limiter check and a non-blocking put (a few us). The
-writer's thread hands the incident and the log lines to a ``tools.bundle`` process (tools sits above actors in
-the package layering), which reads the engine's shm read-only and writes the tar.gz, so the snapshot, the
-recorder read and the compression cost the monitor's process nothing but a wait on a thread; at most once per
+The monitor's tick (and the API's loop) only calls ``IncidentWriter.report``: a limiter check and a non-blocking put
+(a few us). The writer's thread hands the incident and the log lines to a ``tools.bundle`` process (tools sits above
+actors in the package layering), which reads the engine's shm read-only and writes the tar.gz, so the snapshot, the
+recorder read and the compression cost the caller's process nothing but a wait on a thread; at most once per
 ``incident_min_interval_s``. Bundle members: tools/bundle.py.
 """
 from __future__ import annotations
@@ -29,15 +31,16 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("pdserve.incidents")
 
-KINDS = ("timeout", "actor", "stuck_gauge", "gauge_mismatch", "router_mismatch", "conservation")
+KINDS = ("timeout", "actor", "stuck_gauge", "gauge_mismatch", "router_mismatch", "conservation", "drill")
 LOG_LINES = 500
 WRITE_TIMEOUT_S = 120.0
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # where ``tools`` is importable from
 
 @dataclass
 class Incident:
-    """What the monitor saw: ``kind`` (one of KINDS), a one-line ``detail``, the request ids involved, and for a
-    timeout its stage name (ipc/lifecycle's STAGE_NAME) and the config field of the deadline that fired."""
+    """What the monitor (or the API) saw: ``kind`` (one of KINDS), a one-line ``detail``, the request ids involved,
+    and for a timeout (or a failed drill) its stage name (ipc/lifecycle's STAGE_NAME) and the config field of the
+    deadline that fired (should have)."""
     kind: str
     detail: str
     request_ids: list[str] = field(default_factory=list)

@@ -295,6 +295,7 @@ class HeartbeatMonitor(Actor):
         running) is named, with the request its owner slot last held, in an ERROR line and an incident. An actor
         starting (its warm-up borrows a block) is not judged."""
         from ipc.actor_table import ActorStatus
+        from ipc.engine_status import CONSERVATION_KINDS
 
         for index, pool in self.pools.items():
             ready = int(actor_rows[index]["status"]) == int(ActorStatus.READY)
@@ -308,6 +309,7 @@ class HeartbeatMonitor(Actor):
                       f"request (block:slot {', '.join(f'{b}:{s}' for b, s in leaked[:10])}; slots last held "
                       f"{', '.join(ids) or 'no id'})")
             log.error("conservation: %s", detail)
+            self.status.rec["conservation"][CONSERVATION_KINDS.index("blocks")] += 1
             self.incident("conservation", detail, ids, holders=[index])
 
     def _notify(self, slot: int, generation: int, status: int, error_type: str, message: str) -> None:

@@ -342,6 +342,12 @@ class Admission:
         drift = self.faults.fires("router_count_drift", request.request_id) if self.faults else None
         if drift is not None:   # fault injection: the router's bookkeeping goes wrong from here on
             self.count_drift += int(drift.number("count_delta"))
+        if self.faults and self.faults.fires("duplicate_row", request.request_id):
+            # fault injection: a second row for the request that no handle holds (the id held twice in the table)
+            slot, generation = self.table.allocate(
+                request.request_id, prompt_tokens=len(request.prompt_ids), deadline_ns=self.clock() + int(
+                    timeout_s * 1e9), prefill_actor=prefill_actor, decode_actor=decode_actor)
+            self.table.update(slot, generation, owner=self.owner)
         self.publish_routed()
         return handles
 

@@ -9,13 +9,15 @@ within ``drill_timeout_s`` + one tick and that everything the request held is fr
 | `Watch`         | what the driver saw of a drill's row: did it reach the stage, when its deadline started (plain) |
 | `judge`         | the verdict: 0 passed, else 1 + an index of ``ipc.engine_status.DRILL_FAILURES`` (plain) |
 | `blocks_held`, `gauges_held` | what a drill left behind: KV blocks of its slot, actors' own counts (plain) |
+| `drill_holders` | the actor holding a drill's row, whose stacks a failed drill's incident bundle takes (plain) |
 | `Drills`        | the driver, an asyncio task of the API process: admit, watch the row, check, record    |
 
 A drill is a request like a client's (the API's admission, the actors' queues, the monitor's deadlines), told apart
 by its id, ``drill-<stage>-<n>``: the faults aim at it, the monitor gives it ``drill_timeout_s`` and leaves it out
 of ``pdserve_request_timeouts_total`` and incidents, tools/inspect marks it. Its prompt is shorter than one KV block,
 so it has no full block to look up in or add to a prefix cache; it never finishes, so nothing is handed back.
-Results go to the status record (ipc/engine_status.py ``drill_*``): /metrics, /health and tools/inspect read them.
+Results go to the status record (ipc/engine_status.py ``drill_*``): /metrics, /health and tools/inspect read them;
+a failed drill is also an ERROR line and, with ``incident_dir``, an incident bundle of kind "drill".
 """
 from __future__ import annotations
 
@@ -90,10 +92,12 @@ class Watch:
     start_ns: int = 0       # the stage deadline's start at the last read in the stage (renewals included)
     final: dict | None = None   # the row once it turned final
     timings: tuple = (0.0, 0.0)   # the driver's: seconds from admission to the verdict, then to the frees
+    last: dict | None = None    # the row at the last read that found it
 
     def see(self, row: dict | None) -> None:
         if row is None or self.final is not None:
             return
+        self.last = row
         state = row["state"]
         if state == self.stage:
             self.reached = True
@@ -130,6 +134,16 @@ def blocks_held(owner_slots, slot: int) -> int:
     return sum(int((owners == slot).sum()) for owners in owner_slots)
 
 
+def drill_holders(row: dict | None, engine_actors) -> list[int]:
+    """The actor holding a drill's row (``row``: its last read; ``engine_actors``: the prefill and decode actor
+    indices): its owner when that is an engine actor, else the actor it is due at (its prefill actor, then its
+    decode actor; a QUEUED row is owned by the API); [] without a row."""
+    if row is None:
+        return []
+    found = [int(row[f]) for f in ("owner", "prefill_actor", "decode_actor") if int(row[f]) in engine_actors]
+    return found[:1]
+
+
 def gauges_held(actor_rows) -> list[str]:
     """``actor gauge=value`` for each actor's own queue count above 0 (``ActorTable.rows()``; -1: keeps none)."""
     from ipc.engine_status import GAUGES
@@ -139,10 +153,12 @@ def gauges_held(actor_rows) -> list[str]:
 
 class Drills:
     """The driver in the API process (``start`` an asyncio task; ``stop`` cancels it). ``client``: the EngineClient
-    (its admission, tables and status record)."""
+    (its admission, tables and status record); ``incidents``: the process's IncidentWriter or None (a failed
+    drill's incident bundle, kind "drill": its stage, id, verdict and the holder's stacks)."""
 
-    def __init__(self, client, model: str):
+    def __init__(self, client, model: str, incidents=None):
         self.client, self.model = client, model
+        self.incidents = incidents   # a failed drill's bundle (actors/incidents.py)
         config = client.config
         self.limit_s, self.tick_s = config.drill_timeout_s, config.monitor_tick_s
         self.free_bound_s = config.idle_wait_s + 2 * config.monitor_tick_s + 1.0   # actors free on their next loop
@@ -261,7 +277,24 @@ class Drills:
         rec["drill_failures"][i] += 1
         rec["drill_failing"][i] = verdict
         final = watch.final
+        self.incident(stage, verdict, request_id, watch)
         log.error("watchdog drill %s FAILED: %s (reached the stage: %s; ended %s); /health names it until a drill "
                   "of that stage passes", request_id, DRILL_FAILURES[verdict - 1], watch.reached,
                   "not at all" if final is None else f"{getattr(final['state'], 'name', final['state'])} in "
                   f"{getattr(final['final_stage'], 'name', final['final_stage'])}")
+
+    def incident(self, stage: S, verdict: int, request_id: str, watch: Watch) -> None:
+        """Hand a failed drill to the incident writer (rate-limited there; a no-op without one): its stage, its id,
+        the verdict, and the stacks and loop counters of the actor holding its row (``drill_holders``)."""
+        if self.incidents is None:
+            return
+        from actors.incidents import Incident
+        from api.conservation import engine_url
+        from ipc.engine_status import DRILL_FAILURES
+
+        topo = self.client.topology
+        detail = (f"watchdog drill {request_id} of stage {STAGE_NAME[stage]} failed: {DRILL_FAILURES[verdict - 1]} "
+                  f"(reached the stage: {watch.reached})")
+        holders = drill_holders(watch.last, topo.prefill + topo.decode)
+        self.incidents.report(Incident("drill", detail, [request_id], STAGE_NAME[stage], "drill_timeout_s",
+                                       engine_url(self.client), holders=holders))

@@ -515,10 +515,13 @@ _SERVER_FIRST = ("idle_close", "drain", "server_close")   # close reasons where 
 class _LedgerConn:
     """One connection's ledger row, from the API process's side: who acted first at the end, writes waiting."""
 
-    __slots__ = ("ledger", "index", "key", "first", "server_reason", "goaway_code", "blocked", "protocol_known")
+    __slots__ = ("ledger", "index", "key", "first", "server_reason", "goaway_code", "blocked", "protocol_known",
+                 "conn_id", "in_flight")
 
     def __init__(self, ledger, index: int, key):
         self.ledger, self.index, self.key = ledger, index, key
+        self.conn_id = int(ledger.rows["conn_id"][index])
+        self.in_flight: dict = {}   # _RequestEntry -> its request id: the HTTP requests in progress on it
         self.first = ""             # the first close event seen: a CLOSE_REASONS name
         self.server_reason = ""
         self.goaway_code = -1
@@ -759,10 +762,19 @@ def _header_value(scope, names: tuple[bytes, ...]) -> str:
     return ""
 
 
-def record_requests(app):
+def in_flight_by_connection() -> dict[int, tuple[int, str, list[str]]]:
+    """The API's own count of each recorded connection's HTTP requests in progress: ``{ledger row: (conn_id,
+    "host:port", [their request ids])}`` (actors/conservation.find_inflight_mismatches compares it with the
+    ledger's ``streams_open``)."""
+    return {c.index: (c.conn_id, f"{c.key[0]}:{c.key[1]}", list(c.in_flight.values()))
+            for c in list(_BY_PEER.values()) if c.index >= 0}
+
+
+def record_requests(app, faults=None):
     """ASGI wrapper: each HTTP request in the connection ledger (installed by ``install_connection_ledger``):
     headers received, response started, response ended; the connection's protocol and first Forwarded /
-    X-Forwarded-For. A handler that admits engine requests calls ``note_engine_requests``."""
+    X-Forwarded-For. A handler that admits engine requests calls ``note_engine_requests``. ``faults``: the API's
+    pdserve.faults.FaultPlan (``ledger_count_drift``)."""
     async def wrapped(scope, receive, send) -> None:
         conn = _BY_PEER.get(tuple(scope.get("client") or ())) if scope["type"] == "http" else None
         if conn is None or conn.index < 0:
@@ -775,8 +787,11 @@ def record_requests(app):
             tls = scope.get("scheme") == "https"
             protocol = ("h2" if tls else "h2c") if scope.get("http_version") == "2" else ("h1-tls" if tls else "h1")
             ledger.note_protocol(conn.index, protocol, _header_value(scope, (b"forwarded", b"x-forwarded-for")))
-        entry = _RequestEntry(conn, ledger.request_start(conn.index, _header_value(scope, (b"x-request-id",)), now))
+        request_id = _header_value(scope, (b"x-request-id",))
+        entry = _RequestEntry(conn, ledger.request_start(conn.index, request_id, now), request_id)
         scope["pdserve.ledger"] = entry
+        if faults and faults.fires("ledger_count_drift", request_id):   # fault injection: a start recorded twice
+            ledger.request_start(conn.index, request_id, now)
 
         async def recording_send(message) -> None:
             kind = message["type"]
@@ -797,13 +812,16 @@ def record_requests(app):
 class _RequestEntry:
     __slots__ = ("conn", "index", "entry", "ended")
 
-    def __init__(self, conn: _LedgerConn, entry: int):
+    def __init__(self, conn: _LedgerConn, entry: int, request_id: str = ""):
         self.conn, self.index, self.entry, self.ended = conn, conn.index, entry, False
+        conn.in_flight[self] = request_id
 
     def live(self) -> bool:
         return not self.ended and self.conn.index == self.index and self.index >= 0
 
     def engine(self, slot: int, generation: int, request_id: str) -> None:
+        if not self.ended:
+            self.conn.in_flight[self] = request_id
         if self.live() and self.entry >= 0:
             self.conn.ledger.request_engine(self.index, self.entry, slot, generation, request_id,
                                             time.monotonic_ns())
@@ -820,6 +838,7 @@ class _RequestEntry:
         if self.live():
             self.conn.ledger.request_end(self.index, self.entry, served)
         self.ended = True
+        self.conn.in_flight.pop(self, None)
 
 
 def note_engine_requests(scope, handles) -> None:

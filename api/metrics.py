@@ -20,6 +20,9 @@ pdserve_http_connections_unrecorded_total.
 Watchdog drills (api/drill.py), per drilled stage: pdserve_watchdog_drill_last_success_timestamp{stage},
 pdserve_watchdog_drills_total{stage}, pdserve_watchdog_drill_failures_total{stage}; a stage whose last drill failed
 is a /health problem (status stays "ok": requests are still served).
+
+Conservation (actors/watchdog.BlockConservation in the monitor, api/conservation.py in the API):
+pdserve_conservation_violations_total{kind} (kinds: ipc/engine_status.CONSERVATION_KINDS).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from actors.watchdog import actor_state
 from ipc.lifecycle import GAUGE_STATES, STAGE_NAME
-from ipc.engine_status import GAUGES, actor_failures, drill_problems
+from ipc.engine_status import CONSERVATION_KINDS, GAUGES, actor_failures, drill_problems
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -128,6 +131,13 @@ class _SharedStateCollector:
             failures.add_metric([stage], failed_by_stage[int(state)])
         yield from (timeouts, failures)
         yield from _drill_families(client.config, status)
+        violations = CounterMetricFamily("pdserve_conservation_violations", "conservation violations reported "
+                                         "(blocks: a leaked KV block; id_twice: a request held twice in a layer; "
+                                         "id_orphan: a live row no API handle holds; inflight: a connection whose "
+                                         "ledger count is not the API's)", labels=["kind"])
+        for i, kind in enumerate(CONSERVATION_KINDS):
+            violations.add_metric([kind], status["conservation"][i])
+        yield violations
         stuck = _gauge("pdserve_stuck_gauge", "1 = gauge > 0 while nothing left its stage for stuck_gauge_s",
                        labels=["gauge"])
         mismatch = _gauge("pdserve_gauge_mismatch", "1 = an actor's own count disagrees with the state table",

@@ -5,7 +5,8 @@ A node (``role`` prefill or decode) also mounts api/node_api.py's ``/internal/*`
 router's ``node_secret``; a plain engine has none (404).
 
 The process beats its heartbeat from the asyncio loop, so a wedged event loop shows up as a hung API. The watchdog
-fire drill (api/drill.py, ``drill_interval_s``) is a task of the same loop.
+fire drill (api/drill.py, ``drill_interval_s``) is a task of the same loop; the heartbeat loop also runs the
+conservation checks of ids and connections (api/conservation.py) once per ``monitor_tick_s``.
 
 Connection edges Hypercorn and h2 handle short of the RFCs (idle close: GOAWAY on HTTP/2, a staged close on
 HTTP/1.1; a connection the client closed while idle closed at once; ``Keep-Alive: timeout=N``; REFUSED_STREAM for
@@ -91,7 +92,9 @@ class ApiActor(Actor):
                 log.warning("closed %d connection-ledger rows the previous API process left open (reason error)",
                             orphans)
             if install_connection_ledger(ledger):
-                app, metrics.ledger = record_requests(app), ledger
+                from pdserve.faults import FaultPlan
+
+                app, metrics.ledger = record_requests(app, FaultPlan(self.config.faults, "api")), ledger
         return app
 
     async def _serve(self) -> None:
@@ -146,10 +149,13 @@ class ApiActor(Actor):
             app = TraceMiddleware(app, tracer)
             metrics.registry.register(tracer.collector())
         ignore_cancelled_connection_callbacks(asyncio.get_running_loop())
+        from api.conservation import ConservationChecks, incident_writer
         from api.drill import Drills
 
-        drills = Drills(client, parser.served_model_name)   # the watchdog fire drill (drill_interval_s > 0)
+        incidents = incident_writer(self.layout, self.config)   # conservation violations' and failed drills' bundles
+        drills = Drills(client, parser.served_model_name, incidents)   # the watchdog fire drill
         drills.start()
+        conservation = ConservationChecks(client, metrics.ledger, incidents)
 
         async def shutdown_trigger() -> None:
             self.actors.set_status(self.index, ActorStatus.READY)
@@ -159,12 +165,15 @@ class ApiActor(Actor):
                 client.publish_routed()
                 if client.handles:
                     client.fail_lost()
+                conservation.check()
                 await asyncio.sleep(self.config.idle_wait_s)
 
         try:
             await serve(answer_cancelled_requests(app), hconfig, shutdown_trigger=shutdown_trigger)
         finally:
             drills.stop()
+            if incidents is not None:
+                incidents.close()
             client.stop()
             if tracer is not None:
                 tracer.stop()

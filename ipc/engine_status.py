@@ -9,11 +9,12 @@ Layout (little endian)::
 
     offset  size  field
     0       4     magic         b"PDES"
-    4       4     version       u4 = 3
+    4       4     version       u4 = 4
     8       4     record_bytes  u4 = STATUS_DTYPE.itemsize
     64      ...   one record of STATUS_DTYPE (aligned: no field straddles its own size)
 
-Record (``STATUS_DTYPE``; ``S`` = len(RequestState), indexed by state; ``G`` = len(GAUGES), GAUGES order)::
+Record (``STATUS_DTYPE``; ``S`` = len(RequestState), indexed by state; ``G`` = len(GAUGES), GAUGES order;
+``C`` = len(CONSERVATION_KINDS))::
 
     field                  type    writer      meaning
     watchdog_ticks         u8      monitor     ticks since start (pdserve_watchdog_ticks_total)
@@ -33,6 +34,9 @@ Record (``STATUS_DTYPE``; ``S`` = len(RequestState), indexed by state; ``G`` = l
     drill_last_success_s   f8[S]   api         wall clock (unix s) of the stage's last passed drill (0 = none yet)
     drill_failing          u1[S]   api         the stage's last drill failed: 1 + its index in DRILL_FAILURES
                                                (0 = it passed, or none ran)
+    conservation           u8[C]   see below   conservation violations reported, by CONSERVATION_KINDS: "blocks"
+                                               written by the monitor (actors/watchdog.BlockConservation), the
+                                               others by the API (api/conservation.py); one writer per element
     draining               u1      supervisor  1 = stop admitting (SIGTERM received)
     stopping               u1      supervisor  1 = every actor leaves its loop (the supervisor's stop)
 
@@ -55,7 +59,11 @@ GAUGE_METRIC = {"running": "pdserve_num_running_reqs", "queued": "pdserve_num_qu
                 "prefill_inflight": "pdserve_num_prefill_inflight_queue_reqs",
                 "decode_transfer": "pdserve_num_decode_transfer_queue_reqs"}
 
-_S, _G = len(RequestState), len(GAUGES)
+# pdserve_conservation_violations_total{kind}: a leaked KV block; a row life held twice in a layer (or an id with
+# more live rows than API handles); a live row no API handle holds; a connection whose ledger count is not the API's
+CONSERVATION_KINDS = ("blocks", "id_twice", "id_orphan", "inflight")
+
+_S, _G, _C = len(RequestState), len(GAUGES), len(CONSERVATION_KINDS)
 STATUS_DTYPE = np.dtype([
     ("watchdog_ticks", "<u8"),
     ("watchdog_last_tick_ns", "<i8"),
@@ -72,12 +80,13 @@ STATUS_DTYPE = np.dtype([
     ("drill_failures", "<u8", (_S,)),
     ("drill_last_success_s", "<f8", (_S,)),
     ("drill_failing", "u1", (_S,)),
+    ("conservation", "<u8", (_C,)),
     ("draining", "u1"),
     ("stopping", "u1"),
 ], align=True)
 
 MAGIC = b"PDES"
-VERSION = 3
+VERSION = 4
 HEADER = struct.Struct("<4sII")  # magic, version, record_bytes
 RECORD_OFFSET = 64
 

@@ -256,8 +256,9 @@ class EngineConfig:
     incident_dir: str = _setting("", "directory the monitor writes an incident bundle into (a tar.gz: the inspect "
                                  "snapshot, the involved requests' timelines, config, versions, its recent log "
                                  "lines, a replay recipe; tools/inspect --bundle DIR reads them) when it times a "
-                                 "request out or flags a dead/hung actor, a stuck gauge or a count mismatch; "
-                                 "empty = off")
+                                 "request out or flags a dead/hung actor, a stuck gauge, a count mismatch or a "
+                                 "leaked KV block, and the API when a watchdog drill fails or a conservation check "
+                                 "names an id or a connection; empty = off")
     incident_min_interval_s: float = _setting(60.0, "at most one incident bundle this often (the incidents in "
                                               "between are counted in the next one)", _non_negative, ">= 0")
     incident_dir_max_bytes: int = _setting(256 << 20, "the incident bundles kept in incident_dir: the oldest are "

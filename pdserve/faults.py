@@ -21,6 +21,8 @@ header, so a test or an operator can aim a fault at one request).
 | ``stop_holding_lock:actor=decodeJ`` | decode | takes the state table lock and SIGSTOPs itself (a stuck holder) |
 | ``leak_blocks`` | prefill | the request's prompt blocks are never freed (a leak the monitor's conservation check names) |
 | ``exchange_bug:step=STEP`` | api | the request's exchange raises an error as a bug would, at STEP (one of ``EXCHANGE_STEPS``: after admission, making the renderer, its start, its first event, its finish, sending the answer) |
+| ``duplicate_row`` | api | on admitting an eligible request, a second row with its id that no handle holds (an id held twice: api/conservation.py names it) |
+| ``ledger_count_drift`` | api | an eligible request's start is recorded twice in the connection ledger: its connection's count drifts one above the API's |
 | ``router_count_drift:count_delta=K`` | api | on admitting an eligible request, the router's per-actor active counts drift K off for good (the monitor flags it) |
 | ``drop_prefill_request`` | prefill (colocated: decode) | the PrefillRequest is dropped on arrival: the row stays QUEUED, nobody holds it |
 | ``hold_prefill`` | prefill (colocated: decode) | the prompt is begun (PREFILLING, blocks allocated) but none of its chunks is computed; other prompts pass |
@@ -55,6 +57,8 @@ FAULT_KEYS = {
     "crash": {"actor"},
     "stop_holding_lock": {"actor"},
     "router_count_drift": {"count_delta"},
+    "duplicate_row": set(),
+    "ledger_count_drift": set(),
     "leak_blocks": set(),
     "exchange_bug": {"step"},
     "drop_prefill_request": set(),

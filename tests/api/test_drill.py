@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from api.drill import (EARLY, NEVER_REACHED, NOT_FIRED, OTHER_END, SLACK_S, DrillSchedule, Watch, blocks_held,
-                       drill_id, drill_stages, gauges_held, judge)
+                       drill_holders, drill_id, drill_stages, gauges_held, judge)
 from ipc.engine_status import DRILL_FAILURES, drill_problems
 from ipc.lifecycle import RequestState as S
 
@@ -94,6 +94,18 @@ def test_what_a_drill_left_behind_its_slots_blocks_over_every_pool_and_any_actor
     assert gauges_held(rows) == ["prefill0 prefill_inflight=1"]
     rows[0]["own_gauges"] = [0, 0, 0, -1]
     assert gauges_held(rows) == []
+
+
+def test_a_failed_drills_holder_is_its_rows_engine_owner_else_the_actor_it_waits_at():
+    """Actors 1 (prefill0) and 2 (decode0) are the engine's; 0 is the API, which owns a QUEUED row."""
+    engine = (1, 2)
+    assert drill_holders({"owner": 2, "prefill_actor": 1, "decode_actor": 2}, engine) == [2]
+    assert drill_holders({"owner": 0, "prefill_actor": 1, "decode_actor": 2}, engine) == [1]
+    assert drill_holders({"owner": 0, "prefill_actor": -1, "decode_actor": 2}, engine) == [2]   # colocated
+    assert drill_holders(None, engine) == []   # never read: no stacks to take
+    watch = Watch(S.QUEUED)
+    watch.see({"state": S.QUEUED, "state_since_ns": 5, "last_progress_ns": 0, "owner": 0})
+    assert watch.last["owner"] == 0   # the last read is kept for the holder
 
 
 def test_a_failed_stage_is_one_problem_naming_the_stage_and_why():

@@ -19,11 +19,14 @@ STAGES = ("queued", "prefill", "bootstrap", "transfer", "decode_waiting", "decod
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
+    incidents = tmp_path_factory.mktemp("incidents")
     eng = start_engine(tmp_path_factory.mktemp("drill"),
                        env={"PDSERVE_DRILL_INTERVAL_S": str(DRILL_INTERVAL_S),
                             "PDSERVE_DRILL_TIMEOUT_S": str(DRILL_TIMEOUT_S), "PDSERVE_MONITOR_TICK_S": str(TICK_S),
-                            "PDSERVE_FAULTS": "monitor_blind:match=drill-,count=1"})
+                            "PDSERVE_FAULTS": "monitor_blind:match=drill-,count=1",
+                            "PDSERVE_INCIDENT_DIR": str(incidents), "PDSERVE_INCIDENT_MIN_INTERVAL_S": "0"})
     eng.ready_at = time.monotonic()   # /health answered 200: the actors serve, drills can be admitted
+    eng.incident_dir = incidents
     yield eng
     cleanup_engine(eng)
 
@@ -40,7 +43,8 @@ def problems(engine) -> list[str]:
 def test_a_drill_the_monitor_cannot_fire_on_raises_the_alarm_and_a_health_problem_within_one_interval(engine, probe):
     """The first drill meets a monitor blind to it: /health names the failed stage within one drill interval of the
     engine serving plus the drill itself (the driver's poll, the limit, one tick, the slack), the API logs an
-    ERROR, the failure is counted, and the drill's row is aborted and released; the engine keeps answering 200."""
+    ERROR, the failure is counted, the drill's row is aborted and released, and an incident bundle names the
+    stage, the id, the verdict and the holder's stacks; the engine keeps answering 200."""
     wait_until(lambda: any("watchdog drill of stage queued failed" in p for p in problems(engine)), 30, 0.02,
                "/health to name the failed drill")
     seen_s = time.monotonic() - engine.ready_at
@@ -52,6 +56,19 @@ def test_a_drill_the_monitor_cannot_fire_on_raises_the_alarm_and_a_health_proble
     line = next(x for x in engine.log_text().splitlines() if "drill-queued-1 FAILED" in x)
     assert "ERROR" in line, line
     wait_until(lambda: not probe.rows_with_id("drill-queued-1"), 5, 0.05, "the failed drill's row released")
+    from tools.bundle import read_bundle
+
+    path = wait_until(lambda: sorted(engine.incident_dir.glob("incident-*-drill.tar.gz")), 30, 0.2,
+                      "the failed drill's incident bundle")[0]
+    bundle = read_bundle(str(path))
+    incident = bundle["incident.json"]   # its stage, id and the judge's verdict
+    assert incident["kind"] == "drill" and incident["stage"] == "queued", incident
+    assert incident["request_ids"] == ["drill-queued-1"] and incident["deadline_field"] == "drill_timeout_s"
+    assert "did not fire within drill_timeout_s + one tick" in incident["detail"], incident
+    (holder,) = bundle["holders.json"]["holders"]   # the actor its row waited at: its stacks and loop counters
+    assert holder["actor"] == "prefill0" and 'File "' in holder["stacks"], holder
+    (timeline,) = bundle["timelines/incident.json"]["timelines"]
+    assert timeline["request_id"] == "drill-queued-1"
 
 
 def test_every_stage_is_drilled_and_passes_while_a_client_request_is_served(engine, probe):

@@ -366,7 +366,8 @@ def multiround(argv: list[str], report) -> dict:
 def test_a_leaked_kv_block_is_named_by_the_conservation_check_within_two_ticks(engine):
     """The leak_blocks fault keeps a finished request's prompt blocks owned by its slot: with nothing else running
     the monitor names the blocks and the request within two ticks (0.5 s here; slack for a loaded machine), once,
-    and writes a conservation incident holding prefill0's stacks. (The prompt runs twice: the second time its last
+    counts it (pdserve_conservation_violations_total{kind=blocks}) and writes a conservation incident holding
+    prefill0's stacks. (The prompt runs twice: the second time its last
     block's tokens are in the prefix cache already, so that block is freed rather than filed, and the free is what
     the fault skips.)"""
     for rid in ("leak-0", "leak-1"):
@@ -386,6 +387,7 @@ def test_a_leaked_kv_block_is_named_by_the_conservation_check_within_two_ticks(e
     assert bundle["holders.json"]["holders"][0]["actor"] == "prefill0"
     lines = [line.split(" ERROR ", 1)[1] for line in named()]
     assert len(lines) == len(set(lines))   # a leak is reported once, not every tick
+    assert scrape(engine.base_url)["pdserve_conservation_violations_total{kind=blocks}"] >= 1
 
 
 def test_the_outage_one_keep_alive_connection_24_rounds_a_transfer_stuck_at_round_7(engine, tmp_path):
