@@ -31,7 +31,8 @@ JSON snapshot schema (``--json``; version 1; times in seconds, ``null`` = unknow
                  "router_count": int|null (the router's count for it), "table_count": int|null (the state
                  table's), "router_mismatch": bool (flagged by the monitor), "router_mismatches": int,
                  "prefix_cache": null (none) | {"cached_blocks", "in_use_blocks", "query_tokens", "hit_tokens",
-                                 "hit_ratio": float|null, "evicted_blocks"}}],
+                                 "hit_ratio": float|null, "evicted_blocks"},
+                 "drained": str|null (why the monitor drained it: no new work; actors/ejection.py)}],
      "gauges": [{"name", "metric", "value", "nonzero_for_s", "since_last_move_s", "stuck", "mismatch",
                  "actors_count"}],
      "requests": [{"request_id", "drill": bool (a watchdog drill's row, api/drill.py), "slot", "stage", "age_in_stage_s", "total_age_s", "owner", "prefill_actor",
@@ -140,8 +141,9 @@ def render(snapshot: dict[str, Any]):
                                         + ("-" if pc["hit_ratio"] is None else f"{pc['hit_ratio']:.0%}"))
         counts = "-" if a["table_count"] is None else \
             f"{a['router_count']}/{a['table_count']}" + (" MISMATCH" if a["router_mismatch"] else "")
-        style = "red" if a["health"] in ("hung", "dead") or a["router_mismatch"] else ""
-        actors.add_row(a["name"], a["role"], str(a["pid"]), a["device"] or "-", a["status"], a["health"],
+        style = "red" if a["health"] in ("hung", "dead") or a["router_mismatch"] or a.get("drained") else ""
+        health = a["health"] + (" DRAINED" if a.get("drained") else "")
+        actors.add_row(a["name"], a["role"], str(a["pid"]), a["device"] or "-", a["status"], health,
                        secs(a["heartbeat_age_s"]), f"{a['loop_iterations_per_s']:.0f}", str(a["restarts"]),
                        str(a["late_messages"]), kv, cache, load, str(a["requests_done"]), counts, style=style)
     gauges = Table(title="queues", title_justify="left")
