@@ -78,6 +78,7 @@ class Drain:
     stage: S
     timeouts: int
     window_s: float
+    since_ns: int = 0   # when it was drained (monotonic ns)
 
     @property
     def reason(self) -> str:
@@ -111,7 +112,7 @@ class Ejection:
             times.popleft()
         if len(times) < self.limit:
             return None, None
-        drain = Drain(actor, self.names[actor], stage, len(times), self.window_s)
+        drain = Drain(actor, self.names[actor], stage, len(times), self.window_s, now_ns)
         role = self.roles[actor]
         if not any(self.roles.get(i) == role and i != actor for i in serving):
             said = self.kept.get((actor, stage))
@@ -124,6 +125,19 @@ class Ejection:
         self.kept.pop((actor, stage), None)
         self.drained[actor] = drain
         return drain, None
+
+    def readmit_due(self, actor: int, drill_passed: bool, now_ns: int, cool_down_s: float | None) -> str | None:
+        """Why drained actor ``actor`` is readmitted now, or None (it stays drained, or is not drained): its
+        readmission drill passed (``drill_passed``), or, with no drills to run (``cool_down_s`` not None:
+        ``eject_readmit_s``), it has been drained that long."""
+        drain = self.drained.get(actor)
+        if drain is None:
+            return None
+        if drill_passed:
+            return "a passing readmission drill"
+        if cool_down_s is not None and now_ns - drain.since_ns >= cool_down_s * 1e9:
+            return f"eject_readmit_s={cool_down_s:g} drained (no drills run here)"
+        return None
 
     def readmit(self, actor: int) -> Drain | None:
         """Actor ``actor`` takes new work again (its readmission drill passed); its counts start over. Returns the

@@ -220,7 +220,6 @@ class HeartbeatMonitor(Actor):
 
         topo = self.topology
         self.ejection = None
-        self.drained_since_ns: dict[int, int] = {}
         if not self.config.eject_timeouts:
             return
         self.ejection = Ejection(topo.names, {i: topo.role(i) for i in self.topology_engine},
@@ -229,8 +228,8 @@ class HeartbeatMonitor(Actor):
         for row in self.actors.rows():
             if row["index"] in self.topology_engine and row["drained"]:
                 self.ejection.drained[row["index"]] = Drain(row["index"], row["name"], S(row["drained"]),
-                                                            int(row["drain_timeouts"]), self.config.eject_window_s)
-                self.drained_since_ns[row["index"]] = time.monotonic_ns()
+                                                            int(row["drain_timeouts"]), self.config.eject_window_s,
+                                                            time.monotonic_ns())
 
     def on_stop(self) -> None:
         if self.incidents is not None:
@@ -361,7 +360,6 @@ class HeartbeatMonitor(Actor):
             log.warning("ejection: %s", note)
         if drain is not None:
             number = self.actors.drain(drain.actor, int(drain.stage), drain.timeouts)
-            self.drained_since_ns[drain.actor] = time.monotonic_ns()
             after = ("a readmission drill on it passes" if self.readmit_by_drill else
                      f"eject_readmit_s={self.config.eject_readmit_s:g} passed (no drills run here)")
             log.error("ejection: %s (the last: request %s); it takes no new work until %s, its running requests "
@@ -372,19 +370,16 @@ class HeartbeatMonitor(Actor):
         drain's number) or, with no drills, that has been drained ``eject_readmit_s``."""
         if self.ejection is None or not self.ejection.drained:
             return
+        cool_down_s = None if self.readmit_by_drill else self.config.eject_readmit_s
         for index in list(self.ejection.drained):
             row = actor_rows[index]
-            by_drill = int(row["readmit_drain"]) == int(row["drains"])
-            cooled = not self.readmit_by_drill and \
-                now_ns - self.drained_since_ns.get(index, now_ns) >= self.config.eject_readmit_s * 1e9
-            if not (by_drill or cooled):
+            why = self.ejection.readmit_due(index, int(row["readmit_drain"]) == int(row["drains"]), now_ns,
+                                            cool_down_s)
+            if why is None:
                 continue
             drain = self.ejection.readmit(index)
             self.actors.undrain(index)
-            self.drained_since_ns.pop(index, None)
-            log.warning("ejection: %s readmitted after %s (it was %s)", row["name"],
-                        "a passing readmission drill" if by_drill else
-                        f"eject_readmit_s={self.config.eject_readmit_s:g}", drain.reason)
+            log.warning("ejection: %s readmitted after %s (it was %s)", row["name"], why, drain.reason)
 
     def expire(self, expired) -> bool:
         """Time ``expired`` out (FAILED for a bad timestamp); False if the row moved on since (it was not stuck)."""

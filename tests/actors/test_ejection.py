@@ -97,3 +97,14 @@ def test_a_drained_rows_reason_is_rebuilt_from_the_actor_table_fields():
     assert row_drain(rows[0], 60.0) is None
     assert row_drain(rows[1], 60.0) == "decode1 drained: 3 transfer timeouts in 60 s"
     assert drain_problems(rows, 60.0) == ["decode1 drained: 3 transfer timeouts in 60 s"]
+
+
+def test_a_drained_actor_is_readmitted_by_its_passing_drill_or_without_drills_after_the_cool_down():
+    e = ejection(timeouts=1)
+    drain, _ = e.record(DECODE1, S.TRANSFERRING, 10 * S_NS, "a", EVERYONE)
+    assert drain.since_ns == 10 * S_NS
+    assert e.readmit_due(DECODE1, False, 1000 * S_NS, None) is None         # drills: only a passing one readmits
+    assert e.readmit_due(DECODE1, True, 11 * S_NS, None) == "a passing readmission drill"
+    assert e.readmit_due(DECODE1, False, 309 * S_NS, 300.0) is None         # no drills: the cool-down
+    assert e.readmit_due(DECODE1, False, 310 * S_NS, 300.0) == "eject_readmit_s=300 drained (no drills run here)"
+    assert e.readmit_due(2, True, 310 * S_NS, 300.0) is None                # not drained
