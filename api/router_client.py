@@ -324,15 +324,21 @@ class RouterClient:
         now = time.monotonic()
         for index, node in enumerate(self.nodes):
             if node.drained and index not in self.probes and now >= self.probe_due.get(index, 0.0):
-                self.probe_due[index] = now + self.config.eject_probe_interval_s
                 task = asyncio.get_running_loop().create_task(self.probe(index), name=f"probe-{node.url}")
                 self.probes[index] = task
                 task.add_done_callback(lambda _, i=index: self.probes.pop(i, None))
 
     async def probe(self, index: int) -> bool:
         """Send one tiny request (``PROBE_PREFIX``) pinned to drained node ``index``, the other side on a serving
-        node; an answer to its end readmits the node. Returns whether it did."""
+        node; an answer to its end readmits the node, else the next probe is due ``eject_probe_interval_s`` after
+        this one ended. Returns whether it readmitted the node."""
         node = self.nodes[index]
+        try:
+            return await self._probe(node, index)
+        finally:
+            self.probe_due[index] = time.monotonic() + self.config.eject_probe_interval_s
+
+    async def _probe(self, node: Node, index: int) -> bool:
         request = GenerationRequest("completion", f"{PROBE_PREFIX}{next(self._probe_ids)}", "", list(PROBE_PROMPT_IDS),
                                     Sampling(temperature=0.0, max_tokens=2, ignore_eos=True))
         try:
