@@ -103,14 +103,15 @@ def test_a_decode_node_whose_transfers_keep_timing_out_is_drained_then_readmitte
     assert health["status"] == "ok" and reason in health["problems"], health
     view = httpx.get(base + "/debug/state", timeout=10, trust_env=False).json()["router"]["nodes"]
     assert {n["url"]: n["drained"] for n in view if n["role"] == "decode"} == {d0.url: None, d1.url: reason}
-    before = d1.done()   # the first probe, stuck in transfer, finishes nothing there
-    responses = asyncio.run(wave(base, "other-", 6))   # while drained: every one on d0, and answered
-    assert [r.status_code for r in responses] == [200] * 6, [r.text[:200] for r in responses]
-    assert d1.done() == before and scrape(base)[f"pdserve_router_node_drained{{node={d1.url},role=decode}}"] == 1
     text = router_log.read_text()
     assert f"ERROR ejection: {reason}" in text, text[-3000:]
     wait_until(lambda: "probe eject-probe-1 through" in router_log.read_text(), 30, 0.2, "the first probe to fail")
     assert "it stays drained" in router_log.read_text()
+    # no stream open on either decode node now (the failed probe's ended): list order would pick d1
+    before = d1.done()
+    responses = asyncio.run(wave(base, "other-", 6))   # while drained: every one on d0, and answered
+    assert [r.status_code for r in responses] == [200] * 6, [r.text[:200] for r in responses]
+    assert d1.done() == before and scrape(base)[f"pdserve_router_node_drained{{node={d1.url},role=decode}}"] == 1
     wait_until(lambda: scrape(base)[f"pdserve_router_node_drained{{node={d1.url},role=decode}}"] == 0,
                PROBE_INTERVAL_S + 30, 0.2, "the next probe to readmit the node")
     assert f"ejection: decode node {d1.url} readmitted: probe eject-probe-2 through it answered" in \
