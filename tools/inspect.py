@@ -49,7 +49,8 @@ seconds; ``in_flight``: the router's count of requests it sent that node; a node
 ``{"url", "error": str}`` in ``nodes``)::
 
     {"router": {"requests": [{"request_id", "prefill_node": url, "decode_node": url, "stage", "age_s"}],
-                "nodes": [{"url", "role", "healthy": bool, "last_ok_age_s": float|null, "in_flight": int}]},
+                "nodes": [{"url", "role", "healthy": bool, "last_ok_age_s": float|null, "in_flight": int,
+                           "drained": str|null (why the router drained it: no new requests)}]},
      "nodes": [<a node's snapshot, as above>, ...]}
 
 ``--url ... --json`` prints ``{"schema": 1, "sources": [{"url": the URL asked, "ok": bool, "error": str|null,
@@ -269,8 +270,9 @@ def render_router(state: dict[str, Any]):
     for column in ("node", "role", "health", "last ok", "in flight"):
         nodes.add_column(column)
     for n in router["nodes"]:
-        nodes.add_row(n["url"], n["role"], "ok" if n["healthy"] else "UNHEALTHY", secs(n["last_ok_age_s"]),
-                      str(n["in_flight"]), style="" if n["healthy"] else "bold red")
+        health = ("ok" if n["healthy"] else "UNHEALTHY") + (f" DRAINED: {n['drained']}" if n.get("drained") else "")
+        nodes.add_row(n["url"], n["role"], health, secs(n["last_ok_age_s"]), str(n["in_flight"]),
+                      style="" if n["healthy"] and not n.get("drained") else "bold red")
     requests = Table(title=f"router requests in flight ({len(router['requests'])})", title_justify="left")
     for column in ("request", "stage", "age", "prefill node", "decode node"):
         requests.add_column(column)
