@@ -358,7 +358,7 @@ class RouterClient:
         except PdserveError as exc:
             error = exc
         finally:
-            self.finish_all(handles)
+            self.finish(handle)   # its one choice (a drill's way out, api/drill.py; the exchange ends HTTP requests)
         if error is not None:
             log.warning("ejection: probe %s through %s failed (%s): it stays drained", request.request_id,
                         node.url, error.message)
