@@ -1,12 +1,14 @@
 """Stage-aware ejection: which engine actor to drain (no new work) because its requests keep timing out in one
-stage, as plain synchronous code (no I/O, no clock of its own; the HeartbeatMonitor, actors/monitor.py, feeds it).
+stage, and when to take it back, as plain synchronous code (no I/O, no clock of its own). The HeartbeatMonitor
+(actors/monitor.py) feeds it its actors' timeouts; `pdserve router` (api/router_client.py) its nodes' (indices of
+its node list, named "decode node URL").
 
 | name            | what                                                                                 |
 |-----------------|--------------------------------------------------------------------------------------|
 | `stage_actor`   | the actor a row's stage blames: queued/prefill its prefill actor, later its decode one |
 | `drain_reason`  | the one reason text: "decode1 drained: 3 transfer timeouts in 60 s"                  |
 | `Drain`         | one decision: drain this actor for this stage, with the timeouts that made it       |
-| `Ejection`      | the counter: timeouts and stuck gauges per (actor, stage) in a sliding window       |
+| `Ejection`      | the counter: timeouts and stuck gauges per (actor, stage) in a sliding window, and readmission |
 | `readmit_stage` | the stage a readmission drill on a drained actor runs (api/drill.py)                |
 | `row_drain`     | an actor-table row's drain reason, or None (/debug/state, tools/inspect)            |
 | `drain_problems`| one problem per drained actor (/health, /debug/state)                               |
