@@ -10,7 +10,10 @@ Each tick it reads the shm state table and the actor table and:
 3. tracks stuck queue gauges and cross-checks the actors' own counts against the table;
 4. releases final rows nobody released for ``FINAL_ROW_RECLAIM_S`` (the API died before answering); a row a
    request on a live connection still writes out (connection ledger) is the API's while it is alive;
-5. with a connection ledger, runs the connection detectors (actors/connection_watch.py) over it.
+5. with a connection ledger, runs the connection detectors (actors/connection_watch.py) over it;
+6. drains an engine actor whose requests keep timing out in one stage (actors/ejection.py: the actor table's
+   ``drained``, which the API's router reads) and readmits it when the API's readmission drill on it passed
+   (``readmit_drain``), or, with no drills to run, after ``eject_readmit_s``.
 It blocks on nothing but its timer: every put is non-blocking and every lock wait is bounded, so it
 keeps ticking while every other actor is stopped, hung or dead. A lock held past its timeout by a stopped or hung
 process (ShmLockTimeoutError) ends that tick only: every actor's health was written before the first lock wait,
@@ -192,6 +195,7 @@ class HeartbeatMonitor(Actor):
 
             self.ledger = ConnectionLedger.attach(self.layout.segment("conns"))
             self.conn_watch, self.conn_flags = ConnectionWatch(), {}
+        self.start_ejection()
         from actors.watchdog import BlockConservation
         from ipc.kv_pool import KVPool
 
@@ -207,6 +211,25 @@ class HeartbeatMonitor(Actor):
             self.incidents = IncidentWriter(self.layout.engine_id, self.config.incident_dir,
                                             self.config.incident_min_interval_s, self.config.incident_dir_max_bytes,
                                             self.log_tail)
+
+    def start_ejection(self) -> None:
+        """The ejection counter (None: ``eject_timeouts`` 0), its drains as the table has them (a restarted
+        monitor goes on with them), and how a drained actor comes back: a drill (the API runs them on an engine
+        of both sides with ``drill_interval_s`` > 0) or ``eject_readmit_s``."""
+        from actors.ejection import Drain, Ejection
+
+        topo = self.topology
+        self.ejection = None
+        if not self.config.eject_timeouts:
+            return
+        self.ejection = Ejection(topo.names, {i: topo.role(i) for i in self.topology_engine},
+                                 self.config.eject_timeouts, self.config.eject_window_s)
+        self.readmit_by_drill = self.config.drill_interval_s > 0 and self.config.role == "both"
+        for row in self.actors.rows():
+            if row["index"] in self.topology_engine and row["drained"]:
+                self.ejection.drained[row["index"]] = Drain(row["index"], row["name"], S(row["drained"]),
+                                                            int(row["drain_timeouts"]), self.config.eject_window_s,
+                                                            time.monotonic_ns())
 
     def on_stop(self) -> None:
         if self.incidents is not None:
@@ -278,7 +301,9 @@ class HeartbeatMonitor(Actor):
             fresh = self.table.consistent_rows(slots)
             again = find_expired(fresh, time.monotonic_ns(), self.config, self.limits_ns, self.drill_limit_ns)
             for confirmed in again:
-                self.expire(dataclasses.replace(confirmed, slot=slots[confirmed.slot]))
+                if self.expire(dataclasses.replace(confirmed, slot=slots[confirmed.slot])) \
+                        and confirmed.reason == "stage_deadline":
+                    self.blame(fresh[confirmed.slot], confirmed.request_id)
         rows = self.table.snapshot()
         now_ns = time.monotonic_ns()
         actor_rows = self.actors.rows()   # read once for both checks below
@@ -289,6 +314,7 @@ class HeartbeatMonitor(Actor):
         if live is not None:
             self.check_connections(live)
         self.check_blocks(rows, actor_rows)
+        self.check_drained(actor_rows, now_ns)
 
     def check_blocks(self, rows, actor_rows) -> None:
         """Conservation of KV blocks: a block a READY actor owns while it holds no live request (two checks
@@ -318,10 +344,50 @@ class HeartbeatMonitor(Actor):
         except Exception as exc:  # noqa: BLE001 - API inbox full or gone: the API's own deadline answers
             log.warning("could not notify the API about slot %d: %s", slot, exc)
 
-    def expire(self, expired) -> None:
+    def blame(self, row, request_id: str) -> None:
+        """A stage deadline fired (or a gauge stuck) on ``row`` (a state-table row, as read before): one timeout
+        of its stage for the actor the stage blames (actors/ejection.py ``stage_actor``), which may drain it."""
+        from actors.ejection import stage_actor
+        from ipc.actor_table import ActorHealth, ActorStatus
+
+        if self.ejection is None:
+            return
+        state = int(row["state"])
+        actor = stage_actor(state, int(row["prefill_actor"]), int(row["decode_actor"]))
+        rows = self.actors.rows()
+        serving = [r["index"] for r in rows if r["status"] == ActorStatus.READY and not r["drained"]
+                   and r["health"] not in (ActorHealth.HUNG, ActorHealth.DEAD)]
+        drain, note = self.ejection.record(actor, state, time.monotonic_ns(), request_id, serving)
+        if note:
+            log.warning("ejection: %s", note)
+        if drain is not None:
+            number = self.actors.drain(drain.actor, int(drain.stage), drain.timeouts)
+            after = ("a readmission drill on it passes" if self.readmit_by_drill else
+                     f"eject_readmit_s={self.config.eject_readmit_s:g} passed (no drills run here)")
+            log.error("ejection: %s (the last: request %s); it takes no new work until %s, its running requests "
+                      "go on (drain %d)", drain.reason, request_id, after, number)
+
+    def check_drained(self, actor_rows: list[dict], now_ns: int) -> None:
+        """Readmit each drained actor whose readmission drill passed (the API set its ``readmit_drain`` to this
+        drain's number) or, with no drills, that has been drained ``eject_readmit_s``."""
+        if self.ejection is None or not self.ejection.drained:
+            return
+        cool_down_s = None if self.readmit_by_drill else self.config.eject_readmit_s
+        for index in list(self.ejection.drained):
+            row = actor_rows[index]
+            why = self.ejection.readmit_due(index, int(row["readmit_drain"]) == int(row["drains"]), now_ns,
+                                            cool_down_s)
+            if why is None:
+                continue
+            drain = self.ejection.readmit(index)
+            self.actors.undrain(index)
+            log.warning("ejection: %s readmitted after %s (it was %s)", row["name"], why, drain.reason)
+
+    def expire(self, expired) -> bool:
+        """Time ``expired`` out (FAILED for a bad timestamp); False if the row moved on since (it was not stuck)."""
         final = self.S.FAILED if expired.reason == "bad_timestamp" else self.S.TIMED_OUT
         if not self.table.transition(expired.slot, expired.generation, final, owner=self.index, by="monitor"):
-            return  # it finished (or was aborted) since the snapshot: it was not stuck
+            return False  # it finished (or was aborted) since the snapshot: it was not stuck
         record_timeout(expired)
         rec = self.status.rec
         if expired.reason == "bad_timestamp":
@@ -337,6 +403,7 @@ class HeartbeatMonitor(Actor):
                 expired.stage.name.lower(), expired.age_s, owner, expired.reason)
         if not expired.drill:
             self.incident("timeout", expired.message(), expired=expired)
+        return True
 
     def check_actors(self, rows: np.ndarray, now_ns: int) -> None:
         from actors.watchdog import classify_actor
@@ -392,6 +459,8 @@ class HeartbeatMonitor(Actor):
                 self.incident("stuck_gauge", f"stuck gauge {name}={g.value}: nothing left the stage for "
                               f"{(now_ns - g.moved_ns) / 1e9:.1f} s; oldest request {rid} ({age:.1f} s)",
                               [rid] if oldest else [])
+                if oldest:   # one timeout of its stage for the actor holding the oldest request
+                    self.blame(rows[oldest[0]], rid)
             rec["stuck"][i] = int(g.stuck)
             rec["gauge_nonzero_since_ns"][i] = g.nonzero_since_ns
             rec["gauge_moved_ns"][i] = g.moved_ns

@@ -2,8 +2,9 @@
 
 ``find_expired`` says which live rows passed a deadline; ``StuckGaugeTracker`` says which queue gauges are
 stuck; ``BlockConservation`` names KV blocks an actor owns while it holds no request; ``classify_actor`` tells a
-dead actor from a hung one. The HeartbeatMonitor actor (actors/monitor.py)
-calls these every tick with ``time.monotonic_ns()`` and acts on the answers.
+dead actor from a hung one; ``timed_out_stage`` reads the stage back from a timeout's message (`pdserve router`).
+The HeartbeatMonitor actor (actors/monitor.py) calls these every tick with ``time.monotonic_ns()`` and acts on the
+answers.
 
 Deadlines: each live state has one (``ipc/lifecycle.py``: ``timeout_field``, in seconds, from the config),
 plus the request's own absolute ``deadline_ns`` (``request_timeout_s``). A renewable state's deadline runs from
@@ -23,6 +24,7 @@ A zero or future ``state_since_ns`` is a bug; such a row is expired at once and 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +47,7 @@ def state_mask(states) -> np.ndarray:
 _LIVE = state_mask(LIVE_STATES)
 _RENEWABLE = state_mask(RENEWABLE_STATES)
 _STAGE_OF = {int(s): name for s, name in STAGE_NAME.items()}
+_STAGES = frozenset(STAGE_NAME.values())
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,19 @@ class Expired:
                 "drill_timeout_s" if self.drill_deadline else STAGE_TIMEOUT_FIELD[self.stage])
         return (f"request {self.request_id} timed out in stage {name} after {self.age_s:.2f} s "
                 f"({what}={self.limit_s:g})")
+
+
+_TIMEOUT_TEXT = re.compile(r"timed out in stage (\w+) after [0-9.]+ s \((\w+)=")
+
+
+def timed_out_stage(message: str) -> str | None:
+    """The stage whose deadline a 504's message (``Expired.message``) names, or None: not such a message, or the
+    request's own deadline (``request_timeout_s``). `pdserve router` reads its nodes' timeouts with it (the
+    message is all a node's error line carries)."""
+    match = _TIMEOUT_TEXT.search(message)
+    if match is None or match.group(2) == "request_timeout_s" or match.group(1) not in _STAGES:
+        return None
+    return match.group(1)
 
 
 def stage_limits_ns(config) -> np.ndarray:

@@ -117,9 +117,14 @@ class ActorsPort(Protocol):
     def set_routed_requests(self, index: int, count: int) -> None: ...
 
 
-def _serving(row: dict) -> bool:
-    """An actor row that may get new work: READY, not hung or dead (a restarting row reads RESTARTING)."""
+def _healthy(row: dict) -> bool:
+    """An actor row that could take work: READY, not hung or dead (a restarting row reads RESTARTING)."""
     return row["status"] == ActorStatus.READY and row["health"] not in (ActorHealth.HUNG, ActorHealth.DEAD)
+
+
+def _serving(row: dict) -> bool:
+    """An actor row that may get new work: healthy and not drained (actors/ejection.py; the monitor drains it)."""
+    return _healthy(row) and not row.get("drained")
 
 
 class SummariesPort(Protocol):
@@ -227,25 +232,28 @@ class Admission:
         for index, count in self.routed_counts().items():
             self.actors.set_routed_requests(index, count)
 
-    def actor_loads(self) -> tuple[list[ActorLoad], list[ActorLoad]]:
-        """``(prefill loads, decode loads)`` for api/router.py: serving = READY, not hung or dead (a restarting
-        row reads as RESTARTING); free blocks from the table less what requests routed there but not yet
-        reserved will take; queued prompt tokens and running requests from the API's own handles; a prefill
-        actor's cached prefix from its cache summary (``PrefixLookup``; the row's ``actor_pid`` names the process
-        whose summary counts)."""
+    def actor_loads(self, pin: int | None = None) -> tuple[list[ActorLoad], list[ActorLoad]]:
+        """``(prefill loads, decode loads)`` for api/router.py: serving = READY, not hung, dead or drained (a
+        restarting row reads as RESTARTING); ``pin``: an actor index whose role's list holds that actor alone,
+        serving if healthy, drained or not (a readmission drill, api/drill.py); free blocks from the table less
+        what requests routed there but not yet reserved will take; queued prompt tokens and running requests from
+        the API's own handles; a prefill actor's cached prefix from its cache summary (``PrefixLookup``; the row's
+        ``actor_pid`` names the process whose summary counts)."""
         rows = self.actors.rows()
         routed = [Routed(h.prefill_actor, h.decode_actor, len(h.request.prompt_ids), h.reserve_blocks, h.prefilled)
                   for h in self.handles.values()]
 
         def load(index: int, prefill: bool) -> ActorLoad:
             r = rows[index]
-            serving = _serving(r)
+            serving = _healthy(r) if index == pin else _serving(r)
             cached = functools.partial(self.prefix.tokens, index, r.get("actor_pid")) \
                 if prefill and self.prefix is not None else None
             return ActorLoad(index, r["name"], serving, kv_blocks_free=int(r["kv_blocks_free"]),
                              block_tokens=self.config.kv_block_tokens, cached_prefix_tokens=cached)
-        return (with_routed([load(i, True) for i in self.prefill], routed),
-                with_routed([load(j, False) for j in self.decode], routed))
+        prefill = [pin] if pin in self.prefill else self.prefill
+        decode = [pin] if pin in self.decode else self.decode
+        return (with_routed([load(i, True) for i in prefill], routed),
+                with_routed([load(j, False) for j in decode], routed))
 
     def cached_words(self) -> Any:
         """The block keys (ipc/cache_summary.py slot values: sorted unique u8 array) the serving prefill actors'
@@ -260,16 +268,17 @@ class Admission:
                  if _serving(rows[i])]
         return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype="<u8")
 
-    def _choose(self, request: Any, remote_decode: bool) -> tuple[int, int]:
+    def _choose(self, request: Any, remote_decode: bool, pin: int | None = None) -> tuple[int, int]:
         """``(prefill actor, decode actor)`` indices; prefill NO_ACTOR = colocated, decode REMOTE_ACTOR = the
-        router's decode node. Raises EngineOverloadedError (none serving), InvalidRequestError for a prompt sent to a node of one
-        side (only ``pdserve router`` talks to those)."""
+        router's decode node; ``pin``: the actor of its role to use (``actor_loads``). Raises EngineOverloadedError
+        (none serving), InvalidRequestError for a prompt sent to a node of one side (only ``pdserve router`` talks
+        to those)."""
         role = self.config.role
         if (role == "prefill") != remote_decode or role == "decode":
             raise InvalidRequestError(f"this node runs the {role} side only; send requests to `pdserve router`"
                                       if role != "both" else "this engine runs both sides; it takes no "
                                       "request for a remote decode node")
-        prefill_loads, decode_loads = self.actor_loads()
+        prefill_loads, decode_loads = self.actor_loads(pin)
         bound = self.config.cache_routing_max_imbalance_tokens
         if remote_decode:
             return pick_prefill(prefill_loads, request.prompt_ids, bound).index, REMOTE_ACTOR
@@ -303,12 +312,14 @@ class Admission:
             raise EngineOverloadedError(f"request table full: {exc.message}") from None
         return handles
 
-    def admit(self, request: Any, timeout_s: float | None = None, remote_decode: bool = False
-              ) -> list[RequestHandle]:
+    def admit(self, request: Any, timeout_s: float | None = None, remote_decode: bool = False,
+              pin: int | None = None) -> list[RequestHandle]:
         """Allocate the request's rows (QUEUED; one per choice, ``request.n``) and send one PrefillRequest for
         all of them to the chosen prefill actor (colocated: the decode actor). ``timeout_s`` is capped by
-        ``AdmissionPolicy.timeout_s`` and written into each row, where the monitor enforces it. Returns one
-        handle per choice, in index order.
+        ``AdmissionPolicy.timeout_s`` and written into each row, where the monitor enforces it. ``pin``: a
+        watchdog drill's actor (an index of the actor table), taken even while drained (a readmission drill,
+        api/drill.py); a client's request is never pinned (ValueError). Returns one handle per choice, in index
+        order.
 
         Raises:
             InvalidRequestError: ``n`` alone is over ``max_queued_requests``, a one-sided node, or a message over
@@ -316,11 +327,13 @@ class Admission:
             EngineOverloadedError: draining, too many sequences in flight, no actor serving, the table is full,
                 or the intake queue stayed full. Nothing stays allocated when it raises.
         """
+        if pin is not None and not is_drill(request.request_id):
+            raise ValueError(f"request {request.request_id}: only a watchdog drill is pinned to an actor")
         if self.draining():
             raise EngineOverloadedError("the engine is shutting down (draining); retry on another replica")
         self.policy.check_room(len(self.handles) - self.drills, request.n)
         timeout_s = self.policy.timeout_s(request, timeout_s)
-        prefill_actor, decode_actor = self._choose(request, remote_decode)
+        prefill_actor, decode_actor = self._choose(request, remote_decode, pin)
         handles = self._open_rows(request, request.n, timeout_s, prompt_tokens=len(request.prompt_ids),
                                   max_tokens=request.sampling.reserved_output_tokens, prefill_actor=prefill_actor,
                                   decode_actor=decode_actor)

@@ -82,8 +82,11 @@ def build_snapshot(manifest: dict, rows, actor_rows: list[dict], status: dict, f
 
     config = manifest["config"]
     names = manifest["actors"]
-    actors = _actor_entries(actor_rows, first_iterations, now_ns, float(config["monitor_tick_s"]["value"]), rows)
+    window_s = float(config["eject_window_s"]["value"]) if "eject_window_s" in config else 0.0
+    actors = _actor_entries(actor_rows, first_iterations, now_ns, float(config["monitor_tick_s"]["value"]), rows,
+                            window_s)
     problems = [f"actor {a['name']} is {a['health']}" for a in actors if a["health"] != "ok"]
+    problems += [a["drained"] for a in actors if a["drained"]]
     problems += [f"actor {a['name']}: the router counts {a['router_count']} requests on it, the state table "
                  f"{a['table_count']}" for a in actors if a["router_mismatch"]]
     state = rows["state"]
@@ -173,8 +176,9 @@ def _name(names: list[str], index: int) -> str | None:
 
 
 def _actor_entries(actor_rows: list[dict], first_iterations: dict, now_ns: int, monitor_tick_s: float,
-                   rows) -> list[dict]:
+                   rows, eject_window_s: float) -> list[dict]:
     """The snapshot's "actors" list: one entry per named row of the actor table (``rows``: the state table)."""
+    from actors.ejection import row_drain
     from actors.monitor import table_counts_by_actor
     from actors.watchdog import actor_state
     from ipc.engine_status import GAUGES
@@ -205,6 +209,7 @@ def _actor_entries(actor_rows: list[dict], first_iterations: dict, now_ns: int, 
             "table_count": table_counts.get(r["index"]),
             "router_mismatch": bool(r["router_mismatch"]), "router_mismatches": int(r["router_mismatches"]),
             "prefix_cache": _prefix_cache_entry(r),
+            "drained": row_drain(r, eject_window_s),
         })
     return actors
 

@@ -11,6 +11,7 @@ within ``drill_timeout_s`` + one tick and that everything the request held is fr
 | `blocks_held`, `gauges_held` | what a drill left behind: KV blocks of its slot, actors' own counts (plain) |
 | `drill_holders` | the actor holding a drill's row, whose stacks a failed drill's incident bundle takes (plain) |
 | `Drills`        | the driver, an asyncio task of the API process: admit, watch the row, check, record    |
+| `Readmissions`  | which drained actor (actors/ejection.py) gets a readmission drill now (plain)          |
 
 A drill is a request like a client's (the API's admission, the actors' queues, the monitor's deadlines), told apart
 by its id, ``drill-<stage>-<n>``: the faults aim at it, the monitor gives it ``drill_timeout_s`` and leaves it out
@@ -18,6 +19,13 @@ of ``pdserve_request_timeouts_total`` and incidents, tools/inspect marks it. Its
 so it has no full block to look up in or add to a prefix cache; it never finishes, so nothing is handed back.
 Results go to the status record (ipc/engine_status.py ``drill_*``): /metrics, /health and tools/inspect read them;
 a failed drill is also an ERROR line and, with ``incident_dir``, an incident bundle of kind "drill".
+
+Readmission: an actor the monitor drained (actor table ``drained``) gets, once the engine is idle and then every
+``drill_interval_s`` until one passes, a drill pinned to it (it takes no client work meanwhile) in the stage after
+the one it was drained for (actors/ejection.py ``readmit_stage``: the drill came through that stage on it); a pass
+sets its ``readmit_drain`` and the monitor readmits it. A readmission drill that never reached its stage or ended
+elsewhere says the actor is still sick (logged; it stays drained), not that the watchdog failed: only the
+watchdog's own failures (not fired, early, not freed) are recorded as drill failures.
 """
 from __future__ import annotations
 
@@ -151,6 +159,30 @@ def gauges_held(actor_rows) -> list[str]:
     return [f"{r['name']} {g}={v}" for r in actor_rows if r["name"] for g, v in zip(GAUGES, r["own_gauges"]) if v > 0]
 
 
+class Readmissions:
+    """When each drained actor's readmission drill is due: at once for a new drain, then every ``interval_s``
+    until the monitor readmits it (one drill at a time: the caller runs it, then calls ``tried``)."""
+
+    def __init__(self, interval_s: float):
+        self.interval_ns = int(interval_s * 1e9)
+        self.tried_ns: dict[tuple[int, int], int] = {}   # (actor, drain number) -> last try
+
+    def due(self, actor_rows, now_ns: int) -> tuple[int, int, S] | None:
+        """``(actor index, drain number, drained stage)`` of a drained actor whose drill is due, else None
+        (``actor_rows``: ``ActorTable.rows()``)."""
+        drained = {(r["index"], int(r["drains"])): S(r["drained"]) for r in actor_rows
+                   if r["drained"] and int(r["readmit_drain"]) != int(r["drains"])}
+        self.tried_ns = {k: v for k, v in self.tried_ns.items() if k in drained}
+        for (index, drain), stage in sorted(drained.items()):
+            last = self.tried_ns.get((index, drain))
+            if last is None or now_ns - last >= self.interval_ns:
+                return index, drain, stage
+        return None
+
+    def tried(self, index: int, drain: int, now_ns: int) -> None:
+        self.tried_ns[(index, drain)] = now_ns
+
+
 class Drills:
     """The driver in the API process (``start`` an asyncio task; ``stop`` cancels it). ``client``: the EngineClient
     (its admission, tables and status record); ``incidents``: the process's IncidentWriter or None (a failed
@@ -164,6 +196,7 @@ class Drills:
         self.free_bound_s = config.idle_wait_s + 2 * config.monitor_tick_s + 1.0   # actors free on their next loop
         self.schedule = DrillSchedule(drill_stages(config.role, config.colocated), config.drill_interval_s,
                                       time.monotonic_ns())
+        self.readmissions = Readmissions(config.drill_interval_s)
         self.count = 0
         self.pools = []
         self.task: asyncio.Task | None = None
@@ -195,6 +228,8 @@ class Drills:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(min(self.tick_s, 1.0))
+            if not self.busy():
+                await self.readmit()
             stage = self.schedule.next(time.monotonic_ns(), self.busy())
             if stage is None:
                 continue
@@ -208,8 +243,42 @@ class Drills:
             if verdict is not None:   # None: not admitted (starting, draining): the stage is tried again
                 self.schedule.done(stage, time.monotonic_ns())
 
-    async def drill(self, stage: S) -> int | None:
-        """Run one drill of ``stage``; record and return its verdict (None: not admitted, nothing recorded)."""
+    async def readmit(self) -> None:
+        """The readmission drill that is due (``Readmissions``), if any: pinned to the drained actor in the stage
+        after its drained one; a pass tells the monitor to readmit it (``ActorTable.readmit``)."""
+        from actors.ejection import readmit_stage
+
+        due = self.readmissions.due(self.client.actors.rows(), time.monotonic_ns())
+        if due is None:
+            return
+        index, drain, drained = due
+        stage = readmit_stage(drained, self.schedule.stages)
+        try:
+            verdict = await self.drill(stage, pin=index)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - as in run: the next try comes an interval later
+            log.exception("readmission drill of %s failed to run", self.client.topology.names[index])
+            verdict = OTHER_END
+        if verdict is None:   # not admitted (the actor is not healthy now): tried again once it is
+            return
+        self.readmissions.tried(index, drain, time.monotonic_ns())
+        name = self.client.topology.names[index]
+        if verdict == 0:
+            self.client.actors.readmit(index, drain)
+            log.warning("readmission drill of %s (drained for %s) passed in stage %s: the monitor readmits it",
+                        name, STAGE_NAME[drained], STAGE_NAME[stage])
+        else:
+            from ipc.engine_status import DRILL_FAILURES
+
+            log.warning("readmission drill of %s (drained for %s) in stage %s did not pass (%s): it stays drained, "
+                        "the next try in drill_interval_s", name, STAGE_NAME[drained], STAGE_NAME[stage],
+                        DRILL_FAILURES[verdict - 1])
+
+    async def drill(self, stage: S, pin: int | None = None) -> int | None:
+        """Run one drill of ``stage`` (``pin``: on that actor, a readmission drill); record and return its verdict
+        (None: not admitted, nothing recorded). A readmission drill that never reached its stage or ended in
+        another is the actor's failure, not the watchdog's: returned, not recorded."""
         from api.protocol import GenerationRequest
         from pdserve.errors import PdserveError
         from pdserve.sampling import Sampling
@@ -217,7 +286,7 @@ class Drills:
         request = GenerationRequest("completion", drill_id(stage, self.count + 1), self.model, list(PROMPT_IDS),
                                     Sampling(temperature=0.0, max_tokens=2, ignore_eos=True))
         try:
-            handle = self.client.submit(request)[0]
+            handle = self.client.submit(request, pin=pin)[0]
         except PdserveError as exc:   # starting, draining, no actor serving, full: not the watchdog's failure
             log.debug("watchdog drill %s not admitted (tried again later): %s", request.request_id, exc.message)
             return None
@@ -245,7 +314,8 @@ class Drills:
                 record_request(EventKind.DRILL, request.request_id, handle.slot, handle.generation, old=int(stage),
                                aux=verdict)
             self.client.finish(handle)   # aborts it if the watchdog never fired, then releases the row
-        self.record(stage, verdict, request.request_id, watch)
+        if pin is None or verdict not in (NEVER_REACHED, OTHER_END):
+            self.record(stage, verdict, request.request_id, watch)
         return verdict
 
     async def freed(self, slot: int) -> bool:

@@ -164,13 +164,13 @@ class EngineClient:
         return self.admission.actor_loads()
 
     def submit(self, request: GenerationRequest, timeout_s: float | None = None,
-               remote_decode: bool = False) -> list[RequestHandle]:
-        """``Admission.admit``: one handle per choice; an embedding's input (api/embeddings.py, ``embedding`` set)
-        ``Admission.admit_embedding``, its one event ``("embedding", base64 of float32)``. Raises
-        InvalidRequestError / EngineOverloadedError."""
+               remote_decode: bool = False, pin: int | None = None) -> list[RequestHandle]:
+        """``Admission.admit`` (``pin``: a drill's actor): one handle per choice; an embedding's input
+        (api/embeddings.py, ``embedding`` set) ``Admission.admit_embedding``, its one event ``("embedding", base64
+        of float32)``. Raises InvalidRequestError / EngineOverloadedError."""
         if getattr(request, "embedding", False):
             return [self.admission.admit_embedding(request, timeout_s)]
-        return self.admission.admit(request, timeout_s, remote_decode)
+        return self.admission.admit(request, timeout_s, remote_decode, pin)
 
     def admit_prefilled(self, request: GenerationRequest, ready: KVReady, timeout_s: float | None = None
                         ) -> RequestHandle:

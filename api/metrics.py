@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from actors.ejection import drain_problems
 from actors.watchdog import actor_state
 from ipc.lifecycle import GAUGE_STATES, STAGE_NAME
 from ipc.engine_status import CONSERVATION_KINDS, GAUGES, actor_failures, drill_problems
@@ -80,6 +81,9 @@ class _SharedStateCollector:
                                          "count for an actor disagreeing with the state table", labels=["actor"])
         own = _gauge("pdserve_actor_own_gauge", "an actor's own count per queue gauge (cross-checked with the "
                      "table)", labels=["actor", "gauge"])
+        drained = _gauge("pdserve_actor_drained", "1 = the monitor drained the engine actor (no new work) for "
+                         "repeated timeouts in one stage (actors/ejection.py; /health names why); 0 = serving",
+                         labels=["actor"])
         routed_counts = client.routed_counts()
         now = time.monotonic_ns()
         for r in rows:
@@ -94,13 +98,14 @@ class _SharedStateCollector:
             health.add_metric([name, state], 1.0 if state == "ok" else 0.0)
             restarts.add_metric([name], r["restarts"])
             if r["index"] in routed_counts:
+                drained.add_metric([name], 1.0 if r["drained"] else 0.0)
                 done.add_metric([name], r["requests_done"])
                 routed.add_metric([name], routed_counts[r["index"]])
                 mismatches.add_metric([name], r["router_mismatches"])
             for gauge, value in zip(GAUGES, r["own_gauges"]):
                 if value >= 0:
                     own.add_metric([name, gauge], value)
-        yield from (free_family, age, health, restarts, done, routed, mismatches, own)
+        yield from (free_family, age, health, restarts, done, routed, mismatches, own, drained)
 
     def collect(self):
         client = self.owner.client
@@ -360,6 +365,7 @@ class EngineMetrics(RequestMetrics):
             if state != "ok":
                 problems.append(f"actor {name} is {state}")
         reasons = not_ready(self.client.topology, states, bool(status["draining"]))
+        problems += drain_problems(self.client.actors.rows(), self.client.config.eject_window_s)
         problems += drill_problems(status)   # a watchdog that failed its drill: a problem, not an outage
         # status and problems only: /health is open (no API key), so it tells nothing about the configuration;
         # the effective config is in tools/inspect (local shm access)

@@ -8,8 +8,9 @@ so one hot prefix cannot pile every request onto the actor that caches it while 
 free KV blocks, less those the requests routed there but not yet prefilled will reserve (``with_routed``; an actor
 whose pool cannot fit prompt + max_tokens now keeps the request in BOOTSTRAP until its batch makes room, so the most
 free blocks is also the shortest wait), then the fewest running requests, then the lowest index. An actor that is
-not serving (hung, dead, restarting, draining) gets no new work. With no eligible actor of a role the request is
-refused with a retryable 503 (``EngineOverloadedError``), never queued on a sick actor.
+not serving (hung, dead, restarting, draining, or drained by the monitor: actors/ejection.py) gets no new work.
+With no eligible actor of a role the request is refused with a retryable 503 (``EngineOverloadedError``), never
+queued on a sick actor.
 """
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def pick_prefill(actors: Sequence[ActorLoad], prompt_ids: Sequence[int],
     the fewest queued prompt tokens, then the lowest index. Raises EngineOverloadedError when none is serving."""
     eligible = [a for a in actors if a.serving]
     if not eligible:
-        raise EngineOverloadedError("no prefill actor is serving (hung, dead or restarting); retry the request")
+        raise EngineOverloadedError("no prefill actor is serving (hung, dead, restarting or drained); retry the "
+                                    "request")
     if max_imbalance_tokens is not None:
         least = min(a.queued_prompt_tokens for a in eligible)
         eligible = [a for a in eligible if a.queued_prompt_tokens - least <= max_imbalance_tokens]
@@ -99,7 +101,7 @@ def pick_decode(actors: Sequence[ActorLoad], prompt_tokens: int, max_tokens: int
     EngineOverloadedError when none is serving."""
     serving = [a for a in actors if a.serving]
     if not serving:
-        raise EngineOverloadedError("no decode actor is serving (hung, dead or restarting); retry the request")
+        raise EngineOverloadedError("no decode actor is serving (hung, dead, restarting or drained); retry the request")
     return min(serving, key=lambda a: (-a.kv_blocks_free, a.running, a.index))
 
 

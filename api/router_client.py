@@ -13,6 +13,12 @@ Deadlines: each node's monitor enforces the stages it holds; the router enforces
 that has not answered for ``actor_hang_timeout_s`` is marked dead and its requests fail at once (503), the other
 node's part of them is aborted. Every call has a timeout; the HTTP client reconnects by itself.
 
+Ejection (actors/ejection.py ``Ejection``, over nodes): a node whose requests time out ``eject_timeouts`` times in
+one stage within ``eject_window_s`` (its 504s, read with actors/watchdog.py ``timed_out_stage``) is drained: no new
+request goes there, never the last serving node of its role. A node of one side runs no drills, so the router
+probes it instead: a tiny real request (``PROBE_PREFIX``, 3 prompt tokens, 2 output tokens) pinned to it, the
+other side on a serving node, at once and every ``eject_probe_interval_s``; one that answers readmits the node.
+
 Security: every call carries the router <-> node secret (``Authorization: Bearer <node_secret>``, the only
 credential a node's ``/internal/*`` takes), never a client's key; ``https://`` nodes are verified against
 ``node_ca`` (else the system's store, ``SSL_CERT_FILE``/``SSL_CERT_DIR`` honoured) and, with
@@ -30,7 +36,9 @@ from typing import Any, Sequence
 
 import orjson
 
+from actors.ejection import Ejection
 from actors.prefix_cache import block_keys
+from actors.watchdog import timed_out_stage
 from api.admission import AdmissionPolicy, RequestHandle
 from api.engine_client import wait_event
 from api.flight import Effect, Flight
@@ -38,9 +46,14 @@ from api.node_api import request_wire
 from api.protocol import GenerationRequest
 from api.tracing import INCOMING
 from ipc.cache_summary import decode_words, leading_run
+from ipc.lifecycle import STAGE_NAME
 from pdserve.errors import EngineOverloadedError, InvalidRequestError, PdserveError
+from pdserve.sampling import Sampling
 
 log = logging.getLogger("pdserve.router")
+PROBE_PREFIX = "eject-probe-"   # the router's readmission probes (their own timeouts never count)
+PROBE_PROMPT_IDS = [1, 2, 3]    # shorter than any KV block: nothing for a prefix cache
+_STAGE_STATE = {name: state for state, name in STAGE_NAME.items()}
 
 
 def node_ssl_context(config):
@@ -81,12 +94,19 @@ class Node:
     mismatches_total: int = 0
     cache_words: Any = None   # a prefill node's cached block keys at the last poll (sorted u8 array; None: none)
     block_tokens: int = 16    # its KV block size (the unit of its cache keys)
+    drained: str = ""         # why the router drained it (actors/ejection.py reason); "" = serving
+
+    @property
+    def serving(self) -> bool:
+        """It takes new requests: healthy at the last poll, not dead, not drained."""
+        return self.healthy and not self.dead and not self.drained
 
     def view(self, now: float) -> dict[str, Any]:
         return {"url": self.url, "role": self.role, "healthy": self.healthy and not self.dead, "dead": self.dead,
                 "engine_id": self.engine_id, "last_ok_age_s": round(now - self.last_ok, 3) if self.last_ok else None,
                 "last_error": self.last_error, "in_flight": self.in_flight, "reported_active": self.reported_active,
-                "kv_blocks_free": self.kv_blocks_free, "count_mismatches_total": self.mismatches_total}
+                "kv_blocks_free": self.kv_blocks_free, "count_mismatches_total": self.mismatches_total,
+                "drained": self.drained or None}
 
 
 @dataclass
@@ -123,14 +143,14 @@ def cached_prefix_tokens(node: Node, prompt_ids: Sequence[int]) -> int:
 
 def pick_node(nodes: list[Node], role: str, prompt_ids: Sequence[int] = (),
               queued_tokens: dict[str, int] | None = None, max_imbalance_tokens: int | None = None) -> Node:
-    """The serving node of ``role`` with the fewest of the router's requests in flight (then list order); for a
-    prefill node first the longest cached prefix of ``prompt_ids`` (its last poll's report), among the nodes whose
-    queued prompt tokens (``queued_tokens``: node url -> the router's prompts there not yet prefilled) exceed the
-    least-queued one's by at most ``max_imbalance_tokens`` (None: no bound), as api/router.py ``pick_prefill``
-    within one node. Raises EngineOverloadedError when none is serving."""
-    serving = [n for n in nodes if n.role == role and n.healthy and not n.dead]
+    """The serving node of ``role`` (``Node.serving``) with the fewest of the router's requests in flight (then list
+    order); for a prefill node first the longest cached prefix of ``prompt_ids`` (its last poll's report), among
+    the nodes whose queued prompt tokens (``queued_tokens``: node url -> the router's prompts there not yet
+    prefilled) exceed the least-queued one's by at most ``max_imbalance_tokens`` (None: no bound), as api/router.py
+    ``pick_prefill`` within one node. Raises EngineOverloadedError when none is serving."""
+    serving = [n for n in nodes if n.role == role and n.serving]
     if not serving:
-        raise EngineOverloadedError(f"no {role} node is serving (unreachable, dead or unhealthy); retry")
+        raise EngineOverloadedError(f"no {role} node is serving (unreachable, dead, unhealthy or drained); retry")
     if role != "prefill" or len(serving) == 1:
         return min(serving, key=lambda n: n.in_flight)
     queued = queued_tokens or {}
@@ -170,6 +190,12 @@ class RouterClient:
         self._poller: asyncio.Task | None = None
         self._messages: set[asyncio.Task] = set()   # transfer_done / abort calls in flight (_background)
         self.http = None
+        self.ejection = Ejection([f"{n.role} node {n.url}" for n in self.nodes],
+                                 {i: n.role for i, n in enumerate(self.nodes)}, config.eject_timeouts,
+                                 config.eject_window_s) if config.eject_timeouts else None
+        self.probes: dict[int, asyncio.Task] = {}   # node index -> its readmission probe running
+        self.probe_due: dict[int, float] = {}       # node index -> time.monotonic() its next probe is due
+        self._probe_ids = itertools.count(1)
 
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -191,6 +217,8 @@ class RouterClient:
     async def stop(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        for task in self.probes.values():
+            task.cancel()
         for flight in list(self.flights.values()):
             self._end(flight)
         if self.http is not None:
@@ -203,6 +231,7 @@ class RouterClient:
             await asyncio.sleep(self.config.monitor_tick_s)
             try:
                 await self.poll_nodes()
+                self.start_probes()
             except Exception:   # the poller must outlive any one bad answer
                 log.exception("node poll failed")
 
@@ -271,6 +300,76 @@ class RouterClient:
             self._fail(flight, node_error(f"{node.role} node {node.url} stopped answering ({silent_s:.1f} s > "
                                           f"actor_hang_timeout_s={self.config.actor_hang_timeout_s}); retry"))
 
+    # ---- ejection -----------------------------------------------------------------------------------
+    def blame(self, node: Node, error: PdserveError, request_id: str) -> None:
+        """A request failed on ``node`` with ``error``: a stage deadline's 504 counts one timeout of that stage for
+        the node (``Ejection``), which may drain it."""
+        stage = timed_out_stage(error.message) if getattr(error, "http_status", 0) == 504 else None
+        if self.ejection is None or stage is None or request_id.startswith(PROBE_PREFIX):
+            return
+        index = self.nodes.index(node)
+        serving = [i for i, n in enumerate(self.nodes) if n.serving]
+        drain, note = self.ejection.record(index, _STAGE_STATE[stage], time.monotonic_ns(), request_id, serving)
+        if note:
+            log.warning("ejection: %s", note)
+        if drain is not None:
+            node.drained = drain.reason
+            self.probe_due[index] = 0.0
+            log.error("ejection: %s (the last: request %s); it gets no new request until a probe through it "
+                      "answers (every eject_probe_interval_s=%g), its running requests go on", drain.reason,
+                      request_id, self.config.eject_probe_interval_s)
+
+    def start_probes(self) -> None:
+        """A readmission probe for each drained node that has none running and is due (``probe``)."""
+        now = time.monotonic()
+        for index, node in enumerate(self.nodes):
+            if node.drained and index not in self.probes and now >= self.probe_due.get(index, 0.0):
+                task = asyncio.get_running_loop().create_task(self.probe(index), name=f"probe-{node.url}")
+                self.probes[index] = task
+                task.add_done_callback(lambda _, i=index: self.probes.pop(i, None))
+
+    async def probe(self, index: int) -> bool:
+        """Send one tiny request (``PROBE_PREFIX``) pinned to drained node ``index``, the other side on a serving
+        node; an answer to its end readmits the node, else the next probe is due ``eject_probe_interval_s`` after
+        this one ended. Returns whether it readmitted the node."""
+        node = self.nodes[index]
+        try:
+            return await self._probe(node, index)
+        finally:
+            self.probe_due[index] = time.monotonic() + self.config.eject_probe_interval_s
+
+    async def _probe(self, node: Node, index: int) -> bool:
+        request = GenerationRequest("completion", f"{PROBE_PREFIX}{next(self._probe_ids)}", "", list(PROBE_PROMPT_IDS),
+                                    Sampling(temperature=0.0, max_tokens=2, ignore_eos=True))
+        try:
+            handles = self.submit(request, pin=node)
+        except PdserveError as exc:   # no node of the other side serving, or full: tried again later
+            log.warning("ejection: no probe through %s now (%s); tried again in eject_probe_interval_s",
+                        node.url, exc.message)
+            return False
+        handle, error = handles[0], None
+        try:
+            while error is None:
+                event = await self.next_event(handle)
+                if event[0] == "error":
+                    error = event[1]
+                elif event[0] == "token" and event[2] is not None:
+                    break
+        except PdserveError as exc:
+            error = exc
+        finally:
+            self.finish(handle)   # its one choice (a drill's way out, api/drill.py; the exchange ends HTTP requests)
+        if error is not None:
+            log.warning("ejection: probe %s through %s failed (%s): it stays drained", request.request_id,
+                        node.url, error.message)
+            return False
+        if self.ejection is not None:
+            self.ejection.readmit(index)
+        log.warning("ejection: %s node %s readmitted: probe %s through it answered (it was %s)", node.role,
+                    node.url, request.request_id, node.drained)
+        node.drained = ""
+        return True
+
     # ---- admission ----------------------------------------------------------------------------------
     def num_active(self) -> int:
         return len(self.handles)
@@ -279,14 +378,19 @@ class RouterClient:
         """Raises as :meth:`submit` would when ``sequences`` more do not fit beside those in flight."""
         self.policy.check_room(len(self.handles), sequences)
 
-    def submit(self, request: GenerationRequest, timeout_s: float | None = None) -> list[RequestHandle]:
-        """Route a request to a prefill and a decode node (one handle per choice) and start it. Raises
+    def submit(self, request: GenerationRequest, timeout_s: float | None = None,
+               pin: Node | None = None) -> list[RequestHandle]:
+        """Route a request to a prefill and a decode node (one handle per choice) and start it; ``pin``: the node of
+        its role to use, drained or not (a readmission probe), if it answers and is healthy. Raises
         EngineOverloadedError (no node of a role serving, or too many sequences in flight), InvalidRequestError
         (``n`` alone over max_queued_requests: api/admission.py ``AdmissionPolicy``)."""
         self.policy.check_room(len(self.handles), request.n)
-        prefill = pick_node(self.nodes, "prefill", request.prompt_ids, self.queued_prompt_tokens(),
-                            self.config.cache_routing_max_imbalance_tokens)
-        decode = pick_node(self.nodes, "decode")
+        if pin is not None and not (pin.healthy and not pin.dead):
+            raise EngineOverloadedError(f"{pin.role} node {pin.url} is not healthy; retry")
+        prefill = pin if pin is not None and pin.role == "prefill" else \
+            pick_node(self.nodes, "prefill", request.prompt_ids, self.queued_prompt_tokens(),
+                      self.config.cache_routing_max_imbalance_tokens)
+        decode = pin if pin is not None and pin.role == "decode" else pick_node(self.nodes, "decode")
         timeout_s = self.policy.timeout_s(request, timeout_s)
         request_id = next(self._ids)
         handles = []
@@ -359,6 +463,7 @@ class RouterClient:
                                       timeout_s)
             rows, readies, peer = answer["rows"], answer["kv_ready"], answer["peer"]
         except PdserveError as exc:
+            self.blame(first.prefill, exc, request.request_id)
             for flight in flights:
                 self._fail(flight, exc)
             return
@@ -403,9 +508,10 @@ class RouterClient:
         if "error" in line:
             error = line["error"]
             handle.ended = True
-            handle.events.put_nowait(("error", node_error(error.get("message", "decode node error"),
-                                                          int(error.get("status", 502)),
-                                                          str(error.get("type", "bad_gateway")))))
+            exc = node_error(error.get("message", "decode node error"), int(error.get("status", 502)),
+                             str(error.get("type", "bad_gateway")))
+            self.blame(flight.decode, exc, handle.request.request_id)
+            handle.events.put_nowait(("error", exc))
             return True
         token, reason, logprobs = line["token"]
         if line.get("timings"):

@@ -40,13 +40,17 @@ class _NodeCollector:
         mismatch = CounterMetricFamily("pdserve_router_node_count_mismatch",
                                        "polls where router and node counts disagreed twice in a row",
                                        labels=["node", "role"])
+        drained = GaugeMetricFamily("pdserve_router_node_drained", "1 = the router drained the node (no new "
+                                    "requests) for repeated timeouts in one stage; /health names why",
+                                    labels=["node", "role"])
         for n in self.client.nodes:
             labels = [n.url, n.role]
             up.add_metric(labels, float(n.healthy and not n.dead))
             flying.add_metric(labels, n.in_flight)
             reported.add_metric(labels, n.reported_active)
             mismatch.add_metric(labels, n.mismatches_total)
-        yield from (up, flying, reported, mismatch)
+            drained.add_metric(labels, float(bool(n.drained)))
+        yield from (up, flying, reported, mismatch, drained)
 
 
 class RouterMetrics(RequestMetrics):
@@ -66,6 +70,8 @@ class RouterMetrics(RequestMetrics):
             nodes[n.url] = f"{n.role} {state}"
             if state != "ok":
                 problems.append(f"{n.role} node {n.url} is {state}" + (f": {n.last_error}" if n.last_error else ""))
+            elif n.drained:
+                problems.append(n.drained)
         for role in ("prefill", "decode"):
             if not any(n.role == role and n.healthy and not n.dead for n in self.client.nodes):
                 problems.insert(0, f"no {role} node is serving")

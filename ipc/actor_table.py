@@ -8,7 +8,7 @@ Shared-memory layout of segment ``name``::
 
     offset  size  field
     0       4     magic        b"PDAT"
-    4       4     version      u4 = 4
+    4       4     version      u4 = 5
     8       4     num_actors   u4
     12      4     row_bytes    u4 = ROW_DTYPE.itemsize (192)
     16      8     rows_offset  u8 = HEADER_BYTES
@@ -39,7 +39,8 @@ writes only through the method named::
     82      name             S16    supervisor (register)          e.g. "prefill0" (ascii)
     98      device           S16    supervisor (register)          e.g. "cpu", "cuda:1" (ascii)
     114     router_mismatch  u1     monitor (set_router_mismatch)  1 = routed_requests disagrees with the table
-    115     (reserved)
+    115     drained          u1     monitor (drain, readmit)       the stage (RequestState) it is drained for: no
+                                                                   new work (actors/ejection.py); 0 = serving
     116     routed_requests  i4     api (set_routed_requests)      the router's count of requests it sent to this
                                                                    actor and still holds; -1 = none published
     120     router_mismatches u4    monitor (set_router_mismatch)  disagreements flagged so far
@@ -57,6 +58,12 @@ writes only through the method named::
                                                                    hand-backs of finished requests (cross-turn)
     168     hand_backs_dropped u8   actor (count_hand_backs)       hand-backs it dropped (decode: queue full;
                                                                    prefill: prompt forgotten, no room, reallocated)
+    176     drains           u4     monitor (drain)                drains so far (while drained: this drain's number)
+    180     drain_timeouts   u4     monitor (drain)                the timeouts in the window that drained it
+    184     readmit_drain    u4     api (readmit)                  the drain a passing readmission drill on it ended
+                                                                   (api/drill.py); the monitor readmits the actor
+                                                                   when it equals ``drains``
+    188     (reserved)
 
 Incarnations: the supervisor never rewrites an actor's fields when it restarts one. The actor-written fields
 belong to the process the supervisor last spawned only while ``actor_pid == pid``; until the new process
@@ -112,7 +119,8 @@ ROW_FIELDS = [  # (name, dtype, offset)
     ("routed_requests", "<i4", 116), ("router_mismatches", "<u4", 120), ("requests_done", "<u4", 124),
     ("prefix_query_tokens", "<u8", 128), ("prefix_hit_tokens", "<u8", 136), ("prefix_evicted_blocks", "<u8", 144),
     ("prefix_cached_blocks", "<i4", 152), ("prefix_cached_in_use", "<i4", 156),
-    ("hand_back_blocks", "<u8", 160), ("hand_backs_dropped", "<u8", 168),
+    ("hand_back_blocks", "<u8", 160), ("hand_backs_dropped", "<u8", 168), ("drained", "u1", 115),
+    ("drains", "<u4", 176), ("drain_timeouts", "<u4", 180), ("readmit_drain", "<u4", 184),
 ]
 ROW_DTYPE = np.dtype({"names": [f[0] for f in ROW_FIELDS], "formats": [f[1] for f in ROW_FIELDS],
                       "offsets": [f[2] for f in ROW_FIELDS], "itemsize": 192})
@@ -120,7 +128,7 @@ assert ROW_DTYPE.fields["own_gauges"][0].itemsize <= 16, "own_gauges outgrew its
 STR_BYTES = 16
 
 MAGIC = b"PDAT"
-VERSION = 4
+VERSION = 5
 HEADER_BYTES = 128
 HEADER = struct.Struct("<4sIIIQ")  # magic, version, num_actors, row_bytes, rows_offset
 MAX_ACTORS = 4096
@@ -319,6 +327,28 @@ class ActorTable(_shm.ShmSegment):
     def set_health(self, index: int, health: ActorHealth) -> None:
         """The monitor's verdict on actor ``index`` at this tick."""
         self._row_for_write(index)["health"] = ActorHealth(health)
+
+    def drain(self, index: int, stage: int, timeouts: int) -> int:
+        """The monitor drains actor ``index`` for ``stage`` (a RequestState, > 0): no new work
+        (actors/ejection.py); ``timeouts`` made it. Returns this drain's number (``drains``)."""
+        rec = self._row_for_write(index)
+        if not 0 < int(stage) < 256:
+            raise ValueError(f"drain stage {stage} must be a live RequestState (1..255)")
+        rec["drains"] += 1
+        rec["drain_timeouts"] = timeouts
+        rec["drained"] = int(stage)
+        return int(rec["drains"])
+
+    def undrain(self, index: int) -> None:
+        """The monitor readmits actor ``index``: it takes new work again."""
+        self._row_for_write(index)["drained"] = 0
+
+    # ------------------------------------------------------------------ the API's writers (drills)
+
+    def readmit(self, index: int, drain: int) -> None:
+        """The API: a readmission drill on actor ``index`` passed while it was drained by drain number ``drain``
+        (the monitor then readmits it)."""
+        self._row_for_write(index)["readmit_drain"] = drain
 
     # ------------------------------------------------------------------ readers
 

@@ -33,7 +33,8 @@ ROUTER_FIELDS = ("model", "served_model_name", "host", "port", "keep_alive_timeo
                  "request_timeout_s", "allowed_origins", "monitor_tick_s", "actor_hang_timeout_s", "log_level",
                  "otlp_traces_endpoint", "admin_key", "admin_key_file", "node_secret", "node_secret_file",
                  "insecure_nodes", "node_ca", "node_client_cert", "node_client_key",
-                 "tool_calls_in_reasoning", "strict_fields")
+                 "tool_calls_in_reasoning", "strict_fields", "eject_timeouts", "eject_window_s",
+                 "eject_probe_interval_s")
 
 
 def loopback(host: str) -> bool:

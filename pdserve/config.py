@@ -242,6 +242,17 @@ class EngineConfig:
                                        _non_negative, ">= 0")
     drill_timeout_s: float = _setting(1.0, "the stage deadline of drill requests (instead of the stage's own)",
                                       _positive, "> 0")
+    eject_timeouts: int = _setting(3, "stage-aware ejection (actors/ejection.py): an engine actor whose requests time "
+                                   "out this many times in the same stage within eject_window_s (a stuck gauge "
+                                   "counts as one) is drained: it takes no new work, its running requests go on; "
+                                   "never the last serving actor of its role; 0 = off", _non_negative, ">= 0")
+    eject_window_s: float = _setting(60.0, "the window eject_timeouts are counted in", _positive, "> 0")
+    eject_readmit_s: float = _setting(300.0, "with no watchdog drills to readmit a drained actor (drill_interval_s "
+                                      "0, or a node of one side) it is readmitted after this long drained; with "
+                                      "drills, a passing drill on it readmits it (api/drill.py)", _positive, "> 0")
+    eject_probe_interval_s: float = _setting(10.0, "`pdserve router`: a node it drained (eject_timeouts of one stage) "
+                                             "gets a probe, a tiny real request through it, at once and then this "
+                                             "often until one answers; that readmits it", _positive, "> 0")
     recorder_events: int = _setting(262144, "flight recorder: events kept in its shm ring (64 B each, split evenly "
                                     "between the writer processes; the oldest are overwritten; tools/inspect "
                                     "--request reads it); 0 = off", _non_negative, ">= 0")

@@ -4,7 +4,9 @@ Spec: faults separated by ``;``, each ``name`` or ``name:key=value,key=value``. 
 ConfigError at start-up. Every fault takes ``count=N`` (apply to the next N eligible events; default all),
 ``fraction=P`` (apply to each eligible event with probability P, seeded by ``seed=S``; default 1) and
 ``match=PREFIX`` (only requests whose id starts with PREFIX; clients set the id with the ``X-Request-Id``
-header, so a test or an operator can aim a fault at one request).
+header, so a test or an operator can aim a fault at one request). A fault an engine actor applies also takes
+``actor=NAME`` (only that actor applies it, e.g. ``transfer_stuck:actor=decode1``: one sick decode actor among
+several; not the API's or the monitor's faults, ``NOT_IN_ACTORS``).
 
 | fault | where | effect |
 |---|---|---|
@@ -67,6 +69,7 @@ FAULT_KEYS = {
     "hold_decode": set(),
     "monitor_blind": set(),
 }
+NOT_IN_ACTORS = {"router_count_drift", "exchange_bug", "monitor_blind"}   # applied by the API or the monitor
 EXCHANGE_STEPS = ("admitted", "renderer", "start", "event", "finish", "send")   # api/exchange.py's Exchange
 COMMON_KEYS = {"count", "fraction", "seed", "match"}
 DRILL_PREFIX = "drill-"
@@ -117,9 +120,10 @@ def parse_faults(spec: str) -> list[Fault]:
         params: dict[str, str] = {}
         for item in filter(None, (i.strip() for i in rest.split(","))):
             key, eq, value = item.partition("=")
-            if not eq or key not in FAULT_KEYS[name] | COMMON_KEYS:
-                raise ConfigError(f"config field faults: {name} takes "
-                                  f"{sorted(FAULT_KEYS[name] | COMMON_KEYS)}, not {item!r}", param="faults")
+            keys = FAULT_KEYS[name] | COMMON_KEYS | ({"actor"} if name not in NOT_IN_ACTORS else set())
+            if not eq or key not in keys:
+                raise ConfigError(f"config field faults: {name} takes {sorted(keys)}, not {item!r}",
+                                  param="faults")
             params[key] = value
         missing = FAULT_KEYS[name] - params.keys()
         if missing:

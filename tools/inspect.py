@@ -31,7 +31,8 @@ JSON snapshot schema (``--json``; version 1; times in seconds, ``null`` = unknow
                  "router_count": int|null (the router's count for it), "table_count": int|null (the state
                  table's), "router_mismatch": bool (flagged by the monitor), "router_mismatches": int,
                  "prefix_cache": null (none) | {"cached_blocks", "in_use_blocks", "query_tokens", "hit_tokens",
-                                 "hit_ratio": float|null, "evicted_blocks"}}],
+                                 "hit_ratio": float|null, "evicted_blocks"},
+                 "drained": str|null (why the monitor drained it: no new work; actors/ejection.py)}],
      "gauges": [{"name", "metric", "value", "nonzero_for_s", "since_last_move_s", "stuck", "mismatch",
                  "actors_count"}],
      "requests": [{"request_id", "drill": bool (a watchdog drill's row, api/drill.py), "slot", "stage", "age_in_stage_s", "total_age_s", "owner", "prefill_actor",
@@ -48,7 +49,8 @@ seconds; ``in_flight``: the router's count of requests it sent that node; a node
 ``{"url", "error": str}`` in ``nodes``)::
 
     {"router": {"requests": [{"request_id", "prefill_node": url, "decode_node": url, "stage", "age_s"}],
-                "nodes": [{"url", "role", "healthy": bool, "last_ok_age_s": float|null, "in_flight": int}]},
+                "nodes": [{"url", "role", "healthy": bool, "last_ok_age_s": float|null, "in_flight": int,
+                           "drained": str|null (why the router drained it: no new requests)}]},
      "nodes": [<a node's snapshot, as above>, ...]}
 
 ``--url ... --json`` prints ``{"schema": 1, "sources": [{"url": the URL asked, "ok": bool, "error": str|null,
@@ -140,8 +142,9 @@ def render(snapshot: dict[str, Any]):
                                         + ("-" if pc["hit_ratio"] is None else f"{pc['hit_ratio']:.0%}"))
         counts = "-" if a["table_count"] is None else \
             f"{a['router_count']}/{a['table_count']}" + (" MISMATCH" if a["router_mismatch"] else "")
-        style = "red" if a["health"] in ("hung", "dead") or a["router_mismatch"] else ""
-        actors.add_row(a["name"], a["role"], str(a["pid"]), a["device"] or "-", a["status"], a["health"],
+        style = "red" if a["health"] in ("hung", "dead") or a["router_mismatch"] or a.get("drained") else ""
+        health = a["health"] + (" DRAINED" if a.get("drained") else "")
+        actors.add_row(a["name"], a["role"], str(a["pid"]), a["device"] or "-", a["status"], health,
                        secs(a["heartbeat_age_s"]), f"{a['loop_iterations_per_s']:.0f}", str(a["restarts"]),
                        str(a["late_messages"]), kv, cache, load, str(a["requests_done"]), counts, style=style)
     gauges = Table(title="queues", title_justify="left")
@@ -267,8 +270,9 @@ def render_router(state: dict[str, Any]):
     for column in ("node", "role", "health", "last ok", "in flight"):
         nodes.add_column(column)
     for n in router["nodes"]:
-        nodes.add_row(n["url"], n["role"], "ok" if n["healthy"] else "UNHEALTHY", secs(n["last_ok_age_s"]),
-                      str(n["in_flight"]), style="" if n["healthy"] else "bold red")
+        health = ("ok" if n["healthy"] else "UNHEALTHY") + (f" DRAINED: {n['drained']}" if n.get("drained") else "")
+        nodes.add_row(n["url"], n["role"], health, secs(n["last_ok_age_s"]), str(n["in_flight"]),
+                      style="" if n["healthy"] and not n.get("drained") else "bold red")
     requests = Table(title=f"router requests in flight ({len(router['requests'])})", title_justify="left")
     for column in ("request", "stage", "age", "prefill node", "decode node"):
         requests.add_column(column)

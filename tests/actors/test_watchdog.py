@@ -214,3 +214,14 @@ def test_a_drill_row_in_the_stage_it_drills_has_the_drill_deadline_and_the_ordin
     assert find_expired(table, now, CONFIG) == []
     later = find_expired(table, int(12.5 * S_NS), CONFIG, drill_limit_ns=S_NS)
     assert [(e.slot, e.drill, e.drill_deadline) for e in later] == [(0, True, True), (2, False, False)]
+
+
+def test_a_stage_deadlines_message_names_its_stage_for_the_router_and_a_request_deadlines_does_not():
+    from actors.watchdog import timed_out_stage
+
+    stage = find_expired(rows((S.TRANSFERRING, 10.0, {})), int(12.1 * S_NS), CONFIG)[0]
+    assert timed_out_stage("decode node: " + stage.message()) == "transfer"
+    whole = find_expired(rows((S.QUEUED, 10.0, {"deadline_ns": 11 * S_NS})), 12 * S_NS, CONFIG)[0]
+    assert whole.reason == "request_deadline" and timed_out_stage(whole.message()) is None
+    assert timed_out_stage("the pool is full") is None
+    assert timed_out_stage("request x timed out in stage nowhere after 1.00 s (x_s=1)") is None

@@ -479,3 +479,19 @@ def test_a_refused_embedding_input_leaves_no_row_and_a_full_engine_refuses_it(re
     engine.draining = True
     with pytest.raises(EngineOverloadedError, match="draining"):
         engine.core.admit_embedding(embedding_input())
+
+
+def test_a_drained_actor_gets_no_client_work_but_a_drill_pinned_to_it_does():
+    engine = Engine()
+    engine.actors.table[3]["drained"] = int(S.TRANSFERRING)   # decode1: the monitor drained it
+    engine.actors.table[2]["kv_blocks_free"] = 10              # decode0 looks fuller: decode1 would be chosen
+    for i in range(3):
+        handle, = engine.core.admit(request(f"r{i}"))
+        assert handle.decode_actor == 2
+    drill, = engine.core.admit(request("drill-decode_waiting-1"), pin=3)
+    assert drill.decode_actor == 3 and engine.outbox.sent[-1][1].decode_actor == "decode1"
+    engine.actors.table[3]["health"] = ActorHealth.HUNG        # a pinned actor must still be healthy
+    with pytest.raises(EngineOverloadedError, match="serving"):
+        engine.core.admit(request("drill-decode_waiting-2"), pin=3)
+    with pytest.raises(ValueError, match="only a watchdog drill"):
+        engine.core.admit(request("client"), pin=2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from api.drill import (EARLY, NEVER_REACHED, NOT_FIRED, OTHER_END, SLACK_S, DrillSchedule, Watch, blocks_held,
-                       drill_holders, drill_id, drill_stages, gauges_held, judge)
+from api.drill import (EARLY, NEVER_REACHED, NOT_FIRED, OTHER_END, SLACK_S, DrillSchedule, Readmissions, Watch,
+                       blocks_held, drill_holders, drill_id, drill_stages, gauges_held, judge)
 from ipc.engine_status import DRILL_FAILURES, drill_problems
 from ipc.lifecycle import RequestState as S
 
@@ -113,3 +113,21 @@ def test_a_failed_stage_is_one_problem_naming_the_stage_and_why():
     assert drill_problems(rec) == []
     rec["drill_failing"][int(S.TRANSFERRING)] = NOT_FIRED
     assert drill_problems(rec) == ["watchdog drill of stage transfer failed: " + DRILL_FAILURES[NOT_FIRED - 1]]
+
+
+def test_a_drained_actors_readmission_drill_is_due_at_once_then_every_interval_until_readmitted():
+    def actor(index, drained=0, drains=0, readmit_drain=0):
+        return {"index": index, "name": f"decode{index}", "drained": drained, "drains": drains,
+                "readmit_drain": readmit_drain}
+    r = Readmissions(interval_s=10.0)
+    assert r.due([actor(2), actor(3)], 0) is None
+    drained = [actor(2), actor(3, drained=int(S.TRANSFERRING), drains=1)]
+    assert r.due(drained, 5 * S_NS) == (3, 1, S.TRANSFERRING)
+    r.tried(3, 1, 5 * S_NS)
+    assert r.due(drained, 14 * S_NS) is None
+    assert r.due(drained, 15 * S_NS) == (3, 1, S.TRANSFERRING)
+    # the drill passed (the API named drain 1): not due again while the monitor readmits it
+    assert r.due([actor(2), actor(3, drained=int(S.TRANSFERRING), drains=1, readmit_drain=1)], 30 * S_NS) is None
+    # a new drain is due at once, whatever the last one's tries
+    redrained = [actor(2), actor(3, drained=int(S.DECODING), drains=2, readmit_drain=1)]
+    assert r.due(redrained, 31 * S_NS) == (3, 2, S.DECODING)

@@ -281,3 +281,69 @@ def test_a_decode_node_checks_every_number_of_a_kv_ready_before_an_actor_sees_it
     for index, value in ((0, 3.0), (1, 0.0), (2, 0), (5, 0), (5, 2**40), (10, 0.0), (11, 50)):
         with pytest.raises(InvalidRequestError):
             sampling_from_wire(wire[:index] + [value] + wire[index + 1:])
+
+
+def transfer_timeout(request_id: str, field: str = "inflight_timeout_s") -> PdserveError:
+    """A decode node's 504 as the router makes it from the node's error line (the monitor's message)."""
+    error = PdserveError(f"decode node: request {request_id} timed out in stage transfer after 5.10 s ({field}=5)")
+    error.http_status, error.error_type = 504, "timeout_error"
+    return error
+
+
+def test_a_decode_node_whose_requests_keep_timing_out_in_transfer_is_drained_never_the_last_one():
+    client = router(prefill=("http://p0:1",), decode=("http://d0:1", "http://d1:1"))
+    p0, d0, d1 = client.nodes
+    for node in client.nodes:
+        node.healthy = True
+    client.blame(d1, transfer_timeout("a"), "a")
+    client.blame(d1, transfer_timeout("b", "request_timeout_s"), "b")   # the request's own deadline: no count
+    client.blame(d1, transfer_timeout("c"), "eject-probe-1")            # a probe: no count
+    not_timeout = PdserveError("decode node: the pool is full")
+    not_timeout.http_status = 503
+    client.blame(d1, not_timeout, "d")
+    client.blame(d1, transfer_timeout("e"), "e")
+    assert not d1.drained and client.ejection.seen
+    client.blame(d1, transfer_timeout("f"), "f")
+    reason = "decode node http://d1:1 drained: 3 transfer timeouts in 60 s"
+    assert d1.drained == reason and not d1.serving and d1.view(0.0)["drained"] == reason
+    assert [pick_node(client.nodes, "decode").url for _ in range(3)] == ["http://d0:1"] * 3
+    metrics = RouterMetrics(client)
+    assert metrics.health()["status"] == "ok" and metrics.health()["problems"] == [reason]
+    assert 'pdserve_router_node_drained{node="http://d1:1",role="decode"} 1.0' in metrics.render()[0].decode()
+    for request_id in "ghi":   # d0 is now the last serving decode node: it keeps serving
+        client.blame(d0, transfer_timeout(request_id), request_id)
+    assert not d0.drained and pick_node(client.nodes, "decode") is d0
+    assert client.probe_due == {2: 0.0}   # d1's probe is due at once
+
+
+def test_a_probe_is_pinned_to_the_drained_node_and_readmits_it_when_it_answers():
+    client = router(prefill=("http://p0:1",), decode=("http://d0:1", "http://d1:1"))
+    for node in client.nodes:
+        node.healthy = True
+    d1 = client.nodes[2]
+    for request_id in "abc":
+        client.blame(d1, transfer_timeout(request_id), request_id)
+    assert d1.drained
+
+    async def run() -> list[tuple[bool, str]]:
+        seen = []
+
+        def answered(request, timeout_s=None, pin=None):   # the real submit routes; its I/O is replaced
+            assert pin is d1 and request.request_id.startswith("eject-probe-")
+            handles = RouterClient.submit(client, request, timeout_s, pin)
+            seen.append((client.flights[handles[0].key].decode.url, client.flights[handles[0].key].prefill.url))
+            for flight in client.flights.values():
+                flight.prefill_task.cancel()
+            handles[0].events.put_nowait(("token", 5, None, None) if len(seen) == 2 else
+                                         ("error", transfer_timeout(request.request_id)))
+            if len(seen) == 2:
+                handles[0].events.put_nowait(("token", 6, "length", None))
+            return handles
+        client.submit = answered
+        first = [await client.probe(2), d1.drained]    # stuck in transfer again: stays drained
+        second = [await client.probe(2), d1.drained]   # answers: readmitted
+        return [tuple(first), tuple(second)] + seen
+    results = asyncio.run(run())
+    assert results[0] == (False, "decode node http://d1:1 drained: 3 transfer timeouts in 60 s")
+    assert results[1] == (True, "")
+    assert results[2:] == [("http://d1:1", "http://p0:1")] * 2 and not client.handles

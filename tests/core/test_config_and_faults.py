@@ -69,6 +69,8 @@ def test_config_is_frozen():
                                           ("crash:actor=gpu7", "actor must be"),
                                           ("stop_holding_lock:actor=prefill0", "decode actors only"),
                                           ("drop_transfer_done:fraction=2", "fraction"),
+                                          ("transfer_stuck:actor=api", "actor must be"),
+                                          ("router_count_drift:count_delta=1,actor=decode0", "takes"),
                                           ("delay_transfer_done:seconds=soon", "bad number")])
 def test_bad_fault_specs_are_rejected_at_start_up(spec, message):
     with pytest.raises(ConfigError, match=message):
@@ -83,6 +85,9 @@ def test_fault_count_match_and_actor_select_events():
     assert plan.fires("stall", "x").number("seconds") == 1.0
     assert not FaultPlan("stall:actor=decode0,seconds=1", "prefill0")
     assert not FaultPlan("", "prefill0")
+    # an engine actor's fault aimed at one actor of several: only that one applies it
+    assert FaultPlan("transfer_stuck:actor=decode1", "decode1").fires("transfer_stuck", "x") is not None
+    assert not FaultPlan("transfer_stuck:actor=decode1", "decode0")
 
 
 def test_drills_add_one_hold_per_stage_aimed_at_its_drill_ids_and_nothing_else():

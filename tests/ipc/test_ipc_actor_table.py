@@ -124,3 +124,22 @@ def test_a_child_actor_beats_into_the_shared_row(actors, ctx):
             ro.beat(2)
     finally:
         ro.close()
+
+
+def test_a_drain_is_numbered_and_a_readmission_names_the_drain_it_ends(actors):
+    """The monitor drains and undrains (``drained``, ``drains``, ``drain_timeouts``); the API's passing readmission
+    drill names the drain it ends (``readmit_drain``); the drain survives a restart of the actor's process."""
+    actors.register(2, "decode1")
+    actors.spawned(2, 300)
+    actors.starting(2, 300)
+    assert actors.drain(2, 4, timeouts=3) == 1
+    row = actors.row(2)
+    assert (row["drained"], row["drains"], row["drain_timeouts"], row["readmit_drain"]) == (4, 1, 3, 0)
+    actors.restarting(2)
+    assert actors.row(2)["drained"] == 4
+    actors.readmit(2, 1)
+    actors.undrain(2)
+    assert (actors.row(2)["drained"], actors.row(2)["readmit_drain"]) == (0, 1)
+    assert actors.drain(2, 6, timeouts=4) == 2
+    with pytest.raises(ValueError, match="live RequestState"):
+        actors.drain(2, 0, timeouts=1)

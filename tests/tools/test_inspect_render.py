@@ -123,3 +123,14 @@ def test_an_id_with_no_timeline_is_never_reached_until_the_ring_wraps():
     assert "never reached this server: the flight recorder holds every event" in not_found_text("x-1", 0, 5 * 10**9)
     wrapped = not_found_text("x-1", 2 * 10**9, 5 * 10**9)
     assert "never reached this server, or it came before the ring's horizon (3.0 s ago" in wrapped
+
+
+def test_a_drained_node_and_a_drained_actor_are_shown_with_their_reasons():
+    doc = router_document()
+    reason = f"decode node {D_URL} drained: 3 transfer timeouts in 60 s"
+    doc["router"]["nodes"][1]["drained"] = reason
+    doc["nodes"][1]["actors"][0]["drained"] = "decode0 drained: 3 transfer timeouts in 60 s"
+    text = text_of(inspect.render_router(doc))
+    line = next(line for line in text.splitlines() if D_URL in line and "DRAINED" in line)
+    assert reason in line
+    assert any("decode0" in line and "ok DRAINED" in line for line in text.splitlines())
