@@ -11,8 +11,8 @@ after.
 
     python -m bench.diagnostics [--rounds 6] [--num-prompts 32] [--input-len 64] [--output-len 32]
 
-What "off" leaves on: the connection ledger (no switch; its write cost is docs/performance.md section 17), the
-monitor's deadlines and its cheap per-tick checks (they are the watchdog itself).
+What "off" leaves on, having no switch: the connection ledger (its write cost: docs/performance.md section 17), the
+conservation checks (section 32), the monitor's deadlines and its other per-tick checks (they are the watchdog).
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ import time
 from bench.colocated import run_serving
 from bench.engine_process import engine
 
-OFF_FLAGS = ("--recorder-events", "0", "--arrival-index-entries", "0", "--drill-interval-s", "0")
+OFF_FLAGS = ("--recorder-events", "0", "--arrival-index-entries", "0", "--drill-interval-s", "0", "--eject-timeouts",
+             "0")
 TARGET = "target (issue 42): everything on >= 0.97x everything off in output tok/s at concurrency 16"
 
 
