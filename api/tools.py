@@ -253,10 +253,12 @@ def partial_call(block: str, names: tuple[str, ...]) -> dict | None:
     arguments = (arguments or "").rstrip()
     tail = partial_suffix(arguments, TOOL_CALL_CLOSE) or (len(TOOL_CALL_CLOSE) if arguments.endswith(
         TOOL_CALL_CLOSE) else 0)
-    arguments = arguments[:len(arguments) - tail].rstrip()
-    if arguments.endswith("}") and _loads_or_none(arguments[:-1]) is not None:
-        arguments = arguments[:-1]   # the block's own closing brace
-    return {"name": candidates[0], "arguments": arguments}
+    whole = arguments[:len(arguments) - tail].rstrip()
+    if whole.endswith("}") and _loads_or_none(whole[:-1]) is not None:
+        return {"name": candidates[0], "arguments": whole[:-1]}   # less the block's own closing brace
+    if tail and _loads_or_none(whole) is None:   # the marker's start inside the arguments (a string): their text
+        whole = arguments
+    return {"name": candidates[0], "arguments": whole}
 
 
 def _loads_or_none(text: str) -> Any:
@@ -445,6 +447,8 @@ class ToolCallStream(MarkerBuffer):
         if self.value >= 0:
             self._stream_call(events)
             if self.value >= 0:   # the block never closed: what follows its arguments and own brace is content
+                if not self.closed:   # cut inside the arguments: all of their text, a held marker-like tail too
+                    self._send(len(self.buffer.rstrip()), events)
                 self._end(self.scanned if self.closed else len(self.buffer), events)
                 rest = self.buffer.removeprefix("}").rstrip()
                 self.buffer = rest[:len(rest) - partial_suffix(rest, TOOL_CALL_CLOSE)]

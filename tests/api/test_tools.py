@@ -130,6 +130,8 @@ CUT = [   # (required-mode output cut by max_tokens, the partial call it must co
     ('<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_', ("add", '{"a":1,"b":2}')),
     ('<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>\n<tool_call>\n{"name":"add","argu',
      ("add", "")),
+    # a string cut where it reads like the end of the block: the text so far, the marker's start with it
+    ('<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo}}</tool', ("get_weather", '{"city":"Oslo}}</tool')),
 ]
 
 

