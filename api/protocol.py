@@ -17,7 +17,7 @@ from api.formats import (THINK_CLOSE, THINK_OPEN, OutputFormats, prompt_closes_r
                          tool_parser, with_special_markers)
 from api.tools import ToolPlan, parameters_schema, parse_tools, template_messages
 from pdserve.errors import InvalidRequestError, ModelNotFoundError, PdserveError
-from pdserve.faults import DRILL_PREFIX
+from pdserve.faults import DRILL_PREFIX, PROBE_PREFIX
 from pdserve.kv_budget import blocks_for
 from pdserve.sampling import Sampling
 
@@ -57,11 +57,12 @@ def check_request_id(value: str | None, default: str) -> str:
 
     The id is kept whole for the response (``id``, the ``X-Request-Id`` header) and the API's log lines; the shm
     state table stores its first 40 bytes, which is what tools/inspect and the monitor's log lines show. An id
-    starting with ``pdserve.faults.DRILL_PREFIX`` is the engine's own watchdog drills' (faults aim at those): a
+    starting with ``pdserve.faults.DRILL_PREFIX`` is the engine's own watchdog drills' (faults aim at those), one
+    starting with ``PROBE_PREFIX`` the router's readmission probes' (their timeouts never count toward ejection): a
     client's gets ``default``.
     """
     if (value and len(value) <= MAX_REQUEST_ID_CHARS and all("!" <= c <= "~" for c in value)
-            and not value.startswith(DRILL_PREFIX)):
+            and not value.startswith((DRILL_PREFIX, PROBE_PREFIX))):
         return value
     return default
 

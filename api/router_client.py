@@ -48,10 +48,10 @@ from api.tracing import INCOMING
 from ipc.cache_summary import decode_words, leading_run
 from ipc.lifecycle import STAGE_NAME
 from pdserve.errors import EngineOverloadedError, InvalidRequestError, PdserveError
+from pdserve.faults import PROBE_PREFIX
 from pdserve.sampling import Sampling
 
 log = logging.getLogger("pdserve.router")
-PROBE_PREFIX = "eject-probe-"   # the router's readmission probes (their own timeouts never count)
 PROBE_PROMPT_IDS = [1, 2, 3]    # shorter than any KV block: nothing for a prefix cache
 _STAGE_STATE = {name: state for state, name in STAGE_NAME.items()}
 

@@ -73,6 +73,8 @@ NOT_IN_ACTORS = {"router_count_drift", "exchange_bug", "monitor_blind"}   # appl
 EXCHANGE_STEPS = ("admitted", "renderer", "start", "event", "finish", "send")   # api/exchange.py's Exchange
 COMMON_KEYS = {"count", "fraction", "seed", "match"}
 DRILL_PREFIX = "drill-"
+# `pdserve router`'s readmission probes (api/router_client.py): their timeouts never count toward ejection
+PROBE_PREFIX = "eject-probe-"
 # stage name (ipc.lifecycle.STAGE_NAME) -> the fault that holds a drill request in it, aimed at drill-<stage>-
 DRILL_HOLDS = {"queued": "drop_prefill_request", "prefill": "hold_prefill", "bootstrap": "bootstrap_silent",
                "transfer": "transfer_stuck", "decode_waiting": "hold_decode_waiting", "decode": "hold_decode"}

@@ -116,11 +116,13 @@ def test_a_hold_is_judged_once_per_request_and_a_dropped_prefill_request_is_only
     assert not drop_prefill_request(plan, PrefillRequest(0, 1, "e-1", [1], Sampling()))
 
 
-def test_a_client_request_id_with_the_drill_prefix_is_not_taken():
+def test_a_client_request_id_with_the_drill_or_probe_prefix_is_not_taken():
     from api.protocol import check_request_id
 
     assert check_request_id("drill-transfer-1", "cmpl-9") == "cmpl-9"
     assert check_request_id("drilled-1", "cmpl-9") == "drilled-1"
+    # the router's probes' timeouts never count toward ejection: a client's would escape it
+    assert check_request_id("eject-probe-3", "cmpl-9") == "cmpl-9"
 
 
 def test_fault_fraction_is_reproducible_with_a_seed():
