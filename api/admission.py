@@ -234,7 +234,8 @@ class Admission:
 
     def actor_loads(self, pin: int | None = None) -> tuple[list[ActorLoad], list[ActorLoad]]:
         """``(prefill loads, decode loads)`` for api/router.py: serving = READY, not hung, dead or drained (a
-        restarting row reads as RESTARTING); ``pin``: an actor index whose role's list holds that actor alone,
+        restarting row reads as RESTARTING; drained ones serve when no undrained actor of their role does);
+        ``pin``: an actor index whose role's list holds that actor alone,
         serving if healthy, drained or not (a readmission drill, api/drill.py); free blocks from the table less
         what requests routed there but not yet reserved will take; queued prompt tokens and running requests from
         the API's own handles; a prefill actor's cached prefix from its cache summary (``PrefixLookup``; the row's
@@ -242,10 +243,14 @@ class Admission:
         rows = self.actors.rows()
         routed = [Routed(h.prefill_actor, h.decode_actor, len(h.request.prompt_ids), h.reserve_blocks, h.prefilled)
                   for h in self.handles.values()]
+        # a role whose undrained actors all died or hung since the drain serves on its drained healthy ones: a
+        # drain keeps work off a sick actor while another can take it, never the role's last working one
+        fallback = {index for role in (self.prefill, self.decode) if not any(_serving(rows[i]) for i in role)
+                    for index in role}
 
         def load(index: int, prefill: bool) -> ActorLoad:
             r = rows[index]
-            serving = _healthy(r) if index == pin else _serving(r)
+            serving = _healthy(r) if index == pin or index in fallback else _serving(r)
             cached = functools.partial(self.prefix.tokens, index, r.get("actor_pid")) \
                 if prefill and self.prefix is not None else None
             return ActorLoad(index, r["name"], serving, kv_blocks_free=int(r["kv_blocks_free"]),

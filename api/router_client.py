@@ -147,8 +147,10 @@ def pick_node(nodes: list[Node], role: str, prompt_ids: Sequence[int] = (),
     order); for a prefill node first the longest cached prefix of ``prompt_ids`` (its last poll's report), among
     the nodes whose queued prompt tokens (``queued_tokens``: node url -> the router's prompts there not yet
     prefilled) exceed the least-queued one's by at most ``max_imbalance_tokens`` (None: no bound), as api/router.py
-    ``pick_prefill`` within one node. Raises EngineOverloadedError when none is serving."""
-    serving = [n for n in nodes if n.role == role and n.serving]
+    ``pick_prefill`` within one node. A drained node serves again while no undrained one of its role does (a drain
+    keeps work off a sick node while another can take it). Raises EngineOverloadedError when none is serving."""
+    serving = [n for n in nodes if n.role == role and n.serving] or \
+        [n for n in nodes if n.role == role and n.healthy and not n.dead]
     if not serving:
         raise EngineOverloadedError(f"no {role} node is serving (unreachable, dead, unhealthy or drained); retry")
     if role != "prefill" or len(serving) == 1:

@@ -495,3 +495,15 @@ def test_a_drained_actor_gets_no_client_work_but_a_drill_pinned_to_it_does():
         engine.core.admit(request("drill-decode_waiting-2"), pin=3)
     with pytest.raises(ValueError, match="only a watchdog drill"):
         engine.core.admit(request("client"), pin=2)
+
+
+@pytest.mark.parametrize("health", [ActorHealth.DEAD, ActorHealth.HUNG])
+def test_a_drained_actor_takes_client_work_again_when_the_other_of_its_role_dies_or_hangs(health):
+    engine = Engine()
+    engine.actors.table[3]["drained"] = int(S.TRANSFERRING)   # decode1 drained while decode0 served
+    engine.actors.table[2]["health"] = health                 # then decode0 died (or hung)
+    handle, = engine.core.admit(request("r0"))
+    assert handle.decode_actor == 3   # not a 503 while a working decode actor exists
+    engine.actors.table[3]["health"] = ActorHealth.HUNG       # and none left at all: the retryable 503
+    with pytest.raises(EngineOverloadedError, match="serving"):
+        engine.core.admit(request("r1"))

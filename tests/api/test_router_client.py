@@ -314,6 +314,11 @@ def test_a_decode_node_whose_requests_keep_timing_out_in_transfer_is_drained_nev
         client.blame(d0, transfer_timeout(request_id), request_id)
     assert not d0.drained and pick_node(client.nodes, "decode") is d0
     assert client.probe_due == {2: 0.0}   # d1's probe is due at once
+    d0.healthy = False   # d0 fails its poll: the drained but healthy d1 serves rather than a 503 for everyone
+    assert pick_node(client.nodes, "decode") is d1
+    d1.dead = True
+    with pytest.raises(EngineOverloadedError, match="no decode node is serving"):
+        pick_node(client.nodes, "decode")
 
 
 def test_a_probe_is_pinned_to_the_drained_node_and_readmits_it_when_it_answers():
