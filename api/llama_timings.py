@@ -1,5 +1,5 @@
 """llama.cpp's stream telemetry, for the clients of its server (its web UI, its test suite): a request's
-``timings_per_token`` puts a ``timings`` object in every streamed chunk after the first and in a full answer;
+``timings_per_token`` puts a ``timings`` object in every streamed chunk (not a ping) and in a full answer;
 ``return_progress`` sends ``prompt_progress`` chunks before the first token. Plain code; api/exchange.py calls it.
 
 =======================  =========================================================================

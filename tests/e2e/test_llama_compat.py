@@ -93,7 +93,7 @@ def sse_data(text: str) -> list[dict]:
 def test_timings_per_token_and_return_progress_as_llama_server_streams_them(http):
     """llama.cpp's telemetry extensions (api/llama_timings.py) on chat, completions and Responses: two
     prompt_progress chunks before the first token (cache == processed, then processed == total), ``timings`` in
-    every later chunk and in a full answer; a non-boolean value is a 400 naming the field."""
+    every chunk and in a full answer; a non-boolean value is a 400 naming the field."""
     prompt = "This is a test " * 10
     chat = sse_data(http.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "stream": True,
