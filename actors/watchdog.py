@@ -64,27 +64,29 @@ class Expired:
     request_id: str
     drill: bool = False  # a watchdog drill's row (api/drill.py)
     drill_deadline: bool = False   # ... timed out in the stage it drills, whose deadline is drill_timeout_s
+    own_timeout: bool = False      # a request deadline shorter than request_timeout_s: the body's ``timeout``
 
     def message(self) -> str:
         name = STAGE_NAME[self.stage]
         if self.reason == "bad_timestamp":
             return (f"request {self.request_id} failed in stage {name}: its state timestamp is zero or in the "
                     f"future (an engine bug, reported by the watchdog)")
-        what = ("request_timeout_s" if self.reason == "request_deadline" else
+        what = (("timeout" if self.own_timeout else "request_timeout_s") if self.reason == "request_deadline" else
                 "drill_timeout_s" if self.drill_deadline else STAGE_TIMEOUT_FIELD[self.stage])
         return (f"request {self.request_id} timed out in stage {name} after {self.age_s:.2f} s "
                 f"({what}={self.limit_s:g})")
 
 
+REQUEST_DEADLINE_FIELDS = ("request_timeout_s", "timeout")   # what a request deadline's message names
 _TIMEOUT_TEXT = re.compile(r"timed out in stage (\w+) after [0-9.]+ s \((\w+)=")
 
 
 def timed_out_stage(message: str) -> str | None:
     """The stage whose deadline a 504's message (``Expired.message``) names, or None: not such a message, or the
-    request's own deadline (``request_timeout_s``). `pdserve router` reads its nodes' timeouts with it (the
+    request's own deadline (``request_timeout_s``, or the body's ``timeout``). `pdserve router` reads its nodes' timeouts with it (the
     message is all a node's error line carries)."""
     match = _TIMEOUT_TEXT.search(message)
-    if match is None or match.group(2) == "request_timeout_s" or match.group(1) not in _STAGES:
+    if match is None or match.group(2) in REQUEST_DEADLINE_FIELDS or match.group(1) not in _STAGES:
         return None
     return match.group(1)
 
@@ -155,11 +157,14 @@ def find_expired(rows: np.ndarray, now_ns: int, config, limits_ns: np.ndarray | 
             reason, age, lim = "stage_deadline", (now_ns - int(progress[slot])) / 1e9, limit[slot] / 1e9
         else:
             reason = "request_deadline"
-            age, lim = (now_ns - int(row["created_ns"])) / 1e9, config.request_timeout_s
+            created = int(row["created_ns"])
+            # the deadline is admission's clock + the timeout, the row's creation a moment later: to the ms
+            age, lim = (now_ns - created) / 1e9, round((int(deadline[slot]) - created) / 1e9, 3)
         rid = row["request_id"]
         out.append(Expired(int(slot), int(row["generation"]), st, age, lim, reason, int(row["owner"]),
                            rid.decode(errors="replace") if isinstance(rid, bytes) else str(rid), bool(drill[slot]),
-                           bool(targeted[slot]) and reason == "stage_deadline"))
+                           bool(targeted[slot]) and reason == "stage_deadline",
+                           reason == "request_deadline" and lim < config.request_timeout_s - 1e-3))
     return out
 
 

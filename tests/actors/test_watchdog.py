@@ -223,5 +223,12 @@ def test_a_stage_deadlines_message_names_its_stage_for_the_router_and_a_request_
     assert timed_out_stage("decode node: " + stage.message()) == "transfer"
     whole = find_expired(rows((S.QUEUED, 10.0, {"deadline_ns": 11 * S_NS})), 12 * S_NS, CONFIG)[0]
     assert whole.reason == "request_deadline" and timed_out_stage(whole.message()) is None
+    # a deadline shorter than request_timeout_s is the body's ``timeout``, and the message names that
+    assert whole.message().endswith("(timeout=1)") and whole.limit_s == 1.0
+    server = int((10 + CONFIG.request_timeout_s) * S_NS)
+    decoding = {"deadline_ns": server, "last_progress_ns": server}   # its stage renewed: only the deadline is late
+    default = find_expired(rows((S.DECODING, 10.0, decoding)), server + S_NS, CONFIG)[0]
+    assert default.message().endswith(f"(request_timeout_s={CONFIG.request_timeout_s:g})")
+    assert timed_out_stage(default.message()) is None
     assert timed_out_stage("the pool is full") is None
     assert timed_out_stage("request x timed out in stage nowhere after 1.00 s (x_s=1)") is None

@@ -345,6 +345,7 @@ def test_a_per_request_timeout_is_a_504_within_its_deadline(http, probe):
         COMP, headers={"X-Request-Id": "timeout-0.5"},
         json={"prompt": "Count to a thousand:", "max_tokens": 900, "ignore_eos": True, "timeout": 0.5}))
     assert_error(response, 504, "timeout_error")
+    assert "(timeout=0.5)" in response.json()["error"]["message"], response.text   # the client's, not the server's
     assert trace.first, "the request's row was never seen"
     row = next(iter(trace.first.values()))
     deadline_ns = int(row["deadline_ns"])
