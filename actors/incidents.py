@@ -72,12 +72,10 @@ class IncidentLimiter:
 
 def timeout_incident(expired, base_url: str = "") -> Incident:
     """The Incident of a monitor timeout (actors/watchdog.Expired)."""
-    from ipc.lifecycle import STAGE_NAME, STAGE_TIMEOUT_FIELD
+    from ipc.lifecycle import STAGE_NAME
 
-    field_ = ("timeout" if expired.own_timeout else "request_timeout_s") if expired.reason == "request_deadline" \
-        else STAGE_TIMEOUT_FIELD.get(expired.stage, "")
-    return Incident("timeout", expired.message(), [expired.request_id], STAGE_NAME.get(expired.stage, ""), field_,
-                    base_url, holders=[expired.owner] if expired.owner >= 0 else [])
+    return Incident("timeout", expired.message(), [expired.request_id], STAGE_NAME.get(expired.stage, ""),
+                    expired.field, base_url, holders=[expired.owner] if expired.owner >= 0 else [])
 
 
 class LogTail(logging.Handler):

@@ -66,15 +66,22 @@ class Expired:
     drill_deadline: bool = False   # ... timed out in the stage it drills, whose deadline is drill_timeout_s
     own_timeout: bool = False      # a request deadline shorter than request_timeout_s: the body's ``timeout``
 
+    @property
+    def field(self) -> str:
+        """The setting (or the body's ``timeout``) whose deadline passed; "" for a bad timestamp."""
+        if self.reason == "request_deadline":
+            return "timeout" if self.own_timeout else "request_timeout_s"
+        if self.reason == "bad_timestamp":
+            return ""
+        return "drill_timeout_s" if self.drill_deadline else STAGE_TIMEOUT_FIELD[self.stage]
+
     def message(self) -> str:
         name = STAGE_NAME[self.stage]
         if self.reason == "bad_timestamp":
             return (f"request {self.request_id} failed in stage {name}: its state timestamp is zero or in the "
                     f"future (an engine bug, reported by the watchdog)")
-        what = (("timeout" if self.own_timeout else "request_timeout_s") if self.reason == "request_deadline" else
-                "drill_timeout_s" if self.drill_deadline else STAGE_TIMEOUT_FIELD[self.stage])
         return (f"request {self.request_id} timed out in stage {name} after {self.age_s:.2f} s "
-                f"({what}={self.limit_s:g})")
+                f"({self.field}={self.limit_s:g})")
 
 
 REQUEST_DEADLINE_FIELDS = ("request_timeout_s", "timeout")   # what a request deadline's message names
