@@ -24,7 +24,7 @@ REQUEST_TIMEOUT_S = 20.0
 # aimed at the soak's own requests (ids "soak-N"), so the probe request after the soak is fault-free
 FAULTS = ("drop_transfer_done:fraction=0.04,seed=1,match=soak-;"
           "delay_transfer_done:seconds=1,fraction=0.1,seed=2,match=soak-;"
-          "transfer_stuck:fraction=0.03,seed=3,match=soak-;decode_reject:fraction=0.03,seed=4,match=soak-")
+          "transfer_stuck:fraction=0.06,seed=3,match=soak-;decode_reject:fraction=0.03,seed=4,match=soak-")
 
 
 def test_soak_every_request_gets_a_final_answer_and_nothing_leaks(tmp_path):
@@ -45,7 +45,9 @@ def test_soak_every_request_gets_a_final_answer_and_nothing_leaks(tmp_path):
         # (issue 12) instead of queueing: those are correct answers, judged above; most of the rest must succeed
         assert kinds.get("ok", 0) > REQUESTS // 4, kinds
         assert kinds.get("ok", 0) + kinds.get("retryable", 0) > REQUESTS // 2, kinds
-        # the faults fired: dropped/stuck transfers timed out in stage transfer, rejections came back as 503s
+        # the faults fired: stuck transfers timed out in stage transfer (a stuck transfer whose decode actor is
+        # killed first is a 503 instead: the chance is why stuck transfers are 6%), rejections came back as 503s
+        assert scrape(engine.base_url)["pdserve_request_timeouts_total{stage=transfer}"] >= 1
         assert kinds.get("transfer_timeout", 0) > 0 and kinds.get("retryable", 0) > 0, ("no fault showed", kinds)
         log = engine.log_text()
         assert "fault drop_transfer_done" in log and "fault decode_reject" in log, "a fault never fired"
@@ -70,7 +72,8 @@ def test_soak_every_request_gets_a_final_answer_and_nothing_leaks(tmp_path):
 def judge(response: httpx.Response, stream: bool):
     """The outcome of one answered request: "ok" (a 200 with a complete body), "transfer_timeout" (a 504
     naming the transfer stage), "timeout" (another 504), "retryable" (a 503 with a message), "stream_error"
-    (a 200 stream that ends with an error event, then [DONE]), else ("bad", status, text)."""
+    (a 200 stream that ends with an error event, then [DONE]; "transfer_timeout" when that event names the transfer
+    stage), else ("bad", status, text)."""
     text = response.text
     if response.status_code == 200:
         if stream:
@@ -79,7 +82,8 @@ def judge(response: httpx.Response, stream: bool):
                 return "bad", 200, f"stream without [DONE]: {text[-300:]}"
             events = [orjson.loads(line) for line in lines[:-1]]
             if events and "error" in events[-1]:
-                return "stream_error"
+                message = events[-1]["error"].get("message") or ""
+                return "transfer_timeout" if "stage transfer" in message else "stream_error"
             if any(c.get("finish_reason") in ("stop", "length") for e in events for c in e.get("choices", [])):
                 return "ok"
             return "bad", 200, f"stream without a finish_reason: {text[-300:]}"
