@@ -57,6 +57,8 @@ class EngineLayout:
     max_context_tokens: int   # longest prompt + output in tokens: config.max_model_len, or the fit if that is 0
     http_port: int            # config.port, or the free port picked if that is 0
     kv_blocks_per_pool: int
+    kv_dtype: str = "float32"   # the KV pools' element type: config.kv_cache_dtype resolved (pdserve.config)
+    kv_pool_note: str = ""      # how the pools' size was chosen (kv_pool_tokens given, or auto and why)
     segments: dict[str, str] = field(default_factory=dict)
     config_sources: dict[str, str] = field(default_factory=dict)
 

@@ -18,7 +18,8 @@ from typing import Any
 
 from actors.base import ENGINE_STOP_SIGNALS, EngineLayout, ModelShape, run_actor
 from actors.topology import topology
-from pdserve.config import LoadedConfig
+from pdserve.config import LoadedConfig, kv_cache_dtype
+from pdserve.kv_budget import auto_pool_tokens, memory_available, token_bytes
 from pdserve.errors import ConfigError, PdserveError, ShmLockTimeoutError
 
 log = logging.getLogger("pdserve.supervisor")
@@ -145,7 +146,16 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     model_config = read_model_config(model_path or None, model_cache_dir(config.model_cache_dir))
     shape = ModelShape(model_config.name, model_config.num_layers, model_config.num_kv_heads,
                        model_config.head_dim, model_config.max_position_embeddings, model_config.family)
-    blocks = config.kv_pool_tokens // config.kv_block_tokens
+    kv_dtype = kv_cache_dtype(config)
+    pool_note = f"kv_pool_tokens={config.kv_pool_tokens}"
+    pool_tokens = config.kv_pool_tokens
+    if not pool_tokens:
+        per_token = token_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, 2 if kv_dtype == "float16" else 4)
+        pools = len(topo.prefill) + len(topo.decode)
+        pool_tokens, why = auto_pool_tokens(shape.context_length, per_token, max(1, pools), memory_available(),
+                                            config.kv_block_tokens)
+        pool_note = f"kv_pool_tokens=0 (auto): {why}"
+    blocks = pool_tokens // config.kv_block_tokens
     if blocks < 1:
         raise ConfigError(f"config field kv_pool_tokens={config.kv_pool_tokens}: must hold at least one block "
                           f"of kv_block_tokens={config.kv_block_tokens}", param="kv_pool_tokens")
@@ -167,7 +177,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     return EngineLayout(engine_id=engine_id, config=config, model_path=model_path,
                         served_model_name=served_names(config.served_model_name, model_path), shape=shape,
                         max_context_tokens=max_context_tokens, http_port=config.port or free_port(config.host),
-                        kv_blocks_per_pool=blocks,
+                        kv_blocks_per_pool=blocks, kv_dtype=kv_dtype, kv_pool_note=pool_note,
                         segments={n: segment_name(engine_id, n) for n in names},
                         config_sources=dict(loaded.sources))
 
@@ -277,7 +287,7 @@ class Supervisor:
             self._owned.append(KVPool.create(lay.segment(pool), num_layers=lay.shape.num_layers,
                                              num_blocks=lay.kv_blocks_per_pool, block_tokens=cfg.kv_block_tokens,
                                              num_kv_heads=lay.shape.num_kv_heads, head_dim=lay.shape.head_dim,
-                                             dtype=torch.float32,
+                                             dtype=getattr(torch, lay.kv_dtype),
                                              data=cfg.kv_transport not in TENSOR_POOL_TRANSPORTS))
 
     def _create_recorder(self) -> None:
@@ -373,6 +383,12 @@ class Supervisor:
             # the API starts alongside the engine actors (its tokenizer and grammar set-up overlap their model
             # loads); its /health stays 503 and its router refuses work until every actor reads READY
             every_actor = [topo.monitor, *topo.prefill, *topo.decode, topo.api]
+            lay, sh = self.layout, self.layout.shape
+            pool_tokens = lay.kv_blocks_per_pool * lay.config.kv_block_tokens
+            per_token = token_bytes(sh.num_layers, sh.num_kv_heads, sh.head_dim, 2 if lay.kv_dtype == "float16" else 4)
+            log.info("KV cache: %d tokens per actor pool (%s), %s (kv_cache_dtype=%s): %.1f KiB a token, %.0f MiB a "
+                     "pool", pool_tokens, lay.kv_pool_note, lay.kv_dtype, lay.config.kv_cache_dtype, per_token / 1024,
+                     pool_tokens * per_token / 2**20)
             log.info("engine %s: starting %s; the prefill and decode actors map the prepared model %s and warm up "
                      "(up to actor_ready_timeout_s=%.0f s)", self.engine_id,
                      ", ".join(topo.names[i] for i in every_actor), self.layout.model_path or "(embedded default)",

@@ -14,7 +14,8 @@ output projection included (as decode steps do, and as the engine's default ``--
 its last token as a decode step scores what it samples); ``--engine-prefill`` runs it as the model's own
 ``prefill`` (the layers' and the output projection's float32 copies: the engine's ``--no-prefill-low-bit``);
 ``--decode-steps`` feeds it one decode step per token instead,
-the path output tokens take.
+the path output tokens take; ``--kv-cache-dtype float16`` gives the candidate a float16 KV cache (with ``--weights
+float32`` it isolates the cache's share).
 
 The default text (bench/data/quality_text.txt) is plain English prose written for this project (public
 domain), about 2,650 tokens.
@@ -44,10 +45,11 @@ def _forward(model, kv: torch.Tensor, chunk: list[int], table: list[int], start:
 
 
 def compare(reference, candidate, ids: list[int], chunk_tokens: int = 256, block_tokens: int = 16,
-            candidate_by_decode: bool = False) -> dict[str, Any]:
+            candidate_by_decode: bool = False, candidate_kv_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Teacher-force ``ids`` through two ``gpu.model.LlamaModel``s chunk by chunk and compare their next-token
     distributions at each of the ``len(ids) - 1`` scored positions. ``candidate_by_decode``: the candidate reads
     the text one decode step per token instead of prefill forwards (the reference always prefills).
+    ``candidate_kv_dtype``: the candidate's KV cache element type (default: its model's dtype, as the reference's).
 
     Returns ``{"tokens", "top1_agreement", "ppl_reference", "ppl_candidate", "kl_mean", "prefill_s_reference",
     "prefill_s_candidate"}``; the two ``prefill_s`` are seconds per chunk (medians).
@@ -60,8 +62,8 @@ def compare(reference, candidate, ids: list[int], chunk_tokens: int = 256, block
         raise ValueError("need at least two tokens to score")
     n_blocks = len(ids) // block_tokens + 1
     table = list(range(n_blocks))
-    pools = [torch.zeros(kv_pool_shape(m.config, n_blocks, block_tokens), dtype=m.dtype)
-             for m in (reference, candidate)]
+    pools = [torch.zeros(kv_pool_shape(m.config, n_blocks, block_tokens), dtype=dtype or m.dtype)
+             for m, dtype in ((reference, None), (candidate, candidate_kv_dtype))]
     agree = 0
     nll = [0.0, 0.0]
     kl = 0.0
@@ -98,6 +100,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="the candidate reads the text one decode step per token (as output tokens are made)")
     ap.add_argument("--engine-prefill", action="store_true",
                     help="the candidate prefills on its float32 copies (the engine with --no-prefill-low-bit)")
+    ap.add_argument("--kv-cache-dtype", default="float32", choices=("float32", "float16"),
+                    help="the candidate's KV cache (the reference's: float32); the engine's default with weights "
+                         "auto on CPU is float16")
     ap.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (0 = all)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--json", action="store_true")
@@ -116,8 +121,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.engine_prefill:   # every forward on the low-bit kernels: the numerics of a decode step
         candidate.dense_min_tokens = candidate.head_dense_min_rows = 1 << 30
         candidate.prefill_head_dense = False
-    res = compare(reference, candidate, ids, args.chunk, candidate_by_decode=args.decode_steps)
-    res.update(candidate_mode=candidate.weights_mode, reference_weight_bytes=reference.weight_bytes(),
+    res = compare(reference, candidate, ids, args.chunk, candidate_by_decode=args.decode_steps,
+                  candidate_kv_dtype=getattr(torch, args.kv_cache_dtype))
+    mode = candidate.weights_mode + ("" if args.kv_cache_dtype == "float32" else f"+{args.kv_cache_dtype} KV")
+    res.update(candidate_mode=mode, reference_weight_bytes=reference.weight_bytes(),
                candidate_weight_bytes=candidate.weight_bytes(), load_average=os.getloadavg()[0],
                text=Path(args.text).name)
     print(f"# bench_quality {time.strftime('%Y-%m-%d %H:%M:%S')} host {os.uname().nodename}, {os.cpu_count()} CPUs, "

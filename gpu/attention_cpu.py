@@ -23,6 +23,11 @@ functions say ``fastmath=False`` so that a fastmath caller's flags do not reach 
 at the same position differ in the last bits (their scores sum in other orders), as prefill's float32 GEMMs and
 decode's int8 GEMVs already do. Head dims must be a multiple of 16 (:func:`supported`); ``gpu.model`` attends
 with SDPA per row otherwise, and ``decode_layers`` with ``lowbit_cpu._attend``.
+
+The pool is float32 or float16 (``kv_cache_dtype``; numba has no CPU float16, so its bits travel as uint16): a
+float16 K/V row is widened exactly as it loads (:func:`to_f32`, ``fpext`` in the vector loads), so every sum
+above runs in float32 on the same values whatever the rows beside it; :func:`from_f32` rounds a new K/V to the
+pool's type (nearest even, as torch's ``.to(torch.float16)``).
 """
 from __future__ import annotations
 
@@ -32,12 +37,13 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-__all__ = ["KEYS", "QUERIES", "attend_rows", "attend_decode_row", "supported"]
+__all__ = ["KEYS", "QUERIES", "attend_rows", "attend_decode_row", "from_f32", "supported", "to_f32"]
 
 KEYS = 16      # keys per tile = vector lanes
 QUERIES = 4    # queries sharing one pass over a tile (independent FMA chains)
-_F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+_F32, _I32, _I64, _F16 = ir.FloatType(), ir.IntType(32), ir.IntType(64), ir.HalfType()
 _VF = ir.VectorType(_F32, KEYS)
+_VH = ir.VectorType(_F16, KEYS)
 
 
 def _splat(builder, value, vector_type):
@@ -60,6 +66,40 @@ def _fma(builder):
 
 def _at(builder, addr, offset, pointee):
     return builder.inttoptr(builder.add(addr, offset), pointee.as_pointer())
+
+
+def _load_kv(builder, ptr_int, half):
+    """16 float32 lanes of a K/V row at address ``ptr_int``: float32 as they are, or float16 widened (exact;
+    ``vcvtph2ps`` where the CPU has F16C)."""
+    if not half:
+        return builder.load(builder.inttoptr(ptr_int, _VF.as_pointer()), align=4)
+    return builder.fpext(builder.load(builder.inttoptr(ptr_int, _VH.as_pointer()), align=2), _VF)
+
+
+@intrinsic
+def to_f32(typingctx, x):
+    """A K/V element as float32: a float16 carried as uint16 (the pool's float16 bits) widened exactly, a float32
+    as it is."""
+    if isinstance(x, types.Integer) and x.bitwidth == 16:
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], _F16), _F32)
+        return types.float32(x), codegen
+    if x == types.float32:
+        return types.float32(x), lambda context, builder, signature, args: args[0]
+    return None
+
+
+@intrinsic
+def from_f32(typingctx, x, like):
+    """float32 ``x`` stored as an element of ``like``'s type: float16 bits (uint16; rounded to nearest even, as
+    torch's and numpy's casts) or the float32 itself."""
+    if isinstance(like, types.Integer) and like.bitwidth == 16 and x == types.float32:
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(builder.fptrunc(args[0], _F16), ir.IntType(16))
+        return like(x, like), codegen
+    if like == types.float32 and x == types.float32:
+        return types.float32(x, like), lambda context, builder, signature, args: args[0]
+    return None
 
 
 def _lanes(values):
@@ -121,28 +161,37 @@ def _scores(typingctx, q0, q1, q2, q3, kt, dims, scale, o0, o1, o2, o3):
     return sig, codegen
 
 
-@intrinsic
-def _weighted_values(typingctx, w0, w1, w2, w3, slots, n, v_addr, slot_bytes, o0, o1, o2, o3):
-    """o_n[0:16] = sum_j w_n[j] v(slots[j]) for j = 0..n-1 in order (one FMA chain per lane) for four weight rows
-    (float32 [n]); v(s) = the 16 float32 at ``v_addr + s * slot_bytes``; slots int64 [n]."""
-    sig = types.void(*([types.intp] * 12))
+def _weighted_values_for(half: bool):
+    """:func:`_weighted_values` over a float32 (``half`` False) or float16 V pool."""
 
-    def codegen(context, builder, signature, args):
-        weights, sa, n, va, stride, outs = args[:4], args[4], args[5], args[6], args[7], args[8:]
-        fma = _fma(builder)
-        accs = [cgutils.alloca_once_value(builder, _lanes([0.0] * KEYS)) for _ in weights]
-        with cgutils.for_range(builder, n) as loop:
-            j = loop.index
-            slot = builder.load(_at(builder, sa, builder.mul(j, ir.Constant(_I64, 8)), _I64), align=8)
-            v = builder.load(_at(builder, va, builder.mul(slot, stride), _VF), align=4)
-            for wa, acc in zip(weights, accs):
-                w = builder.load(_at(builder, wa, builder.mul(j, ir.Constant(_I64, 4)), _F32), align=4)
-                builder.store(builder.call(fma, [_splat(builder, w, _VF), v, builder.load(acc)]), acc)
-        for oa, acc in zip(outs, accs):
-            builder.store(builder.load(acc), builder.inttoptr(oa, _VF.as_pointer()), align=4)
-        return context.get_dummy_value()
+    @intrinsic
+    def weighted_values(typingctx, w0, w1, w2, w3, slots, n, v_addr, slot_bytes, o0, o1, o2, o3):
+        sig = types.void(*([types.intp] * 12))
 
-    return sig, codegen
+        def codegen(context, builder, signature, args):
+            weights, sa, n, va, stride, outs = args[:4], args[4], args[5], args[6], args[7], args[8:]
+            fma = _fma(builder)
+            accs = [cgutils.alloca_once_value(builder, _lanes([0.0] * KEYS)) for _ in weights]
+            with cgutils.for_range(builder, n) as loop:
+                j = loop.index
+                slot = builder.load(_at(builder, sa, builder.mul(j, ir.Constant(_I64, 8)), _I64), align=8)
+                v = _load_kv(builder, builder.add(va, builder.mul(slot, stride)), half)
+                for wa, acc in zip(weights, accs):
+                    w = builder.load(_at(builder, wa, builder.mul(j, ir.Constant(_I64, 4)), _F32), align=4)
+                    builder.store(builder.call(fma, [_splat(builder, w, _VF), v, builder.load(acc)]), acc)
+            for oa, acc in zip(outs, accs):
+                builder.store(builder.load(acc), builder.inttoptr(oa, _VF.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return weighted_values
+
+
+# o_n[0:16] = sum_j w_n[j] v(slots[j]) for j = 0..n-1 in order (one FMA chain per lane) for four weight rows
+# (float32 [n]); v(s) = the 16 K/V elements (float32, or float16 widened) at ``v_addr + s * slot_bytes``; slots
+# int64 [n]
+_weighted_values, _weighted_values_h = _weighted_values_for(False), _weighted_values_for(True)
 
 
 def _pair_sums(builder, x, y, width):
@@ -155,35 +204,46 @@ def _pair_sums(builder, x, y, width):
     return builder.fadd(builder.shuffle_vector(x, y, idx_lo), builder.shuffle_vector(x, y, idx_hi))
 
 
-@intrinsic
-def _dot_keys(typingctx, q, k_addr, slots, slot_bytes, chunks, scale, o):
-    """o[0:KEYS] = (q . k(slots[j])) * scale for the KEYS keys of one tile, k(s) = the float32 [16 chunks] at
-    ``k_addr + s * slot_bytes``, q float32 [16 chunks]: per key, lane l sums q[16 c + l] k[16 c + l] over c in
-    order (an FMA chain), then its 16 lanes add in a fixed tree (:func:`_pair_sums`, keys paired in order)."""
-    sig = types.void(*([types.intp] * 5), types.float32, types.intp)
+def _dot_keys_for(half: bool):
+    """:func:`_dot_keys` over a float32 (``half`` False) or float16 K pool."""
 
-    def codegen(context, builder, signature, args):
-        qa, ka, sa, stride, chunks, scale, oa = args
-        fma = _fma(builder)
-        rows = [builder.add(ka, builder.mul(builder.load(_at(builder, sa, ir.Constant(_I64, 8 * key), _I64), align=8),
-                                            stride)) for key in range(KEYS)]
-        accs = [cgutils.alloca_once_value(builder, _lanes([0.0] * KEYS)) for _ in range(KEYS)]
-        with cgutils.for_range(builder, chunks) as loop:   # the chunks outside: KEYS independent FMA chains
-            off = builder.mul(loop.index, ir.Constant(_I64, 64))
-            x = builder.load(_at(builder, qa, off, _VF), align=4)
-            for row, acc in zip(rows, accs):
-                k = builder.load(_at(builder, row, off, _VF), align=4)
-                builder.store(builder.call(fma, [x, k, builder.load(acc)]), acc)
-        partials = [builder.load(acc) for acc in accs]
-        width = KEYS
-        while len(partials) > 1:
-            partials = [_pair_sums(builder, partials[i], partials[i + 1], width) for i in range(0, len(partials), 2)]
-            width //= 2
-        builder.store(builder.fmul(partials[0], _splat(builder, scale, _VF)), builder.inttoptr(oa, _VF.as_pointer()),
-                      align=4)
-        return context.get_dummy_value()
+    @intrinsic
+    def dot_keys(typingctx, q, k_addr, slots, slot_bytes, chunks, scale, o):
+        sig = types.void(*([types.intp] * 5), types.float32, types.intp)
 
-    return sig, codegen
+        def codegen(context, builder, signature, args):
+            qa, ka, sa, stride, chunks, scale, oa = args
+            fma = _fma(builder)
+            rows = [builder.add(ka, builder.mul(builder.load(_at(builder, sa, ir.Constant(_I64, 8 * key), _I64),
+                                                             align=8), stride)) for key in range(KEYS)]
+            accs = [cgutils.alloca_once_value(builder, _lanes([0.0] * KEYS)) for _ in range(KEYS)]
+            elem = 2 if half else 4
+            with cgutils.for_range(builder, chunks) as loop:   # the chunks outside: KEYS independent FMA chains
+                x = builder.load(_at(builder, qa, builder.mul(loop.index, ir.Constant(_I64, 64)), _VF), align=4)
+                off = builder.mul(loop.index, ir.Constant(_I64, 16 * elem))
+                for row, acc in zip(rows, accs):
+                    k = _load_kv(builder, builder.add(row, off), half)
+                    builder.store(builder.call(fma, [x, k, builder.load(acc)]), acc)
+            partials = [builder.load(acc) for acc in accs]
+            width = KEYS
+            while len(partials) > 1:
+                partials = [_pair_sums(builder, partials[i], partials[i + 1], width)
+                            for i in range(0, len(partials), 2)]
+                width //= 2
+            builder.store(builder.fmul(partials[0], _splat(builder, scale, _VF)),
+                          builder.inttoptr(oa, _VF.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dot_keys
+
+
+# o[0:KEYS] = (q . k(slots[j])) * scale for the KEYS keys of one tile, k(s) = the [16 chunks] K elements (float32,
+# or float16 widened) at ``k_addr + s * slot_bytes``, q float32 [16 chunks]: per key, lane l sums q[16 c + l]
+# k[16 c + l] over c in order (an FMA chain), then its 16 lanes add in a fixed tree (:func:`_pair_sums`, keys
+# paired in order)
+_dot_keys, _dot_keys_h = _dot_keys_for(False), _dot_keys_for(True)
 
 
 @intrinsic
@@ -241,11 +301,16 @@ def _tile_slots(table, block_tokens, base, n, last, slots):
 @numba.njit(nogil=True, cache=True, fastmath=False)
 def _values(w0, w1, w2, w3, slots, n, pool_v, kvh, acc):
     """acc[m, :] = sum_j w_m[j] V[slots[j], kvh, :] over j < n (``_weighted_values`` 16 dims at a time) for the
-    four weight rows at addresses w0..w3."""
+    four weight rows at addresses w0..w3; pool_v float32, or float16 bits (uint16)."""
     for c in range(0, acc.shape[1], 16):
-        _weighted_values(w0, w1, w2, w3, slots, n, pool_v[0, kvh, c:].ctypes.data, pool_v.strides[0],
-                         acc[0, c:].ctypes.data, acc[1, c:].ctypes.data, acc[2, c:].ctypes.data,
-                         acc[3, c:].ctypes.data)
+        if pool_v.itemsize == 2:
+            _weighted_values_h(w0, w1, w2, w3, slots, n, pool_v[0, kvh, c:].ctypes.data, pool_v.strides[0],
+                               acc[0, c:].ctypes.data, acc[1, c:].ctypes.data, acc[2, c:].ctypes.data,
+                               acc[3, c:].ctypes.data)
+        else:
+            _weighted_values(w0, w1, w2, w3, slots, n, pool_v[0, kvh, c:].ctypes.data, pool_v.strides[0],
+                             acc[0, c:].ctypes.data, acc[1, c:].ctypes.data, acc[2, c:].ctypes.data,
+                             acc[3, c:].ctypes.data)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)
@@ -269,7 +334,7 @@ def _run(q, pool_k, pool_v, table, block_tokens, positions, window, attn_scale, 
             for lane in range(KEYS):
                 key = pool_k[slots[t * KEYS + lane], kvh]
                 for d in range(D):
-                    kt[t, d, lane] = key[d]
+                    kt[t, d, lane] = to_f32(key[d])
         for k0 in range(0, n_queries, QUERIES):
             ks = (k0, min(k0 + 1, n_queries - 1), min(k0 + 2, n_queries - 1), min(k0 + 3, n_queries - 1))
             q_lo, q_hi = hi, np.int64(0)
@@ -300,7 +365,8 @@ def _run(q, pool_k, pool_v, table, block_tokens, positions, window, attn_scale, 
 @numba.njit(nogil=True, cache=True, fastmath=False)
 def attend_rows(q, pool_k, pool_v, tables, block_tokens, seq, positions, window, attn_scale, out):
     """Causal attention of a prefill's rows over the pool, each query on its own (module docstring): out float32
-    [N, H, D] for q float32 [N, H, D] (C-contiguous); pool_k, pool_v float32 [slots, Hkv, D] (the rows' own K/V
+    [N, H, D] for q float32 [N, H, D] (C-contiguous); pool_k, pool_v [slots, Hkv, D], float32 or float16 bits
+    (uint16; :func:`to_f32` widens them exactly, so a float16 pool attends as its float32 image) (the rows' own K/V
     already written; slot = block * block_tokens + offset; a slot's [Hkv, D] contiguous); tables int64 [B,
     blocks] (padded); seq int64 [N] the row's sequence; positions int64 [N] its position p: it attends over its
     sequence's keys 0..p, or with ``window`` > 0 over p - window < j <= p; attn_scale float32. H a multiple of
@@ -330,7 +396,8 @@ def attend_rows(q, pool_k, pool_v, tables, block_tokens, seq, positions, window,
 @numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: a fastmath caller must not lend its flags
 def attend_decode_row(q, pool_k, pool_v, table, block_tokens, first, length, attn_scale, out):
     """out [H, D] = softmax(q K^T * attn_scale) V over keys ``first .. length - 1`` of one sequence, for a decode
-    step's row: q float32 [H, D] (H a multiple of Hkv, D of 16); pool_k, pool_v float32 [slots, Hkv, D]; table
+    step's row: q float32 [H, D] (H a multiple of Hkv, D of 16); pool_k, pool_v [slots, Hkv, D], float32 or
+    float16 bits (uint16), as in :func:`attend_rows`; table
     its block ids. Per KV head, each query head's scores run :func:`_dot_keys` over tiles of KEYS keys (aligned
     at position 0), then :func:`_softmax_weights` and :func:`_values` as in :func:`attend_rows`: every sum's
     order is fixed by ``first`` and ``length`` alone."""
@@ -353,8 +420,12 @@ def attend_decode_row(q, pool_k, pool_v, table, block_tokens, first, length, att
             for m in range(heads):
                 qa = q[kvh * group + h0 + m].ctypes.data
                 for t in range(n_tiles):
-                    _dot_keys(qa, pool_k[0, kvh].ctypes.data, slots[t * KEYS:].ctypes.data, pool_k.strides[0],
-                              D // 16, scale, sc[m, t * KEYS:].ctypes.data)
+                    if pool_k.itemsize == 2:
+                        _dot_keys_h(qa, pool_k[0, kvh].ctypes.data, slots[t * KEYS:].ctypes.data,
+                                    pool_k.strides[0], D // 16, scale, sc[m, t * KEYS:].ctypes.data)
+                    else:
+                        _dot_keys(qa, pool_k[0, kvh].ctypes.data, slots[t * KEYS:].ctypes.data, pool_k.strides[0],
+                                  D // 16, scale, sc[m, t * KEYS:].ctypes.data)
                 totals[m] = _softmax_weights(sc[m].ctypes.data, w[m].ctypes.data, n_tiles, base, first, length - 1)
             _values(w[0].ctypes.data, w[min(1, heads - 1)].ctypes.data, w[min(2, heads - 1)].ctypes.data,
                     w[min(3, heads - 1)].ctypes.data, slots.ctypes.data, n_tiles * KEYS, pool_v, kvh, acc)

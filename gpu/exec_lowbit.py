@@ -19,7 +19,16 @@ import torch.nn.functional as F
 from .exec_torch import DecodeStep, TorchExecutor
 from .quant import QuantLinear
 
-__all__ = ["LowbitExecutor"]
+__all__ = ["KERNEL_KV_DTYPES", "LowbitExecutor", "numba_view"]
+
+KERNEL_KV_DTYPES = (torch.float32, torch.float16)   # the KV pools attention_cpu and decode_layers read
+
+
+def numba_view(pool: torch.Tensor) -> np.ndarray:
+    """``pool`` (float32 or float16, CPU) as the array numba takes: float32 as it is, float16 as its bits (uint16;
+    numba has no CPU float16, gpu/attention_cpu.py widens them). No copy."""
+    array = pool.numpy()
+    return array.view(np.uint16) if array.dtype == np.float16 else array
 
 
 class LowbitExecutor(TorchExecutor):
@@ -71,23 +80,24 @@ class LowbitExecutor(TorchExecutor):
     def decode(self, kv: torch.Tensor, token_ids: list[int], positions: list[int],
                block_tables: list[list[int]]) -> torch.Tensor:
         """``gpu.model.LlamaModel.decode``: through ``lowbit_cpu.decode_layers`` (every layer in one numba call)
-        below ``decode_stacked_max_rows`` rows over a float32 pool where the layers are Llama's, else op by op."""
+        below ``decode_stacked_max_rows`` rows over a float32 or float16 pool where the layers are Llama's, else op
+        by op."""
         m = self.m
         padded, w_blk = m._decode_tables(kv, token_ids, positions, block_tables)
-        if len(token_ids) < m.decode_stacked_max_rows and kv.dtype == torch.float32 and (
+        if len(token_ids) < m.decode_stacked_max_rows and kv.dtype in KERNEL_KV_DTYPES and (
                 stacked := self.stack_layers()):
             return self.decode_stacked(kv, token_ids, positions, padded, stacked)
         return self.decode_layers(kv, token_ids, self.decode_step(kv, positions, padded, w_blk))
 
     def attention_plan(self, kv: torch.Tensor, seqs: list[tuple], w_slot: torch.Tensor, pos: torch.Tensor,
                     tables: list[list[int]]) -> tuple:
-        """What :meth:`attend_rows` needs of a packed prefill: for ``attention_cpu.attend_rows`` (a float32 pool,
-        no soft-capping, a head dim it supports) the block tables int64 ``[B, blocks]`` (padded with their first
+        """What :meth:`attend_rows` needs of a packed prefill: for ``attention_cpu.attend_rows`` (a float32 or float16
+        pool, no soft-capping, a head dim it supports) the block tables int64 ``[B, blocks]`` (padded with their first
         block), each row's sequence and position int64 ``[N]`` and the pool's block size; else every sequence's
         context slots ``[S_b]`` for the per-token SDPA loop."""
         from . import attention_cpu  # noqa: PLC0415  (numba: only a native model's process imports it)
 
-        if (kv.dtype == torch.float32 and self.m.dtype == torch.float32 and self.m.config.attn_softcap is None
+        if (kv.dtype in KERNEL_KV_DTYPES and self.m.dtype == torch.float32 and self.m.config.attn_softcap is None
                 and attention_cpu.supported(kv.shape[-1])):
             width = max(len(t) for t in tables)
             padded = np.asarray([t + [t[0]] * (width - len(t)) for t in tables], np.int64)
@@ -107,8 +117,8 @@ class LowbitExecutor(TorchExecutor):
 
             _, tables, seq, pos, block_tokens = rows_at
             out = np.empty(q.shape, np.float32)
-            attention_cpu.attend_rows(q.contiguous().numpy(), k_pool.numpy(), v_pool.numpy(), tables, block_tokens,
-                                      seq, pos, window, np.float32(self.m._scale), out)
+            attention_cpu.attend_rows(q.contiguous().numpy(), numba_view(k_pool), numba_view(v_pool), tables,
+                                      block_tokens, seq, pos, window, np.float32(self.m._scale), out)
             return torch.from_numpy(out).view(N, -1)
         _, seq_slots, seqs, pos = rows_at
         return torch.cat([self.attend_row(q[i:i + 1], k_pool, v_pool, slots[:p + 1], window)
@@ -166,7 +176,7 @@ class LowbitExecutor(TorchExecutor):
         from .lowbit_cpu import decode_layers, threads  # noqa: PLC0415
         c = self.m.config
         x = self.m._embed(torch.tensor(token_ids, dtype=torch.long))  # [B, hidden], fresh: updated in place
-        decode_layers(x.numpy(), *stacked, self.m._flat_pool(kv).numpy(), kv.shape[3], np.asarray(padded, np.int64),
+        decode_layers(x.numpy(), *stacked, numba_view(self.m._flat_pool(kv)), kv.shape[3], np.asarray(padded, np.int64),
                       np.asarray(positions, np.int64), self.m._cos.numpy(), self.m._sin.numpy(), c.num_heads,
                       c.intermediate_size, c.rms_norm_eps, self.m._scale, threads() > 1)
         x = F.rms_norm(x, (c.hidden_size,), self.m.norm, c.rms_norm_eps)

@@ -38,7 +38,7 @@ from llvmlite import binding as llvm
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
-from .attention_cpu import _splat, attend_decode_row
+from .attention_cpu import _splat, attend_decode_row, from_f32, to_f32
 
 __all__ = ["TILE_ROWS", "q4_tiles", "q8_tiles", "q4_linear", "q8_linear", "q8_rows", "decode_layers",
            "set_threads", "threads"]
@@ -285,7 +285,8 @@ def _rope_row(v, cos, sin):
 @numba.njit(nogil=True, cache=True, fastmath=True)
 def _attend(q, pool_k, pool_v, table, block_tokens, first, length, attn_scale, scores, out):
     """out [H, D] = softmax(q K^T * attn_scale) V over keys ``first .. length - 1`` of one sequence; q [H, D];
-    pool_k, pool_v [slots, Hkv, D]; table: the sequence's block ids; heads share K/V in groups of H / Hkv.
+    pool_k, pool_v [slots, Hkv, D] (float32, or float16 bits as uint16); table: the sequence's block ids; heads
+    share K/V in groups of H / Hkv.
     The sums run in an order fixed by ``first`` and ``length`` alone: a row's result depends on its own query
     and keys only (a decode step's row whose head dim ``attention_cpu.attend_decode_row`` does not take)."""
     group = q.shape[0] // pool_k.shape[1]
@@ -303,7 +304,7 @@ def _attend(q, pool_k, pool_v, table, block_tokens, first, length, attn_scale, s
             slot = slots[s]
             dot = np.float32(0.0)
             for i in range(q.shape[1]):
-                dot += q[h, i] * pool_k[slot, kvh, i]
+                dot += q[h, i] * to_f32(pool_k[slot, kvh, i])
             scores[s] = dot * attn_scale
             top = max(top, scores[s])
         total = np.float32(0.0)
@@ -316,7 +317,7 @@ def _attend(q, pool_k, pool_v, table, block_tokens, first, length, attn_scale, s
             slot = slots[s]
             p = scores[s] / total
             for i in range(q.shape[1]):
-                out[h, i] += p * pool_v[slot, kvh, i]
+                out[h, i] += p * to_f32(pool_v[slot, kvh, i])
 
 
 @numba.njit(nogil=True, cache=True, fastmath=True)
@@ -334,8 +335,10 @@ def _row_attention(b, y_qkv, pool, tables, positions, cos, sin, n_heads, block_t
     for hh in range(n_rope):
         _rope_row(heads[hh], cos[p], sin[p])
     slot = tables[b, p // block_tokens] * block_tokens + p % block_tokens
-    pool[0, slot] = heads[n_heads:n_rope]
-    pool[1, slot] = heads[n_rope:]
+    for hh in range(Hkv):   # rounded to the pool's type (float16: nearest even, as the prefill's torch writes)
+        for i in range(D):
+            pool[0, slot, hh, i] = from_f32(heads[n_heads + hh, i], pool[0, slot, hh, i])
+            pool[1, slot, hh, i] = from_f32(heads[n_rope + hh, i], pool[1, slot, hh, i])
     if D % 16 == 0:   # attention_cpu.supported
         attend_decode_row(heads[:n_heads], pool[0], pool[1], tables[b], block_tokens, 0, p + 1, attn_scale, head_out)
     else:
@@ -372,8 +375,8 @@ def decode_layers(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_tokens,
     x: float32 [B, hidden] (the new tokens' embeddings in, the last layer's output out); ln_attn, ln_mlp:
     [L, hidden]; qkv, o, gate_up, down: (tiles, scales, mins) of every layer stacked, [L, ...] each (fused
     Q/K/V rows, then gate rows 0..inter-1 and up rows), each role in Q4 tiles or in Q8h tiles (a K-quant file's
-    mix: Q4_K on the Q4 tiles, Q6_K/Q5_K/Q5_0 on Q8h; numba compiles one form per mix); pool: float32 [L, 2,
-    slots, Hkv, D] (slot = block * block_tokens + offset); tables: int64 [B, blocks] (padded); positions: int64
+    mix: Q4_K on the Q4 tiles, Q6_K/Q5_K/Q5_0 on Q8h; numba compiles one form per mix); pool: [L, 2, slots,
+    Hkv, D], float32 or float16 bits (uint16; ``kv_cache_dtype``) (slot = block * block_tokens + offset); tables: int64 [B, blocks] (padded); positions: int64
     [B] (the new token's = keys already cached); cos, sin: float32 [positions, D] (``LlamaModel._ensure_rope``'s
     tables); parallel: the GEMVs' tiles and the rows' attention over numba's threads (``set_threads``; the same
     bits). Each row's new K/V are written at its position before it attends over positions 0..its own. Nothing is

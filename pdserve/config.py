@@ -170,7 +170,15 @@ class EngineConfig:
                                    "~/.cache/pdserve/autotune.json")
     # KV cache and batching
     kv_block_tokens: int = _setting(16, "tokens per KV block (page)", _positive, "> 0")
-    kv_pool_tokens: int = _setting(8192, "tokens each actor's KV pool holds", _positive, "> 0")
+    kv_pool_tokens: int = _setting(0, "tokens each actor's KV pool holds; 0 = auto: twice the model's context, "
+                                   "capped so that the node's pools take at most a quarter of the memory available "
+                                   "at start-up (the chosen size is logged; pdserve.kv_budget.auto_pool_tokens)",
+                                   _non_negative, ">= 0")
+    kv_cache_dtype: str = _setting("auto", "element type of the KV cache: auto = float16 with weights auto on CPU "
+                                   "(half the bytes a decode step reads and a handoff moves; the native path is not "
+                                   "HF-exact anyway), else float32 (weights float32 equals HF token for token; the "
+                                   "CUDA kernels read float32); float16 = on CPU whatever the weights",
+                                   choices=("auto", "float32", "float16"))
     max_model_len: int = _setting(0, "longest prompt + output in tokens; 0 = min(model context, pool)",
                                   _non_negative, ">= 0")
     prefix_cache: bool = _setting(True, "keep full blocks of prompt KV in the prefill pool after a request ends and "
@@ -404,6 +412,15 @@ def load_config(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] |
     return LoadedConfig(config, sources)
 
 
+def kv_cache_dtype(config: EngineConfig) -> str:
+    """The KV cache's element type, ``"float16"`` or ``"float32"``: ``kv_cache_dtype`` resolved (``auto`` =
+    float16 for weights auto on CPU, the native low-bit path; float32 otherwise: the HF-exact float32 weights and
+    the CUDA kernels)."""
+    if config.kv_cache_dtype != "auto":
+        return config.kv_cache_dtype
+    return "float16" if config.device == "cpu" and config.weights == "auto" else "float32"
+
+
 def _check_device_path(config: EngineConfig) -> None:
     """Raises ConfigError for a KV transport or attention backend the device cannot run: cuda-ipc needs device
     cuda, device cuda keeps KV in GPU memory (cuda-ipc), numba attention runs on cuda. Whether this host has the
@@ -415,6 +432,9 @@ def _check_device_path(config: EngineConfig) -> None:
         raise ConfigError(f"config field kv_transport={config.kv_transport!r}: device=cuda keeps each actor's KV pool "
                           f"in GPU memory, which only cuda-ipc moves (across hosts: not wired yet); use cuda-ipc",
                           param="kv_transport")
+    if config.kv_cache_dtype == "float16" and config.device == "cuda":
+        raise ConfigError("config field kv_cache_dtype='float16': the CUDA path's kernels read a float32 KV cache; "
+                          "use auto or float32 on device=cuda", param="kv_cache_dtype")
     if config.attention_backend != "torch" and config.device != "cuda":
         raise ConfigError(f"config field attention_backend={config.attention_backend!r} needs device=cuda "
                           f"(device={config.device!r}): the numba kernels run on a GPU; use torch",

@@ -1,10 +1,18 @@
-"""The KV reservation formula, written once: what a sequence reserves in a decode pool.
+"""The KV reservation formula, written once: what a sequence reserves in a decode pool; and the pools' size.
 
-| name         | what                                                                   |
-|--------------|------------------------------------------------------------------------|
-| `blocks_for` | blocks for prompt + max_tokens tokens (api/admission.py, api/protocol.py, actors/decode_core.py) |
+| name               | what                                                                   |
+|--------------------|------------------------------------------------------------------------|
+| `blocks_for`       | blocks for prompt + max_tokens tokens (api/admission.py, api/protocol.py, actors/decode_core.py) |
+| `token_bytes`      | bytes one token's K and V take in every layer                                        |
+| `auto_pool_tokens` | `kv_pool_tokens=0` (the default): tokens per pool from the model's context and the machine's memory |
+| `memory_available` | MemAvailable and /dev/shm's free bytes, read once at start-up                          |
 """
 from __future__ import annotations
+
+import os
+
+CONTEXTS_PER_POOL = 2       # auto: a pool holds this many full contexts (two long conversations stay cached)
+MEMORY_SHARE = 0.25         # auto: all of a node's pools together take at most this share of available memory
 
 
 def blocks_for(prompt_tokens: int, max_tokens: int, block_tokens: int) -> int:
@@ -13,3 +21,41 @@ def blocks_for(prompt_tokens: int, max_tokens: int, block_tokens: int) -> int:
     if block_tokens <= 0:
         raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
     return -(-(prompt_tokens + max_tokens) // block_tokens)
+
+
+def token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
+    """Bytes of KV one token takes: ``num_layers * 2 (K and V) * num_kv_heads * head_dim * elem_bytes``."""
+    return num_layers * 2 * num_kv_heads * head_dim * elem_bytes
+
+
+def auto_pool_tokens(context_tokens: int, bytes_per_token: int, pools: int, available_bytes: int,
+                     block_tokens: int) -> tuple[int, str]:
+    """Tokens per KV pool for ``kv_pool_tokens=0``: :data:`CONTEXTS_PER_POOL` times the model's context, capped so
+    that the ``pools`` pools of this node take at most :data:`MEMORY_SHARE` of ``available_bytes`` (the pools are
+    shared memory, allocated in full at start-up), in whole blocks of ``block_tokens``, at least one block.
+    Returns (tokens, a line saying which bound chose them). Raises ValueError for a non-positive argument."""
+    if min(context_tokens, bytes_per_token, pools, block_tokens) <= 0 or available_bytes < 0:
+        raise ValueError(f"auto_pool_tokens({context_tokens}, {bytes_per_token}, {pools}, {available_bytes}, "
+                         f"{block_tokens}): every argument must be > 0")
+    want = CONTEXTS_PER_POOL * context_tokens
+    cap = int(available_bytes * MEMORY_SHARE) // (pools * bytes_per_token)
+    tokens = max(block_tokens, min(want, cap) // block_tokens * block_tokens)
+    why = (f"{CONTEXTS_PER_POOL} x the model's {context_tokens}-token context" if want <= cap else
+           f"capped at {MEMORY_SHARE:.0%} of {available_bytes / 2**30:.1f} GiB available over {pools} pools "
+           f"(the model's context: {context_tokens} tokens)")
+    return tokens, why
+
+
+def memory_available() -> int:
+    """Bytes the pools may take: the smaller of /proc/meminfo's MemAvailable and /dev/shm's free space (where the
+    pools live); MemAvailable alone where /dev/shm is absent, free pages times page size without /proc."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        st = os.statvfs("/dev/shm")
+        return min(avail, st.f_bavail * st.f_frsize)
+    except OSError:
+        return avail

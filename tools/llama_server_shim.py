@@ -8,7 +8,7 @@ others are dropped, and the process execs ``pdserve serve`` so the suite's SIGTE
     tools/llama_suite.sh test_tokenize test_embedding                                     # the same, logged
 
 Mapped: ``--host``, ``--port``, ``--api-key``, ``--alias`` (served model name), ``--ctx-size``/``-c`` (max model
-length; the KV pool grows to hold it), ``--parallel``/``-np`` (max decode batch), ``--pooling last|mean``,
+length; the KV pools size themselves, kv_pool_tokens=0), ``--parallel``/``-np`` (max decode batch), ``--pooling last|mean``,
 ``--cors-origins`` (allowed origins), ``--chat-template-file``, ``--reasoning-format none`` (no reasoning split).
 Every request's ``model`` is accepted, as llama-server serving one model does (``--served-model-name ALIAS,*``).
 No-ops: ``--embedding(s)`` (pdserve always serves embeddings), ``--jinja``/``--no-jinja`` (templates are always
@@ -36,7 +36,6 @@ VALUE_MAP = {"--host": "--host", "--port": "--port", "--api-key": "--api-key", "
              "--chat-template-file": "--chat-template"}
 CTX = {"--ctx-size", "-c"}
 PARALLEL = {"--parallel", "-np"}
-DEFAULT_POOL_TOKENS = 8192   # pdserve's kv_pool_tokens default
 
 
 def translate(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -62,7 +61,7 @@ def translate(argv: list[str]) -> tuple[list[str], list[str]]:
         elif flag == "--alias" and value:
             alias = value
         elif flag in CTX and value and value.isdigit() and int(value) > 0:
-            out += ["--max-model-len", value, "--kv-pool-tokens", str(max(int(value), DEFAULT_POOL_TOKENS))]
+            out += ["--max-model-len", value]   # the pools size themselves (kv_pool_tokens=0: twice the context)
         elif flag in PARALLEL and value and value.isdigit() and int(value) > 0:
             out += ["--max-num-seqs", value]
         elif flag == "--pooling" and value in ("last", "mean"):

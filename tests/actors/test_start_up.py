@@ -49,3 +49,42 @@ def test_resolved_values_have_names_of_their_own_and_the_config_keeps_what_was_g
     assert 0 < layout.http_port <= 65535
     actor = HeartbeatMonitor(layout)
     assert (actor.idle_wait_s, actor.queue_put_timeout_s) == (0.2, 3.0)
+
+
+def test_the_kv_cache_is_float16_for_the_native_path_on_cpu_and_float32_where_answers_must_equal_hf():
+    """``kv_cache_dtype=auto``: float16 with weights auto on CPU (the native low-bit path), float32 with float32
+    weights (the HF-exact path); given explicitly, as given; float16 on cuda is refused by name."""
+    from pdserve.config import kv_cache_dtype
+
+    assert plan_layout(load_config({"port": "0"}, {}), "e1").kv_dtype == "float16"
+    assert plan_layout(load_config({"port": "0", "weights": "float32"}, {}), "e1").kv_dtype == "float32"
+    assert plan_layout(load_config({"port": "0", "kv_cache_dtype": "float32"}, {}), "e1").kv_dtype == "float32"
+    assert kv_cache_dtype(load_config({"weights": "bfloat16", "kv_cache_dtype": "float16"}, {}).config) == "float16"
+    with pytest.raises(ConfigError) as info:
+        load_config({"device": "cuda", "kv_cache_dtype": "float16"}, {})
+    assert info.value.param == "kv_cache_dtype" and "float32" in str(info.value)
+
+
+def test_the_default_pool_holds_two_contexts_unless_memory_is_short_and_says_which(monkeypatch):
+    """``kv_pool_tokens=0`` (the default): twice the model's context per pool; on a machine whose available
+    memory cannot take that in a quarter, the quarter over the node's pools, in whole blocks; the layout's note
+    names the bound. A given size is kept as given."""
+    from actors import supervisor
+    from pdserve import kv_budget
+
+    layout = plan_layout(load_config({"port": "0"}, {}), "e1")
+    assert layout.kv_blocks_per_pool * 16 == 2 * layout.shape.context_length == 16384
+    assert "2 x the model's 8192-token context" in layout.kv_pool_note
+    # SmolLM2 in float16: 30 layers * 2 * 3 heads * 64 * 2 bytes = 23,040 bytes a token; 4 GiB available over 2
+    # pools: a quarter is 1 GiB, 512 MiB a pool, 23,301 tokens -> 23,296 (whole blocks): two contexts still fit
+    monkeypatch.setattr(supervisor, "memory_available", lambda: 4 << 30)
+    assert plan_layout(load_config({"port": "0"}, {}), "e1").kv_blocks_per_pool * 16 == 16384
+    monkeypatch.setattr(supervisor, "memory_available", lambda: 1 << 30)   # 128 MiB a pool: 5,825 -> 5,824 tokens
+    small = plan_layout(load_config({"port": "0"}, {}), "e1")
+    assert small.kv_blocks_per_pool * 16 == 5824 and small.max_context_tokens == 5824
+    assert "capped at 25% of 1.0 GiB available over 2 pools" in small.kv_pool_note
+    given = plan_layout(load_config({"port": "0", "kv_pool_tokens": "1024"}, {}), "e1")
+    assert given.kv_blocks_per_pool == 64 and given.kv_pool_note == "kv_pool_tokens=1024"
+    assert kv_budget.auto_pool_tokens(100, 10, 1, 0, 16) == (16, kv_budget.auto_pool_tokens(100, 10, 1, 0, 16)[1])
+    with pytest.raises(ValueError):
+        kv_budget.auto_pool_tokens(0, 10, 1, 1 << 30, 16)

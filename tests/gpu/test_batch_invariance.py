@@ -4,7 +4,8 @@ The same row is run alone, then at every place (first, second of a pair, the odd
 rows whose other rows differ (other inputs, other lengths), and its outputs must be bit-identical: for the Q4 and
 Q8 GEMVs, for ``lowbit_cpu.decode_layers``, and for whole decode steps (logits) of the embedded model (one-call
 path and op-by-op path) and of tiny low-bit models of the other families, serially and with the GEMVs' tiles over
-two threads (``lowbit_cpu.set_threads``; the decode actor's choice per step). The kernels are checked in a fresh
+two threads (``lowbit_cpu.set_threads``; the decode actor's choice per step), over float16 KV caches (the default
+of these weights, ``kv_cache_dtype``) and float32 ones. The kernels are checked in a fresh
 process with an empty numba cache that compiles ``decode_layers`` first, as the decode actor does: numba lets a
 callee inherit its caller's ``fastmath``, so what a kernel computes once depended on who compiled it first.
 """
@@ -52,8 +53,10 @@ lengths = [23, 5, 40, 17, 31, 9, 50, 12, 28, 33]   # row 0 is the probe
 pool0 = rng.standard_normal((L, 2, 10 * 4 * BT, Hkv, D)).astype(np.float32)
 tables = np.arange(40, dtype=np.int64).reshape(10, 4)
 
-def layers_call(order, parallel=False):
-    x, pool = rows[order].copy(), pool0.copy()
+pool0_h = pool0.astype(np.float16).view(np.uint16)   # a float16 KV pool, as numba takes it (its bits)
+
+def layers_call(order, parallel=False, half=False):
+    x, pool = rows[order].copy(), (pool0_h if half else pool0).copy()
     if parallel:
         lb.set_threads(2)
     lb.decode_layers(x, *norms, *stacked, pool, BT, tables[order], np.asarray(lengths, np.int64)[order], cos, sin,
@@ -72,11 +75,12 @@ def threaded(fn):   # a GEMV with its tiles over two threads (lowbit_cpu.set_thr
     return run
 
 alone = layers_call([0])   # decode_layers is compiled (with its callees) before anything else
+alone_h = layers_call([0], half=True)
 w4, w8 = layers["gate_up"][0], lb.q8_tiles(torch.from_numpy(rng.integers(-127, 128, (96, hidden)).astype(np.int8)),
                                           torch.from_numpy(rng.random((96, hidden // 32)).astype(np.float32)))
 gemvs = {"q4": lambda x: lb.q4_linear(x, 2 * inter, *w4),
          "q8": lambda x: lb.q8_linear(x, 96, w8["tiles"], w8["tile_scale"]),
-         "decode_layers": None}
+         "decode_layers": None, "decode_layers_f16": None}
 gemvs.update({name + "_threads": threaded(fn) for name, fn in list(gemvs.items()) if fn is not None})
 gemvs["decode_layers_threads"] = None
 xs = torch.from_numpy(rng.standard_normal((10, hidden)).astype(np.float32))
@@ -89,6 +93,8 @@ for B in range(1, int(sys.argv[1]) + 1):
             bad["decode_layers"].append([B, pos])
         if not np.array_equal(layers_call(order, True)[pos], alone[0]):
             bad["decode_layers_threads"].append([B, pos])
+        if not np.array_equal(layers_call(order, B % 2 == 0, True)[pos], alone_h[0]):
+            bad["decode_layers_f16"].append([B, pos])
         for name, fn in gemvs.items():
             if fn is not None and not torch.equal(fn(xs[order])[pos], fn(xs[:1])[0]):
                 bad[name].append([B, pos])
@@ -102,8 +108,8 @@ def test_kernels_give_a_row_the_same_bits_at_any_place_in_any_batch_whoever_comp
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     bad = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert bad == {name: [] for name in ("q4", "q8", "decode_layers", "q4_threads", "q8_threads",
-                                         "decode_layers_threads")}
+    assert bad == {name: [] for name in ("q4", "q8", "decode_layers", "decode_layers_f16", "q4_threads",
+                                         "q8_threads", "decode_layers_threads")}
 
 
 _TORCH_THREADS_SCRIPT = r"""
@@ -133,7 +139,7 @@ def test_numba_s_thread_pool_leaves_torch_s_thread_count_alone():
 
 
 def _probe_places(model: LlamaModel, block_tokens: int, lengths: list[int], max_rows: int,
-                  sizes: tuple[int, ...] = ()) -> list[tuple]:
+                  sizes: tuple[int, ...] = (), kv_dtype: torch.dtype = torch.float32) -> list[tuple]:
     """(rows, place) of every decode step whose probe row (sequence 0) got other logits than alone; the
     sequences (``lengths`` tokens each, prefilled alone into their own blocks) then feed one new token each. Steps
     of 1..``max_rows`` rows, the probe at every place; or with ``sizes`` steps of those sizes, the probe first and
@@ -141,7 +147,7 @@ def _probe_places(model: LlamaModel, block_tokens: int, lengths: list[int], max_
     c = model.config
     per_seq = max(lengths) // block_tokens + 1
     tables = [[s * per_seq + j for j in range(per_seq)] for s in range(len(lengths))]
-    base = torch.zeros(kv_pool_shape(c, per_seq * len(lengths), block_tokens))
+    base = torch.zeros(kv_pool_shape(c, per_seq * len(lengths), block_tokens), dtype=kv_dtype)
     g = torch.Generator().manual_seed(0)
     for n, table in zip(lengths, tables):
         model.prefill(base, torch.randint(3, c.vocab_size, (n,), generator=g).tolist(), table)
@@ -256,17 +262,19 @@ def _check_prefill_threads(m: LlamaModel, asked: list) -> None:
         assert all(x is None and y is None or torch.equal(x, y) for x, y in zip(out1, out2)), label
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("path", ["one_call", "op_by_op"])
-def test_a_decode_step_gives_a_row_the_logits_it_gets_alone(native_model, path):
+def test_a_decode_step_gives_a_row_the_logits_it_gets_alone(native_model, path, kv_dtype):
     """The embedded Q4 model: shorter and longer rows around the probe, 1..9 rows. ``op_by_op`` is the path of
-    the non-Llama families (per-row attention over its own keys, the GEMVs one call per linear)."""
+    the non-Llama families (per-row attention over its own keys, the GEMVs one call per linear); over a float16
+    KV cache (the default with these weights) and a float32 one."""
     m = native_model
     assert m._stack_layers() is not None
     stacked = m._stacked
     if path == "op_by_op":
         m._stacked = ()   # () = "not applicable": the op-by-op path, on the same kernels
     try:
-        assert _probe_places(m, 16, [23, 5, 40, 17, 31, 9, 50, 12, 28, 33], MAX_ROWS) == []
+        assert _probe_places(m, 16, [23, 5, 40, 17, 31, 9, 50, 12, 28, 33], MAX_ROWS, kv_dtype=kv_dtype) == []
     finally:
         m._stacked = stacked
 
@@ -274,14 +282,16 @@ def test_a_decode_step_gives_a_row_the_logits_it_gets_alone(native_model, path):
 @pytest.mark.parametrize("name", ["mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe"])
 def test_a_decode_step_of_every_family_gives_a_row_the_logits_it_gets_alone(name, tmp_path):
     """Tiny Q4_0 models (tests/gpu/tiny_families.py) with their windows, biases, norms, soft-capping and experts;
-    rows longer than the 8-token window too."""
+    rows longer than the 8-token window too; over a float16 KV cache (their default)."""
     path = write_gguf(name, build_hf(name), tmp_path / f"tiny-{name}-q4.gguf", linear_type="Q4_0")
     m = LlamaModel.from_path(path, progress=False, weights="auto")
-    assert _probe_places(m, 4, [13, 3, 21, 9, 17, 6], 6) == []
+    assert _probe_places(m, 4, [13, 3, 21, 9, 17, 6], 6, kv_dtype=torch.float16) == []
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("prefill", ["float32_copies", "low_bit"])
-def test_a_prompt_gets_the_same_kv_and_logits_alone_packed_with_others_and_after_a_cache_hit(native_model, prefill):
+def test_a_prompt_gets_the_same_kv_and_logits_alone_packed_with_others_and_after_a_cache_hit(native_model, prefill,
+                                                                                             kv_dtype):
     """Natively, prefill's float32 GEMMs run over fixed blocks of rows (``low_bit``: the engine's default, the
     low-bit GEMVs, row by row) and each token attends over its own keys, so a prompt's KV (every layer, bit for
     bit) and last logits do not depend on the prompts packed with it or on how much of it an earlier prefill (the
@@ -289,18 +299,18 @@ def test_a_prompt_gets_the_same_kv_and_logits_alone_packed_with_others_and_after
     m, c = native_model, native_model.config
     m.dense_min_tokens = 1 << 62 if prefill == "low_bit" else DENSE_MIN_TOKENS
     try:
-        _check_prompt_invariance(m, c)
+        _check_prompt_invariance(m, c, kv_dtype)
     finally:
         m.dense_min_tokens = DENSE_MIN_TOKENS
 
 
-def _check_prompt_invariance(m, c) -> None:
+def _check_prompt_invariance(m, c, kv_dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     prompt, other, short = (torch.randint(3, c.vocab_size, (n,), generator=g).tolist() for n in (45, 30, 7))
     t_prompt, t_other, t_short = [0, 1, 2], [3, 4], [5]
 
     def pool() -> torch.Tensor:
-        return torch.zeros(kv_pool_shape(c, 8, 16))
+        return torch.zeros(kv_pool_shape(c, 8, 16), dtype=kv_dtype)
 
     def prompt_kv(kv: torch.Tensor) -> torch.Tensor:
         return kv[:, :, 0:3].reshape(c.num_layers, 2, 48, -1)[:, :, :45]

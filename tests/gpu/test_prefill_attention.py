@@ -5,6 +5,7 @@ head shapes), a row's bits alone, among other rows, and with any part of its pro
 NaN."""
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -152,3 +153,46 @@ def test_a_query_with_a_nan_gets_nan_not_plausible_numbers():
     row = np.empty((h, d), np.float32)
     ac.attend_decode_row(q[21], pool_k, pool_v, tables[0], bt, 0, 22, d ** -0.5, row)
     assert np.isnan(row[0]).all() and np.isfinite(row[1:]).all()
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_a_float16_pool_attends_with_the_bits_of_its_float32_image(heads, kv_heads, dim):
+    """``kv_cache_dtype`` float16 (numba gets the pool's bits as uint16): every kernel widens each K/V exactly, so
+    a prefill's rows (``attend_rows``) and a decode row (``attend_decode_row``, and ``lowbit_cpu._attend`` for head
+    dims the tiles do not take) over the float16 pool equal, bit for bit, the same calls over a float32 pool holding
+    its values; and ``from_f32`` rounds as torch's ``.to(torch.float16)`` does (the prefill writes with torch, the
+    decode kernel with ``from_f32``: a key must not depend on which wrote it)."""
+    from gpu import lowbit_cpu
+
+    rng = np.random.default_rng(dim + heads)
+    bt, blocks = 16, 24
+    half = [(3 * rng.standard_normal((blocks * bt, kv_heads, dim))).astype(np.float16) for _ in range(2)]
+    image = [h.astype(np.float32) for h in half]
+    bits = [h.view(np.uint16) for h in half]
+    table = rng.permutation(blocks).astype(np.int64)
+    q = rng.standard_normal((40, heads, dim)).astype(np.float32)
+    seq, positions = np.zeros(40, np.int64), np.arange(300, 340, dtype=np.int64)
+    outs = []
+    for pool_k, pool_v in (image, bits):
+        rows = np.empty(q.shape, np.float32)
+        ac.attend_rows(q, pool_k, pool_v, table[None], bt, seq, positions, 0, dim ** -0.5, rows)
+        row = np.empty((heads, dim), np.float32)
+        ac.attend_decode_row(q[0], pool_k, pool_v, table, bt, 0, 341, dim ** -0.5, row)
+        scalar = np.empty((heads, dim), np.float32)
+        lowbit_cpu._attend(q[0], pool_k, pool_v, table, bt, 0, 341, np.float32(dim ** -0.5),
+                           np.empty(341, np.float32), scalar)
+        outs.append((rows, row, scalar))
+    assert all(np.array_equal(a, b) for a, b in zip(*outs))
+    assert np.abs(outs[0][1] - outs[0][2]).max() < 1e-4   # the tiles and the scalar loop agree
+
+    @numba.njit
+    def round_all(x, like):
+        out = np.empty(x.shape, np.uint16)
+        for i in range(x.shape[0]):
+            out[i] = ac.from_f32(x[i], like[0])
+        return out
+
+    x = np.concatenate([(rng.standard_normal(4096) * 10.0 ** rng.integers(-8, 5, 4096)).astype(np.float32),
+                        np.array([65519.0, 65520.0, 1e6, -1e6, 6e-8, 3e-8, 0.0, -0.0], np.float32)])
+    want = torch.from_numpy(x).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(round_all(x, bits[0][0, 0]), want)
