@@ -49,3 +49,33 @@ def test_resolved_values_have_names_of_their_own_and_the_config_keeps_what_was_g
     assert 0 < layout.http_port <= 65535
     actor = HeartbeatMonitor(layout)
     assert (actor.idle_wait_s, actor.queue_put_timeout_s) == (0.2, 3.0)
+
+
+@pytest.mark.timeout(120)
+def test_a_warm_start_plans_names_the_prepared_model_and_creates_every_segment_without_importing_torch():
+    """The supervisor's part of a warm start (the prepared model in the cache, as any earlier start left it)
+    imports no torch: its ~2 s import would delay every actor's spawn. Run in a fresh interpreter."""
+    script = """
+import sys
+from actors.supervisor import Supervisor, plan_layout
+from actors.topology import topology
+from pdserve.config import load_config
+loaded = load_config({"kv_pool_tokens": "1024"}, {})
+sup = Supervisor(loaded)
+sup.layout = plan_layout(loaded, sup.engine_id)
+sup.topology = topology(sup.layout.config)
+try:
+    sup._prepare_model()
+    sup._create_segments()
+    print("torch" in sys.modules, len(sup._owned))
+finally:
+    sup._unlink_segments()
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    # the prepared model first, in another process (a cold cache builds it with torch, as ensure_prepared does)
+    subprocess.run([sys.executable, "-c", "from gpu.prepared import ensure_prepared; ensure_prepared(None, 'auto')"],
+                   cwd=ROOT, env=env, check=True, timeout=100)
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, timeout=100)
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    imported, segments = result.stdout.decode().split()
+    assert imported == "False" and int(segments) > 5, result.stdout.decode()
