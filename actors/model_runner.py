@@ -234,10 +234,11 @@ def warm_up(model, pool, kv=None, decode: bool = True, threads: int = 1, prefill
     that never decodes passes ``decode=False``: with native weights a decode step also stacks the layers' tiles
     (``LlamaModel._stack_layers``, a private copy) and loads the decode kernels. One that never prefills (a decode
     actor that is not colocated) passes ``prefill=False``: its decode step reads the block's zeroed rows, and it
-    neither loads the prefill kernels nor pages in the weights' float32 copies (~0.9 s of CPU at start-up). ``threads`` > 1 (a native
-    decode actor's most, ``actors.shell.decode_threads``): the step runs again on that many threads, which loads
-    the threaded kernels. ``prefill_threads`` > 1 (a native prefill actor's most, ``actors.shell.prefill_threads``):
-    the prefill runs again on that many GEMM threads, which finds their plans (``gpu.model.gemm_plan``)."""
+    neither loads the prefill kernels nor pages in the weights' float32 copies (~0.9 s of CPU at start-up).
+    ``threads`` > 1 (a native decode actor's most, ``actors.shell.decode_threads``): the step runs again on that
+    many threads, which loads the threaded kernels. ``prefill_threads`` > 1 (a native prefill actor's most,
+    ``actors.shell.prefill_threads``): the prefill runs again on that many GEMM threads, which finds their plans
+    (``gpu.model.gemm_plan``)."""
     started = time.monotonic()
     if decode and getattr(model, "native", False):
         log.info("warming up the low-bit decode kernels (compiled once per checkout into gpu/__pycache__: "

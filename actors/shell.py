@@ -30,8 +30,8 @@ def load_model(actor, decode: bool):
     (``choose_executor``), its attached KV pool (the KV table) and the tensor the model computes on
     (``pool_tensor``), after a warm-up pass (``decode=False``: an actor that never decodes skips the decode step,
     unless the model runs a prompt's last token as one, ``prompt_last_by_decode``; a prefill actor's also plans its
-    most prefill threads; a decode actor's skips the prefill unless it is colocated) between two resets (a restarted actor starts from an empty pool; its old requests were
-    failed)."""
+    most prefill threads; a decode actor's skips the prefill unless it is colocated) between two resets (a
+    restarted actor starts from an empty pool; its old requests were failed)."""
     import torch
 
     from actors.model_runner import warm_up
