@@ -3,7 +3,8 @@
 Lifecycle of one actor process (spawn start method):
     parent: Actor(layout, index)  -> pickled into the child
     child:  _child_main -> on_start() (heavy imports, shm attach, model load)
-            -> actor table status READY -> loop: run_once(); heartbeat  (until the status record's stop flag)
+            -> actor table status READY -> on_ready() -> loop: run_once(); heartbeat  (until the status record's
+               stop flag)
             -> on_stop() -> status STOPPED
 The heartbeat (count, CLOCK_MONOTONIC ns, loop iterations) is written to the shm actor table on every
 loop iteration, idle ones included, so the heartbeat monitor can tell a hung actor from an idle one.
@@ -207,6 +208,10 @@ class Actor:
         """One loop iteration; must return within about ``idle_wait_s`` when there is nothing to do."""
         raise NotImplementedError
 
+    def on_ready(self) -> None:
+        """Runs in the child once its status reads READY, before the loop: work no request needs at once (a
+        background warm-up), kept out of the engine's start-up."""
+
     def on_stop(self) -> None:
         """Runs in the child after the loop ends; answer or fail what is still queued."""
 
@@ -274,6 +279,7 @@ class Actor:
         self.actors.set_status(self.index, ActorStatus.READY)
         self.actors.beat(self.index)
         log.info("%s ready (pid %d)", self.name, os.getpid())
+        self.on_ready()
         try:
             while not self.engine_stopping() and not parent_is_gone(parent):
                 self.run_once()

@@ -94,6 +94,9 @@ class DecodeActor(Actor):
         self.gauges = GaugePublisher(self.actors, self.index, self.pool, self.allocator)
         self._publish()
 
+    def on_ready(self) -> None:
+        self.grammars.warm_up()   # its tokenizer view in a thread, after start-up (a request waits for it)
+
     def run_once(self) -> None:
         wait_s = self.core.wait_s(self.idle_wait_s)
         if self.prefill_core is not None and self.prefill_core.has_work():

@@ -226,15 +226,19 @@ def copy_block_rows(kv, src_block: int, dst_block: int, rows: int) -> None:
     kv[:, :, dst_block, :rows].copy_(kv[:, :, src_block, :rows])
 
 
-def warm_up(model, pool, kv=None, decode: bool = True, threads: int = 1, prefill_threads: int = 1) -> None:
+def warm_up(model, pool, kv=None, decode: bool = True, threads: int = 1, prefill_threads: int = 1,
+            prefill: bool = True) -> None:
     """One tiny prefill (and with ``decode``, one decode step) into a borrowed block, before the actor reports
     READY: the first real request then pays no lazy initialization (kernel selection, allocations, numba's
     compilation or cache load) that could starve the heartbeat. The caller resets the pool afterwards. An actor
     that never decodes passes ``decode=False``: with native weights a decode step also stacks the layers' tiles
-    (``LlamaModel._stack_layers``, a private copy) and loads the decode kernels. ``threads`` > 1 (a native
-    decode actor's most, ``actors.shell.decode_threads``): the step runs again on that many threads, which loads
-    the threaded kernels. ``prefill_threads`` > 1 (a native prefill actor's most, ``actors.shell.prefill_threads``):
-    the prefill runs again on that many GEMM threads, which finds their plans (``gpu.model.gemm_plan``)."""
+    (``LlamaModel._stack_layers``, a private copy) and loads the decode kernels. One that never prefills (a decode
+    actor that is not colocated) passes ``prefill=False``: its decode step reads the block's zeroed rows, and it
+    neither loads the prefill kernels nor pages in the weights' float32 copies (~0.9 s of CPU at start-up).
+    ``threads`` > 1 (a native decode actor's most, ``actors.shell.decode_threads``): the step runs again on that
+    many threads, which loads the threaded kernels. ``prefill_threads`` > 1 (a native prefill actor's most,
+    ``actors.shell.prefill_threads``): the prefill runs again on that many GEMM threads, which finds their plans
+    (``gpu.model.gemm_plan``)."""
     started = time.monotonic()
     if decode and getattr(model, "native", False):
         log.info("warming up the low-bit decode kernels (compiled once per checkout into gpu/__pycache__: "
@@ -243,8 +247,9 @@ def warm_up(model, pool, kv=None, decode: bool = True, threads: int = 1, prefill
     kv = pool.tensor() if kv is None else kv   # the pool's data, or its actor's device tensor (actors.shell.pool_tensor)
     # no logits: the engine's prompts take theirs from decode steps, and planning the output projection's GEMM
     # (only echoes run it) would cost a native model ~0.5 s here
-    model.prefill_packed(kv, [[1, 2, 3]], [blocks], [0], logits=[False])
-    if prefill_threads > 1 and getattr(model, "native", False):
+    if prefill:
+        model.prefill_packed(kv, [[1, 2, 3]], [blocks], [0], logits=[False])
+    if prefill and prefill_threads > 1 and getattr(model, "native", False):
         model.prefill_packed(kv, [[1, 2, 3]], [blocks], [0], logits=[False], gemm_threads=prefill_threads)
     if decode:
         model.decode(kv, [4], [3], [blocks])
@@ -259,9 +264,10 @@ def warm_up(model, pool, kv=None, decode: bool = True, threads: int = 1, prefill
     pool.free(blocks, 0)
     # the fused low-bit decode step ran iff the model stacked its Q4 layers for it (tests read this line)
     path = "lowbit_cpu.decode_layers" if decode and getattr(model, "_stacked", None) else "per-layer"
-    prefill = "low-bit" if prefills_low_bit(model) else "dense"
-    log.info("warm-up done in %.1f s (decode steps: %s%s; prefill: %s)", time.monotonic() - started,
-             path if decode else "none", f" on up to {threads} threads" if threaded else "", prefill)
+    kind = "low-bit" if prefills_low_bit(model) else "dense"
+    log.info("warm-up done in %.1f s (decode steps: %s%s; prefill: %s%s)", time.monotonic() - started,
+             path if decode else "none", f" on up to {threads} threads" if threaded else "", kind,
+             "" if prefill else " (not run: this actor never prefills)")
 
 
 class DecodeRunner:

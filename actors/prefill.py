@@ -77,6 +77,9 @@ class PrefillActor(Actor):
         self.gauges = GaugePublisher(self.actors, self.index, self.pool, self.allocator)
         self._publish()
 
+    def on_ready(self) -> None:
+        self.grammars.warm_up()   # its tokenizer view in a thread, after start-up (a request waits for it)
+
     def run_once(self) -> None:
         """One packed forward pass (if any work): the loop beats its heartbeat and reads the inbox between
         two, so a long prompt or a large batch never blocks it for longer than one pass."""

@@ -10,7 +10,7 @@ grammars, and publishing a core's counts to the actor table.
 | `configure_model` | the engine settings that change how a loaded model computes                    |
 | `prefills_low_bit`| whether a configured model prefills on its low-bit kernels                     |
 | `decode_threads`  | how many threads a decode step's low-bit GEMVs use (auto: the idle cores)      |
-| `load_sampling`   | the sampler and the warmed-up grammar compiler                                 |
+| `load_sampling`   | the sampler and the grammar compiler (warmed up by the actor once READY)       |
 | `GaugePublisher`  | own gauges, requests done, free KV blocks and prefix-cache counters, as deltas |
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ def load_model(actor, decode: bool):
     (``choose_executor``), its attached KV pool (the KV table) and the tensor the model computes on
     (``pool_tensor``), after a warm-up pass (``decode=False``: an actor that never decodes skips the decode step,
     unless the model runs a prompt's last token as one, ``prompt_last_by_decode``; a prefill actor's also plans its
-    most prefill threads) between two resets (a restarted actor starts from an empty pool; its old requests were
-    failed)."""
+    most prefill threads; a decode actor's skips the prefill unless it is colocated) between two resets (a
+    restarted actor starts from an empty pool; its old requests were failed)."""
     import torch
 
     from actors.model_runner import warm_up
@@ -48,7 +48,8 @@ def load_model(actor, decode: bool):
     pool.reset()   # a predecessor's blocks (a full prefix cache, say) must not leave warm-up without one
     warm_up(model, pool, kv, decode=decode or getattr(model, "prompt_last_by_decode", False),
             threads=decode_threads(config, actor.topology.num_decode) if decode else 1,
-            prefill_threads=1 if decode else prefill_threads(config, actor.topology.num_prefill))
+            prefill_threads=1 if decode else prefill_threads(config, actor.topology.num_prefill),
+            prefill=not decode or config.colocated)
     pool.reset()
     return model, pool, kv
 
@@ -147,13 +148,14 @@ def prefills_low_bit(model) -> bool:
 
 
 def load_sampling(actor):
-    """``(Sampler, GrammarCompiler)``; the compiler's tokenizer view is built now (~0.5 s), off the loop."""
+    """``(Sampler, GrammarCompiler)``; the compiler's tokenizer view (~0.9 s of CPU) is built on first use, or
+    by ``grammars.warm_up()``, which the actors call once READY (``on_ready``) so it does not compete with the
+    engine's start-up."""
     from gpu.grammar import GrammarCompiler
     from gpu.model_files import model_cache_dir
     from gpu.sampling import Sampler
 
     grammars = GrammarCompiler(actor.layout.model_path, cache_dir=model_cache_dir(actor.config.model_cache_dir))
-    grammars.warm_up()
     return Sampler(), grammars
 
 

@@ -236,8 +236,6 @@ class Supervisor:
 
     # ---- segments -----------------------------------------------------------------------------------
     def _create_segments(self) -> None:
-        import torch
-
         from ipc.actor_table import ActorTable
         from ipc.engine_status import EngineStatus
         from ipc.kv_pool import KVPool
@@ -287,7 +285,7 @@ class Supervisor:
             self._owned.append(KVPool.create(lay.segment(pool), num_layers=lay.shape.num_layers,
                                              num_blocks=lay.kv_blocks_per_pool, block_tokens=cfg.kv_block_tokens,
                                              num_kv_heads=lay.shape.num_kv_heads, head_dim=lay.shape.head_dim,
-                                             dtype=getattr(torch, lay.kv_dtype),
+                                             dtype=lay.kv_dtype,
                                              data=cfg.kv_transport not in TENSOR_POOL_TRANSPORTS))
 
     def _create_recorder(self) -> None:
@@ -308,13 +306,17 @@ class Supervisor:
         recorder.install(ring, writers - 1, recorder.SUPERVISOR_ACTOR)
 
     def _prepare_model(self) -> None:
-        """Build the prepared-model file once (gpu/prepared.py) so the actors only memory-map it; on a warm
-        cache this is a check of its key."""
-        from gpu.prepared import ensure_prepared
+        """Build the prepared-model file once (gpu/prepared.py) so the actors only memory-map it. On a warm cache
+        the file is only named (``prepared_file``, no torch in this process: its import would delay every actor's
+        spawn by ~2 s); the actors check its key as they map it, and one that finds it damaged rebuilds it."""
+        from gpu.prepared import ensure_prepared, prepared_file
 
         cfg = self.layout.config
         started = time.monotonic()
-        path = ensure_prepared(self.layout.model_path or None, cfg.weights, cfg.device, cfg.model_cache_dir or None)
+        args = (self.layout.model_path or None, cfg.weights, cfg.device, cfg.model_cache_dir or None)
+        path = prepared_file(*args)
+        if path is None:
+            path = ensure_prepared(*args)
         log.info("prepared model %s (%.1f s)", path or "cache off", time.monotonic() - started)
 
     def _unlink_segments(self) -> None:

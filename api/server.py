@@ -27,6 +27,24 @@ from actors.topology import API_INDEX
 log = logging.getLogger("pdserve.api")
 
 
+def grammar_compiler(tokenizer, actors, topology):
+    """``(GrammarCompiler, tick)`` for the API process: ``tick``, called from its loop, starts the compiler's
+    ``warm_up()`` (the tokenizer view, in a daemon thread) the first time every engine actor of ``topology`` reads
+    READY in ``actors`` (an ipc.actor_table.ActorTable), so the view does not compete with the actors' start-up;
+    later calls do nothing. A constrained request before that builds the view itself (and waits for it)."""
+    from gpu.grammar import GrammarCompiler
+    from ipc.actor_table import ActorStatus
+
+    grammars, pending = GrammarCompiler(tokenizer=tokenizer), [True]
+
+    def tick() -> None:
+        engine_actors = (*topology.prefill, *topology.decode)
+        if pending and all(actors.row(i)["status"] == ActorStatus.READY for i in engine_actors):
+            pending.clear()
+            grammars.warm_up()
+    return grammars, tick
+
+
 class ApiActor(Actor):
     role = "api"
 
@@ -110,7 +128,6 @@ class ApiActor(Actor):
         from api.node_api import NodeLimits, NodeRoutes
         from api.formats import formats_for
         from api.protocol import RequestParser
-        from gpu.grammar import GrammarCompiler
         from gpu.model_files import model_cache_dir
         from gpu.tokenizer import Tokenizer
         from ipc.actor_table import ActorStatus
@@ -119,8 +136,7 @@ class ApiActor(Actor):
         tokenizer = Tokenizer.load(self.layout.model_path or None, model_cache_dir(self.config.model_cache_dir))
         if self.config.chat_template:   # --chat-template FILE replaces the model's own template
             tokenizer.set_chat_template(pathlib.Path(self.config.chat_template).read_text(encoding="utf-8"))
-        grammars = GrammarCompiler(tokenizer=tokenizer)
-        grammars.warm_up()   # the first constrained request waits for it if it is not done yet
+        grammars, warm_grammars = grammar_compiler(tokenizer, self.actors, self.topology)   # warmed once READY
         client = EngineClient(self.layout)
         client.start(asyncio.get_running_loop())
         parser = RequestParser(tokenizer, self.layout.served_model_name, self.layout.max_context_tokens,
@@ -160,6 +176,7 @@ class ApiActor(Actor):
         async def shutdown_trigger() -> None:
             self.actors.set_status(self.index, ActorStatus.READY)
             while not self._stopping():
+                warm_grammars()
                 self.actors.beat(self.index)
                 self.actors.set_active_requests(self.index, client.num_active())
                 client.publish_routed()

@@ -18,15 +18,17 @@ import math
 import os
 import pathlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from pdserve.errors import ModelLoadError
 
 from .families import FAMILIES, Family, family, family_for_gguf_arch, family_for_hf, supported_names
 from .model_files import default_model_path
+
+if TYPE_CHECKING:   # annotations only: torch is imported where weights are read, so the supervisor (which
+    import torch    # reads only the config) starts without it
 
 __all__ = [
     "ModelConfig",
@@ -708,7 +710,7 @@ def _gguf_to_hf_name(name: str, fam: Family = FAMILIES["llama"]) -> str | None:
 def load_weights(
     path: str | os.PathLike | None,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     progress: bool = True,
     native: bool = False,
 ) -> tuple[ModelConfig, dict[str, Any]]:
@@ -719,7 +721,7 @@ def load_weights(
         path: a ``.gguf`` file (llama.cpp, ``general.architecture`` of a family in gpu/families.py), a Hugging
             Face directory (``config.json`` + ``*.safetensors``, such a family), or None for the default model
             (:func:`gpu.model_files.default_model_path`).
-        dtype: dtype of every returned tensor.
+        dtype: dtype of every returned tensor (None: ``torch.float32``).
         progress: show a tqdm bar over tensors on stderr.
         native: keep a GGUF's Q4_0/Q4_1/Q4_K linear weights as :class:`gpu.quant.Int4Groups`, its Q8_0 ones as
             :class:`gpu.quant.Int8Groups` (its own codes) and its Q5_K/Q6_K/Q5_0/Q5_1 ones as
@@ -732,6 +734,9 @@ def load_weights(
     Raises:
         ModelLoadError: naming the path and what is missing or unsupported.
     """
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     p = resolve_model_path(path)
     if p.is_dir():
         config = _hf_config(p)
@@ -746,6 +751,8 @@ def load_weights(
 def _split_fused(config: ModelConfig, weights: dict[str, Any]) -> None:
     """Phi-3's fused ``qkv_proj`` ``[(H + 2 Hkv) D, hidden]`` and ``gate_up_proj`` ``[2 I, hidden]`` (gate rows
     first) into Llama's separate weights, in place (packed low-bit weights split by rows too)."""
+    import torch
+
     q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     for name in [n for n in weights if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]:
         w = weights.pop(name)
@@ -763,6 +770,7 @@ def _split_fused(config: ModelConfig, weights: dict[str, Any]) -> None:
 def _load_gguf(
     p: pathlib.Path, dtype: torch.dtype, progress: bool, native: bool = False
 ) -> tuple[ModelConfig, dict[str, Any]]:
+    import torch
     from tqdm import tqdm
 
     from .gguf_meta import open_gguf, read_gguf_metadata
@@ -808,6 +816,8 @@ def _load_gguf(
 def _join_kv_b(weights: dict[str, Any]) -> None:
     """DeepSeek-V2 GGUFs from newer converters: ``k_b`` ``[H, rank, nope]`` and ``v_b`` ``[H, v, rank]`` back into
     HF's ``kv_b_proj`` ``[H * (nope + v), rank]`` (per head: the nope rows, then the v rows), in place."""
+    import torch
+
     for name in [n for n in weights if n.endswith("self_attn.k_b_proj.weight")]:
         k_b, v_b = weights.pop(name), weights.pop(name.replace("k_b_proj", "v_b_proj"))
         kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [H, nope + v, rank]
@@ -836,6 +846,7 @@ def _native_weight(t, hf_name: str, heads: int | None):
             Q4_TYPES + KQUANT_TYPES + ("Q8_0",)):
         return None
     if kind == "Q8_0":
+        import torch
         from gguf.quants import dequantize
 
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)

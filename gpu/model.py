@@ -35,6 +35,7 @@ import torch
 from .exec_torch import TorchExecutor
 from .layers import Layer, LayerMath, build_layers, rope_inv_freq
 from .loader import ModelConfig, load_weights
+from .model_files import WEIGHT_MODES, resolve_weights_mode
 from .quant import QuantLinear
 
 __all__ = ["EXECUTORS", "LlamaModel", "WEIGHT_MODES", "from_path", "kv_bytes_per_token", "kv_pool_shape",
@@ -55,7 +56,6 @@ def kv_pool_shape(config: ModelConfig, num_blocks: int, block_tokens: int) -> tu
 
 
 
-WEIGHT_MODES = ("auto", "float32", "bfloat16")
 # native weights: prefills of >= this many tokens run the layers' float32 copies (see QuantLinear) with the bits of
 # PREFILL_BLOCK_ROWS-row calls. 1 = every prefill: the low-bit GEMVs are batch-invariant too and no slower at 16-1000
 # tokens (`python -m bench.prefill_forward --lengths 1,16,200,1000`), but their int8-rounded activations flip
@@ -125,21 +125,6 @@ def gemm_plan(fn, in_features: int, threads: int, rows: tuple[int, ...] = GEMM_P
     if same(True, threads):
         return True, threads
     return False, threads if threads == 1 or same(False, threads) else 1
-
-
-def resolve_weights_mode(mode: str, device: str | torch.device = "cpu") -> str:
-    """``"native"`` (GGUF Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K/Q5_0/Q5_1 kept in low bits, int8-quantized activations;
-    CPU only) for ``"auto"`` on a CPU, ``"bfloat16"`` for ``"auto"`` on a GPU, else ``"float32"`` or ``"bfloat16"``
-    (every weight dequantized to that dtype).
-
-    Raises:
-        ValueError: a mode outside :data:`WEIGHT_MODES`.
-    """
-    if mode not in WEIGHT_MODES:
-        raise ValueError(f"weights mode {mode!r}: must be one of {', '.join(WEIGHT_MODES)}")
-    if mode == "auto":
-        return "native" if torch.device(device).type == "cpu" else "bfloat16"
-    return mode
 
 
 EXECUTORS = ("auto", "torch", "lowbit", "cuda")

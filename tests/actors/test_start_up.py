@@ -88,3 +88,33 @@ def test_the_default_pool_holds_two_contexts_unless_memory_is_short_and_says_whi
     assert kv_budget.auto_pool_tokens(100, 10, 1, 0, 16) == (16, kv_budget.auto_pool_tokens(100, 10, 1, 0, 16)[1])
     with pytest.raises(ValueError):
         kv_budget.auto_pool_tokens(0, 10, 1, 1 << 30, 16)
+
+
+@pytest.mark.timeout(120)
+def test_a_warm_start_plans_names_the_prepared_model_and_creates_every_segment_without_importing_torch():
+    """The supervisor's part of a warm start (the prepared model in the cache, as any earlier start left it)
+    imports no torch: its ~2 s import would delay every actor's spawn. Run in a fresh interpreter."""
+    script = """
+import sys
+from actors.supervisor import Supervisor, plan_layout
+from actors.topology import topology
+from pdserve.config import load_config
+loaded = load_config({"kv_pool_tokens": "1024"}, {})
+sup = Supervisor(loaded)
+sup.layout = plan_layout(loaded, sup.engine_id)
+sup.topology = topology(sup.layout.config)
+try:
+    sup._prepare_model()
+    sup._create_segments()
+    print("torch" in sys.modules, len(sup._owned))
+finally:
+    sup._unlink_segments()
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    # the prepared model first, in another process (a cold cache builds it with torch, as ensure_prepared does)
+    subprocess.run([sys.executable, "-c", "from gpu.prepared import ensure_prepared; ensure_prepared(None, 'auto')"],
+                   cwd=ROOT, env=env, check=True, timeout=100)
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, timeout=100)
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    imported, segments = result.stdout.decode().split()
+    assert imported == "False" and int(segments) > 5, result.stdout.decode()

@@ -121,3 +121,37 @@ def test_reset_streams_wrappers_install_once_around_hypercorns_own_handlers():
     assert install_reset_streams() is True
     assert (HTTPStream.handle, H2Protocol._handle_events) == (handle, handle_events)
     assert handle.__wrapped__.__qualname__ == "HTTPStream.handle"
+
+
+def test_the_grammar_view_is_built_once_every_engine_actor_reads_ready(engine_id):
+    """The API's tokenizer view waits for the engine (its CPU would compete with the actors' start-up): a tick
+    while an engine actor still starts builds nothing, the first tick with every engine actor READY builds it in
+    the background."""
+    import threading
+
+    from actors.topology import topology
+    from api.server import grammar_compiler
+    from gpu.tokenizer import Tokenizer
+    from ipc import naming
+    from ipc.actor_table import ActorStatus, ActorTable
+    from pdserve.config import load_config
+    from tests.conftest import wait_until
+
+    topo = topology(load_config({}, {}).config)
+    actors = ActorTable.create(naming.segment_name(engine_id, "actors"), len(topo.names))
+    try:
+        grammars, tick = grammar_compiler(Tokenizer.load(None), actors, topo)
+        for i in (*topo.prefill, *topo.decode, topo.api):
+            actors.register(i, topo.names[i], "cpu")
+            actors.set_status(i, ActorStatus.STARTING)
+        actors.set_status(topo.prefill[0], ActorStatus.READY)
+        tick()
+        assert not any(t.name == "grammar-warm-up" for t in threading.enumerate())
+        assert grammars._ll is None   # decode0 still starts: nothing built
+        actors.set_status(topo.decode[0], ActorStatus.READY)
+        tick()
+        wait_until(lambda: grammars._ll is not None, 60, 0.05, "the tokenizer view built in the background")
+        assert grammars.vocab_size == Tokenizer.load(None).vocab_size
+    finally:
+        actors.close()
+        actors.unlink()
