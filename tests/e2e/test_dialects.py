@@ -66,7 +66,8 @@ def test_responses_create_answers_and_is_stored_then_deleted(oai):
 
 
 def test_responses_stream_events_arrive_in_the_documented_order_and_rebuild_the_text(oai):
-    events = list(oai.responses.create(model=MODEL, input="Count from one to five.", max_output_tokens=16,
+    # 8 tokens: the answer is longer (~15 tokens), so the stream ends incomplete at the limit
+    events = list(oai.responses.create(model=MODEL, input="Count from one to five.", max_output_tokens=8,
                                        temperature=0, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
@@ -77,13 +78,13 @@ def test_responses_stream_events_arrive_in_the_documented_order_and_rebuild_the_
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     final = events[-1].response
     assert deltas and final.output_text == deltas == events[-4].text
-    assert final.usage.output_tokens == 16 and final.incomplete_details.reason == "max_output_tokens"
+    assert final.usage.output_tokens == 8 and final.incomplete_details.reason == "max_output_tokens"
     # the same request, not streamed, is the same greedy text
-    full = oai.responses.create(model=MODEL, input="Count from one to five.", max_output_tokens=16, temperature=0)
+    full = oai.responses.create(model=MODEL, input="Count from one to five.", max_output_tokens=8, temperature=0)
     assert full.output_text == deltas
     # the SDK's stream helper checks each event against the response it accumulates (item ids, indices, one
     # response id); an incomplete response has no final `response.completed`, as with OpenAI's own server
-    with oai.responses.stream(model=MODEL, input="Count from one to five.", max_output_tokens=16,
+    with oai.responses.stream(model=MODEL, input="Count from one to five.", max_output_tokens=8,
                               temperature=0) as helper:
         seen = list(helper)
     assert "".join(e.delta for e in seen if e.type == "response.output_text.delta") == deltas
