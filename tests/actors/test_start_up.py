@@ -90,6 +90,80 @@ def test_the_default_pool_holds_two_contexts_unless_memory_is_short_and_says_whi
         kv_budget.auto_pool_tokens(0, 10, 1, 1 << 30, 16)
 
 
+def test_a_memory_cgroups_limit_caps_the_memory_the_default_pool_counts_on(tmp_path):
+    """In a container MemAvailable is the host's, while the pools' shared memory is charged to the container's
+    memory cgroup: the headroom under its limit (less the reclaimable inactive file cache) bounds what the
+    default pool counts on, for cgroup v2 and v1 alike, over the cgroup and its ancestors (the smallest wins);
+    no limit anywhere (v1 writes it as ~2**63) counts as no bound."""
+    from pdserve.kv_budget import cgroup_headroom
+
+    def tree(lines: str, files: dict[str, str]) -> tuple[str, str]:
+        for rel, text in files.items():
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / rel).write_text(text)
+        (tmp_path / "cgroup").write_text(lines)
+        return str(tmp_path / "cgroup"), str(tmp_path / "fs")
+
+    v2 = tree("0::/pod/ctr\n", {"fs/pod/memory.max": str(8 << 30), "fs/pod/memory.current": str(1 << 30),
+                                 "fs/pod/ctr/memory.max": str(2 << 30), "fs/pod/ctr/memory.current": str(1 << 30),
+                                 "fs/pod/ctr/memory.stat": f"anon 1\ninactive_file {256 << 20}\n",
+                                 "fs/memory.max": "max", "fs/memory.current": str(60 << 30)})
+    assert cgroup_headroom(*v2) == (2 << 30) - (1 << 30) + (256 << 20)   # the container's, not the pod's 7 GiB
+    (tmp_path / "fs/pod/memory.current").write_text(str(int(7.5 * 2**30)))
+    assert cgroup_headroom(*v2) == 512 << 20                               # the pod's, now the smaller
+    v1 = tree("5:cpu,cpuacct:/x\n4:memory:/docker/abc\n0::/\n",
+              {"fs/memory/memory.limit_in_bytes": str(3 << 30), "fs/memory/memory.usage_in_bytes": str(4 << 30),
+               "fs/memory/memory.stat": f"cache 9\ntotal_inactive_file {2 << 30}\n"})
+    assert cgroup_headroom(*v1) == 1 << 30   # docker without a cgroup namespace: its own cgroup at the root
+    (tmp_path / "fs/memory/memory.limit_in_bytes").write_text("9223372036854771712")
+    assert cgroup_headroom(*v1) is None
+    assert cgroup_headroom(str(tmp_path / "absent"), str(tmp_path / "fs")) is None
+
+
+def _own_memory_cgroup() -> Path | None:
+    """A writable cgroup v1 memory hierarchy dir of this process (root in a container), else None."""
+    try:
+        line = next(line for line in Path("/proc/self/cgroup").read_text().splitlines()
+                    if "memory" in line.split(":")[1].split(","))
+    except (OSError, StopIteration, IndexError):
+        return None
+    here = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].strip("/")
+    return here if here.is_dir() and os.access(here, os.W_OK) else None
+
+
+@pytest.mark.timeout(120)
+def test_the_default_pool_fits_under_a_real_memory_cgroup_limit():
+    """A start-up inside a real memory cgroup limited to 1 GiB (a container with ``--memory 1g`` on a big host):
+    the default pools take at most a quarter of the headroom under that limit, not of the host's MemAvailable
+    (the pools' shared memory is charged to the cgroup: over its limit the engine is OOM-killed at start-up)."""
+    parent = _own_memory_cgroup()
+    if parent is None:
+        pytest.skip("needs a writable cgroup v1 memory hierarchy (root in a container)")
+    group = parent / f"pdserve-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(1 << 30))
+        script = ("from actors.supervisor import plan_layout; from pdserve.config import load_config; "
+                  "from pdserve.kv_budget import memory_available; "
+                  "lay = plan_layout(load_config({'port': '0'}, {}), 'e1'); "
+                  "print(memory_available(), lay.kv_blocks_per_pool * 16, lay.kv_pool_note)")
+        procs = str(group / "cgroup.procs")
+
+        def join_group() -> None:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                             timeout=100, preexec_fn=join_group)
+        assert out.returncode == 0, out.stderr
+        available, tokens, note = out.stdout.split(maxsplit=2)
+        assert int(available) <= 1 << 30
+        # 2 pools of 23,040 bytes a token in a quarter of at most 1 GiB: at most 5,825 tokens a pool
+        assert 0 < int(tokens) <= 5825 and "capped at 25%" in note, out.stdout
+    finally:
+        group.rmdir()
+
+
 @pytest.mark.timeout(120)
 def test_a_warm_start_plans_names_the_prepared_model_and_creates_every_segment_without_importing_torch():
     """The supervisor's part of a warm start (the prepared model in the cache, as any earlier start left it)
