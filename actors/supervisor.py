@@ -19,7 +19,7 @@ from typing import Any
 from actors.base import ENGINE_STOP_SIGNALS, EngineLayout, ModelShape, run_actor
 from actors.topology import topology
 from pdserve.config import LoadedConfig, kv_cache_dtype
-from pdserve.kv_budget import auto_pool_tokens, memory_available, token_bytes
+from pdserve.kv_budget import auto_pool_tokens, memory_available, shm_free, token_bytes
 from pdserve.errors import ConfigError, PdserveError, ShmLockTimeoutError
 
 log = logging.getLogger("pdserve.supervisor")
@@ -160,6 +160,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
         raise ConfigError(f"config field kv_pool_tokens={config.kv_pool_tokens}: must hold at least one block "
                           f"of kv_block_tokens={config.kv_block_tokens}", param="kv_pool_tokens")
     pool_tokens = blocks * config.kv_block_tokens
+    check_pools_fit(config, shape, kv_dtype, blocks, len(topo.prefill) + len(topo.decode))
     limit = min(shape.context_length, pool_tokens)
     max_context_tokens = config.max_model_len or limit
     if max_context_tokens > limit:
@@ -180,6 +181,24 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
                         kv_blocks_per_pool=blocks, kv_dtype=kv_dtype, kv_pool_note=pool_note,
                         segments={n: segment_name(engine_id, n) for n in names},
                         config_sources=dict(loaded.sources))
+
+
+def check_pools_fit(config, shape: ModelShape, kv_dtype: str, blocks: int, pools: int) -> None:
+    """Raises ConfigError naming ``kv_pool_tokens`` when the node's ``pools`` shm pools of ``blocks`` blocks would
+    not fit in /dev/shm's free space (a size given by hand: the default fits by construction): the segments'
+    posix_fallocate would fail part-way through start-up. The tensor transports keep the data elsewhere."""
+    from ipc.kv_transport import TENSOR_POOL_TRANSPORTS
+
+    free = shm_free()
+    if free is None or config.kv_transport in TENSOR_POOL_TRANSPORTS:
+        return
+    need = pools * blocks * config.kv_block_tokens * token_bytes(shape.num_layers, shape.num_kv_heads,
+                                                                 shape.head_dim, 2 if kv_dtype == "float16" else 4)
+    if need > free:
+        raise ConfigError(f"config field kv_pool_tokens={config.kv_pool_tokens}: the node's {pools} KV pools "
+                          f"({kv_dtype}) need {need / 2**30:.1f} GiB of shared memory and /dev/shm has "
+                          f"{free / 2**30:.1f} GiB free; give fewer tokens, or 0 to size them to this machine "
+                          f"(containers: --shm-size)", param="kv_pool_tokens")
 
 
 def fail_held_for_restart(state, status, to_api, topo, index: int, exitcode) -> int:

@@ -6,6 +6,7 @@
 | `token_bytes`      | bytes one token's K and V take in every layer                                        |
 | `auto_pool_tokens` | `kv_pool_tokens=0` (the default): tokens per pool from the model's context and the machine's memory |
 | `memory_available` | MemAvailable, /dev/shm's free bytes and the memory cgroup's headroom, read once at start-up |
+| `shm_free`         | /dev/shm's free bytes (where the pools' data lives), or None where it is absent        |
 | `cgroup_headroom`  | bytes this process's memory cgroup (v1 or v2) and its ancestors may still charge, or None |
 """
 from __future__ import annotations
@@ -60,11 +61,18 @@ def memory_available() -> int:
     headroom = cgroup_headroom()
     if headroom is not None:
         avail = min(avail, headroom)
+    free = shm_free()
+    return avail if free is None else min(avail, free)
+
+
+def shm_free() -> int | None:
+    """Bytes free in /dev/shm (the shm pools' home: a segment past it fails its start-up posix_fallocate), or None
+    where /dev/shm is absent."""
     try:
         st = os.statvfs("/dev/shm")
-        return min(avail, st.f_bavail * st.f_frsize)
     except OSError:
-        return avail
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 _NO_LIMIT = 1 << 60   # cgroup v1 writes "no limit" as a page-rounded 2**63-1

@@ -90,6 +90,27 @@ def test_the_default_pool_holds_two_contexts_unless_memory_is_short_and_says_whi
         kv_budget.auto_pool_tokens(0, 10, 1, 1 << 30, 16)
 
 
+@pytest.mark.timeout(120)
+def test_a_given_pool_size_past_dev_shm_is_a_start_up_error_naming_kv_pool_tokens():
+    """``--kv-pool-tokens`` larger than /dev/shm can hold: refused while planning, by name and with the bytes
+    needed and free, not a traceback from the first segment's posix_fallocate part-way through start-up."""
+    from pdserve.kv_budget import shm_free
+
+    free = shm_free()
+    if free is None:
+        pytest.skip("no /dev/shm")
+    tokens = (free // 23040 // 16 + 1) * 16   # SmolLM2 float16: 23,040 bytes a token; one pool alone overflows
+    with pytest.raises(ConfigError) as info:
+        plan_layout(load_config({"port": "0", "kv_pool_tokens": str(tokens)}, {}), "e1")
+    assert info.value.param == "kv_pool_tokens" and "/dev/shm has" in str(info.value)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    result = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--port", "0", "--kv-pool-tokens",
+                             str(tokens)], cwd=ROOT, env=env, capture_output=True, timeout=100)
+    err = result.stderr.decode()
+    assert result.returncode == 1 and "Traceback" not in err, err
+    assert f"config field kv_pool_tokens={tokens}: the node's 2 KV pools (float16) need" in err, err
+
+
 def test_a_memory_cgroups_limit_caps_the_memory_the_default_pool_counts_on(tmp_path):
     """In a container MemAvailable is the host's, while the pools' shared memory is charged to the container's
     memory cgroup: the headroom under its limit (less the reclaimable inactive file cache) bounds what the
