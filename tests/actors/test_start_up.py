@@ -2,6 +2,7 @@
 anything, and the resolved values it hands the actors under names of their own."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -83,7 +84,17 @@ def test_the_default_pool_holds_two_contexts_unless_memory_is_short_and_says_whi
     small = plan_layout(load_config({"port": "0"}, {}), "e1")
     assert small.kv_blocks_per_pool * 16 == 5824 and small.max_context_tokens == 5824
     assert "capped at 25% of 1.0 GiB available over 2 pools" in small.kv_pool_note
+    level, line = supervisor.kv_cache_line(small)   # a start-up WARNING: the engine serves shorter contexts
+    assert level == logging.WARNING and "5824 tokens per actor pool" in line and "limited to 5824 tokens" in line
+    # docker's default /dev/shm (64 MiB): 16 MiB over 2 pools, 364 -> 352 tokens
+    monkeypatch.setattr(supervisor, "memory_available", lambda: 64 << 20)
+    level, line = supervisor.kv_cache_line(plan_layout(load_config({"port": "0"}, {}), "e1"))
+    assert level == logging.WARNING and "limited to 352 tokens" in line and "--shm-size" in line
     given = plan_layout(load_config({"port": "0", "kv_pool_tokens": "1024"}, {}), "e1")
+    assert supervisor.kv_cache_line(given)[0] == logging.INFO   # a size given by hand: as asked
+    assert supervisor.kv_cache_line(layout) == (logging.INFO, "KV cache: 16384 tokens per actor pool (kv_pool_tokens=0 "
+                                                "(auto): 2 x the model's 8192-token context), float16 (kv_cache_dtype="
+                                                "auto): 22.5 KiB a token, 360 MiB a pool")
     assert given.kv_blocks_per_pool == 64 and given.kv_pool_note == "kv_pool_tokens=1024"
     assert kv_budget.auto_pool_tokens(100, 10, 1, 0, 16) == (16, kv_budget.auto_pool_tokens(100, 10, 1, 0, 16)[1])
     with pytest.raises(ValueError):
