@@ -19,7 +19,7 @@ from typing import Any
 from actors.base import ENGINE_STOP_SIGNALS, EngineLayout, ModelShape, run_actor
 from actors.topology import topology
 from pdserve.config import LoadedConfig, kv_cache_dtype
-from pdserve.kv_budget import auto_pool_tokens, memory_available, token_bytes
+from pdserve.kv_budget import auto_pool_tokens, memory_available, shm_free, token_bytes
 from pdserve.errors import ConfigError, PdserveError, ShmLockTimeoutError
 
 log = logging.getLogger("pdserve.supervisor")
@@ -160,6 +160,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
         raise ConfigError(f"config field kv_pool_tokens={config.kv_pool_tokens}: must hold at least one block "
                           f"of kv_block_tokens={config.kv_block_tokens}", param="kv_pool_tokens")
     pool_tokens = blocks * config.kv_block_tokens
+    check_pools_fit(config, shape, kv_dtype, blocks, len(topo.prefill) + len(topo.decode))
     limit = min(shape.context_length, pool_tokens)
     max_context_tokens = config.max_model_len or limit
     if max_context_tokens > limit:
@@ -180,6 +181,41 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
                         kv_blocks_per_pool=blocks, kv_dtype=kv_dtype, kv_pool_note=pool_note,
                         segments={n: segment_name(engine_id, n) for n in names},
                         config_sources=dict(loaded.sources))
+
+
+def kv_cache_line(lay: EngineLayout) -> tuple[int, str]:
+    """(level, text) of the start-up line that says how big the KV pools are and why: INFO, or WARNING when the
+    default size was capped by memory below the model's context (the engine then serves shorter contexts than the
+    model's: a container's small /dev/shm, 64 MiB under docker by default, gives a few hundred tokens)."""
+    sh, cfg = lay.shape, lay.config
+    pool_tokens = lay.kv_blocks_per_pool * cfg.kv_block_tokens
+    per_token = token_bytes(sh.num_layers, sh.num_kv_heads, sh.head_dim, 2 if lay.kv_dtype == "float16" else 4)
+    text = (f"KV cache: {pool_tokens} tokens per actor pool ({lay.kv_pool_note}), {lay.kv_dtype} (kv_cache_dtype="
+            f"{cfg.kv_cache_dtype}): {per_token / 1024:.1f} KiB a token, {pool_tokens * per_token / 2**20:.0f} MiB a "
+            f"pool")
+    if cfg.kv_pool_tokens or pool_tokens >= sh.context_length:
+        return logging.INFO, text
+    return logging.WARNING, (f"{text}; requests are limited to {lay.max_context_tokens} tokens, below the model's "
+                             f"{sh.context_length}: free memory, grow /dev/shm (containers: --shm-size) or give "
+                             f"kv_pool_tokens")
+
+
+def check_pools_fit(config, shape: ModelShape, kv_dtype: str, blocks: int, pools: int) -> None:
+    """Raises ConfigError naming ``kv_pool_tokens`` when the node's ``pools`` shm pools of ``blocks`` blocks would
+    not fit in /dev/shm's free space (a size given by hand: the default fits by construction): the segments'
+    posix_fallocate would fail part-way through start-up. The tensor transports keep the data elsewhere."""
+    from ipc.kv_transport import TENSOR_POOL_TRANSPORTS
+
+    free = shm_free()
+    if free is None or config.kv_transport in TENSOR_POOL_TRANSPORTS:
+        return
+    need = pools * blocks * config.kv_block_tokens * token_bytes(shape.num_layers, shape.num_kv_heads,
+                                                                 shape.head_dim, 2 if kv_dtype == "float16" else 4)
+    if need > free:
+        raise ConfigError(f"config field kv_pool_tokens={config.kv_pool_tokens}: the node's {pools} KV pools "
+                          f"({kv_dtype}) need {need / 2**30:.1f} GiB of shared memory and /dev/shm has "
+                          f"{free / 2**30:.1f} GiB free; give fewer tokens, or 0 to size them to this machine "
+                          f"(containers: --shm-size)", param="kv_pool_tokens")
 
 
 def fail_held_for_restart(state, status, to_api, topo, index: int, exitcode) -> int:
@@ -385,12 +421,7 @@ class Supervisor:
             # the API starts alongside the engine actors (its tokenizer and grammar set-up overlap their model
             # loads); its /health stays 503 and its router refuses work until every actor reads READY
             every_actor = [topo.monitor, *topo.prefill, *topo.decode, topo.api]
-            lay, sh = self.layout, self.layout.shape
-            pool_tokens = lay.kv_blocks_per_pool * lay.config.kv_block_tokens
-            per_token = token_bytes(sh.num_layers, sh.num_kv_heads, sh.head_dim, 2 if lay.kv_dtype == "float16" else 4)
-            log.info("KV cache: %d tokens per actor pool (%s), %s (kv_cache_dtype=%s): %.1f KiB a token, %.0f MiB a "
-                     "pool", pool_tokens, lay.kv_pool_note, lay.kv_dtype, lay.config.kv_cache_dtype, per_token / 1024,
-                     pool_tokens * per_token / 2**20)
+            log.log(*kv_cache_line(self.layout))
             log.info("engine %s: starting %s; the prefill and decode actors map the prepared model %s and warm up "
                      "(up to actor_ready_timeout_s=%.0f s)", self.engine_id,
                      ", ".join(topo.names[i] for i in every_actor), self.layout.model_path or "(embedded default)",

@@ -5,7 +5,9 @@
 | `blocks_for`       | blocks for prompt + max_tokens tokens (api/admission.py, api/protocol.py, actors/decode_core.py) |
 | `token_bytes`      | bytes one token's K and V take in every layer                                        |
 | `auto_pool_tokens` | `kv_pool_tokens=0` (the default): tokens per pool from the model's context and the machine's memory |
-| `memory_available` | MemAvailable and /dev/shm's free bytes, read once at start-up                          |
+| `memory_available` | MemAvailable, /dev/shm's free bytes and the memory cgroup's headroom, read once at start-up |
+| `shm_free`         | /dev/shm's free bytes (where the pools' data lives), or None where it is absent        |
+| `cgroup_headroom`  | bytes this process's memory cgroup (v1 or v2) and its ancestors may still charge, or None |
 """
 from __future__ import annotations
 
@@ -47,15 +49,85 @@ def auto_pool_tokens(context_tokens: int, bytes_per_token: int, pools: int, avai
 
 
 def memory_available() -> int:
-    """Bytes the pools may take: the smaller of /proc/meminfo's MemAvailable and /dev/shm's free space (where the
-    pools live); MemAvailable alone where /dev/shm is absent, free pages times page size without /proc."""
+    """Bytes the pools may take: the smallest of /proc/meminfo's MemAvailable, /dev/shm's free space (where the
+    pools live) and the memory cgroup's headroom (:func:`cgroup_headroom`: in a container with a memory limit
+    MemAvailable is the host's, and the pools' shared memory is charged to the container); MemAvailable alone
+    where /dev/shm is absent, free pages times page size without /proc."""
     try:
         with open("/proc/meminfo") as f:
             avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    headroom = cgroup_headroom()
+    if headroom is not None:
+        avail = min(avail, headroom)
+    free = shm_free()
+    return avail if free is None else min(avail, free)
+
+
+def shm_free() -> int | None:
+    """Bytes free in /dev/shm (the shm pools' home: a segment past it fails its start-up posix_fallocate), or None
+    where /dev/shm is absent."""
     try:
         st = os.statvfs("/dev/shm")
-        return min(avail, st.f_bavail * st.f_frsize)
     except OSError:
-        return avail
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+_NO_LIMIT = 1 << 60   # cgroup v1 writes "no limit" as a page-rounded 2**63-1
+
+
+def cgroup_headroom(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroup may still charge before it hits a limit: over its cgroup and every
+    ancestor visible under ``root`` (a container sees its own cgroup at ``root``), the smallest limit minus usage,
+    usage less the inactive file cache (reclaimable; the working set docker and the kubelet report). v2:
+    ``memory.max``, ``memory.current``, ``memory.stat``'s ``inactive_file``; v1 (the ``memory`` controller's
+    line): ``memory.limit_in_bytes``, ``memory.usage_in_bytes``, ``total_inactive_file``. None where no limit is
+    set or nothing is readable (no cgroup fs, another OS). Never below 0."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    found: list[int] = []
+    for parts in lines:
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if "memory" in controllers.split(","):
+            base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                          "total_inactive_file")
+        elif controllers == "":
+            base, files = root, ("memory.max", "memory.current", "inactive_file")
+        else:
+            continue
+        rel = path.strip("/")
+        while True:
+            left = _headroom_at(os.path.join(base, rel), *files)
+            if left is not None:
+                found.append(left)
+            if not rel:
+                break
+            rel = os.path.dirname(rel)
+    return max(0, min(found)) if found else None
+
+
+def _headroom_at(directory: str, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    """Limit minus working set of the cgroup at ``directory``, or None (no limit, or not readable)."""
+    try:
+        with open(os.path.join(directory, limit_file)) as f:
+            raw = f.read().strip()
+        if raw == "max" or int(raw) >= _NO_LIMIT:
+            return None
+        with open(os.path.join(directory, usage_file)) as f:
+            usage = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    inactive = 0
+    try:
+        with open(os.path.join(directory, "memory.stat")) as f:
+            inactive = next((int(v) for k, v in (line.split() for line in f if line.strip()) if k == inactive_key), 0)
+    except (OSError, ValueError):
+        pass
+    return int(raw) - max(0, usage - inactive)
