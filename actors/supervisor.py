@@ -153,7 +153,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
         per_token = token_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, 2 if kv_dtype == "float16" else 4)
         pools = len(topo.prefill) + len(topo.decode)
         pool_tokens, why = auto_pool_tokens(shape.context_length, per_token, max(1, pools), memory_available(),
-                                            config.kv_block_tokens)
+                                            config.kv_block_tokens, gpu=config.device == "cuda")
         pool_note = f"kv_pool_tokens=0 (auto): {why}"
     blocks = pool_tokens // config.kv_block_tokens
     if blocks < 1:

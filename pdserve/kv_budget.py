@@ -15,6 +15,7 @@ import os
 
 CONTEXTS_PER_POOL = 2       # auto: a pool holds this many full contexts (two long conversations stay cached)
 MEMORY_SHARE = 0.25         # auto: all of a node's pools together take at most this share of available memory
+GPU_POOL_TOKENS = 8192      # auto on device cuda: at most this many tokens a pool (GPU memory is not measured yet)
 
 
 def blocks_for(prompt_tokens: int, max_tokens: int, block_tokens: int) -> int:
@@ -31,15 +32,22 @@ def token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, elem_bytes: i
 
 
 def auto_pool_tokens(context_tokens: int, bytes_per_token: int, pools: int, available_bytes: int,
-                     block_tokens: int) -> tuple[int, str]:
+                     block_tokens: int, gpu: bool = False) -> tuple[int, str]:
     """Tokens per KV pool for ``kv_pool_tokens=0``: :data:`CONTEXTS_PER_POOL` times the model's context, capped so
     that the ``pools`` pools of this node take at most :data:`MEMORY_SHARE` of ``available_bytes`` (the pools are
     shared memory, allocated in full at start-up), in whole blocks of ``block_tokens``, at least one block.
-    Returns (tokens, a line saying which bound chose them). Raises ValueError for a non-positive argument."""
+    ``gpu``: the pools are tensors on the actors' GPUs, whose memory this does not measure: at most
+    :data:`GPU_POOL_TOKENS` (the former fixed default). Returns (tokens, a line saying which bound chose them).
+    Raises ValueError for a non-positive argument."""
     if min(context_tokens, bytes_per_token, pools, block_tokens) <= 0 or available_bytes < 0:
         raise ValueError(f"auto_pool_tokens({context_tokens}, {bytes_per_token}, {pools}, {available_bytes}, "
                          f"{block_tokens}): every argument must be > 0")
     want = CONTEXTS_PER_POOL * context_tokens
+    if gpu:   # the pools are device tensors: the host's memory does not bound them
+        tokens = max(block_tokens, min(want, GPU_POOL_TOKENS) // block_tokens * block_tokens)
+        return tokens, (f"{CONTEXTS_PER_POOL} x the model's {context_tokens}-token context" if want <= GPU_POOL_TOKENS
+                        else f"at most {GPU_POOL_TOKENS} tokens a pool on a GPU (its memory is not measured yet; "
+                             f"the model's context: {context_tokens} tokens)")
     cap = int(available_bytes * MEMORY_SHARE) // (pools * bytes_per_token)
     tokens = max(block_tokens, min(want, cap) // block_tokens * block_tokens)
     why = (f"{CONTEXTS_PER_POOL} x the model's {context_tokens}-token context" if want <= cap else

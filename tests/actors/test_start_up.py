@@ -224,3 +224,14 @@ finally:
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     imported, segments = result.stdout.decode().split()
     assert imported == "False" and int(segments) > 5, result.stdout.decode()
+
+
+def test_the_default_pool_on_a_gpu_stays_at_the_former_fixed_size_whatever_the_hosts_memory():
+    """On device cuda the pools are tensors on the GPU, whose memory the default does not measure: at most
+    ``GPU_POOL_TOKENS`` (8,192) tokens a pool, two contexts where they are shorter; the host's memory plays no part."""
+    from pdserve import kv_budget
+
+    tokens, why = kv_budget.auto_pool_tokens(131072, 256 << 10, 2, 1 << 40, 16, gpu=True)   # Llama-3.1-8B in float32
+    assert tokens == kv_budget.GPU_POOL_TOKENS == 8192 and "on a GPU" in why
+    assert kv_budget.auto_pool_tokens(2048, 256 << 10, 2, 0, 16, gpu=True)[0] == 4096
+    assert kv_budget.auto_pool_tokens(131072, 256 << 10, 2, 1 << 40, 16)[0] == 262144   # on CPU: two contexts

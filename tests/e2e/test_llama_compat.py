@@ -91,12 +91,13 @@ def sse_data(text: str) -> list[dict]:
 
 
 def test_timings_per_token_and_return_progress_as_llama_server_streams_them(http):
-    """llama.cpp's telemetry extensions (api/llama_timings.py) on chat, completions and Responses: two
+    """llama.cpp's telemetry extensions (api/llama_timings.py) on chat, completions and Responses (``ignore_eos``:
+    the counts are the limits whatever the greedy answer): two
     prompt_progress chunks before the first token (cache == processed, then processed == total), ``timings`` in
     every chunk and in a full answer; a non-boolean value is a 400 naming the field."""
     prompt = "This is a test " * 10
     chat = sse_data(http.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "stream": True,
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True}, "timings_per_token": True, "return_progress": True}).text)
     progress = [c["prompt_progress"] for c in chat if "prompt_progress" in c]
     assert [c["choices"] for c in chat if "prompt_progress" in c] == [[], []]
@@ -109,7 +110,8 @@ def test_timings_per_token_and_return_progress_as_llama_server_streams_them(http
     assert last["prompt_n"] + last["cache_n"] == progress[1]["total"] and last["predicted_per_second"] > 0
     assert last["prompt_per_second"] > 0 and all(v >= 0 for v in last.values())
 
-    full = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "timings_per_token": True}).json()
+    full = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "ignore_eos": True,
+                                              "timings_per_token": True}).json()
     assert full["timings"]["predicted_n"] == 3 and full["timings"]["prompt_per_token_ms"] > 0, full
     plain = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3}).json()
     assert "timings" not in plain
