@@ -19,7 +19,7 @@ from typing import Any
 from actors.base import ENGINE_STOP_SIGNALS, EngineLayout, ModelShape, run_actor
 from actors.topology import topology
 from pdserve.config import LoadedConfig, kv_cache_dtype
-from pdserve.kv_budget import auto_pool_tokens, memory_available, shm_free, token_bytes
+from pdserve.kv_budget import ELEM_BYTES, auto_pool_tokens, memory_available, shm_free, token_bytes
 from pdserve.errors import ConfigError, PdserveError, ShmLockTimeoutError
 
 log = logging.getLogger("pdserve.supervisor")
@@ -147,11 +147,11 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
     shape = ModelShape(model_config.name, model_config.num_layers, model_config.num_kv_heads,
                        model_config.head_dim, model_config.max_position_embeddings, model_config.family)
     kv_dtype = kv_cache_dtype(config)
+    per_token = token_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, ELEM_BYTES[kv_dtype])
+    pools = len(topo.prefill) + len(topo.decode)
     pool_note = f"kv_pool_tokens={config.kv_pool_tokens}"
     pool_tokens = config.kv_pool_tokens
     if not pool_tokens:
-        per_token = token_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, 2 if kv_dtype == "float16" else 4)
-        pools = len(topo.prefill) + len(topo.decode)
         pool_tokens, why = auto_pool_tokens(shape.context_length, per_token, max(1, pools), memory_available(),
                                             config.kv_block_tokens, gpu=config.device == "cuda")
         pool_note = f"kv_pool_tokens=0 (auto): {why}"
@@ -160,7 +160,7 @@ def plan_layout(loaded: LoadedConfig, engine_id: str) -> EngineLayout:
         raise ConfigError(f"config field kv_pool_tokens={config.kv_pool_tokens}: must hold at least one block "
                           f"of kv_block_tokens={config.kv_block_tokens}", param="kv_pool_tokens")
     pool_tokens = blocks * config.kv_block_tokens
-    check_pools_fit(config, shape, kv_dtype, blocks, len(topo.prefill) + len(topo.decode))
+    check_pools_fit(config, kv_dtype, pools, pools * blocks * config.kv_block_tokens * per_token)
     limit = min(shape.context_length, pool_tokens)
     max_context_tokens = config.max_model_len or limit
     if max_context_tokens > limit:
@@ -189,7 +189,7 @@ def kv_cache_line(lay: EngineLayout) -> tuple[int, str]:
     model's: a container's small /dev/shm, 64 MiB under docker by default, gives a few hundred tokens)."""
     sh, cfg = lay.shape, lay.config
     pool_tokens = lay.kv_blocks_per_pool * cfg.kv_block_tokens
-    per_token = token_bytes(sh.num_layers, sh.num_kv_heads, sh.head_dim, 2 if lay.kv_dtype == "float16" else 4)
+    per_token = token_bytes(sh.num_layers, sh.num_kv_heads, sh.head_dim, ELEM_BYTES[lay.kv_dtype])
     text = (f"KV cache: {pool_tokens} tokens per actor pool ({lay.kv_pool_note}), {lay.kv_dtype} (kv_cache_dtype="
             f"{cfg.kv_cache_dtype}): {per_token / 1024:.1f} KiB a token, {pool_tokens * per_token / 2**20:.0f} MiB a "
             f"pool")
@@ -200,17 +200,15 @@ def kv_cache_line(lay: EngineLayout) -> tuple[int, str]:
                              f"kv_pool_tokens")
 
 
-def check_pools_fit(config, shape: ModelShape, kv_dtype: str, blocks: int, pools: int) -> None:
-    """Raises ConfigError naming ``kv_pool_tokens`` when the node's ``pools`` shm pools of ``blocks`` blocks would
-    not fit in /dev/shm's free space (a size given by hand: the default fits by construction): the segments'
+def check_pools_fit(config, kv_dtype: str, pools: int, need: int) -> None:
+    """Raises ConfigError naming ``kv_pool_tokens`` when the node's ``pools`` shm pools, ``need`` bytes in all,
+    would not fit in /dev/shm's free space (a size given by hand: the default fits by construction): the segments'
     posix_fallocate would fail part-way through start-up. The tensor transports keep the data elsewhere."""
     from ipc.kv_transport import TENSOR_POOL_TRANSPORTS
 
     free = shm_free()
     if free is None or config.kv_transport in TENSOR_POOL_TRANSPORTS:
         return
-    need = pools * blocks * config.kv_block_tokens * token_bytes(shape.num_layers, shape.num_kv_heads,
-                                                                 shape.head_dim, 2 if kv_dtype == "float16" else 4)
     if need > free:
         raise ConfigError(f"config field kv_pool_tokens={config.kv_pool_tokens}: the node's {pools} KV pools "
                           f"({kv_dtype}) need {need / 2**30:.1f} GiB of shared memory and /dev/shm has "

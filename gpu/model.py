@@ -42,12 +42,12 @@ __all__ = ["EXECUTORS", "LlamaModel", "WEIGHT_MODES", "from_path", "kv_bytes_per
            "resolve_executor", "resolve_weights_mode", "rope_inv_freq"]
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of KV cache one token takes in all layers.
+    """Bytes of KV cache one token takes in all layers: ``pdserve.kv_budget.token_bytes`` (``num_layers * 2 *
+    num_kv_heads * head_dim * itemsize``, K and V; the supervisor sizes the pools with it, without torch)."""
+    from pdserve.kv_budget import token_bytes
 
-    ``num_layers * 2 * num_kv_heads * head_dim * itemsize`` (K and V).
-    """
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * itemsize
+    return token_bytes(config.num_layers, config.num_kv_heads, config.head_dim,
+                       torch.empty((), dtype=dtype).element_size())
 
 
 def kv_pool_shape(config: ModelConfig, num_blocks: int, block_tokens: int) -> tuple[int, ...]:

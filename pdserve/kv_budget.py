@@ -3,7 +3,7 @@
 | name               | what                                                                   |
 |--------------------|------------------------------------------------------------------------|
 | `blocks_for`       | blocks for prompt + max_tokens tokens (api/admission.py, api/protocol.py, actors/decode_core.py) |
-| `token_bytes`      | bytes one token's K and V take in every layer                                        |
+| `token_bytes`      | bytes one token's K and V take in every layer (gpu.model.kv_bytes_per_token's formula too) |
 | `auto_pool_tokens` | `kv_pool_tokens=0` (the default): tokens per pool from the model's context and the machine's memory |
 | `memory_available` | MemAvailable, /dev/shm's free bytes and the memory cgroup's headroom, read once at start-up |
 | `shm_free`         | /dev/shm's free bytes (where the pools' data lives), or None where it is absent        |
@@ -16,6 +16,7 @@ import os
 CONTEXTS_PER_POOL = 2       # auto: a pool holds this many full contexts (two long conversations stay cached)
 MEMORY_SHARE = 0.25         # auto: all of a node's pools together take at most this share of available memory
 GPU_POOL_TOKENS = 8192      # auto on device cuda: at most this many tokens a pool (GPU memory is not measured yet)
+ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}   # a KV element's bytes by dtype name
 
 
 def blocks_for(prompt_tokens: int, max_tokens: int, block_tokens: int) -> int:
