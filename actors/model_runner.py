@@ -231,8 +231,8 @@ def warm_up(model, pool, kv=None, decode: bool = True, threads: int = 1, prefill
     """One tiny prefill (and with ``decode``, one decode step) into a borrowed block, before the actor reports
     READY: the first real request then pays no lazy initialization (kernel selection, allocations, numba's
     compilation or cache load) that could starve the heartbeat. The caller resets the pool afterwards. An actor
-    that never decodes passes ``decode=False``: with native weights a decode step also stacks the layers' tiles
-    (``LlamaModel._stack_layers``, a private copy) and loads the decode kernels. One that never prefills (a decode
+    that never decodes passes ``decode=False``: with native weights a decode step also gathers the layers' tiles
+    (``LlamaModel._stack_layers``: views, the norms stacked) and loads the decode kernels. One that never prefills (a decode
     actor that is not colocated) passes ``prefill=False``: its decode step reads the block's zeroed rows, and it
     neither loads the prefill kernels nor pages in the weights' float32 copies (~0.9 s of CPU at start-up).
     ``threads`` > 1 (a native decode actor's most, ``actors.shell.decode_threads``): the step runs again on that

@@ -26,7 +26,10 @@ def streamed_bytes(model) -> tuple[int, int]:
     stacked = model._stack_layers()
     if not stacked:
         raise ValueError("the model has no one-call decode step (weights auto on a Llama-architecture GGUF)")
-    layers = sum(a.nbytes for part in stacked for a in (part if isinstance(part, tuple) else (part,)))
+    def nbytes(part) -> int:   # the norms' stacks, and per role tuples (tiles, scales, mins) of the layers' arrays
+        return sum(nbytes(p) for p in part) if isinstance(part, tuple) else part.nbytes
+
+    layers = nbytes(stacked)
     return layers, model.lm_head.weight_bytes
 
 

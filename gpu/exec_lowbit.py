@@ -140,32 +140,24 @@ class LowbitExecutor(TorchExecutor):
         return self.m._attention(q.unsqueeze(2), kc, vc, mask)
 
     def stack_layers(self) -> tuple | None:
-        """Every layer's norms and Q4 tiles stacked along a new first axis (numpy, for
-        ``lowbit_cpu.decode_layers``), built once; the layers' own linears then run on views of the stacks, so
-        the tiles are not held twice. None unless native with every layer linear in Q4 or Q8h tiles (K-quants:
-        a linear whose layers mix the two is stacked as Q8h, its Q4 layers converted exactly)."""
+        """Every layer's norms stacked along a new first axis and every role's tiles as a tuple of the layers' own
+        arrays (``lowbit_cpu.kernel_view``: no copy, each layer in its own form), for ``lowbit_cpu.decode_layers``;
+        built once. None unless native with every layer linear in Q4, Q5 or Q8h tiles."""
         names, keys = ("qkv", "o", "gate_up", "down"), ("tiles", "tile_scale", "tile_min")
         if self.stacked is None:
             if not self.m.native or not self.m._llama_layers or any(
-                    getattr(lay, n).kind not in ("int4", "int8h") for lay in self.m.layers for n in names):
+                    getattr(lay, n).kind not in ("int4", "int5", "int8h") for lay in self.m.layers for n in names):
                 self.stacked = ()
                 return None
-            from .lowbit_cpu import q4_to_q8h_tiles  # noqa: PLC0415
+            from .lowbit_cpu import kernel_view  # noqa: PLC0415
 
             stacks = {}
             for n in names:
-                lins = [getattr(lay, n) for lay in self.m.layers]
-                if any(lin.kind == "int8h" for lin in lins):
-                    lins = [lin if lin.kind == "int8h" else QuantLinear(
-                        "int8h", q4_to_q8h_tiles(*(lin.tensors[k] for k in keys)) | (
-                            {"dense": lin.tensors["dense"]} if "dense" in lin.tensors else {}), lin.out_features)
-                            for lin in lins]
-                parts = {k: torch.stack([lin.tensors[k] for lin in lins]) for k in keys}
-                for li, (lay, lin) in enumerate(zip(self.m.layers, lins)):
-                    own = {k: lin.tensors[k] for k in lin.tensors if k not in parts} | {k: v[li] for k, v in
-                                                                                          parts.items()}
-                    setattr(lay, n, QuantLinear(lin.kind, own, lin.out_features))
-                stacks[n] = tuple(parts[k].numpy() for k in keys)
+                views = [kernel_view(lin.kind, *(lin.tensors[k] for k in keys))
+                         for lin in (getattr(lay, n) for lay in self.m.layers)]
+                # one numba type per tuple (a runtime layer index needs it): contiguous, writeable arrays
+                stacks[n] = tuple(tuple(v[i] if v[i].flags.c_contiguous and v[i].flags.writeable else np.array(v[i])
+                                        for v in views) for i in range(len(keys)))
             norms = [torch.stack([getattr(lay, n) for lay in self.m.layers]).numpy() for n in ("ln_attn", "ln_mlp")]
             self.stacked = (*norms, *(stacks[n] for n in names))
         return self.stacked or None

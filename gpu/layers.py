@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .loader import ModelConfig
-from .quant import Int4Groups, Int8Groups, Int8HalfGroups, QuantLinear, int8_groups_from_float
+from .quant import Int4Groups, Int5Groups, Int8Groups, Int8HalfGroups, QuantLinear, int8_groups_from_float
 
 __all__ = ["Layer", "LayerMath", "build_layers", "fused_linear", "rope_inv_freq"]
 
@@ -81,14 +81,16 @@ class Layer:
 
 def fused_linear(parts: list, native: bool, dtype: torch.dtype, device: torch.device) -> QuantLinear:
     """One linear over ``parts`` stacked along the output dim (fused QKV, gate-up). Natively: int4 when every part
-    is Q4 groups, int8 when every part is int8 groups, int8h when the parts are half-scaled int8 groups or a
-    mix (Q4_K_M's, e.g. Q5_0 Q/K with a Q8_0 V; each with its float32 copy for large batches); anything else is
-    dequantized into a dense ``dtype`` weight."""
+    is Q4 groups, int5 when the parts are Q5 groups or Q4 and Q5, int8 when every part is int8 groups, int8h when
+    the parts are half-scaled int8 groups or another mix (Q4_K_M's, e.g. Q5_0 Q/K with a Q8_0 V; each with its
+    float32 copy for large batches); anything else is dequantized into a dense ``dtype`` weight."""
     if native and all(isinstance(p, Int4Groups) for p in parts):
         return QuantLinear.int4(Int4Groups.cat(parts))
+    if native and all(isinstance(p, (Int4Groups, Int5Groups)) for p in parts):
+        return QuantLinear.int5(Int5Groups.cat(parts))
     if native and all(isinstance(p, Int8Groups) for p in parts):
         return QuantLinear.int8(Int8Groups.cat(parts))
-    if native and all(isinstance(p, (Int4Groups, Int8Groups, Int8HalfGroups)) for p in parts):
+    if native and all(isinstance(p, (Int4Groups, Int5Groups, Int8Groups, Int8HalfGroups)) for p in parts):
         return QuantLinear.int8h(Int8HalfGroups.cat(parts))   # K-quants, Q5, mixes (converted exactly)
     dense = [p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]
     return QuantLinear.dense(torch.cat([d.to(device=device, dtype=dtype) for d in dense]))

@@ -724,8 +724,8 @@ def load_weights(
         dtype: dtype of every returned tensor (None: ``torch.float32``).
         progress: show a tqdm bar over tensors on stderr.
         native: keep a GGUF's Q4_0/Q4_1/Q4_K linear weights as :class:`gpu.quant.Int4Groups`, its Q8_0 ones as
-            :class:`gpu.quant.Int8Groups` (its own codes) and its Q5_K/Q6_K/Q5_0/Q5_1 ones as
-            :class:`gpu.quant.Int8HalfGroups`; every other tensor is dequantized to ``dtype``.
+            :class:`gpu.quant.Int8Groups` (its own codes), its Q5_K/Q5_0/Q5_1 ones as :class:`gpu.quant.Int5Groups`
+            and its Q6_K ones as :class:`gpu.quant.Int8HalfGroups`; every other tensor is dequantized to ``dtype``.
     Returns:
         ``(config, weights)``; weights maps HF names to CPU tensors (or packed weights, see ``native``),
         linear weights ``[out, in]``, norms
@@ -835,8 +835,8 @@ def _dequantize(t, p: pathlib.Path) -> np.ndarray:
 
 
 def _native_weight(t, hf_name: str, heads: int | None):
-    """A GGUF linear weight kept quantized (Q4_0/Q4_1/Q4_K -> Int4Groups, Q8_0 -> Int8Groups, Q5_K/Q6_K/Q5_0/Q5_1
-    -> Int8HalfGroups), Q/K rows unpermuted; None for norms and every other type (the caller dequantizes those)."""
+    """A GGUF linear weight kept quantized (Q4_0/Q4_1/Q4_K -> Int4Groups, Q8_0 -> Int8Groups, Q5_K/Q5_0/Q5_1 ->
+    Int5Groups, Q6_K -> Int8HalfGroups), Q/K rows unpermuted; None for norms and every other type (the caller dequantizes those)."""
     from .quant import KQUANT_TYPES, Q4_TYPES, int4_groups_from_gguf, int8_groups_from_float, \
         kquant_groups_from_gguf
 

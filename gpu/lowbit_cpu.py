@@ -11,6 +11,8 @@ vector lane per row (Q4: per row and pair of inputs), with no horizontal sums (`
 
     Q4 codes  [N / R, G, 8, 2 R] uint8: byte (t, g, p, 2 r + e) = code 2p + e (low half) | code 16 + 2p + e
               (high half) of row t * R + r in group g (ggml's nibble order); weight = scale * code + min
+    Q5 codes  [N / R, G, 10, 2 R] uint8: the Q4 layout of the low four bits, then two rows of fifth-bit planes
+              (``q5_tiles``); weight = scale * code + min
     Q8 codes  [N / R, G, 32, R] int8:  weight = scale * code
     scale, min [N / R, G, R] float32
 
@@ -45,6 +47,7 @@ __all__ = ["TILE_ROWS", "q4_tiles", "q8_tiles", "q4_linear", "q8_linear", "q8_ro
 
 TILE_ROWS = 32  # output rows per tile = vector lanes of the inner loop
 GROUP = 32      # inputs per scale group (GGUF's Q4_0/Q4_1/Q8_0 block)
+Q5_ROWS = 10    # rows of 2R bytes per group of a Q5 tile: the Q4 layout's 8, then the fifth-bit planes
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 HOST_AVX2 = bool(llvm.get_host_cpu_features().get("avx2"))  # numba compiles for the host CPU (its cache too)
@@ -116,29 +119,42 @@ def _pair_madd(builder, codes, x_pairs, x86: bool):
     return builder.add(even, odd)
 
 
-def _q4_rows_codegen(builder, codes_addr, scale_addr, min_addr, rows, x86: bool = HOST_AVX2):
-    """IR for :func:`_q4_group` / :func:`_q4_group2`: ``rows`` = [(x_addr, fx, sx, acc_addr)] share one unpack
-    of the group's codes. Per row, four int16 partial sums (low / high nibbles of tile rows 0-15 / 16-31), each at
-    most 8 * 2 * 15 * 127 = 30480."""
+def _q4_rows_codegen(builder, codes_addr, scale_addr, min_addr, rows, x86: bool = HOST_AVX2, fifth: bool = False):
+    """IR for :func:`_q4_group` / :func:`_q4_group2` (and with ``fifth`` :func:`_q5_group` / :func:`_q5_group2`):
+    ``rows`` = [(x_addr, fx, sx, acc_addr)] share one unpack of the group's codes. Per row, four int16 partial
+    sums (low / high nibbles of tile rows 0-15 / 16-31), each at most 8 * 2 * 15 * 127 = 30480; with ``fifth``
+    (codes up to 31) two sets, pairs 0-3 and 4-7 (each at most 4 * 2 * 31 * 127 = 31496), widened before they
+    are added."""
     v8, half, half32 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 16)
     low_mask, shift = ir.Constant(v8, [15] * 32), ir.Constant(v8, [4] * 32)
-    sums = [[ir.Constant(half, [0] * 16)] * 4 for _ in rows]
+    sets = 2 if fifth else 1
+    sums = [[[ir.Constant(half, [0] * 16)] * 4 for _ in range(sets)] for _ in rows]
+    if fifth:   # the four bit planes (Q5 layout): byte L of plane k holds bit p = the fifth bit of part k's lane L
+        planes = [builder.load(_ptr(builder, codes_addr, 8 * 2 * TILE_ROWS + 32 * k, v8), align=1) for k in range(4)]
+        bit4 = ir.Constant(v8, [16] * 32)
     for p in range(8):   # pairs of inputs 2p, 2p + 1 (low nibbles) and 16 + 2p, 17 + 2p (high nibbles)
         c = [builder.load(_ptr(builder, codes_addr, p * 2 * TILE_ROWS + 32 * i, v8), align=1) for i in (0, 1)]
         parts = [builder.and_(c[0], low_mask), builder.and_(c[1], low_mask), builder.lshr(c[0], shift),
                  builder.lshr(c[1], shift)]
+        if fifth:   # bit p of the plane moved to bit 4
+            move = (lambda v: builder.shl(v, ir.Constant(v8, [4 - p] * 32))) if p <= 4 else (
+                lambda v: builder.lshr(v, ir.Constant(v8, [p - 4] * 32)))
+            parts = [builder.or_(part, builder.and_(move(plane), bit4)) for part, plane in zip(parts, planes)]
         for r, (x_addr, _, _, _) in enumerate(rows):
             pairs = [_splat(builder, builder.load(_ptr(builder, x_addr, off, _I16), align=1), half)
                      for off in (2 * p, 16 + 2 * p)]   # the two activation bytes, repeated across the lanes
             x_lo, x_hi = (builder.bitcast(v, v8) for v in pairs)
+            acc = sums[r][p // 4 if fifth else 0]
             for k, x_pairs in enumerate((x_lo, x_lo, x_hi, x_hi)):
-                sums[r][k] = builder.add(sums[r][k], _pair_madd(builder, parts[k], x_pairs, x86))
+                acc[k] = builder.add(acc[k], _pair_madd(builder, parts[k], x_pairs, x86))
     vf = ir.VectorType(_F32, TILE_ROWS)
     mins = builder.load(builder.inttoptr(min_addr, vf.as_pointer()), align=4)
     concat = ir.Constant(ir.VectorType(_I32, TILE_ROWS), list(range(TILE_ROWS)))
-    for (_, fx, sx, acc_addr), (lo_a, lo_b, hi_a, hi_b) in zip(rows, sums):
-        rows_a = builder.add(builder.sext(lo_a, half32), builder.sext(hi_a, half32))   # tile rows 0-15
-        rows_b = builder.add(builder.sext(lo_b, half32), builder.sext(hi_b, half32))   # tile rows 16-31
+    for (_, fx, sx, acc_addr), per_set in zip(rows, sums):
+        wide = [[builder.sext(v, half32) for v in s] for s in per_set]
+        lo_a, lo_b, hi_a, hi_b = wide[0] if sets == 1 else [builder.add(a, b) for a, b in zip(*wide)]
+        rows_a = builder.add(lo_a, hi_a)   # tile rows 0-15
+        rows_b = builder.add(lo_b, hi_b)   # tile rows 16-31
         acc_p, acc = _apply_scales(builder, builder.shuffle_vector(rows_a, rows_b, concat), scale_addr, fx, acc_addr)
         builder.store(builder.fadd(acc, builder.fmul(mins, _splat(builder, sx, vf))), acc_p, align=4)
 
@@ -168,6 +184,34 @@ def _q4_group2(typingctx, codes_addr, x_addr, x1_addr, scale_addr, min_addr, fx,
     def codegen(context, builder, signature, args):
         ca, xa, xa1, sa, ma, fx, sx, fx1, sx1, aa, aa1 = args
         _q4_rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa), (xa1, fx1, sx1, aa1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _q5_group(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
+    """:func:`_q4_group` over a Q5 tile's group (codes: the Q4 layout's 8 x 2R bytes of low four bits, then the
+    4 x 32 bytes of fifth-bit planes, :func:`q5_tiles`)."""
+    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.float32, types.float32, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ca, xa, sa, ma, fx, sx, aa = args
+        _q4_rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa)], fifth=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _q5_group2(typingctx, codes_addr, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr, acc1_addr):
+    """:func:`_q5_group` for two activation rows at once over one unpack."""
+    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp, types.float32, types.float32,
+                     types.float32, types.float32, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ca, xa, xa1, sa, ma, fx, sx, fx1, sx1, aa, aa1 = args
+        _q4_rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa), (xa1, fx1, sx1, aa1)], fifth=True)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -373,9 +417,9 @@ def decode_layers(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_tokens,
     low-bit tiled linears, in one call; ``x`` (the residual stream) is updated in place.
 
     x: float32 [B, hidden] (the new tokens' embeddings in, the last layer's output out); ln_attn, ln_mlp:
-    [L, hidden]; qkv, o, gate_up, down: (tiles, scales, mins) of every layer stacked, [L, ...] each (fused
-    Q/K/V rows, then gate rows 0..inter-1 and up rows), each role in Q4 tiles or in Q8h tiles (a K-quant file's
-    mix: Q4_K on the Q4 tiles, Q6_K/Q5_K/Q5_0 on Q8h; numba compiles one form per mix); pool: [L, 2, slots,
+    [L, hidden]; qkv, o, gate_up, down: (tiles, scales, mins) of every layer, a tuple of L arrays each
+    (:func:`kernel_view`; fused Q/K/V rows, then gate rows 0..inter-1 and up rows), each layer in its own form (a
+    K-quant file's mix: Q4_K on the Q4 tiles, Q5_K/Q5_0/Q5_1 on Q5, Q6_K and fused parts with a Q8_0 on Q8h); pool: [L, 2, slots,
     Hkv, D], float32 or float16 bits (uint16; ``kv_cache_dtype``) (slot = block * block_tokens + offset); tables: int64 [B, blocks] (padded); positions: int64
     [B] (the new token's = keys already cached); cos, sin: float32 [positions, D] (``LlamaModel._ensure_rope``'s
     tables); parallel: the GEMVs' tiles and the rows' attention over numba's threads (``set_threads``; the same
@@ -385,9 +429,9 @@ def decode_layers(x, ln_attn, ln_mlp, qkv, o, gate_up, down, pool, block_tokens,
     B, hidden = x.shape
     D = pool.shape[4]
     h = np.empty((B, hidden), np.float32)
-    y_qkv = np.empty((B, qkv[0].shape[1] * TILE_ROWS), np.float32)
-    y_hidden = np.empty((B, o[0].shape[1] * TILE_ROWS), np.float32)
-    y_gu = np.empty((B, gate_up[0].shape[1] * TILE_ROWS), np.float32)
+    y_qkv = np.empty((B, qkv[0][0].shape[0] * TILE_ROWS), np.float32)
+    y_hidden = np.empty((B, o[0][0].shape[0] * TILE_ROWS), np.float32)
+    y_gu = np.empty((B, gate_up[0][0].shape[0] * TILE_ROWS), np.float32)
     act = np.empty((B, inter), np.float32)
     attn = np.empty((B, n_heads * D), np.float32)
     for li in range(ln_attn.shape[0]):
@@ -436,6 +480,39 @@ def q4_tiles(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> di
             "tile_min": torch.from_numpy(_tile(zero.float().numpy() - 8.0 * s))}
 
 
+def _nibble_lanes(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Codes [N, G, 32] -> the Q4 layout's two halves, [T, G, 8, 2 R] each: ``low`` (p, 2 r + e) = code 2p + e
+    of row r, ``high`` (p, 2 r + e) = code 16 + 2p + e (rows padded to a whole tile with code 0)."""
+    n, g = c.shape[:2]
+    out = []
+    for half in (c[..., :16], c[..., 16:]):
+        t = _tile(np.ascontiguousarray(half).reshape(n, g, 8, 2))   # [T, G, 8, 2, R]
+        out.append(np.ascontiguousarray(t.transpose(0, 1, 2, 4, 3)).reshape(t.shape[:3] + (2 * TILE_ROWS,)))
+    return out[0], out[1]
+
+
+def q5_tiles(codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tiles for :func:`q5_linear` from ``gpu.quant.Int5Groups`` fields: codes uint8 ``[N, K]`` in 0..31, scale
+    and min float32 ``[N, K / 32]`` with ``w = code * scale + min`` (GGUF's Q5_0, Q5_1 and Q5_K exactly).
+
+    Returns ``{"tiles": uint8 [T, G, 10, 2 R], "tile_scale", "tile_min": float32 [T, G, R]}``: rows 0-7 of a
+    group are the Q4 layout of the codes' low four bits; rows 8-9 are four bit planes of 32 bytes, part k = (low
+    nibbles of tile rows 0-15, of rows 16-31, high nibbles of rows 0-15, of rows 16-31): byte L of plane k holds,
+    in bit p, the fifth bit of the code that lane L of part k carries in row p. 28 bytes per 32 weights of a row
+    (the file's Q5_0: 22; the Q8h tiles: 44).
+    Raises ValueError if ``K`` is not a multiple of 32."""
+    n, k = codes.shape
+    if k % GROUP:
+        raise ValueError(f"Q5 tiles need K % {GROUP} == 0, got K = {k}")
+    low, high = _nibble_lanes(codes.numpy().astype(np.uint8).reshape(n, k // GROUP, GROUP))   # [T, G, 8, 64] each
+    weights = (1 << np.arange(8, dtype=np.uint8)).reshape(1, 1, 8, 1)
+    planes = [((half >> 4) & 1) * weights for half in (low, high)]   # bit p of pair row p
+    tiles = np.concatenate([(low & 15) | ((high & 15) << 4)] + [pl.sum(axis=2, dtype=np.uint8)[:, :, None]
+                                                                 for pl in planes], axis=2)
+    return {"tiles": torch.from_numpy(np.ascontiguousarray(tiles)), "tile_scale": torch.from_numpy(_tile(
+        scale.float().numpy())), "tile_min": torch.from_numpy(_tile(mins.float().numpy()))}
+
+
 def q8_tiles(codes: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
     """Tiles for :func:`q8_linear` from ``gpu.quant.Int8Groups`` fields: codes int8 ``[N, K]``, scale float32
     ``[N, K / 32]``. Returns ``{"tiles": int8 [T, G, 32, R], "tile_scale": float32 [T, G, R]}``.
@@ -458,6 +535,13 @@ def q4_linear(x: torch.Tensor, n: int, tiles: torch.Tensor, tile_scale: torch.Te
               tile_min: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for float ``x`` ``[M, K]`` and the Q4 weight ``[n, K]`` in :func:`q4_tiles` form: float32
     ``[M, n]``, on ``threads()`` threads. No shape checks (the caller built the tiles for this ``K``)."""
+    return _run(_gemv_par if _threads > 1 else _gemv, x, n, tiles, tile_scale, tile_min)
+
+
+def q5_linear(x: torch.Tensor, n: int, tiles: torch.Tensor, tile_scale: torch.Tensor,
+              tile_min: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for float ``x`` ``[M, K]`` and the weight ``[n, K]`` in :func:`q5_tiles` form: float32
+    ``[M, n]``, on ``threads()`` threads."""
     return _run(_gemv_par if _threads > 1 else _gemv, x, n, tiles, tile_scale, tile_min)
 
 
@@ -594,15 +678,25 @@ def q8h_linear(x: torch.Tensor, n: int, tiles: torch.Tensor, tile_scale: torch.T
 
 
 def _group(codes, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
-    """One group of one tile into one row's accumulators, chosen by the codes' dtype when numba compiles the
-    caller (uint8: :func:`_q4_group`, int8: :func:`_q8h_group`; ``codes``: the tile's group, an array)."""
+    """One group of one tile into one row's accumulators (``codes``: the tile's group, an array). int8 codes:
+    :func:`_q8h_group`; uint8 codes by their shape, so the layers of one role can each keep their own form
+    (:func:`kernel_view`): ``[Q5_ROWS, 2R]`` :func:`_q5_group`, ``[8, 4R]`` (Q8h's bytes) :func:`_q8h_group`,
+    ``[8, 2R]`` :func:`_q4_group`."""
     raise NotImplementedError("only callable from numba-compiled code")
 
 
 @overload(_group, inline="always", jit_options={"nogil": True, "cache": True, "fastmath": False})
 def _group_impl(codes, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
-    kernel = _q4_group if codes.dtype == types.uint8 else _q8h_group
-    return lambda codes, x_addr, scale_addr, min_addr, fx, sx, acc_addr: kernel(
+    if codes.dtype == types.uint8:   # Q4 (8 x 2R), Q5 (Q5_ROWS x 2R) or Q8h's bytes (8 x 4R): one layer's form
+        def any_form(codes, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
+            if codes.shape[0] == Q5_ROWS:
+                _q5_group(codes.ctypes.data, x_addr, scale_addr, min_addr, fx, sx, acc_addr)
+            elif codes.shape[1] == QUAD * TILE_ROWS:
+                _q8h_group(codes.ctypes.data, x_addr, scale_addr, min_addr, fx, sx, acc_addr)
+            else:
+                _q4_group(codes.ctypes.data, x_addr, scale_addr, min_addr, fx, sx, acc_addr)
+        return any_form
+    return lambda codes, x_addr, scale_addr, min_addr, fx, sx, acc_addr: _q8h_group(
         codes.ctypes.data, x_addr, scale_addr, min_addr, fx, sx, acc_addr)
 
 
@@ -613,8 +707,19 @@ def _group2(codes, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_
 
 @overload(_group2, inline="always", jit_options={"nogil": True, "cache": True, "fastmath": False})
 def _group2_impl(codes, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr, acc1_addr):
-    kernel = _q4_group2 if codes.dtype == types.uint8 else _q8h_group2
-    return lambda codes, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr, acc1_addr: kernel(
+    if codes.dtype == types.uint8:
+        def any_form(codes, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr, acc1_addr):
+            if codes.shape[0] == Q5_ROWS:
+                _q5_group2(codes.ctypes.data, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr,
+                           acc1_addr)
+            elif codes.shape[1] == QUAD * TILE_ROWS:
+                _q8h_group2(codes.ctypes.data, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr,
+                            acc1_addr)
+            else:
+                _q4_group2(codes.ctypes.data, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr,
+                           acc1_addr)
+        return any_form
+    return lambda codes, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr, acc1_addr: _q8h_group2(
         codes.ctypes.data, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr, acc1_addr)
 
 
@@ -638,6 +743,20 @@ def _gemv_tile(xq, fx, sx, codes, scale, mins, y, t, acc):
             _group(codes[t, g], xq[b, g * GROUP:].ctypes.data, scale[t, g].ctypes.data, mins[t, g].ctypes.data,
                    fx[b, g], sx[b, g], acc[0].ctypes.data)
         y[b, t * TILE_ROWS:(t + 1) * TILE_ROWS] = acc[0]
+
+
+def kernel_view(kind: str, tiles: torch.Tensor, tile_scale: torch.Tensor,
+                tile_min: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One layer's ``"int4"``, ``"int5"`` or ``"int8h"`` tiles as :func:`decode_layers` takes them, no copy: codes
+    uint8 ``[T, G, P, W]``, scale and min float32 ``[T, G, R or 2R]`` (Q8h's codes as their bytes, its two scales
+    per group side by side), so every form has one numba type and a role's layers can differ in form (Q4_K_M:
+    Q4_K and Q6_K downs, Q5_0 and Q8_0 V rows); :func:`_group` tells them apart by shape."""
+    codes, scale = tiles.numpy(), tile_scale.numpy()
+    if kind == "int8h":
+        codes, scale = codes.view(np.uint8), scale.reshape(scale.shape[0], scale.shape[1], -1)
+    elif kind not in ("int4", "int5"):
+        raise ValueError(f"no decode_layers tiles for a linear of kind {kind!r}")
+    return codes, scale, tile_min.numpy()
 
 
 @numba.njit(nogil=True, cache=True, fastmath=False)  # explicit: see the module docstring
@@ -668,15 +787,3 @@ def _gemv_threads(x, codes, scale, mins, y, parallel):
     else:
         _gemv(x, codes, scale, mins, y)
 
-
-def q4_to_q8h_tiles(tiles: torch.Tensor, tile_scale: torch.Tensor, tile_min: torch.Tensor) -> dict[str, torch.Tensor]:
-    """:func:`q4_tiles` output as :func:`q8h_tiles` output of the same weight (codes 0..15 as int8, the scale
-    for both halves, the same min): exact, for stacking a role whose layers mix Q4 and Q8h."""
-    T, G = tiles.shape[0], tiles.shape[1]
-    b = tiles.numpy().reshape(T, G, 8, TILE_ROWS, 2)             # (p, r, e): codes 2p + e (low), 16 + 2p + e (high)
-    low, high = (b & 15).transpose(0, 1, 2, 4, 3), (b >> 4).transpose(0, 1, 2, 4, 3)   # [T, G, 8, 2, R]
-    codes = np.concatenate([low.reshape(T, G, 16, TILE_ROWS), high.reshape(T, G, 16, TILE_ROWS)], axis=2)
-    s = tile_scale.numpy()
-    return {"tiles": torch.from_numpy(_quads(codes.astype(np.int8))),
-            "tile_scale": torch.from_numpy(np.ascontiguousarray(np.stack([s, s], axis=2))),
-            "tile_min": tile_min.clone()}

@@ -155,8 +155,8 @@ class LlamaModel(LayerMath):
         config: from :func:`gpu.loader.load_weights`.
         weights: HF-named weights from :func:`gpu.loader.load_weights`: tensors (their dtype becomes the compute
             dtype unless ``native``), or with ``native`` also :class:`gpu.quant.Int4Groups` /
-            :class:`gpu.quant.Int8Groups` / :class:`gpu.quant.Int8HalfGroups` for GGUF-quantized linears, kept
-            packed.
+            :class:`gpu.quant.Int5Groups` / :class:`gpu.quant.Int8Groups` / :class:`gpu.quant.Int8HalfGroups` for
+            GGUF-quantized linears, kept packed.
         device: where the weights (and every ``kv`` pool passed in) live.
         native: run packed weights with gpu/lowbit_cpu.py's GEMV (``weights="auto"`` in the engine) when a
             prefill has fewer than ``dense_min_tokens`` tokens, their float32 copies otherwise (every prefill by

@@ -30,8 +30,8 @@ __all__ = ["FORMAT_VERSION", "cache_path", "default_cache_dir", "ensure_prepared
            "torch_version"]
 
 # bump when LlamaModel.to_state's layout changes (5: K-quant/Q5 GGUF linears kept low-bit, the "int8h" kind;
-# 6: native untied dense heads as int8 too)
-FORMAT_VERSION = 6
+# 6: native untied dense heads as int8 too; 7: Q5_0/Q5_1/Q5_K linears on the Q5 tiles, the "int5" kind)
+FORMAT_VERSION = 7
 
 
 def prepared_key(model_path: str | os.PathLike | None, weights: str) -> str:

@@ -4,8 +4,10 @@ Two weight forms, both in groups of 32 inputs as GGUF stores them:
 
 - :class:`Int4Groups`: 4-bit codes with a scale and a zero per group, ``w = (q - 8) * scale + zero``: Q4_1's
   ``d * q + m`` is scale ``d``, zero ``m + 8 d``; Q4_0's ``d * (q - 8)`` is scale ``d``, zero 0. Exact.
-- :class:`Int8HalfGroups`: int8 codes with a scale per 16 inputs and a min per 32: GGUF's Q5_K, Q6_K, Q5_0 and
-  Q5_1 exactly (Q4_K is Int4Groups: Q4_1's form per sub-block of 32; layouts at the K-quant section below).
+- :class:`Int5Groups`: 5-bit codes with a scale and a min per group, ``w = q * scale + min``: GGUF's Q5_0, Q5_1
+  and Q5_K exactly (Q4_K is Int4Groups: Q4_1's form per sub-block of 32; layouts at the K-quant section below).
+- :class:`Int8HalfGroups`: int8 codes with a scale per 16 inputs and a min per 32: GGUF's Q6_K exactly, and any
+  of the others converted exactly (a fused linear whose parts differ in type).
 - :class:`Int8Groups`: 8-bit codes with a scale per group, GGUF's Q8_0 exactly (used for the token embedding /
   output projection; re-quantizing Q8_0 per row instead costs quality: top-1 agreement 0.96 instead of 0.99 on
   bench/quality's text).
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["GROUP_SIZE", "Int4Groups", "Int8Groups", "Int8HalfGroups", "int4_groups_from_gguf",
+__all__ = ["GROUP_SIZE", "Int4Groups", "Int5Groups", "Int8Groups", "Int8HalfGroups", "int4_groups_from_gguf",
            "int8_groups_from_float", "kquant_groups_from_gguf", "QuantLinear"]
 
 GROUP_SIZE = 32  # inputs per scale/zero group (GGUF's block size for Q4_0, Q4_1, Q8_0)
@@ -138,7 +140,7 @@ class QuantLinear:
     """``y = x @ w.T`` over one weight ``[N, K]``: ``linear.fn(x)`` for few rows, ``linear.big(x)`` for many.
 
     ``x`` and ``y`` are float32 ``[M, K]`` / ``[M, N]`` on every path. Kinds: ``"dense"`` (``F.linear``; ``fn`` and
-    ``big`` are the same), ``"int4"``, ``"int8"`` and ``"int8h"`` (``fn`` runs gpu/lowbit_cpu.py's GEMV on int8-quantized
+    ``big`` are the same), ``"int4"``, ``"int5"``, ``"int8"`` and ``"int8h"`` (``fn`` runs gpu/lowbit_cpu.py's GEMV on int8-quantized
     ``x``, its cost linear in ``M``; ``big`` runs ``F.linear`` on the exact float32 weight ``tensors["dense"]``
     when it is there: MKL's fp32 GEMM wins at prefill sizes: `python -m bench.prefill_forward`). ``tensors`` is
     what the prepared-model cache stores (:meth:`from_tensors`).
@@ -180,6 +182,16 @@ class QuantLinear:
         return cls("int4", tensors, w.shape[0])
 
     @classmethod
+    def int5(cls, w: "Int5Groups", dense: bool = True) -> "QuantLinear":
+        """Tile ``w`` for ``lowbit_cpu.q5_linear`` (codes ``[T, K / 32, 10, 64]`` uint8, scales and mins
+        ``[T, K / 32, 32]`` float32); with ``dense``, also the exact float32 weight for ``big``."""
+        from . import lowbit_cpu  # noqa: PLC0415
+        tensors = lowbit_cpu.q5_tiles(w.codes, w.scale, w.min)
+        if dense:
+            tensors["dense"] = w.dequantize().contiguous()
+        return cls("int5", tensors, w.shape[0])
+
+    @classmethod
     def int8(cls, w: Int8Groups, dense: bool = True) -> "QuantLinear":
         """Tile ``w`` for ``lowbit_cpu.q8_linear`` (codes ``[T, K / 32, 32, 32]`` int8, scales
         ``[T, K / 32, 32]`` float32); with ``dense``, the float32 weight for ``big`` (``w.source`` when known, so
@@ -211,7 +223,8 @@ class QuantLinear:
         Raises:
             ValueError: an unknown ``kind``, missing tensors, or ``out_features`` beyond the tiles' rows.
         """
-        need = {"int4": ("tiles", "tile_scale", "tile_min"), "int8": ("tiles", "tile_scale"),
+        need = {"int4": ("tiles", "tile_scale", "tile_min"), "int5": ("tiles", "tile_scale", "tile_min"),
+                "int8": ("tiles", "tile_scale"),
                 "int8h": ("tiles", "tile_scale", "tile_min"), "dense": ("weight",)}
         if kind not in need or any(k not in tensors for k in need[kind]):
             raise ValueError(f"linear of kind {kind!r} with tensors {sorted(tensors)}")
@@ -227,6 +240,10 @@ def _bind(kind: str, t: dict[str, torch.Tensor], n: int):
         from .lowbit_cpu import q4_linear  # noqa: PLC0415
         tiles, scale, mins = t["tiles"], t["tile_scale"], t["tile_min"]
         return lambda x: q4_linear(x, n, tiles, scale, mins)
+    if kind == "int5":
+        from .lowbit_cpu import q5_linear  # noqa: PLC0415
+        tiles, scale, mins = t["tiles"], t["tile_scale"], t["tile_min"]
+        return lambda x: q5_linear(x, n, tiles, scale, mins)
     if kind == "int8":
         from .lowbit_cpu import q8_linear  # noqa: PLC0415
         tiles, scale = t["tiles"], t["tile_scale"]
@@ -250,8 +267,9 @@ def _bind(kind: str, t: dict[str, torch.Tensor], n: int):
 #   Q6_K 210 bytes: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16 inputs), fp16 d;
 #        w = d sc (q - 32), q 0..63
 # Q4_K is Q4_1's form per sub-block of 32 (scale d sc, min -dmin m), so it becomes Int4Groups and runs on the
-# Q4 tiles. The others become Int8HalfGroups: int8 codes with a scale per 16 inputs and a min per 32, exact for
-# Q5_K, Q6_K, Q5_0 (llama.cpp's fallback for Q4_K when K % 256 != 0) and Q5_1 (Q5_K's fallback).
+# Q4 tiles. Q5_K (scale d sc, min -dmin m), Q5_0 (llama.cpp's fallback for Q4_K when K % 256 != 0: scale d, min
+# -16 d) and Q5_1 (Q5_K's fallback: scale d, min m) become Int5Groups and run on the Q5 tiles (the Q4 tiles plus
+# a fifth-bit plane). Q6_K becomes Int8HalfGroups: int8 codes with a scale per 16 inputs.
 
 K_SUPER = 256  # inputs per K-quant super-block
 KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
@@ -262,9 +280,9 @@ _BLOCK_INPUTS = {"Q4_K": K_SUPER, "Q5_K": K_SUPER, "Q6_K": K_SUPER, "Q5_0": GROU
 @dataclass
 class Int8HalfGroups:
     """A ``[N, K]`` weight as ``w = codes * scale[k // 16] + min[k // 32]``: ``codes`` int8 ``[N, K]``,
-    ``scale`` float32 ``[N, K // 16]``, ``min`` float32 ``[N, K // 32]``. Q5_K, Q6_K, Q5_0 and Q5_1 exactly;
-    :meth:`from_int4` / :meth:`from_int8` take Int4Groups / Int8Groups exactly too (a fused linear whose parts
-    differ in type)."""
+    ``scale`` float32 ``[N, K // 16]``, ``min`` float32 ``[N, K // 32]``. Q6_K exactly; :meth:`from_int4` /
+    :meth:`from_int5` / :meth:`from_int8` take Int4Groups / Int5Groups / Int8Groups exactly too (a fused linear
+    whose parts differ in type)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -290,6 +308,11 @@ class Int8HalfGroups:
                               w.scale.float().repeat_interleave(2, dim=1), w.zero.float())
 
     @staticmethod
+    def from_int5(w: "Int5Groups") -> "Int8HalfGroups":
+        """``q * scale + min`` as codes ``q``, the scale for both halves, the same min."""
+        return Int8HalfGroups(w.codes.to(torch.int8), w.scale.float().repeat_interleave(2, dim=1), w.min.float())
+
+    @staticmethod
     def from_int8(w: Int8Groups) -> "Int8HalfGroups":
         """``codes * scale`` (Q8_0) with the scale for both halves and min 0."""
         return Int8HalfGroups(w.codes, w.scale.float().repeat_interleave(2, dim=1),
@@ -297,11 +320,49 @@ class Int8HalfGroups:
 
     @staticmethod
     def cat(parts: list) -> "Int8HalfGroups":
-        """Stack along N; Int4Groups and Int8Groups parts are converted (:meth:`from_int4`, :meth:`from_int8`)."""
+        """Stack along N; Int4Groups, Int5Groups and Int8Groups parts are converted (:meth:`from_int4`,
+        :meth:`from_int5`, :meth:`from_int8`)."""
         parts = [Int8HalfGroups.from_int4(p) if isinstance(p, Int4Groups) else
+                 Int8HalfGroups.from_int5(p) if isinstance(p, Int5Groups) else
                  Int8HalfGroups.from_int8(p) if isinstance(p, Int8Groups) else p for p in parts]
         return Int8HalfGroups(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
                               torch.cat([p.min for p in parts]))
+
+
+@dataclass
+class Int5Groups:
+    """A ``[N, K]`` weight as ``w = codes * scale + min`` per group of 32 inputs: ``codes`` uint8 ``[N, K]`` in
+    0..31, ``scale``, ``min`` float32 ``[N, K // 32]``. Q5_0, Q5_1 and Q5_K exactly; :meth:`cat` takes
+    Int4Groups parts too (exactly)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def take_rows(self, order: np.ndarray) -> "Int5Groups":
+        idx = torch.from_numpy(np.ascontiguousarray(order))
+        return Int5Groups(self.codes[idx], self.scale[idx], self.min[idx])
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        w = self.codes.view(n, k // GROUP_SIZE, GROUP_SIZE).float() * self.scale[..., None]
+        return (w + self.min[..., None]).view(n, k)
+
+    @staticmethod
+    def from_int4(w: Int4Groups) -> "Int5Groups":
+        """``(q - 8) * scale + zero`` as codes ``q``, min ``zero - 8 scale`` (the Q4 tiles' own min)."""
+        return Int5Groups(w.codes, w.scale.float(), w.zero.float() - 8.0 * w.scale.float())
+
+    @staticmethod
+    def cat(parts: list) -> "Int5Groups":
+        """Stack along N; Int4Groups parts are converted (:meth:`from_int4`)."""
+        parts = [Int5Groups.from_int4(p) if isinstance(p, Int4Groups) else p for p in parts]
+        return Int5Groups(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                          torch.cat([p.min for p in parts]))
 
 
 def _fp16(b: np.ndarray) -> np.ndarray:
@@ -319,7 +380,7 @@ def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def kquant_groups_from_gguf(raw: np.ndarray, type_name: str,
-                            shape: tuple[int, int]) -> Int4Groups | Int8HalfGroups:
+                            shape: tuple[int, int]) -> Int4Groups | Int5Groups | Int8HalfGroups:
     """Unpack a GGUF Q4_K, Q5_K, Q6_K, Q5_0 or Q5_1 tensor without dequantizing it (layouts above).
 
     Args:
@@ -327,7 +388,7 @@ def kquant_groups_from_gguf(raw: np.ndarray, type_name: str,
         type_name: one of :data:`KQUANT_TYPES`.
         shape: ``(N, K)`` in HF layout, ``K`` a multiple of the type's block (256 for K-quants, 32 for Q5).
     Returns:
-        :class:`Int4Groups` for Q4_K, :class:`Int8HalfGroups` for the others; values equal
+        :class:`Int4Groups` for Q4_K, :class:`Int8HalfGroups` for Q6_K, :class:`Int5Groups` for the others; values equal
         ``gguf.quants.dequantize``'s up to float32 rounding of ``d * sc`` products (exact for these sizes).
     Raises:
         ValueError: another type, or a byte count that does not match ``shape``.
@@ -348,12 +409,9 @@ def kquant_groups_from_gguf(raw: np.ndarray, type_name: str,
         qs = b[..., head + 4:]
         low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)                # [N, G, 32]
         q = low | (((high[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
-        if type_name == "Q5_0":                                            # w = d (q - 16)
-            codes, mins = q.astype(np.int16) - 16, np.zeros_like(d)
-        else:                                                              # w = d q + m
-            codes, mins = q.astype(np.int16), _fp16(b[..., 2:4])
-        return Int8HalfGroups(torch.from_numpy(codes.astype(np.int8).reshape(n, k)),
-                              torch.from_numpy(np.repeat(d, 2, axis=1)), torch.from_numpy(mins))
+        mins = -16.0 * d if type_name == "Q5_0" else _fp16(b[..., 2:4])   # w = d (q - 16) / w = d q + m
+        return Int5Groups(torch.from_numpy(np.ascontiguousarray(q.reshape(n, k))), torch.from_numpy(d),
+                          torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32)))
     if type_name == "Q6_K":
         ql, qh = b[..., :128], b[..., 128:192]
         sc = b[..., 192:208].view(np.int8).astype(np.float32)              # [N, nb, 16]
@@ -378,5 +436,5 @@ def kquant_groups_from_gguf(raw: np.ndarray, type_name: str,
                           torch.from_numpy(mins + 8.0 * scale))
     qh = b[..., 16:48].reshape(n, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
     q = q | ((qh & 1) << 4)
-    return Int8HalfGroups(torch.from_numpy(q.astype(np.int8).reshape(n, k)),
-                          torch.from_numpy(np.repeat(scale, 2, axis=1)), torch.from_numpy(mins))
+    return Int5Groups(torch.from_numpy(np.ascontiguousarray(q.reshape(n, k))), torch.from_numpy(scale),
+                      torch.from_numpy(np.ascontiguousarray(mins)))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from gpu.quant import Int4Groups, Int8HalfGroups, QuantLinear, kquant_groups_from_gguf
+from gpu.quant import Int4Groups, Int5Groups, Int8HalfGroups, QuantLinear, kquant_groups_from_gguf
 from tools.kquantize import quantize, requantize
 
 TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
@@ -28,7 +28,14 @@ def _weight(rows: int, k: int, seed: int) -> np.ndarray:
 
 
 def _linear(groups) -> QuantLinear:
-    return QuantLinear.int4(groups) if isinstance(groups, Int4Groups) else QuantLinear.int8h(groups)
+    return (QuantLinear.int4(groups) if isinstance(groups, Int4Groups) else QuantLinear.int5(groups)
+            if isinstance(groups, Int5Groups) else QuantLinear.int8h(groups))
+
+
+def test_each_type_unpacks_to_the_narrowest_tiles_that_hold_it_exactly():
+    kinds = {qtype: _linear(kquant_groups_from_gguf(quantize(_weight(32, 256, 2), qtype), qtype, (32, 256))).kind
+             for qtype in TYPES}
+    assert kinds == {"Q4_K": "int4", "Q5_K": "int5", "Q5_0": "int5", "Q5_1": "int5", "Q6_K": "int8h"}
 
 
 def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -92,6 +99,11 @@ def test_kquant_gemv_sums_without_integer_overflow_at_the_extreme_codes():
                            torch.zeros(32, k // 32))
         x = torch.full((1, k), -3.0)
         assert torch.allclose(QuantLinear.int8h(w, dense=False).fn(x), F.linear(x, w.dequantize())), code
+    for code in (31, 16, 15):   # the Q5 tiles: 8 pairs of 2 * 31 * 127 would pass int16; and the fifth bit alone
+        w5 = Int5Groups(torch.full((32, k), code, dtype=torch.uint8), torch.full((32, k // 32), 0.5),
+                        torch.zeros(32, k // 32))
+        for x in (torch.full((2, k), -3.0), torch.full((1, k), 3.0)):
+            assert torch.equal(QuantLinear.int5(w5, dense=False).fn(x), F.linear(x, w5.dequantize())), code
 
 
 @pytest.fixture(scope="module")
@@ -112,26 +124,14 @@ def test_a_q4_k_m_model_runs_its_k_quants_low_bit_and_agrees_with_its_float32_pa
     # the rest falls back as llama.cpp's does (Q5_0; the tied embedding Q8_0)
     assert set(counts) == {"F32", "Q4_K", "Q6_K", "Q5_0", "Q8_0"}
     kinds = {(lay.down.kind, lay.qkv.kind, lay.gate_up.kind) for lay in native.layers}
-    if not native._stacked:   # before a decode step stacks them: Q4_K downs on the Q4 tiles, Q6_K on Q8h
-        assert kinds == {("int4", "int8h", "int8h"), ("int8h", "int8h", "int8h")}
+    # Q4_K downs on the Q4 tiles, Q6_K on Q8h, Q5_0 on Q5 (a fused QKV with a Q8_0 V on Q8h)
+    assert {d for d, _, _ in kinds} == {"int4", "int8h"} and {g for _, _, g in kinds} == {"int5"}
+    assert {q for _, q, _ in kinds} == {"int5", "int8h"}
     ids = tok.encode(DEFAULT_TEXT.read_text(encoding="utf-8"))[:129]
     res = compare(reference, native, ids, chunk_tokens=128, candidate_by_decode=True)
     assert native.weights_mode == "native" and res["tokens"] == 128
     assert res["top1_agreement"] >= 0.9, res
     assert res["ppl_candidate"] <= 1.05 * res["ppl_reference"], res
-
-
-def test_q4_tiles_converted_to_q8h_tiles_compute_the_same_linear():
-    from gpu.lowbit_cpu import q4_to_q8h_tiles, q8h_linear
-
-    k = 256
-    q4 = kquant_groups_from_gguf(quantize(_weight(40, k, 6), "Q4_K"), "Q4_K", (40, k))
-    lin = QuantLinear.int4(q4, dense=False)
-    converted = q4_to_q8h_tiles(*(lin.tensors[n] for n in ("tiles", "tile_scale", "tile_min")))
-    x = torch.from_numpy(np.random.default_rng(7).standard_normal((3, k)).astype(np.float32))
-    exact = _int8_rounded(x) @ q4.dequantize().double().T
-    y = q8h_linear(x, 40, **converted)
-    assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
 
 
 def test_the_one_call_decode_of_a_q4_k_m_model_matches_its_op_by_op_decode(q4_k_m_models):
@@ -145,8 +145,10 @@ def test_the_one_call_decode_of_a_q4_k_m_model_matches_its_op_by_op_decode(q4_k_
         m.prefill(kv, ids[:n], table)
     kv_op = kv.clone()
     one_call = m.decode(kv, [7, 8, 9], lengths, tables)
-    assert m._stacked and any(stack[0].dtype == np.int8 for stack in m._stacked[2:])   # Q8h stacks decoded
-    assert {lay.down.kind for lay in m.layers} == {"int8h"}   # the Q4_K downs converted to stack with the Q6_K
+    # each layer in its own form within a role: Q4_K and Q6_K downs, QKV on Q5 or (with a Q8_0 V) on Q8h
+    forms = [{(codes.shape[2], codes.shape[3]) for codes in m._stacked[role][0]} for role in (2, 3, 4, 5)]
+    assert forms == [{(10, 64), (8, 128)}, {(10, 64)}, {(10, 64)}, {(8, 64), (8, 128)}], forms
+    assert {lay.down.kind for lay in m.layers} == {"int4", "int8h"}   # the linears themselves are unchanged
     stacked, m._stacked = m._stacked, ()   # () = "not applicable": the op-by-op path, on the same kernels
     m.dense_min_tokens = 1 << 30
     try:
@@ -205,5 +207,54 @@ def test_the_portable_q8h_loop_gives_the_same_integer_sums_as_the_one_the_host_r
     portable(x, *(tiles[name].numpy() for name in ("tiles", "tile_scale", "tile_min")), y)
     exact = torch.from_numpy(x).double() @ codes.double().T
     host = lb.q8h_linear(torch.from_numpy(x), n, **tiles)   # rows 0, 1 as a pair, row 2 alone
+    assert torch.equal(host.double(), exact)
+    assert torch.equal(torch.from_numpy(y).double(), exact)
+
+
+def test_the_portable_q5_loop_gives_the_same_integer_sums_as_the_one_the_host_runs():
+    # as the Q8h check below: the Q5 loop's pair products in portable IR against the host's (pmaddubsw), codes
+    # over 0..31 (every fifth-bit position set somewhere), integer activations with a 127 in every group
+    import numba
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    from gpu import lowbit_cpu as lb
+
+    @intrinsic
+    def portable_group(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
+        sig = types.void(types.intp, types.intp, types.intp, types.intp, types.float32, types.float32, types.intp)
+
+        def codegen(context, builder, signature, args):
+            ca, xa, sa, ma, fx_, sx_, aa = args
+            lb._q4_rows_codegen(builder, ca, sa, ma, [(xa, fx_, sx_, aa)], x86=False, fifth=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @numba.njit
+    def portable(x, codes, scale, mins, y):
+        xq, fx, sx = lb._quantized(x)
+        acc = np.empty(lb.TILE_ROWS, np.float32)
+        for t in range(codes.shape[0]):
+            for b in range(x.shape[0]):
+                acc[:] = 0.0
+                for g in range(codes.shape[1]):
+                    portable_group(codes[t, g].ctypes.data, xq[b, g * 32:].ctypes.data, scale[t, g].ctypes.data,
+                                   mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc.ctypes.data)
+                y[b, t * lb.TILE_ROWS:(t + 1) * lb.TILE_ROWS] = acc
+
+    rng = np.random.default_rng(13)
+    n, k = 64, 96
+    codes = torch.from_numpy(rng.integers(0, 32, (n, k)).astype(np.uint8))
+    codes[0], codes[1] = 31, 16
+    w = Int5Groups(codes, torch.ones(n, k // 32), torch.zeros(n, k // 32))
+    x = rng.integers(-127, 128, (3, k)).astype(np.float32)
+    x[:, ::32] = 127.0
+    x[2] = 127.0
+    tiles = lb.q5_tiles(w.codes, w.scale, w.min)
+    y = np.empty((3, n), np.float32)
+    portable(x, *(tiles[name].numpy() for name in ("tiles", "tile_scale", "tile_min")), y)
+    exact = torch.from_numpy(x).double() @ codes.double().T
+    host = lb.q5_linear(torch.from_numpy(x), n, **tiles)   # rows 0, 1 as a pair, row 2 alone
     assert torch.equal(host.double(), exact)
     assert torch.equal(torch.from_numpy(y).double(), exact)
