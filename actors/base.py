@@ -64,11 +64,22 @@ class EngineLayout:
     config_sources: dict[str, str] = field(default_factory=dict)
 
     def effective_config(self) -> dict[str, dict[str, Any]]:
-        """``{field: {"value": v, "source": "default"|"env"|"flag"}}`` for tools/inspect (secrets hidden)."""
+        """``{field: {"value": v, "source": "default"|"env"|"flag"}}`` for tools/inspect (secrets hidden); a field
+        the engine resolves at start-up (``max_model_len``, ``port``, ``kv_cache_dtype``, ``kv_pool_tokens``) also
+        carries ``"resolved"``: what this engine runs with (``kv_pool_tokens``: with ``"why"``, the start-up line's
+        reason)."""
         from pdserve.config import redacted
 
         values = redacted(self.config)
-        return {k: {"value": v, "source": self.config_sources.get(k, "default")} for k, v in values.items()}
+        out = {k: {"value": v, "source": self.config_sources.get(k, "default")} for k, v in values.items()}
+        resolved = {"max_model_len": self.max_context_tokens, "port": self.http_port, "kv_cache_dtype": self.kv_dtype,
+                    "kv_pool_tokens": self.kv_blocks_per_pool * self.config.kv_block_tokens}
+        for name, value in resolved.items():
+            if name in out:
+                out[name]["resolved"] = value
+        if "kv_pool_tokens" in out and self.kv_pool_note:
+            out["kv_pool_tokens"]["why"] = self.kv_pool_note
+        return out
 
     def segment(self, what: str) -> str:
         return self.segments[what]

@@ -23,7 +23,8 @@ JSON snapshot schema (``--json``; version 1; times in seconds, ``null`` = unknow
 
     {"schema": 1, "engine_id": str, "url": str, "role": "prefill"|"decode"|"both" (config field ``role``),
      "taken_unix_s": float, "healthy": bool, "problems": [str],
-     "config": {field: {"value": any, "source": "default"|"env"|"flag"}},
+     "config": {field: {"value": any, "source": "default"|"env"|"flag", "resolved": any (max_model_len, port,
+                kv_cache_dtype, kv_pool_tokens: what the engine runs with), "why": str (kv_pool_tokens)}},
      "actors": [{"name", "role": "prefill"|"decode"|"api"|"monitor", "pid", "device", "status",
                  "health": "ok"|"hung"|"dead"|"starting"|"restarting"|..., "heartbeat_age_s",
                  "loop_iterations_per_s", "restarts", "late_messages", "kv_blocks_free", "kv_blocks_total",
@@ -169,8 +170,11 @@ def render(snapshot: dict[str, Any]):
     for column in ("field", "value", "source"):
         settings.add_column(column)
     for name, entry in snapshot["config"].items():
-        if entry["source"] != "default" or name.endswith("_timeout_s") or name in ("monitor_tick_s", "stuck_gauge_s"):
-            settings.add_row(name, str(entry["value"]), entry["source"])
+        resolved = entry.get("resolved", entry["value"])   # what the engine runs with (e.g. kv_cache_dtype auto)
+        if entry["source"] != "default" or name.endswith("_timeout_s") or name in (
+                "monitor_tick_s", "stuck_gauge_s", "kv_cache_dtype", "kv_pool_tokens"):
+            value = str(entry["value"]) + ("" if resolved == entry["value"] else f" -> {resolved}")
+            settings.add_row(name, value, entry["source"])
     return Group(head, watchdog, views, actors, gauges, requests, settings)
 
 
