@@ -409,7 +409,7 @@ def kquant_groups_from_gguf(raw: np.ndarray, type_name: str,
         qs = b[..., head + 4:]
         low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)                # [N, G, 32]
         q = low | (((high[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
-        mins = -16.0 * d if type_name == "Q5_0" else _fp16(b[..., 2:4])   # w = d (q - 16) / w = d q + m
+        mins = -(16.0 * d) if type_name == "Q5_0" else _fp16(b[..., 2:4])   # w = d (q - 16) / w = d q + m
         return Int5Groups(torch.from_numpy(np.ascontiguousarray(q.reshape(n, k))), torch.from_numpy(d),
                           torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32)))
     if type_name == "Q6_K":
