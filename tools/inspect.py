@@ -171,8 +171,8 @@ def render(snapshot: dict[str, Any]):
         settings.add_column(column)
     for name, entry in snapshot["config"].items():
         resolved = entry.get("resolved", entry["value"])   # what the engine runs with (e.g. kv_cache_dtype auto)
-        if entry["source"] != "default" or name.endswith("_timeout_s") or name in (
-                "monitor_tick_s", "stuck_gauge_s", "kv_cache_dtype", "kv_pool_tokens"):
+        if entry["source"] != "default" or resolved != entry["value"] or name.endswith("_timeout_s") or name in (
+                "monitor_tick_s", "stuck_gauge_s", "kv_cache_dtype", "kv_pool_tokens"):   # max_model_len 0 -> fit
             value = str(entry["value"]) + ("" if resolved == entry["value"] else f" -> {resolved}")
             settings.add_row(name, value, entry["source"])
     return Group(head, watchdog, views, actors, gauges, requests, settings)

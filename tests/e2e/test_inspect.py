@@ -69,6 +69,10 @@ def test_a_pinned_transfer_is_shown_growing_then_gone_after_the_monitor_aborts_i
     console.print(render(snap))
     shown = console.export_text()
     assert f"{dtype['value']} -> {dtype['resolved']}" in shown or dtype["value"] == dtype["resolved"], shown
+    # every field start-up resolved to something else than given is shown, defaults too (max_model_len 0 -> fit)
+    context = snap["config"]["max_model_len"]
+    assert context["source"] == "default" and context["value"] == 0 < context["resolved"], context
+    assert re.search(rf"max_model_len\s*│\s*0 -> {context['resolved']}\s*│\s*default", shown), shown
 
 
 def test_inspect_answers_while_the_api_process_is_stopped(fault_engine, fault_probe):
