@@ -144,7 +144,7 @@ def engine(tmp_path_factory):
     cleanup_engine(eng)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(360)   # counts the module engine's start: a fresh checkout compiles the numba kernels (~2 min)
 def test_a_small_run_against_a_real_engine_measures_every_request(engine, tmp_path):
     out = tmp_path / "runs.jsonl"
     s = bs.main(["--base-url", engine.base_url + "/v1", "--num-prompts", "4", "--max-concurrency", "2",
