@@ -155,9 +155,7 @@ class LowbitExecutor(TorchExecutor):
             for n in names:
                 views = [kernel_view(lin.kind, *(lin.tensors[k] for k in keys))
                          for lin in (getattr(lay, n) for lay in self.m.layers)]
-                # one numba type per tuple (a runtime layer index needs it): contiguous, writeable arrays
-                stacks[n] = tuple(tuple(v[i] if v[i].flags.c_contiguous and v[i].flags.writeable else np.array(v[i])
-                                        for v in views) for i in range(len(keys)))
+                stacks[n] = tuple(tuple(v[i] for v in views) for i in range(len(keys)))   # (tiles, scales, mins)
             norms = [torch.stack([getattr(lay, n) for lay in self.m.layers]).numpy() for n in ("ln_attn", "ln_mlp")]
             self.stacked = (*norms, *(stacks[n] for n in names))
         return self.stacked or None

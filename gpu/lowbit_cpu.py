@@ -159,62 +159,42 @@ def _q4_rows_codegen(builder, codes_addr, scale_addr, min_addr, rows, x86: bool 
         builder.store(builder.fadd(acc, builder.fmul(mins, _splat(builder, sx, vf))), acc_p, align=4)
 
 
-@intrinsic
-def _q4_group(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
-    """acc[r] += scale[r] * fx * sum_j code[j, r] * x[j] + min[r] * sx over one group (32 inputs) of one tile.
+def _group_kernels(rows_codegen, **options):
+    """The numba intrinsics ``(one row, two rows)`` of one tile form, over ``rows_codegen(builder, codes_addr,
+    scale_addr, min_addr, rows, **options)``. One row: ``(codes_addr, x_addr, scale_addr, min_addr, fx, sx,
+    acc_addr)`` adds one group (32 inputs) of one tile into ``acc`` [R] float32: ``x`` 32 int8 activations, ``fx``
+    their scale, ``sx = fx * sum_j x[j]``; two rows: ``(codes_addr, x_addr, x1_addr, scale_addr, min_addr, fx, sx,
+    fx1, sx1, acc_addr, acc1_addr)``, both over one unpack of the codes."""
+    @intrinsic
+    def one(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
+        sig = types.void(types.intp, types.intp, types.intp, types.intp, types.float32, types.float32, types.intp)
 
-    codes: 8 x 2R bytes (two codes each, module docstring), x: 32 int8, scale/min/acc: R float32; fx = the group's
-    activation scale, sx = fx * sum_j x[j]."""
-    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.float32, types.float32, types.intp)
+        def codegen(context, builder, signature, args):
+            ca, xa, sa, ma, fx, sx, aa = args
+            rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa)], **options)
+            return context.get_dummy_value()
 
-    def codegen(context, builder, signature, args):
-        ca, xa, sa, ma, fx, sx, aa = args
-        _q4_rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa)])
-        return context.get_dummy_value()
+        return sig, codegen
 
-    return sig, codegen
+    @intrinsic
+    def two(typingctx, codes_addr, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr, acc1_addr):
+        sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp, types.float32, types.float32,
+                         types.float32, types.float32, types.intp, types.intp)
 
+        def codegen(context, builder, signature, args):
+            ca, xa, xa1, sa, ma, fx, sx, fx1, sx1, aa, aa1 = args
+            rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa), (xa1, fx1, sx1, aa1)], **options)
+            return context.get_dummy_value()
 
-@intrinsic
-def _q4_group2(typingctx, codes_addr, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr, acc1_addr):
-    """:func:`_q4_group` for two activation rows at once (x/fx/sx/acc and x1/fx1/sx1/acc1) over one unpack."""
-    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp, types.float32, types.float32,
-                     types.float32, types.float32, types.intp, types.intp)
+        return sig, codegen
 
-    def codegen(context, builder, signature, args):
-        ca, xa, xa1, sa, ma, fx, sx, fx1, sx1, aa, aa1 = args
-        _q4_rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa), (xa1, fx1, sx1, aa1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _q5_group(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
-    """:func:`_q4_group` over a Q5 tile's group (codes: the Q4 layout's 8 x 2R bytes of low four bits, then the
-    4 x 32 bytes of fifth-bit planes, :func:`q5_tiles`)."""
-    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.float32, types.float32, types.intp)
-
-    def codegen(context, builder, signature, args):
-        ca, xa, sa, ma, fx, sx, aa = args
-        _q4_rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa)], fifth=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
+    return one, two
 
 
-@intrinsic
-def _q5_group2(typingctx, codes_addr, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr, acc1_addr):
-    """:func:`_q5_group` for two activation rows at once over one unpack."""
-    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp, types.float32, types.float32,
-                     types.float32, types.float32, types.intp, types.intp)
-
-    def codegen(context, builder, signature, args):
-        ca, xa, xa1, sa, ma, fx, sx, fx1, sx1, aa, aa1 = args
-        _q4_rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa), (xa1, fx1, sx1, aa1)], fifth=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
+# acc[r] += scale[r] * fx * sum_j code[j, r] * x[j] + min[r] * sx; codes: 8 x 2R bytes (two codes each, module
+# docstring); with the fifth bits (Q5): 8 x 2R bytes of low four bits, then 4 x 32 bytes of planes (q5_tiles)
+_q4_group, _q4_group2 = _group_kernels(_q4_rows_codegen)
+_q5_group, _q5_group2 = _group_kernels(_q4_rows_codegen, fifth=True)
 
 
 @intrinsic
@@ -619,34 +599,9 @@ def _q8h_rows_codegen(builder, codes_addr, scale_addr, min_addr, rows, x86: bool
         builder.store(builder.fadd(acc, builder.fmul(mins, _splat(builder, sx, vf))), acc_p, align=4)
 
 
-@intrinsic
-def _q8h_group(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
-    """acc[r] += fx * (scale[0, r] * sum_{j<16} code[j, r] x[j] + scale[1, r] * sum_{j>=16} code[j, r] x[j])
-    + min[r] * sx over one group (32 inputs) of one Q8h tile (codes: 8 x 4R bytes, layout above); sx = fx *
-    sum_j x[j]."""
-    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.float32, types.float32, types.intp)
-
-    def codegen(context, builder, signature, args):
-        ca, xa, sa, ma, fx, sx, aa = args
-        _q8h_rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _q8h_group2(typingctx, codes_addr, x_addr, x1_addr, scale_addr, min_addr, fx, sx, fx1, sx1, acc_addr,
-                acc1_addr):
-    """:func:`_q8h_group` for two activation rows at once over one load of the codes."""
-    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp, types.float32, types.float32,
-                     types.float32, types.float32, types.intp, types.intp)
-
-    def codegen(context, builder, signature, args):
-        ca, xa, xa1, sa, ma, fx, sx, fx1, sx1, aa, aa1 = args
-        _q8h_rows_codegen(builder, ca, sa, ma, [(xa, fx, sx, aa), (xa1, fx1, sx1, aa1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
+# acc[r] += fx * (scale[0, r] * sum_{j<16} code[j, r] x[j] + scale[1, r] * sum_{j>=16} code[j, r] x[j]) + min[r] * sx
+# over one group of one Q8h tile (codes: 8 x 4R bytes, layout above)
+_q8h_group, _q8h_group2 = _group_kernels(_q8h_rows_codegen)
 
 
 def _quads(codes: np.ndarray) -> np.ndarray:

@@ -20,7 +20,7 @@ layouts follow ggml (``block_q4_0``, ``block_q4_1``, ``block_q8_0`` in ggml-comm
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -32,8 +32,25 @@ GROUP_SIZE = 32  # inputs per scale/zero group (GGUF's block size for Q4_0, Q4_1
 Q4_TYPES = ("Q4_0", "Q4_1")
 
 
+class _RowGroups:
+    """What a packed weight whose every field is a tensor with one row per output feature shares: ``shape`` (of
+    ``codes``), ``take_rows`` (every field permuted alike) and ``_stacked`` (every field concatenated along N)."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def take_rows(self, order: np.ndarray):
+        idx = torch.from_numpy(np.ascontiguousarray(order))
+        return type(self)(*(getattr(self, f.name)[idx] for f in fields(self)))
+
+    @classmethod
+    def _stacked(cls, parts: list):
+        return cls(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)))
+
+
 @dataclass
-class Int4Groups:
+class Int4Groups(_RowGroups):
     """A ``[N, K]`` weight as 4-bit codes in ``(q - 8) * scale + zero`` form, before packing.
 
     ``codes``: uint8 ``[N, K]`` in 0..15; ``scale``, ``zero``: float32 ``[N, K // 32]``. Rows can be permuted
@@ -44,13 +61,7 @@ class Int4Groups:
     scale: torch.Tensor
     zero: torch.Tensor
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
 
-    def take_rows(self, order: np.ndarray) -> "Int4Groups":
-        idx = torch.from_numpy(np.ascontiguousarray(order))
-        return Int4Groups(self.codes[idx], self.scale[idx], self.zero[idx])
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[N, K]``: ``(codes - 8) * scale + zero`` group by group."""
@@ -60,8 +71,7 @@ class Int4Groups:
 
     @staticmethod
     def cat(parts: list["Int4Groups"]) -> "Int4Groups":
-        return Int4Groups(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                          torch.cat([p.zero for p in parts]))
+        return Int4Groups._stacked(parts)
 
 
 @dataclass
@@ -278,7 +288,7 @@ _BLOCK_INPUTS = {"Q4_K": K_SUPER, "Q5_K": K_SUPER, "Q6_K": K_SUPER, "Q5_0": GROU
 
 
 @dataclass
-class Int8HalfGroups:
+class Int8HalfGroups(_RowGroups):
     """A ``[N, K]`` weight as ``w = codes * scale[k // 16] + min[k // 32]``: ``codes`` int8 ``[N, K]``,
     ``scale`` float32 ``[N, K // 16]``, ``min`` float32 ``[N, K // 32]``. Q6_K exactly; :meth:`from_int4` /
     :meth:`from_int5` / :meth:`from_int8` take Int4Groups / Int5Groups / Int8Groups exactly too (a fused linear
@@ -288,13 +298,7 @@ class Int8HalfGroups:
     scale: torch.Tensor
     min: torch.Tensor
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
 
-    def take_rows(self, order: np.ndarray) -> "Int8HalfGroups":
-        idx = torch.from_numpy(np.ascontiguousarray(order))
-        return Int8HalfGroups(self.codes[idx], self.scale[idx], self.min[idx])
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.codes.shape
@@ -325,12 +329,11 @@ class Int8HalfGroups:
         parts = [Int8HalfGroups.from_int4(p) if isinstance(p, Int4Groups) else
                  Int8HalfGroups.from_int5(p) if isinstance(p, Int5Groups) else
                  Int8HalfGroups.from_int8(p) if isinstance(p, Int8Groups) else p for p in parts]
-        return Int8HalfGroups(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                              torch.cat([p.min for p in parts]))
+        return Int8HalfGroups._stacked(parts)
 
 
 @dataclass
-class Int5Groups:
+class Int5Groups(_RowGroups):
     """A ``[N, K]`` weight as ``w = codes * scale + min`` per group of 32 inputs: ``codes`` uint8 ``[N, K]`` in
     0..31, ``scale``, ``min`` float32 ``[N, K // 32]``. Q5_0, Q5_1 and Q5_K exactly; :meth:`cat` takes
     Int4Groups parts too (exactly)."""
@@ -339,13 +342,7 @@ class Int5Groups:
     scale: torch.Tensor
     min: torch.Tensor
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
 
-    def take_rows(self, order: np.ndarray) -> "Int5Groups":
-        idx = torch.from_numpy(np.ascontiguousarray(order))
-        return Int5Groups(self.codes[idx], self.scale[idx], self.min[idx])
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.codes.shape
@@ -361,8 +358,7 @@ class Int5Groups:
     def cat(parts: list) -> "Int5Groups":
         """Stack along N; Int4Groups parts are converted (:meth:`from_int4`)."""
         parts = [Int5Groups.from_int4(p) if isinstance(p, Int4Groups) else p for p in parts]
-        return Int5Groups(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                          torch.cat([p.min for p in parts]))
+        return Int5Groups._stacked(parts)
 
 
 def _fp16(b: np.ndarray) -> np.ndarray:

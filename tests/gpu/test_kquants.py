@@ -161,10 +161,9 @@ def test_the_one_call_decode_of_a_q4_k_m_model_matches_its_op_by_op_decode(q4_k_
     assert (p.exp() * (p - q)).sum(-1).max() < 0.02
 
 
-def test_the_portable_q8h_loop_gives_the_same_integer_sums_as_the_one_the_host_runs():
-    # hosts without AVX2 compile the Q8h loop's products in portable IR: check it here against the host's
-    # (pmaddubsw + pmaddwd on AVX2). Unit scales, integer activations with a 127 in every group (so the int8
-    # rounding is exact) and codes over the whole int8 range: both must give the exact integer dot products.
+def _portable_linear(rows_codegen, x: np.ndarray, tiles: dict, **options) -> np.ndarray:
+    """``x`` times a tiled weight through ``rows_codegen`` compiled with ``x86=False`` (the portable IR a host without
+    AVX2 runs), one row and one group at a time: float32 ``[M, tiles' rows]``."""
     import numba
     from numba.core import types
     from numba.extending import intrinsic
@@ -177,7 +176,7 @@ def test_the_portable_q8h_loop_gives_the_same_integer_sums_as_the_one_the_host_r
 
         def codegen(context, builder, signature, args):
             ca, xa, sa, ma, fx_, sx_, aa = args
-            lb._q8h_rows_codegen(builder, ca, sa, ma, [(xa, fx_, sx_, aa)], x86=False)
+            rows_codegen(builder, ca, sa, ma, [(xa, fx_, sx_, aa)], x86=False, **options)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -193,6 +192,17 @@ def test_the_portable_q8h_loop_gives_the_same_integer_sums_as_the_one_the_host_r
                     portable_group(codes[t, g].ctypes.data, xq[b, g * 32:].ctypes.data, scale[t, g].ctypes.data,
                                    mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc.ctypes.data)
                 y[b, t * lb.TILE_ROWS:(t + 1) * lb.TILE_ROWS] = acc
+
+    y = np.empty((x.shape[0], tiles["tiles"].shape[0] * lb.TILE_ROWS), np.float32)
+    portable(x, *(tiles[name].numpy() for name in ("tiles", "tile_scale", "tile_min")), y)
+    return y
+
+
+def test_the_portable_q8h_loop_gives_the_same_integer_sums_as_the_one_the_host_runs():
+    # hosts without AVX2 compile the Q8h loop's products in portable IR: check it here against the host's
+    # (pmaddubsw + pmaddwd on AVX2). Unit scales, integer activations with a 127 in every group (so the int8
+    # rounding is exact) and codes over the whole int8 range: both must give the exact integer dot products.
+    from gpu import lowbit_cpu as lb
 
     rng = np.random.default_rng(8)
     n, k = 64, 96
@@ -203,45 +213,16 @@ def test_the_portable_q8h_loop_gives_the_same_integer_sums_as_the_one_the_host_r
     x[:, ::32] = 127.0
     x[1] = -x[1]
     tiles = lb.q8h_tiles(w.codes, w.scale, w.min)
-    y = np.empty((3, n), np.float32)
-    portable(x, *(tiles[name].numpy() for name in ("tiles", "tile_scale", "tile_min")), y)
     exact = torch.from_numpy(x).double() @ codes.double().T
     host = lb.q8h_linear(torch.from_numpy(x), n, **tiles)   # rows 0, 1 as a pair, row 2 alone
     assert torch.equal(host.double(), exact)
-    assert torch.equal(torch.from_numpy(y).double(), exact)
+    assert torch.equal(torch.from_numpy(_portable_linear(lb._q8h_rows_codegen, x, tiles)).double(), exact)
 
 
 def test_the_portable_q5_loop_gives_the_same_integer_sums_as_the_one_the_host_runs():
-    # as the Q8h check below: the Q5 loop's pair products in portable IR against the host's (pmaddubsw), codes
+    # as the Q8h check above: the Q5 loop's pair products in portable IR against the host's (pmaddubsw), codes
     # over 0..31 (every fifth-bit position set somewhere), integer activations with a 127 in every group
-    import numba
-    from numba.core import types
-    from numba.extending import intrinsic
-
     from gpu import lowbit_cpu as lb
-
-    @intrinsic
-    def portable_group(typingctx, codes_addr, x_addr, scale_addr, min_addr, fx, sx, acc_addr):
-        sig = types.void(types.intp, types.intp, types.intp, types.intp, types.float32, types.float32, types.intp)
-
-        def codegen(context, builder, signature, args):
-            ca, xa, sa, ma, fx_, sx_, aa = args
-            lb._q4_rows_codegen(builder, ca, sa, ma, [(xa, fx_, sx_, aa)], x86=False, fifth=True)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @numba.njit
-    def portable(x, codes, scale, mins, y):
-        xq, fx, sx = lb._quantized(x)
-        acc = np.empty(lb.TILE_ROWS, np.float32)
-        for t in range(codes.shape[0]):
-            for b in range(x.shape[0]):
-                acc[:] = 0.0
-                for g in range(codes.shape[1]):
-                    portable_group(codes[t, g].ctypes.data, xq[b, g * 32:].ctypes.data, scale[t, g].ctypes.data,
-                                   mins[t, g].ctypes.data, fx[b, g], sx[b, g], acc.ctypes.data)
-                y[b, t * lb.TILE_ROWS:(t + 1) * lb.TILE_ROWS] = acc
 
     rng = np.random.default_rng(13)
     n, k = 64, 96
@@ -252,9 +233,8 @@ def test_the_portable_q5_loop_gives_the_same_integer_sums_as_the_one_the_host_ru
     x[:, ::32] = 127.0
     x[2] = 127.0
     tiles = lb.q5_tiles(w.codes, w.scale, w.min)
-    y = np.empty((3, n), np.float32)
-    portable(x, *(tiles[name].numpy() for name in ("tiles", "tile_scale", "tile_min")), y)
     exact = torch.from_numpy(x).double() @ codes.double().T
     host = lb.q5_linear(torch.from_numpy(x), n, **tiles)   # rows 0, 1 as a pair, row 2 alone
     assert torch.equal(host.double(), exact)
-    assert torch.equal(torch.from_numpy(y).double(), exact)
+    portable = _portable_linear(lb._q4_rows_codegen, x, tiles, fifth=True)
+    assert torch.equal(torch.from_numpy(portable).double(), exact)
